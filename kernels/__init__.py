@@ -1,0 +1,5 @@
+"""Triton kernels of tw_triton (installed as ``tw_triton.kernels``).
+
+One file per operation: the ``@triton.jit`` kernel and the thin launcher that sizes the grid
+and allocates outputs. No policy, no file I/O and no torch fallback live here.
+"""

@@ -27,9 +27,20 @@ class CheckpointError(TwTritonError):
 class ReferenceMismatchError(CheckpointError):
     """A delta checkpoint was loaded with a missing or different reference checkpoint."""
 
+
+class CheckpointIOError(CheckpointError, OSError):
+    """The operating system failed to read or write a checkpoint file.
+
+    Also an :class:`OSError`, so ``errno`` stays visible (``ENOSPC``, ``ENOENT``, ...) and
+    code that already catches ``OSError`` keeps working; the original error is chained as
+    ``__cause__``.
+    """
+
+
 __all__ = [
     "TwTritonError",
     "QuantizationError",
     "CheckpointError",
     "ReferenceMismatchError",
+    "CheckpointIOError",
 ]

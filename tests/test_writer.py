@@ -1,0 +1,315 @@
+"""AsyncWriter: round trips, ordering, backpressure, error propagation, draining, exit hook."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from tw_triton import format as fmt
+from tw_triton.errors import CheckpointError, TwTritonError
+from tw_triton.qstate import EncodedEntry, QuantizedState
+from tw_triton.writer import AsyncWriter, PinnedPool
+
+
+def make_state(seed: int, n: int = 1000) -> QuantizedState:
+    """A small exact-coded state whose every value depends on ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        "model/w": torch.randn(n, generator=g),
+        "model/b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(seed, dtype=torch.int64),
+    }
+    entries = {
+        k: EncodedEntry(codec="exact", params={}, shape=tuple(t.shape), dtype=t.dtype,
+                        buffers={"data": t})
+        for k, t in tensors.items()
+    }
+    return QuantizedState(entries=entries, skeleton={"seed": seed},
+                          checkpoint_id=uuid.uuid4().hex, metadata={"seed": seed})
+
+
+def assert_same_state(path, expected: QuantizedState) -> None:
+    got = fmt.read_file(path)
+    assert got.checkpoint_id == expected.checkpoint_id
+    assert set(got.entries) == set(expected.entries)
+    for k, e in expected.entries.items():
+        for b, t in e.buffers.items():
+            assert torch.equal(got.entries[k].buffers[b], t), (path, k, b)
+
+
+def temp_files(directory) -> list[str]:
+    return [n for n in os.listdir(directory) if fmt.is_temp_file(n)]
+
+
+class GatedWrite:
+    """Replaces format.write_file: each call blocks until the test opens the gate."""
+
+    def __init__(self, real):
+        self.real = real
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.calls: list[str] = []
+
+    def __call__(self, qstate, path, *, fsync=True):
+        self.calls.append(os.fspath(path))
+        self.started.set()
+        assert self.gate.wait(10), "test never opened the gate"
+        return self.real(qstate, path, fsync=fsync)
+
+
+def test_round_trip_and_future_result(tmp_path):
+    q = make_state(1)
+    with AsyncWriter() as w:
+        fut = w.submit(q, tmp_path / "a.tw.safetensors")
+        nbytes = fut.result(timeout=30)
+    assert nbytes == os.path.getsize(tmp_path / "a.tw.safetensors")
+    assert nbytes > q.nbytes
+    assert_same_state(tmp_path / "a.tw.safetensors", q)
+    assert temp_files(tmp_path) == []
+
+
+def test_many_saves_in_order_each_with_its_own_content(tmp_path, monkeypatch):
+    order: list[str] = []
+    real = fmt.write_file
+
+    def recording(qstate, path, *, fsync=True):
+        order.append(os.path.basename(path))
+        return real(qstate, path, fsync=fsync)
+
+    monkeypatch.setattr(fmt, "write_file", recording)
+    states = [make_state(s) for s in range(6)]
+    names = [f"s{i}.tw.safetensors" for i in range(6)]
+    with AsyncWriter(max_pending=3, fsync=False) as w:
+        futures = [w.submit(q, tmp_path / n) for q, n in zip(states, names)]
+        assert w.pending() <= 3
+    assert all(f.done() for f in futures)
+    assert order == names
+    for q, n in zip(states, names):
+        assert_same_state(tmp_path / n, q)
+
+
+def test_backpressure_blocks_submit_and_keeps_saves_apart(tmp_path, monkeypatch, caplog):
+    gated = GatedWrite(fmt.write_file)
+    monkeypatch.setattr(fmt, "write_file", gated)
+    q1, q2 = make_state(11), make_state(22)
+    w = AsyncWriter(max_pending=1)
+    caplog.set_level(logging.INFO, logger="tw_triton.writer")
+    t0 = time.perf_counter()
+    f1 = w.submit(q1, tmp_path / "one.tw.safetensors")
+    assert time.perf_counter() - t0 < 1.0  # the first save does not wait for its write
+    assert gated.started.wait(10)
+
+    second_returned = threading.Event()
+    box = {}
+
+    def second():
+        box["future"] = w.submit(q2, tmp_path / "two.tw.safetensors")
+        second_returned.set()
+
+    th = threading.Thread(target=second)
+    th.start()
+    # While the first write is held at the gate, the second submit must block.
+    assert not second_returned.wait(0.3)
+    assert not f1.done()
+    gated.gate.set()
+    assert second_returned.wait(10)
+    th.join()
+    assert f1.result(timeout=10) > 0
+    assert box["future"].result(timeout=10) > 0
+    w.close()
+    assert gated.calls == [str(tmp_path / "one.tw.safetensors"), str(tmp_path / "two.tw.safetensors")]
+    assert_same_state(tmp_path / "one.tw.safetensors", q1)
+    assert_same_state(tmp_path / "two.tw.safetensors", q2)
+    waits = [r for r in caplog.records if "backpressure" in r.getMessage()]
+    assert waits and "two.tw.safetensors" in waits[0].getMessage()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.EIO])
+def test_write_error_goes_on_future_and_is_raised_at_next_submit(tmp_path, monkeypatch, code):
+    real = fmt.write_file
+
+    def failing(qstate, path, *, fsync=True):
+        raise OSError(code, os.strerror(code), os.fspath(path))
+
+    w = AsyncWriter()
+    monkeypatch.setattr(fmt, "write_file", failing)
+    bad = w.submit(make_state(1), tmp_path / "bad.tw.safetensors")
+    err = bad.exception(timeout=10)
+    assert isinstance(err, OSError) and err.errno == code
+    monkeypatch.setattr(fmt, "write_file", real)
+    with pytest.raises(CheckpointError) as info:
+        w.submit(make_state(2), tmp_path / "next.tw.safetensors")
+    assert isinstance(info.value, TwTritonError)
+    assert "bad.tw.safetensors" in str(info.value)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == code
+    # The call that raised did not queue its state; the error is raised once only.
+    assert not (tmp_path / "next.tw.safetensors").exists()
+    ok = w.submit(make_state(3), tmp_path / "ok.tw.safetensors")
+    assert ok.result(timeout=10) > 0
+    w.close()
+
+
+def test_write_error_is_raised_at_flush_and_at_close(tmp_path, monkeypatch):
+    def failing(qstate, path, *, fsync=True):
+        raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
+
+    monkeypatch.setattr(fmt, "write_file", failing)
+    w = AsyncWriter()
+    w.submit(make_state(1), tmp_path / "a.tw.safetensors")
+    with pytest.raises(CheckpointError, match="a.tw.safetensors"):
+        w.flush()
+    w.flush()  # already raised once: nothing new
+    w.submit(make_state(2), tmp_path / "b.tw.safetensors")
+    with pytest.raises(CheckpointError, match="b.tw.safetensors") as info:
+        w.close()
+    assert info.value.__cause__.errno == errno.ENOSPC
+    with pytest.raises(CheckpointError, match="closed"):
+        w.submit(make_state(3), tmp_path / "c.tw.safetensors")
+
+
+def test_two_failures_are_both_reported(tmp_path, monkeypatch):
+    def failing(qstate, path, *, fsync=True):
+        raise OSError(errno.EIO, "I/O error", os.fspath(path))
+
+    monkeypatch.setattr(fmt, "write_file", failing)
+    w = AsyncWriter(max_pending=2)
+    futs = [w.submit(make_state(i), tmp_path / f"{i}.tw.safetensors") for i in range(2)]
+    for f in futs:
+        assert isinstance(f.exception(timeout=10), OSError)
+    with pytest.raises(CheckpointError, match="1 later save"):
+        w.close()
+
+
+def test_close_drains_a_slow_write(tmp_path, monkeypatch):
+    real = fmt.write_file
+
+    def slow(qstate, path, *, fsync=True):
+        time.sleep(0.3)
+        return real(qstate, path, fsync=fsync)
+
+    monkeypatch.setattr(fmt, "write_file", slow)
+    q = make_state(5)
+    w = AsyncWriter()
+    fut = w.submit(q, tmp_path / "slow.tw.safetensors")
+    assert not fut.done()
+    w.close()
+    assert fut.done() and fut.result() > 0
+    assert_same_state(tmp_path / "slow.tw.safetensors", q)
+    w.close()  # idempotent
+
+
+def test_context_manager_does_not_mask_the_loop_exception(tmp_path, monkeypatch, caplog):
+    def failing(qstate, path, *, fsync=True):
+        raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
+
+    monkeypatch.setattr(fmt, "write_file", failing)
+    with pytest.raises(KeyError):
+        with AsyncWriter() as w:
+            w.submit(make_state(1), tmp_path / "x.tw.safetensors")
+            raise KeyError("training loop failed")
+    assert any("x.tw.safetensors" in r.getMessage() for r in caplog.records)
+
+
+def test_pinned_pool_reuses_and_bounds_bytes():
+    pool = PinnedPool(3 << 20, pin_memory=False)
+    a, waited = pool.acquire(1000)
+    assert a.numel() >= 1000 and waited < 1.0
+    pool.release(a)
+    b, _ = pool.acquire(500)
+    assert b.data_ptr() == a.data_ptr()  # reused, not reallocated
+    c, _ = pool.acquire(2 << 20)  # b is in use: a second buffer fits under the cap
+    assert pool.held_bytes <= 3 << 20
+
+    got = {}
+
+    def taker():
+        got["buf"], got["waited"] = pool.acquire(2 << 20)
+
+    th = threading.Thread(target=taker)
+    th.start()
+    th.join(0.2)
+    assert th.is_alive()  # no room under the cap until c comes back
+    pool.release(c)
+    th.join(5)
+    assert not th.is_alive() and got["buf"].data_ptr() == c.data_ptr()
+    assert got["waited"] >= 0.15
+    with pytest.raises(CheckpointError, match="pinned_bytes cap"):
+        pool.acquire(4 << 20)
+
+
+def test_pinned_pool_drops_too_small_buffers_before_growing():
+    pool = PinnedPool(None, pin_memory=False)
+    small, _ = pool.acquire(10)
+    pool.release(small)
+    big, _ = pool.acquire(5 << 20)
+    assert pool.held_bytes == big.numel()
+
+
+EXIT_SCRIPT = """
+import sys, time, uuid, torch
+from tw_triton import format as fmt
+from tw_triton.qstate import EncodedEntry, QuantizedState
+from tw_triton.writer import AsyncWriter
+real = fmt.write_file
+delay = float(sys.argv[2])
+def slow(q, p, *, fsync=True):
+    time.sleep(delay)
+    return real(q, p, fsync=fsync)
+fmt.write_file = slow
+t = torch.arange(100, dtype=torch.float32)
+q = QuantizedState({"t": EncodedEntry("exact", {}, (100,), torch.float32, {"data": t})}, {}, uuid.uuid4().hex)
+w = AsyncWriter(exit_timeout=float(sys.argv[3]))
+w.submit(q, sys.argv[1])
+print("submitted", flush=True)
+# no close(): the exit hook decides
+"""
+
+
+def test_exit_hook_finishes_or_warns(tmp_path):
+    script = tmp_path / "exit_script.py"
+    script.write_text(textwrap.dedent(EXIT_SCRIPT))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    done = tmp_path / "done.tw.safetensors"
+    r = subprocess.run([sys.executable, str(script), str(done), "0.5", "30"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert done.exists()
+    t = fmt.read_file(done).entries["t"].buffers["data"]
+    assert torch.equal(t, torch.arange(100, dtype=torch.float32))
+
+    late = tmp_path / "late.tw.safetensors"
+    r = subprocess.run([sys.executable, str(script), str(late), "5", "0.2"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert not late.exists()
+    assert "not finished" in r.stderr and "late.tw.safetensors" in r.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_buffers_are_staged_through_a_reused_pinned_pool(tmp_path):
+    states = []
+    for s in range(3):
+        q = make_state(s, n=100_000)
+        for e in q.entries.values():
+            e.buffers = {k: v.cuda() for k, v in e.buffers.items()}
+        states.append(q)
+    with AsyncWriter() as w:
+        for i, q in enumerate(states):
+            w.submit(q, tmp_path / f"{i}.tw.safetensors").result(timeout=60)
+            held = w.pinned_bytes_held
+            assert held > 0
+        assert w.pinned_bytes_held == held  # the same buffer served every save
+    for i, q in enumerate(states):
+        got = fmt.read_file(tmp_path / f"{i}.tw.safetensors")
+        for k, e in q.entries.items():
+            assert torch.equal(got.entries[k].buffers["data"], e.buffers["data"].cpu())

@@ -1,0 +1,433 @@
+"""The async writer: put encoded checkpoints on disk while training goes on.
+
+:class:`AsyncWriter` takes a :class:`~tw_triton.qstate.QuantizedState` (a consistent
+snapshot whose buffers may still live on the GPU) and a path, and returns a
+:class:`concurrent.futures.Future` at once. One background thread writes the saves in the
+order they were submitted, each through :func:`tw_triton.format.write_file` (temp file,
+fsync, rename, directory fsync), so a file under its final name is always complete.
+
+CUDA buffers are copied to the host on a side stream, ordered after the producing stream
+by an event, into pinned buffers from a pool that is reused across saves. CPU buffers are
+handed to the writer as they are: the snapshot is already a private copy, so a second
+host copy would only cost time and memory. Everything else (queueing, backpressure, error
+handling, the exit hook) is the same code on both paths.
+
+Errors: a failed save sets its exception (the original one, e.g. ``OSError`` with
+``errno.ENOSPC``) on its Future and is logged at once. Because a training loop rarely looks
+at its Futures, the failure is also raised again, once, at the next :meth:`submit`,
+:meth:`flush` or :meth:`close`, as a :class:`~tw_triton.errors.CheckpointError` naming the
+file and chained (``raise ... from``) to the original exception, so ``err.__cause__.errno``
+is still there.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from . import format as _format
+from .errors import CheckpointError
+from .qstate import EncodedEntry, QuantizedState
+
+logger = logging.getLogger(__name__)
+
+# Offsets of tensors carved from one pinned buffer are rounded up to this, so every dtype
+# view is aligned and copies start on a cache line.
+PINNED_ALIGN = 64
+
+# A save smaller than a pooled buffer reuses it; a new buffer is rounded up to a multiple
+# of this so that saves of slightly different sizes (a keyframe, then deltas) share it.
+PINNED_GRANULE = 1 << 20
+
+# submit() logs a wait for backpressure only when it is longer than this (seconds).
+WAIT_LOG_THRESHOLD_S = 0.001
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class PinnedPool:
+    """Pinned host byte buffers, reused across saves, bounded by a byte cap.
+
+    One save takes one buffer (large enough for all its CUDA buffers, which are carved
+    from it as tensor views) and gives it back when its file is written. ``acquire``
+    blocks while the cap leaves no room, which is the writer's backpressure on memory.
+
+    Args:
+        cap_bytes: most pinned bytes held at once (in use or free), or ``None`` for no
+            byte cap (then ``max_pending`` of the writer alone bounds the pool: at most
+            that many buffers exist).
+        pin_memory: allocate page-locked memory (the point of the pool; ``False`` only
+            lets its bookkeeping be tested on a machine without CUDA).
+    """
+
+    def __init__(self, cap_bytes: int | None, *, pin_memory: bool = True) -> None:
+        if cap_bytes is not None and cap_bytes <= 0:
+            raise CheckpointError(f"pinned pool cap must be positive, got {cap_bytes} bytes")
+        self.cap_bytes = cap_bytes
+        self.pin_memory = pin_memory
+        self._free: list[torch.Tensor] = []
+        self._held_bytes = 0
+        self._cond = threading.Condition()
+
+    @property
+    def held_bytes(self) -> int:
+        """Pinned bytes the pool holds now, free or in use."""
+        with self._cond:
+            return self._held_bytes
+
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, float]:
+        """Return a pinned ``uint8`` buffer of at least ``nbytes`` and the seconds waited.
+
+        Raises:
+            CheckpointError: ``nbytes`` is larger than the cap, so it could never fit.
+        """
+        if self.cap_bytes is not None and nbytes > self.cap_bytes:
+            raise CheckpointError(
+                f"a save needs {nbytes} bytes of pinned host memory for its device "
+                f"buffers, more than the writer's pinned_bytes cap of {self.cap_bytes}; "
+                f"raise the cap"
+            )
+        want = _align(max(nbytes, 1), PINNED_GRANULE)
+        if self.cap_bytes is not None:
+            want = min(want, self.cap_bytes)
+        start = time.perf_counter()
+        with self._cond:
+            while True:
+                fits = [b for b in self._free if b.numel() >= nbytes]
+                if fits:
+                    best = min(fits, key=lambda b: b.numel())
+                    self._free.remove(best)
+                    return best, time.perf_counter() - start
+                # Buffers too small for this save would only pin memory: drop them
+                # before pinning a new one, so at most max_pending buffers exist.
+                for b in self._free:
+                    self._held_bytes -= b.numel()
+                self._free.clear()
+                if self.cap_bytes is None or self._held_bytes + want <= self.cap_bytes:
+                    buf = torch.empty(want, dtype=torch.uint8, pin_memory=self.pin_memory)
+                    self._held_bytes += want
+                    return buf, time.perf_counter() - start
+                self._cond.wait()
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Give a buffer back for reuse by a later save."""
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify_all()
+
+
+@dataclass
+class _Job:
+    """One submitted save, from the caller's thread to the writer thread."""
+
+    qstate: QuantizedState  # what to write; its buffers are host tensors
+    path: str
+    future: Future
+    copy_done: list = field(default_factory=list)  # CUDA events the D2H copies record
+    device_state: QuantizedState | None = None  # keeps device buffers alive until copied
+    pinned: torch.Tensor | None = None  # pool buffer to give back after the write
+
+
+class AsyncWriter:
+    """Writes :class:`QuantizedState` snapshots to disk on a background thread.
+
+    Use it as a context manager, or call :meth:`close` at the end; at interpreter exit
+    a writer still open finishes its pending saves (or, past ``exit_timeout``, logs a
+    warning naming the files that were not written).
+
+    Args:
+        max_pending: most saves submitted and not yet written; ``submit`` blocks while
+            this many are in flight (default 1: one save is written while the loop
+            trains, and the next waits for it).
+        pinned_bytes: cap on the pinned host memory used to stage CUDA buffers, or
+            ``None`` to let ``max_pending`` alone bound it (one buffer per pending save,
+            each as large as the largest save seen). Ignored without CUDA buffers.
+        fsync: fsync the file and its directory (turn off only for tests and benchmarks
+            of the page cache).
+        exit_timeout: seconds to wait for pending saves at interpreter exit; ``None``
+            waits until they are written.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_pending: int = 1,
+        pinned_bytes: int | None = None,
+        fsync: bool = True,
+        exit_timeout: float | None = None,
+    ) -> None:
+        if max_pending < 1:
+            raise CheckpointError(f"max_pending must be at least 1, got {max_pending}")
+        self.max_pending = max_pending
+        self.fsync = fsync
+        self.exit_timeout = exit_timeout
+        self._pool = PinnedPool(pinned_bytes)
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self._lock = threading.Lock()
+        self._pending: dict[Future, str] = {}
+        self._errors: list[tuple[str, BaseException]] = []
+        self._side_streams: dict[int, torch.cuda.Stream] = {}
+        self._closed = False
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        # A daemon thread never holds up interpreter exit on its own; the exit hook
+        # below is what drains the queue, so the policy (finish or warn) is ours.
+        self._thread = threading.Thread(target=self._run, name="tw_triton-writer", daemon=True)
+        self._thread.start()
+        # The hook holds only a weak reference, so an unclosed writer can still be freed.
+        self._exit_hook = functools.partial(_drain_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
+
+    # ----------------------------------------------------------------- public API
+
+    def submit(self, qstate: QuantizedState, path: str | os.PathLike) -> Future:
+        """Queue ``qstate`` to be written to ``path``; return a Future of the bytes written.
+
+        Blocks only for backpressure (``max_pending`` saves in flight, or the pinned pool
+        full), and logs how long it waited. On CUDA it also enqueues the device-to-host
+        copies (asynchronous; no sync with the training stream). The caller must not
+        modify ``qstate``'s buffers afterwards; a fresh snapshot per save is what
+        ``quantize_state_dict`` returns anyway.
+
+        Returns:
+            A Future that resolves to the number of bytes written, or holds the exception
+            that made the save fail.
+
+        Raises:
+            CheckpointError: an earlier save failed (chained from its original error; the
+                ``qstate`` of this call is then *not* queued), or the writer is closed.
+        """
+        path = os.fspath(path)
+        self._raise_pending_errors()
+        if self._closed:
+            raise CheckpointError(f"cannot save '{path}': the writer is closed")
+        start = time.perf_counter()
+        self._slots.acquire()
+        waited = time.perf_counter() - start
+        if waited > WAIT_LOG_THRESHOLD_S:
+            logger.info(
+                "backpressure: save of '%s' waited %.3f s for one of %d pending saves to finish",
+                path, waited, self.max_pending,
+            )
+        future: Future = Future()
+        try:
+            job = self._stage(qstate, path, future)
+        except BaseException:
+            self._slots.release()
+            raise
+        with self._lock:
+            self._pending[future] = path
+        self._queue.put(job)
+        return future
+
+    def flush(self) -> None:
+        """Wait until every submitted save is written.
+
+        Raises:
+            CheckpointError: a save failed since the last error was raised (chained).
+        """
+        with self._lock:
+            pending = list(self._pending)
+        wait_futures(pending)
+        self._raise_pending_errors()
+
+    def close(self) -> None:
+        """Drain the queue, stop the writer thread, and raise a failure not yet raised.
+
+        Closing twice is harmless. A closed writer refuses new saves.
+        """
+        if self._closed:
+            self._raise_pending_errors()
+            return
+        try:
+            self.flush()
+        finally:
+            self._stop()
+
+    def pending(self) -> int:
+        """Number of saves submitted and not yet written (or failed)."""
+        with self._lock:
+            return len(self._pending)
+
+    @property
+    def pinned_bytes_held(self) -> int:
+        """Pinned host bytes the pool holds now (0 when no CUDA buffer was ever saved)."""
+        return self._pool.held_bytes
+
+    def __enter__(self) -> "AsyncWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # An exception is already on its way out: drain, but do not hide it behind a
+        # write error. The write error is logged here and stays on its Future.
+        try:
+            self.close()
+        except CheckpointError as err:
+            logger.error("while handling %s: %s", exc_type.__name__, err)
+
+    # ------------------------------------------------------------- caller thread
+
+    def _stage(self, qstate: QuantizedState, path: str, future: Future) -> _Job:
+        """Build the job; on CUDA, enqueue the D2H copies into a pinned buffer."""
+        device_bufs = [
+            (name, bname, t)
+            for name, entry in qstate.entries.items()
+            for bname, t in entry.buffers.items()
+            if t.device.type != "cpu"
+        ]
+        if not device_bufs:
+            return _Job(qstate=qstate, path=path, future=future)
+        other = {t.device.type for _, _, t in device_bufs} - {"cuda"}
+        if other:
+            raise CheckpointError(
+                f"cannot save '{path}': buffers on device type(s) {sorted(other)}; "
+                f"the writer stages only CUDA and CPU tensors"
+            )
+        sizes = [_align(t.numel() * t.element_size(), PINNED_ALIGN) for _, _, t in device_bufs]
+        pinned, waited = self._pool.acquire(sum(sizes))
+        if waited > WAIT_LOG_THRESHOLD_S:
+            logger.info(
+                "backpressure: save of '%s' waited %.3f s for pinned host memory (cap %s bytes)",
+                path, waited, self._pool.cap_bytes,
+            )
+        try:
+            host, events = self._copy_to_host(qstate, device_bufs, sizes, pinned)
+        except BaseException:
+            self._pool.release(pinned)
+            raise
+        return _Job(qstate=host, path=path, future=future, copy_done=events,
+                    device_state=qstate, pinned=pinned)
+
+    def _copy_to_host(self, qstate, device_bufs, sizes, pinned):
+        """Enqueue every device buffer's copy into views of ``pinned``, per device on a
+        side stream that first waits for the work already queued on the current stream
+        (the encode kernels that produced the buffers). Returns the host-side state and
+        one event per device that marks the copies done."""
+        views: dict[tuple[str, str], torch.Tensor] = {}
+        by_device: dict[int, list[tuple[str, str, torch.Tensor, int]]] = {}
+        offset = 0
+        for (name, bname, t), size in zip(device_bufs, sizes):
+            by_device.setdefault(t.device.index, []).append((name, bname, t, offset))
+            offset += size
+        events = []
+        for index, items in by_device.items():
+            producer = torch.cuda.current_stream(index)
+            side = self._side_stream(index)
+            side.wait_stream(producer)
+            with torch.cuda.stream(side):
+                for name, bname, t, off in items:
+                    n = t.numel() * t.element_size()
+                    dst = pinned[off:off + n].view(t.dtype).view(t.shape)
+                    dst.copy_(t, non_blocking=True)
+                    views[(name, bname)] = dst
+            done = torch.cuda.Event()
+            done.record(side)
+            events.append(done)
+        entries = {}
+        for name, entry in qstate.entries.items():
+            bufs = {b: views.get((name, b), t) for b, t in entry.buffers.items()}
+            entries[name] = EncodedEntry(entry.codec, entry.params, entry.shape, entry.dtype, bufs)
+        return replace(qstate, entries=entries), events
+
+    def _side_stream(self, index: int) -> "torch.cuda.Stream":
+        stream = self._side_streams.get(index)
+        if stream is None:
+            stream = torch.cuda.Stream(device=index)
+            self._side_streams[index] = stream
+        return stream
+
+    def _raise_pending_errors(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if not errors:
+            return
+        path, first = errors[0]
+        more = f" ({len(errors) - 1} later save(s) failed too, see the log)" if len(errors) > 1 else ""
+        raise CheckpointError(
+            f"async save to '{path}' failed: {type(first).__name__}: {first}{more}"
+        ) from first
+
+    def _stop(self, *, at_exit: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        if not at_exit:  # the exit hooks are running already; leave their list alone
+            atexit.unregister(self._exit_hook)
+
+    # ------------------------------------------------------------- writer thread
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._write(job)
+
+    def _write(self, job: _Job) -> None:
+        error: BaseException | None = None
+        nbytes = 0
+        try:
+            for event in job.copy_done:
+                event.synchronize()
+            job.device_state = None  # the copies are done; let the device memory go
+            nbytes = _format.write_file(job.qstate, job.path, fsync=self.fsync)
+        except BaseException as err:  # noqa: BLE001 - every failure goes to the Future
+            error = err
+            logger.error("async save to '%s' failed: %s: %s", job.path, type(err).__name__, err)
+        # Free the slot and the pinned buffer before resolving the Future, so that a
+        # caller who waits on it can submit again at once without blocking.
+        job.qstate = None  # type: ignore[assignment]
+        if job.pinned is not None:
+            self._pool.release(job.pinned)
+            job.pinned = None
+        with self._lock:
+            self._pending.pop(job.future, None)
+            if error is not None:
+                self._errors.append((job.path, error))
+        self._slots.release()
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(nbytes)
+
+
+def _drain_at_exit(ref: "weakref.ReferenceType[AsyncWriter]") -> None:
+    """Interpreter-exit hook: finish a writer's pending saves, or warn that it could not."""
+    writer = ref()
+    if writer is None or writer._closed:
+        return
+    with writer._lock:
+        pending = dict(writer._pending)
+    if pending:
+        logger.info("finishing %d pending checkpoint save(s) at exit", len(pending))
+    _, not_done = wait_futures(list(pending), timeout=writer.exit_timeout)
+    if not_done:
+        logger.warning(
+            "interpreter exit: %d checkpoint save(s) not finished after %s s and abandoned "
+            "(their temp files may remain): %s",
+            len(not_done), writer.exit_timeout, ", ".join(sorted(pending[f] for f in not_done)),
+        )
+        return
+    with writer._lock:
+        errors, writer._errors = writer._errors, []
+    for path, err in errors:
+        logger.warning("interpreter exit: checkpoint save to '%s' failed: %s: %s",
+                       path, type(err).__name__, err)
+    writer._stop(at_exit=True)

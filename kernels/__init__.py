@@ -3,3 +3,8 @@
 One file per operation: the ``@triton.jit`` kernel and the thin launcher that sizes the grid
 and allocates outputs. No policy, no file I/O and no torch fallback live here.
 """
+
+from .dequantize_blockwise import dequantize_blockwise
+from .quantize_blockwise import quantize_blockwise
+
+__all__ = ["quantize_blockwise", "dequantize_blockwise"]

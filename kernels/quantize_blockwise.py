@@ -1,0 +1,251 @@
+"""Fused blockwise encode: delta from a reference, absmax scale, rounding and bit packing.
+
+Tile layout. The flat input is viewed as rows of ``BLOCK`` elements (one row = one codec
+block = one scale). A program owns ``ROWS`` consecutive rows, a ``(ROWS, BLOCK)`` tile of
+about 4096 elements (16 KB of fp32, 8 KB of bf16), so it reads ``x`` (and ``ref``) once,
+reduces each row to its absmax in registers, and writes ``ROWS * BLOCK * BITS / 8`` code
+bytes and ``ROWS`` scales once. Tiles that lie wholly inside the tensor take an unmasked
+path, so their loads stay 16-byte vectors whatever the tensor's length; only the last
+program masks. Element offsets are computed in int64 (the program id is widened before it
+is multiplied) so tensors of more than 2**31 elements address correctly. ``row0`` shifts
+the first row of the launch: it is 0 in normal use, and lets a test run the offset
+arithmetic far past 2**31 without allocating such a tensor.
+
+Why the arithmetic looks the way it does: the CUDA kernel, this kernel under
+``TRITON_INTERPRET=1`` and the torch path (``tw_triton.codec.quantize_blockwise_torch``)
+must give the same bytes, so every fp32 operation has to be correctly rounded.
+
+* ``tl.div_rn``: Triton's ``/`` on fp32 lowers to ``div.full.f32``, which may be 2 ulp off.
+* The launcher passes ``enable_fp_fusion=False``: a contracted multiply-add rounds once
+  where torch rounds twice.
+* Round half to even by ``(v + 1.5 * 2**23) - 1.5 * 2**23``: exact for ``|v| < 2**22``, which
+  covers every unclamped code, and it runs under the interpreter, where
+  ``libdevice.rint`` does not.
+* bf16 is widened with an integer shift rather than a cast, because the 3.9 interpreter's
+  software float conversion mishandles bf16 subnormals.
+* NaN is mapped to +inf before the row max, since the GPU ``max`` ignores NaN while the
+  spec makes any NaN/Inf block unquantizable (scale = +inf, all codes q = 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tw_triton.errors import QuantizationError
+
+# Elements per program: large enough to amortize the program's scalar work, small enough to
+# keep the tile in registers (16 elements per thread with 8 warps).
+TILE_ELEMENTS = 4096
+NUM_WARPS = 8
+
+# 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude < 2**22 to an integer,
+# ties to even, in the current (round-to-nearest-even) mode.
+_RNE_MAGIC = 12582912.0
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _widen_to_f32(v):
+    """Exact conversion of an fp32/fp16/bf16 tile to fp32."""
+    if v.dtype == tl.bfloat16:
+        # bf16 is the top half of an fp32: shifting its bits is exact for every value.
+        bits = v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _pack_lsb_first(u, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Pack a (ROWS, BLOCK) int32 tile of codes into (ROWS, BLOCK * BITS // 8) bytes.
+
+    Element ``i`` of a byte lands at bits ``(i % k) * BITS`` (the earlier element in the
+    low bits), matching the torch path.
+    """
+    if BITS == 8:
+        packed = u
+    elif BITS == 4:
+        lo, hi = tl.split(tl.reshape(u, (ROWS, BLOCK // 2, 2)))
+        packed = lo | (hi << 4)
+    else:
+        # Last axis: element parity; middle axis: which pair of the group of four.
+        even, odd = tl.split(tl.reshape(u, (ROWS, BLOCK // 4, 2, 2)))
+        pairs = even | (odd << 2)
+        first, second = tl.split(pairs)
+        packed = first | (second << 4)
+    return packed.to(tl.uint8)
+
+
+@triton.jit
+def _encode_rows(
+    x_ptr,
+    ref_ptr,
+    codes_ptr,
+    scales_ptr,
+    n,
+    first_row,
+    MASKED: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    CODE_OFFSET: tl.constexpr = 1 << (BITS - 1)
+    PER_BYTE: tl.constexpr = 8 // BITS
+    BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
+
+    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if MASKED:
+        in_bounds = offs < n
+        x = tl.load(x_ptr + offs, mask=in_bounds, other=0.0)
+    else:
+        x = tl.load(x_ptr + offs)
+    d = _widen_to_f32(x)
+    if HAS_REF:
+        if MASKED:
+            r = tl.load(ref_ptr + offs, mask=in_bounds, other=0.0)
+        else:
+            r = tl.load(ref_ptr + offs)
+        d = d - _widen_to_f32(r)
+
+    a = tl.abs(d)
+    a = tl.where(a == a, a, float("inf"))
+    absmax = tl.max(a, axis=1)
+    scale = tl.div_rn(absmax, QMAX * 1.0)
+    usable = (scale > 0.0) & (scale < float("inf"))
+    # Dividing by 1 where the block is unusable keeps NaN out; those codes are zeroed below.
+    safe_scale = tl.where(usable, scale, 1.0)
+    v = tl.div_rn(d, safe_scale[:, None])
+    v = (v + _RNE_MAGIC) - _RNE_MAGIC
+    v = tl.minimum(tl.maximum(v, -QMAX * 1.0), QMAX * 1.0)
+    v = tl.where(usable[:, None], v, 0.0)
+    u = v.to(tl.int32) + CODE_OFFSET
+    packed = _pack_lsb_first(u, ROWS, BLOCK, BITS)
+
+    byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
+    if MASKED:
+        # A byte is stored when its first element exists: ceil(n * BITS / 8) bytes in all.
+        tl.store(codes_ptr + byte_offs, packed, mask=byte_offs * PER_BYTE < n)
+        tl.store(scales_ptr + rows, scale, mask=rows * BLOCK < n)
+    else:
+        tl.store(codes_ptr + byte_offs, packed)
+        tl.store(scales_ptr + rows, scale)
+
+
+@triton.jit
+def quantize_blockwise_kernel(
+    x_ptr,
+    ref_ptr,
+    codes_ptr,
+    scales_ptr,
+    n,
+    row0,
+    HAS_REF: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Encode rows ``row0 + pid * ROWS ...`` of the flat input (``n`` elements)."""
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    if (first_row + ROWS) * BLOCK <= n:
+        _encode_rows(x_ptr, ref_ptr, codes_ptr, scales_ptr, n, first_row,
+                     False, HAS_REF, BITS, BLOCK, ROWS)
+    else:
+        _encode_rows(x_ptr, ref_ptr, codes_ptr, scales_ptr, n, first_row,
+                     True, HAS_REF, BITS, BLOCK, ROWS)
+
+
+def rows_per_program(block: int) -> int:
+    """Blocks (rows) handled by one program for a given block size."""
+    return max(1, TILE_ELEMENTS // block)
+
+
+def launch_quantize(
+    x: torch.Tensor,
+    reference: torch.Tensor | None,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    n: int,
+    bits: int,
+    block: int,
+    row0: int = 0,
+) -> None:
+    """Launch the encode kernel over rows ``row0 ..`` of an ``n``-element flat tensor.
+
+    The output buffers are given by the caller. With ``row0 == 0`` this covers the whole
+    tensor; a nonzero ``row0`` is for tests of the int64 offset arithmetic.
+    """
+    rows = rows_per_program(block)
+    total_rows = -(-n // block) - row0
+    if total_rows <= 0:
+        return
+    grid = (triton.cdiv(total_rows, rows),)
+    quantize_blockwise_kernel[grid](
+        x,
+        reference if reference is not None else x,
+        codes,
+        scales,
+        n,
+        row0,
+        HAS_REF=reference is not None,
+        BITS=bits,
+        BLOCK=block,
+        ROWS=rows,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+    )
+
+
+def quantize_blockwise(
+    x: torch.Tensor, reference: torch.Tensor | None, bits: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode a contiguous tensor with the fused kernel; same contract as the torch path.
+
+    Args:
+        x: contiguous float32, float16 or bfloat16 tensor (any shape; read flattened).
+        reference: ``None`` or a contiguous float tensor with ``x.numel()`` elements on
+            ``x``'s device.
+        bits: 8, 4 or 2.
+        block: power of two from 32 to 4096.
+
+    Returns:
+        ``(codes, scales)``: ``uint8`` of ``ceil(n * bits / 8)`` bytes and fp32 of
+        ``ceil(n / block)`` values, on ``x``'s device.
+
+    Raises:
+        QuantizationError: an input the kernel cannot read as a flat contiguous tensor.
+    """
+    _check_kernel_input("x", x, x.numel(), x.device)
+    if reference is not None:
+        _check_kernel_input("reference", reference, x.numel(), x.device)
+    if bits not in (8, 4, 2) or block < 32 or block > 4096 or block & (block - 1):
+        raise QuantizationError(
+            f"quantize_blockwise: bits must be 8, 4 or 2 and block a power of two from 32 "
+            f"to 4096, got bits={bits!r}, block={block!r}"
+        )
+    n = x.numel()
+    codes = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(-(-n // block), dtype=torch.float32, device=x.device)
+    if n:
+        launch_quantize(x, reference, codes, scales, n, bits, block)
+    return codes, scales
+
+
+def _check_kernel_input(name: str, t: torch.Tensor, numel: int, device: torch.device) -> None:
+    if t.dtype not in _SUPPORTED_DTYPES:
+        raise QuantizationError(
+            f"quantize_blockwise: {name} must be float32, float16 or bfloat16, got {t.dtype}"
+        )
+    if not t.is_contiguous():
+        raise QuantizationError(f"quantize_blockwise: {name} must be contiguous")
+    if t.numel() != numel:
+        raise QuantizationError(
+            f"quantize_blockwise: {name} has {t.numel()} elements, expected {numel}"
+        )
+    if t.device != device:
+        raise QuantizationError(f"quantize_blockwise: {name} is on {t.device}, expected {device}")

@@ -1,0 +1,982 @@
+"""The on-disk format: one checkpoint is one safetensors file with a JSON manifest.
+
+Layout (the safetensors layout, so stock ``safetensors`` opens every file written here)::
+
+    [8 bytes: N, unsigned little-endian]
+    [N bytes: JSON header, padded with spaces so that 8 + N is a multiple of 8]
+    [data: every buffer's bytes, back to back, no gaps]
+
+The header maps each tensor key to ``{"dtype", "shape", "data_offsets"}`` (offsets relative
+to the start of the data) and holds ``__metadata__`` (str -> str) with two keys:
+
+* ``"tw_triton"``: the manifest, a JSON document (schema below);
+* ``"tw_triton.crc32"``: CRC-32 of the manifest's UTF-8 bytes, 8 lowercase hex digits, so a
+  flipped bit anywhere in the manifest is caught even where the JSON stays valid.
+
+Tensor keys are ``"<entry path>:<buffer name>"``. Buffer names match ``[A-Za-z0-9_.-]+``
+(no colon), so the last colon splits a key unambiguously whatever the entry path holds.
+
+Buffers are laid out by decreasing element size (stable in entry order), so with the data
+section starting 8-byte aligned every buffer starts aligned to its element size, as
+safetensors' own writer does.
+
+Manifest, version 1::
+
+    {"format": "tw_triton", "version": 1,
+     "checkpoint_id": str, "reference_id": str | null, "checksum": "crc32",
+     "entries": {path: {"codec": str, "params": {...}, "dtype": "bfloat16", "shape": [..],
+                        "buffers": {name: {"key": str, "dtype": "U8", "shape": [..],
+                                           "data_offsets": [begin, end], "crc32": "89abcdef"}}}},
+     "aliases": {path: path}, "skeleton": any JSON, "rules": [...], "metadata": {...},
+     "stats": {"raw_bytes": int, "stored_bytes": int, "entries": int, "buffers": int}}
+
+The format knows no codec: it stores ``EncodedEntry.codec``, ``params`` and ``buffers``
+as they are. Whether a codec name is known, and whether an entry's buffers fit its shape,
+is checked by the codec registry when the entry is decoded (``tw_triton.load``).
+
+Reading validates everything before it allocates: header length against the file size, the
+JSON, every offset (in range, contiguous, covering the data exactly), shape x dtype size
+against each byte span, dtypes against a whitelist, the manifest schema and version, and
+that the manifest and the tensor table agree key by key. Every allocation is bounded by the
+file size. Data checksums are verified on load unless ``verify=False``; the manifest's own
+checksum is always verified (it costs nothing).
+
+Errors: every malformed file raises :class:`~tw_triton.errors.CheckpointError` naming the
+file and, where it applies, the entry and buffer and what was expected. Failures of the
+operating system raise :class:`~tw_triton.errors.CheckpointIOError`, which is also an
+``OSError`` carrying the original ``errno`` (and chains the original error).
+
+No pickle anywhere: the file holds JSON and raw little-endian bytes only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from .errors import CheckpointError, CheckpointIOError
+from .qstate import EncodedEntry, QuantizedState
+
+logger = logging.getLogger(__name__)
+
+FORMAT_NAME = "tw_triton"
+FORMAT_VERSION = 1
+
+# Keys of the safetensors ``__metadata__`` map.
+MANIFEST_KEY = "tw_triton"
+MANIFEST_CRC_KEY = "tw_triton.crc32"
+CHECKSUM_NAME = "crc32"
+
+# safetensors refuses headers above this size; staying under it keeps files readable there.
+MAX_HEADER_BYTES = 100_000_000
+# Reads, writes and checksums go in chunks of this size: large enough that syscalls are
+# cheap, small enough that the CRC of a chunk runs while the chunk is still in cache.
+IO_CHUNK_BYTES = 8 << 20
+
+BUFFER_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+_CRC_RE = re.compile(r"[0-9a-f]{8}")
+_TEMP_RANDOM_BYTES = 8
+_TEMP_NAME_RE = re.compile(r"\..+\.[0-9a-f]{%d}\.tmp" % (2 * _TEMP_RANDOM_BYTES), re.DOTALL)
+
+# safetensors dtype names and the torch dtypes they hold (only those this torch has).
+_SAFETENSORS_DTYPE_NAMES = (
+    ("F64", "float64"),
+    ("F32", "float32"),
+    ("F16", "float16"),
+    ("BF16", "bfloat16"),
+    ("I64", "int64"),
+    ("I32", "int32"),
+    ("I16", "int16"),
+    ("I8", "int8"),
+    ("U64", "uint64"),
+    ("U32", "uint32"),
+    ("U16", "uint16"),
+    ("U8", "uint8"),
+    ("BOOL", "bool"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+    ("C64", "complex64"),
+)
+BUFFER_DTYPES: dict[str, torch.dtype] = {
+    st: getattr(torch, name) for st, name in _SAFETENSORS_DTYPE_NAMES if hasattr(torch, name)
+}
+_BUFFER_DTYPE_NAMES: dict[torch.dtype, str] = {dt: st for st, dt in BUFFER_DTYPES.items()}
+# An entry's original dtype is only recorded (the codec decodes to it), so it may be any
+# dtype a buffer may be, plus complex128 (an exact codec can store it as a float64 view).
+ENTRY_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in [n for _, n in _SAFETENSORS_DTYPE_NAMES] + ["complex128"]
+    if hasattr(torch, name)
+}
+_ENTRY_DTYPE_NAMES: dict[torch.dtype, str] = {dt: n for n, dt in ENTRY_DTYPES.items()}
+
+# Any tensor torch can hold has fewer bytes than this.
+_MAX_TENSOR_BYTES = 1 << 63
+
+_MANIFEST_FIELDS = (
+    "format",
+    "version",
+    "checkpoint_id",
+    "reference_id",
+    "checksum",
+    "entries",
+    "aliases",
+    "skeleton",
+    "rules",
+    "metadata",
+    "stats",
+)
+_ENTRY_FIELDS = ("codec", "params", "dtype", "shape", "buffers")
+_BUFFER_FIELDS = ("key", "dtype", "shape", "data_offsets", "crc32")
+_TENSOR_INFO_FIELDS = ("dtype", "shape", "data_offsets")
+_STATS_FIELDS = ("raw_bytes", "stored_bytes", "entries", "buffers")
+
+
+# --------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------
+
+
+def tensor_key(entry_path: str, buffer_name: str) -> str:
+    """The safetensors key of one buffer: ``"<entry path>:<buffer name>"``."""
+    return f"{entry_path}:{buffer_name}"
+
+
+def temp_path_for(path: str | os.PathLike) -> str:
+    """A fresh temporary name next to ``path``: ``.<final name>.<16 hex>.tmp``.
+
+    Kept in the same directory so that ``os.replace`` is an atomic rename on one filesystem.
+    """
+    path = os.fspath(path)
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.{secrets.token_hex(_TEMP_RANDOM_BYTES)}.tmp")
+
+
+def is_temp_file(name: str | os.PathLike) -> bool:
+    """Whether ``name`` (a file name or a path) is a temporary file left by :func:`write_file`.
+
+    A writer that crashed mid-write leaves such a file; retention may delete it, and
+    checkpoint listings must skip it.
+    """
+    return _TEMP_NAME_RE.fullmatch(os.path.basename(os.fspath(name))) is not None
+
+
+def write_file(qstate: QuantizedState, path: str | os.PathLike, *, fsync: bool = True) -> int:
+    """Write ``qstate`` to ``path`` as one safetensors file, atomically.
+
+    The bytes go to a temporary file in the same directory (see :func:`temp_path_for`),
+    which is flushed and fsynced, renamed over ``path`` with ``os.replace``, and then the
+    directory is fsynced so the rename itself survives a crash. On any error the temporary
+    file is removed and a file already at ``path`` is left untouched.
+
+    Buffers are streamed straight from the tensors (no copy of the whole file in memory);
+    CRC-32 of each buffer is computed chunk by chunk while it is written, and the header,
+    whose length does not depend on the checksums, is rewritten with them at the end.
+    Buffers that are not on the CPU are copied there first (the async writer hands over
+    pinned host copies already).
+
+    Args:
+        qstate: the encoded state. Its skeleton, params, rules and metadata must be
+            JSON-serializable; buffer names must match ``[A-Za-z0-9_.-]+``.
+        path: destination file.
+        fsync: fsync the file and its directory (turn off only for throwaway files).
+
+    Returns:
+        The number of bytes in the file.
+
+    Raises:
+        CheckpointError: ``qstate`` cannot be represented (bad names, dtypes, non-JSON
+            fields, a header over 100 MB).
+        CheckpointIOError: the operating system failed (``errno`` kept; the original
+            ``OSError`` is chained).
+    """
+    path = os.fspath(path)
+    _require_little_endian(path)
+    plan = _plan(qstate, path)
+    tmp = temp_path_for(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        with os.fdopen(fd, "wb") as f:
+            header = _encode_header(plan, path)
+            f.write(header)
+            crcs = _write_buffers(f, plan)
+            final = _encode_header(plan, path, crcs)
+            # The checksums are fixed-width hex, so the header keeps its length.
+            if len(final) != len(header):
+                raise CheckpointError(f"checkpoint {path}: header changed length while writing")
+            f.seek(0)
+            f.write(final)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+            size = f.seek(0, os.SEEK_END)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        _remove_quietly(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise _io_error(exc, f"cannot write checkpoint {path}") from exc
+        raise
+    if fsync:
+        try:
+            _fsync_directory(os.path.dirname(os.path.abspath(path)))
+        except OSError as exc:
+            raise _io_error(
+                exc, f"checkpoint {path} was written but its directory could not be fsynced"
+            ) from exc
+    return size
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and validate only the header of a checkpoint and return its manifest.
+
+    Cheap: it reads the header, not the data. Everything in the header is validated (the
+    manifest's checksum, its schema and version, the tensor table and its agreement with
+    the manifest), so a file that passes here can only fail later on truncated or
+    corrupted data.
+
+    Returns:
+        The manifest as a dict of JSON values (see the module docstring): ``checkpoint_id``,
+        ``reference_id``, ``entries``, ``metadata``, ``stats``, ...
+
+    Raises:
+        CheckpointError: the header is malformed; CheckpointIOError if it cannot be read.
+    """
+    path = os.fspath(path)
+    with _open_for_reading(path) as f:
+        return _read_layout(f, path).manifest
+
+
+def read_file(
+    path: str | os.PathLike, *, verify: bool = True, pin_memory: bool = False
+) -> QuantizedState:
+    """Read a checkpoint into a :class:`QuantizedState` whose buffers are CPU tensors.
+
+    The header is validated completely before anything is allocated; then each buffer is
+    read with plain file reads straight into a freshly allocated tensor of its dtype and
+    shape (no intermediate copy), in file order.
+
+    Args:
+        path: the checkpoint file.
+        verify: check each buffer's CRC-32 while reading (a corrupted buffer raises). The
+            manifest's checksum is checked either way.
+        pin_memory: allocate the buffers in page-locked memory for a fast non-blocking copy
+            to the GPU. Needs CUDA; without it the buffers are ordinary memory (logged).
+
+    Returns:
+        The state as written: entries in their original order with codec, params, shape,
+        dtype and buffers, plus skeleton, ids, aliases, rules and metadata.
+
+    Raises:
+        CheckpointError: malformed, truncated or corrupted file, naming the entry;
+        CheckpointIOError: the operating system failed.
+    """
+    path = os.fspath(path)
+    pin = pin_memory and _can_pin(path)
+    with _open_for_reading(path) as f:
+        layout = _read_layout(f, path)
+        tensors = _read_buffers(f, layout, path, verify=verify, pin=pin)
+    return _to_qstate(layout.manifest, tensors)
+
+
+def verify_file(path: str | os.PathLike) -> None:
+    """Validate a checkpoint completely and check every buffer's CRC-32.
+
+    Streams the data through one reusable chunk buffer, so memory stays small whatever the
+    file size.
+
+    Raises:
+        CheckpointError: naming the file, the entry and the buffer that failed.
+    """
+    path = os.fspath(path)
+    with _open_for_reading(path) as f:
+        layout = _read_layout(f, path)
+        scratch = memoryview(bytearray(min(IO_CHUNK_BYTES, max(layout.data_size, 1))))
+        f.seek(layout.data_start)
+        for spec in layout.buffers:
+            crc = 0
+            remaining = spec.nbytes
+            while remaining:
+                n = min(remaining, len(scratch))
+                _read_exact_into(f, scratch[:n], path, spec)
+                crc = zlib.crc32(scratch[:n], crc)
+                remaining -= n
+            _check_crc(path, spec, crc)
+
+
+# --------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _PlannedBuffer:
+    entry: str
+    name: str
+    key: str
+    tensor: torch.Tensor  # CPU, contiguous
+    st_dtype: str
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    qstate: QuantizedState
+    buffers: list[_PlannedBuffer]  # in file order
+    by_entry: dict[str, dict[str, _PlannedBuffer]]  # entry path -> buffer name -> plan
+    data_size: int
+
+
+def _plan(qstate: QuantizedState, path: str) -> _Plan:
+    """Check what can be checked before touching the disk, and lay the buffers out."""
+    if not isinstance(qstate, QuantizedState):
+        raise CheckpointError(
+            f"checkpoint {path}: expected a QuantizedState, got {type(qstate).__name__}"
+        )
+    if not isinstance(qstate.entries, dict):
+        raise CheckpointError(f"checkpoint {path}: entries must be a dict")
+    if not isinstance(qstate.checkpoint_id, str):
+        raise CheckpointError(f"checkpoint {path}: checkpoint_id must be a str")
+    if qstate.reference_id is not None and not isinstance(qstate.reference_id, str):
+        raise CheckpointError(f"checkpoint {path}: reference_id must be a str or None")
+    pending: list[tuple[str, str, torch.Tensor, str]] = []
+    for entry_path, entry in qstate.entries.items():
+        where = f"checkpoint {path}: entry {entry_path!r}"
+        if not isinstance(entry_path, str):
+            raise CheckpointError(f"{where}: entry paths must be str")
+        if not isinstance(entry, EncodedEntry):
+            raise CheckpointError(f"{where}: expected an EncodedEntry, got {type(entry).__name__}")
+        if not isinstance(entry.codec, str) or not entry.codec:
+            raise CheckpointError(f"{where}: codec must be a non-empty str")
+        if not isinstance(entry.params, dict):
+            raise CheckpointError(f"{where}: params must be a dict")
+        if entry.dtype not in _ENTRY_DTYPE_NAMES:
+            raise CheckpointError(f"{where}: dtype {entry.dtype} cannot be recorded")
+        _check_shape(tuple(entry.shape), entry.dtype.itemsize, where)
+        if not isinstance(entry.buffers, dict):
+            raise CheckpointError(f"{where}: buffers must be a dict")
+        for name, tensor in entry.buffers.items():
+            bwhere = f"{where} buffer {name!r}"
+            if not isinstance(name, str) or not BUFFER_NAME_RE.fullmatch(name):
+                raise CheckpointError(f"{bwhere}: buffer names must match [A-Za-z0-9_.-]+")
+            if not isinstance(tensor, torch.Tensor):
+                raise CheckpointError(f"{bwhere}: expected a tensor, got {type(tensor).__name__}")
+            if tensor.layout != torch.strided:
+                raise CheckpointError(f"{bwhere}: only dense tensors can be stored")
+            if tensor.dtype not in _BUFFER_DTYPE_NAMES:
+                raise CheckpointError(f"{bwhere}: dtype {tensor.dtype} has no safetensors name")
+            pending.append((entry_path, name, _host_contiguous(tensor), _BUFFER_DTYPE_NAMES[tensor.dtype]))
+    if not isinstance(qstate.aliases, dict):
+        raise CheckpointError(f"checkpoint {path}: aliases must be a dict")
+    for alias, target in qstate.aliases.items():
+        if not isinstance(alias, str) or not isinstance(target, str):
+            raise CheckpointError(f"checkpoint {path}: aliases must map str to str")
+        if target not in qstate.entries:
+            raise CheckpointError(
+                f"checkpoint {path}: alias {alias!r} points to {target!r}, which is not an entry"
+            )
+        if alias in qstate.entries:
+            raise CheckpointError(f"checkpoint {path}: alias {alias!r} is also an entry")
+
+    # Decreasing element size keeps every buffer aligned to its element size; the sort is
+    # stable, so within one size the file follows the entry order.
+    order = sorted(range(len(pending)), key=lambda i: -pending[i][2].element_size())
+    buffers: list[_PlannedBuffer] = []
+    by_entry: dict[str, dict[str, _PlannedBuffer]] = {p: {} for p in qstate.entries}
+    offset = 0
+    for i in order:
+        entry_path, name, tensor, st_dtype = pending[i]
+        nbytes = tensor.numel() * tensor.element_size()
+        planned = _PlannedBuffer(
+            entry_path, name, tensor_key(entry_path, name), tensor, st_dtype, offset, offset + nbytes
+        )
+        buffers.append(planned)
+        offset += nbytes
+    # by_entry keeps each entry's own buffer order for the manifest.
+    lookup = {(b.entry, b.name): b for b in buffers}
+    for entry_path, name, _, _ in pending:
+        by_entry[entry_path][name] = lookup[(entry_path, name)]
+    return _Plan(qstate, buffers, by_entry, offset)
+
+
+def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True)
+
+
+def _manifest_json(manifest: dict[str, Any], path: str) -> str:
+    try:
+        return _json(manifest)
+    except (TypeError, ValueError, RecursionError) as exc:
+        # Only on failure: find the part to blame, so the message names the entry.
+        parts = [(f"entry {p!r} params", e["params"]) for p, e in manifest["entries"].items()]
+        parts += [(k, manifest[k]) for k in ("skeleton", "rules", "metadata", "checkpoint_id")]
+        culprit = "the manifest"
+        for what, value in parts:
+            try:
+                _json(value)
+            except (TypeError, ValueError, RecursionError):
+                culprit = what
+                break
+        raise CheckpointError(
+            f"checkpoint {path}: {culprit} is not JSON-serializable: {exc}"
+        ) from exc
+
+
+def _build_manifest(plan: _Plan, crcs: dict[str, int] | None) -> dict[str, Any]:
+    q = plan.qstate
+    entries: dict[str, Any] = {}
+    for entry_path, entry in q.entries.items():
+        bufs = {}
+        for name, b in plan.by_entry[entry_path].items():
+            bufs[name] = {
+                "key": b.key,
+                "dtype": b.st_dtype,
+                "shape": list(b.tensor.shape),
+                "data_offsets": [b.begin, b.end],
+                "crc32": f"{crcs[b.key] if crcs is not None else 0:08x}",
+            }
+        entries[entry_path] = {
+            "codec": entry.codec,
+            "params": entry.params,
+            "dtype": _ENTRY_DTYPE_NAMES[entry.dtype],
+            "shape": [int(s) for s in entry.shape],
+            "buffers": bufs,
+        }
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "checkpoint_id": q.checkpoint_id,
+        "reference_id": q.reference_id,
+        "checksum": CHECKSUM_NAME,
+        "entries": entries,
+        "aliases": dict(q.aliases),
+        "skeleton": q.skeleton,
+        "rules": q.rules,
+        "metadata": q.metadata,
+        "stats": {
+            "raw_bytes": sum(e.raw_nbytes for e in q.entries.values()),
+            "stored_bytes": plan.data_size,
+            "entries": len(q.entries),
+            "buffers": len(plan.buffers),
+        },
+    }
+
+
+def _encode_header(plan: _Plan, path: str, crcs: dict[str, int] | None = None) -> bytes:
+    """The length prefix and padded JSON header; checksums are zeros until known."""
+    manifest = _manifest_json(_build_manifest(plan, crcs), path)
+    header: dict[str, Any] = {
+        "__metadata__": {
+            MANIFEST_KEY: manifest,
+            MANIFEST_CRC_KEY: f"{zlib.crc32(manifest.encode('utf-8')):08x}",
+        }
+    }
+    for b in plan.buffers:
+        header[b.key] = {
+            "dtype": b.st_dtype,
+            "shape": list(b.tensor.shape),
+            "data_offsets": [b.begin, b.end],
+        }
+    raw = _json(header).encode("ascii")
+    raw += b" " * (-(8 + len(raw)) % 8)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"checkpoint {path}: header is {len(raw)} bytes, above the {MAX_HEADER_BYTES}-byte "
+            "limit of safetensors (a very large skeleton or metadata?)"
+        )
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_buffers(f: BinaryIO, plan: _Plan) -> dict[str, int]:
+    crcs: dict[str, int] = {}
+    for b in plan.buffers:
+        view = _byte_view(b.tensor)
+        crc = 0
+        # zlib.crc32 and file writes release the GIL on large chunks, so a training thread
+        # keeps running while the writer thread works.
+        for start in range(0, len(view), IO_CHUNK_BYTES):
+            chunk = view[start : start + IO_CHUNK_BYTES]
+            crc = zlib.crc32(chunk, crc)
+            f.write(chunk)
+        crcs[b.key] = crc
+    return crcs
+
+
+def _fsync_directory(directory: str) -> None:
+    if os.name == "nt":  # Windows cannot open a directory; its renames are journaled.
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # the original error matters more; say what was left behind
+        logger.warning("could not remove temporary file %s: %s", path, exc)
+
+
+def _io_error(exc: OSError, message: str) -> CheckpointIOError:
+    detail = exc.strerror or str(exc)
+    if exc.errno is None:
+        return CheckpointIOError(f"{message}: {detail}")
+    return CheckpointIOError(exc.errno, f"{message}: {detail}")
+
+
+def _require_little_endian(path: str) -> None:
+    if sys.byteorder != "little":
+        raise CheckpointError(
+            f"checkpoint {path}: the format is little-endian and this machine is big-endian"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Reading and validation
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _BufferSpec:
+    entry: str
+    name: str
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    crc32: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class _Layout:
+    manifest: dict[str, Any]
+    buffers: list[_BufferSpec]  # in file order
+    data_start: int
+    data_size: int
+
+
+class _open_for_reading:
+    """``open(path, "rb", buffering=0)`` whose OS errors become CheckpointIOError."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.file: BinaryIO | None = None
+
+    def __enter__(self) -> BinaryIO:
+        _require_little_endian(self.path)
+        try:
+            self.file = open(self.path, "rb", buffering=0)
+        except OSError as exc:
+            raise _io_error(exc, f"cannot open checkpoint {self.path}") from exc
+        return self.file
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self.file is not None
+        self.file.close()
+        if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            raise _io_error(exc, f"cannot read checkpoint {self.path}") from exc
+
+
+def _read_exact(f: BinaryIO, n: int, path: str, what: str) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            raise CheckpointError(
+                f"checkpoint {path}: truncated: {what} needs {n} bytes, only {got} left"
+            )
+        got += k
+    return bytes(buf)
+
+
+def _read_exact_into(f: BinaryIO, view: memoryview, path: str, spec: _BufferSpec) -> None:
+    got = 0
+    n = len(view)
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            raise CheckpointError(
+                f"checkpoint {path}: entry {spec.entry!r} buffer {spec.name!r}: file ended "
+                f"before the buffer's {spec.nbytes} bytes (truncated or modified while read)"
+            )
+        got += k
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _parse_json(text: str, path: str, what: str, allow_nan: bool) -> Any:
+    try:
+        return json.loads(
+            text,
+            object_pairs_hook=_reject_duplicates,
+            **({} if allow_nan else {"parse_constant": _reject_constant}),
+        )
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {what} is not valid JSON: {exc}") from exc
+
+
+def _read_layout(f: BinaryIO, path: str) -> _Layout:
+    try:
+        file_size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        raise _io_error(exc, f"cannot stat checkpoint {path}") from exc
+    if file_size < 8:
+        raise CheckpointError(
+            f"checkpoint {path}: file is {file_size} bytes, too short for the 8-byte header length"
+        )
+    (header_len,) = struct.unpack("<Q", _read_exact(f, 8, path, "the header length"))
+    if header_len > file_size - 8:
+        raise CheckpointError(
+            f"checkpoint {path}: header length {header_len} is larger than the "
+            f"{file_size - 8} bytes that follow it (truncated or not a safetensors file)"
+        )
+    if header_len > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"checkpoint {path}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
+        )
+    raw = _read_exact(f, header_len, path, "the header")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"checkpoint {path}: header is not UTF-8: {exc}") from exc
+    header = _parse_json(text, path, "the header", allow_nan=False)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"checkpoint {path}: header must be a JSON object")
+    data_start = 8 + header_len
+    data_size = file_size - data_start
+
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise CheckpointError(
+            f"checkpoint {path}: expected __metadata__ to be a map of str to str "
+            "(not a tw_triton checkpoint?)"
+        )
+    if MANIFEST_KEY not in meta:
+        raise CheckpointError(
+            f"checkpoint {path}: no {MANIFEST_KEY!r} manifest in __metadata__ "
+            "(a plain safetensors file, not a tw_triton checkpoint)"
+        )
+    manifest_text = meta[MANIFEST_KEY]
+    stored_crc = meta.get(MANIFEST_CRC_KEY)
+    if not isinstance(stored_crc, str) or not _CRC_RE.fullmatch(stored_crc):
+        raise CheckpointError(
+            f"checkpoint {path}: expected __metadata__[{MANIFEST_CRC_KEY!r}] to be 8 hex digits"
+        )
+    actual_crc = zlib.crc32(manifest_text.encode("utf-8", "surrogatepass"))
+    if actual_crc != int(stored_crc, 16):
+        raise CheckpointError(
+            f"checkpoint {path}: manifest checksum mismatch (expected crc32 {stored_crc}, "
+            f"computed {actual_crc:08x}): the header is corrupted"
+        )
+    manifest = _parse_json(manifest_text, path, "the manifest", allow_nan=True)
+    buffers = _validate_manifest(manifest, path)
+    _validate_tensor_table(header, buffers, data_size, path)
+    _check_stats(manifest, buffers, data_size, path)
+    buffers.sort(key=lambda s: (s.begin, s.end))
+    return _Layout(manifest, buffers, data_start, data_size)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_fields(obj: Any, fields: tuple[str, ...], where: str) -> None:
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+    missing = [k for k in fields if k not in obj]
+    if missing:
+        raise CheckpointError(f"{where}: missing field(s) {', '.join(map(repr, missing))}")
+
+
+def _check_shape(shape: Any, itemsize: int, where: str) -> int:
+    """Validate a shape; return its element count (never above 2**63 bytes' worth)."""
+    if not isinstance(shape, (list, tuple)) or not all(_is_int(s) and s >= 0 for s in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative ints, found {shape!r}")
+    numel = 1
+    for s in shape:
+        numel *= s
+        # Stop multiplying early, so an absurd shape costs no time.
+        if numel * itemsize >= _MAX_TENSOR_BYTES:
+            raise CheckpointError(
+                f"{where}: shape {list(shape)} has more than 2**63 bytes of {itemsize}-byte elements"
+            )
+    return numel
+
+
+def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
+    where = f"checkpoint {path}: manifest"
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{where}: expected a JSON object")
+    if manifest.get("format") != FORMAT_NAME:
+        raise CheckpointError(
+            f"{where}: expected format {FORMAT_NAME!r}, found {manifest.get('format')!r}"
+        )
+    version = manifest.get("version")
+    if version != FORMAT_VERSION or not _is_int(version):
+        newer = _is_int(version) and version > FORMAT_VERSION
+        raise CheckpointError(
+            f"{where}: unknown format version {version!r}, this tw_triton reads version "
+            f"{FORMAT_VERSION}" + (" (written by a newer tw_triton?)" if newer else "")
+        )
+    _check_fields(manifest, _MANIFEST_FIELDS, where)
+    if not isinstance(manifest["checkpoint_id"], str):
+        raise CheckpointError(f"{where}: checkpoint_id must be a string")
+    if manifest["reference_id"] is not None and not isinstance(manifest["reference_id"], str):
+        raise CheckpointError(f"{where}: reference_id must be a string or null")
+    if manifest["checksum"] != CHECKSUM_NAME:
+        raise CheckpointError(
+            f"{where}: expected checksum {CHECKSUM_NAME!r}, found {manifest['checksum']!r}"
+        )
+    if not isinstance(manifest["rules"], list):
+        raise CheckpointError(f"{where}: rules must be a list")
+    if not isinstance(manifest["metadata"], dict):
+        raise CheckpointError(f"{where}: metadata must be an object")
+    entries = manifest["entries"]
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"{where}: entries must be an object")
+    specs: list[_BufferSpec] = []
+    for entry_path, entry in entries.items():
+        ewhere = f"checkpoint {path}: entry {entry_path!r}"
+        _check_fields(entry, _ENTRY_FIELDS, ewhere)
+        if not isinstance(entry["codec"], str) or not entry["codec"]:
+            raise CheckpointError(f"{ewhere}: codec must be a non-empty string")
+        if not isinstance(entry["params"], dict):
+            raise CheckpointError(f"{ewhere}: params must be an object")
+        dtype = ENTRY_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise CheckpointError(
+                f"{ewhere}: unknown dtype {entry['dtype']!r}, expected one of {sorted(ENTRY_DTYPES)}"
+            )
+        _check_shape(entry["shape"], dtype.itemsize, ewhere)
+        if not isinstance(entry["buffers"], dict):
+            raise CheckpointError(f"{ewhere}: buffers must be an object")
+        for name, buf in entry["buffers"].items():
+            bwhere = f"{ewhere} buffer {name!r}"
+            if not BUFFER_NAME_RE.fullmatch(name):
+                raise CheckpointError(f"{bwhere}: buffer names must match [A-Za-z0-9_.-]+")
+            _check_fields(buf, _BUFFER_FIELDS, bwhere)
+            if buf["key"] != tensor_key(entry_path, name):
+                raise CheckpointError(
+                    f"{bwhere}: expected tensor key {tensor_key(entry_path, name)!r}, "
+                    f"found {buf['key']!r}"
+                )
+            bdtype = BUFFER_DTYPES.get(buf["dtype"]) if isinstance(buf["dtype"], str) else None
+            if bdtype is None:
+                raise CheckpointError(
+                    f"{bwhere}: unknown dtype {buf['dtype']!r}, expected one of {sorted(BUFFER_DTYPES)}"
+                )
+            numel = _check_shape(buf["shape"], bdtype.itemsize, bwhere)
+            offsets = buf["data_offsets"]
+            if not (
+                isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+            ):
+                raise CheckpointError(f"{bwhere}: data_offsets must be [begin, end], found {offsets!r}")
+            begin, end = offsets
+            if not 0 <= begin <= end or end - begin != numel * bdtype.itemsize:
+                raise CheckpointError(
+                    f"{bwhere}: data_offsets {offsets} do not span shape {buf['shape']} of "
+                    f"{buf['dtype']} ({numel * bdtype.itemsize} bytes)"
+                )
+            crc = buf["crc32"]
+            if not isinstance(crc, str) or not _CRC_RE.fullmatch(crc):
+                raise CheckpointError(f"{bwhere}: crc32 must be 8 lowercase hex digits, found {crc!r}")
+            specs.append(
+                _BufferSpec(entry_path, name, buf["key"], bdtype, tuple(buf["shape"]), begin, end, int(crc, 16))
+            )
+    aliases = manifest["aliases"]
+    if not isinstance(aliases, dict):
+        raise CheckpointError(f"{where}: aliases must be an object")
+    for alias, target in aliases.items():
+        if not isinstance(target, str) or target not in entries:
+            raise CheckpointError(
+                f"checkpoint {path}: alias {alias!r} must name an entry, found {target!r}"
+            )
+        if alias in entries:
+            raise CheckpointError(f"checkpoint {path}: alias {alias!r} is also an entry")
+    return specs
+
+
+def _validate_tensor_table(
+    header: dict[str, Any], specs: list[_BufferSpec], data_size: int, path: str
+) -> None:
+    """The safetensors tensor table must describe exactly the manifest's buffers."""
+    by_key = {s.key: s for s in specs}
+    for key, info in header.items():
+        spec = by_key.get(key)
+        if spec is None:
+            raise CheckpointError(
+                f"checkpoint {path}: tensor {key!r} is in the file but no manifest entry names it"
+            )
+        bwhere = f"checkpoint {path}: entry {spec.entry!r} buffer {spec.name!r}"
+        _check_fields(info, _TENSOR_INFO_FIELDS, f"{bwhere} (tensor table)")
+        if len(info) != len(_TENSOR_INFO_FIELDS):
+            raise CheckpointError(f"{bwhere}: unexpected fields in the tensor table: {sorted(info)}")
+        expected = {
+            "dtype": _BUFFER_DTYPE_NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [spec.begin, spec.end],
+        }
+        for field_name, value in expected.items():
+            if info[field_name] != value or (
+                field_name != "dtype" and not all(_is_int(v) for v in info[field_name])
+            ):
+                raise CheckpointError(
+                    f"{bwhere}: tensor table says {field_name} {info[field_name]!r}, "
+                    f"the manifest says {value!r}"
+                )
+    missing = [s for s in specs if s.key not in header]
+    if missing:
+        s = missing[0]
+        raise CheckpointError(
+            f"checkpoint {path}: entry {s.entry!r} buffer {s.name!r}: tensor {s.key!r} is "
+            f"missing from the file ({len(missing)} missing in all)"
+        )
+    # Buffers must tile the data section exactly: in range, no overlap, no gap, no tail.
+    pos = 0
+    for s in sorted(specs, key=lambda s: (s.begin, s.end)):
+        if s.begin != pos:
+            kind = "overlaps the previous buffer" if s.begin < pos else "leaves a gap before it"
+            raise CheckpointError(
+                f"checkpoint {path}: entry {s.entry!r} buffer {s.name!r}: data_offsets "
+                f"[{s.begin}, {s.end}] {kind} (expected it to begin at {pos})"
+            )
+        pos = s.end
+        if pos > data_size:
+            raise CheckpointError(
+                f"checkpoint {path}: entry {s.entry!r} buffer {s.name!r}: data_offsets end at "
+                f"{pos}, past the {data_size} data bytes in the file (truncated?)"
+            )
+    if pos != data_size:
+        raise CheckpointError(
+            f"checkpoint {path}: buffers cover {pos} data bytes but the file holds {data_size} "
+            "(truncated, or bytes appended)"
+        )
+
+
+def _check_stats(manifest: dict[str, Any], specs: list[_BufferSpec], data_size: int, path: str) -> None:
+    stats = manifest["stats"]
+    where = f"checkpoint {path}: manifest stats"
+    _check_fields(stats, _STATS_FIELDS, where)
+    if not all(_is_int(stats[k]) and stats[k] >= 0 for k in _STATS_FIELDS):
+        raise CheckpointError(f"{where}: expected non-negative ints, found {stats!r}")
+    expected = {
+        "stored_bytes": data_size,
+        "entries": len(manifest["entries"]),
+        "buffers": len(specs),
+    }
+    for k, v in expected.items():
+        if stats[k] != v:
+            raise CheckpointError(f"{where}: expected {k} {v}, found {stats[k]}")
+
+
+def _can_pin(path: str) -> bool:
+    if torch.cuda.is_available():
+        return True
+    logger.warning("read_file(%s, pin_memory=True): no CUDA, so buffers are not pinned", path)
+    return False
+
+
+def _read_buffers(
+    f: BinaryIO, layout: _Layout, path: str, *, verify: bool, pin: bool
+) -> dict[tuple[str, str], torch.Tensor]:
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    f.seek(layout.data_start)
+    for spec in layout.buffers:
+        # Bounded: validation proved that all buffers together fit in the file.
+        tensor = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin)
+        view = _byte_view(tensor)
+        crc = 0
+        for start in range(0, len(view), IO_CHUNK_BYTES):
+            chunk = view[start : start + IO_CHUNK_BYTES]
+            _read_exact_into(f, chunk, path, spec)
+            if verify:
+                crc = zlib.crc32(chunk, crc)
+        if verify:
+            _check_crc(path, spec, crc)
+        out[(spec.entry, spec.name)] = tensor
+    return out
+
+
+def _check_crc(path: str, spec: _BufferSpec, crc: int) -> None:
+    if crc != spec.crc32:
+        raise CheckpointError(
+            f"checkpoint {path}: entry {spec.entry!r} buffer {spec.name!r}: checksum mismatch "
+            f"(expected crc32 {spec.crc32:08x}, computed {crc:08x}): the data is corrupted"
+        )
+
+
+def _to_qstate(manifest: dict[str, Any], tensors: dict[tuple[str, str], torch.Tensor]) -> QuantizedState:
+    entries: dict[str, EncodedEntry] = {}
+    for entry_path, entry in manifest["entries"].items():
+        entries[entry_path] = EncodedEntry(
+            codec=entry["codec"],
+            params=entry["params"],
+            shape=tuple(entry["shape"]),
+            dtype=ENTRY_DTYPES[entry["dtype"]],
+            buffers={name: tensors[(entry_path, name)] for name in entry["buffers"]},
+        )
+    return QuantizedState(
+        entries=entries,
+        skeleton=manifest["skeleton"],
+        checkpoint_id=manifest["checkpoint_id"],
+        reference_id=manifest["reference_id"],
+        aliases=dict(manifest["aliases"]),
+        rules=manifest["rules"],
+        metadata=manifest["metadata"],
+    )

@@ -1,6 +1,8 @@
 """tw_triton: small PyTorch training checkpoints by fused blockwise delta quantization."""
 
 from .codec import QuantizedTensor, dequantize, quantize
+from .codecs import Codec, register_codec
+from .state import dequantize_state_dict, load, quantize_state_dict, save
 from .errors import (
     CheckpointError,
     QuantizationError,
@@ -18,4 +20,10 @@ __all__ = [
     "QuantizationError",
     "CheckpointError",
     "ReferenceMismatchError",
+    "quantize_state_dict",
+    "dequantize_state_dict",
+    "save",
+    "load",
+    "Codec",
+    "register_codec",
 ]

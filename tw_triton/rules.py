@@ -1,0 +1,210 @@
+"""Which codec stores which tensor: ordered glob rules on flattened paths.
+
+A rule is a glob on the flattened path (see :mod:`tw_triton.tree`: ``model/encoder.0.weight``,
+``optimizer/state/3/exp_avg``) and a codec spec. Rules are tried in order and the **first
+match wins**. A rule matches a tensor only if its glob matches the path, the tensor has at
+least ``min_numel`` elements, and the codec can encode the tensor's dtype (so
+``("model/*", "int4")`` does not catch an integer buffer such as ``num_batches_tracked``,
+which falls through to the next rule). Globs use :func:`fnmatch.fnmatchcase`; ``*`` also
+matches ``/``.
+
+Codec specs:
+
+* ``"exact"``, ``"blockwise"`` or any registered codec name;
+* ``"int8"``, ``"int4"``, ``"int2"``: the blockwise codec at 8, 4 or 2 bits;
+* a dict ``{"codec": "blockwise", "bits": 4, "block": 64, "delta": False, "min_numel": 0}``.
+
+Parameters a spec leaves out (``bits``, ``block``) come from the call
+(``quantize_state_dict(..., bits=8, block=128)``). ``delta`` defaults to true: quantized
+entries are deltas from the reference whenever a reference is given.
+
+The user's rules come first; the defaults follow them, so anything the user's rules do not
+match gets the default treatment:
+
+* floating tensors (float32, float16, bfloat16) of at least 4096 elements *under the model*
+  are quantized with the call's ``bits`` and ``block``;
+* everything else is exact: integer and bool tensors, small tensors (biases, norms), step
+  counters, RNG states, and optimizer moments (unless a rule or a preset says otherwise).
+
+"Under the model" means: if the state's top level is a dict with a key ``"model"``,
+``"model_state_dict"`` or ``"state_dict"`` holding a dict, the paths under those keys
+(``model/*``). Otherwise, if the top level is a flat dict (no value is a dict, list or tuple:
+a plain ``nn.Module.state_dict()``), every path. Otherwise nothing is under the model, and
+the defaults quantize nothing.
+
+Presets (``rules="int4-delta"``), each followed by the defaults:
+
+``"default"``    the defaults alone (same as ``rules=None``);
+``"exact"``      everything exact;
+``"int8-delta"`` / ``"int4-delta"``  the model's large float tensors at 8 / 4 bits;
+``"int8-moments"``  like ``int8-delta``, and AdamW's ``exp_avg`` / ``exp_avg_sq`` of at
+least 4096 elements at 8 bits too.
+
+A preset is the whole ``rules`` value; it is not mixed into a list, which keeps the order
+of matching obvious.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .codecs import Codec, codec_names, get_codec
+from .errors import QuantizationError
+
+DEFAULT_MIN_NUMEL = 4096
+MODEL_KEYS = ("model", "model_state_dict", "state_dict")
+OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict")
+_BITS_ALIASES = {"int8": 8, "int4": 4, "int2": 2}
+PRESETS = ("default", "exact", "int8-delta", "int4-delta", "int8-moments")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One resolved rule: glob, registered codec name, full codec params, size floor."""
+
+    pattern: str
+    codec: str
+    params: dict[str, Any] = field(default_factory=dict)
+    min_numel: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The rule as recorded in the manifest."""
+        return {
+            "pattern": self.pattern,
+            "codec": self.codec,
+            "params": dict(self.params),
+            "min_numel": self.min_numel,
+        }
+
+    def matches(self, path: str, tensor: torch.Tensor, codec: Codec) -> bool:
+        """Whether this rule applies to ``tensor`` at ``path``."""
+        return (
+            tensor.numel() >= self.min_numel
+            and fnmatch.fnmatchcase(path, self.pattern)
+            and codec.accepts(tensor)
+        )
+
+
+def model_patterns(state: Any) -> list[str]:
+    """Globs of the paths that are "under the model" for this state (see module doc)."""
+    if not isinstance(state, dict):
+        return []
+    keys = [k for k in MODEL_KEYS if isinstance(state.get(k), dict)]
+    if keys:
+        return [f"{k}/*" for k in keys]
+    if all(not isinstance(v, (dict, list, tuple)) for v in state.values()):
+        return ["*"]
+    return []
+
+
+def _parse_spec(spec: Any, where: str) -> tuple[str, dict[str, Any], int]:
+    if isinstance(spec, str):
+        if spec in _BITS_ALIASES:
+            return "blockwise", {"bits": _BITS_ALIASES[spec]}, 0
+        return spec, {}, 0
+    if isinstance(spec, Mapping):
+        params = dict(spec)
+        name = params.pop("codec", None)
+        if not isinstance(name, str):
+            raise QuantizationError(f"{where}: a dict codec spec needs a 'codec' name, got {spec!r}")
+        if name in _BITS_ALIASES:
+            params.setdefault("bits", _BITS_ALIASES[name])
+            name = "blockwise"
+        min_numel = params.pop("min_numel", 0)
+        if not isinstance(min_numel, int) or isinstance(min_numel, bool) or min_numel < 0:
+            raise QuantizationError(f"{where}: min_numel must be a non-negative int, got {min_numel!r}")
+        return name, params, min_numel
+    raise QuantizationError(f"{where}: a codec spec is a name or a dict, got {spec!r}")
+
+
+def make_rule(pattern: str, spec: Any, *, bits: int, block: int, where: str = "rule") -> Rule:
+    """Resolve one ``(glob, codec spec)`` pair against the registry and the call's defaults.
+
+    Raises:
+        QuantizationError: a bad glob or spec, an unknown codec, or invalid params.
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise QuantizationError(f"{where}: the glob must be a non-empty string, got {pattern!r}")
+    name, params, min_numel = _parse_spec(spec, where)
+    codec = get_codec(name)
+    if codec is None:
+        raise QuantizationError(
+            f"{where}: unknown codec {name!r}; registered: {', '.join(codec_names())} "
+            f"(aliases: {', '.join(_BITS_ALIASES)})"
+        )
+    try:
+        resolved = codec.resolve_params(params, bits=bits, block=block)
+    except QuantizationError as e:
+        raise QuantizationError(f"{where} ({pattern!r}): {e}") from e
+    return Rule(pattern, name, resolved, min_numel)
+
+
+def default_rules(state: Any, *, bits: int, block: int) -> list[Rule]:
+    """The default rules for ``state``: large float tensors under the model quantized."""
+    rules = [
+        make_rule(p, "blockwise", bits=bits, block=block, where="default rule")
+        for p in model_patterns(state)
+    ]
+    rules = [Rule(r.pattern, r.codec, r.params, DEFAULT_MIN_NUMEL) for r in rules]
+    rules.append(Rule("*", "exact"))
+    return rules
+
+
+def _preset_rules(name: str, state: Any, *, bits: int, block: int) -> list[Rule]:
+    if name == "default":
+        return default_rules(state, bits=bits, block=block)
+    if name == "exact":
+        return [Rule("*", "exact")]
+    if name in ("int8-delta", "int4-delta"):
+        return default_rules(state, bits=8 if name == "int8-delta" else 4, block=block)
+    if name == "int8-moments":
+        moments = [
+            make_rule(f"{k}/state/*/{m}", {"codec": "int8", "min_numel": DEFAULT_MIN_NUMEL},
+                      bits=bits, block=block, where="preset int8-moments")
+            for k in OPTIMIZER_KEYS
+            for m in ("exp_avg", "exp_avg_sq")
+        ]
+        return moments + default_rules(state, bits=8, block=block)
+    raise QuantizationError(f"unknown rules preset {name!r}; presets: {', '.join(PRESETS)}")
+
+
+def resolve_rules(rules: Any, state: Any, *, bits: int, block: int) -> list[Rule]:
+    """The ordered rules in force for ``state``.
+
+    Args:
+        rules: ``None`` (the defaults), a preset name, or a sequence of ``(glob, spec)``
+            pairs, which are followed by the defaults.
+        state: the nested state (to decide what is "under the model").
+        bits, block: the call's defaults for quantizing codecs.
+
+    Raises:
+        QuantizationError: a malformed rule, unknown codec or preset, or invalid params.
+    """
+    if rules is None:
+        return default_rules(state, bits=bits, block=block)
+    if isinstance(rules, str):
+        return _preset_rules(rules, state, bits=bits, block=block)
+    if not isinstance(rules, Sequence):
+        raise QuantizationError(
+            f"rules must be None, a preset name or a list of (glob, codec) pairs, got {type(rules).__name__}"
+        )
+    out = []
+    for i, item in enumerate(rules):
+        where = f"rule {i}"
+        if isinstance(item, str) or not isinstance(item, Sequence) or len(item) != 2:
+            raise QuantizationError(f"{where}: expected a (glob, codec spec) pair, got {item!r}")
+        out.append(make_rule(item[0], item[1], bits=bits, block=block, where=where))
+    return out + default_rules(state, bits=bits, block=block)
+
+
+def select_rule(rules: Sequence[Rule], path: str, tensor: torch.Tensor) -> Rule:
+    """The first rule that matches ``tensor`` at ``path``; exact if none does."""
+    for rule in rules:
+        codec = get_codec(rule.codec)
+        if codec is not None and rule.matches(path, tensor, codec):
+            return rule
+    return Rule("*", "exact")

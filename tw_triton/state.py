@@ -1,0 +1,431 @@
+"""The state-level API: encode a whole training state, save it, load it back.
+
+``quantize_state_dict`` takes any nested training state (a model ``state_dict()``, or
+``{"model": ..., "optimizer": ..., "scheduler": ..., "scaler": ..., "step": ..., "rng": ...}``),
+flattens it (:mod:`tw_triton.tree`), picks a codec per tensor (:mod:`tw_triton.rules`),
+encodes every tensor on its own device (:mod:`tw_triton.codecs`) and returns a
+:class:`~tw_triton.qstate.QuantizedState`: a consistent snapshot that ``save`` (or the async
+writer) puts in one file.
+
+Snapshot and syncs
+    Exact entries are clones and quantized entries are fresh buffers, so changing the
+    source tensors afterwards does not change the result. Whether a quantized tensor held a
+    NaN/Inf is only known on the device; all these flags, and the reference fingerprints,
+    are read with one ``torch.cat(...).cpu()`` per device: one host sync for a state on one
+    GPU (none on the CPU). Flagged tensors are then stored exact, with a warning that names
+    their path.
+
+Shared storage
+    Tensors that are the same view of the same storage (same storage, offset, shape, stride
+    and dtype, e.g. tied input/output embeddings) are stored once; the others are recorded
+    as aliases and come back as the *same* tensor object under every key. Different views
+    of one storage (e.g. two halves of one buffer) are stored separately and come back as
+    independent tensors.
+
+References
+    With ``reference`` (a state of the same structure, or the path of a saved checkpoint),
+    quantized entries store the delta from the reference tensor at the same path. The file
+    records the reference's id (``reference_id``: the given id, else the reference file's
+    checkpoint id, else ``"fp-"`` and a fingerprint of the reference) and, per delta entry,
+    ``ref_fp``: a fingerprint of the reference tensor (2048 evenly spaced elements as fp32
+    bits, weighted by position — cheap, deterministic on every device; it detects a wrong
+    reference, it is not a checksum). Loading checks the id (for a reference given as a
+    path), the presence and shape of every reference tensor, and every fingerprint, and
+    raises :class:`~tw_triton.errors.ReferenceMismatchError` naming the file and entry. A
+    state with no delta entry records no reference id: it does not depend on one.
+
+    The reference used to encode must be what a loader will rebuild: pass the *decoded*
+    keyframe (``load(keyframe_path)`` or ``dequantize_state_dict(keyframe_qstate)``), or
+    its path, not the original tensors it was quantized from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any, Mapping
+
+import torch
+
+from .codec import FLOAT_DTYPES, check_params
+from .codecs import Codec, Encoded, get_codec
+from .errors import CheckpointError, QuantizationError, ReferenceMismatchError
+from .qstate import EncodedEntry, QuantizedState
+from .rules import resolve_rules, select_rule
+from .tree import flatten, unflatten
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT_SAMPLES = 2048
+FINGERPRINT_PREFIX = "fp-"
+MEMORY_SOURCE = "<in-memory state>"
+
+Progress = Callable[[int, int], None]
+PathLike = str | os.PathLike
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim int64 on ``t``'s device: position-weighted sum of sampled fp32 bit patterns.
+
+    Integer arithmetic only (no overflow: |bits| < 2**31, weights <= 2048, 2048 terms), so
+    every device gives the same value without a sync.
+    """
+    flat = t.detach().reshape(-1)
+    step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
+    sample = flat[::step][:FINGERPRINT_SAMPLES].to(torch.float32)
+    bits = sample.view(torch.int32).to(torch.int64)
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+    return (bits * weights).sum() + flat.numel()
+
+
+def _fp_hex(value: int) -> str:
+    return format(value & 0xFFFFFFFFFFFFFFFF, "016x")
+
+
+def _read_device_scalars(scalars: list[torch.Tensor]) -> list[int]:
+    """Read 0-dim device scalars to Python ints with one transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(scalars):
+        by_device.setdefault(s.device, []).append(i)
+    out = [0] * len(scalars)
+    for dev, idx in by_device.items():
+        host = torch.stack([scalars[i].to(torch.int64) for i in idx]).cpu().tolist()
+        for i, v in zip(idx, host):
+            out[i] = int(v)
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    if t.numel() == 0:
+        return None
+    return (
+        t.device,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+    )
+
+
+def _flat_reference(
+    reference: Any, *, device: torch.device | None, verify: bool
+) -> tuple[dict[str, torch.Tensor], str | None, str]:
+    """``(tensors by path, checkpoint id or None, description)`` of a reference."""
+    if isinstance(reference, (str, os.PathLike)):
+        from .format import read_file
+
+        rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device))
+        state = dequantize_state_dict(rq, device=device, source=os.fspath(reference))
+        tensors, _ = flatten(state)
+        return tensors, rq.checkpoint_id, f"reference file {os.fspath(reference)!r}"
+    tensors, _ = flatten(reference)
+    return tensors, None, "the in-memory reference"
+
+
+def _reference_tensor(
+    ref_tensors: dict[str, torch.Tensor], path: str, x_shape: tuple[int, ...], where: str, what: str
+) -> torch.Tensor:
+    r = ref_tensors.get(path)
+    if r is None:
+        raise ReferenceMismatchError(f"{where}: entry {path!r} has no tensor in {what}")
+    if tuple(r.shape) != tuple(x_shape):
+        raise ReferenceMismatchError(
+            f"{where}: entry {path!r} has shape {tuple(x_shape)} but {what} has "
+            f"{tuple(r.shape)} there"
+        )
+    if r.dtype not in FLOAT_DTYPES:
+        raise ReferenceMismatchError(
+            f"{where}: entry {path!r}: {what} holds a {r.dtype} tensor there, expected a float tensor"
+        )
+    return r
+
+
+def _codec_or_raise(name: str, error: type[Exception], where: str) -> Codec:
+    codec = get_codec(name)
+    if codec is None:
+        from .codecs import codec_names
+
+        raise error(f"{where}: unknown codec {name!r}; registered: {', '.join(codec_names())}")
+    return codec
+
+
+def quantize_state_dict(
+    state: Any,
+    *,
+    reference: Any = None,
+    reference_id: str | None = None,
+    rules: Any = None,
+    bits: int = 8,
+    block: int = 128,
+    checkpoint_id: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> QuantizedState:
+    """Encode a nested training state into a consistent, writable snapshot.
+
+    Args:
+        state: nested dict / list / tuple of tensors, numpy arrays and plain values.
+        reference: ``None``, a state of the same structure, or the path of a saved
+            checkpoint (read with :func:`load`); quantized entries become deltas from the
+            reference tensor at the same path.
+        reference_id: the id to record for an in-memory reference (e.g. the keyframe's
+            checkpoint id); default: the reference file's id, or a fingerprint.
+        rules: ``None`` (defaults), a preset name, or ``[(glob, codec spec), ...]``; see
+            :mod:`tw_triton.rules`. Recorded in the result.
+        bits, block: parameters of quantizing rules that do not set them.
+        checkpoint_id: id of this checkpoint (default: a random UUID hex).
+        metadata: small JSON-serializable metadata to record.
+        progress: called as ``progress(done, total)`` after each tensor is encoded.
+
+    Returns:
+        A :class:`QuantizedState`; its buffers live where the source tensors did.
+
+    Raises:
+        QuantizationError: an unsupported leaf (naming its path), bad rules or params.
+        ReferenceMismatchError: a reference misses a quantized path, or has another shape.
+    """
+    check_params(bits, block)
+    tensors, skeleton = flatten(state)
+    rule_list = resolve_rules(rules, state, bits=bits, block=block)
+
+    ref_tensors: dict[str, torch.Tensor] | None = None
+    ref_file_id: str | None = None
+    ref_what = ""
+    if reference is not None:
+        ref_tensors, ref_file_id, ref_what = _flat_reference(reference, device=None, verify=True)
+
+    aliases: dict[str, str] = {}
+    first_by_storage: dict[tuple[Any, ...], str] = {}
+    canonical: list[str] = []
+    for path, t in tensors.items():
+        key = _storage_key(t)
+        if key is not None and key in first_by_storage:
+            aliases[path] = first_by_storage[key]
+            continue
+        if key is not None:
+            first_by_storage[key] = path
+        canonical.append(path)
+
+    entries: dict[str, EncodedEntry] = {}
+    flagged: list[tuple[str, torch.Tensor]] = []
+    fingerprinted: list[tuple[str, torch.Tensor]] = []
+    exact = _codec_or_raise("exact", QuantizationError, "quantize_state_dict")
+    for i, path in enumerate(canonical):
+        x = tensors[path]
+        rule = select_rule(rule_list, path, x)
+        codec = _codec_or_raise(rule.codec, QuantizationError, f"entry {path!r}")
+        ref = None
+        if ref_tensors is not None and codec.uses_reference(rule.params):
+            ref = _reference_tensor(ref_tensors, path, tuple(x.shape), "quantize_state_dict", ref_what)
+            if ref.device != x.device:
+                ref = ref.to(x.device, non_blocking=ref.is_pinned())
+        try:
+            enc: Encoded = codec.encode(x, rule.params, ref)
+        except QuantizationError as e:
+            raise QuantizationError(f"entry {path!r} (codec {rule.codec!r}): {e}") from e
+        enc.entry.codec = rule.codec
+        entries[path] = enc.entry
+        if enc.unusable is not None:
+            flagged.append((path, enc.unusable))
+        if ref is not None and codec.uses_reference(enc.entry.params):
+            fingerprinted.append((path, _fingerprint(ref)))
+        if progress is not None:
+            progress(i + 1, len(canonical))
+
+    # The one host sync: every NaN/Inf flag and every reference fingerprint together.
+    values = _read_device_scalars([f for _, f in flagged] + [f for _, f in fingerprinted])
+    for (path, _), bad in zip(flagged, values[: len(flagged)]):
+        if bad:
+            logger.warning(
+                "entry %r holds NaN or Inf (in the tensor, its reference or their "
+                "difference); stored exact instead of with codec %r",
+                path,
+                entries[path].codec,
+            )
+            entries[path] = exact.encode(tensors[path], {}, None).entry
+            entries[path].codec = "exact"
+    fp_parts = []
+    for (path, _), fp in zip(fingerprinted, values[len(flagged):]):
+        entry = entries[path]
+        if entry.codec != "exact":
+            entry.params["ref_fp"] = _fp_hex(fp)
+            fp_parts.append(f"{path}={entry.params['ref_fp']}")
+
+    recorded_ref_id = None
+    if fp_parts:
+        if reference_id is not None:
+            recorded_ref_id = reference_id
+        elif ref_file_id is not None:
+            recorded_ref_id = ref_file_id
+        else:
+            digest = hashlib.sha256("\n".join(sorted(fp_parts)).encode()).hexdigest()
+            recorded_ref_id = FINGERPRINT_PREFIX + digest[:16]
+
+    return QuantizedState(
+        entries=entries,
+        skeleton=skeleton,
+        checkpoint_id=checkpoint_id or uuid.uuid4().hex,
+        reference_id=recorded_ref_id,
+        aliases=aliases,
+        rules=[r.to_json() for r in rule_list],
+        metadata=dict(metadata or {}),
+    )
+
+
+def _delta_paths(qstate: QuantizedState, source: str) -> list[str]:
+    out = []
+    for path, entry in qstate.entries.items():
+        codec = _codec_or_raise(entry.codec, CheckpointError, f"{source}: entry {path!r}")
+        if codec.uses_reference(entry.params):
+            out.append(path)
+    return out
+
+
+def _wants_pinned(device: torch.device | None) -> bool:
+    return device is not None and device.type == "cuda" and torch.cuda.is_available()
+
+
+def dequantize_state_dict(
+    qstate: QuantizedState,
+    *,
+    reference: Any = None,
+    device: torch.device | str | None = None,
+    source: str | None = None,
+    progress: Progress | None = None,
+) -> Any:
+    """Decode a :class:`QuantizedState` back into its nested state.
+
+    Args:
+        qstate: the encoded state (from :func:`quantize_state_dict` or a file).
+        reference: required when some entry is a delta: the same reference state that was
+            used to encode, or the path of that reference checkpoint.
+        device: where to put the tensors (``None``: where the buffers are). Numpy arrays
+            come back as numpy arrays.
+        source: the file name for error messages (default: an in-memory state).
+        progress: called as ``progress(done, total)`` after each entry is decoded.
+
+    Returns:
+        The nested state with its original container, key and leaf types. Exact entries
+        share memory with ``qstate``'s buffers when no device move is needed; tied tensors
+        are the same object under every key.
+
+    Raises:
+        ReferenceMismatchError: a delta entry and no reference, a reference with another id,
+            a missing or differently shaped reference tensor, or a fingerprint mismatch.
+        CheckpointError: an unknown codec, or an entry whose params or buffers do not
+            match its codec; the message names the file and the entry.
+    """
+    where = source or MEMORY_SOURCE
+    dev = torch.device(device) if device is not None else None
+    delta = set(_delta_paths(qstate, where))
+
+    ref_tensors: dict[str, torch.Tensor] = {}
+    if delta:
+        first = sorted(delta)[0]
+        if reference is None:
+            raise ReferenceMismatchError(
+                f"{where}: entry {first!r} (and {len(delta) - 1} more) is stored as a delta "
+                f"from reference checkpoint {qstate.reference_id!r}; pass reference= (that "
+                "checkpoint's path or its decoded state)"
+            )
+        ref_tensors, ref_file_id, ref_what = _flat_reference(reference, device=dev, verify=True)
+        rid = qstate.reference_id
+        if (
+            ref_file_id is not None
+            and rid is not None
+            and not rid.startswith(FINGERPRINT_PREFIX)
+            and ref_file_id != rid
+        ):
+            raise ReferenceMismatchError(
+                f"{where}: entry {first!r} is a delta from reference checkpoint {rid!r}, but "
+                f"{ref_what} is checkpoint {ref_file_id!r}"
+            )
+        checks: list[tuple[str, torch.Tensor]] = []
+        for path in sorted(delta):
+            entry = qstate.entries[path]
+            r = _reference_tensor(ref_tensors, path, tuple(entry.shape), where, ref_what)
+            if dev is not None and r.device != dev:
+                r = r.to(dev)
+            ref_tensors[path] = r
+            if "ref_fp" in entry.params:
+                checks.append((path, _fingerprint(r)))
+        for (path, _), fp in zip(checks, _read_device_scalars([f for _, f in checks])):
+            want = qstate.entries[path].params["ref_fp"]
+            if _fp_hex(fp) != want:
+                raise ReferenceMismatchError(
+                    f"{where}: entry {path!r} is a delta from reference {rid!r}, but the "
+                    f"reference tensor given for it differs from the one it was encoded "
+                    f"against (fingerprint {_fp_hex(fp)}, expected {want}); {ref_what} is "
+                    "not that reference"
+                )
+
+    out: dict[str, torch.Tensor] = {}
+    total = len(qstate.entries)
+    for i, (path, entry) in enumerate(qstate.entries.items()):
+        codec = _codec_or_raise(entry.codec, CheckpointError, f"{where}: entry {path!r}")
+        context = f"{where}: entry {path!r} (codec {entry.codec!r})"
+        try:
+            out[path] = codec.decode(entry, ref_tensors.get(path) if path in delta else None, dev, context)
+        except QuantizationError as e:
+            raise CheckpointError(f"{context}: {e}") from e
+        if progress is not None:
+            progress(i + 1, total)
+    for path, target in qstate.aliases.items():
+        if target not in out:
+            raise CheckpointError(f"{where}: alias {path!r} points to {target!r}, which has no entry")
+        out[path] = out[target]
+    try:
+        return unflatten(qstate.skeleton, out)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from e
+
+
+def save(qstate: QuantizedState, path: PathLike, *, fsync: bool = True) -> int:
+    """Write ``qstate`` to one safetensors file at ``path`` (atomically); return its size.
+
+    Buffers on a GPU are copied to the host first. See :func:`tw_triton.format.write_file`.
+    """
+    from .format import write_file
+
+    return write_file(qstate, path, fsync=fsync)
+
+
+def load(
+    path: PathLike,
+    *,
+    device: torch.device | str = "cpu",
+    reference: Any = None,
+    verify: bool = True,
+    progress: Progress | None = None,
+) -> Any:
+    """Load a checkpoint written by :func:`save` and decode it on ``device``.
+
+    To a CUDA device the file is read into pinned host memory, copied with non-blocking
+    H2D copies and decoded there by the Triton kernels. To the CPU, exact tensors are the
+    buffers read from the file (no extra copy).
+
+    Args:
+        path: the checkpoint file.
+        device: where the tensors go.
+        reference: for a delta checkpoint, its reference: a path or a decoded state.
+        verify: check per-buffer checksums while reading.
+        progress: called as ``progress(done, total)`` after each entry is decoded.
+
+    Raises:
+        CheckpointError: the file is malformed, corrupted or uses an unknown codec.
+        ReferenceMismatchError: a delta checkpoint with a missing or different reference.
+    """
+    from .format import read_file
+
+    dev = torch.device(device)
+    qstate = read_file(path, verify=verify, pin_memory=_wants_pinned(dev))
+    return dequantize_state_dict(
+        qstate, reference=reference, device=dev, source=os.fspath(path), progress=progress
+    )
+
+
+__all__ = ["quantize_state_dict", "dequantize_state_dict", "save", "load"]

@@ -152,6 +152,7 @@ def test_write_error_goes_on_future_and_is_raised_at_next_submit(tmp_path, monke
     assert isinstance(info.value, TwTritonError)
     assert "bad.tw.safetensors" in str(info.value)
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == code
+    assert isinstance(info.value, OSError) and info.value.errno == code
     # The call that raised did not queue its state; the error is raised once only.
     assert not (tmp_path / "next.tw.safetensors").exists()
     ok = w.submit(make_state(3), tmp_path / "ok.tw.safetensors")
@@ -178,12 +179,16 @@ def test_write_error_is_raised_at_flush_and_at_close(tmp_path, monkeypatch):
 
 
 def test_two_failures_are_both_reported(tmp_path, monkeypatch):
+    both_queued = threading.Event()
+
     def failing(qstate, path, *, fsync=True):
+        assert both_queued.wait(10)
         raise OSError(errno.EIO, "I/O error", os.fspath(path))
 
     monkeypatch.setattr(fmt, "write_file", failing)
     w = AsyncWriter(max_pending=2)
     futs = [w.submit(make_state(i), tmp_path / f"{i}.tw.safetensors") for i in range(2)]
+    both_queued.set()
     for f in futs:
         assert isinstance(f.exception(timeout=10), OSError)
     with pytest.raises(CheckpointError, match="1 later save"):

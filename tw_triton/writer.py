@@ -16,8 +16,9 @@ Errors: a failed save sets its exception (the original one, e.g. ``OSError`` wit
 ``errno.ENOSPC``) on its Future and is logged at once. Because a training loop rarely looks
 at its Futures, the failure is also raised again, once, at the next :meth:`submit`,
 :meth:`flush` or :meth:`close`, as a :class:`~tw_triton.errors.CheckpointError` naming the
-file and chained (``raise ... from``) to the original exception, so ``err.__cause__.errno``
-is still there.
+file and chained (``raise ... from``) to the original exception; when that was an
+``OSError`` the raised error is a :class:`~tw_triton.errors.CheckpointIOError`, which is
+also an ``OSError`` with the same ``errno`` (``ENOSPC``, ``EACCES``, ...).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import format as _format
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointIOError
 from .qstate import EncodedEntry, QuantizedState
 
 logger = logging.getLogger(__name__)
@@ -358,9 +359,11 @@ class AsyncWriter:
             return
         path, first = errors[0]
         more = f" ({len(errors) - 1} later save(s) failed too, see the log)" if len(errors) > 1 else ""
-        raise CheckpointError(
-            f"async save to '{path}' failed: {type(first).__name__}: {first}{more}"
-        ) from first
+        message = f"async save to '{path}' failed: {type(first).__name__}: {first}{more}"
+        if isinstance(first, OSError) and first.errno is not None:
+            # Also an OSError with the same errno, so `except OSError` and errno checks work.
+            raise CheckpointIOError(first.errno, message) from first
+        raise CheckpointError(message) from first
 
     def _stop(self, *, at_exit: bool = False) -> None:
         if self._closed:

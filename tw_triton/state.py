@@ -112,12 +112,28 @@ def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
 
 
 def _flat_reference(
-    reference: Any, *, device: torch.device | None, verify: bool
+    reference: Any,
+    *,
+    device: torch.device | None,
+    verify: bool,
+    expect_id: str | None = None,
+    where: str = "",
 ) -> tuple[dict[str, torch.Tensor], str | None, str]:
-    """``(tensors by path, checkpoint id or None, description)`` of a reference."""
-    if isinstance(reference, (str, os.PathLike)):
-        from .format import read_file
+    """``(tensors by path, checkpoint id or None, description)`` of a reference.
 
+    For a path, ``expect_id`` (a checkpoint id, not a fingerprint) is checked against the
+    reference's manifest before its data is read.
+    """
+    if isinstance(reference, (str, os.PathLike)):
+        from .format import read_file, read_manifest
+
+        if expect_id is not None and not expect_id.startswith(FINGERPRINT_PREFIX):
+            found = read_manifest(reference).get("checkpoint_id")
+            if found != expect_id:
+                raise ReferenceMismatchError(
+                    f"{where} is a delta from reference checkpoint {expect_id!r}, but "
+                    f"reference file {os.fspath(reference)!r} is checkpoint {found!r}"
+                )
         rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device))
         state = dequantize_state_dict(rq, device=device, source=os.fspath(reference))
         tensors, _ = flatten(state)
@@ -327,23 +343,16 @@ def dequantize_state_dict(
     if delta:
         first = sorted(delta)[0]
         if reference is None:
+            more = f" (and {len(delta) - 1} more)" if len(delta) > 1 else ""
             raise ReferenceMismatchError(
-                f"{where}: entry {first!r} (and {len(delta) - 1} more) is stored as a delta "
-                f"from reference checkpoint {qstate.reference_id!r}; pass reference= (that "
-                "checkpoint's path or its decoded state)"
+                f"{where}: entry {first!r}{more} is stored as a delta from reference "
+                f"checkpoint {qstate.reference_id!r}, and no reference was given (pass the "
+                "reference checkpoint's path or its decoded state)"
             )
-        ref_tensors, ref_file_id, ref_what = _flat_reference(reference, device=dev, verify=True)
         rid = qstate.reference_id
-        if (
-            ref_file_id is not None
-            and rid is not None
-            and not rid.startswith(FINGERPRINT_PREFIX)
-            and ref_file_id != rid
-        ):
-            raise ReferenceMismatchError(
-                f"{where}: entry {first!r} is a delta from reference checkpoint {rid!r}, but "
-                f"{ref_what} is checkpoint {ref_file_id!r}"
-            )
+        ref_tensors, _, ref_what = _flat_reference(
+            reference, device=dev, verify=True, expect_id=rid, where=f"{where}: entry {first!r}"
+        )
         checks: list[tuple[str, torch.Tensor]] = []
         for path in sorted(delta):
             entry = qstate.entries[path]

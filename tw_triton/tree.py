@@ -150,10 +150,11 @@ def _flatten_node(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any
                 f"numpy array at {_describe(path)} has dtype {node.dtype}: only bool, int, "
                 "uint and float arrays can be checkpointed"
             )
-        native = np.ascontiguousarray(node.astype(node.dtype.newbyteorder("="), copy=False))
-        if not native.flags.writeable:
-            # torch.from_numpy warns on read-only arrays; the codec copies it anyway.
-            native = native.copy()
+        native = node.astype(node.dtype.newbyteorder("="), copy=False)
+        if not (native.flags.c_contiguous and native.flags.writeable):
+            # torch.from_numpy warns on read-only arrays (the codec copies it anyway);
+            # np.ascontiguousarray would turn a 0-d array into a 1-d one.
+            native = native.copy(order="C")
         tensors[path] = torch.from_numpy(native)
         return {"ndarray": path, "dtype": node.dtype.str}
     if isinstance(node, dict):

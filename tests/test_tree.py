@@ -1,0 +1,197 @@
+"""Flattening nested states to paths + a JSON skeleton, and rebuilding them with their types."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tw_triton.errors import CheckpointError, QuantizationError
+from tw_triton.tree import flatten, skeleton_tensor_paths, unflatten
+
+
+def assert_same(a, b, path="<root>"):
+    """Deep equality that also checks types: tuple vs list, int vs float, key types,
+    tensor dtype/shape/bits, ndarray dtype, NaN == NaN, -0.0 vs 0.0."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a.cpu().contiguous().view(-1).view(torch.uint8), b.cpu().contiguous().view(-1).view(torch.uint8)) if a.numel() and a.dtype != torch.bool else torch.equal(a.cpu(), b.cpu()), f"{path}: tensor bytes differ"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
+        assert a.tobytes() == b.tobytes(), f"{path}: array bytes differ"
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
+        for (ka, va), kb in zip(a.items(), b.keys()):
+            assert type(ka) is type(kb), f"{path}: key {ka!r} type {type(ka).__name__} != {type(kb).__name__}"
+            assert_same(va, b[kb], f"{path}/{ka}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    elif isinstance(a, float):
+        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b)), f"{path}: {a!r} != {b!r}"
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and (a == b or (np.isnan(a) and np.isnan(b))), f"{path}: {a!r} != {b!r}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def roundtrip(state):
+    tensors, skeleton = flatten(state)
+    # The skeleton goes through JSON in the file manifest.
+    skeleton = json.loads(json.dumps(skeleton))
+    return unflatten(skeleton, tensors), tensors
+
+
+# ---- property test: arbitrary nestings come back identical -----------------------------
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.binary(max_size=6),
+)
+small_tensors = st.builds(
+    lambda n, dt, seed: (torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 10).to(dt),
+    st.integers(0, 6),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool]),
+    st.integers(0, 100),
+)
+arrays = st.builds(
+    lambda n, dt: np.arange(n).astype(dt),
+    st.integers(0, 5),
+    st.sampled_from(["<u4", ">u4", "<f8", "|b1", "<i2"]),
+)
+keys = st.one_of(st.text(max_size=6), st.integers(-5, 50))
+leaves = st.one_of(scalars, small_tensors, arrays)
+
+
+def _unique_keys(d):
+    # Keys that collide after str() (1 and "1") are rejected by design; tested separately.
+    seen, out = set(), {}
+    for k, v in d.items():
+        if str(k) not in seen:
+            seen.add(str(k))
+            out[k] = v
+    return out
+
+
+trees = st.recursive(
+    leaves,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=4),
+        st.lists(kids, max_size=4).map(tuple),
+        st.dictionaries(keys, kids, max_size=4).map(_unique_keys),
+        st.dictionaries(st.text(max_size=5), kids, max_size=3).map(lambda d: OrderedDict(_unique_keys(d))),
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(trees)
+def test_any_nesting_round_trips_with_types(state):
+    out, _ = roundtrip(state)
+    assert_same(state, out)
+
+
+# ---- examples ------------------------------------------------------------------------------
+
+
+def test_paths_of_a_training_state():
+    w = torch.zeros(2, 2)
+    state = {
+        "model": OrderedDict([("enc.0.weight", w)]),
+        "optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}, "param_groups": [{"params": [0], "lr": 1e-3}]},
+        "rng": {"numpy": np.random.get_state(), "python": random.getstate()},
+        "step": 7,
+    }
+    tensors, skeleton = flatten(state)
+    assert list(tensors) == ["model/enc.0.weight", "optimizer/state/0/exp_avg", "rng/numpy/1"]
+    assert tensors["model/enc.0.weight"] is not None
+    assert skeleton_tensor_paths(skeleton) == list(tensors)
+    out, _ = roundtrip(state)
+    assert_same(state, out)
+    assert list(out["optimizer"]["state"]) == [0]  # int key stays int
+    assert isinstance(out["rng"]["python"][1], tuple)
+    np.random.set_state(out["rng"]["numpy"])  # accepted by numpy as is
+    random.setstate(out["rng"]["python"])
+
+
+def test_module_state_dict_metadata_is_kept():
+    sd = torch.nn.BatchNorm1d(4).state_dict()
+    out, _ = roundtrip(sd)
+    assert type(out) is OrderedDict
+    assert out._metadata == sd._metadata
+    torch.nn.BatchNorm1d(4).load_state_dict(out)
+
+
+def test_slash_and_percent_in_keys_stay_distinct():
+    state = {"a/b": torch.ones(1), "a%2Fb": torch.zeros(1), "a": {"b": torch.full((1,), 2.0)}}
+    tensors, _ = flatten(state)
+    assert set(tensors) == {"a%2Fb", "a%252Fb", "a/b"}
+    out, _ = roundtrip(state)
+    assert_same(state, out)
+
+
+def test_colliding_keys_are_rejected_with_path():
+    with pytest.raises(QuantizationError, match=r"'opt'.*same path component '1'"):
+        flatten({"opt": {1: torch.ones(1), "1": torch.ones(1)}})
+
+
+@pytest.mark.parametrize(
+    "leaf, what",
+    [
+        ({1, 2}, "set"),
+        (object(), "object"),
+        (1 + 2j, "complex"),
+        (namedtuple("P", "x y")(1, 2), "namedtuple"),
+        (np.array(["a"]), "dtype"),
+        (torch.zeros(3).to_sparse(), "layout"),
+    ],
+)
+def test_unsupported_leaves_name_their_path(leaf, what):
+    with pytest.raises(QuantizationError, match=r"'sched/extra/0'") as info:
+        flatten({"sched": {"extra": [leaf]}})
+    assert "pickle" in str(info.value) or what in str(info.value) or "layout" in str(info.value)
+
+
+def test_numpy_leaves_keep_dtype_and_byte_order():
+    state = [np.arange(4, dtype=">u4"), np.float32(1.5), np.int64(-3), np.array(2.5)]
+    out, tensors = roundtrip(state)
+    assert_same(state, out)
+    assert out[0].dtype.str == ">u4"
+    assert tensors["0"].dtype == torch.uint32
+
+
+def test_tensor_objects_are_shared_between_paths():
+    t = torch.ones(3)
+    tensors, skeleton = flatten({"a": t, "b": t})
+    tensors["b"] = tensors["a"]
+    out = unflatten(skeleton, tensors)
+    assert out["a"] is out["b"]
+
+
+@pytest.mark.parametrize(
+    "skeleton",
+    [
+        {"tensor": "missing"},
+        {"list": 3},
+        {"dict": [[1]]},
+        [1, 2],
+        {"unknown-node": 1},
+    ],
+)
+def test_malformed_skeleton_raises_checkpoint_error(skeleton):
+    with pytest.raises(CheckpointError):
+        unflatten(skeleton, {})

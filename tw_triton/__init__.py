@@ -3,6 +3,8 @@
 from .codec import QuantizedTensor, dequantize, quantize
 from .codecs import Codec, register_codec
 from .state import dequantize_state_dict, load, quantize_state_dict, save
+from .writer import AsyncWriter
+from .checkpointer import Checkpointer
 from .errors import (
     CheckpointError,
     QuantizationError,
@@ -26,4 +28,6 @@ __all__ = [
     "load",
     "Codec",
     "register_codec",
+    "AsyncWriter",
+    "Checkpointer",
 ]

@@ -233,6 +233,14 @@ class AsyncWriter:
         self._queue.put(job)
         return future
 
+    def check(self) -> None:
+        """Raise a failed save's error not yet raised, without waiting for anything.
+
+        Raises:
+            CheckpointError: as :meth:`submit` would.
+        """
+        self._raise_pending_errors()
+
     def flush(self) -> None:
         """Wait until every submitted save is written.
 

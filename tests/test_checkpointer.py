@@ -1,0 +1,230 @@
+"""Checkpointer: save/restore equivalence (exact and delta), RNG, retention, listing, resume."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tw_triton import format as fmt
+from tw_triton.checkpointer import (
+    Checkpointer,
+    capture_rng_state,
+    checkpoint_name,
+    parse_checkpoint_name,
+    restore_rng_state,
+)
+from tw_triton.errors import CheckpointError
+
+
+def make_run(seed: int):
+    """A tiny model with dropout (uses the torch RNG), AdamW, a scheduler and a scaler."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(128, 8)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    return model, opt, sched, scaler
+
+
+def train(model, opt, sched, steps: int) -> list[float]:
+    """Steps whose data draw on torch, numpy and Python RNGs, so all three must be restored."""
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 32)
+        noise = torch.from_numpy(np.random.standard_normal((16, 8)).astype(np.float32))
+        scale = random.random()
+        loss = (model(x) - scale * noise).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_restore_from_keyframe_continues_bit_for_bit(tmp_path, async_write):
+    seed_all(0)
+    model, opt, sched, scaler = make_run(0)
+    train(model, opt, sched, 4)
+    with Checkpointer(tmp_path, async_write=async_write, fsync=False) as ckpt:
+        ckpt.save(4, model=model, optimizer=opt, scheduler=sched, scaler=scaler, note="hello")
+        assert ckpt.infos()[0].kind == "keyframe"
+    expected = train(model, opt, sched, 5)
+    expected_params = [p.detach().clone() for p in model.parameters()]
+
+    seed_all(123)  # the RNGs must come back from the checkpoint, not from here
+    model2, opt2, sched2, scaler2 = make_run(99)
+    state = Checkpointer(tmp_path).restore(model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2)
+    assert state["step"] == 4 and state["note"] == "hello"
+    assert train(model2, opt2, sched2, 5) == expected
+    for a, b in zip(expected_params, model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_restore_from_delta_is_close(tmp_path):
+    seed_all(1)
+    model, opt, sched, scaler = make_run(1)
+    ckpt = Checkpointer(tmp_path, keyframe_every=100, fsync=False)
+    ckpt.save(0, model=model, optimizer=opt, scheduler=sched)
+    train(model, opt, sched, 6)
+    ckpt.save(6, model=model, optimizer=opt, scheduler=sched)
+    ckpt.close()
+    infos = {i.step: i for i in Checkpointer(tmp_path).infos()}
+    assert infos[6].kind == "delta" and infos[6].reference_id == infos[0].checkpoint_id
+    expected = train(model, opt, sched, 4)
+
+    seed_all(5)
+    model2, opt2, sched2, _ = make_run(5)
+    Checkpointer(tmp_path).restore(model=model2, optimizer=opt2, scheduler=sched2)
+    got = train(model2, opt2, sched2, 4)
+    # int8 deltas of the 4096-element weights: the run continues within quantization error.
+    np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-3)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.allclose(a, b, atol=1e-2)
+    # The exact parts came back exactly: optimizer moments and the scheduler.
+    assert sched2.state_dict() == sched.state_dict()
+
+
+def test_delta_stores_model_weights_quantized_and_optimizer_exact(tmp_path):
+    model, opt, sched, _ = make_run(2)
+    train(model, opt, sched, 2)
+    with Checkpointer(tmp_path, keyframe_every=5, fsync=False) as ckpt:
+        ckpt.save(1, model=model, optimizer=opt)
+        train(model, opt, sched, 1)
+        ckpt.save(2, model=model, optimizer=opt)
+        # The reference holds the keyframe's delta-coded tensors only: the two weights
+        # of >= 4096 elements (32x128 and 128x8 = 1024 is too small), fp32.
+        assert ckpt.reference_nbytes == 32 * 128 * 4
+    manifest = fmt.read_manifest(tmp_path / checkpoint_name(2))
+    entries = manifest["entries"]
+    assert entries["model/0.weight"]["codec"] == "blockwise"
+    assert entries["model/0.weight"]["params"]["delta"] is True
+    assert entries["optimizer/state/0/exp_avg"]["codec"] == "exact"
+    assert manifest["metadata"]["kind"] == "delta" and manifest["metadata"]["reference_step"] == 1
+    assert manifest["metadata"]["step"] == 2
+    kf = fmt.read_manifest(tmp_path / checkpoint_name(1))
+    assert all(e["codec"] == "exact" for e in kf["entries"].values())
+    assert manifest["reference_id"] == kf["checkpoint_id"]
+
+
+def test_no_delta_mode_keeps_no_reference(tmp_path):
+    model, opt, sched, _ = make_run(3)
+    with Checkpointer(tmp_path, delta=False, keyframe_every=3, fsync=False) as ckpt:
+        for step in range(4):
+            train(model, opt, sched, 1)
+            ckpt.save(step, model=model, optimizer=opt)
+            assert ckpt.reference_nbytes == 0
+        infos = ckpt.infos()
+    assert [i.kind for i in infos] == ["keyframe", "standalone", "standalone", "keyframe"][-len(infos):]
+    assert all(i.reference_id is None for i in infos)
+    state = Checkpointer(tmp_path).load(2)
+    assert torch.allclose(state["model"]["0.weight"], model[0].weight, atol=0.1)
+
+
+def test_rng_state_round_trip():
+    seed_all(7)
+    saved = capture_rng_state()
+    a = (torch.rand(3), np.random.rand(3), random.random())
+    seed_all(8)
+    restore_rng_state(saved)
+    b = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+    with pytest.raises(CheckpointError, match="RNG"):
+        restore_rng_state({"torch": saved["torch"]})
+
+
+def test_retention_with_many_saves_never_drops_a_needed_keyframe(tmp_path):
+    model = torch.nn.Linear(64, 64)  # 4096 weights: delta-coded
+    keep_last, every = 3, 4
+    ckpt = Checkpointer(tmp_path, keyframe_every=every, keep_last=keep_last, fsync=False)
+    saved_weights = {}
+    for step in range(0, 30):
+        with torch.no_grad():
+            model.weight.add_(0.01 * torch.randn_like(model.weight))
+        saved_weights[step] = model.weight.detach().clone()
+        ckpt.save(step, model=model)
+        ckpt.flush()
+        infos = {i.step: i for i in ckpt.infos()}
+        newest = sorted(infos)[-keep_last:]
+        assert newest == [s for s in range(max(0, step - keep_last + 1), step + 1)]
+        ids = {i.checkpoint_id for i in infos.values()}
+        for info in infos.values():
+            assert info.reference_id is None or info.reference_id in ids
+        # nothing else survives: the newest keep_last and the keyframes they need
+        needed = {i.reference_id for s, i in infos.items() if s in newest}
+        extra = [s for s in infos if s not in newest]
+        assert all(infos[s].checkpoint_id in needed for s in extra)
+    ckpt.close()
+    reader = Checkpointer(tmp_path)
+    for step in reader.steps():
+        w = reader.load(step)["model"]["weight"]
+        assert torch.allclose(w, saved_weights[step], atol=2e-3), step
+    assert reader.latest() == 29
+
+
+def test_keep_last_none_keeps_everything(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(tmp_path, keep_last=None, keyframe_every=2, async_write=False, fsync=False) as ckpt:
+        for step in range(5):
+            ckpt.save(step, model=model)
+        assert ckpt.steps() == [0, 1, 2, 3, 4]
+
+
+def test_resume_in_existing_directory_starts_with_a_keyframe(tmp_path):
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(tmp_path, keyframe_every=10, keep_last=10, fsync=False) as first:
+        for step in range(3):
+            first.save(step, model=model)
+    again = Checkpointer(tmp_path, keyframe_every=10, keep_last=10, fsync=False)
+    assert again.steps() == [0, 1, 2]
+    assert again.latest() == 2
+    state = again.restore(model=torch.nn.Linear(64, 64))
+    assert state["step"] == 2
+    again.save(3, model=model)
+    again.save(4, model=model)
+    again.close()
+    infos = {i.step: i for i in again.infos()}
+    assert [infos[s].kind for s in range(5)] == ["keyframe", "delta", "delta", "keyframe", "delta"]
+    assert infos[4].reference_id == infos[3].checkpoint_id
+
+
+def test_saving_a_step_again_replaces_it(tmp_path):
+    with Checkpointer(tmp_path, async_write=False, fsync=False) as ckpt:
+        ckpt.save(5, value=torch.tensor([1.0]))
+        ckpt.save(5, value=torch.tensor([2.0]))
+        assert ckpt.steps() == [5]
+        assert ckpt.load(5)["value"].item() == 2.0
+
+
+def test_names_and_errors(tmp_path):
+    assert checkpoint_name(100) == "step-00000100.tw.safetensors"
+    assert parse_checkpoint_name("step-00000100.tw.safetensors") == 100
+    assert parse_checkpoint_name(".step-00000100.tw.safetensors.0123456789abcdef.tmp") is None
+    ckpt = Checkpointer(tmp_path, fsync=False)
+    with pytest.raises(CheckpointError, match="reserved"):
+        ckpt.save(1, rng=1)
+    with pytest.raises(CheckpointError, match="no complete"):
+        ckpt.load()
+    ckpt.save(1, model=torch.nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match="no state named 'optimizer'"):
+        ckpt.restore(optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(CheckpointError, match="no load_state_dict"):
+        ckpt.restore(model=42)
+    with pytest.raises(CheckpointError, match="step 7"):
+        ckpt.load(7)
+    ckpt.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        ckpt.save(2, x=1)

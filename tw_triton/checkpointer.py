@@ -1,0 +1,703 @@
+"""The Checkpointer: small checkpoints inside a training loop, retention, crash-safe resume.
+
+Usage::
+
+    ckpt = Checkpointer("runs/ckpt", keyframe_every=10, keep_last=3)
+    for step in range(start, steps):
+        train_step()
+        if step % 100 == 0:
+            ckpt.save(step, model=model, optimizer=opt, scheduler=sched, scaler=scaler)
+    ckpt.close()
+
+    # after a restart, into fresh objects:
+    state = Checkpointer("runs/ckpt").restore(model=model, optimizer=opt, scheduler=sched)
+    start = state["step"] + 1
+
+What a save holds
+    ``save(step, **state)`` stores ``{"step": step, <your names>: ..., "rng": ...}``:
+    every object with a ``state_dict()`` (modules, optimizers, LR schedulers, GradScalers)
+    by its state dict, plain values (ints, floats, strings, tensors, nested containers) as
+    they are, and the RNG states of torch (CPU, and CUDA once CUDA is initialized), numpy
+    and Python's ``random``. ``step`` and ``rng`` are therefore reserved names.
+
+Keyframes and deltas
+    Every ``keyframe_every``-th save (and the first save of a process) is a *keyframe*:
+    everything stored exact, so restoring from it is bit for bit. The saves in between are
+    *deltas*: the tensors the rules quantize (by default the model's float tensors of at
+    least 4096 elements) are stored as the blockwise-quantized difference from the last
+    keyframe; everything else (optimizer moments, counters, RNG) stays exact. A delta file
+    names its keyframe by checkpoint id; loading it reads both files.
+
+Device memory of deltas
+    To encode deltas, the keyframe's values of the quantized-by-rule tensors stay where the
+    tensors live (on the GPU for a GPU run): one extra copy of those tensors, in their own
+    dtype (by default: one copy of the model's large weights; nothing for optimizer state).
+    The copy is the keyframe snapshot itself, so it costs no extra copy at keyframe time.
+    With ``delta=False`` nothing is kept: the saves between keyframes quantize the same
+    tensors on their own (absolute values, blockwise), which is larger on disk than a delta
+    and less exact, but needs no reference in memory or on disk.
+
+Resuming in an existing directory
+    A new ``Checkpointer`` on a directory that already holds checkpoints lists them (for
+    ``latest``, ``load``, ``restore`` and retention) but never adopts an old keyframe as
+    the reference for its deltas: its first ``save`` writes a new keyframe. Reading the
+    old keyframe back to the device would cost as much as writing a new one, and the new
+    one cannot belong to a different run that happened to use the same directory.
+
+Crash safety
+    Files appear under their final name only when complete (``format.write_file``: temp
+    file, fsync, rename, directory fsync). A crash leaves at most temp files
+    (``.step-....tmp``), which every listing ignores and :meth:`remove_temp_files` deletes.
+    :meth:`latest` verifies each candidate (checksums of the file and of its keyframe) and
+    falls back, with a logged warning, to the newest checkpoint that verifies.
+
+Retention
+    After each save completes, the ``keep_last`` newest checkpoints are kept, plus every
+    keyframe that a kept (or still pending) delta needs, plus the keyframe that the next
+    deltas will use; every other checkpoint file is deleted. A needed reference is never
+    deleted.
+
+One ``Checkpointer`` writes a directory at a time (several readers are fine).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import random
+import re
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import format as _format
+from .codecs import get_codec
+from .errors import CheckpointError, ReferenceMismatchError, TwTritonError
+from .qstate import QuantizedState
+from .rules import resolve_rules, select_rule
+from .state import load as _load_state
+from .state import quantize_state_dict
+from .writer import AsyncWriter
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_SUFFIX = ".tw.safetensors"
+STEP_DIGITS = 8
+RESERVED_NAMES = ("step", "rng")
+_NAME_RE = re.compile(r"step-(\d+)\.tw\.safetensors")
+_UNESCAPE_RE = re.compile(r"%(25|2F)")
+
+KIND_KEYFRAME = "keyframe"  # everything exact, no reference
+KIND_DELTA = "delta"  # quantized entries are deltas from a keyframe
+KIND_STANDALONE = "standalone"  # quantized without a reference (delta=False mode)
+
+
+def checkpoint_name(step: int) -> str:
+    """File name of the checkpoint of ``step``, e.g. ``step-00000100.tw.safetensors``."""
+    return f"step-{step:0{STEP_DIGITS}d}{CHECKPOINT_SUFFIX}"
+
+
+def parse_checkpoint_name(name: str) -> int | None:
+    """The step of a checkpoint file name, or ``None`` if it is not one (temp files too)."""
+    m = _NAME_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the directory listing knows of one complete checkpoint file (from its header).
+
+    Attributes:
+        step: training step (from the file name).
+        path: the file.
+        checkpoint_id: its id.
+        reference_id: id of the keyframe it is a delta from, or ``None``.
+        kind: ``"keyframe"``, ``"delta"`` or ``"standalone"`` (from the manifest metadata;
+            ``"unknown"`` for a file not written by a Checkpointer).
+        nbytes: file size.
+    """
+
+    step: int
+    path: str
+    checkpoint_id: str
+    reference_id: str | None
+    kind: str
+    nbytes: int
+
+
+@dataclass
+class _Reference:
+    """The keyframe the next deltas are encoded against, kept on the tensors' devices."""
+
+    checkpoint_id: str
+    step: int
+    tree: dict[str, Any]  # nested like the saved state, only the delta-coded tensors
+    nbytes: int
+    future: Future  # the keyframe's write: if it fails, the reference is dropped
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The RNG states of torch (CPU; CUDA if initialized), numpy and Python ``random``."""
+    rng: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    # Asking for CUDA RNG states would initialize CUDA in a CPU-only run; a run that uses
+    # CUDA has initialized it by the time it saves.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def restore_rng_state(rng: dict[str, Any], *, source: str = "checkpoint") -> None:
+    """Put back RNG states recorded by :func:`capture_rng_state`.
+
+    Raises:
+        CheckpointError: the recorded states are missing or malformed (names ``source``).
+    """
+    try:
+        torch.set_rng_state(rng["torch"].detach().to("cpu", torch.uint8))
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{source}: cannot restore the RNG states: {type(e).__name__}: {e}") from e
+    cuda = rng.get("cuda")
+    if cuda is not None:
+        if torch.cuda.is_available() and torch.cuda.device_count() >= len(cuda):
+            torch.cuda.set_rng_state_all([t.detach().to("cpu", torch.uint8) for t in cuda])
+        else:
+            logger.warning(
+                "%s: recorded CUDA RNG states for %d device(s) but %d are available; "
+                "CUDA RNG states not restored", source, len(cuda),
+                torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            )
+
+
+def _unescape(component: str) -> str:
+    return _UNESCAPE_RE.sub(lambda m: "%" if m.group(1) == "25" else "/", component)
+
+
+def _nest(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Nested dicts whose flattened paths (``tree.flatten``) are exactly ``flat``'s keys.
+
+    List indices become string keys, which flatten to the same path components.
+    """
+    root: dict[str, Any] = {}
+    for path, t in flat.items():
+        parts = [_unescape(p) for p in path.split("/")]
+        node = root
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = t
+    return root
+
+
+def _state_of(name: str, value: Any) -> Any:
+    state_dict = getattr(value, "state_dict", None)
+    if callable(state_dict) and not isinstance(value, torch.Tensor):
+        return state_dict()
+    return value
+
+
+def _done_future(result: Any = None) -> Future:
+    f: Future = Future()
+    f.set_result(result)
+    return f
+
+
+class Checkpointer:
+    """Saves training state into a directory of small checkpoints, and restores it.
+
+    Args:
+        directory: where the checkpoints go (created if missing).
+        keyframe_every: one save in this many is an exact keyframe (1: all exact).
+        keep_last: how many of the newest checkpoints retention keeps (plus the keyframes
+            they need); ``None`` keeps everything.
+        rules: which tensors are quantized, as in :func:`tw_triton.quantize_state_dict`
+            (``None``: the defaults; a preset name; ``[(glob, codec spec), ...]``). Paths
+            start with the names given to :meth:`save` (``model/...``, ``optimizer/...``).
+        bits, block: parameters of the quantizing rules.
+        async_write: write on a background thread (``save`` returns a pending Future);
+            ``False`` writes before ``save`` returns.
+        delta: encode the saves between keyframes as deltas from the last keyframe,
+            which keeps one copy of the quantized tensors on their device; ``False`` keeps
+            nothing and quantizes those saves on their own.
+        max_pending: saves in flight before ``save`` blocks (async only).
+        pinned_bytes: cap on the writer's pinned host memory (async only; see
+            :class:`~tw_triton.writer.AsyncWriter`).
+        fsync: fsync files and the directory (leave on outside of tests).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keyframe_every: int = 10,
+        keep_last: int | None = 3,
+        rules: Any = None,
+        bits: int = 8,
+        block: int = 128,
+        async_write: bool = True,
+        delta: bool = True,
+        max_pending: int = 1,
+        pinned_bytes: int | None = None,
+        fsync: bool = True,
+    ) -> None:
+        if keyframe_every < 1:
+            raise CheckpointError(f"keyframe_every must be at least 1, got {keyframe_every}")
+        if keep_last is not None and keep_last < 1:
+            raise CheckpointError(f"keep_last must be at least 1 or None, got {keep_last}")
+        self.directory = os.fspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self.keyframe_every = keyframe_every
+        self.keep_last = keep_last
+        self.rules = rules
+        self.bits = bits
+        self.block = block
+        self.delta = delta
+        self.fsync = fsync
+        self._writer = (
+            AsyncWriter(max_pending=max_pending, pinned_bytes=pinned_bytes, fsync=fsync)
+            if async_write else None
+        )
+        self._reference: _Reference | None = None
+        self._since_keyframe: int | None = None  # None: the next save is a keyframe
+        self._inflight: dict[int, tuple[Future, str, str | None]] = {}  # step -> (future, id, ref id)
+        self._manifest_cache: dict[str, tuple[tuple[int, int], CheckpointInfo | None]] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------- saving
+
+    def save(self, step: int, **state: Any) -> Future:
+        """Snapshot and encode ``state`` now; write it (in the background if async).
+
+        The loop pauses for the snapshot and the encode (on CUDA: the kernel launches and
+        one sync), and for backpressure when ``max_pending`` saves are still being written.
+
+        Args:
+            step: the training step; names the file (a step saved again is replaced).
+            **state: objects with ``state_dict()`` and plain values, by name.
+
+        Returns:
+            A Future that resolves to the bytes written (already resolved when
+            ``async_write=False``).
+
+        Raises:
+            CheckpointError: an earlier async save failed (raised once, chained from the
+                original; an ``OSError`` arrives as ``CheckpointIOError`` with its errno),
+                a reserved name was used, or the Checkpointer is closed.
+            QuantizationError: a value the format cannot store (names its path).
+        """
+        if self._closed:
+            raise CheckpointError(f"cannot save step {step}: the Checkpointer of {self.directory!r} is closed")
+        step = operator.index(step)
+        if step < 0:
+            raise CheckpointError(f"step must be non-negative, got {step}")
+        for name in RESERVED_NAMES:
+            if name in state:
+                raise CheckpointError(
+                    f"'{name}' is a reserved name in a checkpoint (it holds the "
+                    f"{'step number' if name == 'step' else 'RNG states'}); use another name"
+                )
+        self._collect_finished()
+        if self._writer is not None:
+            try:
+                self._writer.check()
+            except TwTritonError:
+                self._drop_reference_if_lost()
+                raise
+        self._retain()
+
+        tree: dict[str, Any] = {"step": step}
+        for name, value in state.items():
+            tree[name] = _state_of(name, value)
+        tree["rng"] = capture_rng_state()
+
+        keyframe = self._since_keyframe is None or self._since_keyframe + 1 >= self.keyframe_every
+        path = os.path.join(self.directory, checkpoint_name(step))
+        meta: dict[str, Any] = {"step": step, "saved_at": time.time()}
+        if keyframe:
+            q = quantize_state_dict(tree, rules="exact", bits=self.bits, block=self.block, metadata=meta)
+            q.metadata["kind"] = KIND_KEYFRAME
+        elif self.delta and self._reference is not None:
+            q = quantize_state_dict(
+                tree, reference=self._reference.tree, reference_id=self._reference.checkpoint_id,
+                rules=self.rules, bits=self.bits, block=self.block, metadata=meta,
+            )
+            q.metadata["kind"] = KIND_DELTA if q.reference_id is not None else KIND_STANDALONE
+            if q.reference_id is not None:
+                q.metadata["reference_step"] = self._reference.step
+        else:
+            q = quantize_state_dict(tree, rules=self.rules, bits=self.bits, block=self.block, metadata=meta)
+            q.metadata["kind"] = KIND_STANDALONE
+
+        future = self._write(q, path)
+        self._inflight[step] = (future, q.checkpoint_id, q.reference_id)
+        if keyframe:
+            self._since_keyframe = 0
+            self._reference = self._make_reference(q, tree, step, future) if self.delta else None
+        else:
+            self._since_keyframe = (self._since_keyframe or 0) + 1
+        if self._writer is None:
+            self._collect_finished()
+            self._retain()
+        return future
+
+    def flush(self) -> None:
+        """Wait for every pending save, apply retention, and raise a failed save's error."""
+        if self._writer is not None:
+            try:
+                self._writer.flush()
+            finally:
+                self._collect_finished()
+                self._drop_reference_if_lost()
+        self._retain()
+
+    def close(self) -> None:
+        """Flush, stop the writer thread, and drop the reference. Closing twice is harmless."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._reference = None
+            if self._writer is not None:
+                self._writer.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except TwTritonError as err:  # do not hide the loop's own exception
+            logger.error("while handling %s: %s", exc_type.__name__, err)
+
+    @property
+    def reference_nbytes(self) -> int:
+        """Bytes the current keyframe reference holds on its devices (0 without one)."""
+        return self._reference.nbytes if self._reference is not None else 0
+
+    # ------------------------------------------------------------------ listing
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoint files in the directory, oldest first.
+
+        Temp files are not listed; files are not verified (see :meth:`latest`). Waits for
+        this Checkpointer's pending saves first (without raising their errors).
+        """
+        self._wait_inflight()
+        return sorted(self._scan())
+
+    def infos(self) -> list[CheckpointInfo]:
+        """:class:`CheckpointInfo` of every complete checkpoint file, oldest first."""
+        self._wait_inflight()
+        found = self._scan()
+        return [found[s] for s in sorted(found)]
+
+    def latest(self, *, verify: bool = True) -> int | None:
+        """The newest step whose checkpoint (and the keyframe it needs) is good, or ``None``.
+
+        With ``verify`` every candidate file is read and its checksums checked; a file that
+        fails, or a delta whose keyframe is missing or fails, is skipped with a logged
+        warning, and the next older one is tried. Waits for pending saves first.
+        """
+        self._wait_inflight()
+        found = self._scan()
+        by_id = {info.checkpoint_id: info for info in found.values()}
+        verified: dict[str, bool] = {}
+        for step in sorted(found, reverse=True):
+            info = found[step]
+            problem = self._problem(info, by_id, verified, verify)
+            if problem is None:
+                return step
+            logger.warning("skipping checkpoint %s: %s", info.path, problem)
+        return None
+
+    def path_for(self, step: int) -> str:
+        """Path of the checkpoint file of ``step`` (whether or not it exists)."""
+        return os.path.join(self.directory, checkpoint_name(step))
+
+    def remove_temp_files(self) -> list[str]:
+        """Delete the temp files that interrupted writes left here; return their paths.
+
+        Call it only when nothing else is writing to this directory.
+        """
+        removed = []
+        for name in os.listdir(self.directory):
+            if _format.is_temp_file(name) and name.startswith(".step-"):
+                path = os.path.join(self.directory, name)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
+                removed.append(path)
+        if removed:
+            logger.info("removed %d temp file(s) of interrupted saves in %s", len(removed), self.directory)
+        return removed
+
+    # ------------------------------------------------------------------ loading
+
+    def load(
+        self, step: int | None = None, *, device: torch.device | str = "cpu", verify: bool = True
+    ) -> dict[str, Any]:
+        """Load a checkpoint (default: :meth:`latest`) as the nested state that was saved.
+
+        Returns:
+            ``{"step": int, <names given to save>: their state dicts or values,
+            "rng": {...}}``, tensors on ``device``.
+
+        Raises:
+            CheckpointError: no good checkpoint, no checkpoint for ``step``, or a bad file
+                (the message names the file and the entry).
+            ReferenceMismatchError: the keyframe a delta needs is missing or different.
+        """
+        found, info = self._find(step, verify=verify)
+        reference = None
+        if info.reference_id is not None:
+            ref = next((i for i in found.values() if i.checkpoint_id == info.reference_id), None)
+            if ref is None:
+                raise ReferenceMismatchError(
+                    f"{info.path}: is a delta from checkpoint {info.reference_id!r}, which is "
+                    f"not in {self.directory!r}"
+                )
+            reference = ref.path
+        state = _load_state(info.path, device=device, reference=reference, verify=verify)
+        if not isinstance(state, dict) or "step" not in state:
+            raise CheckpointError(
+                f"{info.path}: not a Checkpointer checkpoint (expected a dict with 'step' at the top)"
+            )
+        return state
+
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        device: torch.device | str | None = None,
+        rng: bool = True,
+        **objects: Any,
+    ) -> dict[str, Any]:
+        """Load a checkpoint (default: :meth:`latest`) back into live objects.
+
+        ``ckpt.restore(model=model, optimizer=opt, scheduler=sched, scaler=scaler)`` calls
+        each object's ``load_state_dict`` with the state saved under the same name, and
+        (with ``rng``) puts back the RNG states, so that the run continues as the saved one
+        would have: bit for bit from a keyframe, within quantization error from a delta.
+
+        Args:
+            step: which checkpoint; ``None`` for the latest good one.
+            device: where the tensors are loaded before ``load_state_dict``; default: the
+                device of the first parameter of the object named ``model`` (or of any
+                module given), else the CPU.
+            rng: restore the RNG states too.
+            **objects: objects with ``load_state_dict``, by the names used in ``save``.
+
+        Returns:
+            The loaded state (as :meth:`load`), e.g. ``state["step"]`` and plain values.
+
+        Raises:
+            CheckpointError: a name that the checkpoint lacks, an object without
+                ``load_state_dict``, or anything :meth:`load` raises.
+        """
+        for name, obj in objects.items():
+            if not callable(getattr(obj, "load_state_dict", None)):
+                raise CheckpointError(
+                    f"cannot restore {name!r}: {type(obj).__name__} has no load_state_dict(); "
+                    f"plain values are in the dict restore() returns"
+                )
+        if device is None:
+            device = _default_device(objects)
+        found, info = self._find(step, verify=True)
+        state = self.load(info.step, device=device)
+        for name, obj in objects.items():
+            if name not in state:
+                saved = sorted(k for k in state if k not in RESERVED_NAMES)
+                raise CheckpointError(f"{info.path}: holds no state named {name!r}; it holds {saved}")
+            obj.load_state_dict(state[name])
+        if rng:
+            if "rng" not in state:
+                raise CheckpointError(f"{info.path}: holds no RNG states")
+            restore_rng_state(state["rng"], source=info.path)
+        return state
+
+    # ---------------------------------------------------------------- internals
+
+    def _write(self, q: QuantizedState, path: str) -> Future:
+        if self._writer is not None:
+            return self._writer.submit(q, path)
+        return _done_future(_format.write_file(q, path, fsync=self.fsync))
+
+    def _make_reference(self, q: QuantizedState, tree: Any, step: int, future: Future) -> _Reference:
+        """Keep the keyframe's values of the tensors that the rules will delta-code.
+
+        The keyframe is all exact, so its ``data`` buffers are the snapshot values; holding
+        them costs nothing more than not freeing them.
+        """
+        rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
+        flat: dict[str, torch.Tensor] = {}
+        for path, entry in q.entries.items():
+            data = entry.buffers["data"]
+            rule = select_rule(rule_list, path, data)
+            codec = get_codec(rule.codec)
+            if codec is not None and codec.uses_reference(rule.params):
+                flat[path] = data
+        nbytes = sum(t.numel() * t.element_size() for t in flat.values())
+        return _Reference(q.checkpoint_id, step, _nest(flat), nbytes, future)
+
+    def _drop_reference_if_lost(self) -> None:
+        """A keyframe whose write failed cannot serve as a reference: start a new one."""
+        ref = self._reference
+        if ref is not None and ref.future.done() and ref.future.exception() is not None:
+            logger.warning(
+                "keyframe of step %d was not written; the next save will be a new keyframe", ref.step
+            )
+            self._reference = None
+            self._since_keyframe = None
+
+    def _collect_finished(self) -> None:
+        for step, (future, _, _) in list(self._inflight.items()):
+            if future.done():
+                del self._inflight[step]
+        self._drop_reference_if_lost()
+
+    def _wait_inflight(self) -> None:
+        wait_futures([f for f, _, _ in self._inflight.values()])
+        self._collect_finished()
+
+    def _scan(self) -> dict[int, CheckpointInfo]:
+        """Complete checkpoint files by step (headers read once per file version)."""
+        found: dict[int, CheckpointInfo] = {}
+        seen = set()
+        for name in os.listdir(self.directory):
+            step = parse_checkpoint_name(name)
+            if step is None:
+                continue
+            path = os.path.join(self.directory, name)
+            seen.add(path)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            key = (st.st_mtime_ns, st.st_size)
+            cached = self._manifest_cache.get(path)
+            if cached is not None and cached[0] == key:
+                info = cached[1]
+            else:
+                info = self._read_info(path, step, st.st_size)
+                self._manifest_cache[path] = (key, info)
+            if info is not None:
+                found[step] = info
+        for path in set(self._manifest_cache) - seen:
+            del self._manifest_cache[path]
+        return found
+
+    @staticmethod
+    def _read_info(path: str, step: int, size: int) -> CheckpointInfo | None:
+        try:
+            manifest = _format.read_manifest(path)
+        except (CheckpointError, OSError) as e:
+            logger.warning("ignoring %s: its header cannot be read: %s", path, e)
+            return None
+        kind = (manifest.get("metadata") or {}).get("kind", "unknown")
+        return CheckpointInfo(step, path, manifest["checkpoint_id"], manifest.get("reference_id"), kind, size)
+
+    @staticmethod
+    def _problem(
+        info: CheckpointInfo, by_id: dict[str, CheckpointInfo], verified: dict[str, bool], verify: bool
+    ) -> str | None:
+        """Why ``info`` cannot be loaded, or ``None`` if it (and its keyframe) verify."""
+        chain = [info]
+        seen = {info.checkpoint_id}
+        while chain[-1].reference_id is not None:
+            ref = by_id.get(chain[-1].reference_id)
+            if ref is None:
+                return f"its reference checkpoint {chain[-1].reference_id!r} is missing"
+            if ref.checkpoint_id in seen:
+                return f"its references form a cycle at {ref.path}"
+            seen.add(ref.checkpoint_id)
+            chain.append(ref)
+        if not verify:
+            return None
+        for item in chain:
+            if item.path not in verified:
+                try:
+                    _format.verify_file(item.path)
+                    verified[item.path] = True
+                except (CheckpointError, OSError) as e:
+                    logger.warning("checkpoint %s fails verification: %s", item.path, e)
+                    verified[item.path] = False
+            if not verified[item.path]:
+                return "it fails verification" if item is info else f"its reference {item.path} fails verification"
+        return None
+
+    def _find(self, step: int | None, *, verify: bool) -> tuple[dict[int, CheckpointInfo], CheckpointInfo]:
+        if step is None:
+            step = self.latest(verify=verify)
+            if step is None:
+                raise CheckpointError(f"no complete, verified checkpoint in {self.directory!r}")
+        self._wait_inflight()
+        found = self._scan()
+        if step not in found:
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {self.directory!r}; steps: {sorted(found)}"
+            )
+        return found, found[step]
+
+    def _retain(self) -> None:
+        """Delete checkpoints that are neither among the newest nor needed by a kept one."""
+        if self.keep_last is None:
+            return
+        found = self._scan()
+        complete = [s for s in sorted(found, reverse=True) if s not in self._inflight]
+        keep = set(complete[: self.keep_last]) | set(self._inflight)
+        needed = {ref for _, _, ref in self._inflight.values() if ref is not None}
+        if self._reference is not None:
+            needed.add(self._reference.checkpoint_id)
+        needed |= {found[s].reference_id for s in keep if s in found and found[s].reference_id}
+        by_id = {info.checkpoint_id: info for info in found.values()}
+        frontier = list(needed)
+        while frontier:  # references of references (none with keyframes, but be safe)
+            ref = by_id.get(frontier.pop())
+            if ref is not None and ref.reference_id and ref.reference_id not in needed:
+                needed.add(ref.reference_id)
+                frontier.append(ref.reference_id)
+        for step, info in found.items():
+            if step in keep or info.checkpoint_id in needed:
+                continue
+            try:
+                os.unlink(info.path)
+            except FileNotFoundError:
+                continue
+            self._manifest_cache.pop(info.path, None)
+            logger.debug("retention removed %s", info.path)
+
+
+def _default_device(objects: dict[str, Any]) -> torch.device:
+    candidates = [objects["model"]] if "model" in objects else []
+    candidates += [o for o in objects.values() if isinstance(o, torch.nn.Module)]
+    for obj in candidates:
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                return p.device
+    return torch.device("cpu")
+
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointInfo",
+    "checkpoint_name",
+    "parse_checkpoint_name",
+    "capture_rng_state",
+    "restore_rng_state",
+]

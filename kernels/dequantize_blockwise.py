@@ -5,8 +5,9 @@ elements, one scale per row, and a program owns ``ROWS`` consecutive rows (about
 elements). It loads the row's ``BLOCK * BITS / 8`` packed bytes, splits every byte into its
 ``8 / BITS`` codes in registers (``tl.join`` then ``tl.reshape`` restores element order),
 loads ``ROWS`` scales and the reference tile, and writes the output tile once. Tiles wholly
-inside the tensor are unmasked; element offsets are int64 (see ``row0`` in the encode
-kernel's docstring, which plays the same role here).
+inside the tensor run as one unmasked launch, the partial tile at the end as a second,
+masked launch; element offsets are int64 (see ``row0`` in the encode kernel's docstring,
+which plays the same role here).
 
 Why the arithmetic looks the way it does: the decode must equal
 ``tw_triton.codec.dequantize_blockwise_torch`` bit for bit, on the GPU and under
@@ -80,24 +81,31 @@ def _unpack_lsb_first(packed, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.
     return u
 
 
-@triton.jit
-def _decode_rows(
+@triton.jit(do_not_specialize=["row0"])
+def dequantize_blockwise_kernel(
     codes_ptr,
     scales_ptr,
     ref_ptr,
     out_ptr,
     n,
-    first_row,
+    row0,
     MASKED: tl.constexpr,
     HAS_REF: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
+    """Decode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat output.
+
+    ``MASKED`` is False for tiles wholly inside the tensor (no bounds checks, vector
+    accesses whatever ``n`` is); the launcher runs the partial tile at the end separately.
+    """
     CODE_OFFSET: tl.constexpr = 1 << (BITS - 1)
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
 
+    # Widen before multiplying: pid * ROWS * BLOCK passes 2**31 on large tensors.
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
     rows = first_row + tl.arange(0, ROWS).to(tl.int64)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
@@ -123,29 +131,6 @@ def _decode_rows(
         tl.store(out_ptr + offs, y)
 
 
-@triton.jit
-def dequantize_blockwise_kernel(
-    codes_ptr,
-    scales_ptr,
-    ref_ptr,
-    out_ptr,
-    n,
-    row0,
-    HAS_REF: tl.constexpr,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """Decode rows ``row0 + pid * ROWS ...`` of an ``n``-element flat output."""
-    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
-    if (first_row + ROWS) * BLOCK <= n:
-        _decode_rows(codes_ptr, scales_ptr, ref_ptr, out_ptr, n, first_row,
-                     False, HAS_REF, BITS, BLOCK, ROWS)
-    else:
-        _decode_rows(codes_ptr, scales_ptr, ref_ptr, out_ptr, n, first_row,
-                     True, HAS_REF, BITS, BLOCK, ROWS)
-
-
 def rows_per_program(block: int) -> int:
     """Blocks (rows) handled by one program for a given block size."""
     return max(1, TILE_ELEMENTS // block)
@@ -167,17 +152,10 @@ def launch_dequantize(
     tensor; a nonzero ``row0`` is for tests of the int64 offset arithmetic.
     """
     rows = rows_per_program(block)
-    total_rows = -(-n // block) - row0
-    if total_rows <= 0:
-        return
-    grid = (triton.cdiv(total_rows, rows),)
-    dequantize_blockwise_kernel[grid](
-        codes,
-        scales,
-        reference if reference is not None else out,
-        out,
-        n,
-        row0,
+    tile = rows * block
+    full_tiles = max(0, n - row0 * block) // tile
+    ref = reference if reference is not None else out
+    common = dict(
         HAS_REF=reference is not None,
         BITS=bits,
         BLOCK=block,
@@ -185,6 +163,15 @@ def launch_dequantize(
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
+    if full_tiles:
+        dequantize_blockwise_kernel[(full_tiles,)](
+            codes, scales, ref, out, n, row0, MASKED=False, **common
+        )
+    tail_row0 = row0 + full_tiles * rows
+    if tail_row0 * block < n:
+        dequantize_blockwise_kernel[(1,)](
+            codes, scales, ref, out, n, tail_row0, MASKED=True, **common
+        )
 
 
 def dequantize_blockwise(

@@ -4,9 +4,9 @@ Tile layout. The flat input is viewed as rows of ``BLOCK`` elements (one row = o
 block = one scale). A program owns ``ROWS`` consecutive rows, a ``(ROWS, BLOCK)`` tile of
 about 4096 elements (16 KB of fp32, 8 KB of bf16), so it reads ``x`` (and ``ref``) once,
 reduces each row to its absmax in registers, and writes ``ROWS * BLOCK * BITS / 8`` code
-bytes and ``ROWS`` scales once. Tiles that lie wholly inside the tensor take an unmasked
-path, so their loads stay 16-byte vectors whatever the tensor's length; only the last
-program masks. Element offsets are computed in int64 (the program id is widened before it
+bytes and ``ROWS`` scales once. Tiles that lie wholly inside the tensor run as one launch
+without bounds masks, so their loads stay 16-byte vectors whatever the tensor's length;
+the partial tile at the end, if any, is a second launch of one masked program. Element offsets are computed in int64 (the program id is widened before it
 is multiplied) so tensors of more than 2**31 elements address correctly. ``row0`` shifts
 the first row of the launch: it is 0 in normal use, and lets a test run the offset
 arithmetic far past 2**31 without allocating such a tensor.
@@ -42,7 +42,7 @@ NUM_WARPS = 8
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude < 2**22 to an integer,
 # ties to even, in the current (round-to-nearest-even) mode.
-_RNE_MAGIC = 12582912.0
+_RNE_MAGIC = tl.constexpr(12582912.0)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -79,25 +79,33 @@ def _pack_lsb_first(u, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constex
     return packed.to(tl.uint8)
 
 
-@triton.jit
-def _encode_rows(
+@triton.jit(do_not_specialize=["row0"])
+def quantize_blockwise_kernel(
     x_ptr,
     ref_ptr,
     codes_ptr,
     scales_ptr,
     n,
-    first_row,
+    row0,
     MASKED: tl.constexpr,
     HAS_REF: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
+    """Encode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat input.
+
+    ``MASKED`` is False for tiles wholly inside the tensor, which then need no bounds
+    checks (and keep 16-byte vector loads whatever ``n`` is); the launcher runs the one
+    partial tile at the end as a separate ``MASKED`` launch.
+    """
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     CODE_OFFSET: tl.constexpr = 1 << (BITS - 1)
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
 
+    # Widen before multiplying: pid * ROWS * BLOCK passes 2**31 on large tensors.
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
     rows = first_row + tl.arange(0, ROWS).to(tl.int64)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     if MASKED:
@@ -137,29 +145,6 @@ def _encode_rows(
         tl.store(scales_ptr + rows, scale)
 
 
-@triton.jit
-def quantize_blockwise_kernel(
-    x_ptr,
-    ref_ptr,
-    codes_ptr,
-    scales_ptr,
-    n,
-    row0,
-    HAS_REF: tl.constexpr,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """Encode rows ``row0 + pid * ROWS ...`` of the flat input (``n`` elements)."""
-    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
-    if (first_row + ROWS) * BLOCK <= n:
-        _encode_rows(x_ptr, ref_ptr, codes_ptr, scales_ptr, n, first_row,
-                     False, HAS_REF, BITS, BLOCK, ROWS)
-    else:
-        _encode_rows(x_ptr, ref_ptr, codes_ptr, scales_ptr, n, first_row,
-                     True, HAS_REF, BITS, BLOCK, ROWS)
-
-
 def rows_per_program(block: int) -> int:
     """Blocks (rows) handled by one program for a given block size."""
     return max(1, TILE_ELEMENTS // block)
@@ -181,17 +166,10 @@ def launch_quantize(
     tensor; a nonzero ``row0`` is for tests of the int64 offset arithmetic.
     """
     rows = rows_per_program(block)
-    total_rows = -(-n // block) - row0
-    if total_rows <= 0:
-        return
-    grid = (triton.cdiv(total_rows, rows),)
-    quantize_blockwise_kernel[grid](
-        x,
-        reference if reference is not None else x,
-        codes,
-        scales,
-        n,
-        row0,
+    tile = rows * block
+    full_tiles = max(0, n - row0 * block) // tile
+    ref = reference if reference is not None else x
+    common = dict(
         HAS_REF=reference is not None,
         BITS=bits,
         BLOCK=block,
@@ -199,6 +177,15 @@ def launch_quantize(
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
+    if full_tiles:
+        quantize_blockwise_kernel[(full_tiles,)](
+            x, ref, codes, scales, n, row0, MASKED=False, **common
+        )
+    tail_row0 = row0 + full_tiles * rows
+    if tail_row0 * block < n:
+        quantize_blockwise_kernel[(1,)](
+            x, ref, codes, scales, n, tail_row0, MASKED=True, **common
+        )
 
 
 def quantize_blockwise(

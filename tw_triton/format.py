@@ -888,6 +888,13 @@ def _validate_tensor_table(
             f"missing from the file ({len(missing)} missing in all)"
         )
     # Buffers must tile the data section exactly: in range, no overlap, no gap, no tail.
+    # Range first, so that the message names the buffer that points outside the file.
+    for s in specs:
+        if s.end > data_size:
+            raise CheckpointError(
+                f"checkpoint {path}: entry {s.entry!r} buffer {s.name!r}: data_offsets end at "
+                f"{s.end}, past the {data_size} data bytes in the file (truncated?)"
+            )
     pos = 0
     for s in sorted(specs, key=lambda s: (s.begin, s.end)):
         if s.begin != pos:
@@ -897,11 +904,6 @@ def _validate_tensor_table(
                 f"[{s.begin}, {s.end}] {kind} (expected it to begin at {pos})"
             )
         pos = s.end
-        if pos > data_size:
-            raise CheckpointError(
-                f"checkpoint {path}: entry {s.entry!r} buffer {s.name!r}: data_offsets end at "
-                f"{pos}, past the {data_size} data bytes in the file (truncated?)"
-            )
     if pos != data_size:
         raise CheckpointError(
             f"checkpoint {path}: buffers cover {pos} data bytes but the file holds {data_size} "

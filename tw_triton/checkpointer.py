@@ -649,6 +649,9 @@ class Checkpointer:
         self._wait_inflight()
         found = self._scan()
         if step not in found:
+            path = self.path_for(step)
+            if os.path.exists(path):
+                _format.read_manifest(path)  # raises the reason, naming the file
             raise CheckpointError(
                 f"no checkpoint for step {step} in {self.directory!r}; steps: {sorted(found)}"
             )

@@ -69,6 +69,10 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _codec_label(codec: str, params: dict[str, Any]) -> str:
     if codec == "blockwise":
         label = f"int{params.get('bits')}/{params.get('block')}"
@@ -128,7 +132,8 @@ def inspect_lines(path: str) -> list[str]:
         fmt(rows[0]),
         *[fmt(r) for r in rows[1:]],
         "",
-        f"total       {len(entries)} entries + {len(aliases)} aliases: "
+        f"total       {_plural(len(entries), 'entry', 'entries')} + "
+        f"{_plural(len(aliases), 'alias', 'aliases')}: "
         f"{_human(total_raw)} raw -> {_human(total_stored)} stored ({ratio})",
     ]
     return lines

@@ -1,0 +1,227 @@
+"""The `tw` command, and the README's state-API example and its `tw inspect` output."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import tw_triton
+from tw_triton.cli import EXIT_CHECKPOINT, EXIT_OK, EXIT_USAGE, _ProgressBar, main
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def run(argv):
+    out = io.StringIO()
+    code = main([str(a) for a in argv], stdout=out)
+    return code, out.getvalue()
+
+
+def model_sd(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 256))
+    m[2].weight = m[0].weight
+    return m.state_dict()
+
+
+@pytest.fixture()
+def ckpts(tmp_path):
+    sd = model_sd()
+    key = tw_triton.quantize_state_dict({"model": sd, "step": 1})
+    tw_triton.save(key, tmp_path / "key.tw")
+    sd2 = {k: v + 1e-3 for k, v in sd.items()}
+    sd2["2.weight"] = sd2["0.weight"]  # still tied
+    delta = tw_triton.quantize_state_dict({"model": sd2, "step": 2}, reference=tmp_path / "key.tw", bits=4)
+    tw_triton.save(delta, tmp_path / "delta.tw")
+    return tmp_path, key, delta, sd, sd2
+
+
+def test_inspect_table_and_totals(ckpts):
+    d, key, delta, _, _ = ckpts
+    code, text = run(["inspect", d / "delta.tw"])
+    assert code == EXIT_OK
+    assert f"reference   {key.checkpoint_id}" in text
+    assert f"checkpoint  {delta.checkpoint_id}" in text
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("entry"))
+    assert header.split() == ["entry", "shape", "dtype", "codec", "stored", "ratio"]
+    row = next(line for line in lines if line.startswith("model/0.weight"))
+    assert row.split()[:5] == ["model/0.weight", "256x64", "float32", "int4/128", "delta"]
+    assert row.split()[-1] == f"{256 * 64 * 4 / (256 * 64 // 2 + 4 * 128):.2f}x"
+    assert any(line.startswith("model/2.weight") and "alias of model/0.weight" in line for line in lines)
+    size = os.path.getsize(d / "delta.tw")
+    with open(d / "delta.tw", "rb") as f:
+        hdr = 8 + int.from_bytes(f.read(8), "little")
+    assert f"file        {size} bytes = {hdr} header + {size - hdr} data" in text
+    # 0.weight, 1.weight, 1.bias, 2.bias; 2.weight is tied to 0.weight.
+    assert "total       4 entries + 1 alias:" in text
+
+
+def test_verify_ok_corrupt_and_reference(ckpts):
+    d, *_ = ckpts
+    assert run(["verify", d / "key.tw"])[0] == EXIT_OK
+    code, text = run(["verify", d / "delta.tw"])
+    assert code == EXIT_OK and "reference not checked" in text
+    code, text = run(["verify", d / "delta.tw", "--reference", d / "key.tw"])
+    assert code == EXIT_OK and "reference OK" in text
+    # The wrong reference: exit 1.
+    assert run(["verify", d / "delta.tw", "--reference", d / "delta.tw"])[0] == EXIT_CHECKPOINT
+    # A flipped bit in the data: exit 1, and the error names the file.
+    raw = bytearray((d / "key.tw").read_bytes())
+    raw[-10] ^= 0x40
+    (d / "bad.tw").write_bytes(bytes(raw))
+    assert run(["verify", d / "bad.tw"])[0] == EXIT_CHECKPOINT
+    # Not a checkpoint at all, and a missing file.
+    (d / "junk.tw").write_bytes(b"hello world, not safetensors")
+    assert run(["inspect", d / "junk.tw"])[0] == EXIT_CHECKPOINT
+    assert run(["verify", d / "nope.tw"])[0] == EXIT_USAGE
+
+
+def test_errors_go_to_stderr_with_the_file_name(ckpts, capsys):
+    d, *_ = ckpts
+    assert run(["export", d / "delta.tw", d / "x.safetensors"])[0] == EXIT_CHECKPOINT
+    err = capsys.readouterr().err
+    assert "delta.tw" in err and "model/0.weight" in err and "reference" in err
+    assert not (d / "x.safetensors").exists()
+
+
+def test_export_writes_plain_safetensors(ckpts):
+    d, _, _, _, sd2 = ckpts
+    code, _ = run(["export", d / "delta.tw", d / "out.safetensors", "--reference", d / "key.tw"])
+    assert code == EXIT_OK
+    loaded = tw_triton.load(d / "delta.tw", reference=d / "key.tw")
+    with safe_open(str(d / "out.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        meta = f.metadata()
+    assert keys == {"model/0.weight", "model/1.weight", "model/1.bias", "model/2.weight", "model/2.bias"}
+    assert meta["tw_triton.source_checkpoint"] and "skeleton" in " ".join(meta)
+    plain = load_file(str(d / "out.safetensors"))
+    for k, v in loaded["model"].items():
+        assert torch.equal(plain[f"model/{k}"], v)
+    assert torch.equal(plain["model/2.weight"], plain["model/0.weight"])
+
+
+def test_convert_from_safetensors_and_torch_files(tmp_path):
+    sd = {k: v.clone() for k, v in model_sd().items()}
+    save_file(sd, str(tmp_path / "in.safetensors"))
+    torch.save(sd, tmp_path / "in.pt")
+    for src in ("in.safetensors", "in.pt"):
+        code, text = run(["convert", tmp_path / src, tmp_path / f"{src}.tw", "--bits", "4", "--block", "64"])
+        assert code == EXIT_OK and "wrote" in text
+        m = tw_triton.format.read_manifest(tmp_path / f"{src}.tw")
+        assert m["entries"]["0.weight"]["codec"] == "blockwise"
+        assert m["entries"]["0.weight"]["params"]["bits"] == 4
+        assert m["entries"]["0.weight"]["params"]["block"] == 64
+        out = tw_triton.load(tmp_path / f"{src}.tw")
+        assert torch.equal(out["1.bias"], sd["1.bias"])
+        assert (out["0.weight"] - sd["0.weight"]).abs().max() < sd["0.weight"].abs().max() / 7
+    # With a reference: a delta recording its id; with a preset.
+    code, _ = run(["convert", tmp_path / "in.pt", tmp_path / "d.tw", "--reference", tmp_path / "in.pt.tw"])
+    assert code == EXIT_OK
+    ref_id = tw_triton.format.read_manifest(tmp_path / "in.pt.tw")["checkpoint_id"]
+    assert tw_triton.format.read_manifest(tmp_path / "d.tw")["reference_id"] == ref_id
+    assert run(["convert", tmp_path / "in.pt", tmp_path / "e.tw", "--rules", "exact"])[0] == EXIT_OK
+    assert all(e["codec"] == "exact" for e in tw_triton.format.read_manifest(tmp_path / "e.tw")["entries"].values())
+
+
+class Payload:
+    """A class a full pickle would instantiate; weights_only refuses it."""
+
+    built = False
+
+    def __setstate__(self, state):
+        Payload.built = True
+
+
+def test_convert_refuses_non_weights_only_pickles(tmp_path, capsys):
+    torch.save({"w": torch.ones(2), "obj": Payload()}, tmp_path / "evil.pt")
+    Payload.built = False
+    code, _ = run(["convert", tmp_path / "evil.pt", tmp_path / "o.tw"])
+    assert code == EXIT_CHECKPOINT
+    assert not Payload.built
+    assert "weights-only" in capsys.readouterr().err
+    assert not (tmp_path / "o.tw").exists()
+
+
+def test_usage_errors_exit_2(tmp_path):
+    assert run([])[0] == EXIT_USAGE
+    assert run(["frobnicate"])[0] == EXIT_USAGE
+    assert run(["convert", tmp_path / "missing.pt", tmp_path / "o.tw"])[0] == EXIT_USAGE
+    torch.save({"w": torch.ones(2)}, tmp_path / "in.pt")
+    assert run(["convert", tmp_path / "in.pt", tmp_path / "o.tw", "--block", "100"])[0] == EXIT_USAGE
+    assert run(["convert", tmp_path / "in.pt", tmp_path / "o.tw", "--bits", "3"])[0] == EXIT_USAGE
+    assert run(["convert", tmp_path / "in.pt", tmp_path / "o.tw", "--rules", "nope"])[0] == EXIT_USAGE
+
+
+def test_help_documents_exit_codes_and_pickle_policy(capsys):
+    assert main(["--help"]) == EXIT_OK
+    text = capsys.readouterr().out
+    for word in ("inspect", "verify", "export", "convert", "exit codes", "0 ", "1 ", "2 "):
+        assert word in text
+    assert main(["convert", "--help"]) == EXIT_OK
+    assert "weights_only=True" in capsys.readouterr().out
+
+
+def test_progress_bar_only_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        bar = _ProgressBar("convert", stream)
+        for i in range(1, 5):
+            bar(i, 4)
+        bar.close()
+    assert pipe.getvalue() == ""
+    assert "\rconvert [" in tty.getvalue() and "4/4" in tty.getvalue() and tty.getvalue().endswith("\n")
+    assert "#" * _ProgressBar.WIDTH in tty.getvalue()
+
+
+def test_runs_as_a_module_and_as_the_installed_script(ckpts):
+    d, *_ = ckpts
+    proc = subprocess.run(
+        [sys.executable, "-m", "tw_triton.cli", "inspect", str(d / "key.tw")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "model/0.weight" in proc.stdout
+    exe = shutil.which("tw")
+    if exe is not None:  # installed by `pip install -e .`
+        proc = subprocess.run([exe, "verify", str(d / "nope.tw")], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == EXIT_USAGE and "no such file" in proc.stderr
+
+
+# ---- README: the state-API example runs, and its `tw inspect` output is current --------------
+
+
+def readme_section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+_ID = re.compile(r"\b[0-9a-f]{32}\b")
+
+
+def test_readme_state_example_runs_and_inspect_output_matches(tmp_path, monkeypatch):
+    section = readme_section("Training-state checkpoints")
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    shown = re.search(r"\$ tw inspect step200\.tw\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    rc, actual = run(["inspect", "step200.tw"])
+    assert rc == EXIT_OK
+    # Checkpoint ids are random; everything else (sizes, header bytes, ratios) is reproducible.
+    assert _ID.sub("<id>", actual.strip()) == _ID.sub("<id>", shown.strip())

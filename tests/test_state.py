@@ -438,3 +438,10 @@ def test_cuda_round_trip_matches_cpu(tmp_path):
     expect = dequantize_state_dict(qh, reference=ref)
     for k in state["model"]:
         assert torch.equal(out["model"][k].cpu(), expect["model"][k])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_load_to_cuda_without_cuda_is_a_clear_error(tmp_path):
+    save(quantize_state_dict(make_state()), tmp_path / "a.tw")
+    with pytest.raises(tw_triton.TwTritonError, match=r"a\.tw to cuda.*not available"):
+        load(tmp_path / "a.tw", device="cuda")

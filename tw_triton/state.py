@@ -52,10 +52,10 @@ import torch
 
 from .codec import FLOAT_DTYPES, check_params
 from .codecs import Codec, Encoded, get_codec
-from .errors import CheckpointError, QuantizationError, ReferenceMismatchError
+from .errors import CheckpointError, QuantizationError, ReferenceMismatchError, TwTritonError
 from .qstate import EncodedEntry, QuantizedState
 from .rules import resolve_rules, select_rule
-from .tree import flatten, unflatten
+from .tree import flatten, skeleton_ndarray_paths, unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,9 @@ def quantize_state_dict(
     ref_file_id: str | None = None
     ref_what = ""
     if reference is not None:
-        ref_tensors, ref_file_id, ref_what = _flat_reference(reference, device=None, verify=True)
+        # A reference read from a file goes straight to the device the state lives on.
+        ref_device = next((t.device for t in tensors.values() if t.device.type != "cpu"), None)
+        ref_tensors, ref_file_id, ref_what = _flat_reference(reference, device=ref_device, verify=True)
 
     aliases: dict[str, str] = {}
     first_by_storage: dict[tuple[Any, ...], str] = {}
@@ -312,6 +314,7 @@ def dequantize_state_dict(
     device: torch.device | str | None = None,
     source: str | None = None,
     progress: Progress | None = None,
+    verify: bool = True,
 ) -> Any:
     """Decode a :class:`QuantizedState` back into its nested state.
 
@@ -323,6 +326,7 @@ def dequantize_state_dict(
             come back as numpy arrays.
         source: the file name for error messages (default: an in-memory state).
         progress: called as ``progress(done, total)`` after each entry is decoded.
+        verify: check checksums when reading a reference given as a path.
 
     Returns:
         The nested state with its original container, key and leaf types. Exact entries
@@ -351,7 +355,7 @@ def dequantize_state_dict(
             )
         rid = qstate.reference_id
         ref_tensors, _, ref_what = _flat_reference(
-            reference, device=dev, verify=True, expect_id=rid, where=f"{where}: entry {first!r}"
+            reference, device=dev, verify=verify, expect_id=rid, where=f"{where}: entry {first!r}"
         )
         checks: list[tuple[str, torch.Tensor]] = []
         for path in sorted(delta):
@@ -372,13 +376,18 @@ def dequantize_state_dict(
                     "not that reference"
                 )
 
+    # numpy leaves come back as arrays: decode them on the host, not via the GPU.
+    host_paths = set(skeleton_ndarray_paths(qstate.skeleton))
+    host = torch.device("cpu")
     out: dict[str, torch.Tensor] = {}
     total = len(qstate.entries)
     for i, (path, entry) in enumerate(qstate.entries.items()):
         codec = _codec_or_raise(entry.codec, CheckpointError, f"{where}: entry {path!r}")
         context = f"{where}: entry {path!r} (codec {entry.codec!r})"
+        target = host if path in host_paths and dev is not None else dev
+        ref = ref_tensors.get(path) if path in delta else None
         try:
-            out[path] = codec.decode(entry, ref_tensors.get(path) if path in delta else None, dev, context)
+            out[path] = codec.decode(entry, ref, target, context)
         except QuantizationError as e:
             raise CheckpointError(f"{context}: {e}") from e
         if progress is not None:
@@ -431,9 +440,16 @@ def load(
     from .format import read_file
 
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TwTritonError(f"cannot load {os.fspath(path)} to {dev}: CUDA is not available")
     qstate = read_file(path, verify=verify, pin_memory=_wants_pinned(dev))
     return dequantize_state_dict(
-        qstate, reference=reference, device=dev, source=os.fspath(path), progress=progress
+        qstate,
+        reference=reference,
+        device=dev,
+        source=os.fspath(path),
+        progress=progress,
+        verify=verify,
     )
 
 

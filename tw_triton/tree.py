@@ -259,23 +259,34 @@ def _as_list(value: Any) -> list[Any]:
 def skeleton_tensor_paths(skeleton: Any) -> list[str]:
     """Paths of all tensor and ndarray leaves named by a skeleton, in traversal order."""
     out: list[str] = []
-    _collect_paths(skeleton, out)
+    _collect_paths(skeleton, out, ("tensor", "ndarray"))
     return out
 
 
-def _collect_paths(node: Any, out: list[str]) -> None:
-    if isinstance(node, dict):
-        for key in ("tensor", "ndarray"):
-            if key in node:
+def skeleton_ndarray_paths(skeleton: Any) -> list[str]:
+    """Paths of the numpy-array leaves named by a skeleton (they are decoded on the host)."""
+    out: list[str] = []
+    _collect_paths(skeleton, out, ("ndarray",))
+    return out
+
+
+def _collect_paths(node: Any, out: list[str], kinds: tuple[str, ...]) -> None:
+    # Lenient on malformed nodes: unflatten() reports those with a proper error.
+    if not isinstance(node, dict):
+        return
+    for key in ("tensor", "ndarray"):
+        if key in node:
+            if key in kinds and isinstance(node[key], str):
                 out.append(node[key])
-                return
-        for key in ("list", "tuple"):
-            if key in node:
-                for v in node[key]:
-                    _collect_paths(v, out)
-                return
-        for key in ("dict", "odict"):
-            if key in node:
-                for pair in node[key]:
-                    _collect_paths(pair[1], out)
-                return
+            return
+    for key in ("list", "tuple"):
+        if isinstance(node.get(key), list):
+            for v in node[key]:
+                _collect_paths(v, out, kinds)
+            return
+    for key in ("dict", "odict"):
+        if isinstance(node.get(key), list):
+            for pair in node[key]:
+                if isinstance(pair, list) and len(pair) == 2:
+                    _collect_paths(pair[1], out, kinds)
+            return

@@ -7,6 +7,7 @@ from .writer import AsyncWriter
 from .checkpointer import Checkpointer
 from .errors import (
     CheckpointError,
+    CheckpointIOError,
     QuantizationError,
     ReferenceMismatchError,
     TwTritonError,
@@ -21,6 +22,7 @@ __all__ = [
     "TwTritonError",
     "QuantizationError",
     "CheckpointError",
+    "CheckpointIOError",
     "ReferenceMismatchError",
     "quantize_state_dict",
     "dequantize_state_dict",

@@ -132,6 +132,12 @@ def test_convert_from_safetensors_and_torch_files(tmp_path):
     assert tw_triton.format.read_manifest(tmp_path / "d.tw")["reference_id"] == ref_id
     assert run(["convert", tmp_path / "in.pt", tmp_path / "e.tw", "--rules", "exact"])[0] == EXIT_OK
     assert all(e["codec"] == "exact" for e in tw_triton.format.read_manifest(tmp_path / "e.tw")["entries"].values())
+    # A tw_triton file is not converted as if its buffers were weights; junk is refused.
+    os.replace(tmp_path / "e.tw", tmp_path / "e.safetensors")
+    assert run(["convert", tmp_path / "e.safetensors", tmp_path / "f.tw"])[0] == EXIT_CHECKPOINT
+    (tmp_path / "junk.safetensors").write_bytes(b"\x10" * 40)
+    assert run(["convert", tmp_path / "junk.safetensors", tmp_path / "f.tw"])[0] == EXIT_CHECKPOINT
+    assert not (tmp_path / "f.tw").exists()
 
 
 class Payload:

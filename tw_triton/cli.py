@@ -211,10 +211,18 @@ def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
 
 def _read_input(path: str) -> Any:
     if path.endswith(".safetensors"):
-        from safetensors import SafetensorError
+        from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file
 
+        from .format import MANIFEST_KEY
+
         try:
+            with safe_open(path, framework="pt") as f:
+                if MANIFEST_KEY in (f.metadata() or {}):
+                    raise _ConvertError(
+                        f"{path} is already a tw_triton checkpoint; `tw export` it first to "
+                        "re-encode it with other settings"
+                    )
             return load_file(path)
         except SafetensorError as e:
             raise _ConvertError(f"{path}: not a readable safetensors file: {e}") from e

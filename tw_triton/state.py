@@ -270,7 +270,8 @@ def quantize_state_dict(
     for (path, _), fp in zip(fingerprinted, values[len(flagged):]):
         entry = entries[path]
         if entry.codec != "exact":
-            entry.params["ref_fp"] = _fp_hex(fp)
+            # A copy: a codec may hand back its rule's params object, which must stay as is.
+            entry.params = {**entry.params, "ref_fp": _fp_hex(fp)}
             fp_parts.append(f"{path}={entry.params['ref_fp']}")
 
     recorded_ref_id = None

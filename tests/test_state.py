@@ -8,7 +8,6 @@ import os
 import pickle
 import struct
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings

@@ -256,6 +256,14 @@ def test_reference_given_as_path_records_its_id(tmp_path):
     assert quantize_state_dict(state, reference=load(tmp_path / "key.tw"), reference_id="k0").reference_id == "k0"
 
 
+def test_a_delta_cannot_be_a_reference(tmp_path):
+    state = make_state()
+    save(quantize_state_dict(perturbed(state), checkpoint_id="kf"), tmp_path / "k.tw")
+    save(quantize_state_dict(state, reference=tmp_path / "k.tw"), tmp_path / "d.tw")
+    with pytest.raises(ReferenceMismatchError, match=r"d\.tw' is itself a delta .*'model/w1'.*'kf'"):
+        quantize_state_dict(state, reference=tmp_path / "d.tw")
+
+
 def test_no_delta_entries_no_reference_id():
     state = make_state()
     assert quantize_state_dict(state, reference=state, rules="exact").reference_id is None

@@ -135,6 +135,14 @@ def _flat_reference(
                     f"reference file {os.fspath(reference)!r} is checkpoint {found!r}"
                 )
         rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device))
+        nested = _delta_paths(rq, os.fspath(reference))
+        if nested:
+            # Chains are not followed: a reference must decode on its own (a keyframe).
+            raise ReferenceMismatchError(
+                f"{where or 'quantize_state_dict'}: reference file {os.fspath(reference)!r} is "
+                f"itself a delta (entry {nested[0]!r} needs checkpoint {rq.reference_id!r}); "
+                "use a checkpoint without deltas as the reference"
+            )
         state = dequantize_state_dict(rq, device=device, source=os.fspath(reference))
         tensors, _ = flatten(state)
         return tensors, rq.checkpoint_id, f"reference file {os.fspath(reference)!r}"

@@ -15,8 +15,9 @@ Encoding of one block of ``B`` elements (flattened, row-major order):
   ``k = 8 // bits`` codes to a byte: element ``i`` sits at bits ``(i % k) * bits``.
 
 Decoding: ``x_hat = cast(fp32(ref) + fp32(q) * scale)``, the multiply and the add rounded
-separately (never an FMA). A block whose scale is infinite decodes to NaN: such a tensor
-could not be quantized, which :attr:`QuantizedTensor.nonfinite` reports without a sync.
+separately (never an FMA). A block whose scale is infinite decodes to NaN, and one whose
+``qmax * scale`` overflows fp32 may decode to +-inf: such a tensor could not be quantized,
+which :attr:`QuantizedTensor.nonfinite` reports without a sync.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class QuantizedTensor:
         bits: code width, 8, 4 or 2.
         block: elements per block, a power of two from 32 to 4096.
         nonfinite: a 0-dim bool tensor on the codes' device, true when some block held a
-            NaN or an infinity (in ``x``, in the reference, or in their difference) and
-            the tensor must therefore be stored exact. Reading it as a Python bool syncs.
+            NaN or an infinity (in ``x``, in the reference, or in their difference), or an
+            absmax so close to the fp32 maximum that ``qmax * scale`` overflows; the tensor
+            must then be stored exact. Reading it as a Python bool syncs.
     """
 
     codes: torch.Tensor
@@ -112,10 +114,12 @@ def stored_bytes_per_element(bits: int, block: int) -> float:
 
 def check_params(bits: int, block: int) -> None:
     """Raise :class:`QuantizationError` unless ``bits`` and ``block`` are supported."""
-    if bits not in SUPPORTED_BITS:
+    # bool is an int and 8.0 == 8: both would slip through a bare membership test.
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
         raise QuantizationError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
     if (
-        not isinstance(block, int)
+        isinstance(block, bool)
+        or not isinstance(block, int)
         or block < MIN_BLOCK
         or block > MAX_BLOCK
         or block & (block - 1)
@@ -154,35 +158,29 @@ def _check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
 # The reference implementation (plain torch). The Triton launchers share these signatures.
 # --------------------------------------------------------------------------------------
 
-
-def _pack_codes(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes (length a multiple of 8 // bits) LSB-first."""
-    k = 8 // bits
-    if k == 1:
-        return u
-    u = u.view(-1, k)
-    packed = u[:, 0].clone()
-    for j in range(1, k):
-        packed |= u[:, j] << (j * bits)
-    return packed
+# Adding 1.5 * 2**23 to a fp32 value v with |v| < 2**22 lands in [2**23, 2**24), where fp32
+# has a spacing of exactly 1: the add itself rounds v to an integer, ties to even, which is
+# torch.round. Adding an even integer more (the code offset) keeps the tie-breaking parity, and
+# the low byte of the sum's bit pattern is then the stored code: no float->uint8 conversion
+# (slow in torch) and no separate round pass.
+_RNE_MAGIC = 12582912.0
+# A normal fp32 scale s = fl(absmax / qmax) is within a factor (1 + 2**-24) of the exact
+# quotient, so |d / s| rounds to at most qmax: the clamp can only bind when s is subnormal.
+_FP32_SMALLEST_NORMAL = 2.0**-126
 
 
-def _unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`_pack_codes`: one uint8 code per element."""
-    k = 8 // bits
-    if k == 1:
-        return packed
-    mask = (1 << bits) - 1
-    out = torch.empty((packed.numel(), k), dtype=torch.uint8, device=packed.device)
-    for j in range(k):
-        torch.bitwise_and(packed >> (j * bits), mask, out=out[:, j])
-    return out.view(-1)
+def _chunk_elements(block: int) -> int:
+    """Elements per chunk of the torch path: a whole number of blocks."""
+    return max(block, CHUNK_ELEMENTS // block * block)
 
 
 def quantize_blockwise_torch(
     x: torch.Tensor, reference: torch.Tensor | None, bits: int, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode a contiguous tensor: the plain-torch reference of the encode kernel.
+
+    Works through the flattened tensor ``CHUNK_ELEMENTS`` at a time, so the temporaries are
+    about three fp32 chunks whatever the tensor's size.
 
     Args:
         x: contiguous float32, float16 or bfloat16 tensor (any shape; read flattened).
@@ -195,39 +193,89 @@ def quantize_blockwise_torch(
         ``ceil(n / block)`` values, on ``x``'s device.
     """
     n = x.numel()
+    dev = x.device
+    codes = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev)
+    scales = torch.empty(num_blocks(n, block), dtype=torch.float32, device=dev)
+    if n == 0:
+        return codes, scales
     qmax = float(qmax_for(bits))
-    offset = float(1 << (bits - 1))
+    k = 8 // bits
+    # A packed byte is sum_j (q_j + offset) << (j * bits); the offsets' share is a constant.
+    code_bias = sum((1 << (bits - 1)) << (j * bits) for j in range(k))
+    magic = _RNE_MAGIC + code_bias
     flat = x.reshape(-1)
     ref = reference.reshape(-1) if reference is not None else None
-    codes = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
-    scales = torch.empty(num_blocks(n, block), dtype=torch.float32, device=x.device)
-    chunk = max(block, CHUNK_ELEMENTS // block * block)
-    d_buf = torch.empty(chunk, dtype=torch.float32, device=x.device)
+    # fp32 - (fp16|bf16|fp32) and fp16 - bf16 promote to fp32, so one op computes the delta
+    # in fp32; fp16 - fp16 and bf16 - bf16 would round in half precision: upcast x first.
+    one_op_delta = ref is not None and torch.promote_types(x.dtype, ref.dtype) == torch.float32
+    chunk = _chunk_elements(block)
+    size = min(chunk, num_blocks(n, block) * block)
+    d_buf: torch.Tensor | None = None
+    t_buf = torch.empty(size, dtype=torch.float32, device=dev)
+    pack_bufs = [
+        torch.empty(size >> j, dtype=torch.float32, device=dev) for j in range(1, k.bit_length())
+    ]
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
-        padded = -(-m // block) * block
-        d = d_buf[:padded]
-        # Zero padding: it never raises the absmax and is never stored.
-        if padded != m:
-            d[m:].zero_()
-        d[:m].copy_(flat[start : start + m])
-        if ref is not None:
-            # fp32 - fp32: ref is upcast exactly before the subtraction.
-            d[:m].sub_(ref[start : start + m])
-        rows = d.view(-1, block)
-        absmax = rows.abs().amax(dim=1)
-        # NaN or Inf anywhere in the block makes the block unquantizable: absmax = +inf.
-        absmax.masked_fill_(~torch.isfinite(absmax), math.inf)
-        scale = absmax.div_(qmax)
+        nb = num_blocks(m, block)
+        padded = nb * block
+        xs = flat[start : start + m]
+        if padded == m and ref is None and x.dtype == torch.float32:
+            d = xs  # the delta is x itself: read it in place
+        else:
+            if d_buf is None:
+                d_buf = torch.empty(size, dtype=torch.float32, device=dev)
+            d = d_buf[:padded]
+            if padded != m:
+                # Zero padding: it never raises the absmax and is never stored.
+                d[m:].zero_()
+            if ref is None:
+                d[:m].copy_(xs)
+            elif one_op_delta:
+                torch.sub(xs, ref[start : start + m], out=d[:m])
+            else:
+                d[:m].copy_(xs)
+                d[:m].sub_(ref[start : start + m])
+        rows = d.view(nb, block)
+        t = t_buf[:padded]
+        trows = t.view(nb, block)
         b0 = start // block
-        scales[b0 : b0 + padded // block] = scale
-        usable = (scale > 0) & (scale < math.inf)
-        q = rows.div(scale.unsqueeze(1))
-        q.round_().clamp_(-qmax, qmax)
-        q.masked_fill_(~usable.unsqueeze(1), 0.0)
-        u = q.add_(offset).to(torch.uint8).view(-1)
+        sc = scales[b0 : b0 + nb]
+        torch.abs(rows, out=trows)
+        torch.amax(trows, dim=1, out=sc)  # NaN propagates into the block's absmax
+        sc.div_(qmax)
+        # NaN or Inf anywhere in the block makes the block unquantizable: scale = +inf.
+        sc.nan_to_num_(nan=math.inf, posinf=math.inf)
+        lo_t, hi_t = torch.aminmax(sc)
+        lo, hi = lo_t.item(), hi_t.item()
+        if lo > 0.0 and hi < math.inf:
+            torch.div(rows, sc.unsqueeze(1), out=trows)
+        else:
+            # q = 0 where the scale is 0 or infinite: a finite d divided by +inf is +-0.
+            divisor = sc.masked_fill(sc == 0.0, math.inf)
+            torch.div(rows, divisor.unsqueeze(1), out=trows)
+            if hi == math.inf:
+                # NaN/Inf elements of an unquantizable block: q = 0 as well.
+                trows.masked_fill_((sc == math.inf).unsqueeze(1), 0.0)
+        if lo < _FP32_SMALLEST_NORMAL:
+            t.clamp_(-qmax, qmax)
+        if k == 1:
+            t.add_(magic)  # rounds, and adds the offset
+            packed = t
+        else:
+            t.round_()
+            packed = t
+            for j, buf in enumerate(pack_bufs):
+                pairs = packed.view(-1, 2)
+                nxt = buf[: packed.numel() // 2]
+                # Exact: small integers. Level j joins groups of 2**j codes.
+                torch.add(pairs[:, 0], pairs[:, 1], alpha=1 << (bits << j), out=nxt)
+                packed = nxt
+            packed.add_(magic)
         nbytes = packed_nbytes(m, bits)
-        codes[start * bits // 8 : start * bits // 8 + nbytes] = _pack_codes(u, bits)[:nbytes]
+        byte0 = start * bits // 8
+        # int32 -> uint8 keeps the low byte: the code.
+        codes[byte0 : byte0 + nbytes].copy_(packed[:nbytes].view(torch.int32))
     return codes, scales
 
 
@@ -245,29 +293,49 @@ def dequantize_blockwise_torch(
     ``x_hat = cast(fp32(ref) + fp32(q) * scale)``: the product is rounded to fp32 before
     the add. ``reference`` is ``None`` or a contiguous tensor with ``numel`` elements.
     """
-    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    dev = codes.device
+    out = torch.empty(numel, dtype=dtype, device=dev)
+    if numel == 0:
+        return out
+    k = 8 // bits
     offset = float(1 << (bits - 1))
     ref = reference.reshape(-1) if reference is not None else None
-    chunk = max(block, CHUNK_ELEMENTS // block * block)
+    chunk = _chunk_elements(block)
+    size = min(chunk, num_blocks(numel, block) * block)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=dev)
+    u_buf = torch.empty(size, dtype=torch.uint8, device=dev) if k > 1 else None
+    i_buf = torch.empty(size, dtype=torch.int32, device=dev)
+    v_buf = torch.empty(size, dtype=torch.float32, device=dev)
     for start in range(0, numel, chunk):
         m = min(chunk, numel - start)
-        padded = -(-m // block) * block
+        nb = num_blocks(m, block)
+        padded = nb * block
+        nbytes = packed_nbytes(m, bits)
         byte0 = start * bits // 8
-        packed = codes[byte0 : byte0 + packed_nbytes(m, bits)]
-        # Pad the final partial byte/block with code `offset` (q = 0).
-        need = padded * bits // 8
-        if packed.numel() != need:
-            full = torch.full((need,), 0, dtype=torch.uint8, device=codes.device)
-            full[: packed.numel()] = packed
-            packed = full
-        u = _unpack_codes(packed, bits)
-        v = u.to(torch.float32).sub_(offset).view(-1, block)
+        packed = codes[byte0 : byte0 + nbytes]
+        filled = nbytes * k  # elements unpacked from whole bytes, m <= filled <= padded
+        if k == 1:
+            u = packed
+        else:
+            u2 = u_buf[:filled].view(nbytes, k)
+            torch.bitwise_right_shift(packed.unsqueeze(1), shifts, out=u2)
+            u2.bitwise_and_((1 << bits) - 1)
+            u = u_buf[:filled]
+        # uint8 -> fp32 is slow in torch; uint8 -> int32 -> fp32 is not.
+        i = i_buf[:filled]
+        i.copy_(u)
+        v = v_buf[:padded]
+        v[:filled].copy_(i)
+        if filled != padded:
+            v[filled:].zero_()
+        v.sub_(offset)
         b0 = start // block
-        v.mul_(scales[b0 : b0 + padded // block].unsqueeze(1))
-        v = v.view(-1)[:m]
+        v.view(nb, block).mul_(scales[b0 : b0 + nb].unsqueeze(1))
         if ref is not None:
-            v.add_(ref[start : start + m])
-        out[start : start + m] = v
+            # Computed in fp32 (v is fp32), then cast once to the output dtype.
+            torch.add(v[:m], ref[start : start + m], out=out[start : start + m])
+        else:
+            out[start : start + m].copy_(v[:m])
     return out
 
 
@@ -317,7 +385,11 @@ def quantize(
         codes, scales = quantize_blockwise(xc, rc, bits, block)
     else:
         codes, scales = quantize_blockwise_torch(xc, rc, bits, block)
-    nonfinite = torch.isinf(scales).any()
+    # A block is unquantizable when its scale is infinite (NaN/Inf in it) and also when
+    # qmax * scale overflows fp32 (absmax within a hair of the fp32 maximum): decode would
+    # then turn finite values into +-inf. The product is the one decode rounds, so this is
+    # exact, and it stays on the device.
+    nonfinite = torch.isinf(scales * float(qmax_for(bits))).any()
     return QuantizedTensor(
         codes=codes,
         scales=scales,

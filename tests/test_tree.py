@@ -174,6 +174,27 @@ def test_numpy_leaves_keep_dtype_and_byte_order():
     assert tensors["0"].dtype == torch.uint32
 
 
+def test_deep_nesting_is_an_error_not_a_crash():
+    deep = []
+    node = deep
+    for _ in range(5000):
+        node.append([])
+        node = node[0]
+    with pytest.raises(QuantizationError, match="nested too deeply"):
+        flatten(deep)
+    loop = {}
+    loop["self"] = loop
+    with pytest.raises(QuantizationError, match="nested too deeply"):
+        flatten(loop)
+    skeleton = {"list": []}
+    inner = skeleton["list"]
+    for _ in range(5000):
+        inner.append({"list": []})
+        inner = inner[0]["list"]
+    with pytest.raises(CheckpointError, match="malformed skeleton"):
+        unflatten(skeleton, {})
+
+
 def test_tensor_objects_are_shared_between_paths():
     t = torch.ones(3)
     tensors, skeleton = flatten({"a": t, "b": t})
@@ -190,6 +211,13 @@ def test_tensor_objects_are_shared_between_paths():
         {"dict": [[1]]},
         [1, 2],
         {"unknown-node": 1},
+        {"npscalar": "O", "value": 1},
+        {"npscalar": "not a dtype", "value": 1},
+        {"bytes": "zz"},
+        {"float": "spam"},
+        {"dict": [[[1, 2], 3]]},
+        {"list": [{"tuple": [{"list": [{"float": [1]}]}]}]},
+        {"odict": [], "meta": {"tensor": 5}},
     ],
 )
 def test_malformed_skeleton_raises_checkpoint_error(skeleton):

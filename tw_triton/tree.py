@@ -97,8 +97,16 @@ def _decode_scalar(node: Any) -> Any:
     if isinstance(node, dict) and "bytes" in node:
         return bytes.fromhex(node["bytes"])
     if isinstance(node, dict) and "npscalar" in node:
-        return np.dtype(node["npscalar"]).type(_decode_scalar(node["value"]))
+        return _numpy_dtype(node["npscalar"]).type(_decode_scalar(node["value"]))
     raise CheckpointError(f"malformed skeleton node {node!r}")
+
+
+def _numpy_dtype(spec: Any) -> np.dtype:
+    """A numpy dtype named in a skeleton; only the kinds :func:`flatten` writes."""
+    dtype = np.dtype(spec) if isinstance(spec, str) else None
+    if dtype is None or dtype.kind not in _NDARRAY_KINDS:
+        raise CheckpointError(f"skeleton names numpy dtype {spec!r}, expected a bool, int or float dtype")
+    return dtype
 
 
 def _key_component(key: Any, path: str) -> str:
@@ -131,7 +139,10 @@ def flatten(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
             the path.
     """
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = _flatten_node(state, "", tensors)
+    try:
+        skeleton = _flatten_node(state, "", tensors)
+    except RecursionError as e:
+        raise QuantizationError("the state is nested too deeply (or contains itself)") from e
     return tensors, skeleton
 
 
@@ -211,7 +222,13 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
     Raises:
         CheckpointError: the skeleton is malformed or names a path missing from ``tensors``.
     """
-    return _unflatten_node(skeleton, tensors)
+    try:
+        return _unflatten_node(skeleton, tensors)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
+        # A skeleton comes from a file: whatever is wrong with it is a malformed checkpoint.
+        raise CheckpointError(f"malformed skeleton: {type(e).__name__}: {e}") from e
 
 
 def _lookup(tensors: dict[str, torch.Tensor], path: Any) -> torch.Tensor:
@@ -230,7 +247,7 @@ def _unflatten_node(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if "ndarray" in node:
         t = _lookup(tensors, node["ndarray"])
         arr = t.detach().cpu().numpy()
-        want = np.dtype(node.get("dtype", arr.dtype.str))
+        want = _numpy_dtype(node.get("dtype", arr.dtype.str))
         return arr if arr.dtype == want else arr.astype(want)
     if "list" in node:
         return [_unflatten_node(v, tensors) for v in _as_list(node["list"])]

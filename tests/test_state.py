@@ -452,3 +452,38 @@ def test_load_to_cuda_without_cuda_is_a_clear_error(tmp_path):
     save(quantize_state_dict(make_state()), tmp_path / "a.tw")
     with pytest.raises(tw_triton.TwTritonError, match=r"a\.tw to cuda.*not available"):
         load(tmp_path / "a.tw", device="cuda")
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-300, 5000), st.floats(allow_nan=False), st.text(max_size=4)),
+    lambda kids: st.one_of(st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=8), kids, max_size=3)),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    field=st.sampled_from(["bits", "block", "packing", "delta", "ref_fp", "skeleton", "codec", "alias"]),
+    value=json_values,
+)
+def test_crafted_manifest_values_raise_checkpoint_errors_only(tmp_path_factory, field, value):
+    """Whatever a (checksum-valid) file says in params or skeleton: a result or a CheckpointError."""
+    state = make_state()
+    ref = perturbed(state)
+    q = quantize_state_dict(state, reference=ref)
+    e = q.entries["model/w1"]
+    if field == "skeleton":
+        q.skeleton = value
+    elif field == "codec":
+        e.codec = value if isinstance(value, str) and value else "exact"
+    elif field == "alias":
+        q.aliases = {"model/w9": "model/w1"}
+        q.skeleton = {"dict": [["w9", {"tensor": "model/w9"}], ["x", value]]}
+    else:
+        e.params = {**e.params, field: value}
+    path = tmp_path_factory.mktemp("crafted") / "c.tw"
+    save(q, path)
+    try:
+        load(path, reference=ref)
+    except CheckpointError:
+        pass

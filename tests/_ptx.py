@@ -1,0 +1,199 @@
+"""Ahead-of-time compilation of the codec kernels for real GPU targets, on a CPU-only machine.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` needs no GPU: it runs the
+MLIR/LLVM pipeline to PTX and the bundled ``ptxas`` to a cubin. The signature and the
+``tt.divisibility`` attributes below are what the JIT gives a launch whose pointers are
+16-byte aligned (every fresh torch allocation) and whose length is a multiple of 16.
+
+The test session runs with ``TRITON_INTERPRET=1`` (see conftest.py), under which triton's
+own jit functions cannot be compiled, so compiling happens in child processes started as
+``python tests/_ptx.py --shard I/N --out FILE`` with the variable removed. Each child writes
+a JSON fact sheet per variant (opcode counts and how the program id is used), which the
+tests read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BITS = (8, 4, 2)
+BLOCKS = (32, 128, 4096)
+DTYPES = ("fp32", "fp16", "bf16")
+TARGETS = (80, 90)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One specialization of one kernel: what the JIT would compile for one launch."""
+
+    op: str  # "encode" or "decode"
+    bits: int
+    block: int
+    dtype: str  # encode: input dtype; decode: output dtype
+    ref_dtype: str | None
+    masked: bool  # the tail launch (bounds masks) or the main one
+    cc: int
+
+    @property
+    def label(self) -> str:
+        ref = self.ref_dtype or "noref"
+        part = "tail" if self.masked else "main"
+        return f"{self.op}-b{self.bits}-B{self.block}-{self.dtype}-{ref}-{part}-sm{self.cc}"
+
+
+def all_variants() -> list[Variant]:
+    """bits x blocks x dtypes x {no reference, a reference} x {main, tail} x targets.
+
+    The reference dtype rotates with the tensor dtype so that every (dtype, ref dtype)
+    pair's conversion code (fp32 as is, fp16 cast, bf16 shift) is compiled somewhere.
+    """
+    rotate = {"fp32": "bf16", "fp16": "fp32", "bf16": "bf16"}
+    out = []
+    for op in ("encode", "decode"):
+        for bits in BITS:
+            for block in BLOCKS:
+                for dtype in DTYPES:
+                    for ref in (None, rotate[dtype]):
+                        for masked in (False, True):
+                            for cc in TARGETS:
+                                out.append(Variant(op, bits, block, dtype, ref, masked, cc))
+    return out
+
+
+def compile_variant(v: Variant):
+    """Compile ``v`` for ``sm_{v.cc}`` (PTX and cubin); returns triton's ``CompiledKernel``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if v.op == "encode":
+        from tw_triton.kernels.quantize_blockwise import (
+            NUM_WARPS,
+            quantize_blockwise_kernel as fn,
+            rows_per_program,
+        )
+    else:
+        from tw_triton.kernels.dequantize_blockwise import (
+            NUM_WARPS,
+            dequantize_blockwise_kernel as fn,
+            rows_per_program,
+        )
+    ref = v.ref_dtype or v.dtype  # without a reference the launcher passes a dummy pointer
+    if v.op == "encode":
+        signature = {
+            "x_ptr": f"*{v.dtype}",
+            "ref_ptr": f"*{ref}",
+            "codes_ptr": "*u8",
+            "scales_ptr": "*fp32",
+            "n": "i32",
+            "row0": "i32",
+        }
+    else:
+        signature = {
+            "codes_ptr": "*u8",
+            "scales_ptr": "*fp32",
+            "ref_ptr": f"*{ref}",
+            "out_ptr": f"*{v.dtype}",
+            "n": "i32",
+            "row0": "i32",
+        }
+    constexprs = {
+        "MASKED": v.masked,
+        "HAS_REF": v.ref_dtype is not None,
+        "BITS": v.bits,
+        "BLOCK": v.block,
+        "ROWS": rows_per_program(v.block),
+    }
+    signature.update({name: "constexpr" for name in constexprs})
+    # Arguments 0-4 (four pointers and n) are 16-divisible, as the JIT specializes them for
+    # fresh torch allocations; row0 is declared do_not_specialize in the kernels.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(
+        src,
+        target=GPUTarget("cuda", v.cc, 32),
+        options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
+    )
+
+
+_INSTR = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.]*)\s*([^;]*);", re.MULTILINE)
+_CTAID = re.compile(r"mov\.u32\s+(%r\d+),\s*%ctaid\.x;")
+
+
+def opcode_counts(ptx: str) -> Counter:
+    """Count PTX instructions by full opcode (``ld.global.v4.b32``, ``div.rn.f32``, ...)."""
+    return Counter(m.group(1) for m in _INSTR.finditer(ptx))
+
+
+def ctaid_uses(ptx: str) -> list[str]:
+    """Opcodes of the instructions that read the register holding ``%ctaid.x``.
+
+    With int64 offsets the program id is widened (``cvt.*64*`` or ``mul.wide``) before any
+    arithmetic; a 32-bit ``mul``/``shl``/``mad`` on it would overflow past 2**31 elements.
+    """
+    regs = set(_CTAID.findall(ptx))
+    uses = []
+    for m in _INSTR.finditer(ptx):
+        operands = [o.strip() for o in m.group(2).split(",")]
+        # The first operand is the destination; a use is the register among the sources.
+        if any(o in regs for o in operands[1:]):
+            uses.append(m.group(1))
+    return uses
+
+
+def facts(v: Variant) -> dict:
+    """What the tests check about one compiled variant."""
+    kernel = compile_variant(v)
+    ptx = kernel.asm["ptx"]
+    return {
+        "variant": asdict(v),
+        "opcodes": dict(opcode_counts(ptx)),
+        "ctaid_regs": len(_CTAID.findall(ptx)),
+        "ctaid_uses": ctaid_uses(ptx),
+        "cubin_bytes": len(kernel.asm["cubin"]),
+        "target": f"sm_{v.cc}",
+        "ptx_target": (re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE) or [None, None])[1],
+    }
+
+
+def compile_in_children(out_dir: Path, processes: int) -> dict[str, dict]:
+    """Compile :func:`all_variants` in ``processes`` child processes; facts by label."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    children = []
+    for i in range(processes):
+        out = out_dir / f"ptx_facts_{i}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--shard", f"{i}/{processes}",
+               "--out", str(out)]
+        children.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True), out))
+    merged: dict[str, dict] = {}
+    for proc, out in children:
+        log, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"PTX compile child failed (rc {proc.returncode}):\n{log[-4000:]}")
+        merged.update(json.loads(out.read_text()))
+    return merged
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shard", default="0/1", help="I/N: compile every N-th variant from I")
+    parser.add_argument("--out", required=True, help="JSON file to write the facts to")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: interpreted jit functions cannot be compiled")
+    index, count = (int(p) for p in args.shard.split("/"))
+    result = {v.label: facts(v) for v in all_variants()[index::count]}
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,92 @@
+"""Acceptance 3: every kernel variant compiles ahead of time for sm_80 and sm_90, and its PTX
+has the properties bit-exactness and bandwidth depend on.
+
+Variants: encode and decode x bits 8/4/2 x blocks 32/128/4096 x fp32/fp16/bf16 (input dtype
+for encode, output dtype for decode) x without/with a reference x main/tail launch x
+sm_80/sm_90 (see ``_ptx.all_variants``). Compiling runs in two child processes, since this
+session runs kernels under the interpreter (see ``_ptx``'s docstring).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import _ptx
+
+VARIANTS = _ptx.all_variants()
+
+# An instruction reading the program id must produce a 64-bit value: a widening convert, a
+# widening multiply(-add), or a 64-bit op.
+_WIDE = re.compile(r"^(cvt\.[su]64\.[su]32|(mul|mad)\.wide\.[su]32|\w+\.([su]64|b64))$")
+
+
+@pytest.fixture(scope="module")
+def ptx_facts(tmp_path_factory) -> dict[str, dict]:
+    return _ptx.compile_in_children(tmp_path_factory.mktemp("ptx"), processes=2)
+
+
+def _ops(facts: dict, prefix: str) -> dict[str, int]:
+    return {op: n for op, n in facts["opcodes"].items() if op.startswith(prefix)}
+
+
+def test_variant_list_covers_the_acceptance_grid() -> None:
+    seen = {(v.op, v.bits, v.block, v.dtype, v.ref_dtype is None, v.masked, v.cc) for v in VARIANTS}
+    assert len(seen) == len(VARIANTS) == 2 * 3 * 3 * 3 * 2 * 2 * 2
+    assert {v.ref_dtype for v in VARIANTS} == {None, "fp32", "bf16"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.label)
+def test_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, variant: _ptx.Variant) -> None:
+    facts = ptx_facts[variant.label]
+    ops = facts["opcodes"]
+
+    # Compiled all the way through ptxas for the requested architecture.
+    assert facts["cubin_bytes"] > 0
+    assert facts["ptx_target"].startswith(f"sm_{variant.cc}"), facts["ptx_target"]
+
+    # Correctly rounded division only (div.full.f32 is up to 2 ulp off).
+    assert not _ops(facts, "div.full") and not _ops(facts, "div.approx"), _ops(facts, "div")
+    if variant.op == "encode":
+        assert ops.get("div.rn.f32", 0) > 0
+
+    # No fused multiply-add anywhere; float multiplies and adds carry an explicit .rn so
+    # ptxas may not contract them either.
+    assert not [op for op in ops if op.startswith("fma")], ops
+    assert not [op for op in ops if re.match(r"mad\.(rn|rz|rm|rp|f)", op)], ops
+    assert "mul.f32" not in ops and "add.f32" not in ops and "sub.f32" not in ops
+    if variant.op == "decode":
+        assert ops.get("mul.rn.f32", 0) > 0
+        if variant.ref_dtype is not None:
+            assert ops.get("add.rn.f32", 0) > 0
+
+    # Subnormals are kept (torch on CPU keeps them): no flush-to-zero variants.
+    assert not [op for op in ops if ".ftz" in op], ops
+
+    # 64-bit address arithmetic: the program id is widened before it is multiplied.
+    assert facts["ctaid_regs"] >= 1
+    assert facts["ctaid_uses"], "program id register never read"
+    narrow = [op for op in facts["ctaid_uses"] if not _WIDE.match(op)]
+    assert not narrow, f"program id used in 32-bit arithmetic: {narrow}"
+
+    if variant.masked:
+        return  # the one tail program: bounds masks may split its accesses
+    loads = _ops(facts, "ld.global")
+    stores = _ops(facts, "st.global")
+    if variant.op == "encode":
+        # The input streams (x and ref) are read with 16-byte vector loads only.
+        assert set(loads) == {"ld.global.v4.b32"}, loads
+        # Packed codes leave as words of at least 4 bytes per thread, never byte stores.
+        assert not [op for op in stores if op.endswith((".b8", ".b16"))], stores
+        widest = {8: "st.global.v4.b32", 4: "st.global.v2.b32", 2: "st.global.b32"}[variant.bits]
+        assert widest in stores, stores
+    else:
+        # Codes (the main input stream) come in words of at least 4 bytes per thread.
+        assert not [op for op in loads if op.endswith((".b8", ".b16"))], loads
+        widest = {8: "ld.global.v4.b32", 4: "ld.global.v2.b32", 2: "ld.global.b32"}[variant.bits]
+        assert widest in loads, loads
+        if variant.ref_dtype is not None:
+            assert "ld.global.v4.b32" in loads, loads
+        # The decoded tile is written with 16-byte vector stores only.
+        assert set(stores) == {"st.global.v4.b32"}, stores

@@ -294,6 +294,16 @@ def test_absurd_buffer_shapes(tmp_path, good, shape):
     expect_error(tmp_path, craft(good[1], edit), "model/w")
 
 
+@pytest.mark.parametrize("shape", [[0, 2**40, 2**40], [0, 2**63], [2**64, 0]])
+def test_absurd_empty_buffer_shapes(tmp_path, good, shape):
+    """No elements, so the byte span (0) matches, but torch could not even build the strides."""
+
+    def edit(h, m):
+        _set_both(h, m, "empty", "data", "shape", shape)
+
+    expect_error(tmp_path, craft(good[1], edit), "entry 'empty' buffer 'data'.*2\\*\\*63")
+
+
 def test_absurd_entry_shape_is_refused_before_any_allocation(tmp_path, good, monkeypatch):
     def edit(h, m):
         m["entries"]["model/w"]["shape"] = [2**62, 2]
@@ -510,3 +520,75 @@ def test_fuzz_mutations_in_the_header(tmp_path, good, monkeypatch, data):
         pad_start = 8 + len(blob[8 : 8 + n].rstrip(b" "))
         changed = [p for p in range(8 + n) if mutated[p] != blob[p]]
         assert all(p >= pad_start and mutated[p] in b" \t\n\r" for p in changed)
+
+
+def _slots(node, out: list) -> list:
+    """Every (container, key) under ``node``: the places a structured edit can hit."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        out.append((node, k))
+        _slots(v, out)
+    return out
+
+
+_JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.sampled_from([0, 1, -1, 7, 2**31, 2**62, 2**63, 2**64, 10**30, -(2**63)])
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.sampled_from(["", "F32", "U8", "BOOL", "float32", "exact", "blockwise", "model/w", "model/w:codes"])
+    | st.text(max_size=8),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_structured_edits_with_a_valid_manifest_checksum(tmp_path, good, monkeypatch, data):
+    """Byte flips mostly stop at the manifest checksum; these edits replace one JSON value
+    anywhere in the tensor table or the manifest and fix the checksum, so they reach every
+    schema, offset and shape check behind it."""
+    state, blob = good
+    header, manifest, payload = split(blob)
+    tables = [{k: v for k, v in header.items() if k != "__metadata__"}, manifest]
+    for _ in range(data.draw(st.integers(1, 3))):
+        slots = _slots(tables, [])
+        container, key = slots[data.draw(st.integers(0, len(slots) - 1))]
+        container[key] = data.draw(_JSON_VALUES)
+    table, edited = tables
+    if not isinstance(table, dict) or not isinstance(edited, dict):
+        return  # a whole table replaced: covered by the JSON tests above
+    new_header = {"__metadata__": header["__metadata__"], **table}
+    path = tmp_path / "structured.safetensors"
+    put(path, assemble(new_header, edited, payload))
+    real_empty = torch.empty
+
+    def bounded_empty(*size, **kw):
+        t = real_empty(*size, **kw)
+        assert t.numel() * t.element_size() <= len(payload), "allocation larger than the data"
+        return t
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", bounded_empty)
+        try:
+            back = fmt.read_file(path)
+        except CheckpointError as e:
+            assert str(path) in str(e)
+            return
+    # The edit made another valid file (the manifest is authoritative and its checksum was
+    # fixed): what was read must be exactly what the edited manifest describes.
+    assert back.checkpoint_id == edited["checkpoint_id"] and back.reference_id == edited["reference_id"]
+    assert back.skeleton == edited["skeleton"] and back.rules == edited["rules"]
+    assert back.metadata == edited["metadata"] and back.aliases == edited["aliases"]
+    assert list(back.entries) == list(edited["entries"])
+    for entry_path, entry in edited["entries"].items():
+        got = back.entries[entry_path]
+        assert (got.codec, got.params, list(got.shape)) == (entry["codec"], entry["params"], entry["shape"])
+        assert got.dtype == fmt.ENTRY_DTYPES[entry["dtype"]]
+        for name, buf in entry["buffers"].items():
+            t = got.buffers[name]
+            assert t.dtype == fmt.BUFFER_DTYPES[buf["dtype"]] and list(t.shape) == buf["shape"]
+            begin, end = buf["data_offsets"]
+            assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == payload[begin:end]

@@ -745,18 +745,22 @@ def _check_fields(obj: Any, fields: tuple[str, ...], where: str) -> None:
 
 
 def _check_shape(shape: Any, itemsize: int, where: str) -> int:
-    """Validate a shape; return its element count (never above 2**63 bytes' worth)."""
+    """Validate a shape; return its element count.
+
+    The bound is on the product of the dimensions counting zeros as ones: torch computes
+    strides from it, so ``[0, 2**40, 2**40]`` (no elements) would still overflow them.
+    """
     if not isinstance(shape, (list, tuple)) or not all(_is_int(s) and s >= 0 for s in shape):
         raise CheckpointError(f"{where}: shape must be a list of non-negative ints, found {shape!r}")
-    numel = 1
+    extent = 1
     for s in shape:
-        numel *= s
+        extent *= max(s, 1)
         # Stop multiplying early, so an absurd shape costs no time.
-        if numel * itemsize >= _MAX_TENSOR_BYTES:
+        if extent * itemsize >= _MAX_TENSOR_BYTES:
             raise CheckpointError(
-                f"{where}: shape {list(shape)} has more than 2**63 bytes of {itemsize}-byte elements"
+                f"{where}: shape {list(shape)} spans 2**63 bytes or more of {itemsize}-byte elements"
             )
-    return numel
+    return math.prod(shape)
 
 
 def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:

@@ -230,4 +230,6 @@ def test_readme_state_example_runs_and_inspect_output_matches(tmp_path, monkeypa
     rc, actual = run(["inspect", "step200.tw"])
     assert rc == EXIT_OK
     # Checkpoint ids are random; everything else (sizes, header bytes, ratios) is reproducible.
-    assert _ID.sub("<id>", actual.strip()) == _ID.sub("<id>", shown.strip())
+    assert _ID.sub("<id>", actual.strip()) == _ID.sub("<id>", shown.strip()), (
+        "README's `tw inspect` output is stale; paste the current output:\n" + actual
+    )

@@ -1,0 +1,131 @@
+"""Shared pieces of the kernel tests: where kernels run, bit-level comparison, input makers.
+
+Without a GPU the kernels run under Triton's interpreter on CPU tensors (conftest.py sets
+``TRITON_INTERPRET=1``); with one they run compiled on CUDA tensors. Either way the result
+is compared with the torch path on the CPU, which is the specification.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from hypothesis import strategies as st
+
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+BLOCKS = tuple(2**k for k in range(5, 13))  # 32 .. 4096
+INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def require_runnable_kernels() -> None:
+    """Fail loudly (not skip) when kernels can run neither compiled nor interpreted."""
+    import triton
+
+    if KERNEL_DEVICE.type == "cpu" and not triton.knobs.runtime.interpret:
+        raise AssertionError(
+            "no CUDA device and TRITON_INTERPRET is not 1 when triton was imported; "
+            "tests/conftest.py should have set it"
+        )
+
+
+def on_kernel_device(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` moved to where the kernels run (a no-op without a GPU)."""
+    return None if t is None else t.to(KERNEL_DEVICE)
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Bit-for-bit equality of two float tensors; NaN equals NaN whatever its payload."""
+    actual = actual.cpu()
+    expected = expected.cpu()
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+    assert torch.equal(nan_a, nan_e), f"{what}: NaN positions differ"
+    bits_a = actual.view(INT_VIEW[actual.dtype])[~nan_a]
+    bits_e = expected.view(INT_VIEW[expected.dtype])[~nan_e]
+    if not torch.equal(bits_a, bits_e):
+        bad = (bits_a != bits_e).nonzero()[:5].flatten().tolist()
+        raise AssertionError(
+            f"{what}: {int((bits_a != bits_e).sum())} elements differ, first at non-NaN "
+            f"positions {bad}: kernel {actual[~nan_a][bad].tolist()} vs torch "
+            f"{expected[~nan_e][bad].tolist()}"
+        )
+
+
+def random_floats(
+    gen: torch.Generator, numel: int, dtype: torch.dtype, lo_exp: float, hi_exp: float,
+    zero_fraction: float = 0.0,
+) -> torch.Tensor:
+    """Normal draws scaled by ``10**e``, ``e`` uniform in ``[lo_exp, hi_exp]`` per element.
+
+    Built in float64 and rounded once to ``dtype``, so fp16 may overflow to inf or
+    underflow to subnormals and zero: both are inputs the codec must take.
+    """
+    base = torch.randn(numel, generator=gen, dtype=torch.float64)
+    exps = lo_exp + (hi_exp - lo_exp) * torch.rand(numel, generator=gen, dtype=torch.float64)
+    values = base * torch.pow(10.0, exps)
+    if zero_fraction > 0:
+        values[torch.rand(numel, generator=gen, dtype=torch.float64) < zero_fraction] = 0.0
+    return values.to(dtype)
+
+
+@st.composite
+def shapes(draw, numel: int) -> tuple[int, ...]:
+    """1-D, or 2-D with a divisor of ``numel`` (row-major order is what gets encoded)."""
+    if numel == 0 or not draw(st.booleans()):
+        return (numel,)
+    divisors = [d for d in range(1, min(numel, 64) + 1) if numel % d == 0]
+    d = draw(st.sampled_from(divisors))
+    return (d, numel // d)
+
+
+def numels() -> st.SearchStrategy[int]:
+    """Sizes around the interesting edges (0, 1, block and tile boundaries) and random."""
+    return st.one_of(
+        st.sampled_from([0, 1, 2, 3, 31, 32, 33, 127, 129, 4095, 4096, 4097, 8193]),
+        st.integers(min_value=0, max_value=10_000),
+    )
+
+
+def exponent_range(dtype: torch.dtype) -> tuple[int, int]:
+    """Decimal exponents to draw magnitudes from: 1e-30..1e30, narrower where fp16 ends."""
+    return (-9, 5) if dtype == torch.float16 else (-30, 30)
+
+
+def run_offset_check(op: str) -> None:
+    """Run ``_offsets64.py OP`` in a child process and fail with its output if it fails.
+
+    A child, because offsets that wrap at 2**31 send the kernel to unmapped memory: the
+    interpreter then segfaults (a GPU would raise an illegal-address error), and either
+    must fail this test, not end the session.
+    """
+    script = Path(__file__).with_name("_offsets64.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), op, KERNEL_DEVICE.type],
+        capture_output=True, text=True, env=dict(os.environ), timeout=600,
+    )
+    if proc.returncode != 0:
+        crashed = proc.returncode < 0
+        raise AssertionError(
+            f"{op} offset check failed (rc {proc.returncode}"
+            f"{', killed by a signal: offsets likely wrapped' if crashed else ''}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    assert "checked" in proc.stdout, proc.stdout
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """One uint8 code per element from LSB-first packed bytes (written here, independent of
+    the code under test, from the format's definition)."""
+    k = 8 // bits
+    codes = codes.cpu()
+    parts = [(codes >> (j * bits)) & ((1 << bits) - 1) for j in range(k)]
+    return torch.stack(parts, dim=1).reshape(-1)

@@ -1,0 +1,402 @@
+"""Speed and memory on one training state, against torch.save, safetensors and DCP.
+
+The state is all-MiniLM-L6-v2 with its AdamW state after one real contrastive training step
+(22.7 M parameters, both moments populated: ~260 MiB of fp32). Each method saves and loads
+that same state; every measurement runs in a fresh subprocess so that peak memory is the
+method's own, and the methods take turns (round-robin) so that load from other processes on
+a shared machine hits them alike. Reported per method, as medians over ``--repeats``:
+
+* **blocks the loop**: seconds until the save call returns control to the training loop;
+* **total save**: seconds until the file is durable (every method fsyncs: ``torch.save``
+  and ``save_file`` are followed by an fsync of the file, DCP's writer and tw_triton fsync
+  themselves);
+* **load to CPU**: seconds from the file(s) to a state on the CPU whose every tensor has been
+  read once (so a memory-mapped load pays for its page faults too; warm page cache);
+* **peak extra RSS**: high-water resident memory during the save (or load) above the
+  process's resident size just before it (``/proc/self/clear_refs`` resets the mark).
+
+Methods: ``torch.save``/``torch.load``; ``safetensors`` ``save_file``/``load_file`` (the
+state flattened, non-tensor leaves in the header metadata); ``torch.distributed.checkpoint``
+``save`` and ``async_save``, single process (``no_dist=True``: no process group needed);
+tw_triton through its ``Checkpointer`` (async writer): an exact keyframe, an int8 delta save
+(default rules), and an int8 delta save with both AdamW moments at int8 without delta.
+
+Run: ``python benchmarks/speed_compare.py`` (about 5 minutes on 2 cores). Writes
+``benchmarks/results/speed_compare.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+SAVE_METHODS = (
+    "torch.save",
+    "safetensors",
+    "dcp.save",
+    "dcp.async_save",
+    "tw keyframe (exact)",
+    "tw int8 delta",
+    "tw int8 delta + moments int8",
+)
+# Which save method's files each load method reads.
+LOAD_METHODS = (
+    "torch.load",
+    "safetensors",
+    "dcp.load",
+    "tw keyframe (exact)",
+    "tw int8 delta",
+    "tw int8 delta + moments int8",
+)
+LOAD_FILES = {
+    "torch.load": "torch.save",
+    "safetensors": "safetensors",
+    "dcp.load": "dcp.save",
+}
+
+# Moments quantized without delta: a delta-coded exp_avg_sq can decode below zero, and
+# AdamW's sqrt of it is NaN (see resume_fidelity.py).
+MOMENT_RULES = [
+    (f"optimizer/state/*/{m}", {"codec": "blockwise", "bits": 8, "delta": False, "min_numel": 4096})
+    for m in ("exp_avg", "exp_avg_sq")
+]
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    return _status_kib("VmRSS") * 1024
+
+
+def reset_peak() -> None:
+    """Reset the resident high-water mark (Linux: write 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+
+
+def peak_bytes() -> int:
+    """Resident high-water mark since the last :func:`reset_peak`."""
+    return _status_kib("VmHWM") * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync a file, so that a plain save is as durable as the methods that fsync."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def build_fixture(path: Path) -> dict[str, Any]:
+    """MiniLM + AdamW after one real step, saved with torch.save for the children to read."""
+    from _minilm import SENTENCES, contrastive_step, load_minilm
+
+    model, tokenizer = load_minilm()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    half = len(SENTENCES) // 2
+    # Neighbouring sentences are paraphrases: (0, 1), (2, 3), ... are the positive pairs.
+    contrastive_step(model, tokenizer, opt, list(SENTENCES[0::2][:half]), list(SENTENCES[1::2][:half]))
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    torch.save(state, path)
+    tensors = [v for v in _flatten(state).values()]
+    return {
+        "params": sum(v.numel() for v in state["model"].values()),
+        "state_tensors": len(tensors),
+        "state_bytes": sum(v.numel() * v.element_size() for v in tensors),
+    }
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}/"))
+    elif isinstance(tree, torch.Tensor):
+        out[prefix[:-1]] = tree
+    return out
+
+
+def _non_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """What safetensors cannot hold as tensors: the optimizer's param_groups."""
+    return {"param_groups": state["optimizer"]["param_groups"]}
+
+
+def _empty_like_tree(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _empty_like_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_empty_like_tree(v) for v in tree]
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree)
+    return tree
+
+
+def _perturb(state: dict[str, Any]) -> None:
+    """Move the weights a little, like a few training steps, so a delta is not all zeros."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for v in state["model"].values():
+            if v.is_floating_point():
+                v.add_(torch.randn(v.shape, generator=gen) * 1e-4)
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
+    """Save the fixture state with ``method``; return timings, peak memory and file bytes."""
+    state = torch.load(fixture, weights_only=True)
+    ckpt = None
+    if method.startswith("tw"):
+        from tw_triton import Checkpointer
+
+        rules = MOMENT_RULES if "moments" in method else None
+        ckpt = Checkpointer(out, keyframe_every=1_000_000, keep_last=None, rules=rules)
+        if method != "tw keyframe (exact)":
+            # The keyframe first (not measured); the measured save is the delta after it.
+            ckpt.save(0, model=state["model"], optimizer=state["optimizer"]).result()
+            _perturb(state)
+    base = rss_bytes()
+    reset_peak()
+    t0 = time.perf_counter()
+    if method == "torch.save":
+        torch.save(state, out / "state.pt")
+        fsync_path(out / "state.pt")
+        blocked = total = time.perf_counter() - t0
+    elif method == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(_flatten(state), str(out / "state.safetensors"),
+                  metadata={"tree": json.dumps(_non_tensors(state))})
+        fsync_path(out / "state.safetensors")
+        blocked = total = time.perf_counter() - t0
+    elif method in ("dcp.save", "dcp.async_save"):
+        import torch.distributed.checkpoint as dcp
+
+        if method == "dcp.save":
+            dcp.save(state, checkpoint_id=str(out / "dcp"), no_dist=True)
+            blocked = total = time.perf_counter() - t0
+        else:
+            fut = dcp.async_save(state, checkpoint_id=str(out / "dcp"), no_dist=True)
+            blocked = time.perf_counter() - t0
+            fut.result()
+            total = time.perf_counter() - t0
+    else:
+        step = 0 if method == "tw keyframe (exact)" else 1
+        fut = ckpt.save(step, model=state["model"], optimizer=state["optimizer"])
+        blocked = time.perf_counter() - t0
+        fut.result()
+        total = time.perf_counter() - t0
+    peak = peak_bytes() - base
+    if ckpt is not None:
+        ckpt.close()
+        if method != "tw keyframe (exact)":
+            # Keep only what a load of the delta needs, named for the load child.
+            os.replace(out / "step-00000000.tw.safetensors", out / "reference.tw.safetensors")
+            os.replace(out / "step-00000001.tw.safetensors", out / "state.tw.safetensors")
+        else:
+            os.replace(out / "step-00000000.tw.safetensors", out / "state.tw.safetensors")
+    return {
+        "blocked_s": blocked,
+        "total_s": total,
+        "peak_extra_bytes": peak,
+        "file_bytes": _size_of_checkpoint(out, method),
+    }
+
+
+def _size_of_checkpoint(out: Path, method: str) -> int:
+    if method.startswith("dcp"):
+        return sum(p.stat().st_size for p in (out / "dcp").rglob("*") if p.is_file())
+    names = {"torch.save": "state.pt", "safetensors": "state.safetensors"}
+    return (out / names.get(method, "state.tw.safetensors")).stat().st_size
+
+
+def child_load(method: str, fixture: Path, files: Path) -> dict[str, Any]:
+    """Load the checkpoint in ``files`` with ``method`` to the CPU; time and peak memory."""
+    template = None
+    if method == "dcp.load":
+        # DCP loads in place: the caller needs the state's structure and allocations, which
+        # a resuming job has (its model and optimizer). Built before the clock starts, but
+        # the allocation itself is inside the measured region (it is memory the load needs).
+        template = torch.load(fixture, weights_only=True, mmap=True)
+    import tw_triton  # noqa: F401  (import cost outside the clock, like torch's)
+
+    base = rss_bytes()
+    reset_peak()
+    t0 = time.perf_counter()
+    if method == "torch.load":
+        state = torch.load(files / "state.pt", weights_only=True)
+    elif method == "safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(files / "state.safetensors"))
+    elif method == "dcp.load":
+        import torch.distributed.checkpoint as dcp
+
+        state = _empty_like_tree(template)
+        dcp.load(state, checkpoint_id=str(files / "dcp"), no_dist=True)
+    else:
+        ref = files / "reference.tw.safetensors"
+        state = tw_triton.load(files / "state.tw.safetensors", device="cpu",
+                               reference=str(ref) if ref.exists() else None)
+    # Read every byte once: a memory-mapped load (safetensors) is otherwise only a promise,
+    # and the first training step would pay for the page faults instead.
+    n = 0
+    for t in _flatten(state).values():
+        t.sum()
+        n += 1
+    elapsed = time.perf_counter() - t0
+    peak = peak_bytes() - base
+    return {"load_s": elapsed, "peak_extra_bytes": peak, "tensors": n}
+
+
+def run_child(args: list[str], threads: int) -> dict[str, Any]:
+    """Run this script as a child and parse the JSON line it prints."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *args, "--threads", str(threads)],
+        capture_output=True, text=True, env=env, cwd=HERE, check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {args} failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def run(repeats: int, threads: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Build the state once, then measure every method ``repeats`` times, round-robin."""
+    from _common import median
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmpdir = Path(tmp)
+        fixture = tmpdir / "fixture.pt"
+        info = build_fixture(fixture)
+        log(f"state: {info['state_tensors']} tensors, {info['state_bytes'] / 2**20:.1f} MiB")
+        saves: dict[str, list[dict[str, Any]]] = {m: [] for m in SAVE_METHODS}
+        loads: dict[str, list[dict[str, Any]]] = {m: [] for m in LOAD_METHODS}
+        for rep in range(repeats):
+            for method in SAVE_METHODS:
+                out = tmpdir / f"save-{rep}-{method.replace(' ', '_')}"
+                out.mkdir()
+                r = run_child(["--child-save", method, "--fixture", str(fixture), "--out", str(out)], threads)
+                saves[method].append(r)
+                log(f"rep {rep} save {method}: blocked {r['blocked_s']:.3f} s, total {r['total_s']:.3f} s, "
+                    f"peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB, {r['file_bytes'] / 2**20:.1f} MiB")
+            for method in LOAD_METHODS:
+                src = tmpdir / f"save-{rep}-{LOAD_FILES.get(method, method).replace(' ', '_')}"
+                r = run_child(["--child-load", method, "--fixture", str(fixture), "--out", str(src)], threads)
+                loads[method].append(r)
+                log(f"rep {rep} load {method}: {r['load_s']:.3f} s, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB")
+            # Free the disk space of this round before the next.
+            for p in sorted(tmpdir.glob(f"save-{rep}-*")):
+                subprocess.run(["rm", "-rf", str(p)], check=True)
+
+    ref = "torch.save"
+    rows = []
+    for method in SAVE_METHODS:
+        s = saves[method]
+        rows.append({
+            "method": method,
+            "file_bytes": median([r["file_bytes"] for r in s]),
+            "blocked_s": median([r["blocked_s"] for r in s]),
+            "total_s": median([r["total_s"] for r in s]),
+            "save_peak_extra_bytes": median([r["peak_extra_bytes"] for r in s]),
+        })
+    load_rows = []
+    for method in LOAD_METHODS:
+        s = loads[method]
+        load_rows.append({
+            "method": method,
+            "load_s": median([r["load_s"] for r in s]),
+            "load_peak_extra_bytes": median([r["peak_extra_bytes"] for r in s]),
+        })
+    base = next(r for r in rows if r["method"] == ref)
+    for r in rows:
+        r["size_vs_torch_save"] = base["file_bytes"] / r["file_bytes"]
+        r["blocked_vs_torch_save"] = r["blocked_s"] / base["blocked_s"]
+        r["total_vs_torch_save"] = r["total_s"] / base["total_s"]
+    lbase = next(r for r in load_rows if r["method"] == "torch.load")
+    for r in load_rows:
+        r["load_vs_torch_load"] = r["load_s"] / lbase["load_s"]
+    return {"state": info, "repeats": repeats, "threads": threads, "save_rows": rows,
+            "load_rows": load_rows, "raw_saves": saves, "raw_loads": loads}
+
+
+def tables(result: dict[str, Any]) -> str:
+    """Markdown tables for the save and load rows."""
+    from _common import fmt_table, mib
+
+    save = fmt_table(
+        ["method", "file MiB", "smaller than torch.save", "blocks the loop (s)", "vs torch.save",
+         "total save (s)", "vs torch.save", "peak extra RSS (MiB)"],
+        [[r["method"], f"{mib(r['file_bytes']):.1f}", f"{r['size_vs_torch_save']:.2f}x",
+          f"{r['blocked_s']:.3f}", f"{r['blocked_vs_torch_save']:.2f}", f"{r['total_s']:.3f}",
+          f"{r['total_vs_torch_save']:.2f}", f"{mib(r['save_peak_extra_bytes']):.0f}"]
+         for r in result["save_rows"]],
+    )
+    load = fmt_table(
+        ["method", "load to CPU (s)", "vs torch.load", "peak extra RSS (MiB)"],
+        [[r["method"], f"{r['load_s']:.3f}", f"{r['load_vs_torch_load']:.2f}",
+          f"{mib(r['load_peak_extra_bytes']):.0f}"] for r in result["load_rows"]],
+    )
+    return save + "\n\n" + load
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads in every child (1: steadier on a shared machine)")
+    parser.add_argument("--child-save", metavar="METHOD", help=argparse.SUPPRESS)
+    parser.add_argument("--child-load", metavar="METHOD", help=argparse.SUPPRESS)
+    parser.add_argument("--fixture", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.child_save:
+        print(json.dumps(child_save(args.child_save, args.fixture, args.out)))
+        return
+    if args.child_load:
+        print(json.dumps(child_load(args.child_load, args.fixture, args.out)))
+        return
+
+    from _common import log, write_result
+
+    result = run(args.repeats, args.threads, log)
+    path = write_result("speed_compare", result)
+    print(f"{result['state']['params']} parameters + AdamW moments, "
+          f"{result['state']['state_bytes'] / 2**20:.1f} MiB of tensors; medians of {args.repeats} runs, "
+          f"{args.threads} torch thread(s)")
+    print(tables(result))
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -345,6 +345,12 @@ def test_cuda_buffers_are_written(tmp_path):
 # --------------------------------------------------------------------------------------
 
 
+def _cyclic() -> dict:
+    d: dict = {"a": 1}
+    d["self"] = [d]
+    return d
+
+
 def _one(entry: EncodedEntry, **kw) -> QuantizedState:
     return QuantizedState(entries={"e": entry}, skeleton=None, checkpoint_id="c", **kw)
 
@@ -363,6 +369,9 @@ def _one(entry: EncodedEntry, **kw) -> QuantizedState:
         (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), aliases={"e": "e"}), "also an entry"),
         (_one(EncodedEntry("exact", {}, (-1,), torch.float32, {"data": torch.ones(2)})), "non-negative"),
         (_one(EncodedEntry("exact", {}, (2**62, 2), torch.float32, {"data": torch.ones(2)})), "2\\*\\*63"),
+        (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), metadata={"a": [{1: "x", "1": "y"}]}), "metadata: dict key 1 is a int"),
+        (_one(EncodedEntry("exact", {3: 1}, (2,), torch.float32, {"data": torch.ones(2)})), "entry 'e' params: dict key 3"),
+        (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), metadata=_cyclic()), "metadata is not JSON"),
         ("not a state", "expected a QuantizedState"),
     ],
 )

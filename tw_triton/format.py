@@ -379,6 +379,9 @@ def _plan(qstate: QuantizedState, path: str) -> _Plan:
             if tensor.dtype not in _BUFFER_DTYPE_NAMES:
                 raise CheckpointError(f"{bwhere}: dtype {tensor.dtype} has no safetensors name")
             pending.append((entry_path, name, _host_contiguous(tensor), _BUFFER_DTYPE_NAMES[tensor.dtype]))
+        _check_json_keys(entry.params, f"{where} params")
+    for field_name in ("skeleton", "rules", "metadata"):
+        _check_json_keys(getattr(qstate, field_name), f"checkpoint {path}: {field_name}")
     if not isinstance(qstate.aliases, dict):
         raise CheckpointError(f"checkpoint {path}: aliases must be a dict")
     for alias, target in qstate.aliases.items():
@@ -410,6 +413,29 @@ def _plan(qstate: QuantizedState, path: str) -> _Plan:
     for entry_path, name, _, _ in pending:
         by_entry[entry_path][name] = lookup[(entry_path, name)]
     return _Plan(qstate, buffers, by_entry, offset)
+
+
+def _check_json_keys(value: Any, where: str) -> None:
+    """Refuse dict keys that are not str: JSON would silently turn ``1`` into ``"1"``
+    (and ``{1: a, "1": b}`` into a duplicate key that no reader accepts)."""
+    stack = [value]
+    seen: set[int] = set()  # a cycle must not loop here; json.dumps reports it below
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (dict, list, tuple)):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if not isinstance(k, str):
+                    raise CheckpointError(
+                        f"{where}: dict key {k!r} is a {type(k).__name__}, expected str "
+                        "(JSON keys are strings)"
+                    )
+                stack.append(v)
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
 
 
 def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:

@@ -133,3 +133,21 @@ def test_load_never_unpickles(tmp_path):
     assert back["step"] == 1 and back["betas"] == (0.9, 0.999)
     assert torch.equal(back["rng"], state["rng"])
     assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+
+
+def test_tw_inspect_verify_and_export_never_unpickle(tmp_path):
+    """The ``tw`` command reads files a user may have downloaded: same guarantee."""
+    from tw_triton.cli import main
+
+    state = {"w": torch.randn(64, 96), "step": 3}
+    path = tmp_path / "c.safetensors"
+    tw_triton.save(tw_triton.quantize_state_dict(state), path)
+    out = io.StringIO()
+    with pickle_forbidden() as events:
+        codes = [
+            main(["inspect", str(path)], stdout=out),
+            main(["verify", str(path)], stdout=out),
+            main(["export", str(path), str(tmp_path / "plain.safetensors")], stdout=out),
+        ]
+    assert events == []
+    assert codes == [0, 0, 0], out.getvalue()

@@ -18,7 +18,6 @@ import argparse
 import json
 import mmap
 import os
-import resource
 import struct
 import subprocess
 import sys

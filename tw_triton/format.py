@@ -378,7 +378,8 @@ def _plan(qstate: QuantizedState, path: str) -> _Plan:
                 raise CheckpointError(f"{bwhere}: only dense tensors can be stored")
             if tensor.dtype not in _BUFFER_DTYPE_NAMES:
                 raise CheckpointError(f"{bwhere}: dtype {tensor.dtype} has no safetensors name")
-            pending.append((entry_path, name, _host_contiguous(tensor), _BUFFER_DTYPE_NAMES[tensor.dtype]))
+            st_dtype = _BUFFER_DTYPE_NAMES[tensor.dtype]
+            pending.append((entry_path, name, _host_contiguous(tensor), st_dtype))
         _check_json_keys(entry.params, f"{where} params")
     for field_name in ("skeleton", "rules", "metadata"):
         _check_json_keys(getattr(qstate, field_name), f"checkpoint {path}: {field_name}")
@@ -403,10 +404,10 @@ def _plan(qstate: QuantizedState, path: str) -> _Plan:
     for i in order:
         entry_path, name, tensor, st_dtype = pending[i]
         nbytes = tensor.numel() * tensor.element_size()
-        planned = _PlannedBuffer(
-            entry_path, name, tensor_key(entry_path, name), tensor, st_dtype, offset, offset + nbytes
+        key = tensor_key(entry_path, name)
+        buffers.append(
+            _PlannedBuffer(entry_path, name, key, tensor, st_dtype, offset, offset + nbytes)
         )
-        buffers.append(planned)
         offset += nbytes
     # by_entry keeps each entry's own buffer order for the manifest.
     lookup = {(b.entry, b.name): b for b in buffers}
@@ -712,7 +713,8 @@ def _read_layout(f: BinaryIO, path: str) -> _Layout:
         )
     if header_len > MAX_HEADER_BYTES:
         raise CheckpointError(
-            f"checkpoint {path}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
+            f"checkpoint {path}: header length {header_len} exceeds the "
+            f"{MAX_HEADER_BYTES}-byte limit"
         )
     raw = _read_exact(f, header_len, path, "the header")
     try:
@@ -777,14 +779,17 @@ def _check_shape(shape: Any, itemsize: int, where: str) -> int:
     strides from it, so ``[0, 2**40, 2**40]`` (no elements) would still overflow them.
     """
     if not isinstance(shape, (list, tuple)) or not all(_is_int(s) and s >= 0 for s in shape):
-        raise CheckpointError(f"{where}: shape must be a list of non-negative ints, found {shape!r}")
+        raise CheckpointError(
+            f"{where}: shape must be a list of non-negative ints, found {shape!r}"
+        )
     extent = 1
     for s in shape:
         extent *= max(s, 1)
         # Stop multiplying early, so an absurd shape costs no time.
         if extent * itemsize >= _MAX_TENSOR_BYTES:
             raise CheckpointError(
-                f"{where}: shape {list(shape)} spans 2**63 bytes or more of {itemsize}-byte elements"
+                f"{where}: shape {list(shape)} spans 2**63 bytes or more of "
+                f"{itemsize}-byte elements"
             )
     return math.prod(shape)
 
@@ -831,7 +836,8 @@ def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
         dtype = ENTRY_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
         if dtype is None:
             raise CheckpointError(
-                f"{ewhere}: unknown dtype {entry['dtype']!r}, expected one of {sorted(ENTRY_DTYPES)}"
+                f"{ewhere}: unknown dtype {entry['dtype']!r}, "
+                f"expected one of {sorted(ENTRY_DTYPES)}"
             )
         _check_shape(entry["shape"], dtype.itemsize, ewhere)
         if not isinstance(entry["buffers"], dict):
@@ -849,14 +855,17 @@ def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
             bdtype = BUFFER_DTYPES.get(buf["dtype"]) if isinstance(buf["dtype"], str) else None
             if bdtype is None:
                 raise CheckpointError(
-                    f"{bwhere}: unknown dtype {buf['dtype']!r}, expected one of {sorted(BUFFER_DTYPES)}"
+                    f"{bwhere}: unknown dtype {buf['dtype']!r}, "
+                    f"expected one of {sorted(BUFFER_DTYPES)}"
                 )
             numel = _check_shape(buf["shape"], bdtype.itemsize, bwhere)
             offsets = buf["data_offsets"]
             if not (
                 isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
             ):
-                raise CheckpointError(f"{bwhere}: data_offsets must be [begin, end], found {offsets!r}")
+                raise CheckpointError(
+                    f"{bwhere}: data_offsets must be [begin, end], found {offsets!r}"
+                )
             begin, end = offsets
             if not 0 <= begin <= end or end - begin != numel * bdtype.itemsize:
                 raise CheckpointError(
@@ -865,9 +874,12 @@ def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
                 )
             crc = buf["crc32"]
             if not isinstance(crc, str) or not _CRC_RE.fullmatch(crc):
-                raise CheckpointError(f"{bwhere}: crc32 must be 8 lowercase hex digits, found {crc!r}")
+                raise CheckpointError(
+                    f"{bwhere}: crc32 must be 8 lowercase hex digits, found {crc!r}"
+                )
+            shape = tuple(buf["shape"])
             specs.append(
-                _BufferSpec(entry_path, name, buf["key"], bdtype, tuple(buf["shape"]), begin, end, int(crc, 16))
+                _BufferSpec(entry_path, name, buf["key"], bdtype, shape, begin, end, int(crc, 16))
             )
     aliases = manifest["aliases"]
     if not isinstance(aliases, dict):
@@ -896,7 +908,9 @@ def _validate_tensor_table(
         bwhere = f"checkpoint {path}: entry {spec.entry!r} buffer {spec.name!r}"
         _check_fields(info, _TENSOR_INFO_FIELDS, f"{bwhere} (tensor table)")
         if len(info) != len(_TENSOR_INFO_FIELDS):
-            raise CheckpointError(f"{bwhere}: unexpected fields in the tensor table: {sorted(info)}")
+            raise CheckpointError(
+                f"{bwhere}: unexpected fields in the tensor table: {sorted(info)}"
+            )
         expected = {
             "dtype": _BUFFER_DTYPE_NAMES[spec.dtype],
             "shape": list(spec.shape),
@@ -941,7 +955,9 @@ def _validate_tensor_table(
         )
 
 
-def _check_stats(manifest: dict[str, Any], specs: list[_BufferSpec], data_size: int, path: str) -> None:
+def _check_stats(
+    manifest: dict[str, Any], specs: list[_BufferSpec], data_size: int, path: str
+) -> None:
     stats = manifest["stats"]
     where = f"checkpoint {path}: manifest stats"
     _check_fields(stats, _STATS_FIELDS, where)
@@ -993,7 +1009,9 @@ def _check_crc(path: str, spec: _BufferSpec, crc: int) -> None:
         )
 
 
-def _to_qstate(manifest: dict[str, Any], tensors: dict[tuple[str, str], torch.Tensor]) -> QuantizedState:
+def _to_qstate(
+    manifest: dict[str, Any], tensors: dict[tuple[str, str], torch.Tensor]
+) -> QuantizedState:
     entries: dict[str, EncodedEntry] = {}
     for entry_path, entry in manifest["entries"].items():
         entries[entry_path] = EncodedEntry(

@@ -1,0 +1,221 @@
+"""The Triton decode kernel against the torch path (the spec): bit-identical tensors.
+
+Without a GPU the kernel runs under ``TRITON_INTERPRET=1`` on CPU tensors (conftest.py);
+with one it runs compiled on CUDA tensors and is compared with the CPU torch path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tw_triton
+import tw_triton.codec as codec
+import tw_triton.kernels
+from _kernel_testing import (
+    BLOCKS,
+    FLOATS,
+    KERNEL_DEVICE,
+    assert_same_bits,
+    exponent_range,
+    numels,
+    on_kernel_device,
+    random_floats,
+    require_runnable_kernels,
+    run_offset_check,
+)
+from tw_triton.codec import dequantize_blockwise_torch, quantize_blockwise_torch
+from tw_triton.errors import QuantizationError
+from tw_triton.kernels import dequantize_blockwise
+
+require_runnable_kernels()
+
+
+def assert_decodes_like_torch(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    ref: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode on the kernel device and with torch on the CPU; the bits must match."""
+    out = dequantize_blockwise(
+        on_kernel_device(codes), on_kernel_device(scales), numel, bits, block,
+        on_kernel_device(ref), dtype,
+    )
+    expected = dequantize_blockwise_torch(codes, scales, numel, bits, block, ref, dtype)
+    assert out.device.type == KERNEL_DEVICE.type
+    assert_same_bits(out, expected, f"decode bits={bits} block={block} -> {dtype}")
+    return expected
+
+
+def random_scales(gen: torch.Generator, count: int, exp_lo: int, special: float) -> torch.Tensor:
+    """Positive fp32 scales around ``10**exp_lo``; a ``special`` fraction of them are 0,
+    +inf, subnormal or near the fp32 maximum (where ``q * scale`` overflows)."""
+    scales = random_floats(gen, count, torch.float64, exp_lo, exp_lo + 3).abs().float()
+    pick = torch.rand(count, generator=gen) < special
+    menu = torch.tensor([0.0, math.inf, 1e-41, 3e-39, 3.0e38, 2.7e36], dtype=torch.float32)
+    choice = torch.randint(0, menu.numel(), (count,), generator=gen)
+    return torch.where(pick, menu[choice], scales)
+
+
+@st.composite
+def decode_cases(draw):
+    numel = draw(numels())
+    bits = draw(st.sampled_from((8, 4, 2)))
+    block = draw(st.sampled_from(BLOCKS))
+    out_dtype = draw(st.sampled_from(FLOATS))
+    ref_dtype = draw(st.sampled_from((None,) + FLOATS))
+    exp_lo = draw(st.integers(-38, 35))
+    special = draw(st.sampled_from((0.0, 0.1, 0.5)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return numel, bits, block, out_dtype, ref_dtype, exp_lo, special, seed
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode_cases())
+def test_kernel_decode_of_arbitrary_codes_is_bit_identical_to_torch(case) -> None:
+    """Any bytes, any scales (0, inf, subnormal, huge), any reference, every output dtype."""
+    numel, bits, block, out_dtype, ref_dtype, exp_lo, special, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, ((numel * bits + 7) // 8,), generator=gen, dtype=torch.uint8)
+    scales = random_scales(gen, -(-numel // block), exp_lo, special)
+    ref = None
+    if ref_dtype is not None:
+        lo, hi = exponent_range(ref_dtype)
+        ref_exp = min(max(exp_lo + 1, lo), hi)
+        ref = random_floats(gen, numel, ref_dtype, ref_exp - 2, ref_exp + 1, zero_fraction=0.1)
+    assert_decodes_like_torch(codes, scales, numel, bits, block, ref, out_dtype)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    numel=numels(),
+    dtype=st.sampled_from(FLOATS),
+    bits=st.sampled_from((8, 4, 2)),
+    block=st.sampled_from(BLOCKS),
+    with_ref=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_round_trip_decodes_identically_in_every_output_dtype(
+    numel: int, dtype: torch.dtype, bits: int, block: int, with_ref: bool, seed: int
+) -> None:
+    """Codes from a real encode, decoded by kernel and torch, with and without the
+    reference, into each of the three output dtypes."""
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = exponent_range(dtype)
+    exp = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    x = random_floats(gen, numel, dtype, exp, exp + 2)
+    ref = (x.double() + random_floats(gen, numel, torch.float64, exp - 3, exp - 2)).to(dtype)
+    ref = ref if with_ref else None
+    codes, scales = quantize_blockwise_torch(x, ref, bits, block)
+    for out_dtype in FLOATS:
+        assert_decodes_like_torch(codes, scales, numel, bits, block, ref, out_dtype)
+
+
+def test_bf16_and_fp16_output_rounding_ties_and_overflow() -> None:
+    """The kernel's own fp32 -> bf16 rounding: exact ties go to even, values past the
+    largest bf16/fp16 become inf, subnormals survive, NaN stays NaN."""
+    block = 32
+    one_ulp_bf16 = 2.0**-7  # bf16 spacing at 1.0
+    values = torch.tensor(
+        [
+            1.0 + one_ulp_bf16 / 2,  # tie between 1.0 (even) and 1 + ulp: -> 1.0
+            1.0 + 3 * one_ulp_bf16 / 2,  # tie between 1+ulp (odd) and 1+2ulp (even): -> 1+2ulp
+            -(1.0 + 3 * one_ulp_bf16 / 2),
+            1.0 + one_ulp_bf16 / 2 + 2.0**-20,  # just above the tie: rounds up
+            3.3961775e38,  # above the largest bf16 (3.3895e38) by more than half an ulp
+            65520.0,  # rounds to inf in fp16
+            1e-39,  # fp32 subnormal, a bf16 subnormal too
+            2.0**-24 * 1.5,  # fp16 subnormal tie
+            -0.0,
+            math.nan,
+        ],
+        dtype=torch.float32,
+    )
+    numel = values.numel()
+    # Encode nothing: code `offset` means q = 0, so the output is the reference itself
+    # (0 * scale + ref), cast by the kernel's rounding.
+    codes = torch.full(((numel * 8 + 7) // 8,), 128, dtype=torch.uint8)
+    scales = torch.ones(-(-numel // block))
+    for out_dtype in (torch.bfloat16, torch.float16):
+        expected = assert_decodes_like_torch(codes, scales, numel, 8, block, values, out_dtype)
+        # 0 * scale + ref: the add turns -0.0 into +0.0, the rest is ref's own rounding.
+        assert_same_bits(expected, (0.0 + values).to(out_dtype), "torch path vs .to()")
+    bf = dequantize_blockwise_torch(codes, scales, numel, 8, block, values, torch.bfloat16)
+    assert bf[0].item() == 1.0 and bf[1].item() == 1.0 + 2 * one_ulp_bf16
+    assert math.isinf(bf[4].item()) and bf[6].item() != 0.0 and math.isnan(bf[9].item())
+
+
+def test_infinite_scale_decodes_to_nan_and_zero_scale_to_the_reference() -> None:
+    block = 32
+    codes = torch.randint(0, 256, (3 * block,), dtype=torch.uint8)
+    codes[:block] = 128  # what the encoder stores in an unquantizable block: q = 0
+    scales = torch.tensor([math.inf, 0.0, 0.25])
+    ref = torch.randn(3 * block)
+    for out_dtype in FLOATS:
+        out = assert_decodes_like_torch(codes, scales, 3 * block, 8, block, ref, out_dtype)
+        assert torch.isnan(out[:block]).all()
+        assert_same_bits(out[block : 2 * block], ref[block : 2 * block].to(out_dtype))
+
+
+def test_numel_zero_and_one() -> None:
+    for dtype in FLOATS:
+        out = dequantize_blockwise(
+            on_kernel_device(torch.empty(0, dtype=torch.uint8)),
+            on_kernel_device(torch.empty(0)), 0, 4, 64, None, dtype,
+        )
+        assert out.shape == (0,) and out.dtype == dtype
+        assert_decodes_like_torch(
+            torch.tensor([0b10], dtype=torch.uint8), torch.tensor([0.75]), 1, 2, 32, torch.tensor([1.0]).to(dtype), dtype
+        )
+
+
+def test_int64_offsets_past_2_31_and_2_32_elements() -> None:
+    run_offset_check("decode")
+
+
+def test_launcher_rejects_bad_buffers() -> None:
+    codes = on_kernel_device(torch.zeros(64, dtype=torch.uint8))
+    scales = on_kernel_device(torch.ones(2))
+    with pytest.raises(QuantizationError, match="codes has 64 elements, expected 32"):
+        dequantize_blockwise(codes, scales, 64, 4, 32, None, torch.float32)
+    with pytest.raises(QuantizationError, match="scales has 2 elements, expected 1"):
+        dequantize_blockwise(codes, scales, 64, 8, 64, None, torch.float32)
+    with pytest.raises(QuantizationError, match="scales must be torch.float32"):
+        dequantize_blockwise(codes, scales.half(), 64, 8, 32, None, torch.float32)
+    with pytest.raises(QuantizationError, match="reference must be contiguous"):
+        ref = on_kernel_device(torch.randn(8, 8)).t()
+        dequantize_blockwise(codes, scales, 64, 8, 32, ref, torch.float32)
+    with pytest.raises(QuantizationError, match="output dtype"):
+        dequantize_blockwise(codes, scales, 64, 8, 32, None, torch.float64)
+
+
+def test_tw_triton_dequantize_dispatches_to_the_kernel(monkeypatch) -> None:
+    """On CUDA, ``tw_triton.dequantize`` calls this launcher; here the CUDA check is patched
+    so the same code path runs on the interpreter, with a non-contiguous reference."""
+    calls = []
+
+    def spy(codes, scales, numel, bits, block, reference, dtype):
+        calls.append((codes.is_contiguous(), reference.is_contiguous(), dtype))
+        return dequantize_blockwise(codes, scales, numel, bits, block, reference, dtype)
+
+    x = torch.randn(40, 50)
+    ref_base = torch.randn(50, 40, dtype=torch.bfloat16)
+    q = tw_triton.quantize(x, bits=2, block=32, reference=ref_base.t())  # torch path (CPU)
+    expected = tw_triton.dequantize(q, reference=ref_base.t(), dtype=torch.bfloat16)
+
+    monkeypatch.setattr(codec, "_use_kernels", lambda device: True)
+    monkeypatch.setattr(tw_triton.kernels, "dequantize_blockwise", spy)
+    out = tw_triton.dequantize(
+        q.to(KERNEL_DEVICE), reference=on_kernel_device(ref_base).t(), dtype=torch.bfloat16
+    )
+    assert calls == [(True, True, torch.bfloat16)]
+    assert out.shape == (40, 50)
+    assert_same_bits(out, expected, "tw_triton.dequantize through the kernel")

@@ -380,6 +380,7 @@ def _one(entry: EncodedEntry, **kw) -> QuantizedState:
         (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), metadata={"a": [{1: "x", "1": "y"}]}), "metadata: dict key 1 is a int"),
         (_one(EncodedEntry("exact", {3: 1}, (2,), torch.float32, {"data": torch.ones(2)})), "entry 'e' params: dict key 3"),
         (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), metadata=_cyclic()), "metadata is not JSON"),
+        (QuantizedState(entries={"bad\udc80": exact_entry(torch.ones(1))}, skeleton=None, checkpoint_id="c"), "not valid UTF-8"),
         ("not a state", "expected a QuantizedState"),
     ],
 )

@@ -357,6 +357,11 @@ def _plan(qstate: QuantizedState, path: str) -> _Plan:
         where = f"checkpoint {path}: entry {entry_path!r}"
         if not isinstance(entry_path, str):
             raise CheckpointError(f"{where}: entry paths must be str")
+        try:
+            entry_path.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # Tensor keys hold the path, and safetensors headers must be valid UTF-8.
+            raise CheckpointError(f"{where}: entry path is not valid UTF-8 ({exc.reason})") from exc
         if not isinstance(entry, EncodedEntry):
             raise CheckpointError(f"{where}: expected an EncodedEntry, got {type(entry).__name__}")
         if not isinstance(entry.codec, str) or not entry.codec:

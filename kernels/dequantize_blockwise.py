@@ -16,13 +16,16 @@ Why the arithmetic looks the way it does: the decode must equal
 * ``x_hat = fp32(ref) + fp32(q) * scale`` is a multiply and an add, each rounded: the
   launcher passes ``enable_fp_fusion=False`` so the two are never contracted into an FMA.
 * The final cast to bf16 is done with integer arithmetic (round to nearest, ties to even,
-  NaN kept NaN), because the 3.9 interpreter's fp32-to-bf16 conversion truncates; on the
-  GPU it costs a few integer ops in a memory-bound kernel. fp16 uses the normal cast,
-  which rounds to nearest even on the GPU and in the interpreter (numpy).
+  NaN kept NaN), because the 3.9 interpreter's fp32-to-bf16 conversion truncates (and
+  mangles subnormals); on the GPU it costs a few integer ops in a memory-bound kernel.
+  fp16 uses the normal cast, which rounds to nearest even on the GPU (``cvt.rn``) and in
+  the interpreter (numpy).
 * bf16 references are widened by a shift for the same reason as in the encoder.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -163,15 +166,20 @@ def launch_dequantize(
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
-    if full_tiles:
-        dequantize_blockwise_kernel[(full_tiles,)](
-            codes, scales, ref, out, n, row0, MASKED=False, **common
-        )
-    tail_row0 = row0 + full_tiles * rows
-    if tail_row0 * block < n:
-        dequantize_blockwise_kernel[(1,)](
-            codes, scales, ref, out, n, tail_row0, MASKED=True, **common
-        )
+    # Triton launches on the current device: make it the tensors' device.
+    on_device = (
+        torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext()
+    )
+    with on_device:
+        if full_tiles:
+            dequantize_blockwise_kernel[(full_tiles,)](
+                codes, scales, ref, out, n, row0, MASKED=False, **common
+            )
+        tail_row0 = row0 + full_tiles * rows
+        if tail_row0 * block < n:
+            dequantize_blockwise_kernel[(1,)](
+                codes, scales, ref, out, n, tail_row0, MASKED=True, **common
+            )
 
 
 def dequantize_blockwise(

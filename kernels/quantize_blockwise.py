@@ -6,10 +6,11 @@ about 4096 elements (16 KB of fp32, 8 KB of bf16), so it reads ``x`` (and ``ref`
 reduces each row to its absmax in registers, and writes ``ROWS * BLOCK * BITS / 8`` code
 bytes and ``ROWS`` scales once. Tiles that lie wholly inside the tensor run as one launch
 without bounds masks, so their loads stay 16-byte vectors whatever the tensor's length;
-the partial tile at the end, if any, is a second launch of one masked program. Element offsets are computed in int64 (the program id is widened before it
-is multiplied) so tensors of more than 2**31 elements address correctly. ``row0`` shifts
-the first row of the launch: it is 0 in normal use, and lets a test run the offset
-arithmetic far past 2**31 without allocating such a tensor.
+the partial tile at the end, if any, is a second launch of one masked program. Element
+offsets are computed in int64 (the program id is widened before it is multiplied) so
+tensors of more than 2**31 elements address correctly. ``row0`` shifts the first row of
+a launch: 0 for the main launch, the tail's first row for the tail launch, and in tests a
+row far past 2**31 elements, to run the offset arithmetic there without allocating it.
 
 Why the arithmetic looks the way it does: the CUDA kernel, this kernel under
 ``TRITON_INTERPRET=1`` and the torch path (``tw_triton.codec.quantize_blockwise_torch``)
@@ -22,12 +23,14 @@ must give the same bytes, so every fp32 operation has to be correctly rounded.
   covers every unclamped code, and it runs under the interpreter, where
   ``libdevice.rint`` does not.
 * bf16 is widened with an integer shift rather than a cast, because the 3.9 interpreter's
-  software float conversion mishandles bf16 subnormals.
+  software bf16 -> fp32 conversion gets subnormals wrong (1e-39 comes out as 4.4e-39).
 * NaN is mapped to +inf before the row max, since the GPU ``max`` ignores NaN while the
   spec makes any NaN/Inf block unquantizable (scale = +inf, all codes q = 0).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -177,15 +180,20 @@ def launch_quantize(
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
-    if full_tiles:
-        quantize_blockwise_kernel[(full_tiles,)](
-            x, ref, codes, scales, n, row0, MASKED=False, **common
-        )
-    tail_row0 = row0 + full_tiles * rows
-    if tail_row0 * block < n:
-        quantize_blockwise_kernel[(1,)](
-            x, ref, codes, scales, n, tail_row0, MASKED=True, **common
-        )
+    # Triton launches on the current device: make it the tensors' device.
+    on_device = (
+        torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+    )
+    with on_device:
+        if full_tiles:
+            quantize_blockwise_kernel[(full_tiles,)](
+                x, ref, codes, scales, n, row0, MASKED=False, **common
+            )
+        tail_row0 = row0 + full_tiles * rows
+        if tail_row0 * block < n:
+            quantize_blockwise_kernel[(1,)](
+                x, ref, codes, scales, n, tail_row0, MASKED=True, **common
+            )
 
 
 def quantize_blockwise(

@@ -78,7 +78,7 @@ def decode_cases(draw):
     return numel, bits, block, out_dtype, ref_dtype, exp_lo, special, seed
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(decode_cases())
 def test_kernel_decode_of_arbitrary_codes_is_bit_identical_to_torch(case) -> None:
     """Any bytes, any scales (0, inf, subnormal, huge), any reference, every output dtype."""
@@ -94,7 +94,7 @@ def test_kernel_decode_of_arbitrary_codes_is_bit_identical_to_torch(case) -> Non
     assert_decodes_like_torch(codes, scales, numel, bits, block, ref, out_dtype)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     numel=numels(),
     dtype=st.sampled_from(FLOATS),

@@ -73,7 +73,7 @@ def encode_cases(draw):
     return shape, dtype, ref_dtype, bits, block, exp_lo, exp_span, zero_fraction, ref_mode, seed
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(encode_cases())
 def test_kernel_encode_is_byte_identical_to_torch(case) -> None:
     shape, dtype, ref_dtype, bits, block, exp_lo, exp_span, zero_fraction, ref_mode, seed = case

@@ -228,3 +228,22 @@ def test_names_and_errors(tmp_path):
     ckpt.close()
     with pytest.raises(CheckpointError, match="closed"):
         ckpt.save(2, x=1)
+
+
+def test_example_quick_mode_resumes_exactly_from_a_keyframe(tmp_path):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "examples", "train_with_checkpoints.py")
+    r = subprocess.run([sys.executable, script, "--quick", "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    keyframe = [ln for ln in lines if "(keyframe): loss gap" in ln]
+    delta = [ln for ln in lines if "(delta): loss gap" in ln]
+    assert keyframe and "max 0.00e+00" in keyframe[0]
+    assert delta  # the latest checkpoint of the crashed run is a delta
+    gap = float(delta[0].split("max ")[1].split(",")[0])
+    assert gap < 0.05
+    assert any("torch.save" in ln for ln in lines)

@@ -1,0 +1,202 @@
+"""Train a small transformer with checkpoints, "crash", restore into fresh objects, continue.
+
+The classic scenario, on the CPU in well under a minute, with no downloads: a character-level
+causal transformer learns the text of this repository's own Python sources.
+
+1. The reference run trains for ``--steps`` steps without interruption (it saves checkpoints
+   too, which consumes no randomness, so its losses are the ones to match).
+2. The crashed run trains the same way from the same seed, saving every ``--every`` steps,
+   and stops at ``--crash-at``.
+3. Fresh model, optimizer and scheduler are restored from the latest checkpoint (a delta
+   between keyframes) and, separately, from the last keyframe, and both continue to
+   ``--steps``. Restoring a keyframe must reproduce the reference losses bit for bit (the
+   script exits with status 1 if not); a delta continues within quantization error, which
+   the printed loss gap measures.
+
+Sizes are compared against ``torch.save`` of the same state.
+
+    python examples/train_with_checkpoints.py            # 120 steps
+    python examples/train_with_checkpoints.py --quick    # a few seconds (used by the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import tw_triton
+from tw_triton import Checkpointer
+
+
+class TinyLM(nn.Module):
+    """A causal transformer language model over characters."""
+
+    def __init__(self, vocab: int, d_model: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.zeros(context, d_model))
+        layer = nn.TransformerEncoderLayer(
+            d_model, heads, dim_feedforward=4 * d_model, dropout=0.1, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        h = self.embed(tokens) + self.pos[:n]
+        h = self.blocks(h, mask=self.mask[:n, :n], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def corpus() -> str:
+    """Local text only: the library's own sources and the README."""
+    root = Path(tw_triton.__file__).resolve().parent
+    parts = [p.read_text(encoding="utf-8") for p in sorted(root.glob("*.py"))]
+    readme = root.parent / "README.md"
+    if readme.exists():
+        parts.append(readme.read_text(encoding="utf-8"))
+    return "\n".join(parts)
+
+
+def make_objects(args, vocab: int, seed: int):
+    torch.manual_seed(seed)
+    model = TinyLM(vocab, args.d_model, args.layers, 4, args.context)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    return model, opt, sched
+
+
+def train_steps(model, opt, sched, data: torch.Tensor, args, first: int, last: int, ckpt=None) -> list[float]:
+    """Steps ``first..last-1``. Batches come from numpy's and Python's RNGs and dropout from
+    torch's, so a resumed run matches only if all three RNG states come back."""
+    losses = []
+    model.train()
+    for step in range(first, last):
+        starts = np.random.randint(0, len(data) - args.context - 1, size=args.batch)
+        if random.random() < 0.5:  # also draw on Python's RNG
+            starts = starts[::-1].copy()
+        x = torch.stack([data[s : s + args.context] for s in starts])
+        y = torch.stack([data[s + 1 : s + args.context + 1] for s in starts])
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if ckpt is not None and (step + 1) % args.every == 0:
+            ckpt.save(step + 1, model=model, optimizer=opt, scheduler=sched)
+    return losses
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def torch_save_bytes(model, opt, sched) -> int:
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, buf)
+    return buf.tell()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a few seconds: smaller model, fewer steps")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--every", type=int, default=15, help="save every this many steps")
+    p.add_argument("--crash-at", type=int, default=90, help="the crashed run stops here")
+    p.add_argument("--keyframe-every", type=int, default=4)
+    p.add_argument("--bits", type=int, default=8)
+    p.add_argument("--rules", default=None,
+                   help="rules preset, e.g. int8-moments to quantize AdamW moments in deltas too")
+    p.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
+    args = p.parse_args(argv)
+    args.d_model, args.layers, args.context, args.batch = 128, 2, 64, 16
+    if args.quick:
+        args.steps, args.every, args.crash_at = 40, 5, 30
+        args.d_model, args.context, args.batch = 64, 32, 8
+    # One thread: this tiny model gains nothing from more, and on a shared machine
+    # spinning OpenMP threads slow every step down many times over.
+    torch.set_num_threads(1)
+
+    text = corpus()
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    base = Path(args.dir or tempfile.mkdtemp(prefix="tw_triton_example_"))
+    t_start = time.perf_counter()
+
+    # 1. Reference: uninterrupted.
+    seed_everything(0)
+    model, opt, sched = make_objects(args, len(chars), seed=0)
+    with Checkpointer(base / "reference", keyframe_every=args.keyframe_every, bits=args.bits, rules=args.rules) as ck:
+        reference = train_steps(model, opt, sched, data, args, 0, args.steps, ck)
+        stall = []
+    ref_sizes = {i.kind: i.nbytes for i in Checkpointer(base / "reference").infos()}
+    plain = torch_save_bytes(model, opt, sched)
+
+    # 2. Crashed run: same seed, stops at crash_at.
+    seed_everything(0)
+    model, opt, sched = make_objects(args, len(chars), seed=0)
+    ckpt = Checkpointer(base / "crashed", keyframe_every=args.keyframe_every, keep_last=3, bits=args.bits,
+                        rules=args.rules)
+    for step in range(0, args.crash_at, args.every):
+        train_steps(model, opt, sched, data, args, step, min(step + args.every, args.crash_at))
+        if step + args.every <= args.crash_at:
+            t0 = time.perf_counter()
+            ckpt.save(step + args.every, model=model, optimizer=opt, scheduler=sched)
+            stall.append(time.perf_counter() - t0)
+    ckpt.close()
+    del model, opt, sched
+
+    # 3. Restore into fresh objects (other seeds), from the latest and from a keyframe.
+    reader = Checkpointer(base / "crashed")
+    infos = {i.step: i for i in reader.infos()}
+    latest = reader.latest()
+    keyframe = max(s for s, i in infos.items() if i.kind == "keyframe")
+    results = {}
+    for label, step in (("latest", latest), ("keyframe", keyframe)):
+        seed_everything(1234)
+        model, opt, sched = make_objects(args, len(chars), seed=1234)
+        state = reader.restore(step, model=model, optimizer=opt, scheduler=sched)
+        resumed = train_steps(model, opt, sched, data, args, state["step"], args.steps)
+        gap = [abs(a - b) for a, b in zip(resumed, reference[state["step"]:])]
+        results[label] = (step, infos[step].kind, max(gap), resumed[-1] - reference[-1])
+    elapsed = time.perf_counter() - t_start
+
+    n_params = sum(p.numel() for p in make_objects(args, len(chars), seed=0)[0].parameters())
+    print(f"model: {n_params / 1e6:.2f} M parameters; {args.steps} steps; saves every {args.every}; "
+          f"keyframe every {args.keyframe_every} saves; int{args.bits} deltas; rules {args.rules or 'default'}")
+    print(f"final loss (uninterrupted): {reference[-1]:.4f} (first {reference[0]:.4f})")
+    print(f"torch.save of model+optimizer+scheduler: {plain / 1e6:.3f} MB")
+    for kind in ("keyframe", "delta"):
+        if kind in ref_sizes:
+            print(f"  tw_triton {kind:8s}: {ref_sizes[kind] / 1e6:.3f} MB  ({ref_sizes[kind] / plain:.2f}x torch.save)")
+    print(f"save() paused the loop {1e3 * float(np.median(stall)):.1f} ms (median of {len(stall)} saves)")
+    for label, (step, kind, gap, final) in results.items():
+        print(f"resume from step {step} ({kind}): loss gap after resume max {gap:.2e}, "
+              f"final-loss difference {final:+.2e}")
+    print(f"total time {elapsed:.1f} s")
+    if results["keyframe"][2] != 0.0:
+        print("ERROR: resuming from a keyframe did not reproduce the run exactly", file=sys.stderr)
+        return 1
+    if not math.isfinite(results["latest"][2]):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

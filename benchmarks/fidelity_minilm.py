@@ -159,7 +159,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bits", type=int, nargs="+", default=list(BITS))
     parser.add_argument("--blocks", type=int, nargs="+", default=list(BLOCKS))
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads (1: far steadier on a shared 2-core machine)",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     result = run(tuple(args.bits), tuple(args.blocks))
     path = write_result("fidelity_minilm", result)
     print(

@@ -60,7 +60,7 @@ MAX_NUMEL = 3000
 SMALLEST_NORMAL = 2.0**-126
 
 PROPERTY_SETTINGS = settings(
-    max_examples=80,
+    max_examples=150,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )

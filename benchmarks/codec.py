@@ -1,0 +1,404 @@
+"""Codec benchmark: throughput beside a plain copy, peak temporary memory, ratios, error stats.
+
+    python benchmarks/codec.py             # full run (16M elements), writes results/codec_cpu.*
+    python benchmarks/codec.py --quick     # small sizes, a few seconds (used by a smoke test)
+    python benchmarks/codec.py --ratios    # only the table of stored sizes (for the README)
+
+CPU: encode and decode throughput (GB/s of input read: x, plus the reference when there is
+one) next to ``torch.clone`` of the same tensor, timed in the same run, interleaved rep by
+rep, medians reported. The ratio encode/clone is the figure of merit (goal >= 0.5).
+CUDA (when present): the Triton kernels under ``triton.testing.do_bench`` next to a
+device-to-device copy ``torch.empty_like(x).copy_(x)`` (goal >= 0.85 of copy bandwidth).
+Peak temporaries of the chunked CPU path are measured as the RSS high-water mark of a fresh
+subprocess, minus the input and outputs, in units of one fp32 chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tw_triton  # noqa: E402
+from tw_triton import codec  # noqa: E402
+from _common import machine_description, write_result  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BITS = (8, 4, 2)
+RATIO_BLOCKS = (32, 64, 128, 256, 1024, 4096)
+
+
+# ---------------------------------------------------------------------------- ratio table
+
+
+def ratio_table_markdown() -> str:
+    """Stored bytes per element and compression against fp32 and bf16, bits x block.
+
+    Computed from actual encodings (``QuantizedTensor.nbytes`` of a tensor of 16 blocks),
+    checked against the formula ``bits/8 + 4/block``.
+    """
+    lines = [
+        "| bits | block | bytes/element | vs fp32 | vs bf16 |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for bits in BITS:
+        for block in RATIO_BLOCKS:
+            n = 16 * block
+            q = tw_triton.quantize(torch.ones(n), bits=bits, block=block)
+            per_elem = q.nbytes / n
+            assert per_elem == codec.stored_bytes_per_element(bits, block)
+            lines.append(
+                f"| {bits} | {block} | {per_elem:.5g} | {4 / per_elem:.2f}x | {2 / per_elem:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- CPU timing
+
+
+def _time_once(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def cpu_throughput(n: int, reps: int) -> list[dict]:
+    """Rows of encode/decode/clone throughput for fp32 and bf16, with and without a reference."""
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(n, generator=g)
+    cases = [
+        (torch.float32, None),
+        (torch.bfloat16, None),
+        (torch.bfloat16, torch.bfloat16),
+    ]
+    for dtype, ref_dtype in cases:
+        x = base.to(dtype)
+        ref = None if ref_dtype is None else (base * 0.99).to(ref_dtype)
+        read = x.numel() * x.element_size() + (0 if ref is None else ref.numel() * ref.element_size())
+        for bits in BITS:
+            q = tw_triton.quantize(x, bits=bits, block=128, reference=ref)  # warm-up
+            tw_triton.dequantize(q, reference=ref)
+            clone_t, copy_t, enc_t, dec_t, ratios = [], [], [], [], []
+            dst = torch.empty_like(x)
+            for _ in range(reps):
+                # Interleaved, so that load from other processes hits all of them alike.
+                tc = _time_once(lambda: x.clone())
+                copy_t.append(_time_once(lambda: dst.copy_(x)))
+                te = _time_once(lambda: tw_triton.quantize(x, bits=bits, block=128, reference=ref))
+                td = _time_once(lambda: tw_triton.dequantize(q, reference=ref))
+                clone_t.append(tc)
+                enc_t.append(te)
+                dec_t.append(td)
+                ratios.append(tc / te)
+            xbytes = x.numel() * x.element_size()
+            rows.append(
+                dict(
+                    dtype=str(dtype).replace("torch.", ""),
+                    reference=None if ref_dtype is None else str(ref_dtype).replace("torch.", ""),
+                    bits=bits,
+                    block=128,
+                    numel=n,
+                    clone_gbps=xbytes / statistics.median(clone_t) / 1e9,
+                    copy_gbps=xbytes / statistics.median(copy_t) / 1e9,
+                    encode_gbps=read / statistics.median(enc_t) / 1e9,
+                    decode_gbps=read / statistics.median(dec_t) / 1e9,
+                    # Same bytes of x, so time(clone)/time(encode) compares like with like
+                    # when there is no reference; with one, encode also reads it.
+                    encode_over_clone=statistics.median(ratios),
+                    # Best of reps, the figure least hurt by other processes on the machine.
+                    encode_over_clone_best=min(clone_t) / min(enc_t),
+                )
+            )
+            print(_row_text(rows[-1]), flush=True)
+    return rows
+
+
+def _row_text(r: dict) -> str:
+    ref = f"+ref {r['reference']}" if r["reference"] else "no ref"
+    return (
+        f"{r['dtype']:>8} {ref:>12} bits={r['bits']} n={r['numel']}: clone {r['clone_gbps']:6.2f} GB/s"
+        f" | copy_ {r['copy_gbps']:6.2f} GB/s"
+        f" | encode {r['encode_gbps']:6.2f} GB/s (clone/encode time {r['encode_over_clone']:.2f},"
+        f" best-of {r['encode_over_clone_best']:.2f})"
+        f" | decode {r['decode_gbps']:6.2f} GB/s"
+    )
+
+
+# ---------------------------------------------------------------------------- peak memory
+
+_MEMORY_PROBE = textwrap.dedent(
+    """
+    import json, sys, torch
+    from tw_triton import codec
+
+    def status_kib(field):
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith(field + ":"))
+
+    n, bits, dtype_name, with_ref = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+    dtype = getattr(torch, dtype_name)
+    x = torch.randn(n, dtype=dtype)
+    ref = torch.randn(n, dtype=dtype) if with_ref else None
+    small = torch.randn(3 * codec.CHUNK_ELEMENTS + 77, dtype=dtype)
+    codec.quantize_blockwise_torch(small, None if ref is None else small, bits, 128)  # warm-up
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark (VmHWM) to the current RSS
+    before = status_kib("VmRSS") * 1024
+    codes, scales = codec.quantize_blockwise_torch(x, ref, bits, 128)
+    after = status_kib("VmHWM") * 1024
+    out = codes.numel() + 4 * scales.numel()
+    print(json.dumps(dict(before=before, after=after, outputs=out)))
+    """
+)
+
+
+def peak_temporaries(n: int, quick: bool = False) -> list[dict]:
+    """RSS growth of one encode in a fresh process, less its outputs, in fp32 chunks.
+
+    Linux only: the probe resets the process's RSS high-water mark through
+    ``/proc/self/clear_refs`` just before the encode and reads ``VmHWM`` after it.
+    """
+    chunk_bytes = 4 * codec.CHUNK_ELEMENTS
+    rows = []
+    configs = [("float32", False, 8)] if quick else [
+        (name, ref, bits) for name, ref in (("float32", False), ("bfloat16", False), ("bfloat16", True)) for bits in BITS
+    ]
+    for dtype_name, with_ref, bits in configs:
+        proc = subprocess.run(
+            [sys.executable, "-c", _MEMORY_PROBE, str(n), str(bits), dtype_name, str(int(with_ref))],
+            capture_output=True,
+            text=True,
+            check=True,
+            # A fixed mmap threshold: big buffers are mapped and unmapped, never kept in
+            # a heap that the warm-up grew and the measured encode would silently reuse.
+            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"},
+        )
+        m = json.loads(proc.stdout.strip().splitlines()[-1])
+        temp = m["after"] - m["before"] - m["outputs"]  # RSS accounting: +-0.5 MiB
+        rows.append(
+            dict(
+                dtype=dtype_name,
+                reference=with_ref,
+                bits=bits,
+                numel=n,
+                input_mib=n * (4 if dtype_name == "float32" else 2) / 2**20,
+                outputs_mib=m["outputs"] / 2**20,
+                temporaries_mib=temp / 2**20,
+                chunks=temp / chunk_bytes,
+            )
+        )
+        r = rows[-1]
+        print(
+            f"peak temporaries {dtype_name}{' +ref' if with_ref else ''} bits={bits}:"
+            f" {r['temporaries_mib']:.1f} MiB = {r['chunks']:.2f} chunks of"
+            f" {chunk_bytes / 2**20:.0f} MiB (input {r['input_mib']:.0f} MiB)",
+            flush=True,
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------------- error stats
+
+
+def bound_stats(n: int) -> list[dict]:
+    """How often |d - q*s| exceeds s/2 (the strict bound) and how often it equals it.
+
+    Also counts, for the same data, how a division done in fp64 (then rounded half to even)
+    would do: its quotient is close enough to d/s that it never crosses a tie.
+    """
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    for bits in BITS:
+        q = tw_triton.quantize(x, bits=bits, block=128)
+        qi = _codes_to_q(q.codes.numpy(), n, bits).astype(np.float64)
+        s = np.repeat(q.scales.numpy().astype(np.float64), 128)[:n]
+        d = x.numpy().astype(np.float64)
+        # Exact in fp64: q (<= 8 bits) times s (24 bits) fits in 53, and d - q*s is a short
+        # difference of nearby multiples of ulp(s)/2**8 (see tests/test_codec_properties.py).
+        err = np.abs(d - qi * s)
+        usable = s > 0
+        over = int(np.count_nonzero(err[usable] > s[usable] / 2))
+        at = int(np.count_nonzero(err[usable] == s[usable] / 2))
+        qmax = codec.qmax_for(bits)
+        q64 = np.clip(np.rint(d / np.where(usable, s, 1.0)), -qmax, qmax)
+        err64 = np.abs(d - q64 * s)
+        over64 = int(np.count_nonzero(err64[usable] > s[usable] / 2))
+        rows.append(
+            dict(bits=bits, numel=n, over_half_scale=over, at_half_scale=at, over_half_scale_fp64_division=over64)
+        )
+        print(
+            f"bits={bits}: |d - q*s| > s/2 for {over} of {n} elements ({over / n:.2e}),"
+            f" = s/2 for {at} ({at / n:.2e}); with an fp64 division: {over64} > s/2",
+            flush=True,
+        )
+    return rows
+
+
+def _codes_to_q(codes: np.ndarray, n: int, bits: int) -> np.ndarray:
+    k = 8 // bits
+    u = (codes.astype(np.int64)[:, None] >> (np.arange(k) * bits)) & ((1 << bits) - 1)
+    return u.reshape(-1)[:n] - (1 << (bits - 1))
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+
+def cuda_throughput(n: int) -> list[dict]:
+    """Triton encode/decode next to a device-to-device copy, with triton.testing.do_bench."""
+    from triton.testing import do_bench
+
+    rows = []
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    base = torch.randn(n, device=dev, generator=g)
+    for dtype, ref_dtype in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.bfloat16)):
+        x = base.to(dtype)
+        ref = None if ref_dtype is None else (base * 0.99).to(ref_dtype)
+        read = x.numel() * x.element_size() + (0 if ref is None else ref.numel() * ref.element_size())
+        copy_ms = do_bench(lambda: torch.empty_like(x).copy_(x))
+        for bits in BITS:
+            q = tw_triton.quantize(x, bits=bits, block=128, reference=ref)
+            enc_ms = do_bench(lambda: tw_triton.quantize(x, bits=bits, block=128, reference=ref))
+            dec_ms = do_bench(lambda: tw_triton.dequantize(q, reference=ref))
+            xbytes = x.numel() * x.element_size()
+            rows.append(
+                dict(
+                    dtype=str(dtype).replace("torch.", ""),
+                    reference=None if ref_dtype is None else str(ref_dtype).replace("torch.", ""),
+                    bits=bits,
+                    block=128,
+                    numel=n,
+                    # A copy reads and writes x: report what it reads, like the codec.
+                    copy_gbps=xbytes / copy_ms / 1e6,
+                    encode_gbps=read / enc_ms / 1e6,
+                    decode_gbps=read / dec_ms / 1e6,
+                    encode_over_copy=(read / enc_ms) / (xbytes / copy_ms),
+                )
+            )
+            r = rows[-1]
+            print(
+                f"cuda {r['dtype']:>8} ref={r['reference']} bits={bits}: copy {r['copy_gbps']:7.1f} GB/s"
+                f" | encode {r['encode_gbps']:7.1f} GB/s ({r['encode_over_copy']:.2f} of copy)"
+                f" | decode {r['decode_gbps']:7.1f} GB/s",
+                flush=True,
+            )
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[dict], cuda: list[dict], args) -> str:
+    """The results page for benchmarks/results/."""
+    out = [
+        "# Codec benchmark (CPU path)",
+        "",
+        f"Machine: {machine}; torch {torch.__version__}, {torch.get_num_threads()} threads.",
+        f"Command: `python benchmarks/codec.py{' --quick' if args.quick else ''}` "
+        f"(n = {args.n:,} elements, block 128, {args.reps} interleaved reps per cell, medians).",
+        f"CPU chunk: {codec.CHUNK_ELEMENTS:,} elements ({4 * codec.CHUNK_ELEMENTS / 2**20:.0f} MiB of fp32).",
+        "",
+        "Throughput is GB/s of input read (x, plus the reference when there is one). `clone` is",
+        "`x.clone()` of the same tensor timed in the same loop, which includes allocating (and",
+        "page-faulting) its output, just as encode allocates its codes; `copy_` copies into a",
+        "buffer allocated once (the memory-bandwidth ceiling, a harsher yardstick).",
+        "`encode/clone` is the median over reps of time(clone)/time(encode) — goal >= 0.5;",
+        "`best` is min(clone times)/min(encode times), least hurt by other processes.",
+        "",
+        "| dtype | reference | bits | clone GB/s | copy_ GB/s | encode GB/s | decode GB/s | encode/clone | best |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in cpu:
+        out.append(
+            f"| {r['dtype']} | {r['reference'] or '-'} | {r['bits']} | {r['clone_gbps']:.2f} |"
+            f" {r['copy_gbps']:.2f} | {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} |"
+            f" {r['encode_over_clone']:.2f} | {r['encode_over_clone_best']:.2f} |"
+        )
+    if mem:
+        out += [
+            "",
+            "Peak temporaries of one encode (RSS high-water mark in a fresh process, less the",
+            "input and the outputs), in units of one fp32 chunk:",
+            "",
+            "| input | bits | input MiB | outputs MiB | temporaries MiB | chunks |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in mem:
+            name = r["dtype"] + (" + ref" if r["reference"] else "")
+            out.append(
+                f"| {name} | {r['bits']} | {r['input_mib']:.0f} | {r['outputs_mib']:.1f} |"
+                f" {r['temporaries_mib']:.1f} | {r['chunks']:.2f} |"
+            )
+    if stats:
+        out += [
+            "",
+            "How often the strict bound |d - q*s| <= s/2 fails (one rounded fp32 division can",
+            "land on a tie that d/s does not sit on), how often it is met with equality, and the",
+            "failures left if the quotient were computed in fp64 (heavy-tailed random data):",
+            "",
+            "| bits | elements | > s/2 | = s/2 | > s/2 with fp64 division |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for r in stats:
+            out.append(
+                f"| {r['bits']} | {r['numel']:,} | {r['over_half_scale']} | {r['at_half_scale']} |"
+                f" {r['over_half_scale_fp64_division']} |"
+            )
+    if cuda:
+        out += ["", "CUDA (triton.testing.do_bench):", "", "| dtype | reference | bits | copy GB/s | encode GB/s | decode GB/s | encode/copy |", "|---|---|---:|---:|---:|---:|---:|"]
+        for r in cuda:
+            out.append(
+                f"| {r['dtype']} | {r['reference'] or '-'} | {r['bits']} | {r['copy_gbps']:.1f} |"
+                f" {r['encode_gbps']:.1f} | {r['decode_gbps']:.1f} | {r['encode_over_copy']:.2f} |"
+            )
+    out += ["", "Stored size (exact, from encodings):", "", ratio_table_markdown(), ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
+    p.add_argument("--ratios", action="store_true", help="print the stored-size table only")
+    p.add_argument("--n", type=int, default=None, help="elements per tensor (default 16M, quick 256K)")
+    p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 7, quick 2)")
+    p.add_argument("--out", type=Path, default=None, help="markdown report (default results/codec_cpu.md)")
+    args = p.parse_args(argv)
+    if args.ratios:
+        print(ratio_table_markdown())
+        return 0
+    args.n = args.n or ((1 << 16) if args.quick else (1 << 24))
+    args.reps = args.reps or (1 if args.quick else 7)
+    machine = machine_description()
+    print(f"# {machine}; chunk {codec.CHUNK_ELEMENTS} elements", flush=True)
+    cpu = cpu_throughput(args.n, args.reps)
+    mem = peak_temporaries(args.n if args.quick else 4 * args.n, quick=args.quick)
+    stats = bound_stats(args.n)
+    cuda = cuda_throughput(args.n) if torch.cuda.is_available() else []
+    report = markdown_report(machine, cpu, mem, stats, cuda, args)
+    out = args.out or RESULTS / "codec_cpu.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report, encoding="utf-8")
+    if args.out is None:
+        write_result("codec_cpu", dict(n=args.n, reps=args.reps, chunk_elements=codec.CHUNK_ELEMENTS,
+                                       cpu=cpu, memory=mem, bound_stats=stats, cuda=cuda))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

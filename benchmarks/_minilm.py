@@ -154,4 +154,4 @@ def contrastive_step(
     loss.backward()
     optimizer.step()
     model.eval()
-    return float(loss)
+    return float(loss.detach())

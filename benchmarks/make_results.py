@@ -3,7 +3,8 @@
 Runs the three benchmarks (``fidelity_minilm.py``, ``resume_fidelity.py``,
 ``speed_compare.py``; about 9 minutes on 2 cores), which write JSON under
 ``benchmarks/results/``, then writes ``benchmarks/results/README.md`` and the PNG plots from
-those JSON files. ``--no-run`` rebuilds the page from the JSON files already there.
+those JSON files, and the compact table between the results-table markers at the top of the
+project README. ``--no-run`` rebuilds from the JSON files already there.
 
 Every number on the page is read from the JSON files; nothing is typed in by hand. Needs the
 ``bench`` extra (matplotlib, the MiniLM package).
@@ -21,6 +22,9 @@ from typing import Any
 from _common import RESULTS_DIR, fmt_table, log, mib, read_result
 
 HERE = Path(__file__).resolve().parent
+PROJECT_README = HERE.parent / "README.md"
+TABLE_START = "<!-- results-table:start (written by benchmarks/make_results.py) -->"
+TABLE_END = "<!-- results-table:end -->"
 
 # Relative loss deviation under which a setting counts as "resume-safe".
 RESUME_TOLERANCE = 0.001
@@ -387,14 +391,32 @@ def write_page() -> str:
     return summary_table(fid, res, speed, rec)
 
 
+def update_project_readme(summary: str, path: Path = PROJECT_README) -> bool:
+    """Replace the text between the results-table markers of the project README.
+
+    Returns whether the README changed. Raises ``ValueError`` if the markers are missing.
+    """
+    text = path.read_text(encoding="utf-8")
+    start, end = text.find(TABLE_START), text.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"{path}: markers {TABLE_START!r} ... {TABLE_END!r} not found")
+    new = text[: start + len(TABLE_START)] + "\n" + summary + "\n" + text[end:]
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-run", action="store_true", help="rebuild the page from the JSON files only")
+    parser.add_argument("--no-readme", action="store_true", help="leave the project README's table alone")
     args = parser.parse_args()
     if not args.no_run:
         run_benchmarks()
     summary = write_page()
     log(f"wrote {RESULTS_DIR / 'README.md'} and the plots")
+    if not args.no_readme and update_project_readme(summary):
+        log(f"updated the results table in {PROJECT_README}")
     print(summary)
 
 

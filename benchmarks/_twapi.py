@@ -33,6 +33,8 @@ class Setting:
             ``None`` to keep them exact (the library default).
         moment_delta: whether quantized moments are deltas from the reference.
         moments: which optimizer state entries ``moment_bits`` applies to.
+        preset: a library preset name (``rules="int8-moments"``) to use instead of the
+            rules the other fields describe; those fields must then say what it does.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Setting:
     moment_bits: int | None = None
     moment_delta: bool = True
     moments: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    preset: str | None = None
 
     @property
     def uses_reference(self) -> bool:
@@ -51,11 +54,14 @@ class Setting:
         )
 
 
-def rules_for(setting: Setting) -> list[Any]:
+def rules_for(setting: Setting) -> list[Any] | str:
     """The ordered ``(glob, codec spec)`` rules that express ``setting`` (see tw_triton.rules).
 
     The last rule keeps everything else exact, so the library's defaults never add to it.
+    A setting that names a preset is passed through as that preset.
     """
+    if setting.preset is not None:
+        return setting.preset  # type: ignore[return-value]
     rules: list[Any] = []
     if setting.moment_bits is not None:
         spec = {

@@ -59,6 +59,8 @@ SETTINGS = (
     Setting("int8 no delta", bits=8, delta=False),
     Setting("int8 delta + exp_avg int8", bits=8, moment_bits=8, moments=("exp_avg",)),
     Setting("int8 delta + moments int8", bits=8, moment_bits=8),
+    # The library's own preset, as a Checkpointer delta save would use it.
+    Setting('preset "int8-moments"', bits=8, moment_bits=8, preset="int8-moments"),
     Setting("int8 no delta + moments int8", bits=8, delta=False, moment_bits=8, moment_delta=False),
 )
 
@@ -213,14 +215,14 @@ def run_seed(cfg: Config, corpus: torch.Tensor, seed: int, settings: tuple[Setti
                 torch.save(base.state(), tmpdir / "state.pt")
                 torch_bytes = (tmpdir / "state.pt").stat().st_size
                 for s in settings:
-                    path = tmpdir / f"{s.name.replace(' ', '_')}.tw.safetensors"
+                    path = tmpdir / f"setting{settings.index(s)}.tw.safetensors"
                     results[s.name] = {"file_bytes": save_setting(base.state(), s, path, keyframe)}
             base_losses.append(base.train_step())
         base_eval = base.eval_loss()
         log(f"seed {seed}: uninterrupted run {time.perf_counter() - t0:.0f} s, final eval {base_eval:.4f}")
         tail = base_losses[cfg.at :]
         for s in settings:
-            path = tmpdir / f"{s.name.replace(' ', '_')}.tw.safetensors"
+            path = tmpdir / f"setting{settings.index(s)}.tw.safetensors"
             resumed = Trainer(cfg, corpus, seed)
             resumed.restore(load_setting(path, keyframe if s.uses_reference else None))
             curve = [resumed.train_step() for _ in range(cfg.steps - cfg.at)]

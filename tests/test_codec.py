@@ -64,7 +64,8 @@ def test_every_dtype_pair_and_bits(dtype, ref_dtype, bits):
     d = x.float() - (0 if ref is None else ref.float())
     err = (out.float() - x.float()).abs()
     assert bool((err <= 0.51 * s + x.float().abs() * 2.0**-7 + 1e-30).all())
-    assert bool((d.abs() <= 127 * s * (1 + 2**-20) + 1e-38).all())
+    qmax = codec.qmax_for(bits)
+    assert bool((d.abs() <= qmax * s * (1 + 2**-20) + 1e-38).all())  # s is absmax / qmax
 
 
 @pytest.mark.parametrize("block", BLOCKS)

@@ -247,3 +247,27 @@ def test_example_quick_mode_resumes_exactly_from_a_keyframe(tmp_path):
     gap = float(delta[0].split("max ")[1].split(",")[0])
     assert gap < 0.05
     assert any("torch.save" in ln for ln in lines)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_run_restores_on_device(tmp_path):
+    seed_all(0)
+    model, opt, sched, _ = make_run(0)
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(16, 32, device="cuda")
+    with Checkpointer(tmp_path, keyframe_every=2) as ckpt:
+        for step in range(3):  # keyframe, delta, keyframe
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.save(step, model=model, optimizer=opt)
+            if step == 0:
+                assert ckpt.reference_nbytes == 32 * 128 * 4
+    model2 = make_run(1)[0].cuda()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    Checkpointer(tmp_path).restore(1, model=model2, optimizer=opt2)
+    assert next(model2.parameters()).is_cuda
+    state = Checkpointer(tmp_path).load(2, device="cuda")
+    for k, v in model.state_dict().items():
+        assert torch.equal(state["model"][k], v)

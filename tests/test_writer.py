@@ -318,3 +318,29 @@ def test_cuda_buffers_are_staged_through_a_reused_pinned_pool(tmp_path):
         got = fmt.read_file(tmp_path / f"{i}.tw.safetensors")
         for k, e in q.entries.items():
             assert torch.equal(got.entries[k].buffers["data"], e.buffers["data"].cpu())
+
+
+def test_carve_gives_aligned_views_of_every_dtype_and_shape():
+    from tw_triton.writer import PINNED_ALIGN, carve, staging_nbytes
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(3, 5, generator=g),  # fp32
+        torch.randn(7, generator=g).to(torch.bfloat16),
+        torch.tensor(3, dtype=torch.int64),  # 0-dim
+        torch.zeros(0, 4),  # empty
+        torch.randint(0, 255, (33,), dtype=torch.uint8, generator=g),
+        torch.tensor([True, False, True]),
+        torch.randn(4, 6, generator=g).t(),  # non-contiguous source
+        torch.randn(5, generator=g).to(torch.float16),
+    ]
+    buf = torch.zeros(staging_nbytes(tensors), dtype=torch.uint8)
+    views = carve(buf, tensors)
+    for v, t in zip(views, tensors):
+        assert v.dtype == t.dtype and v.shape == t.shape and v.is_contiguous()
+        assert (v.data_ptr() - buf.data_ptr()) % PINNED_ALIGN == 0
+        v.copy_(t)
+    for v, t in zip(views, tensors):  # no view overlaps another
+        assert torch.equal(v, t)
+    with pytest.raises(CheckpointError, match="cannot hold"):
+        carve(buf[:-1], tensors)

@@ -59,6 +59,32 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def staging_nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of one staging buffer that :func:`carve` can split into all ``tensors``."""
+    return sum(_align(t.numel() * t.element_size(), PINNED_ALIGN) for t in tensors)
+
+
+def carve(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the ``uint8`` ``buffer``, one per tensor, with its dtype and shape
+    (contiguous), back to back, each starting ``PINNED_ALIGN``-aligned.
+
+    Raises:
+        CheckpointError: ``buffer`` is smaller than :func:`staging_nbytes` of ``tensors``.
+    """
+    need = staging_nbytes(tensors)
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < need:
+        raise CheckpointError(
+            f"staging buffer of {buffer.numel()} {buffer.dtype} elements cannot hold {need} bytes"
+        )
+    views = []
+    offset = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        views.append(buffer[offset:offset + n].view(t.dtype).view(t.shape))
+        offset += _align(n, PINNED_ALIGN)
+    return views
+
+
 class PinnedPool:
     """Pinned host byte buffers, reused across saves, bounded by a byte cap.
 
@@ -307,51 +333,47 @@ class AsyncWriter:
                 f"cannot save '{path}': buffers on device type(s) {sorted(other)}; "
                 f"the writer stages only CUDA and CPU tensors"
             )
-        sizes = [_align(t.numel() * t.element_size(), PINNED_ALIGN) for _, _, t in device_bufs]
-        pinned, waited = self._pool.acquire(sum(sizes))
+        tensors = [t for _, _, t in device_bufs]
+        pinned, waited = self._pool.acquire(staging_nbytes(tensors))
         if waited > WAIT_LOG_THRESHOLD_S:
             logger.info(
                 "backpressure: save of '%s' waited %.3f s for pinned host memory (cap %s bytes)",
                 path, waited, self._pool.cap_bytes,
             )
         try:
-            host, events = self._copy_to_host(qstate, device_bufs, sizes, pinned)
+            views = carve(pinned, tensors)
+            events = self._copy_to_host(tensors, views)
         except BaseException:
             self._pool.release(pinned)
             raise
-        return _Job(qstate=host, path=path, future=future, copy_done=events,
-                    device_state=qstate, pinned=pinned)
+        by_key = {(name, bname): v for (name, bname, _), v in zip(device_bufs, views)}
+        entries = {}
+        for name, entry in qstate.entries.items():
+            bufs = {b: by_key.get((name, b), t) for b, t in entry.buffers.items()}
+            entries[name] = EncodedEntry(entry.codec, entry.params, entry.shape, entry.dtype, bufs)
+        return _Job(qstate=replace(qstate, entries=entries), path=path, future=future,
+                    copy_done=events, device_state=qstate, pinned=pinned)
 
-    def _copy_to_host(self, qstate, device_bufs, sizes, pinned):
-        """Enqueue every device buffer's copy into views of ``pinned``, per device on a
-        side stream that first waits for the work already queued on the current stream
-        (the encode kernels that produced the buffers). Returns the host-side state and
-        one event per device that marks the copies done."""
-        views: dict[tuple[str, str], torch.Tensor] = {}
-        by_device: dict[int, list[tuple[str, str, torch.Tensor, int]]] = {}
-        offset = 0
-        for (name, bname, t), size in zip(device_bufs, sizes):
-            by_device.setdefault(t.device.index, []).append((name, bname, t, offset))
-            offset += size
+    def _copy_to_host(self, tensors: list[torch.Tensor], views: list[torch.Tensor]) -> list:
+        """Enqueue each CUDA tensor's copy into its pinned view, per device on a side stream
+        that first waits for the work already queued on the current stream (the encode
+        kernels that produced the buffers). Returns one event per device marking the copies
+        done; the caller keeps the device tensors alive until they have fired."""
+        by_device: dict[int, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device.index, []).append(i)
         events = []
-        for index, items in by_device.items():
+        for index, members in by_device.items():
             producer = torch.cuda.current_stream(index)
             side = self._side_stream(index)
             side.wait_stream(producer)
             with torch.cuda.stream(side):
-                for name, bname, t, off in items:
-                    n = t.numel() * t.element_size()
-                    dst = pinned[off:off + n].view(t.dtype).view(t.shape)
-                    dst.copy_(t, non_blocking=True)
-                    views[(name, bname)] = dst
+                for i in members:
+                    views[i].copy_(tensors[i], non_blocking=True)
             done = torch.cuda.Event()
             done.record(side)
             events.append(done)
-        entries = {}
-        for name, entry in qstate.entries.items():
-            bufs = {b: views.get((name, b), t) for b, t in entry.buffers.items()}
-            entries[name] = EncodedEntry(entry.codec, entry.params, entry.shape, entry.dtype, bufs)
-        return replace(qstate, entries=entries), events
+        return events
 
     def _side_stream(self, index: int) -> "torch.cuda.Stream":
         stream = self._side_streams.get(index)

@@ -16,6 +16,7 @@ import argparse
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,9 @@ def run_benchmarks() -> None:
     """Run every benchmark script in turn (each writes its JSON)."""
     for script, extra in RUNS:
         log(f"running {script} ...")
+        t0 = time.perf_counter()
         subprocess.run([sys.executable, str(HERE / script), *extra], cwd=HERE, check=True)
+        log(f"{script} took {time.perf_counter() - t0:.0f} s")
 
 
 # ----------------------------------------------------------------------------- choices
@@ -89,14 +92,16 @@ def plot_fidelity(fid: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    colors = {8: "tab:blue", 4: "tab:orange", 2: "tab:green"}
     for bits in sorted({r["bits"] for r in fid["rows"]}, reverse=True):
         rows = sorted((r for r in fid["rows"] if r["bits"] == bits), key=lambda r: r["block"])
         blocks = [r["block"] for r in rows]
-        axes[0].plot(blocks, [r["rel_err_median"] for r in rows], "o-", label=f"int{bits} median")
-        axes[0].plot(blocks, [r["rel_err_max"] for r in rows], "x--", label=f"int{bits} max")
-        axes[1].plot(blocks, [1 - r["cos_mean"] for r in rows], "o-", label=f"int{bits} mean")
-        axes[1].plot(blocks, [1 - r["cos_min"] for r in rows], "x--", label=f"int{bits} worst sentence")
-        axes[2].plot(blocks, [r["vs_safetensors"] for r in rows], "o-", label=f"int{bits}")
+        c = colors.get(bits)
+        axes[0].plot(blocks, [r["rel_err_median"] for r in rows], "o-", color=c, label=f"int{bits} median")
+        axes[0].plot(blocks, [r["rel_err_max"] for r in rows], "x--", color=c, label=f"int{bits} max")
+        axes[1].plot(blocks, [1 - r["cos_mean"] for r in rows], "o-", color=c, label=f"int{bits} mean")
+        axes[1].plot(blocks, [1 - r["cos_min"] for r in rows], "x--", color=c, label=f"int{bits} worst sentence")
+        axes[2].plot(blocks, [r["vs_safetensors"] for r in rows], "o-", color=c, label=f"int{bits}")
     titles = (
         "per-tensor relative error",
         "1 - cosine similarity of embeddings",
@@ -130,12 +135,16 @@ def plot_resume(res: dict[str, Any], path: Path) -> None:
     tail_steps = steps[cfg["at"]:]
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
     axes[0].plot(steps, base, color="black", lw=1.2, label="uninterrupted")
-    for name, r in run["settings"].items():
+    colors = plt.get_cmap("tab10")
+    for i, (name, r) in enumerate(run["settings"].items()):
+        diverged = not all(math.isfinite(v) for v in r["losses"])
+        label = f"{name} (diverged: NaN)" if diverged else name
         curve = [v if math.isfinite(v) else float("nan") for v in r["losses"]]
-        axes[0].plot(tail_steps, curve, lw=0.8, alpha=0.8, label=name)
+        axes[0].plot(tail_steps, curve, lw=0.8, alpha=0.8, color=colors(i % 10), label=label)
         diff = [abs(a - b) / b if math.isfinite(a) else float("nan") for a, b in zip(r["losses"], base[cfg["at"]:])]
         if name != "exact":
-            axes[1].plot(tail_steps, [max(d, 1e-9) for d in diff], lw=0.8, label=name)
+            # Steps where the curves agree exactly are drawn at 1e-9 (a log axis has no 0).
+            axes[1].plot(tail_steps, [max(d, 1e-9) for d in diff], lw=0.8, color=colors(i % 10), label=label)
     axes[0].axvline(cfg["keyframe"], color="grey", ls=":", lw=1)
     axes[0].axvline(cfg["at"], color="grey", ls="--", lw=1)
     axes[0].set_xlabel("step")

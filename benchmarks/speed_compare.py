@@ -256,7 +256,8 @@ def child_load(method: str, fixture: Path, files: Path) -> dict[str, Any]:
         # a resuming job has (its model and optimizer). Built before the clock starts, but
         # the allocation itself is inside the measured region (it is memory the load needs).
         template = torch.load(fixture, weights_only=True, mmap=True)
-    import tw_triton  # noqa: F401  (import cost outside the clock, like torch's)
+    if method.startswith("tw"):
+        import tw_triton  # import cost outside the clock, like torch's
 
     base = rss_bytes()
     reset_peak()

@@ -205,7 +205,6 @@ def quantize_blockwise_torch(
     # A packed byte is sum_j (q_j + offset) << (j * bits); the offsets' share is a constant.
     code_bias = sum((1 << (bits - 1)) << (j * bits) for j in range(k))
     magic = _RNE_MAGIC + code_bias
-    magic_t = torch.tensor(magic, dtype=torch.float32, device=dev)
     flat = x.reshape(-1)
     ref = reference.reshape(-1) if reference is not None else None
     # fp32 - (fp16|bf16|fp32) and fp16 - bf16 promote to fp32, so one op computes the delta
@@ -251,12 +250,6 @@ def quantize_blockwise_torch(
         sc.nan_to_num_(nan=math.inf, posinf=math.inf)
         lo_t, hi_t = torch.aminmax(sc)
         lo, hi = lo_t.item(), hi_t.item()
-        if k == 1 and lo >= _FP32_SMALLEST_NORMAL and hi < math.inf:
-            # The common 8-bit case in one pass: magic + d / s, the quotient rounded before
-            # the add (value=1 makes value * d exact). No clamp needed, no block to mask.
-            torch.addcdiv(magic_t, rows, sc.unsqueeze(1), out=trows)
-            codes[start : start + m].copy_(t[:m].view(torch.int32))
-            continue
         if lo > 0.0 and hi < math.inf:
             torch.div(rows, sc.unsqueeze(1), out=trows)
         else:

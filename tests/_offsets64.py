@@ -74,7 +74,9 @@ def check(op: str, device: torch.device) -> int:
         ref = None if ref_dtype is None else torch.randn(m, generator=gen).to(ref_dtype)
         codes, scales = quantize_blockwise_torch(x, ref, bits, block)
         first_byte = row0 * block * bits // 8
-        ref_dev = None if ref is None else shifted(ref.to(device), row0 * block * ref.element_size())
+        ref_dev = None
+        if ref is not None:
+            ref_dev = shifted(ref.to(device), row0 * block * ref.element_size())
         if op == "encode":
             k_codes = torch.zeros_like(codes, device=device)
             k_scales = torch.full_like(scales, -1.0, device=device)

@@ -149,11 +149,31 @@ def ctaid_uses(ptx: str) -> list[str]:
     return uses
 
 
+_SASS_INSTR = re.compile(r"^\S+\t(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.MULTILINE)
+
+
+def sass_checked(v: Variant) -> bool:
+    """Variants whose cubin is also disassembled (nvdisasm costs ~0.5 s each): decode with
+    a reference (both its multiply and its add), one block size, main launch.
+
+    Encode is not among them: its SASS has FFMA by design, inside ptxas's expansion of the
+    correctly rounded ``div.rn.f32`` (reciprocal, Newton steps, FCHK and a slow path).
+    """
+    return v.op == "decode" and v.block == 128 and v.ref_dtype is not None and not v.masked
+
+
+def sass_opcode_counts(sass: str) -> Counter:
+    """Count SASS instructions (``FMUL``, ``FFMA``, ``LDG.E.128``, ...) in nvdisasm output."""
+    return Counter(_SASS_INSTR.findall(sass))
+
+
 def facts(v: Variant) -> dict:
     """What the tests check about one compiled variant."""
     kernel = compile_variant(v)
     ptx = kernel.asm["ptx"]
+    sass = dict(sass_opcode_counts(kernel.asm["sass"])) if sass_checked(v) else None
     return {
+        "sass_opcodes": sass,
         "variant": asdict(v),
         "opcodes": dict(opcode_counts(ptx)),
         "ctaid_regs": len(_CTAID.findall(ptx)),

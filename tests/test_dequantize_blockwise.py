@@ -173,7 +173,8 @@ def test_numel_zero_and_one() -> None:
         )
         assert out.shape == (0,) and out.dtype == dtype
         assert_decodes_like_torch(
-            torch.tensor([0b10], dtype=torch.uint8), torch.tensor([0.75]), 1, 2, 32, torch.tensor([1.0]).to(dtype), dtype
+            torch.tensor([0b10], dtype=torch.uint8), torch.tensor([0.75]), 1, 2, 32,
+            torch.tensor([1.0]).to(dtype), dtype,
         )
 
 

@@ -35,6 +35,7 @@ def test_variant_list_covers_the_acceptance_grid() -> None:
     seen = {(v.op, v.bits, v.block, v.dtype, v.ref_dtype is None, v.masked, v.cc) for v in VARIANTS}
     assert len(seen) == len(VARIANTS) == 2 * 3 * 3 * 3 * 2 * 2 * 2
     assert {v.ref_dtype for v in VARIANTS} == {None, "fp32", "bf16"}
+    assert sum(_ptx.sass_checked(v) for v in VARIANTS) == 3 * 3 * 2
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.label)
@@ -60,6 +61,12 @@ def test_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, variant: _ptx
         assert ops.get("mul.rn.f32", 0) > 0
         if variant.ref_dtype is not None:
             assert ops.get("add.rn.f32", 0) > 0
+
+    # What actually runs: the decode's multiply and add stay two instructions in SASS.
+    if _ptx.sass_checked(variant):
+        sass = facts["sass_opcodes"]
+        assert sass.get("FMUL", 0) > 0 and sass.get("FADD", 0) > 0, sass
+        assert not [op for op in sass if "FMA" in op], sass
 
     # Subnormals are kept (torch on CPU keeps them): no flush-to-zero variants.
     assert not [op for op in ops if ".ftz" in op], ops

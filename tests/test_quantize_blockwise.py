@@ -159,7 +159,8 @@ def test_ties_round_half_to_even(bits: int) -> None:
 
 def test_numel_zero_and_one() -> None:
     for dtype in FLOATS:
-        codes, scales = quantize_blockwise(on_kernel_device(torch.empty(0, dtype=dtype)), None, 4, 64)
+        empty = on_kernel_device(torch.empty(0, dtype=dtype))
+        codes, scales = quantize_blockwise(empty, None, 4, 64)
         assert codes.numel() == 0 and scales.numel() == 0
         assert_encodes_like_torch(torch.tensor([-2.75]).to(dtype), None, 2, 32)
         assert_encodes_like_torch(torch.tensor([1e-30]), torch.tensor([0.5]).to(dtype), 8, 4096)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import io
 import math
-import os
 import random
 import sys
 import tempfile
@@ -144,13 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     model, opt, sched = make_objects(args, len(chars), seed=0)
     with Checkpointer(base / "reference", keyframe_every=args.keyframe_every, bits=args.bits, rules=args.rules) as ck:
         reference = train_steps(model, opt, sched, data, args, 0, args.steps, ck)
-        stall = []
     ref_sizes = {i.kind: i.nbytes for i in Checkpointer(base / "reference").infos()}
     plain = torch_save_bytes(model, opt, sched)
 
     # 2. Crashed run: same seed, stops at crash_at.
     seed_everything(0)
     model, opt, sched = make_objects(args, len(chars), seed=0)
+    stall = []  # how long each save() held up the loop
     ckpt = Checkpointer(base / "crashed", keyframe_every=args.keyframe_every, keep_last=3, bits=args.bits,
                         rules=args.rules)
     for step in range(0, args.crash_at, args.every):

@@ -199,7 +199,8 @@ def _nest(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
     return root
 
 
-def _state_of(name: str, value: Any) -> Any:
+def _state_of(value: Any) -> Any:
+    """An object's ``state_dict()``, or a plain value as it is."""
     state_dict = getattr(value, "state_dict", None)
     if callable(state_dict) and not isinstance(value, torch.Tensor):
         return state_dict()
@@ -317,7 +318,7 @@ class Checkpointer:
 
         tree: dict[str, Any] = {"step": step}
         for name, value in state.items():
-            tree[name] = _state_of(name, value)
+            tree[name] = _state_of(value)
         tree["rng"] = capture_rng_state()
 
         keyframe = self._since_keyframe is None or self._since_keyframe + 1 >= self.keyframe_every

@@ -126,6 +126,21 @@ def cpu_throughput(n: int, reps: int) -> list[dict]:
     return rows
 
 
+def _median_rows(runs: list[list[dict]]) -> list[dict]:
+    """Cell by cell median of the numeric fields over several runs of the same table."""
+    if len(runs) == 1:
+        return runs[0]
+    out = []
+    for cells in zip(*runs):
+        row = dict(cells[0])
+        for key, value in row.items():
+            if isinstance(value, float):
+                row[key] = statistics.median(c[key] for c in cells)
+        row["runs"] = len(cells)
+        out.append(row)
+    return out
+
+
 def _row_text(r: dict) -> str:
     ref = f"+ref {r['reference']}" if r["reference"] else "no ref"
     return (
@@ -221,7 +236,9 @@ def bound_stats(n: int) -> list[dict]:
     """
     rows = []
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 3)
+    # Gaussian blocks: about a fifth of the elements have |d/s| >= qmax/2, where the
+    # quotient's rounding step is largest.
+    x = torch.randn(n, generator=g)
     for bits in BITS:
         q = tw_triton.quantize(x, bits=bits, block=128)
         qi = _codes_to_q(q.codes.numpy(), n, bits).astype(np.float64)
@@ -287,6 +304,9 @@ def cuda_throughput(n: int) -> list[dict]:
                     encode_gbps=read / enc_ms / 1e6,
                     decode_gbps=read / dec_ms / 1e6,
                     encode_over_copy=(read / enc_ms) / (xbytes / copy_ms),
+                    # Bytes moved (read + written) per ms against the copy's 2 * x bytes:
+                    # the roofline view, where encode writes only ~bits/8 of what it reads.
+                    encode_traffic_over_copy=((read + q.nbytes) / enc_ms) / (2 * xbytes / copy_ms),
                 )
             )
             r = rows[-1]
@@ -308,8 +328,11 @@ def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[
         "# Codec benchmark (CPU path)",
         "",
         f"Machine: {machine}; torch {torch.__version__}, {torch.get_num_threads()} threads.",
-        f"Command: `python benchmarks/codec.py{' --quick' if args.quick else ''}` "
-        f"(n = {args.n:,} elements, block 128, {args.reps} interleaved reps per cell, medians).",
+        f"Command: `python benchmarks/codec.py{' --quick' if args.quick else ''} --runs {args.runs}` "
+        f"(n = {args.n:,} elements, block 128, {args.reps} interleaved reps per cell, medians;"
+        f" {args.runs} run(s) of the timing table, cell-wise median of the runs).",
+        f"1-minute load average {args.load_before:.1f} before and {args.load_after:.1f} after the"
+        " timing runs: other processes shared the cores, so single timings are noisy.",
         f"CPU chunk: {codec.CHUNK_ELEMENTS:,} elements ({4 * codec.CHUNK_ELEMENTS / 2**20:.0f} MiB of fp32).",
         "",
         "Throughput is GB/s of input read (x, plus the reference when there is one). `clone` is",
@@ -348,7 +371,7 @@ def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[
             "",
             "How often the strict bound |d - q*s| <= s/2 fails (one rounded fp32 division can",
             "land on a tie that d/s does not sit on), how often it is met with equality, and the",
-            "failures left if the quotient were computed in fp64 (heavy-tailed random data):",
+            "failures left if the quotient were computed in fp64 (standard normal data):",
             "",
             "| bits | elements | > s/2 | = s/2 | > s/2 with fp64 division |",
             "|---:|---:|---:|---:|---:|",
@@ -359,11 +382,19 @@ def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[
                 f" {r['over_half_scale_fp64_division']} |"
             )
     if cuda:
-        out += ["", "CUDA (triton.testing.do_bench):", "", "| dtype | reference | bits | copy GB/s | encode GB/s | decode GB/s | encode/copy |", "|---|---|---:|---:|---:|---:|---:|"]
+        out += [
+            "",
+            "CUDA (triton.testing.do_bench; GB/s of input read; `encode/copy` compares read",
+            "bandwidths, `traffic` compares bytes read + written per second):",
+            "",
+            "| dtype | reference | bits | copy GB/s | encode GB/s | decode GB/s | encode/copy | traffic |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in cuda:
             out.append(
                 f"| {r['dtype']} | {r['reference'] or '-'} | {r['bits']} | {r['copy_gbps']:.1f} |"
                 f" {r['encode_gbps']:.1f} | {r['decode_gbps']:.1f} | {r['encode_over_copy']:.2f} |"
+                f" {r['encode_traffic_over_copy']:.2f} |"
             )
     out += ["", "Stored size (exact, from encodings):", "", ratio_table_markdown(), ""]
     return "\n".join(out)
@@ -376,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratios", action="store_true", help="print the stored-size table only")
     p.add_argument("--n", type=int, default=None, help="elements per tensor (default 16M, quick 256K)")
     p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 7, quick 2)")
+    p.add_argument("--runs", type=int, default=1, help="repeat the CPU timing table, keep medians")
     p.add_argument("--out", type=Path, default=None, help="markdown report (default results/codec_cpu.md)")
     args = p.parse_args(argv)
     if args.ratios:
@@ -385,7 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps or (1 if args.quick else 7)
     machine = machine_description()
     print(f"# {machine}; chunk {codec.CHUNK_ELEMENTS} elements", flush=True)
-    cpu = cpu_throughput(args.n, args.reps)
+    args.load_before = os.getloadavg()[0]
+    runs = [cpu_throughput(args.n, args.reps) for _ in range(args.runs)]
+    args.load_after = os.getloadavg()[0]
+    cpu = _median_rows(runs)
     mem = peak_temporaries(args.n if args.quick else 4 * args.n, quick=args.quick)
     stats = bound_stats(args.n)
     cuda = cuda_throughput(args.n) if torch.cuda.is_available() else []

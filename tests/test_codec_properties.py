@@ -313,3 +313,8 @@ def test_strict_half_scale_bound_can_fail_by_the_division_rounding():
     err = abs(D - int(qi[1]) * S)
     assert err > S // 2  # the strict bound fails here ...
     assert err <= S // 2 + S // 2**18  # ... and the exact one holds.
+    # A quotient computed in fp64 is within 2**-46 of d/s, while a d/s that is not a
+    # half-integer is more than 2**-26 from one: rounding it never crosses a tie (the fix
+    # proposed in the report). Here it gives the strict bound.
+    q64 = int(np.rint(np.float64(d) / np.float64(s)))
+    assert abs(D - q64 * S) <= S // 2

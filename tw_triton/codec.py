@@ -207,9 +207,6 @@ def quantize_blockwise_torch(
     magic = _RNE_MAGIC + code_bias
     flat = x.reshape(-1)
     ref = reference.reshape(-1) if reference is not None else None
-    # fp32 - (fp16|bf16|fp32) and fp16 - bf16 promote to fp32, so one op computes the delta
-    # in fp32; fp16 - fp16 and bf16 - bf16 would round in half precision: upcast x first.
-    one_op_delta = ref is not None and torch.promote_types(x.dtype, ref.dtype) == torch.float32
     chunk = _chunk_elements(block)
     size = min(chunk, num_blocks(n, block) * block)
     d_buf: torch.Tensor | None = None
@@ -231,13 +228,22 @@ def quantize_blockwise_torch(
             if padded != m:
                 # Zero padding: it never raises the absmax and is never stored.
                 d[m:].zero_()
+            t = t_buf[:padded]
             if ref is None:
                 d[:m].copy_(xs)
-            elif one_op_delta:
-                torch.sub(xs, ref[start : start + m], out=d[:m])
             else:
-                d[:m].copy_(xs)
-                d[:m].sub_(ref[start : start + m])
+                # The delta is one fp32 subtraction of exact upcasts. Mixed-dtype torch ops
+                # take a slow scalar path (fp16 - bf16 into fp32: 20x a copy), so every
+                # operand is made fp32 first, in buffers this chunk does not need yet.
+                rs = ref[start : start + m]
+                if rs.dtype != torch.float32:
+                    t[:m].copy_(rs)
+                    rs = t[:m]
+                if xs.dtype == torch.float32:
+                    torch.sub(xs, rs, out=d[:m])
+                else:
+                    d[:m].copy_(xs)
+                    d[:m].sub_(rs)
         rows = d.view(nb, block)
         t = t_buf[:padded]
         trows = t.view(nb, block)

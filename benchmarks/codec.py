@@ -164,15 +164,20 @@ _MEMORY_PROBE = textwrap.dedent(
             return next(int(l.split()[1]) for l in f if l.startswith(field + ":"))
 
     n, bits, dtype_name, with_ref = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+    transposed = sys.argv[5] == "1"
     dtype = getattr(torch, dtype_name)
     x = torch.randn(n, dtype=dtype)
     ref = torch.randn(n, dtype=dtype) if with_ref else None
+    if transposed:  # a strided input: read chunk by chunk, never copied whole
+        x = x.view(1024, -1).t()
+        ref = None if ref is None else ref.view(1024, -1).t()
     small = torch.randn(3 * codec.CHUNK_ELEMENTS + 77, dtype=dtype)
     codec.quantize_blockwise_torch(small, None if ref is None else small, bits, 128)  # warm-up
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the high-water mark (VmHWM) to the current RSS
     before = status_kib("VmRSS") * 1024
     codes, scales = codec.quantize_blockwise_torch(x, ref, bits, 128)
+    assert x.is_contiguous() != transposed
     after = status_kib("VmHWM") * 1024
     out = codes.numel() + 4 * scales.numel()
     print(json.dumps(dict(before=before, after=after, outputs=out)))
@@ -188,12 +193,14 @@ def peak_temporaries(n: int, quick: bool = False) -> list[dict]:
     """
     chunk_bytes = 4 * codec.CHUNK_ELEMENTS
     rows = []
-    configs = [("float32", False, 8)] if quick else [
-        (name, ref, bits) for name, ref in (("float32", False), ("bfloat16", False), ("bfloat16", True)) for bits in BITS
-    ]
-    for dtype_name, with_ref, bits in configs:
+    configs = [("float32", False, 8, False)] if quick else [
+        (name, ref, bits, False)
+        for name, ref in (("float32", False), ("bfloat16", False), ("bfloat16", True))
+        for bits in BITS
+    ] + [("float32", False, 8, True), ("bfloat16", True, 4, True)]
+    for dtype_name, with_ref, bits, transposed in configs:
         proc = subprocess.run(
-            [sys.executable, "-c", _MEMORY_PROBE, str(n), str(bits), dtype_name, str(int(with_ref))],
+            [sys.executable, "-c", _MEMORY_PROBE, str(n), str(bits), dtype_name, str(int(with_ref)), str(int(transposed))],
             capture_output=True,
             text=True,
             check=True,
@@ -207,6 +214,7 @@ def peak_temporaries(n: int, quick: bool = False) -> list[dict]:
             dict(
                 dtype=dtype_name,
                 reference=with_ref,
+                transposed=transposed,
                 bits=bits,
                 numel=n,
                 input_mib=n * (4 if dtype_name == "float32" else 2) / 2**20,
@@ -217,7 +225,7 @@ def peak_temporaries(n: int, quick: bool = False) -> list[dict]:
         )
         r = rows[-1]
         print(
-            f"peak temporaries {dtype_name}{' +ref' if with_ref else ''} bits={bits}:"
+            f"peak temporaries {dtype_name}{' +ref' if with_ref else ''}{' transposed' if transposed else ''} bits={bits}:"
             f" {r['temporaries_mib']:.1f} MiB = {r['chunks']:.2f} chunks of"
             f" {chunk_bytes / 2**20:.0f} MiB (input {r['input_mib']:.0f} MiB)",
             flush=True,
@@ -361,7 +369,7 @@ def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[
             "|---|---:|---:|---:|---:|---:|",
         ]
         for r in mem:
-            name = r["dtype"] + (" + ref" if r["reference"] else "")
+            name = r["dtype"] + (" + ref" if r["reference"] else "") + (", transposed" if r["transposed"] else "")
             out.append(
                 f"| {name} | {r['bits']} | {r['input_mib']:.0f} | {r['outputs_mib']:.1f} |"
                 f" {r['temporaries_mib']:.1f} | {r['chunks']:.2f} |"

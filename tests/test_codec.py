@@ -150,6 +150,41 @@ def test_non_contiguous_equals_contiguous_copy(view, bits, dtype):
         _assert_matches_spec(x, r, bits, 32, q)
 
 
+@pytest.mark.parametrize("view", sorted(NON_CONTIGUOUS))
+@pytest.mark.parametrize("bits", (8, 2))
+def test_non_contiguous_across_chunk_boundaries(monkeypatch, view, bits):
+    """Tiny chunks: every chunk starts and ends inside rows of the strided input."""
+    monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 32)
+    make = NON_CONTIGUOUS[view]
+    x = make(_randn(64 * 48, torch.bfloat16, seed=7).reshape(64, 48))
+    ref = make(_randn(64 * 48, torch.float32, seed=8).reshape(64, 48))
+    for r in (None, ref):
+        q = tw_triton.quantize(x, bits=bits, block=32, reference=r)
+        _assert_matches_spec(x, r, bits, 32, q)
+
+
+def test_copy_flat_range_reads_any_strided_range():
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 7, 5, 4, generator=g)
+    views = [
+        base.permute(3, 1, 0, 2),
+        base[:, ::2, 1:4, :].transpose(0, 3),
+        base[2:3].expand(3, 7, 5, 4),
+        base.transpose(1, 2),
+        base[..., 1],
+    ]
+    for v in views:
+        flat = v.reshape(-1)
+        n = flat.numel()
+        for start in sorted({0, 1, 3, 19, 20, 21, n // 2, n - 5, n - 1}):
+            for m in sorted({1, 2, 17, 20, n - start}):
+                if start + m > n or m <= 0:
+                    continue
+                dst = torch.empty(m, dtype=torch.float64)
+                codec._copy_flat_range(v, start, dst)
+                assert torch.equal(dst, flat[start : start + m].double())
+
+
 # ---------------------------------------------------------------------------- special values
 
 

@@ -176,17 +176,47 @@ def _chunk_elements(block: int) -> int:
     return max(block, CHUNK_ELEMENTS // block * block)
 
 
+def _copy_flat_range(src: torch.Tensor, start: int, dst: torch.Tensor) -> None:
+    """Copy elements ``start : start + dst.numel()`` of ``src`` in row-major order into ``dst``
+    (1-D, converting the dtype), without materializing a contiguous copy of ``src``.
+
+    A strided tensor's flat range is a run of whole sub-tensors along dim 0 (one strided
+    ``copy_``) between two partial ones, handled the same way one dimension down.
+    """
+    m = dst.numel()
+    if src.is_contiguous():
+        dst.copy_(src.reshape(-1)[start : start + m])
+        return
+    if src.dim() == 1:
+        dst.copy_(src[start : start + m])
+        return
+    inner = math.prod(src.shape[1:])
+    pos = 0
+    while pos < m:
+        i, off = divmod(start + pos, inner)
+        if off == 0 and m - pos >= inner:
+            rows = (m - pos) // inner
+            dst[pos : pos + rows * inner].view(rows, *src.shape[1:]).copy_(src[i : i + rows])
+            pos += rows * inner
+        else:
+            take = min(inner - off, m - pos)
+            _copy_flat_range(src[i], off, dst[pos : pos + take])
+            pos += take
+
+
 def quantize_blockwise_torch(
     x: torch.Tensor, reference: torch.Tensor | None, bits: int, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode a contiguous tensor: the plain-torch reference of the encode kernel.
 
     Works through the flattened tensor ``CHUNK_ELEMENTS`` at a time, so the temporaries are
-    about three fp32 chunks whatever the tensor's size.
+    about three fp32 chunks whatever the tensor's size (strided inputs included: they are
+    read chunk by chunk, never copied whole).
 
     Args:
-        x: contiguous float32, float16 or bfloat16 tensor (any shape; read flattened).
-        reference: ``None`` or a contiguous float tensor with ``x.numel()`` elements.
+        x: float32, float16 or bfloat16 tensor (any shape and strides; read in row-major
+            order).
+        reference: ``None`` or a float tensor of ``x``'s shape (any strides).
         bits: 8, 4 or 2.
         block: power of two from 32 to 4096.
 
@@ -205,8 +235,11 @@ def quantize_blockwise_torch(
     # A packed byte is sum_j (q_j + offset) << (j * bits); the offsets' share is a constant.
     code_bias = sum((1 << (bits - 1)) << (j * bits) for j in range(k))
     magic = _RNE_MAGIC + code_bias
-    flat = x.reshape(-1)
-    ref = reference.reshape(-1) if reference is not None else None
+    # Contiguous tensors are sliced as flat views; strided ones go through _copy_flat_range.
+    flat = x.view(-1) if x.is_contiguous() else None
+    ref = reference
+    if ref is not None and ref.is_contiguous():
+        ref = ref.view(-1)
     chunk = _chunk_elements(block)
     size = min(chunk, num_blocks(n, block) * block)
     d_buf: torch.Tensor | None = None
@@ -218,9 +251,8 @@ def quantize_blockwise_torch(
         m = min(chunk, n - start)
         nb = num_blocks(m, block)
         padded = nb * block
-        xs = flat[start : start + m]
-        if padded == m and ref is None and x.dtype == torch.float32:
-            d = xs  # the delta is x itself: read it in place
+        if flat is not None and padded == m and ref is None and x.dtype == torch.float32:
+            d = flat[start : start + m]  # the delta is x itself: read it in place
         else:
             if d_buf is None:
                 d_buf = torch.empty(size, dtype=torch.float32, device=dev)
@@ -230,19 +262,20 @@ def quantize_blockwise_torch(
                 d[m:].zero_()
             t = t_buf[:padded]
             if ref is None:
-                d[:m].copy_(xs)
+                _copy_flat_range(x, start, d[:m])
             else:
                 # The delta is one fp32 subtraction of exact upcasts. Mixed-dtype torch ops
                 # take a slow scalar path (fp16 - bf16 into fp32: 20x a copy), so every
                 # operand is made fp32 first, in buffers this chunk does not need yet.
-                rs = ref[start : start + m]
-                if rs.dtype != torch.float32:
-                    t[:m].copy_(rs)
-                    rs = t[:m]
-                if xs.dtype == torch.float32:
-                    torch.sub(xs, rs, out=d[:m])
+                if ref.dtype == torch.float32 and ref.dim() == 1:
+                    rs = ref[start : start + m]
                 else:
-                    d[:m].copy_(xs)
+                    rs = t[:m]
+                    _copy_flat_range(ref, start, rs)
+                if flat is not None and x.dtype == torch.float32:
+                    torch.sub(flat[start : start + m], rs, out=d[:m])
+                else:
+                    _copy_flat_range(x, start, d[:m])
                     d[:m].sub_(rs)
         rows = d.view(nb, block)
         t = t_buf[:padded]
@@ -385,14 +418,14 @@ def quantize(
     """
     _check_input(x, reference)
     check_params(bits, block)
-    xc = x.contiguous()
-    rc = reference.contiguous() if reference is not None else None
     if _use_kernels(x.device):
         from .kernels import quantize_blockwise
 
-        codes, scales = quantize_blockwise(xc, rc, bits, block)
+        rc = reference.contiguous() if reference is not None else None
+        codes, scales = quantize_blockwise(x.contiguous(), rc, bits, block)
     else:
-        codes, scales = quantize_blockwise_torch(xc, rc, bits, block)
+        # The torch path reads strided tensors chunk by chunk: no full-size copy.
+        codes, scales = quantize_blockwise_torch(x, reference, bits, block)
     # A block is unquantizable when its scale is infinite (NaN/Inf in it) and also when
     # qmax * scale overflows fp32 (absmax within a hair of the fp32 maximum): decode would
     # then turn finite values into +-inf. The product is the one decode rounds, so this is

@@ -350,10 +350,10 @@ def summary_table(fid: dict[str, Any], res: dict[str, Any], speed: dict[str, Any
     env = read_result("speed_compare")["environment"]
     r8 = rec["row"]
     int8_delta = next(r for r in res["rows"] if r["setting"] == "int8 delta")
-    mom = next((r for r in res["rows"] if r["setting"] == "int8 no delta + moments int8"), None)
+    mom = next((r for r in res["rows"] if r["setting"] == "int8 delta + moments int8 without delta"), None)
     srows = {r["method"]: r for r in speed["save_rows"]}
     lrows = {r["method"]: r for r in speed["load_rows"]}
-    tw = srows["tw int8 delta + moments int8"]
+    tw = srows["tw int8 delta + moments int8 without delta"]
     rows = [
         ["MiniLM weights, int8 block " + str(rec["block"]), f"{r8['vs_safetensors']:.2f}x smaller than fp32 safetensors",
          f"embedding cosine >= {r8['cos_min']:.5f} on 50 sentences"],
@@ -361,12 +361,12 @@ def summary_table(fid: dict[str, Any], res: dict[str, Any], speed: dict[str, Any
          f"max loss deviation {_pct(int8_delta['max_rel_loss_dev_worst_seed'])}"],
     ]
     if mom is not None:
-        rows.append(["tiny GPT resume, int8 weights + moments (no delta)",
+        rows.append(["tiny GPT resume, int8 delta weights + int8 moments (no delta)",
                      f"{mom['vs_torch_save']:.2f}x smaller than torch.save",
                      f"max loss deviation {_pct(mom['max_rel_loss_dev_worst_seed'])}"])
-    rows.append(["MiniLM + AdamW save, int8 + moments", f"{tw['size_vs_torch_save']:.2f}x smaller than torch.save",
+    rows.append(["MiniLM + AdamW save, same setting", f"{tw['size_vs_torch_save']:.2f}x smaller than torch.save",
                  f"blocks the loop {tw['blocked_vs_torch_save']:.2f}x, total {tw['total_vs_torch_save']:.2f}x, "
-                 f"load {lrows['tw int8 delta + moments int8']['load_vs_torch_load']:.2f}x torch.save/load's time"])
+                 f"load {lrows['tw int8 delta + moments int8 without delta']['load_vs_torch_load']:.2f}x torch.save/load's time"])
     return "\n".join([
         f"Measured on a {env['machine']} (CPU only; shared with other jobs, medians of repeated runs); "
         "details, commands and plots in [benchmarks/results](benchmarks/results/README.md).",

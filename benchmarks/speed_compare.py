@@ -50,7 +50,7 @@ SAVE_METHODS = (
     "dcp.async_save",
     "tw keyframe (exact)",
     "tw int8 delta",
-    "tw int8 delta + moments int8",
+    "tw int8 delta + moments int8 without delta",
 )
 # Which save method's files each load method reads.
 LOAD_METHODS = (
@@ -59,7 +59,7 @@ LOAD_METHODS = (
     "dcp.load",
     "tw keyframe (exact)",
     "tw int8 delta",
-    "tw int8 delta + moments int8",
+    "tw int8 delta + moments int8 without delta",
 )
 LOAD_FILES = {
     "torch.load": "torch.save",

@@ -23,9 +23,9 @@ What a save holds
 Keyframes and deltas
     Every ``keyframe_every``-th save (and the first save of a process) is a *keyframe*:
     everything stored exact, so restoring from it is bit for bit. The saves in between are
-    *deltas*: the tensors the rules quantize (by default the model's float tensors of at
-    least 4096 elements) are stored as the blockwise-quantized difference from the last
-    keyframe; everything else (optimizer moments, counters, RNG) stays exact. A delta file
+    *deltas*: the tensors the rules quantize (by default the float tensors of at least 4096
+    elements under the name ``model``, so pass the model as ``model=``, or give ``rules``)
+    are stored as the blockwise-quantized difference from the last keyframe; everything else (optimizer moments, counters, RNG) stays exact. A delta file
     names its keyframe by checkpoint id; loading it reads both files.
 
 Device memory of deltas

@@ -405,7 +405,8 @@ def quantize(
 
     Args:
         x: float32, float16 or bfloat16 tensor of any shape; non-contiguous tensors are
-            read in their logical (row-major) order.
+            read in their logical (row-major) order (on CPU chunk by chunk; the CUDA
+            kernels take a contiguous copy).
         bits: 8, 4 or 2 bits per element.
         block: elements per scale, a power of two from 32 to 4096.
         reference: optional tensor of the same shape and device, any float dtype.

@@ -285,9 +285,27 @@ def resume_section(res: dict[str, Any]) -> str:
             "",
             "Diverged: " + ", ".join(diverged) + ". A delta-coded `exp_avg_sq` decodes as "
             "keyframe + rounded delta, and where the second moment is near zero (bytes the model "
-            "has barely seen) the rounding lands below zero; AdamW then takes the square root of a "
-            "negative number and the loss becomes NaN. Quantizing the moments *without* delta "
-            "keeps them non-negative (a block of non-negative values rounds to non-negative codes).",
+            "has barely seen) the rounding lands below zero (the last column counts such values "
+            "in the loaded state); AdamW then takes the square root of a negative number and the "
+            "loss becomes NaN. Quantizing the moments *without* delta keeps them non-negative (a "
+            "block of non-negative values rounds to non-negative codes).",
+        ]
+    rows = {r["setting"]: r for r in res["rows"]}
+    safe_names = {r["setting"] for r in safe}
+    preset_bad = 'preset "int8-moments"' in rows and 'preset "int8-moments"' not in safe_names
+    fixed_ok = "int8 delta + moments int8 without delta" in safe_names
+    recs = [f"`{name}`" for name, setting in (("int8-delta", "int8 delta"), ("int4-delta", "int4 delta"))
+            if setting in safe_names]
+    if recs:
+        lines += ["", "**Presets this supports:** " + ", ".join(recs)
+                  + (" and an `int8-moments` whose moment rules set `delta: false`" if fixed_ok else "")
+                  + "."]
+    if preset_bad and fixed_ok:
+        lines += [
+            "",
+            "The library's `int8-moments` preset as run here codes the moments as deltas whenever a "
+            "reference is given (a Checkpointer delta save), and diverged; the same setting with "
+            "`delta: false` on the moment rules stayed within the tolerance.",
         ]
     lines += [
         "",

@@ -225,7 +225,12 @@ def run_seed(cfg: Config, corpus: torch.Tensor, seed: int, settings: tuple[Setti
         for s in settings:
             path = tmpdir / f"setting{settings.index(s)}.tw.safetensors"
             resumed = Trainer(cfg, corpus, seed)
-            resumed.restore(load_setting(path, keyframe if s.uses_reference else None))
+            loaded = load_setting(path, keyframe if s.uses_reference else None)
+            # AdamW takes the square root of exp_avg_sq: a negative value there means NaN.
+            negative = sum(
+                int((st["exp_avg_sq"] < 0).sum()) for st in loaded["optimizer"]["state"].values()
+            )
+            resumed.restore(loaded)
             curve = [resumed.train_step() for _ in range(cfg.steps - cfg.at)]
             ev = resumed.eval_loss()
             r = results[s.name]
@@ -234,6 +239,7 @@ def run_seed(cfg: Config, corpus: torch.Tensor, seed: int, settings: tuple[Setti
                     "vs_torch_save": torch_bytes / r["file_bytes"],
                     "max_rel_loss_dev": max_rel_dev(curve, tail),
                     "final_eval_rel_dev": abs(ev - base_eval) / base_eval if math.isfinite(ev) else math.inf,
+                    "negative_exp_avg_sq": negative,
                     "losses": curve,
                 }
             )
@@ -266,6 +272,7 @@ def summarize(runs: list[dict[str, Any]], settings: tuple[Setting, ...]) -> list
                 "max_rel_loss_dev": median([p["max_rel_loss_dev"] for p in per]),
                 "max_rel_loss_dev_worst_seed": max(p["max_rel_loss_dev"] for p in per),
                 "final_eval_rel_dev": median([p["final_eval_rel_dev"] for p in per]),
+                "negative_exp_avg_sq_max": max(p["negative_exp_avg_sq"] for p in per),
             }
         )
     return rows
@@ -284,6 +291,7 @@ def table(result: dict[str, Any]) -> str:
             pct(r["max_rel_loss_dev"]),
             pct(r["max_rel_loss_dev_worst_seed"]),
             pct(r["final_eval_rel_dev"]),
+            r["negative_exp_avg_sq_max"],
         ]
         for r in result["rows"]
     ]
@@ -294,6 +302,7 @@ def table(result: dict[str, Any]) -> str:
         "max rel. loss deviation (median over seeds)",
         "worst seed",
         "final held-out loss deviation",
+        "negative exp_avg_sq after load (worst seed)",
     ]
     return fmt_table(headers, body)
 

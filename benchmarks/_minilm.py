@@ -118,14 +118,17 @@ def load_minilm() -> tuple[torch.nn.Module, Any]:
 
 
 def embed(
-    model: torch.nn.Module, tokenizer: Any, sentences: list[str] | tuple[str, ...]
+    model: torch.nn.Module,
+    tokenizer: Any,
+    sentences: list[str] | tuple[str, ...],
+    max_length: int = MAX_LENGTH,
 ) -> torch.Tensor:
     """Sentence embeddings, ``(len(sentences), 384)`` fp32, unit length (mean pooling).
 
     Gradients flow when called under ``torch.enable_grad()`` and the model is trainable.
     """
     feats = tokenizer(
-        list(sentences), padding=True, truncation=True, max_length=MAX_LENGTH, return_tensors="pt"
+        list(sentences), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
     )
     hidden = model(**feats).last_hidden_state
     mask = feats["attention_mask"].unsqueeze(-1).to(hidden.dtype)

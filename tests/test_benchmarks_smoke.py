@@ -100,7 +100,7 @@ def test_rules_for_settings_quantize_what_they_name(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "method",
     ["torch.save", "safetensors", "dcp.save", "dcp.async_save", "tw keyframe (exact)", "tw int8 delta",
-     "tw int8 delta + moments int8 without delta"],
+     "tw int8 delta + exp_avg int8"],
 )
 def test_speed_methods_round_trip_the_state(tmp_path: Path, method: str) -> None:
     import speed_compare as sc

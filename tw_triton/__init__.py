@@ -4,6 +4,7 @@ from .codec import QuantizedTensor, dequantize, quantize
 from .codecs import Codec, register_codec
 from .state import dequantize_state_dict, load, quantize_state_dict, save
 from .writer import AsyncWriter
+from .snapshot_pool import SnapshotPool
 from .checkpointer import Checkpointer
 from .errors import (
     CheckpointError,
@@ -31,5 +32,6 @@ __all__ = [
     "Codec",
     "register_codec",
     "AsyncWriter",
+    "SnapshotPool",
     "Checkpointer",
 ]

@@ -44,6 +44,23 @@ Resuming in an existing directory
     old keyframe back to the device would cost as much as writing a new one, and the new
     one cannot belong to a different run that happened to use the same directory.
 
+Host memory of snapshots
+    On the CPU a save copies what it stores exact (everything in a keyframe; optimizer
+    state and the like in a delta) before ``save`` returns. Fresh memory for that copy
+    costs page faults on every save, which were most of the pause on a small VM, so the
+    Checkpointer keeps the snapshot buffers in a
+    :class:`~tw_triton.snapshot_pool.SnapshotPool` and the next save copies into them. A
+    save's buffers go back to the pool only when its Future is done (the writer has
+    finished with them); a keyframe's buffers that serve as the delta reference stay with
+    the reference until the next keyframe. Cost: between saves the process keeps up to
+    ``max_pending + 1`` snapshots' worth of host memory (one with ``async_write=False``)
+    that it would otherwise give back to the OS, the largest snapshot so far being the
+    measure (the reference counts in it); ``snapshot_pool_bytes`` sets another cap, ``0``
+    turns reuse off. Buffers under 64 KiB and device buffers are not pooled (the heap and
+    the CUDA caching allocator recycle those already), nor, for now, the codes and scales
+    of quantized tensors (their codec allocates them). :attr:`Checkpointer.pool_bytes`
+    reports what the pool holds.
+
 Crash safety
     Files appear under their final name only when complete (``format.write_file``: temp
     file, fsync, rename, directory fsync). A crash leaves at most temp files
@@ -81,6 +98,7 @@ from .codecs import get_codec
 from .errors import CheckpointError, ReferenceMismatchError, TwTritonError
 from .qstate import QuantizedState
 from .rules import resolve_rules, select_rule
+from .snapshot_pool import SnapshotLease, SnapshotPool
 from .state import load as _load_state
 from .state import quantize_state_dict
 from .writer import AsyncWriter
@@ -140,6 +158,7 @@ class _Reference:
     tree: dict[str, Any]  # nested like the saved state, only the delta-coded tensors
     nbytes: int
     future: Future  # the keyframe's write: if it fails, the reference is dropped
+    lease: SnapshotLease | None = None  # pooled host buffers under ``tree``, kept with it
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -234,6 +253,10 @@ class Checkpointer:
         pinned_bytes: cap on the writer's pinned host memory (async only; see
             :class:`~tw_triton.writer.AsyncWriter`).
         fsync: fsync files and the directory (leave on outside of tests).
+        snapshot_pool_bytes: cap on the host memory kept to reuse for CPU snapshots
+            (see "Host memory of snapshots" in the module docs); ``None``: ``max_pending
+            + 1`` times the largest snapshot so far (1 time with ``async_write=False``);
+            ``0``: no reuse, every snapshot in fresh memory.
     """
 
     def __init__(
@@ -250,6 +273,7 @@ class Checkpointer:
         max_pending: int = 1,
         pinned_bytes: int | None = None,
         fsync: bool = True,
+        snapshot_pool_bytes: int | None = None,
     ) -> None:
         if keyframe_every < 1:
             raise CheckpointError(f"keyframe_every must be at least 1, got {keyframe_every}")
@@ -272,6 +296,14 @@ class Checkpointer:
         self._since_keyframe: int | None = None  # None: the next save is a keyframe
         self._inflight: dict[int, tuple[Future, str, str | None]] = {}  # step -> (future, id, ref id)
         self._manifest_cache: dict[str, tuple[tuple[int, int], CheckpointInfo | None]] = {}
+        if snapshot_pool_bytes is not None and snapshot_pool_bytes < 0:
+            raise CheckpointError(f"snapshot_pool_bytes must be >= 0 or None, got {snapshot_pool_bytes}")
+        self._pool = SnapshotPool(snapshot_pool_bytes) if snapshot_pool_bytes != 0 else None
+        self._pool_auto = snapshot_pool_bytes is None
+        self._pool_saves = (max_pending + 1) if async_write else 1
+        self._largest_snapshot = 0  # pooled bytes of the largest save so far
+        # Each save's pooled buffers, until its write is done (then back to the pool).
+        self._leases: list[tuple[Future, SnapshotLease]] = []
         self._closed = False
 
     # ------------------------------------------------------------------- saving
@@ -322,28 +354,47 @@ class Checkpointer:
         tree["rng"] = capture_rng_state()
 
         keyframe = self._since_keyframe is None or self._since_keyframe + 1 >= self.keyframe_every
+        if keyframe and self._reference is not None:
+            # A keyframe needs no reference, and the old one's buffers can hold the new one.
+            self._retire_reference()
+            self._release_written()
         path = os.path.join(self.directory, checkpoint_name(step))
         meta: dict[str, Any] = {"step": step, "saved_at": time.time()}
-        if keyframe:
-            q = quantize_state_dict(tree, rules="exact", bits=self.bits, block=self.block, metadata=meta)
-            q.metadata["kind"] = KIND_KEYFRAME
-        elif self.delta and self._reference is not None:
-            q = quantize_state_dict(
-                tree, reference=self._reference.tree, reference_id=self._reference.checkpoint_id,
-                rules=self.rules, bits=self.bits, block=self.block, metadata=meta,
-            )
-            q.metadata["kind"] = KIND_DELTA if q.reference_id is not None else KIND_STANDALONE
-            if q.reference_id is not None:
-                q.metadata["reference_step"] = self._reference.step
-        else:
-            q = quantize_state_dict(tree, rules=self.rules, bits=self.bits, block=self.block, metadata=meta)
-            q.metadata["kind"] = KIND_STANDALONE
+        lease = self._new_lease()
+        try:
+            if keyframe:
+                q = quantize_state_dict(tree, rules="exact", bits=self.bits, block=self.block,
+                                        metadata=meta, allocate=lease)
+                q.metadata["kind"] = KIND_KEYFRAME
+            elif self.delta and self._reference is not None:
+                q = quantize_state_dict(
+                    tree, reference=self._reference.tree, reference_id=self._reference.checkpoint_id,
+                    rules=self.rules, bits=self.bits, block=self.block, metadata=meta, allocate=lease,
+                )
+                q.metadata["kind"] = KIND_DELTA if q.reference_id is not None else KIND_STANDALONE
+                if q.reference_id is not None:
+                    q.metadata["reference_step"] = self._reference.step
+            else:
+                q = quantize_state_dict(tree, rules=self.rules, bits=self.bits, block=self.block,
+                                        metadata=meta, allocate=lease)
+                q.metadata["kind"] = KIND_STANDALONE
+            future = self._write(q, path)
+        except BaseException:
+            if lease is not None:
+                lease.release()  # nothing was queued: no one reads these buffers
+            raise
+        if lease is not None:
+            # Back to the pool only once the writer is done with them (_release_written).
+            self._leases.append((future, lease))
+            self._largest_snapshot = max(self._largest_snapshot, lease.nbytes)
 
-        future = self._write(q, path)
         self._inflight[step] = (future, q.checkpoint_id, q.reference_id)
         if keyframe:
             self._since_keyframe = 0
             self._reference = self._make_reference(q, tree, step, future) if self.delta else None
+            if self._reference is not None and lease is not None:
+                # The reference outlives this save's write: its buffers leave the lease.
+                self._reference.lease = lease.split(list(_leaves(self._reference.tree)))
         else:
             self._since_keyframe = (self._since_keyframe or 0) + 1
         if self._writer is None:
@@ -369,9 +420,14 @@ class Checkpointer:
             self.flush()
         finally:
             self._closed = True
-            self._reference = None
-            if self._writer is not None:
-                self._writer.close()
+            self._retire_reference()
+            try:
+                if self._writer is not None:
+                    self._writer.close()
+            finally:
+                self._release_written()
+                if self._pool is not None:
+                    self._pool.clear()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -389,6 +445,12 @@ class Checkpointer:
     def reference_nbytes(self) -> int:
         """Bytes the current keyframe reference holds on its devices (0 without one)."""
         return self._reference.nbytes if self._reference is not None else 0
+
+    @property
+    def pool_bytes(self) -> int:
+        """Host bytes the snapshot pool holds now: in saves not yet written, in the
+        reference, and free for the next save (0 with ``snapshot_pool_bytes=0``)."""
+        return self._pool.held_bytes if self._pool is not None else 0
 
     # ------------------------------------------------------------------ listing
 
@@ -563,14 +625,44 @@ class Checkpointer:
             logger.warning(
                 "keyframe of step %d was not written; the next save will be a new keyframe", ref.step
             )
-            self._reference = None
+            self._retire_reference()
             self._since_keyframe = None
+
+    def _new_lease(self) -> SnapshotLease | None:
+        """The allocator of the next save's snapshot, with the pool's cap brought up to date."""
+        if self._pool is None:
+            return None
+        if self._pool_auto and self._largest_snapshot:
+            # One snapshot per save that can be in flight, plus the one being taken.
+            self._pool.cap_bytes = self._pool_saves * self._largest_snapshot
+        return self._pool.lease()
+
+    def _retire_reference(self) -> None:
+        """Drop the reference; its buffers go back to the pool once its keyframe is written."""
+        ref, self._reference = self._reference, None
+        if ref is not None and ref.lease is not None:
+            self._leases.append((ref.future, ref.lease))
+
+    def _release_written(self) -> None:
+        """Give the buffers of every save whose write is over (done or failed) back to the pool.
+
+        Never earlier: until its Future is done the writer may still read a snapshot's
+        buffers, and the next save would overwrite them.
+        """
+        still = []
+        for future, lease in self._leases:
+            if future.done():
+                lease.release()
+            else:
+                still.append((future, lease))
+        self._leases = still
 
     def _collect_finished(self) -> None:
         for step, (future, _, _) in list(self._inflight.items()):
             if future.done():
                 del self._inflight[step]
         self._drop_reference_if_lost()
+        self._release_written()
 
     def _wait_inflight(self) -> None:
         wait_futures([f for f, _, _ in self._inflight.values()])
@@ -685,6 +777,15 @@ class Checkpointer:
                 continue
             self._manifest_cache.pop(info.path, None)
             logger.debug("retention removed %s", info.path)
+
+
+def _leaves(tree: Any):
+    """The tensors of a tree of nested dicts (a reference tree)."""
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    elif isinstance(tree, torch.Tensor):
+        yield tree
 
 
 def _default_device(objects: dict[str, Any]) -> torch.device:

@@ -44,6 +44,7 @@ from .codec import (
 )
 from .errors import CheckpointError, QuantizationError
 from .qstate import EncodedEntry
+from .snapshot_pool import Allocator
 
 PACKING = "lsb-first"
 
@@ -114,6 +115,22 @@ class Codec(ABC):
         state was passed; the stored params must say whether it was used.
         """
 
+    def encode_with(
+        self,
+        x: torch.Tensor,
+        params: Mapping[str, Any],
+        reference: torch.Tensor | None,
+        allocate: Allocator,
+    ) -> Encoded:
+        """:meth:`encode`, writing the output buffers into memory from ``allocate``.
+
+        ``allocate(shape, dtype, device)`` returns an uninitialized contiguous tensor
+        (recycled host memory from a :class:`~tw_triton.snapshot_pool.SnapshotPool`).
+        The result must be the same as :meth:`encode`'s. The default ignores
+        ``allocate``: a codec that cannot write into given buffers still works.
+        """
+        return self.encode(x, params, reference)
+
     @abstractmethod
     def decode(
         self,
@@ -164,12 +181,30 @@ class ExactCodec(Codec):
     def encode(
         self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
     ) -> Encoded:
+        self._check_dtype(x)
+        data = x.detach().clone(memory_format=torch.contiguous_format)
+        return self._entry(x, data)
+
+    def encode_with(
+        self,
+        x: torch.Tensor,
+        params: Mapping[str, Any],
+        reference: torch.Tensor | None,
+        allocate: Allocator,
+    ) -> Encoded:
+        self._check_dtype(x)
+        data = allocate(tuple(x.shape), x.dtype, x.device)
+        data.copy_(x.detach())
+        return self._entry(x, data)
+
+    def _check_dtype(self, x: torch.Tensor) -> None:
         if x.dtype not in EXACT_DTYPES:
             raise QuantizationError(
                 f"dtype {x.dtype} cannot be stored: the format holds "
                 f"{', '.join(str(d).removeprefix('torch.') for d in EXACT_DTYPES)}"
             )
-        data = x.detach().clone(memory_format=torch.contiguous_format)
+
+    def _entry(self, x: torch.Tensor, data: torch.Tensor) -> Encoded:
         entry = EncodedEntry(
             codec=self.name, params={}, shape=tuple(x.shape), dtype=x.dtype, buffers={"data": data}
         )

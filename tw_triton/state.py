@@ -13,7 +13,9 @@ Snapshot and syncs
     NaN/Inf is only known on the device; all these flags, and the reference fingerprints,
     are read with one ``torch.cat(...).cpu()`` per device: one host sync for a state on one
     GPU (none on the CPU). Flagged tensors are then stored exact, with a warning that names
-    their path.
+    their path. With ``allocate`` (e.g. a lease of a
+    :class:`~tw_triton.snapshot_pool.SnapshotPool`) the copies go into recycled host
+    memory instead of fresh allocations; the bytes are the same.
 
 Shared storage
     Tensors that are the same view of the same storage (same storage, offset, shape, stride
@@ -55,6 +57,7 @@ from .codecs import Codec, Encoded, get_codec
 from .errors import CheckpointError, QuantizationError, ReferenceMismatchError, TwTritonError
 from .qstate import EncodedEntry, QuantizedState
 from .rules import resolve_rules, select_rule
+from .snapshot_pool import Allocator
 from .tree import flatten, skeleton_ndarray_paths, unflatten
 
 logger = logging.getLogger(__name__)
@@ -188,6 +191,7 @@ def quantize_state_dict(
     checkpoint_id: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
+    allocate: Allocator | None = None,
 ) -> QuantizedState:
     """Encode a nested training state into a consistent, writable snapshot.
 
@@ -204,6 +208,12 @@ def quantize_state_dict(
         checkpoint_id: id of this checkpoint (default: a random UUID hex).
         metadata: small JSON-serializable metadata to record.
         progress: called as ``progress(done, total)`` after each tensor is encoded.
+        allocate: where codecs put their output buffers, as ``allocate(shape, dtype,
+            device)`` (:meth:`Codec.encode_with`): e.g. a
+            :class:`~tw_triton.snapshot_pool.SnapshotLease`, so that the snapshot lands in
+            host memory a previous save already faulted in. The result is the same; the
+            caller must not recycle that memory while the result is still being read.
+            ``None``: fresh buffers.
 
     Returns:
         A :class:`QuantizedState`; its buffers live where the source tensors did.
@@ -250,7 +260,10 @@ def quantize_state_dict(
             if ref.device != x.device:
                 ref = ref.to(x.device, non_blocking=ref.is_pinned())
         try:
-            enc: Encoded = codec.encode(x, rule.params, ref)
+            enc: Encoded = (
+                codec.encode(x, rule.params, ref) if allocate is None
+                else codec.encode_with(x, rule.params, ref, allocate)
+            )
         except QuantizationError as e:
             raise QuantizationError(f"entry {path!r} (codec {rule.codec!r}): {e}") from e
         enc.entry.codec = rule.codec
@@ -272,7 +285,10 @@ def quantize_state_dict(
                 path,
                 entries[path].codec,
             )
-            entries[path] = exact.encode(tensors[path], {}, None).entry
+            entries[path] = (
+                exact.encode(tensors[path], {}, None) if allocate is None
+                else exact.encode_with(tensors[path], {}, None, allocate)
+            ).entry
             entries[path].codec = "exact"
     fp_parts = []
     for (path, _), fp in zip(fingerprinted, values[len(flagged):]):

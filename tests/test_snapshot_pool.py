@@ -1,0 +1,234 @@
+"""Snapshot buffer reuse: the pool's bookkeeping, same bytes with and without it, and the
+Checkpointer never recycling a buffer that a pending write (or the delta reference) still
+reads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tw_triton import format as fmt
+from tw_triton import quantize_state_dict
+from tw_triton.checkpointer import Checkpointer
+from tw_triton.errors import CheckpointError, QuantizationError
+from tw_triton.snapshot_pool import MIN_POOLED_BYTES, SnapshotPool
+
+CPU = torch.device("cpu")
+BIG = 1 << 16  # fp32 elements: a 256 KiB tensor, pooled
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+# ------------------------------------------------------------------ the pool itself
+
+
+def test_released_buffers_are_reused_by_size_with_any_dtype_and_shape():
+    pool = SnapshotPool()
+    first = pool.lease()
+    a = first((BIG,), torch.float32, CPU)
+    assert a.shape == (BIG,) and a.dtype == torch.float32 and a.is_contiguous()
+    assert pool.held_bytes == BIG * 4 and pool.free_bytes == 0
+    first.release()
+    assert pool.free_bytes == BIG * 4
+    second = pool.lease()
+    b = second((BIG // 8, 4), torch.float64, CPU)  # same bytes, other dtype and shape
+    assert storage_ptr(b) == storage_ptr(a) and b.shape == (BIG // 8, 4) and b.dtype == torch.float64
+    assert (pool.reused, pool.allocated) == (1, 1)
+    c = second((BIG,), torch.float32, CPU)  # nothing free of that size any more: a new one
+    assert storage_ptr(c) != storage_ptr(a) and pool.allocated == 2
+    second.release()
+    second.release()  # twice is harmless
+    assert pool.free_bytes == pool.held_bytes == 2 * BIG * 4
+    with pytest.raises(CheckpointError, match="released"):
+        second((BIG,), torch.float32, CPU)
+
+
+def test_small_and_device_buffers_are_not_pooled():
+    pool = SnapshotPool()
+    lease = pool.lease()
+    small = lease((MIN_POOLED_BYTES // 4 - 1,), torch.float32, CPU)
+    meta = lease((BIG,), torch.float32, torch.device("meta"))
+    assert small.numel() == MIN_POOLED_BYTES // 4 - 1 and meta.device.type == "meta"
+    assert pool.held_bytes == 0 and lease.nbytes == 0
+
+
+def test_cap_drops_free_buffers_of_other_sizes_then_falls_back_to_fresh_memory():
+    pool = SnapshotPool(cap_bytes=3 * BIG * 4)
+    lease = pool.lease()
+    lease((2 * BIG,), torch.float32, CPU)
+    lease.release()
+    assert pool.free_bytes == 2 * BIG * 4
+    lease = pool.lease()
+    x = lease((BIG,), torch.float32, CPU)  # fits beside the free 2*BIG buffer
+    y = lease((BIG,), torch.float32, CPU)  # does not: the free 2*BIG buffer is dropped
+    assert pool.free_bytes == 0 and pool.held_bytes == 2 * BIG * 4
+    z = lease((2 * BIG,), torch.float32, CPU)  # over the cap with nothing to drop: unpooled
+    assert pool.unpooled == 1 and pool.held_bytes == 2 * BIG * 4 and lease.nbytes == 2 * BIG * 4
+    assert len({storage_ptr(t) for t in (x, y, z)}) == 3
+    lease.release()
+    assert pool.held_bytes <= pool.cap_bytes
+
+
+def test_split_keeps_buffers_out_of_the_pool_until_their_own_release():
+    pool = SnapshotPool()
+    lease = pool.lease()
+    kept = lease((BIG,), torch.float32, CPU)
+    lease((BIG,), torch.float32, CPU)
+    other = lease.split([kept])
+    lease.release()
+    assert pool.free_bytes == BIG * 4
+    reuse = pool.lease()
+    assert storage_ptr(reuse((BIG,), torch.float32, CPU)) != storage_ptr(kept)
+    other.release()
+    assert storage_ptr(reuse((BIG,), torch.float32, CPU)) == storage_ptr(kept)
+
+
+# ------------------------------------------------------------- quantize_state_dict
+
+
+def test_quantize_state_dict_with_a_lease_gives_the_same_entries():
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "model": {"w": torch.randn(512, 256, generator=g), "t": torch.randn(256, 512, generator=g).t()},
+        "opt": {"m": torch.randn(BIG, generator=g).to(torch.bfloat16), "step": torch.tensor(3)},
+    }
+    pool = SnapshotPool()
+    plain = quantize_state_dict(state, rules="exact", checkpoint_id="x")
+    for _ in range(2):  # the second round reuses the first round's buffers
+        lease = pool.lease()
+        pooled = quantize_state_dict(state, rules="exact", checkpoint_id="x", allocate=lease)
+        for path, entry in plain.entries.items():
+            got = pooled.entries[path]
+            assert (got.codec, got.shape, got.dtype) == (entry.codec, entry.shape, entry.dtype)
+            assert torch.equal(got.buffers["data"], entry.buffers["data"]), path
+            assert storage_ptr(got.buffers["data"]) != storage_ptr(state_leaf(state, path))
+        lease.release()
+    assert pool.reused >= 3  # w, t and m came from the pool the second time
+
+
+def state_leaf(state, path):
+    node = state
+    for part in path.split("/"):
+        node = node[part]
+    return node
+
+
+# ---------------------------------------------------------------------- Checkpointer
+
+
+def make_run(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def train_step(model, opt, k: int) -> None:
+    opt.zero_grad()
+    (model(torch.full((4, 256), float(k))).square().mean()).backward()
+    opt.step()
+
+
+def aux_of(step: int) -> list[torch.Tensor]:
+    """Exact-coded extras, as large as the weights, saved before them: in a delta they need
+    more pooled buffers than the moments alone, so a reference buffer wrongly given back
+    would be overwritten by them."""
+    return [torch.full((256, 256), float(step * 10 + i)) for i in range(6)]
+
+
+def expected_of(model, opt, step: int) -> dict:
+    return {
+        "aux": aux_of(step),
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "moments": {(i, name): t.clone() for i, s in opt.state_dict()["state"].items()
+                    for name, t in s.items() if torch.is_tensor(t) and t.dim() > 0},
+    }
+
+
+def check_file(ckpt: Checkpointer, step: int, want: dict, kind: str) -> None:
+    got = ckpt.load(step)
+    assert len(got["aux"]) == len(want["aux"])
+    for a, b in zip(got["aux"], want["aux"]):
+        assert torch.equal(a, b), step
+    moments = got["optimizer"]["state"]
+    for (i, name), t in want["moments"].items():  # exact in keyframes and deltas alike
+        assert torch.equal(moments[i][name], t), (step, i, name)
+    for name, t in want["model"].items():
+        if kind == "keyframe" or t.numel() < 4096:
+            assert torch.equal(got["model"][name], t), (step, name)
+        else:  # int8 delta: within half a step of its block's scale
+            assert (got["model"][name] - t).abs().max() <= 1e-3, (step, name)
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_buffers_come_back_only_after_the_write_with_a_slow_writer(tmp_path, monkeypatch, async_write):
+    real = fmt.write_file
+    permits = threading.Semaphore(0)
+
+    def held_write(qstate, path, *, fsync=True):
+        # Async: the write of save N waits until save N + 1 has taken its snapshot.
+        assert not async_write or permits.acquire(timeout=20), "the test never let a write go"
+        return real(qstate, path, fsync=fsync)
+
+    monkeypatch.setattr(fmt, "write_file", held_write)
+    model, opt = make_run()
+    ckpt = Checkpointer(tmp_path, keyframe_every=3, keep_last=None, fsync=False,
+                        async_write=async_write, max_pending=2)
+    wants, kinds, overlapped = {}, {}, 0
+    for step in range(9):
+        train_step(model, opt, step)
+        if async_write:
+            overlapped += ckpt._writer.pending() > 0
+        ckpt.save(step, aux=aux_of(step), model=model, optimizer=opt)
+        if async_write and step:
+            permits.release()  # the previous save may be written now
+        wants[step] = expected_of(model, opt, step)
+        kinds[step] = "keyframe" if step % 3 == 0 else "delta"
+    permits.release()
+    ckpt.close()
+    pool = ckpt._pool
+    assert pool.reused > 0, "nothing was reused: the test would not see an early release"
+    if async_write:
+        assert overlapped == 8  # every later snapshot was taken while a save was unwritten
+    reader = Checkpointer(tmp_path)
+    assert [i.kind for i in reader.infos()] == [kinds[s] for s in range(9)]
+    for step in range(9):
+        check_file(reader, step, wants[step], kinds[step])
+
+
+def test_pool_stays_within_its_bound_and_close_gives_it_back(tmp_path):
+    model, opt = make_run()
+    ckpt = Checkpointer(tmp_path, keyframe_every=4, keep_last=2, fsync=False, max_pending=1)
+    for step in range(10):
+        train_step(model, opt, step)
+        ckpt.save(step, model=model, optimizer=opt)
+        assert ckpt.pool_bytes <= 2 * ckpt._largest_snapshot
+    assert ckpt._largest_snapshot >= 4 * 256 * 256 * 4  # keyframe: 2 weights + 4 moments pooled
+    assert ckpt._pool.reused > 0
+    ckpt.close()
+    assert ckpt.pool_bytes == 0
+    off = Checkpointer(tmp_path / "off", fsync=False, snapshot_pool_bytes=0)
+    off.save(0, model=model, optimizer=opt)
+    off.close()
+    assert off.pool_bytes == 0
+    with pytest.raises(CheckpointError, match="snapshot_pool_bytes"):
+        Checkpointer(tmp_path / "bad", snapshot_pool_bytes=-1)
+
+
+def test_a_failed_snapshot_gives_its_buffers_back(tmp_path):
+    model, opt = make_run()
+    ckpt = Checkpointer(tmp_path, fsync=False, async_write=False)
+    ckpt.save(0, model=model, optimizer=opt)
+    held = ckpt.pool_bytes
+    with pytest.raises(QuantizationError, match="complex"):
+        ckpt.save(1, model=model, optimizer=opt, extra=torch.zeros(BIG, dtype=torch.complex64))
+    # Nothing leaked: everything the pool holds is either the reference or free.
+    assert ckpt._pool.free_bytes + ckpt._reference.lease.nbytes == ckpt.pool_bytes == held
+    ckpt.save(1, model=model, optimizer=opt)
+    ckpt.close()

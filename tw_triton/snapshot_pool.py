@@ -1,0 +1,206 @@
+"""Recycled host memory for snapshot copies, so that a save does not page-fault fresh memory.
+
+A CPU snapshot copies every exact tensor (and a delta its moments) into new memory. glibc
+serves such large blocks with fresh ``mmap()`` pages and unmaps them when they are freed,
+so every save pays to fault its whole snapshot in again; on a small VM that is most of the
+time ``save()`` blocks the loop. A :class:`SnapshotPool` keeps those buffers instead and
+hands them to the next save, whose copy then lands in memory that is already mapped.
+
+How it is used::
+
+    pool = SnapshotPool(cap_bytes=2 << 30)
+    lease = pool.lease()                       # one per save
+    q = quantize_state_dict(state, allocate=lease)
+    save(q, path)                              # or: a writer's Future completes
+    lease.release()                            # only when nothing reads q's buffers any more
+
+Only a lease's :meth:`~SnapshotLease.release` returns memory to the pool, and only whoever
+knows that the snapshot has been written can call it: releasing earlier would let the next
+save overwrite bytes that are still being written. The :class:`~tw_triton.Checkpointer`
+releases a save's lease when its Future is done, and keeps the buffers of a keyframe that
+serves as the delta reference until that reference is replaced.
+
+Only CPU buffers of at least ``min_bytes`` are pooled. Smaller ones come from the heap
+without page faults anyway, and device memory is already recycled by the CUDA caching
+allocator; both are plain ``torch.empty`` allocations here.
+
+Buffers are keyed by their size in bytes and handed out as views of a ``uint8`` buffer
+with the requested dtype and shape, so a weight's buffer can serve a moment of the same
+size in the next save. The pool holds at most ``cap_bytes`` (in use and free together):
+when a request does not fit, free buffers of other sizes are dropped first, and if it still
+does not fit the request gets fresh memory that is not pooled (the behaviour without a pool;
+results never change, only where the bytes live).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+# Below this a buffer comes from the heap arena, which glibc keeps mapped: nothing to gain.
+MIN_POOLED_BYTES = 1 << 16
+
+Allocator = Callable[[Sequence[int], torch.dtype, torch.device], torch.Tensor]
+"""``allocate(shape, dtype, device)``: an uninitialized contiguous tensor a codec writes its
+output into (see :meth:`tw_triton.codecs.Codec.encode_with`)."""
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+class SnapshotPool:
+    """Host byte buffers reused across saves, bounded by a byte cap.
+
+    Args:
+        cap_bytes: most bytes the pool holds at once, handed out and free together;
+            ``None`` for no cap (the owner bounds it, e.g. by setting :attr:`cap_bytes`
+            after it has seen how large a save is).
+        min_bytes: smaller requests are not pooled.
+
+    Thread-safe: leases may be released from another thread than the one that took them.
+    """
+
+    def __init__(self, cap_bytes: int | None = None, *, min_bytes: int = MIN_POOLED_BYTES) -> None:
+        if cap_bytes is not None and cap_bytes < 0:
+            raise CheckpointError(f"snapshot pool cap must be non-negative, got {cap_bytes} bytes")
+        self.cap_bytes = cap_bytes
+        self.min_bytes = min_bytes
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+        self.reused = 0  # requests served from a free buffer (statistics for tests and logs)
+        self.allocated = 0  # pooled buffers created
+        self.unpooled = 0  # pooled-size requests that got fresh memory because of the cap
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the pool holds now: handed out to leases not yet released, plus free ones."""
+        with self._lock:
+            return self._held
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of free buffers waiting for the next save."""
+        with self._lock:
+            return sum(k * len(v) for k, v in self._free.items())
+
+    def lease(self) -> "SnapshotLease":
+        """A new lease: the allocator of one save, and the record of what it took."""
+        return SnapshotLease(self)
+
+    def clear(self) -> None:
+        """Drop the free buffers (leased ones come back and stay until cleared again)."""
+        with self._lock:
+            for size, bufs in self._free.items():
+                self._held -= size * len(bufs)
+            self._free.clear()
+
+    def _take(self, nbytes: int) -> torch.Tensor | None:
+        """A pooled ``uint8`` buffer of exactly ``nbytes``, or ``None`` if the cap forbids it."""
+        with self._lock:
+            bufs = self._free.get(nbytes)
+            if bufs:
+                buf = bufs.pop()
+                if not bufs:
+                    del self._free[nbytes]
+                self.reused += 1
+                return buf
+            cap = self.cap_bytes
+            if cap is not None and self._held + nbytes > cap:
+                # Free buffers of other sizes are what a past save needed; this one needs
+                # room now. Largest first, so the fewest buffers are dropped.
+                for size in sorted(self._free, reverse=True):
+                    while self._free[size] and self._held + nbytes > cap:
+                        self._free[size].pop()
+                        self._held -= size
+                    if not self._free[size]:
+                        del self._free[size]
+                    if self._held + nbytes <= cap:
+                        break
+                if self._held + nbytes > cap:
+                    self.unpooled += 1
+                    return None
+            self._held += nbytes
+            self.allocated += 1
+        # Allocated outside the lock: a large empty() is cheap, but no reason to hold it.
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _give_back(self, bufs: list[torch.Tensor]) -> None:
+        with self._lock:
+            for buf in bufs:
+                if self.cap_bytes is not None and self._held > self.cap_bytes:
+                    self._held -= buf.numel()  # the cap was lowered meanwhile: let it go
+                    continue
+                self._free.setdefault(buf.numel(), []).append(buf)
+
+
+class SnapshotLease:
+    """What one save took from a :class:`SnapshotPool`; call it as an :data:`Allocator`.
+
+    Created by :meth:`SnapshotPool.lease`. Every pooled buffer it hands out stays the
+    lease's until :meth:`release` (back to the pool) or :meth:`split` (moved to another
+    lease, e.g. the buffers a delta reference keeps).
+    """
+
+    def __init__(self, pool: SnapshotPool) -> None:
+        self._pool = pool
+        self._bufs: list[torch.Tensor] = []
+        self._released = False
+
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialized contiguous tensor of ``shape`` and ``dtype`` on ``device``."""
+        shape = tuple(int(s) for s in shape)
+        dev = torch.device(device)
+        nbytes = _nbytes(shape, dtype)
+        if dev.type != "cpu" or nbytes < self._pool.min_bytes:
+            return torch.empty(shape, dtype=dtype, device=dev)
+        if self._released:
+            raise CheckpointError("a released snapshot lease cannot hand out buffers")
+        buf = self._pool._take(nbytes)
+        if buf is None:
+            return torch.empty(shape, dtype=dtype)
+        self._bufs.append(buf)
+        return buf.view(dtype).view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Pooled bytes this lease holds."""
+        return sum(b.numel() for b in self._bufs)
+
+    def split(self, tensors: Sequence[torch.Tensor]) -> "SnapshotLease":
+        """Move the buffers under ``tensors`` into a new lease of the same pool.
+
+        For tensors that must outlive the save (a keyframe kept as the delta reference):
+        the rest of this lease can be released when the save is written, the new lease
+        when those tensors are no longer needed. Tensors not from this lease are ignored.
+        """
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        other = SnapshotLease(self._pool)
+        other._bufs = [b for b in self._bufs if b.data_ptr() in ptrs]
+        self._bufs = [b for b in self._bufs if b.data_ptr() not in ptrs]
+        return other
+
+    def release(self) -> None:
+        """Give every buffer back to the pool. Call only when nothing reads them any more.
+
+        Releasing twice is harmless; a released lease hands out nothing more.
+        """
+        if self._released:
+            return
+        self._released = True
+        bufs, self._bufs = self._bufs, []
+        self._pool._give_back(bufs)
+
+
+__all__ = ["Allocator", "SnapshotPool", "SnapshotLease", "MIN_POOLED_BYTES"]

@@ -37,6 +37,11 @@ from tw_triton.errors import QuantizationError
 TILE_ELEMENTS = 4096
 NUM_WARPS = 8
 
+# Largest finite fp32, fp16 and bf16 values: the decode saturates to the output dtype's.
+_FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
+_FP16_MAX = tl.constexpr(torch.finfo(torch.float16).max)
+_BF16_MAX = tl.constexpr(torch.finfo(torch.bfloat16).max)
+
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -48,6 +53,23 @@ def _widen_to_f32(v):
         return bits.to(tl.float32, bitcast=True)
     else:
         return v.to(tl.float32)
+
+
+@triton.jit
+def _finite_max(DTYPE: tl.constexpr):
+    """Largest finite value of ``DTYPE`` (fp32, fp16 or bf16), as an fp32 constant."""
+    if DTYPE == tl.float16:
+        return _FP16_MAX
+    elif DTYPE == tl.bfloat16:
+        return _BF16_MAX
+    else:
+        return _FP32_MAX
+
+
+@triton.jit
+def _saturate(v, limit):
+    """Clamp to ``[-limit, limit]`` with comparisons: NaN stays NaN (GPU min/max drop it)."""
+    return tl.where(v > limit, limit, tl.where(v < -limit, -limit, v))
 
 
 @triton.jit
@@ -126,8 +148,8 @@ def dequantize_blockwise_kernel(
             r = tl.load(ref_ptr + offs, mask=in_bounds, other=0.0)
         else:
             r = tl.load(ref_ptr + offs)
-        v = v + _widen_to_f32(r)
-    y = _narrow_from_f32(v, out_ptr.dtype.element_ty)
+        v = _saturate(v, _FP32_MAX) + _widen_to_f32(r)
+    y = _narrow_from_f32(_saturate(v, _finite_max(out_ptr.dtype.element_ty)), out_ptr.dtype.element_ty)
     if MASKED:
         tl.store(out_ptr + offs, y, mask=in_bounds)
     else:

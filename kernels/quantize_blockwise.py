@@ -47,6 +47,9 @@ NUM_WARPS = 8
 # ties to even, in the current (round-to-nearest-even) mode.
 _RNE_MAGIC = tl.constexpr(12582912.0)
 
+# 0xFFFFF000 as an int32: a scale with the low 12 bits of its mantissa cleared.
+_SCALE_HI_MASK = tl.constexpr(-4096)
+
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -132,7 +135,16 @@ def quantize_blockwise_kernel(
     # Dividing by 1 where the block is unusable keeps NaN out; those codes are zeroed below.
     safe_scale = tl.where(usable, scale, 1.0)
     v = tl.div_rn(d, safe_scale[:, None])
-    v = (v + _RNE_MAGIC) - _RNE_MAGIC
+    r = (v + _RNE_MAGIC) - _RNE_MAGIC
+    # Where v is a half-integer, rne(v) may be on the wrong side of the exact d / s: decide
+    # the side exactly (tw_triton.codec.nearest_integer_at_ties has the proof).
+    s_hi = (safe_scale.to(tl.int32, bitcast=True) & _SCALE_HI_MASK).to(tl.float32, bitcast=True)
+    s_lo = safe_scale - s_hi
+    r2 = d - v * s_hi[:, None]
+    r2 = r2 + r2
+    p2 = (v + v) * s_lo[:, None]
+    tie = tl.abs(v - r) == 0.5
+    v = tl.where(tie & (r2 > p2), v + 0.5, tl.where(tie & (r2 < p2), v - 0.5, r))
     v = tl.minimum(tl.maximum(v, -QMAX * 1.0), QMAX * 1.0)
     v = tl.where(usable[:, None], v, 0.0)
     u = v.to(tl.int32) + CODE_OFFSET

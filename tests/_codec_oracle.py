@@ -9,6 +9,8 @@ bounds can be checked with equality arithmetic instead of a tolerance.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import torch
 
@@ -42,7 +44,7 @@ def spec_encode(
         absmax = np.where(np.isfinite(absmax), absmax, np.float32(np.inf)).astype(np.float32)
         scales = (absmax / np.float32(qmax)).astype(np.float32)
         usable = (scales > 0) & np.isfinite(scales)
-        q = np.rint(rows / scales[:, None]).astype(np.float32)  # rint: ties to even
+        q = nearest_integer(rows, np.where(usable, scales, 1)[:, None])
         q = np.clip(q, -qmax, qmax)
         q = np.where(usable[:, None], q, 0).astype(np.int64)
     u = (q + offset).reshape(-1)
@@ -54,6 +56,30 @@ def spec_encode(
     return packed[:nbytes].astype(np.uint8), scales
 
 
+def nearest_integer(d32: np.ndarray, s32: np.ndarray) -> np.ndarray:
+    """The integer nearest to the exact quotient ``d / s`` of fp32 values, ties to even
+    (int64; NaN and infinite ``d`` give 0, ``s`` must be positive and finite).
+
+    The fp64 quotient is within a relative ``2**-53`` of ``d / s``, so rounding it gives
+    the right integer unless it lies that close to a half-integer. Quotients within a
+    relative ``2**-40`` of one are rounded in exact rational arithmetic instead. (This is a
+    different method from the codec's, which stays in fp32; see
+    ``tw_triton.codec.nearest_integer_at_ties``.)
+    """
+    d = np.asarray(d32, dtype=np.float64)
+    s = np.broadcast_to(np.asarray(s32, dtype=np.float64), d.shape)
+    finite = np.isfinite(d)
+    t = np.where(finite, d, 0.0) / s
+    # Far beyond any code: the clamp decides, and int64 must not overflow.
+    t = np.clip(t, -2.0**40, 2.0**40)
+    q = np.rint(t)
+    near_tie = np.abs(np.abs(t - np.floor(t)) - 0.5) < np.abs(t) * 2.0**-40
+    for idx in zip(*np.nonzero(near_tie)):
+        # Python's round() of a Fraction is exact, ties to even.
+        q[idx] = round(Fraction(float(d[idx])) / Fraction(float(s[idx])))
+    return q.astype(np.int64)
+
+
 def spec_codes_to_q(codes: np.ndarray, numel: int, bits: int) -> np.ndarray:
     """Signed integer codes q, one per element, from packed bytes."""
     k = 8 // bits
@@ -62,15 +88,31 @@ def spec_codes_to_q(codes: np.ndarray, numel: int, bits: int) -> np.ndarray:
     return u.reshape(-1)[:numel] - (1 << (bits - 1))
 
 
+def saturate(a: np.ndarray, limit: float) -> np.ndarray:
+    """``a`` clamped to ``[-limit, limit]`` by comparisons, so NaN stays NaN (bits kept)."""
+    lim = np.float32(limit)
+    return np.where(a > lim, lim, np.where(a < -lim, -lim, a)).astype(np.float32)
+
+
 def spec_decode_f32(
-    codes: np.ndarray, scales: np.ndarray, numel: int, bits: int, block: int, r32: np.ndarray | None
+    codes: np.ndarray,
+    scales: np.ndarray,
+    numel: int,
+    bits: int,
+    block: int,
+    r32: np.ndarray | None,
+    dtype: torch.dtype = torch.float32,
 ) -> np.ndarray:
-    """The decoded fp32 values before the final cast: fl(fl(r) + fl(q * scale))."""
+    """The decoded fp32 values before the final cast to ``dtype``:
+    ``sat_dtype(fl(fl(r) + sat_fp32(fl(q * scale))))``, ``sat_T`` clamping to T's largest
+    finite value."""
     q = spec_codes_to_q(codes, numel, bits).astype(np.float32)
     s = np.repeat(scales, block)[:numel]
     with np.errstate(all="ignore"):
-        p = (q * s).astype(np.float32)  # numpy never fuses this into the add
-        return p if r32 is None else (r32 + p).astype(np.float32)
+        p = saturate((q * s).astype(np.float32), np.finfo(np.float32).max)
+        # numpy never fuses the multiply into the add
+        xh = p if r32 is None else (r32 + p).astype(np.float32)
+    return saturate(xh, torch.finfo(dtype).max)
 
 
 def exact(a: np.ndarray) -> np.ndarray:
@@ -91,3 +133,63 @@ def exact(a: np.ndarray) -> np.ndarray:
 def half_ulp_exact(a32: np.ndarray) -> np.ndarray:
     """Exact half spacing above |a| for fp32 values: bounds the error of a rounding to a."""
     return exact(np.abs(np.spacing(np.abs(a32.astype(np.float32))))) // 2
+
+
+def scale_of(absmax32: np.ndarray, bits: int) -> np.ndarray:
+    """The codec's scale ``fl(absmax / qmax)`` in fp32."""
+    return (np.asarray(absmax32, np.float32) / np.float32((1 << (bits - 1)) - 1)).astype(np.float32)
+
+
+def near_tie_blocks(
+    rng: np.random.Generator, nblocks: int, block: int, bits: int, log2_lo: float, log2_hi: float
+) -> np.ndarray:
+    """fp32 deltas, ``nblocks * block`` of them, built to sit on or next to half-integer
+    multiples of their block's scale: where a once-rounded quotient ``fl(d/s)`` lands on a
+    half-integer that ``d/s`` is not on.
+
+    Block ``b`` gets a scale ``s`` of magnitude ``2**e``, ``e`` uniform in
+    ``[log2_lo, log2_hi]`` (a power of two for a quarter of the blocks, a random 24-bit
+    mantissa otherwise); its first element is an absmax ``a`` with ``fl(a/qmax) = s`` and
+    the others are ``fl((n + 1/2) * s)`` moved by ``-2..2`` ulps, ``|n + 1/2| < qmax``.
+    """
+    qmax = (1 << (bits - 1)) - 1
+    e = rng.uniform(log2_lo, log2_hi, nblocks)
+    mant = np.where(rng.random(nblocks) < 0.25, 1.0, 1.0 + rng.integers(0, 2**23, nblocks) / 2**23)
+    s = (mant * np.exp2(np.floor(e))).astype(np.float32)
+    s = np.where(s > 0, s, np.float32(2.0**-149)).astype(np.float32)
+    a = (np.float64(qmax) * s.astype(np.float64)).astype(np.float32)
+    # Nudge a until it maps back to s where it can; otherwise keep the scale it gives.
+    for step in (0, 1, -1, 2, -2):
+        cand = np.maximum(a.view(np.int32) + np.int32(step), 1).view(np.float32)
+        hit = scale_of(cand, bits) == s
+        a = np.where(hit, cand, a).astype(np.float32)
+    s = scale_of(a, bits)
+    n = rng.integers(-qmax, qmax, (nblocks, block)) + 0.5  # half-integers in (-qmax, qmax)
+    base = (n * s.astype(np.float64)[:, None]).astype(np.float32)  # n*s is exact in fp64
+    ulps = rng.integers(-2, 3, (nblocks, block)).astype(np.int32)
+    # Moving the bit pattern of |base| by k moves it by k ulps (across binades too).
+    mag = np.maximum(np.abs(base).view(np.int32) + ulps, 0).view(np.float32)
+    d = np.copysign(mag, base).astype(np.float32)
+    d[:, 0] = a
+    # |d| <= (qmax - 1/2) * s + 2 ulps < a: the first element stays the absmax.
+    return d.reshape(-1)
+
+
+def with_reference(
+    rng: np.random.Generator, d32: np.ndarray, ref_dtype: torch.dtype
+) -> tuple[np.ndarray, torch.Tensor]:
+    """``(x32, ref)`` with ``fl(x32 - fp32(ref)) == d32`` element for element, so that a
+    delta built by :func:`near_tie_blocks` survives being encoded against a reference.
+
+    The reference is ``d`` times a random factor in ``[-4, 4]``, rounded to ``ref_dtype``;
+    where ``x = d + ref`` is not exact in fp32 the reference is 0 there instead.
+    """
+    d = np.asarray(d32, dtype=np.float32)
+    r64 = d.astype(np.float64) * rng.uniform(-4, 4, d.shape)
+    r32 = torch.from_numpy(r64).to(ref_dtype).to(torch.float32).numpy()
+    with np.errstate(all="ignore"):
+        x = (d.astype(np.float64) + r32.astype(np.float64)).astype(np.float32)
+        ok = np.isfinite(x) & np.isfinite(r32) & ((x - r32).astype(np.float32) == d)
+    r32 = np.where(ok, r32, np.float32(0)).astype(np.float32)
+    x = np.where(ok, x, d).astype(np.float32)
+    return x, torch.from_numpy(r32).to(ref_dtype)

@@ -18,7 +18,7 @@ import torch
 
 import tw_triton
 from tw_triton import QuantizationError, QuantizedTensor, codec
-from _codec_oracle import spec_decode_f32, spec_encode, to_f32
+from _codec_oracle import spec_codes_to_q, spec_decode_f32, spec_encode, to_f32
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -239,34 +239,90 @@ def test_huge_magnitudes(bits):
     assert bool(((out.double() - x.double()).abs() <= s * (0.5 + 2.0 ** (bits - 26)) + s * 2**-23).all())
 
 
-def test_absmax_at_the_fp32_maximum_is_flagged():
-    """qmax * scale overflows for 8 bits: decoding would give inf, so the flag is raised."""
+@pytest.mark.parametrize("bits", (8, 4, 2))
+def test_absmax_at_the_fp32_maximum_is_quantized(bits):
+    """For 8 bits qmax * scale overflows fp32 here: the decode saturates the product instead
+    of producing inf, so such a block is quantizable (not flagged) and decodes within the
+    bound, with a reference too (x = M/2 from ref = -M/2 has delta M)."""
     x = torch.zeros(128)
     x[0], x[1] = F32_MAX, -1.0
-    q8 = tw_triton.quantize(x, bits=8, block=128)
-    with np.errstate(over="ignore"):
-        assert np.isinf(np.float32(127) * q8.scales.numpy()[0])
-    assert bool(q8.nonfinite)
-    # 4 and 2 bits: qmax * scale rounds back to at most the maximum, nothing to flag.
-    for bits in (4, 2):
-        q = tw_triton.quantize(x, bits=bits, block=128)
+    ref_x = torch.zeros(128)
+    ref_x[0], ref_x[1] = F32_MAX / 2, 1.0
+    ref = torch.zeros(128)
+    ref[0], ref[1] = -F32_MAX / 2, -2.0  # the delta is again [F32_MAX, -1, 0, ...]
+    for xi, r in ((x, None), (ref_x, ref)):
+        q = tw_triton.quantize(xi, bits=bits, block=128, reference=r)
+        if bits == 8:
+            with np.errstate(over="ignore"):
+                assert np.isinf(np.float32(127) * q.scales.numpy()[0])
         assert not bool(q.nonfinite)
-        assert bool(torch.isfinite(tw_triton.dequantize(q)).all())
+        _assert_matches_spec(xi, r, bits, 128, q)
+        out = tw_triton.dequantize(q, reference=r)
+        assert bool(torch.isfinite(out).all())
+        s = q.scales[0].item()
+        assert abs(out[0].item() - xi[0].item()) <= s / 2 + s * 2.0**-16
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation: with a reference, an x within one error bound of the dtype's "
-    "largest value can decode to inf (r + q*s overflows) and nothing flags it",
-)
-def test_finite_input_with_reference_never_decodes_to_inf():
-    x = torch.zeros(128, dtype=torch.float16)
-    ref = torch.zeros(128, dtype=torch.float16)
-    x[1] = 30000.0  # sets the scale, ~236
-    x[0], ref[0] = 65504.0, 65504.0 - 0.6 * 30000.0 / 127  # q = 1 rounds up by 0.4 * scale
-    q = tw_triton.quantize(x, reference=ref)
+def _finite_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ref_dtype", DTYPES)
+@pytest.mark.parametrize("bits", (8, 4, 2))
+def test_values_at_the_dtype_maximum_never_decode_to_inf(dtype, ref_dtype, bits):
+    """x at +-max of its dtype, references on both sides of it: the decode saturates to
+    the dtype's range, so it is finite, equals x where the exact r + q*s lies beyond x, and
+    keeps the error bound.
+
+    (Before saturation this decoded to inf, e.g. fp16 x = 65504 with q = 1 rounded up by
+    0.4*s, and nothing flagged it.)"""
+    big = _finite_max(dtype)
+    ref_big = min(big, _finite_max(ref_dtype))
+    n = 128
+    x = torch.zeros(n, dtype=torch.float64)
+    ref = torch.zeros(n, dtype=torch.float64)
+    # A scale-setting element: d = +-0.4 * min(max) after rounding.
+    x[1], ref[1] = 0.25 * ref_big, -0.15 * ref_big
+    offsets = [0.0, 1e-3, 0.45, 0.5, 0.6, 0.99, 1.3, 2.7, 3.3, 3.7, 4.6, 5.5, 6.4, 9.7, 12.5, 17.3]
+    for j, off in enumerate(offsets):
+        for sign in (1.0, -1.0):
+            i = 2 + 2 * j + (sign < 0)
+            s_est = 0.4 * ref_big / codec.qmax_for(bits)
+            x[i] = sign * big
+            # A reference just inside x, on its side (the delta stays below ref_big) ...
+            ref[i] = sign * (big - min(off * s_est, 0.5 * ref_big))
+    for i in range(2 + 2 * len(offsets), 2 + 4 * len(offsets)):
+        x[i] = x[i - 2 * len(offsets)]
+        ref[i] = x[i] - (ref[i - 2 * len(offsets)] - x[i])  # ... and just outside x
+    x = x.to(dtype)
+    ref = ref.clamp(-ref_big, ref_big).to(ref_dtype)
+    assert bool(torch.isfinite(x).all()) and bool(torch.isfinite(ref).all())
+    q = tw_triton.quantize(x, bits=bits, reference=ref)
     assert not bool(q.nonfinite)
-    assert bool(torch.isfinite(tw_triton.dequantize(q, reference=ref)).all())
+    _assert_matches_spec(x, ref, bits, 128, q)
+    out = tw_triton.dequantize(q, reference=ref)
+    assert out.dtype == dtype and bool(torch.isfinite(out).all())
+    # Where the exact r + q*s lies beyond the range on x's side, x is +-max itself and the
+    # saturated decode gives exactly x. The test is pointless unless that happens.
+    raw = _unsaturated(q, ref)
+    x64, out64 = x.double().numpy(), out.double().numpy()
+    beyond = np.abs(raw) > big
+    if _finite_max(ref_dtype) >= big:  # the reference can come as close to x as it likes
+        assert beyond.any(), "no decode would have left the range: the test is moot"
+    assert np.array_equal(out64[beyond], x64[beyond])
+    # Everywhere: the error bound s/2, plus the roundings of the delta, the product, the
+    # sum (fp32) and the final cast.
+    s = np.repeat(q.scales.numpy().astype(np.float64), 128)
+    slack = np.abs(x64) * (torch.finfo(dtype).eps + 2.0**-21)
+    assert np.all(np.abs(out64 - x64) <= s / 2 + slack)
+
+
+def _unsaturated(q: QuantizedTensor, ref: torch.Tensor) -> np.ndarray:
+    """fp64 value of fp32(ref) + q*s, exactly (neither rounded nor saturated)."""
+    qi = spec_codes_to_q(q.codes.numpy(), q.numel, q.bits)
+    s = np.repeat(q.scales.numpy().astype(np.float64), q.block)[: q.numel]
+    return to_f32(ref).astype(np.float64) + qi * s
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

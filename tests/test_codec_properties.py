@@ -11,31 +11,31 @@ reference of any float dtype:
 The bound (``d`` the fp32 delta, ``s`` its block's scale, ``q`` its code, ``a`` the block's
 absmax, ``qmax = 2**(bits-1) - 1``)::
 
-    |d - q*s| <= s * (1/2 + 2**(bits-26))        when s is a normal fp32,
-    |d - q*s| <= max(s * (1/2 + 2**(bits-26)), a - qmax*s)   always (s subnormal or 0).
+    |d - q*s| <= s/2                      when s is a normal fp32,
+    |d - q*s| <= max(s/2, a - qmax*s)     always (s subnormal or 0).
 
-Why: ``q = rne(v)`` with ``v = fl(d/s)`` the correctly rounded quotient, so
-``|d/s - q| <= 1/2 + |d/s - v|``, and ``|d/s - v|`` is half an ulp of a number below
-``2**(bits-1)``: at most ``2**(bits-1-24-1)``. When ``d/s`` lies within that half ulp of a
-half-integer, ``v`` lands *on* the half-integer and ties-to-even may pick the far side, so the
-strict ``s/2`` does not hold in general (``test_strict_half_scale_bound_can_fail`` shows one).
-A normal ``s`` is within a factor ``1 + 2**-24`` of ``a/qmax``, so ``|v| <= qmax`` and the
-clamp never binds; a subnormal ``s`` can be up to ``2**-150`` short of ``a/qmax``, then the
-clamp binds and the error is ``|d| - qmax*s <= a - qmax*s < qmax * 2**-150``. A block whose
+Why: ``q`` is the integer nearest to the exact quotient ``d/s`` (ties to even), clamped to
+``+-qmax``: ``rne(fl(d/s))`` everywhere except where ``fl(d/s)`` is a half-integer, which is
+resolved exactly (``tw_triton.codec.nearest_integer_at_ties``). A normal ``s`` is within a
+factor ``1 + 2**-24`` of ``a/qmax``, so ``|d/s|`` rounds to at most ``qmax`` and the clamp
+never binds; a subnormal ``s`` can be up to ``2**-150`` short of ``a/qmax``, then the clamp
+binds and the error is ``|d| - qmax*s <= a - qmax*s < qmax * 2**-150``. A block whose
 ``a/qmax`` underflows to ``s = 0`` decodes to 0: error ``|d| <= a``.
 
 Decoded fp32 value before the final cast (``x32 = fp32(x)``, ``r32 = fp32(ref)``,
-``p = fl(q*s)``, ``xh = fl(r32 + p)``)::
+``p = sat(fl(q*s))``, ``xh = sat(fl(r32 + p))``, ``sat`` clamping to the fp32 range)::
 
     |x32 - xh| <= E + ulp(p)/2 + [ulp(d)/2 + ulp(xh)/2 with a reference]
 
 with ``E`` the bound above and ``ulp(y)`` the spacing of fp32 above ``|y|``: the delta, the
-product and the add are each rounded to nearest once.
+product and the add are each rounded to nearest once, and a saturation only moves a value
+towards ``x32``, which lies inside the range. So a quantizable block never decodes to inf.
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -49,15 +49,19 @@ from _codec_oracle import (
     EXACT_SHIFT,
     exact,
     half_ulp_exact,
+    near_tie_blocks,
+    saturate,
     spec_codes_to_q,
     spec_decode_f32,
     spec_encode,
     to_f32,
+    with_reference,
 )
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_NUMEL = 3000
 SMALLEST_NORMAL = 2.0**-126
+F32_MAX = float(np.finfo(np.float32).max)
 
 PROPERTY_SETTINGS = settings(
     max_examples=150,
@@ -81,8 +85,11 @@ def shapes(draw: st.DrawFn) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _values(mode: str, rng: np.random.Generator, n: int, log_mag: float, qmax: int) -> np.ndarray:
+def _values(
+    mode: str, rng: np.random.Generator, n: int, log_mag: float, bits: int, block: int
+) -> np.ndarray:
     """n float64 values (exact in fp32 where it matters) of one of the test distributions."""
+    qmax = codec.qmax_for(bits)
     if mode == "wide":  # magnitudes spread over 4 decades inside each block
         return rng.standard_normal(n) * 10.0 ** (log_mag + rng.uniform(-2, 2, n))
     if mode == "narrow":
@@ -93,6 +100,10 @@ def _values(mode: str, rng: np.random.Generator, n: int, log_mag: float, qmax: i
         if n:
             vals[0] = qmax * unit  # pins the absmax, so the scale is exactly `unit`
         return vals
+    if mode == "near_ties":  # on and next to half-integer multiples of the block's scale
+        blocks = -(-n // block)
+        lo = log_mag * math.log2(10)
+        return near_tie_blocks(rng, blocks, block, bits, lo - 3, lo + 3)[:n].astype(np.float64)
     if mode == "sparse":  # mostly zeros: whole blocks of absmax 0
         return rng.standard_normal(n) * 10.0**log_mag * (rng.random(n) < 0.02)
     # subnormal scales (and subnormal x), magnitudes next to the fp32 maximum, or both
@@ -114,20 +125,27 @@ def codec_cases(draw: st.DrawFn) -> dict:
     # fp16 holds about 6e-8..6.5e4; bf16 and fp32 hold 1e-30..1e30 comfortably.
     lo, hi = (-7.0, 4.0) if dtype == torch.float16 else (-30.0, 30.0)
     log_mag = draw(st.floats(lo, hi))
-    mode = draw(st.sampled_from(("wide", "narrow", "ties", "sparse", "tiny", "huge", "both")))
+    mode = draw(
+        st.sampled_from(("wide", "narrow", "ties", "near_ties", "sparse", "tiny", "huge", "both"))
+    )
     ref_kind = draw(st.sampled_from((None, "near", "far")))
     ref_dtype = draw(st.sampled_from(DTYPES))
 
     rng = np.random.default_rng(seed)
     n = math.prod(shape)
-    vals = _values(mode, rng, n, log_mag, codec.qmax_for(bits))
+    vals = _values(mode, rng, n, log_mag, bits, block)
     x = torch.from_numpy(vals).to(torch.float32).to(dtype).reshape(shape)
     ref = None
-    if ref_kind == "near":
+    if mode == "near_ties" and ref_kind is not None:
+        # Keep the near-tie deltas: x = d + ref exactly (fp32 x; d in fp32 needs it).
+        x32, ref = with_reference(rng, vals.astype(np.float32), ref_dtype)
+        x = torch.from_numpy(x32).reshape(shape)
+        ref = ref.reshape(shape)
+    elif ref_kind == "near":
         noise = rng.standard_normal(n) * np.abs(vals) * 10.0 ** rng.uniform(-4, 0.5)
         ref = torch.from_numpy(vals + noise).to(torch.float32).to(ref_dtype).reshape(shape)
     elif ref_kind == "far":
-        ref_vals = _values(mode, rng, n, log_mag, codec.qmax_for(bits))
+        ref_vals = _values(mode, rng, n, log_mag, bits, block)
         ref = torch.from_numpy(ref_vals).to(torch.float32).to(ref_dtype).reshape(shape)
     return dict(x=x, ref=ref, bits=bits, block=block)
 
@@ -149,21 +167,21 @@ def _check_encode_bound(d32: np.ndarray, q: np.ndarray, scales: np.ndarray, bits
     S, D, A = exact(s), exact(d32), exact(a)
     Q = q.astype(object)
     err = np.abs(D - Q * S)
-    rounding = S // 2 + S // 2 ** (26 - bits)  # S is a multiple of 2**26 units: exact
+    half = S // 2  # S is a multiple of 2**26 units: exact
     clamp = A - qmax * S
     normal = s >= SMALLEST_NORMAL
-    assert np.all(err[normal] <= rounding[normal]), "bound for normal scales violated"
-    bound = np.maximum(rounding, clamp)
+    assert np.all(err[normal] <= half[normal]), "strict bound s/2 for normal scales violated"
+    bound = np.maximum(half, clamp)
     assert np.all(err <= bound), "bound for subnormal/zero scales violated"
     # The clamp term is at most qmax * 2**-150 where it is not dominated.
-    tiny = clamp > rounding
+    tiny = clamp > half
     assert np.all(clamp[tiny] <= qmax * 2 ** (EXACT_SHIFT - 150))
     return bound
 
 
-def _unquantizable_blocks(scales: np.ndarray, bits: int) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return np.isinf(scales * np.float32(codec.qmax_for(bits)))
+def _unquantizable_blocks(scales: np.ndarray) -> np.ndarray:
+    """Blocks with an infinite scale: NaN/Inf in x, in the reference or in their delta."""
+    return np.isinf(scales)
 
 
 @PROPERTY_SETTINGS
@@ -179,8 +197,10 @@ def test_torch_path_matches_the_spec_byte_for_byte(case):
     assert np.array_equal(got_f32.reshape(-1).numpy().view(np.int32), want_f32.view(np.int32))
     for dtype in DTYPES:
         got = tw_triton.dequantize(q, reference=ref, dtype=dtype)
-        # The final cast is torch's round-to-nearest-even of the fp32 value.
-        want = torch.from_numpy(want_f32).to(dtype).reshape(x.shape)
+        # The final cast is torch's round-to-nearest-even of the fp32 value saturated to
+        # the dtype's range.
+        want_sat = spec_decode_f32(codes, scales, x.numel(), bits, block, to_f32(ref), dtype)
+        want = torch.from_numpy(want_sat).to(dtype).reshape(x.shape)
         assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
                            want.view(torch.int16 if dtype != torch.float32 else torch.int32))
 
@@ -201,15 +221,17 @@ def test_round_trip_shapes_sizes_and_flag(case):
     assert q.nonfinite.shape == () and q.nonfinite.dtype == torch.bool
     d32 = to_f32(x) if ref is None else (to_f32(x) - to_f32(ref))
     scales = q.scales.numpy()
-    assert bool(q.nonfinite) == bool(_unquantizable_blocks(scales, bits).any())
+    assert bool(q.nonfinite) == bool(_unquantizable_blocks(scales).any())
     if not np.all(np.isfinite(d32)):
         assert bool(q.nonfinite)
+    else:
+        assert not bool(q.nonfinite)  # finite deltas: every block is quantizable
     if not bool(q.nonfinite):
         assert np.all(np.isfinite(to_f32(x)))
-        if ref is None:
-            # Not flagged and no reference: |x_hat| <= fl(qmax * scale), which is finite, and
-            # the cast cannot overflow either (see test_error_bound_is_exact for references).
-            assert bool(torch.isfinite(out).all())
+        # The decode saturates: a quantizable tensor never decodes to inf, in any dtype.
+        assert bool(torch.isfinite(out).all())
+        for dtype in DTYPES:
+            assert bool(torch.isfinite(tw_triton.dequantize(q, reference=ref, dtype=dtype)).all())
 
 
 @PROPERTY_SETTINGS
@@ -223,7 +245,7 @@ def test_error_bound_is_exact(case):
         d32 = x32 if r32 is None else (x32 - r32).astype(np.float32)
     scales = q.scales.numpy()
     # Only blocks the codec can quantize carry a bound; the others are stored exact.
-    ok = ~_per_element(_unquantizable_blocks(scales, bits), block, n)
+    ok = ~_per_element(_unquantizable_blocks(scales), block, n)
     if not ok.any():
         return
     codes = q.codes.numpy()
@@ -231,33 +253,20 @@ def test_error_bound_is_exact(case):
     bound = _check_encode_bound(
         np.where(ok, d32, 0).astype(np.float32),
         np.where(ok, qi, 0),
-        np.where(_unquantizable_blocks(scales, bits), 0, scales).astype(np.float32),
+        np.where(_unquantizable_blocks(scales), 0, scales).astype(np.float32),
         bits,
         block,
     )
-    # Decoded fp32 value before the final cast.
+    # Decoded fp32 value before the final cast: finite wherever the block is quantizable.
     xh = tw_triton.dequantize(q, reference=ref, dtype=torch.float32).reshape(-1).numpy()
+    assert np.all(np.isfinite(xh[ok]))
     s = _per_element(scales, block, n)
     with np.errstate(all="ignore"):
-        p = (qi.astype(np.float32) * s).astype(np.float32)
-    # With a reference, fl(r + p) can overflow although x is finite: only when x lies within
-    # the error bound of the point where fp32 rounds to inf (2**128 - 2**103). Check that
-    # this is the only way, then the bound where the decoded value is finite.
-    overflow = ok & ~np.isfinite(xh)
-    if overflow.any():
-        assert r32 is not None
-        reach = (
-            np.abs(exact(x32[overflow]))
-            + bound[overflow]
-            + half_ulp_exact(d32[overflow])
-            + half_ulp_exact(p[overflow])
-        )
-        assert np.all(reach >= (2**128 - 2**103) * 2**EXACT_SHIFT)
-    sel = ok & np.isfinite(xh)
-    X, XH = exact(x32[sel]), exact(xh[sel])
-    allowed = bound[sel] + half_ulp_exact(p[sel])
+        p = saturate((qi.astype(np.float32) * s).astype(np.float32), F32_MAX)
+    X, XH = exact(x32[ok]), exact(xh[ok])
+    allowed = bound[ok] + half_ulp_exact(p[ok])
     if r32 is not None:
-        allowed = allowed + half_ulp_exact(d32[sel]) + half_ulp_exact(xh[sel])
+        allowed = allowed + half_ulp_exact(d32[ok]) + half_ulp_exact(xh[ok])
     assert np.all(np.abs(X - XH) <= allowed)
 
 
@@ -280,7 +289,8 @@ def test_many_chunks_match_the_spec(monkeypatch, bits):
 
 
 def _find_strict_bound_violation() -> tuple[np.float32, np.float32, int]:
-    """Search (deterministically) for d, s with fl(d/s) exactly k + 1/2 while d/s is not."""
+    """Search (deterministically) for d, s with fl(d/s) exactly k + 1/2 while d/s is not,
+    such that the old rule q = rne(fl(d/s)) breaks the strict bound; returns d, s, q_old."""
     rng = np.random.default_rng(0)
     for _ in range(200_000):
         s = np.float32(rng.uniform(1.0, 2.0))
@@ -296,9 +306,9 @@ def _find_strict_bound_violation() -> tuple[np.float32, np.float32, int]:
     raise AssertionError("no example found")
 
 
-def test_strict_half_scale_bound_can_fail_by_the_division_rounding():
-    """Why the bound has the 2**(bits-26) term: one rounded division can cross a tie."""
-    d, s, _ = _find_strict_bound_violation()
+def test_old_rounding_rule_fails_the_strict_bound_where_the_codec_meets_it():
+    """rne(fl(d/s)) can cross a tie that d/s is not on; the codec's rule does not."""
+    d, s, q_old = _find_strict_bound_violation()
     # Build a block whose scale is exactly s: its absmax is fl(127 * s) if that maps back.
     a = np.float32(np.float32(127) * s)
     if np.float32(a / np.float32(127)) != s:
@@ -308,13 +318,54 @@ def test_strict_half_scale_bound_can_fail_by_the_division_rounding():
     x[0], x[1] = float(a), float(d)
     q = tw_triton.quantize(x, bits=8, block=128)
     assert q.scales[0].item() == float(s)
-    qi = spec_codes_to_q(q.codes.numpy(), 128, 8)
+    q_new = int(spec_codes_to_q(q.codes.numpy(), 128, 8)[1])
     D, S = exact(np.array([d]))[0], exact(np.array([s]))[0]
-    err = abs(D - int(qi[1]) * S)
-    assert err > S // 2  # the strict bound fails here ...
-    assert err <= S // 2 + S // 2**18  # ... and the exact one holds.
-    # A quotient computed in fp64 is within 2**-46 of d/s, while a d/s that is not a
-    # half-integer is more than 2**-26 from one: rounding it never crosses a tie (the fix
-    # proposed in the report). Here it gives the strict bound.
-    q64 = int(np.rint(np.float64(d) / np.float64(s)))
-    assert abs(D - q64 * S) <= S // 2
+    assert abs(D - q_old * S) > S // 2  # the old rule fails the strict bound here ...
+    assert abs(D - q_new * S) <= S // 2  # ... the codec meets it,
+    assert abs(q_new - q_old) == 1
+    # ... because it rounds the exact quotient (Fraction: exact, ties to even).
+    assert q_new == round(Fraction(float(d)) / Fraction(float(s)))
+
+
+def _strict_bound_violations(d32: np.ndarray, q: np.ndarray, scales: np.ndarray, block: int) -> int:
+    """How many elements have |d - q*s| > s/2, counted in exact arithmetic."""
+    s = _per_element(scales, block, d32.size)
+    err = np.abs(exact(d32) - q.astype(object) * exact(s))
+    return int(np.count_nonzero(err > exact(s) // 2))
+
+
+@pytest.mark.parametrize("bits", codec.SUPPORTED_BITS)
+def test_strict_bound_on_adversarial_near_ties(bits):
+    """Deltas d = fl((n + 1/2) * s) moved by up to 2 ulps, scales from 1e-30 to 1e30 and in
+    the lowest normal binade [2**-126, 2**-125) (where v * s_lo would not be exact): the
+    strict bound |d - q*s| <= s/2 holds for every element, without and with a reference,
+    and the codes are the exact-arithmetic oracle's. The old rule rne(fl(d/s)) fails on this
+    input at 8 and 4 bits (at 2 bits, qmax = 1 and s = absmax exactly: fl(d/s) cannot land
+    on 1/2 unless d/s is 1/2)."""
+    block = 128
+    rng = np.random.default_rng(100 + bits)
+    d = np.concatenate(
+        [
+            near_tie_blocks(rng, 480, block, bits, -100.0, 100.0),
+            near_tie_blocks(rng, 160, block, bits, -126.0, -125.0),
+        ]
+    )
+    x32, ref = with_reference(rng, d, torch.bfloat16)
+    assert np.count_nonzero(ref.float().numpy()) > d.size // 2
+    for x, r in ((torch.from_numpy(d), None), (torch.from_numpy(x32), ref)):
+        q = tw_triton.quantize(x, bits=bits, block=block, reference=r)
+        scales = q.scales.numpy()
+        assert np.all(scales >= SMALLEST_NORMAL) and not bool(q.nonfinite)
+        qi = spec_codes_to_q(q.codes.numpy(), d.size, bits)
+        assert _strict_bound_violations(d, qi, scales, block) == 0
+        codes, want_scales = spec_encode(to_f32(x), to_f32(r), bits, block)
+        assert np.array_equal(q.codes.numpy(), codes)
+        assert np.array_equal(scales.view(np.int32), want_scales.view(np.int32))
+    # The input is adversarial: the once-rounded quotient crosses ties on it.
+    s = _per_element(scales, block, d.size)
+    q_old = np.rint((d / s).astype(np.float32)).astype(np.int64)
+    old_violations = _strict_bound_violations(d, q_old, scales, block)
+    if bits == 2:
+        assert old_violations == 0
+    else:
+        assert old_violations > d.size // 100

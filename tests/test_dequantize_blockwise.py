@@ -119,9 +119,9 @@ def test_round_trip_decodes_identically_in_every_output_dtype(
         assert_decodes_like_torch(codes, scales, numel, bits, block, ref, out_dtype)
 
 
-def test_bf16_and_fp16_output_rounding_ties_and_overflow() -> None:
-    """The kernel's own fp32 -> bf16 rounding: exact ties go to even, values past the
-    largest bf16/fp16 become inf, subnormals survive, NaN stays NaN."""
+def test_bf16_and_fp16_output_rounding_ties_and_saturation() -> None:
+    """The kernel's own fp32 -> bf16 rounding: exact ties go to even, subnormals survive,
+    NaN stays NaN; values past the largest bf16/fp16 (infinities included) saturate to it."""
     block = 32
     one_ulp_bf16 = 2.0**-7  # bf16 spacing at 1.0
     values = torch.tensor(
@@ -131,26 +131,62 @@ def test_bf16_and_fp16_output_rounding_ties_and_overflow() -> None:
             -(1.0 + 3 * one_ulp_bf16 / 2),
             1.0 + one_ulp_bf16 / 2 + 2.0**-20,  # just above the tie: rounds up
             3.3961775e38,  # above the largest bf16 (3.3895e38) by more than half an ulp
-            65520.0,  # rounds to inf in fp16
+            65520.0,  # would round to inf in fp16
             1e-39,  # fp32 subnormal, a bf16 subnormal too
             2.0**-24 * 1.5,  # fp16 subnormal tie
             -0.0,
             math.nan,
+            -math.inf,
+            3.3895e38,  # just below the largest bf16, past the largest fp16
         ],
         dtype=torch.float32,
     )
     numel = values.numel()
     # Encode nothing: code `offset` means q = 0, so the output is the reference itself
-    # (0 * scale + ref), cast by the kernel's rounding.
+    # (0 * scale + ref), saturated and cast by the kernel's rounding.
     codes = torch.full(((numel * 8 + 7) // 8,), 128, dtype=torch.uint8)
     scales = torch.ones(-(-numel // block))
     for out_dtype in (torch.bfloat16, torch.float16):
         expected = assert_decodes_like_torch(codes, scales, numel, 8, block, values, out_dtype)
-        # 0 * scale + ref: the add turns -0.0 into +0.0, the rest is ref's own rounding.
-        assert_same_bits(expected, (0.0 + values).to(out_dtype), "torch path vs .to()")
+        # 0 * scale + ref: the add turns -0.0 into +0.0, the rest is ref's own rounding
+        # after the clamp to the dtype's range.
+        big = torch.finfo(out_dtype).max
+        assert_same_bits(expected, (0.0 + values).clamp(-big, big).to(out_dtype), "vs .to()")
+        assert bool(torch.isfinite(expected[:9]).all()) and bool(torch.isfinite(expected[10:]).all())
+        assert expected[10].item() == -big
     bf = dequantize_blockwise_torch(codes, scales, numel, 8, block, values, torch.bfloat16)
     assert bf[0].item() == 1.0 and bf[1].item() == 1.0 + 2 * one_ulp_bf16
-    assert math.isinf(bf[4].item()) and bf[6].item() != 0.0 and math.isnan(bf[9].item())
+    assert bf[4].item() == torch.finfo(torch.bfloat16).max and bf[6].item() != 0.0
+    assert math.isnan(bf[9].item())
+    fp16 = dequantize_blockwise_torch(codes, scales, numel, 8, block, values, torch.float16)
+    assert fp16[5].item() == 65504.0 and fp16[11].item() == 65504.0
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_overflowing_products_and_sums_saturate(bits: int) -> None:
+    """q * scale past the fp32 maximum (8 and 4 bits here) is clamped before the reference
+    is added, so a reference of the other sign brings it back (no inf + r); the sum is
+    clamped to the output dtype's range; NaN (q = 0 times an infinite scale) stays NaN."""
+    block = 32
+    qmax, offset = (1 << (bits - 1)) - 1, 1 << (bits - 1)
+    f32_max = torch.finfo(torch.float32).max
+    numel = 3 * block
+    u = torch.full((numel,), offset + qmax, dtype=torch.int64)
+    u[2 * block :] = offset  # q = 0
+    packed = sum(u.view(-1, 8 // bits)[:, j] << (j * bits) for j in range(8 // bits))
+    codes = packed.to(torch.uint8)
+    # Block 0: qmax * scale overflows fp32; block 1: it does not; block 2: infinite scale.
+    scales = torch.tensor([f32_max, f32_max / (2 * qmax), math.inf])
+    ref = torch.full((numel,), -f32_max / 2)
+    for out_dtype in FLOATS:
+        out = assert_decodes_like_torch(codes, scales, numel, bits, block, ref, out_dtype)
+        big = torch.finfo(out_dtype).max
+        want0 = torch.tensor(f32_max / 2).clamp(-big, big).to(out_dtype)
+        assert bool((out[:block] == want0).all()), "product saturated to the fp32 max, plus ref"
+        assert bool(torch.isfinite(out[: 2 * block]).all())
+        assert bool(torch.isnan(out[2 * block :]).all())
+        plain = dequantize_blockwise_torch(codes, scales, numel, bits, block, None, out_dtype)
+        assert bool((plain[:block] == big).all()), "no reference: saturated to the dtype max"
 
 
 def test_infinite_scale_decodes_to_nan_and_zero_scale_to_the_reference() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -29,6 +30,7 @@ from _kernel_testing import (
     shapes,
     unpack_codes,
 )
+from _codec_oracle import near_tie_blocks, spec_encode, with_reference
 from tw_triton.codec import quantize_blockwise_torch
 from tw_triton.errors import QuantizationError
 from tw_triton.kernels import quantize_blockwise
@@ -91,6 +93,37 @@ def test_kernel_encode_is_byte_identical_to_torch(case) -> None:
             ref_exp = exp_lo if lo <= exp_lo <= hi else lo
             ref = random_floats(gen, numel, ref_dtype, ref_exp, ref_exp + 2).view(shape)
     assert_encodes_like_torch(x, ref, bits, block)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    bits=st.sampled_from((8, 4, 2)),
+    block=st.sampled_from(BLOCKS),
+    nblocks=st.integers(1, 3),
+    tail=st.integers(0, 31),
+    log2_scale=st.integers(-149, 120),
+    ref_dtype=st.sampled_from((None,) + FLOATS),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kernel_encode_of_near_ties_is_byte_identical_to_torch(
+    bits: int, block: int, nblocks: int, tail: int, log2_scale: int, ref_dtype, seed: int
+) -> None:
+    """Deltas on and within 2 ulps of half-integer multiples of the block scale (power-of-two
+    and random 24-bit scales, subnormal to huge): where fl(d/s) is a half-integer, both
+    paths must settle the side of the exact quotient the same way."""
+    rng = np.random.default_rng(seed)
+    d = near_tie_blocks(rng, nblocks, block, bits, log2_scale, log2_scale + 1)
+    d = d[: max(1, d.size - tail)]
+    if ref_dtype is None:
+        x, ref = torch.from_numpy(d), None
+    else:
+        x32, ref = with_reference(rng, d, ref_dtype)
+        x = torch.from_numpy(x32)
+    codes, _ = assert_encodes_like_torch(x, ref, bits, block)
+    if ref_dtype is None:
+        # And both are the exact-arithmetic oracle's codes.
+        want, _ = spec_encode(d, None, bits, block)
+        assert np.array_equal(codes.numpy(), want)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])

@@ -169,6 +169,47 @@ _RNE_MAGIC = 12582912.0
 # A normal fp32 scale s = fl(absmax / qmax) is within a factor (1 + 2**-24) of the exact
 # quotient, so |d / s| rounds to at most qmax: the clamp can only bind when s is subnormal.
 _FP32_SMALLEST_NORMAL = 2.0**-126
+_FP32_MAX = torch.finfo(torch.float32).max
+# 0xFFFFF000 as an int32: keeps the sign, the exponent and the top 11 stored mantissa bits.
+_SCALE_HI_MASK = -4096
+
+
+def nearest_integer_at_ties(v: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The integer nearest to the exact quotient ``d / s`` where ``v = fl(d / s)`` is a
+    half-integer, ties to even: the encoder's rounding rule, in fp32 ops only.
+
+    ``rne(v)`` is that integer everywhere except where the one rounding of the division
+    lands exactly on a half-integer ``v`` that ``d / s`` is not on; ``d / s`` is then above
+    or below ``v``, that is ``d > v*s`` or ``d < v*s``, and this decides it exactly. Split
+    ``s = s_hi + s_lo``, with ``s_hi`` the top 12 significant bits of ``s`` (the low 12 bits
+    of its bit pattern cleared) and ``s_lo`` the rest (exact, at most 12 bits). With
+    ``w = 2v`` an odd integer, ``|w| < 2**8``:
+
+    * ``v*s_hi`` is exact: at most 8 + 12 significant bits, a multiple of ``2**-138``;
+    * ``r1 = d - v*s_hi`` is exact: for a normal ``s``, ``d / (v*s_hi)`` lies within
+      ``[1 - 2**-23, 1 + 2**-10]`` (Sterbenz); for a subnormal ``s``, ``r1`` is a multiple of
+      ``2**-149`` below ``2**-125``, hence an fp32;
+    * ``w*s_lo`` is exact: at most 20 bits, a multiple of ``2**-149``. (``v*s_lo`` may not be:
+      for ``s < 2**-125`` it can be an odd multiple of ``2**-150``.)
+
+    So ``d - v*s = r1 - v*s_lo`` has the sign of ``2*r1 - w*s_lo``, computed exactly. Where
+    ``|v| > 2**11`` none of this holds, but those elements are clamped to ``+-qmax``
+    whichever integer is chosen, so the torch path and the kernel still agree bit for bit.
+
+    Args:
+        v: fp32 half-integers ``fl(d / s)``.
+        d: fp32 deltas, same shape.
+        s: fp32 scales, positive and finite, same shape.
+
+    Returns:
+        fp32 integers: ``v + 1/2``, ``v - 1/2`` or (an exact tie) ``rne(v)``.
+    """
+    s_hi = (s.view(torch.int32) & _SCALE_HI_MASK).view(torch.float32)
+    s_lo = s - s_hi
+    r2 = d - v * s_hi
+    r2 = r2 + r2
+    p2 = (v + v) * s_lo
+    return torch.where(r2 > p2, v + 0.5, torch.where(r2 < p2, v - 0.5, torch.round(v)))
 
 
 def _chunk_elements(block: int) -> int:
@@ -243,6 +284,7 @@ def quantize_blockwise_torch(
     chunk = _chunk_elements(block)
     size = min(chunk, num_blocks(n, block) * block)
     d_buf: torch.Tensor | None = None
+    r_buf: torch.Tensor | None = None
     t_buf = torch.empty(size, dtype=torch.float32, device=dev)
     pack_bufs = [
         torch.empty(size >> j, dtype=torch.float32, device=dev) for j in range(1, k.bit_length())
@@ -251,7 +293,8 @@ def quantize_blockwise_torch(
         m = min(chunk, n - start)
         nb = num_blocks(m, block)
         padded = nb * block
-        if flat is not None and padded == m and ref is None and x.dtype == torch.float32:
+        in_place = flat is not None and padded == m and ref is None and x.dtype == torch.float32
+        if in_place:
             d = flat[start : start + m]  # the delta is x itself: read it in place
         else:
             if d_buf is None:
@@ -300,12 +343,30 @@ def quantize_blockwise_torch(
                 trows.masked_fill_((sc == math.inf).unsqueeze(1), 0.0)
         if lo < _FP32_SMALLEST_NORMAL:
             t.clamp_(-qmax, qmax)
-        if k == 1:
-            t.add_(magic)  # rounds, and adds the offset
-            packed = t
+        # r = rne(v) and, in t's place, v - r (exact: |v| <= qmax), which is +-1/2 exactly
+        # where v is a half-integer: the only places where rne(v) can be on the wrong side
+        # of the exact d/s. They are rare (a few per million), so they are found with one
+        # reduction and fixed by indexing.
+        if in_place:  # d_buf is free: it holds r
+            if d_buf is None:
+                d_buf = torch.empty(size, dtype=torch.float32, device=dev)
+            r = d_buf[:padded]
         else:
-            t.round_()
-            packed = t
+            if r_buf is None:
+                r_buf = torch.empty(size, dtype=torch.float32, device=dev)
+            r = r_buf[:padded]
+        torch.round(t, out=r)
+        t.sub_(r)
+        lo_frac, hi_frac = (f.item() for f in torch.aminmax(t))
+        if lo_frac == -0.5 or hi_frac == 0.5:
+            ties = (t.abs() == 0.5).nonzero().squeeze(1)
+            v = r[ties] + t[ties]
+            r[ties] = nearest_integer_at_ties(v, d[ties], sc[ties // block])
+        if k == 1:
+            r.add_(magic)  # r is integral: this adds the offset, and the low byte is the code
+            packed = r
+        else:
+            packed = r
             for j, buf in enumerate(pack_bufs):
                 pairs = packed.view(-1, 2)
                 nxt = buf[: packed.numel() // 2]
@@ -331,8 +392,10 @@ def dequantize_blockwise_torch(
 ) -> torch.Tensor:
     """Decode to a flat tensor of ``numel`` elements: the reference of the decode kernel.
 
-    ``x_hat = cast(fp32(ref) + fp32(q) * scale)``: the product is rounded to fp32 before
-    the add. ``reference`` is ``None`` or a contiguous tensor with ``numel`` elements.
+    ``x_hat = cast(sat(fp32(ref) + sat(fp32(q) * scale)))``: the product is rounded to fp32
+    before the add, and ``sat`` clamps to the largest finite value (of fp32 for the
+    product, of ``dtype`` for the sum), NaN staying NaN. ``reference`` is ``None`` or a
+    contiguous tensor with ``numel`` elements.
     """
     dev = codes.device
     out = torch.empty(numel, dtype=dtype, device=dev)
@@ -340,6 +403,7 @@ def dequantize_blockwise_torch(
         return out
     k = 8 // bits
     offset = float(1 << (bits - 1))
+    out_max = torch.finfo(dtype).max
     ref = reference.reshape(-1) if reference is not None else None
     chunk = _chunk_elements(block)
     size = min(chunk, num_blocks(numel, block) * block)
@@ -371,17 +435,34 @@ def dequantize_blockwise_torch(
             v[filled:].zero_()
         v.sub_(offset)
         b0 = start // block
-        sc = scales[b0 : b0 + nb].unsqueeze(1)
-        if ref is None and dtype == torch.float32 and padded == m:
-            # The product is the result: write it straight into the output.
-            torch.mul(v.view(nb, block), sc, out=out[start : start + m].view(nb, block))
+        sc = scales[b0 : b0 + nb]
+        # A bound on the products' magnitude, fl(2**(bits-1) * max |scale|) (code 0, never
+        # written by the encoder, is q = -2**(bits-1); rounding is monotone), NaN when a
+        # scale is NaN. Saturating is a no-op unless it exceeds the limit, so the pass is
+        # skipped then: the result is the same bits.
+        reach = (sc.abs().amax() * offset).item()
+        dst = out[start : start + m]
+        if ref is None:
+            if dtype == torch.float32 and padded == m and reach <= out_max:
+                # The product is the result: write it straight into the output.
+                torch.mul(v.view(nb, block), sc.unsqueeze(1), out=dst.view(nb, block))
+                continue
+            v.view(nb, block).mul_(sc.unsqueeze(1))
+            if not reach <= out_max:
+                v.clamp_(-out_max, out_max)  # torch.clamp keeps NaN
+            dst.copy_(v[:m])
             continue
-        v.view(nb, block).mul_(sc)
-        if ref is not None:
-            # Computed in fp32 (v is fp32), then cast once to the output dtype.
-            torch.add(v[:m], ref[start : start + m], out=out[start : start + m])
+        v.view(nb, block).mul_(sc.unsqueeze(1))
+        if not reach <= _FP32_MAX:
+            v.clamp_(-_FP32_MAX, _FP32_MAX)
+        # fp32 += any float dtype: the reference is widened exactly, one fp32 add.
+        vm = v[:m]
+        vm.add_(ref[start : start + m])
+        if dtype == torch.float32:
+            torch.clamp(vm, -out_max, out_max, out=dst)
         else:
-            out[start : start + m].copy_(v[:m])
+            vm.clamp_(-out_max, out_max)
+            dst.copy_(vm)
     return out
 
 
@@ -432,11 +513,10 @@ def quantize(
     else:
         # The torch path reads strided tensors chunk by chunk: no full-size copy.
         codes, scales = quantize_blockwise_torch(x, reference, bits, block)
-    # A block is unquantizable when its scale is infinite (NaN/Inf in it) and also when
-    # qmax * scale overflows fp32 (absmax within a hair of the fp32 maximum): decode would
-    # then turn finite values into +-inf. The product is the one decode rounds, so this is
-    # exact, and it stays on the device.
-    nonfinite = torch.isinf(scales * float(qmax_for(bits))).any()
+    # A block is unquantizable exactly when its scale is infinite (NaN/Inf in it). A block
+    # whose qmax * scale overflows fp32 is not: the decode saturates the product, and x is
+    # finite, so that only moves the value towards x. The flag stays on the device.
+    nonfinite = torch.isinf(scales).any()
     return QuantizedTensor(
         codes=codes,
         scales=scales,

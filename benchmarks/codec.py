@@ -237,10 +237,9 @@ def peak_temporaries(n: int, quick: bool = False) -> list[dict]:
 
 
 def bound_stats(n: int) -> list[dict]:
-    """How often |d - q*s| exceeds s/2 (the strict bound) and how often it equals it.
-
-    Also counts, for the same data, how a division done in fp64 (then rounded half to even)
-    would do: its quotient is close enough to d/s that it never crosses a tie.
+    """How often |d - q*s| exceeds s/2 (the strict bound), how often it equals it, and how
+    often the once-rounded quotient fl(d/s) is exactly a half-integer: the elements where
+    rne(fl(d/s)) could pick the wrong side, whose side the encoder settles exactly.
     """
     rows = []
     g = torch.Generator().manual_seed(1)
@@ -258,16 +257,14 @@ def bound_stats(n: int) -> list[dict]:
         usable = s > 0
         over = int(np.count_nonzero(err[usable] > s[usable] / 2))
         at = int(np.count_nonzero(err[usable] == s[usable] / 2))
-        qmax = codec.qmax_for(bits)
-        q64 = np.clip(np.rint(d / np.where(usable, s, 1.0)), -qmax, qmax)
-        err64 = np.abs(d - q64 * s)
-        over64 = int(np.count_nonzero(err64[usable] > s[usable] / 2))
+        v = (x.numpy() / np.where(usable, s, 1.0).astype(np.float32)).astype(np.float32)
+        half = int(np.count_nonzero(np.abs(v - np.rint(v)) == 0.5))
         rows.append(
-            dict(bits=bits, numel=n, over_half_scale=over, at_half_scale=at, over_half_scale_fp64_division=over64)
+            dict(bits=bits, numel=n, over_half_scale=over, at_half_scale=at, quotient_on_half_integer=half)
         )
         print(
             f"bits={bits}: |d - q*s| > s/2 for {over} of {n} elements ({over / n:.2e}),"
-            f" = s/2 for {at} ({at / n:.2e}); with an fp64 division: {over64} > s/2",
+            f" = s/2 for {at} ({at / n:.2e}); fl(d/s) on a half-integer: {half} ({half / n:.2e})",
             flush=True,
         )
     return rows
@@ -377,17 +374,18 @@ def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[
     if stats:
         out += [
             "",
-            "How often the strict bound |d - q*s| <= s/2 fails (one rounded fp32 division can",
-            "land on a tie that d/s does not sit on), how often it is met with equality, and the",
-            "failures left if the quotient were computed in fp64 (standard normal data):",
+            "How often the strict bound |d - q*s| <= s/2 fails (never: the encoder rounds the",
+            "exact quotient), how often it is met with equality, and how often the once-rounded",
+            "fp32 quotient fl(d/s) is exactly a half-integer, the elements whose side the encoder",
+            "settles exactly (standard normal data):",
             "",
-            "| bits | elements | > s/2 | = s/2 | > s/2 with fp64 division |",
+            "| bits | elements | > s/2 | = s/2 | fl(d/s) on a half-integer |",
             "|---:|---:|---:|---:|---:|",
         ]
         for r in stats:
             out.append(
                 f"| {r['bits']} | {r['numel']:,} | {r['over_half_scale']} | {r['at_half_scale']} |"
-                f" {r['over_half_scale_fp64_division']} |"
+                f" {r['quotient_on_half_integer']} |"
             )
     if cuda:
         out += [

@@ -15,6 +15,9 @@ Why the arithmetic looks the way it does: the decode must equal
 
 * ``x_hat = fp32(ref) + fp32(q) * scale`` is a multiply and an add, each rounded: the
   launcher passes ``enable_fp_fusion=False`` so the two are never contracted into an FMA.
+* Saturation: the product is clamped to the largest finite fp32 before the add, and the
+  sum to the largest finite value of the output dtype before the cast, with comparisons
+  and ``tl.where`` (the GPU's ``min``/``max`` would turn NaN into the bound).
 * The final cast to bf16 is done with integer arithmetic (round to nearest, ties to even,
   NaN kept NaN), because the 3.9 interpreter's fp32-to-bf16 conversion truncates (and
   mangles subnormals); on the GPU it costs a few integer ops in a memory-bound kernel.
@@ -148,8 +151,11 @@ def dequantize_blockwise_kernel(
             r = tl.load(ref_ptr + offs, mask=in_bounds, other=0.0)
         else:
             r = tl.load(ref_ptr + offs)
+        # An overflowed product is brought back by a reference of the other sign only if
+        # it is saturated first (inf + r stays inf).
         v = _saturate(v, _FP32_MAX) + _widen_to_f32(r)
-    y = _narrow_from_f32(_saturate(v, _finite_max(out_ptr.dtype.element_ty)), out_ptr.dtype.element_ty)
+    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
+    y = _narrow_from_f32(_saturate(v, _finite_max(out_dtype)), out_dtype)
     if MASKED:
         tl.store(out_ptr + offs, y, mask=in_bounds)
     else:
@@ -216,7 +222,8 @@ def dequantize_blockwise(
     """Decode to a flat tensor of ``numel`` elements with the fused kernel.
 
     Same contract as ``tw_triton.codec.dequantize_blockwise_torch``:
-    ``x_hat = cast(fp32(ref) + fp32(q) * scale)``, the product rounded before the add.
+    ``x_hat = cast(sat(fp32(ref) + sat32(fp32(q) * scale)))``, the product rounded before
+    the add, ``sat32``/``sat`` clamping to the fp32/output dtype's finite range.
 
     Args:
         codes: contiguous ``uint8`` packed codes, ``ceil(numel * bits / 8)`` bytes.

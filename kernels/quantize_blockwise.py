@@ -22,6 +22,11 @@ must give the same bytes, so every fp32 operation has to be correctly rounded.
 * Round half to even by ``(v + 1.5 * 2**23) - 1.5 * 2**23``: exact for ``|v| < 2**22``, which
   covers every unclamped code, and it runs under the interpreter, where
   ``libdevice.rint`` does not.
+* Where ``v = fl(d / s)`` is exactly a half-integer, the code is the integer on the side of
+  the exact ``d / s``, found by comparing ``2 * (d - v * s_hi)`` with ``(2 * v) * s_lo``
+  (``s`` split into its top and bottom 12 significant bits; every step exact), as in
+  ``tw_triton.codec.nearest_integer_at_ties``. Branch-free with ``tl.where``: a few ALU ops
+  per element in a memory-bound kernel.
 * bf16 is widened with an integer shift rather than a cast, because the 3.9 interpreter's
   software bf16 -> fp32 conversion gets subnormals wrong (1e-39 comes out as 4.4e-39).
 * NaN is mapped to +inf before the row max, since the GPU ``max`` ignores NaN while the

@@ -10,14 +10,25 @@ Encoding of one block of ``B`` elements (flattened, row-major order):
 * ``d = fp32(x) - fp32(ref)`` (or ``fp32(x)`` without a reference);
 * ``absmax = max |d|``, or ``+inf`` when any ``d`` in the block is NaN or infinite;
 * ``scale = absmax / qmax`` in fp32 (correctly rounded), ``qmax = 2**(bits-1) - 1``;
-* ``q = clamp(rne(d / scale), -qmax, qmax)``, or ``0`` where ``scale`` is 0 or infinite;
+* ``q = clamp(nearest(d / scale), -qmax, qmax)``, or ``0`` where ``scale`` is 0 or infinite,
+  with ``nearest`` the integer nearest to the *exact* quotient, ties to even. It is
+  ``rne(fl(d / scale))`` except where the rounded quotient is a half-integer, and there
+  the side of the exact quotient is settled with a few exact fp32 operations
+  (:func:`nearest_integer_at_ties`). Hence ``|d - q*scale| <= scale/2`` for every normal
+  scale, and ``<= max(scale/2, absmax - qmax*scale)`` (``< qmax * 2**-150`` past
+  ``scale/2``) for a subnormal one;
 * the stored code is ``u = q + 2**(bits-1)`` (so 0 is never used), packed LSB-first,
   ``k = 8 // bits`` codes to a byte: element ``i`` sits at bits ``(i % k) * bits``.
 
-Decoding: ``x_hat = cast(fp32(ref) + fp32(q) * scale)``, the multiply and the add rounded
-separately (never an FMA). A block whose scale is infinite decodes to NaN, and one whose
-``qmax * scale`` overflows fp32 may decode to +-inf: such a tensor could not be quantized,
-which :attr:`QuantizedTensor.nonfinite` reports without a sync.
+Decoding: ``x_hat = cast(sat(fp32(ref) + sat32(fp32(q) * scale)))``, the multiply and the
+add rounded separately (never an FMA); ``sat32`` clamps the product to the largest finite
+fp32 and ``sat`` the sum to the largest finite value of the output dtype, NaN staying NaN.
+Decoded to its own dtype, ``x`` is finite and inside that range, so a saturation only
+moves the value towards it: a quantizable block never decodes to +-inf and keeps its error
+bound. A block whose scale is
+infinite (NaN/Inf in ``x``, in the reference or in their difference) decodes to NaN: such a
+tensor could not be quantized, which :attr:`QuantizedTensor.nonfinite` reports without a
+sync.
 """
 
 from __future__ import annotations
@@ -52,10 +63,9 @@ class QuantizedTensor:
         dtype: the original floating dtype.
         bits: code width, 8, 4 or 2.
         block: elements per block, a power of two from 32 to 4096.
-        nonfinite: a 0-dim bool tensor on the codes' device, true when some block held a
-            NaN or an infinity (in ``x``, in the reference, or in their difference), or an
-            absmax so close to the fp32 maximum that ``qmax * scale`` overflows; the tensor
-            must then be stored exact. Reading it as a Python bool syncs.
+        nonfinite: a 0-dim bool tensor on the codes' device, true exactly when some block
+            held a NaN or an infinity (in ``x``, in the reference, or in their difference);
+            the tensor must then be stored exact. Reading it as a Python bool syncs.
     """
 
     codes: torch.Tensor

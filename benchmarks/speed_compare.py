@@ -247,20 +247,11 @@ def _size_of_checkpoint(out: Path, method: str) -> int:
     return (out / names.get(method, "state.tw.safetensors")).stat().st_size
 
 
-def child_load(method: str, fixture: Path, files: Path) -> dict[str, Any]:
-    """Load the checkpoint in ``files`` with ``method`` to the CPU; time and peak memory."""
-    template = None
-    if method == "dcp.load":
-        # DCP loads in place: the caller needs the state's structure and allocations, which
-        # a resuming job has (its model and optimizer). Built before the clock starts, but
-        # the allocation itself is inside the measured region (it is memory the load needs).
-        template = torch.load(fixture, weights_only=True, mmap=True)
-    if method.startswith("tw"):
-        import tw_triton  # import cost outside the clock, like torch's
+def load_with(method: str, files: Path, template: Any = None) -> dict[str, torch.Tensor]:
+    """Load the checkpoint in ``files`` with ``method``; return its tensors, flattened.
 
-    base = rss_bytes()
-    reset_peak()
-    t0 = time.perf_counter()
+    ``template`` is the state's structure, which DCP needs (it loads in place).
+    """
     if method == "torch.load":
         state = torch.load(files / "state.pt", weights_only=True)
     elif method == "safetensors":
@@ -274,19 +265,38 @@ def child_load(method: str, fixture: Path, files: Path) -> dict[str, Any]:
         with _single_process_dcp():
             dcp.load(state, checkpoint_id=str(files / "dcp"), no_dist=True)
     else:
+        import tw_triton
+
         ref = files / "reference.tw.safetensors"
         state = tw_triton.load(files / "state.tw.safetensors", device="cpu",
                                reference=str(ref) if ref.exists() else None)
+    flat = _flatten(state)
     # Read every byte once: a memory-mapped load (safetensors) is otherwise only a promise,
     # and the first training step would pay for the page faults instead.
-    n = 0
-    for key, t in _flatten(state).items():
+    for t in flat.values():
         t.sum()
-        # Count the training state only (tw_triton's Checkpointer adds RNG states).
-        n += key.startswith(("model/", "optimizer/"))
+    # The training state only (tw_triton's Checkpointer adds RNG states).
+    return {k: v for k, v in flat.items() if k.startswith(("model/", "optimizer/"))}
+
+
+def child_load(method: str, fixture: Path, files: Path) -> dict[str, Any]:
+    """Load the checkpoint in ``files`` with ``method`` to the CPU; time and peak memory."""
+    template = None
+    if method == "dcp.load":
+        # DCP loads in place: the caller needs the state's structure and allocations, which
+        # a resuming job has (its model and optimizer). Built before the clock starts, but
+        # the allocation itself is inside the measured region (it is memory the load needs).
+        template = torch.load(fixture, weights_only=True, mmap=True)
+    if method.startswith("tw"):
+        import tw_triton  # noqa: F401  (import cost outside the clock, like torch's)
+
+    base = rss_bytes()
+    reset_peak()
+    t0 = time.perf_counter()
+    flat = load_with(method, files, template)
     elapsed = time.perf_counter() - t0
     peak = peak_bytes() - base
-    return {"load_s": elapsed, "peak_extra_bytes": peak, "tensors": n}
+    return {"load_s": elapsed, "peak_extra_bytes": peak, "tensors": len(flat)}
 
 
 def run_child(args: list[str], threads: int) -> dict[str, Any]:

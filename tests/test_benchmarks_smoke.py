@@ -123,6 +123,24 @@ def test_speed_methods_round_trip_the_state(tmp_path: Path, method: str) -> None
     loaded = sc.child_load(load_method, fixture, out)
     assert loaded["tensors"] == len(sc._flatten(state))
     assert loaded["load_s"] > 0
+    # What the load brings back is the state that was saved (quantized where the rules say).
+    template = torch.load(fixture, weights_only=True)
+    back = sc.load_with(load_method, out, template)
+    if "delta" in method:
+        sc._perturb(template)  # what child_save did between the keyframe and the measured save
+    want = sc._flatten(template)
+    assert set(back) == set(want)
+    for key, value in want.items():
+        got = back[key]
+        assert got.shape == value.shape and got.dtype == value.dtype, key
+        quantized = "int8" in method and value.numel() >= 4096 and (
+            key.startswith("model/") or key.endswith("/exp_avg") and "exp_avg" in method)
+        if quantized:
+            if key.startswith("model/"):
+                assert not torch.equal(got, value), key  # weights moved since the keyframe
+            assert torch.allclose(got, value, atol=1e-3), key
+        else:
+            assert torch.equal(got, value), key
 
 
 def test_recommend_block_picks_where_smaller_blocks_stop_paying() -> None:

@@ -417,6 +417,16 @@ def gpu_section() -> str:
 SPEED_HEADLINE = "tw int8 delta + exp_avg int8"
 
 
+def other_pages() -> str:
+    """Links to the pages other benchmark scripts write into this folder."""
+    pages = sorted(p.name for p in RESULTS_DIR.glob("*.md") if p.name != "README.md")
+    if not pages:
+        return ""
+    return "\n".join(["## Other results in this folder", "",
+                      "Written by the other scripts in `benchmarks/`:", ""]
+                     + [f"- [{name}]({name})" for name in pages])
+
+
 def summary_table(fid: dict[str, Any], results: dict[str, dict[str, Any]], speed: dict[str, Any],
                   rec: dict[str, Any]) -> str:
     """The compact table for the top of the project README."""
@@ -479,6 +489,7 @@ def write_page() -> str:
         resume_section(results),
         speed_section(speed),
         gpu_section(),
+        other_pages(),
     ]) + "\n"
     (RESULTS_DIR / "README.md").write_text(page, encoding="utf-8")
     return summary_table(fid, results, speed, rec)

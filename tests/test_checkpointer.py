@@ -98,6 +98,36 @@ def test_restore_from_delta_is_close(tmp_path):
     assert sched2.state_dict() == sched.state_dict()
 
 
+def test_restore_of_the_latest_reads_each_file_once(tmp_path, monkeypatch):
+    seed_all(2)
+    model, opt, sched, _ = make_run(2)
+    with Checkpointer(tmp_path, keyframe_every=10, fsync=False) as ckpt:
+        ckpt.save(0, model=model, optimizer=opt)
+        train(model, opt, sched, 2)
+        ckpt.save(2, model=model, optimizer=opt)  # a delta: restoring it needs both files
+    reads: list[str] = []
+
+    def counting(real):
+        def wrapper(path, *args, **kwargs):
+            reads.append(os.path.basename(path))
+            return real(path, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(fmt, "verify_file", counting(fmt.verify_file))
+    monkeypatch.setattr(fmt, "read_file", counting(fmt.read_file))
+    model2, opt2, _, _ = make_run(7)
+    state = Checkpointer(tmp_path).restore(model=model2, optimizer=opt2)
+    assert sorted(reads) == [checkpoint_name(0), checkpoint_name(2)]
+    monkeypatch.undo()
+    # Same result as loading that step by name (the path that reads the files itself).
+    by_step = Checkpointer(tmp_path).load(2)
+    assert state["step"] == 2
+    for name, t in by_step["model"].items():
+        assert torch.equal(state["model"][name], t), name
+    for a, b in zip(model2.parameters(), by_step["model"].values()):
+        assert torch.equal(a.detach(), b)
+
+
 def test_delta_stores_model_weights_quantized_and_optimizer_exact(tmp_path):
     model, opt, sched, _ = make_run(2)
     train(model, opt, sched, 2)

@@ -100,7 +100,7 @@ from .qstate import QuantizedState
 from .rules import resolve_rules, select_rule
 from .snapshot_pool import SnapshotLease, SnapshotPool
 from .state import load as _load_state
-from .state import quantize_state_dict
+from .state import dequantize_state_dict, quantize_state_dict
 from .writer import AsyncWriter
 
 logger = logging.getLogger(__name__)
@@ -488,6 +488,28 @@ class Checkpointer:
             logger.warning("skipping checkpoint %s: %s", info.path, problem)
         return None
 
+    def _latest_read(
+        self, *, pin: bool
+    ) -> tuple[dict[int, CheckpointInfo], CheckpointInfo, dict[str, QuantizedState]]:
+        """:meth:`latest` with ``verify``, keeping the verified reads of the files it chose.
+
+        Each candidate is verified by reading it whole (checksums checked while reading)
+        instead of streaming it, and the reads of the newest good one and its keyframe are
+        returned to be decoded. Same choice, same warnings as :meth:`latest`.
+        """
+        self._wait_inflight()
+        found = self._scan()
+        by_id = {info.checkpoint_id: info for info in found.values()}
+        verified: dict[str, bool] = {}
+        reads: dict[str, QuantizedState] = {}
+        for step in sorted(found, reverse=True):
+            info = found[step]
+            problem = self._problem(info, by_id, verified, True, reads=reads, pin=pin)
+            if problem is None:
+                return found, info, reads
+            logger.warning("skipping checkpoint %s: %s", info.path, problem)
+        raise CheckpointError(f"no complete, verified checkpoint in {self.directory!r}")
+
     def path_for(self, step: int) -> str:
         """Path of the checkpoint file of ``step`` (whether or not it exists)."""
         return os.path.join(self.directory, checkpoint_name(step))
@@ -526,22 +548,33 @@ class Checkpointer:
                 (the message names the file and the entry).
             ReferenceMismatchError: the keyframe a delta needs is missing or different.
         """
-        found, info = self._find(step, verify=verify)
-        reference = None
-        if info.reference_id is not None:
-            ref = next((i for i in found.values() if i.checkpoint_id == info.reference_id), None)
-            if ref is None:
-                raise ReferenceMismatchError(
-                    f"{info.path}: is a delta from checkpoint {info.reference_id!r}, which is "
-                    f"not in {self.directory!r}"
-                )
-            reference = ref.path
-        state = _load_state(info.path, device=device, reference=reference, verify=verify)
+        return self._load(step, device=device, verify=verify)[0]
+
+    def _load(
+        self, step: int | None, *, device: torch.device | str, verify: bool
+    ) -> tuple[dict[str, Any], CheckpointInfo]:
+        """:meth:`load`, and the info of the file it loaded.
+
+        For the latest checkpoint with ``verify``, the files are read once: the reads that
+        verified them (checksums checked as they come in) are the ones decoded.
+        """
+        dev = torch.device(device)
+        if step is None and verify:
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise TwTritonError(f"cannot load from {self.directory!r} to {dev}: CUDA is not available")
+            found, info, reads = self._latest_read(pin=_wants_pinned(dev))
+            state = _decode_read(info, found, reads, dev)
+        else:
+            found, info = self._find(step, verify=verify)
+            reference = None
+            if info.reference_id is not None:
+                reference = _reference_info(info, found, self.directory).path
+            state = _load_state(info.path, device=dev, reference=reference, verify=verify)
         if not isinstance(state, dict) or "step" not in state:
             raise CheckpointError(
                 f"{info.path}: not a Checkpointer checkpoint (expected a dict with 'step' at the top)"
             )
-        return state
+        return state, info
 
     def restore(
         self,
@@ -581,8 +614,7 @@ class Checkpointer:
                 )
         if device is None:
             device = _default_device(objects)
-        found, info = self._find(step, verify=True)
-        state = self.load(info.step, device=device)
+        state, info = self._load(step, device=device, verify=True)
         for name, obj in objects.items():
             if name not in state:
                 saved = sorted(k for k in state if k not in RESERVED_NAMES)
@@ -707,9 +739,19 @@ class Checkpointer:
 
     @staticmethod
     def _problem(
-        info: CheckpointInfo, by_id: dict[str, CheckpointInfo], verified: dict[str, bool], verify: bool
+        info: CheckpointInfo,
+        by_id: dict[str, CheckpointInfo],
+        verified: dict[str, bool],
+        verify: bool,
+        *,
+        reads: dict[str, QuantizedState] | None = None,
+        pin: bool = False,
     ) -> str | None:
-        """Why ``info`` cannot be loaded, or ``None`` if it (and its keyframe) verify."""
+        """Why ``info`` cannot be loaded, or ``None`` if it (and its keyframe) verify.
+
+        With ``reads``, files are verified by reading them whole, and each good read is
+        kept there by path (for :meth:`_latest_read`).
+        """
         chain = [info]
         seen = {info.checkpoint_id}
         while chain[-1].reference_id is not None:
@@ -725,7 +767,10 @@ class Checkpointer:
         for item in chain:
             if item.path not in verified:
                 try:
-                    _format.verify_file(item.path)
+                    if reads is None:
+                        _format.verify_file(item.path)
+                    else:
+                        reads[item.path] = _format.read_file(item.path, verify=True, pin_memory=pin)
                     verified[item.path] = True
                 except (CheckpointError, OSError) as e:
                     logger.warning("checkpoint %s fails verification: %s", item.path, e)
@@ -777,6 +822,54 @@ class Checkpointer:
                 continue
             self._manifest_cache.pop(info.path, None)
             logger.debug("retention removed %s", info.path)
+
+
+def _reference_info(
+    info: CheckpointInfo, found: dict[int, CheckpointInfo], directory: str
+) -> CheckpointInfo:
+    ref = next((i for i in found.values() if i.checkpoint_id == info.reference_id), None)
+    if ref is None:
+        raise ReferenceMismatchError(
+            f"{info.path}: is a delta from checkpoint {info.reference_id!r}, which is "
+            f"not in {directory!r}"
+        )
+    return ref
+
+
+def _decode_read(
+    info: CheckpointInfo,
+    found: dict[int, CheckpointInfo],
+    reads: dict[str, QuantizedState],
+    device: torch.device,
+) -> Any:
+    """Decode the verified read of ``info`` (and of its keyframe) on ``device``.
+
+    The checks that :func:`tw_triton.load` makes of a reference file are made here on the
+    keyframe's read: its id, and that it is no delta itself; the per-entry fingerprints are
+    checked by the decode.
+    """
+    q = reads[info.path]
+    reference = None
+    if info.reference_id is not None:
+        ref = _reference_info(info, found, os.path.dirname(info.path))
+        rq = reads[ref.path]
+        if rq.checkpoint_id != q.reference_id:
+            raise ReferenceMismatchError(
+                f"{info.path}: is a delta from reference checkpoint {q.reference_id!r}, but "
+                f"reference file {ref.path!r} is checkpoint {rq.checkpoint_id!r}"
+            )
+        if rq.reference_id is not None:
+            # Chains are not followed: a reference must decode on its own (a keyframe).
+            raise ReferenceMismatchError(
+                f"{info.path}: reference file {ref.path!r} is itself a delta (from checkpoint "
+                f"{rq.reference_id!r}); a reference must be a checkpoint without deltas"
+            )
+        reference = dequantize_state_dict(rq, device=device, source=ref.path)
+    return dequantize_state_dict(q, reference=reference, device=device, source=info.path)
+
+
+def _wants_pinned(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available()
 
 
 def _leaves(tree: Any):

@@ -507,6 +507,7 @@ class Checkpointer:
             problem = self._problem(info, by_id, verified, True, reads=reads, pin=pin)
             if problem is None:
                 return found, info, reads
+            reads.pop(info.path, None)  # good, but its keyframe is not: keep no memory for it
             logger.warning("skipping checkpoint %s: %s", info.path, problem)
         raise CheckpointError(f"no complete, verified checkpoint in {self.directory!r}")
 

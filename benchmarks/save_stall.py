@@ -7,7 +7,9 @@ Three measurements, each a ratio taken side by side in one run:
    writer thread; the writer idle at the start) against ``torch.save`` + ``fsync`` of the
    same state (which blocks the loop for the whole write). Keyframe saves (all exact) and
    delta saves (model weights int8) are timed separately, alternating with the baseline,
-   ``--repeats`` times; medians are reported. Goal: <= 50 % on the CPU.
+   ``--repeats`` times; medians are reported. Each is timed with the snapshot buffers
+   reused across saves (the default) and in fresh memory (``snapshot_pool_bytes=0``), in
+   the same rounds. Goal: <= 50 % on the CPU.
 2. **Writer throughput**: bytes per second of ``AsyncWriter`` (submit to Future resolved,
    fsync on) against a plain sequential ``write`` + ``fsync`` of the same number of bytes
    from one buffer, into the same directory.
@@ -79,36 +81,46 @@ def torch_save_fsync(state, path: str) -> int:
         return f.tell()
 
 
+# The Checkpointer's snapshot buffers: reused across saves (the default) or fresh each save.
+VARIANTS = {"reused": None, "fresh": 0}
+LABELS = {"reused": "reused buffers", "fresh": "fresh buffers"}
+
+
 def measure_pause(args, directory: str) -> dict:
     model, opt = make_training_state(args.params, args.device)
-    ckpt = Checkpointer(os.path.join(directory, "ckpt"), keyframe_every=2, keep_last=2)
+    ckpts = {v: Checkpointer(os.path.join(directory, f"ckpt-{v}"), keyframe_every=2, keep_last=2,
+                             snapshot_pool_bytes=cap) for v, cap in VARIANTS.items()}
     base_path = os.path.join(directory, "torch_save.pt")
-    times = {"keyframe": [], "delta": [], "torch.save+fsync": []}
+    times = {f"{kind}, {v}": [] for v in VARIANTS for kind in ("keyframe", "delta")}
+    times["torch.save+fsync"] = []
     nbytes = {}
     step = 0
-    # One untimed round first: page-cache and allocator warm-up for both sides.
+    # One untimed round first: page-cache and allocator (and pool) warm-up for every side.
     for rnd in range(args.repeats + 1):
-        for kind in ("keyframe", "delta"):
-            nudge(model)
-            sync(args.device)
-            t0 = time.perf_counter()
-            ckpt.save(step, model=model, optimizer=opt)
-            pause = time.perf_counter() - t0
-            ckpt.flush()  # the write itself is not part of the pause; the next save starts idle
-            info = {i.step: i for i in ckpt.infos()}[step]
-            assert info.kind == kind, (info.kind, kind)
-            nbytes[kind] = info.nbytes
-            step += 1
-            if rnd:
-                times[kind].append(pause)
+        for v, ckpt in ckpts.items():
+            for kind in ("keyframe", "delta"):
+                nudge(model)
+                sync(args.device)
+                t0 = time.perf_counter()
+                ckpt.save(step, model=model, optimizer=opt)
+                pause = time.perf_counter() - t0
+                ckpt.flush()  # the write itself is not part of the pause; the next save starts idle
+                info = {i.step: i for i in ckpt.infos()}[step]
+                assert info.kind == kind, (info.kind, kind)
+                nbytes[kind] = info.nbytes
+                step += 1
+                if rnd:
+                    times[f"{kind}, {v}"].append(pause)
         sync(args.device)
         t0 = time.perf_counter()
         nbytes["torch.save+fsync"] = torch_save_fsync({"model": model.state_dict(), "optimizer": opt.state_dict()}, base_path)
         if rnd:
             times["torch.save+fsync"].append(time.perf_counter() - t0)
-    ckpt.close()
+    pool_bytes = ckpts["reused"].pool_bytes
+    for ckpt in ckpts.values():
+        ckpt.close()
     n_params = sum(p.numel() for p in model.parameters())
-    return {"params": n_params, "times": times, "nbytes": nbytes}
+    return {"params": n_params, "times": times, "nbytes": nbytes, "pool_bytes": pool_bytes}
 
 
 # glibc serves large allocations with fresh mmap()s and returns them on free, so every
@@ -160,13 +172,14 @@ def measure_throughput(args, directory: str) -> dict:
 _PEAK_CHILD = r"""
 import json, os, resource, sys, tempfile, torch
 sys.path.insert(0, {bench_dir!r})
-from save_stall import make_training_state, torch_save_fsync, rss_and_reset_peak, peak_rss
+from save_stall import make_training_state, torch_save_fsync, rss_and_reset_peak, peak_rss, _status_kb
 from tw_triton import Checkpointer
 torch.set_num_threads(1)
 mode, params, directory = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 model, opt = make_training_state(params, "cpu")
-ckpt = Checkpointer(directory, keyframe_every=100, keep_last=5)
-if mode == "delta":
+ckpt = Checkpointer(directory, keyframe_every=100, keep_last=5,
+                    snapshot_pool_bytes=0 if mode.endswith("fresh buffers") else None)
+if mode.startswith("delta"):
     ckpt.save(0, model=model, optimizer=opt); ckpt.flush()
     with torch.no_grad():
         for p in model.parameters(): p.mul_(1.0001)
@@ -179,7 +192,8 @@ if mode == "torch.save":
 else:
     ckpt.save(1, model=model, optimizer=opt); ckpt.flush()
 after = peak_rss()
-print(json.dumps({{"mode": mode, "state_bytes": state_bytes, "peak_extra": after - before}}))
+kept = _status_kb("VmRSS") - before
+print(json.dumps({{"mode": mode, "state_bytes": state_bytes, "peak_extra": after - before, "kept": kept}}))
 """
 
 
@@ -215,7 +229,7 @@ def peak_rss() -> int:
 def measure_peak(args, directory: str) -> list[dict]:
     script = _PEAK_CHILD.format(bench_dir=str(Path(__file__).resolve().parent))
     out = []
-    for mode in ("keyframe", "delta", "torch.save"):
+    for mode in ("keyframe", "delta", "delta, fresh buffers", "torch.save"):
         d = tempfile.mkdtemp(dir=directory)
         r = subprocess.run([sys.executable, "-c", script, mode, str(args.params), d],
                            capture_output=True, text=True, timeout=1200)
@@ -253,18 +267,26 @@ def run_once(args) -> tuple[list[str], dict[str, float], dict]:
         "| what | median pause (s) | min..max (s) | file (MB) | pause / torch.save+fsync |",
         "|---|---|---|---|---|",
     ]
-    for kind in ("keyframe", "delta", "torch.save+fsync"):
-        xs = t[kind]
-        lines.append(f"| {'tw_triton save(), ' + kind if kind != 'torch.save+fsync' else kind} | "
-                     f"{med(xs):.3f} | {min(xs):.3f}..{max(xs):.3f} | {pause['nbytes'][kind] / mb:.1f} | "
-                     f"{med(xs) / base:.0%} |")
-        if kind != "torch.save+fsync":
-            summary[f"pause, {kind}"] = med(xs) / base
     every = 10  # the Checkpointer's default keyframe_every
-    amortized = (med(t["keyframe"]) + (every - 1) * med(t["delta"])) / every
-    lines.append(f"| tw_triton, 1 keyframe + {every - 1} deltas (default keyframe_every={every}), per save | "
-                 f"{amortized:.3f} | | | {amortized / base:.0%} |")
-    summary[f"pause, 1 keyframe + {every - 1} deltas"] = amortized / base
+    for v in VARIANTS:
+        for kind in ("keyframe", "delta"):
+            xs = t[f"{kind}, {v}"]
+            lines.append(f"| tw_triton save(), {kind}, {LABELS[v]} | {med(xs):.3f} | "
+                         f"{min(xs):.3f}..{max(xs):.3f} | {pause['nbytes'][kind] / mb:.1f} | {med(xs) / base:.0%} |")
+            summary[f"pause, {kind}, {LABELS[v]}"] = med(xs) / base
+        amortized = (med(t[f"keyframe, {v}"]) + (every - 1) * med(t[f"delta, {v}"])) / every
+        lines.append(f"| tw_triton, 1 keyframe + {every - 1} deltas (default keyframe_every={every}), "
+                     f"per save, {LABELS[v]} | {amortized:.3f} | | | {amortized / base:.0%} |")
+        summary[f"pause, 1 keyframe + {every - 1} deltas, {LABELS[v]}"] = amortized / base
+    xs = t["torch.save+fsync"]
+    lines.append(f"| torch.save+fsync | {med(xs):.3f} | {min(xs):.3f}..{max(xs):.3f} | "
+                 f"{pause['nbytes']['torch.save+fsync'] / mb:.1f} | 100% |")
+    summary[f"pause, keyframe: {LABELS['reused']} / {LABELS['fresh']}"] = (
+        med(t["keyframe, reused"]) / med(t["keyframe, fresh"]))
+    summary[f"pause, delta: {LABELS['reused']} / {LABELS['fresh']}"] = (
+        med(t["delta, reused"]) / med(t["delta, fresh"]))
+    lines += ["", f"Snapshot pool after the last save (reused buffers): {pause['pool_bytes'] / mb:.0f} MB "
+              f"of host memory kept for the next save."]
     if tuned is not None:
         tt = tuned["times"]
         tbase = med(tt["torch.save+fsync"])
@@ -275,12 +297,14 @@ def run_once(args) -> tuple[list[str], dict[str, float], dict]:
             "| what | median pause (s) | min..max (s) | pause / torch.save+fsync (same process) |",
             "|---|---|---|---|",
         ]
-        for kind in ("keyframe", "delta", "torch.save+fsync"):
-            xs = tt[kind]
-            lines.append(f"| {'tw_triton save(), ' + kind if kind != 'torch.save+fsync' else kind} | "
-                         f"{med(xs):.3f} | {min(xs):.3f}..{max(xs):.3f} | {med(xs) / tbase:.0%} |")
-            if kind != "torch.save+fsync":
-                summary[f"pause, {kind}, glibc keeping freed memory"] = med(xs) / tbase
+        for key in list(tt):
+            xs = tt[key]
+            label = key if key == "torch.save+fsync" else "tw_triton save(), " + key.replace(
+                "reused", LABELS["reused"]).replace("fresh", LABELS["fresh"])
+            lines.append(f"| {label} | {med(xs):.3f} | {min(xs):.3f}..{max(xs):.3f} | {med(xs) / tbase:.0%} |")
+            if key != "torch.save+fsync":
+                summary[f"pause, {key.replace('reused', LABELS['reused']).replace('fresh', LABELS['fresh'])}, "
+                        "glibc keeping freed memory"] = med(xs) / tbase
     if tput is not None:
         w, pl = med(tput["writer_s"]), med(tput["plain_s"])
         summary["writer throughput / plain write+fsync"] = pl / w
@@ -298,13 +322,15 @@ def run_once(args) -> tuple[list[str], dict[str, float], dict]:
             "",
             "### Peak host memory during one save (RSS high-water above the level before it)",
             "",
-            "| save | extra peak RSS (MB) | training state (MB) | extra / state |",
-            "|---|---|---|---|",
+            "| save | extra peak RSS (MB) | extra RSS kept after it (MB) | training state (MB) | extra peak / state |",
+            "|---|---|---|---|---|",
         ]
         for row in peak:
-            lines.append(f"| {row['mode']} | {row['peak_extra'] / mb:.0f} | {row['state_bytes'] / mb:.0f} | "
-                         f"{row['peak_extra'] / row['state_bytes']:.2f} |")
+            lines.append(f"| {row['mode']} | {row['peak_extra'] / mb:.0f} | {row['kept'] / mb:.0f} | "
+                         f"{row['state_bytes'] / mb:.0f} | {row['peak_extra'] / row['state_bytes']:.2f} |")
             summary[f"peak extra RSS / state, {row['mode']}"] = row["peak_extra"] / row["state_bytes"]
+            if row["mode"] != "torch.save":
+                summary[f"peak, RSS kept after the save / state, {row['mode']}"] = row["kept"] / row["state_bytes"]
     return lines, summary, pause
 
 
@@ -363,10 +389,18 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Notes",
         "",
-        "- The pause of a tw_triton save is the snapshot (clones of the exact tensors) and, for "
+        "- The pause of a tw_triton save is the snapshot (copies of the exact tensors) and, for "
         "a delta, the CPU encode of the model weights; the file is written by the writer thread "
         "afterwards (timed in the throughput table). A save that finds the previous one still "
         "writing waits for it (backpressure); this benchmark excludes that by flushing between saves.",
+        "- *reused buffers* is the Checkpointer's default: the exact copies go into host buffers "
+        "of earlier saves (`SnapshotPool`), returned to the pool when their save's Future is done. "
+        "*fresh buffers* is `snapshot_pool_bytes=0` (every copy in new memory). Both run in the "
+        "same rounds, one after the other. Not pooled: the codes and scales of quantized tensors "
+        "and the encoder's temporaries, which the codec allocates itself; what reusing those too "
+        "could give is bounded by the glibc rows.",
+        "- The peak-memory rows run one save in a fresh process; *kept after the save* is the RSS "
+        "still held once it is written (with reused buffers: the snapshot, kept for the next save).",
         f"- glibc variant: `{env}`. By default glibc serves large allocations with fresh mmap()s "
         "and unmaps them on free, so every snapshot faults its pages in again; these settings "
         "keep freed memory for reuse (process-wide, costs RSS).",

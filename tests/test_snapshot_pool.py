@@ -181,7 +181,7 @@ def test_buffers_come_back_only_after_the_write_with_a_slow_writer(tmp_path, mon
     ckpt = Checkpointer(tmp_path, keyframe_every=3, keep_last=None, fsync=False,
                         async_write=async_write, max_pending=2)
     wants, kinds, overlapped = {}, {}, 0
-    for step in range(9):
+    for step in range(7):
         train_step(model, opt, step)
         if async_write:
             overlapped += ckpt._writer.pending() > 0
@@ -195,10 +195,10 @@ def test_buffers_come_back_only_after_the_write_with_a_slow_writer(tmp_path, mon
     pool = ckpt._pool
     assert pool.reused > 0, "nothing was reused: the test would not see an early release"
     if async_write:
-        assert overlapped == 8  # every later snapshot was taken while a save was unwritten
+        assert overlapped == 6  # every later snapshot was taken while a save was unwritten
     reader = Checkpointer(tmp_path)
-    assert [i.kind for i in reader.infos()] == [kinds[s] for s in range(9)]
-    for step in range(9):
+    assert [i.kind for i in reader.infos()] == [kinds[s] for s in range(7)]
+    for step in range(7):
         check_file(reader, step, wants[step], kinds[step])
 
 
@@ -232,3 +232,38 @@ def test_a_failed_snapshot_gives_its_buffers_back(tmp_path):
     assert ckpt._pool.free_bytes + ckpt._reference.lease.nbytes == ckpt.pool_bytes == held
     ckpt.save(1, model=model, optimizer=opt)
     ckpt.close()
+
+
+def test_reference_buffers_outlive_a_delta_still_encoding_on_the_writer(tmp_path, monkeypatch):
+    import tw_triton.checkpointer as ck
+
+    real = ck._encode_snapshot
+    go = threading.Event()
+
+    def held_encode(*args, **kwargs):
+        assert go.wait(20), "the test never let the encode go"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ck, "_encode_snapshot", held_encode)
+    model, opt = make_run()
+    ckpt = Checkpointer(tmp_path, keyframe_every=2, keep_last=None, fsync=False, max_pending=2)
+    wants = {}
+    go.set()
+    ckpt.save(0, aux=aux_of(0), model=model, optimizer=opt)  # keyframe: the reference
+    ckpt.flush()
+    wants[0] = expected_of(model, opt, 0)
+    go.clear()
+    train_step(model, opt, 1)
+    ckpt.save(1, aux=aux_of(1), model=model, optimizer=opt)  # delta: encode held on the writer
+    wants[1] = expected_of(model, opt, 1)
+    train_step(model, opt, 2)
+    # A new keyframe retires the reference while the delta has not read it yet: its
+    # buffers must not serve this snapshot.
+    ckpt.save(2, aux=aux_of(2), model=model, optimizer=opt)
+    wants[2] = expected_of(model, opt, 2)
+    go.set()
+    ckpt.close()
+    assert ckpt._pool.reused > 0
+    reader = Checkpointer(tmp_path)
+    for step, kind in ((0, "keyframe"), (1, "delta"), (2, "keyframe")):
+        check_file(reader, step, wants[step], kind)

@@ -344,3 +344,26 @@ def test_carve_gives_aligned_views_of_every_dtype_and_shape():
         assert torch.equal(v, t)
     with pytest.raises(CheckpointError, match="cannot hold"):
         carve(buf[:-1], tensors)
+
+
+def test_submit_of_a_function_encodes_on_the_writer_thread(tmp_path):
+    q = make_state(5)
+    threads = []
+
+    def encode():
+        threads.append(threading.current_thread().name)
+        return q
+
+    def broken():
+        raise RuntimeError("encode failed")
+
+    with AsyncWriter() as w:
+        assert w.submit(encode, tmp_path / "a.tw.safetensors").result(timeout=30) > q.nbytes
+        fut = w.submit(broken, tmp_path / "b.tw.safetensors")
+        with pytest.raises(RuntimeError, match="encode failed"):
+            fut.result(timeout=30)
+        with pytest.raises(CheckpointError, match="b.tw.safetensors.*encode failed"):
+            w.flush()
+    assert threads == ["tw_triton-writer"]
+    assert_same_state(tmp_path / "a.tw.safetensors", q)
+    assert not os.path.exists(tmp_path / "b.tw.safetensors") and temp_files(tmp_path) == []

@@ -79,12 +79,14 @@ One ``Checkpointer`` writes a directory at a time (several readers are fine).
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import os
 import random
 import re
 import time
+import uuid
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -101,6 +103,7 @@ from .rules import resolve_rules, select_rule
 from .snapshot_pool import SnapshotLease, SnapshotPool
 from .state import load as _load_state
 from .state import dequantize_state_dict, quantize_state_dict
+from .tree import flatten
 from .writer import AsyncWriter
 
 logger = logging.getLogger(__name__)
@@ -159,6 +162,7 @@ class _Reference:
     nbytes: int
     future: Future  # the keyframe's write: if it fails, the reference is dropped
     lease: SnapshotLease | None = None  # pooled host buffers under ``tree``, kept with it
+    last_use: Future | None = None  # the last save encoded against it on the writer thread
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -361,24 +365,30 @@ class Checkpointer:
         path = os.path.join(self.directory, checkpoint_name(step))
         meta: dict[str, Any] = {"step": step, "saved_at": time.time()}
         lease = self._new_lease()
+        reference = self._reference if self.delta else None
         try:
-            if keyframe:
-                q = quantize_state_dict(tree, rules="exact", bits=self.bits, block=self.block,
-                                        metadata=meta, allocate=lease)
-                q.metadata["kind"] = KIND_KEYFRAME
-            elif self.delta and self._reference is not None:
-                q = quantize_state_dict(
-                    tree, reference=self._reference.tree, reference_id=self._reference.checkpoint_id,
-                    rules=self.rules, bits=self.bits, block=self.block, metadata=meta, allocate=lease,
-                )
-                q.metadata["kind"] = KIND_DELTA if q.reference_id is not None else KIND_STANDALONE
-                if q.reference_id is not None:
-                    q.metadata["reference_step"] = self._reference.step
+            if not keyframe and self._writer is not None and _all_on_cpu(tree):
+                # Only the copy blocks the loop; the writer thread encodes the copy.
+                q_id, q_ref_id = uuid.uuid4().hex, reference.checkpoint_id if reference else None
+                resolve_rules(self.rules, tree, bits=self.bits, block=self.block)  # errors here, not later
+                snap_q = quantize_state_dict(tree, rules="exact", checkpoint_id=q_id, allocate=lease)
+                snapshot = dequantize_state_dict(snap_q)  # a tree over snap_q's buffers, no copy
+                del snap_q
+                future = self._write(functools.partial(
+                    _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block, meta, q_id,
+                ), path)
+                if reference is not None:
+                    reference.last_use = future
             else:
-                q = quantize_state_dict(tree, rules=self.rules, bits=self.bits, block=self.block,
-                                        metadata=meta, allocate=lease)
-                q.metadata["kind"] = KIND_STANDALONE
-            future = self._write(q, path)
+                if keyframe:
+                    q = quantize_state_dict(tree, rules="exact", bits=self.bits, block=self.block,
+                                            metadata=meta, allocate=lease)
+                    q.metadata["kind"] = KIND_KEYFRAME
+                else:
+                    q = _encode_snapshot(tree, reference, self.rules, self.bits, self.block, meta, None,
+                                         allocate=lease)
+                q_id, q_ref_id = q.checkpoint_id, q.reference_id
+                future = self._write(q, path)
         except BaseException:
             if lease is not None:
                 lease.release()  # nothing was queued: no one reads these buffers
@@ -388,7 +398,7 @@ class Checkpointer:
             self._leases.append((future, lease))
             self._largest_snapshot = max(self._largest_snapshot, lease.nbytes)
 
-        self._inflight[step] = (future, q.checkpoint_id, q.reference_id)
+        self._inflight[step] = (future, q_id, q_ref_id)
         if keyframe:
             self._since_keyframe = 0
             self._reference = self._make_reference(q, tree, step, future) if self.delta else None
@@ -674,7 +684,9 @@ class Checkpointer:
         """Drop the reference; its buffers go back to the pool once its keyframe is written."""
         ref, self._reference = self._reference, None
         if ref is not None and ref.lease is not None:
-            self._leases.append((ref.future, ref.lease))
+            # The writer runs saves in order: when the last one that reads the reference is
+            # done, so are the keyframe and every other one.
+            self._leases.append((ref.last_use or ref.future, ref.lease))
 
     def _release_written(self) -> None:
         """Give the buffers of every save whose write is over (done or failed) back to the pool.
@@ -871,6 +883,44 @@ def _decode_read(
 
 def _wants_pinned(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
+
+
+def _all_on_cpu(tree: Any) -> bool:
+    return all(t.device.type == "cpu" for t in flatten(tree)[0].values())
+
+
+def _encode_snapshot(
+    snapshot: Any,
+    reference: _Reference | None,
+    rules: Any,
+    bits: int,
+    block: int,
+    meta: dict[str, Any],
+    checkpoint_id: str | None,
+    *,
+    allocate: SnapshotLease | None = None,
+) -> QuantizedState:
+    """Encode a save between keyframes: a delta from ``reference``, or on its own without.
+
+    With ``checkpoint_id`` it runs on the writer thread over ``snapshot``, a private copy of
+    the state (exact entries then hold the copy's tensors, no second copy); without, it
+    runs in ``save`` over the live state (copies into ``allocate``).
+    """
+    deferred = checkpoint_id is not None
+    if reference is not None:
+        q = quantize_state_dict(
+            snapshot, reference=reference.tree, reference_id=reference.checkpoint_id, rules=rules,
+            bits=bits, block=block, metadata=meta, checkpoint_id=checkpoint_id, allocate=allocate,
+            copy=not deferred,
+        )
+        q.metadata["kind"] = KIND_DELTA if q.reference_id is not None else KIND_STANDALONE
+        if q.reference_id is not None:
+            q.metadata["reference_step"] = reference.step
+    else:
+        q = quantize_state_dict(snapshot, rules=rules, bits=bits, block=block, metadata=meta,
+                                checkpoint_id=checkpoint_id, allocate=allocate, copy=not deferred)
+        q.metadata["kind"] = KIND_STANDALONE
+    return q
 
 
 def _leaves(tree: Any):

@@ -197,6 +197,17 @@ class ExactCodec(Codec):
         data.copy_(x.detach())
         return self._entry(x, data)
 
+    def wrap(self, x: torch.Tensor) -> Encoded:
+        """The entry of a contiguous ``x`` that holds ``x`` itself, not a copy.
+
+        Only for a tensor that is already a private snapshot (nothing changes it until the
+        entry is written): :meth:`encode` must copy, this does not.
+        """
+        self._check_dtype(x)
+        if not x.is_contiguous():
+            raise QuantizationError("only a contiguous tensor can be stored without a copy")
+        return self._entry(x, x.detach())
+
     def _check_dtype(self, x: torch.Tensor) -> None:
         if x.dtype not in EXACT_DTYPES:
             raise QuantizationError(

@@ -53,7 +53,7 @@ from typing import Any, Mapping
 import torch
 
 from .codec import FLOAT_DTYPES, check_params
-from .codecs import Codec, Encoded, get_codec
+from .codecs import Codec, Encoded, ExactCodec, get_codec
 from .errors import CheckpointError, QuantizationError, ReferenceMismatchError, TwTritonError
 from .qstate import EncodedEntry, QuantizedState
 from .rules import resolve_rules, select_rule
@@ -192,6 +192,7 @@ def quantize_state_dict(
     metadata: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
     allocate: Allocator | None = None,
+    copy: bool = True,
 ) -> QuantizedState:
     """Encode a nested training state into a consistent, writable snapshot.
 
@@ -214,6 +215,9 @@ def quantize_state_dict(
             host memory a previous save already faulted in. The result is the same; the
             caller must not recycle that memory while the result is still being read.
             ``None``: fresh buffers.
+        copy: ``False`` when ``state`` is already a private snapshot that nothing changes
+            until the result is written: exact entries of contiguous tensors then hold
+            those tensors instead of copies.
 
     Returns:
         A :class:`QuantizedState`; its buffers live where the source tensors did.
@@ -260,10 +264,12 @@ def quantize_state_dict(
             if ref.device != x.device:
                 ref = ref.to(x.device, non_blocking=ref.is_pinned())
         try:
-            enc: Encoded = (
-                codec.encode(x, rule.params, ref) if allocate is None
-                else codec.encode_with(x, rule.params, ref, allocate)
-            )
+            if not copy and isinstance(codec, ExactCodec) and x.is_contiguous():
+                enc: Encoded = codec.wrap(x)
+            elif allocate is None:
+                enc = codec.encode(x, rule.params, ref)
+            else:
+                enc = codec.encode_with(x, rule.params, ref, allocate)
         except QuantizationError as e:
             raise QuantizationError(f"entry {path!r} (codec {rule.codec!r}): {e}") from e
         enc.entry.codec = rule.codec
@@ -285,10 +291,13 @@ def quantize_state_dict(
                 path,
                 entries[path].codec,
             )
-            entries[path] = (
-                exact.encode(tensors[path], {}, None) if allocate is None
-                else exact.encode_with(tensors[path], {}, None, allocate)
-            ).entry
+            x = tensors[path]
+            if not copy and isinstance(exact, ExactCodec) and x.is_contiguous():
+                entries[path] = exact.wrap(x).entry
+            elif allocate is None:
+                entries[path] = exact.encode(x, {}, None).entry
+            else:
+                entries[path] = exact.encode_with(x, {}, None, allocate).entry
             entries[path].codec = "exact"
     fp_parts = []
     for (path, _), fp in zip(fingerprinted, values[len(flagged):]):

@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
@@ -160,9 +161,10 @@ class PinnedPool:
 class _Job:
     """One submitted save, from the caller's thread to the writer thread."""
 
-    qstate: QuantizedState  # what to write; its buffers are host tensors
+    qstate: QuantizedState | None  # what to write; its buffers are host tensors
     path: str
     future: Future
+    encode: Callable[[], QuantizedState] | None = None  # makes qstate on the writer thread
     copy_done: list = field(default_factory=list)  # CUDA events the D2H copies record
     device_state: QuantizedState | None = None  # keeps device buffers alive until copied
     pinned: torch.Tensor | None = None  # pool buffer to give back after the write
@@ -219,8 +221,15 @@ class AsyncWriter:
 
     # ----------------------------------------------------------------- public API
 
-    def submit(self, qstate: QuantizedState, path: str | os.PathLike) -> Future:
+    def submit(
+        self, qstate: QuantizedState | Callable[[], QuantizedState], path: str | os.PathLike
+    ) -> Future:
         """Queue ``qstate`` to be written to ``path``; return a Future of the bytes written.
+
+        ``qstate`` may also be a function that returns it, called on the writer thread just
+        before the write (an encode taken off the training loop's path). It must work on a
+        private snapshot of host tensors only, and its exceptions go on the Future like a
+        failed write's.
 
         Blocks only for backpressure (``max_pending`` saves in flight, or the pinned pool
         full), and logs how long it waited. On CUDA it also enqueues the device-to-host
@@ -250,7 +259,10 @@ class AsyncWriter:
             )
         future: Future = Future()
         try:
-            job = self._stage(qstate, path, future)
+            if callable(qstate):
+                job = _Job(qstate=None, path=path, future=future, encode=qstate)
+            else:
+                job = self._stage(qstate, path, future)
         except BaseException:
             self._slots.release()
             raise
@@ -420,13 +432,16 @@ class AsyncWriter:
             for event in job.copy_done:
                 event.synchronize()
             job.device_state = None  # the copies are done; let the device memory go
+            if job.encode is not None:
+                job.qstate, job.encode = job.encode(), None
             nbytes = _format.write_file(job.qstate, job.path, fsync=self.fsync)
         except BaseException as err:  # noqa: BLE001 - every failure goes to the Future
             error = err
             logger.error("async save to '%s' failed: %s: %s", job.path, type(err).__name__, err)
         # Free the slot and the pinned buffer before resolving the Future, so that a
         # caller who waits on it can submit again at once without blocking.
-        job.qstate = None  # type: ignore[assignment]
+        job.qstate = None
+        job.encode = None
         if job.pinned is not None:
             self._pool.release(job.pinned)
             job.pinned = None

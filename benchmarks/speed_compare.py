@@ -395,7 +395,7 @@ def tables(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads in every child (1: steadier on a shared machine)")
     parser.add_argument("--child-save", metavar="METHOD", help=argparse.SUPPRESS)

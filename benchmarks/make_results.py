@@ -1,8 +1,8 @@
 """Regenerate the results page and its plots: ``python benchmarks/make_results.py``.
 
-Runs the three benchmarks (``fidelity_minilm.py``, ``resume_fidelity.py``,
-``speed_compare.py``; about 9 minutes on 2 cores), which write JSON under
-``benchmarks/results/``, then writes ``benchmarks/results/README.md`` and the PNG plots from
+Runs the four benchmarks (``fidelity_minilm.py``, ``resume_fidelity.py``,
+``resume_minilm.py``, ``speed_compare.py``; about 10 minutes on a quiet 2-core machine), which
+write JSON under ``benchmarks/results/``, then writes ``benchmarks/results/README.md`` and the PNG plots from
 those JSON files, and the compact table between the results-table markers at the top of the
 project README. ``--no-run`` rebuilds from the JSON files already there.
 

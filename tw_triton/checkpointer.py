@@ -45,14 +45,17 @@ Resuming in an existing directory
     one cannot belong to a different run that happened to use the same directory.
 
 Host memory of snapshots
-    On the CPU a save copies what it stores exact (everything in a keyframe; optimizer
-    state and the like in a delta) before ``save`` returns. Fresh memory for that copy
-    costs page faults on every save, which were most of the pause on a small VM, so the
-    Checkpointer keeps the snapshot buffers in a
+    On the CPU a save copies the state before ``save`` returns: a keyframe everything (it
+    is stored exact); a delta too, with ``async_write``, and the writer thread then encodes
+    the copy (a delta from the reference, which stays untouched until the last save that
+    reads it is written), so the loop does not wait for the encode. With
+    ``async_write=False`` a delta encodes in ``save`` and copies only what it stores exact.
+    Fresh memory for the copy costs page faults on every save, which were most of the pause
+    on a small VM, so the Checkpointer keeps the snapshot buffers in a
     :class:`~tw_triton.snapshot_pool.SnapshotPool` and the next save copies into them. A
     save's buffers go back to the pool only when its Future is done (the writer has
     finished with them); a keyframe's buffers that serve as the delta reference stay with
-    the reference until the next keyframe. Cost: between saves the process keeps up to
+    the reference until the next keyframe (and the last save encoded against it). Cost: between saves the process keeps up to
     ``max_pending + 1`` snapshots' worth of host memory (one with ``async_write=False``)
     that it would otherwise give back to the OS, the largest snapshot so far being the
     measure (the reference counts in it); ``snapshot_pool_bytes`` sets another cap, ``0``
@@ -316,7 +319,9 @@ class Checkpointer:
         """Snapshot and encode ``state`` now; write it (in the background if async).
 
         The loop pauses for the snapshot and the encode (on CUDA: the kernel launches and
-        one sync), and for backpressure when ``max_pending`` saves are still being written.
+        one sync; on the CPU with ``async_write``: a copy, the encode of a delta runs on the
+        writer thread), and for backpressure when ``max_pending`` saves are still being
+        written.
 
         Args:
             step: the training step; names the file (a step saved again is replaced).

@@ -267,3 +267,19 @@ def test_reference_buffers_outlive_a_delta_still_encoding_on_the_writer(tmp_path
     reader = Checkpointer(tmp_path)
     for step, kind in ((0, "keyframe"), (1, "delta"), (2, "keyframe")):
         check_file(reader, step, wants[step], kind)
+
+
+def test_a_delta_that_cannot_be_encoded_fails_in_save_not_later(tmp_path):
+    from tw_triton.errors import ReferenceMismatchError
+
+    ckpt = Checkpointer(tmp_path, keyframe_every=10, fsync=False)
+    ckpt.save(0, model=torch.nn.Linear(256, 256))
+    ckpt.flush()
+    held = ckpt.pool_bytes
+    assert held >= 256 * 256 * 4
+    with pytest.raises(ReferenceMismatchError, match=r"'model/weight' has shape \(128, 512\).*step 0 has shape \(256, 256\)"):
+        ckpt.save(1, model=torch.nn.Linear(512, 128))
+    assert ckpt.pool_bytes == held  # checked before the copy: nothing taken, nothing leaked
+    ckpt.save(2, model=torch.nn.Linear(256, 256))
+    ckpt.close()
+    assert [i.kind for i in Checkpointer(tmp_path).infos()] == ["keyframe", "delta"]

@@ -375,7 +375,10 @@ class Checkpointer:
             if not keyframe and self._writer is not None and _all_on_cpu(tree):
                 # Only the copy blocks the loop; the writer thread encodes the copy.
                 q_id, q_ref_id = uuid.uuid4().hex, reference.checkpoint_id if reference else None
-                resolve_rules(self.rules, tree, bits=self.bits, block=self.block)  # errors here, not later
+                # What the writer thread could fail on, checked here so it reaches the loop now.
+                rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
+                if reference is not None:
+                    _check_reference(tree, rule_list, reference, path)
                 snap_q = quantize_state_dict(tree, rules="exact", checkpoint_id=q_id, allocate=lease)
                 snapshot = dequantize_state_dict(snap_q)  # a tree over snap_q's buffers, no copy
                 del snap_q
@@ -888,6 +891,29 @@ def _decode_read(
 
 def _wants_pinned(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
+
+
+def _check_reference(tree: Any, rule_list: Any, reference: _Reference, path: str) -> None:
+    """Raise now what encoding ``tree`` against ``reference`` would raise on the writer thread.
+
+    Raises:
+        ReferenceMismatchError: a tensor the rules delta-code has no tensor of its shape in
+            the reference (e.g. the model changed shape since the keyframe).
+    """
+    ref_flat, _ = flatten(reference.tree)
+    for entry, x in flatten(tree)[0].items():
+        rule = select_rule(rule_list, entry, x)
+        codec = get_codec(rule.codec)
+        if codec is None or not codec.uses_reference(rule.params):
+            continue
+        r = ref_flat.get(entry)
+        if r is None or tuple(r.shape) != tuple(x.shape):
+            found = "no tensor" if r is None else f"shape {tuple(r.shape)}"
+            raise ReferenceMismatchError(
+                f"cannot save {path!r} as a delta: entry {entry!r} has shape {tuple(x.shape)} but "
+                f"the keyframe of step {reference.step} has {found} there; "
+                "the state changed since the keyframe (the next keyframe starts over)"
+            )
 
 
 def _all_on_cpu(tree: Any) -> bool:

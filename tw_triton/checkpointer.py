@@ -57,8 +57,8 @@ Host memory of snapshots
     finished with them); a keyframe's buffers that serve as the delta reference stay with
     the reference until the next keyframe (and the last save encoded against it). Cost: between saves the process keeps up to
     ``max_pending + 1`` snapshots' worth of host memory (one with ``async_write=False``)
-    that it would otherwise give back to the OS, the largest snapshot so far being the
-    measure (the reference counts in it); ``snapshot_pool_bytes`` sets another cap, ``0``
+    plus the pooled part of the reference, that it would otherwise give back to the OS,
+    the largest snapshot so far being the measure; ``snapshot_pool_bytes`` sets another cap, ``0``
     turns reuse off. Buffers under 64 KiB and device buffers are not pooled (the heap and
     the CUDA caching allocator recycle those already), nor, for now, the codes and scales
     of quantized tensors (their codec allocates them). :attr:`Checkpointer.pool_bytes`
@@ -262,7 +262,8 @@ class Checkpointer:
         fsync: fsync files and the directory (leave on outside of tests).
         snapshot_pool_bytes: cap on the host memory kept to reuse for CPU snapshots
             (see "Host memory of snapshots" in the module docs); ``None``: ``max_pending
-            + 1`` times the largest snapshot so far (1 time with ``async_write=False``);
+            + 1`` times the largest snapshot so far (1 time with ``async_write=False``),
+            plus the reference;
             ``0``: no reuse, every snapshot in fresh memory.
     """
 
@@ -684,8 +685,11 @@ class Checkpointer:
         if self._pool is None:
             return None
         if self._pool_auto and self._largest_snapshot:
-            # One snapshot per save that can be in flight, plus the one being taken.
-            self._pool.cap_bytes = self._pool_saves * self._largest_snapshot
+            # One snapshot per save that can be in flight, plus the one being taken, plus
+            # the reference (a delta copies the whole state while the reference is held).
+            ref = self._reference
+            kept = ref.lease.nbytes if ref is not None and ref.lease is not None else 0
+            self._pool.cap_bytes = self._pool_saves * self._largest_snapshot + kept
         return self._pool.lease()
 
     def _retire_reference(self) -> None:

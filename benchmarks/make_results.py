@@ -380,7 +380,9 @@ def speed_section(speed: dict[str, Any]) -> str:
         f"{speed['repeats']} rounds; {speed['threads']} torch thread(s). Every save is durable "
         "(fsync) before its total time stops. tw_triton saves go through `Checkpointer` with the "
         "async writer; the delta rows are the save after a keyframe (weights moved slightly in "
-        "between). Loads read every tensor once, from a warm page cache; tw delta loads read the "
+        "between). Each measured save is the first of its kind in a fresh process, so buffers the "
+        "Checkpointer reuses across saves are not warm yet (`benchmarks/save_stall.py` measures "
+        "the steady state of a training loop). Loads read every tensor once, from a warm page cache; tw delta loads read the "
         "keyframe file too. DCP runs single-process with `no_dist=True` (no process group).",
         "",
         "Command: `python benchmarks/speed_compare.py`",

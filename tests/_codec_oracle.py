@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 # Every fp32 value is a multiple of 2**-149, a product q * scale too, and the bound terms
-# scale * 2**(bits - 26) and half an ulp are multiples of 2**-175 at the finest.
+# scale / 2 and half an ulp are multiples of 2**-150; 2**-175 leaves room to spare.
 EXACT_SHIFT = 175
 
 
@@ -132,7 +132,11 @@ def exact(a: np.ndarray) -> np.ndarray:
 
 def half_ulp_exact(a32: np.ndarray) -> np.ndarray:
     """Exact half spacing above |a| for fp32 values: bounds the error of a rounding to a."""
-    return exact(np.abs(np.spacing(np.abs(a32.astype(np.float32))))) // 2
+    with np.errstate(over="ignore"):
+        gap = np.abs(np.spacing(np.abs(a32.astype(np.float32))))
+    # Above the fp32 maximum the next value would be 2**128: the spacing there is 2**104.
+    gap = np.where(np.isfinite(gap), gap, np.float32(2.0**104)).astype(np.float32)
+    return exact(gap) // 2
 
 
 def scale_of(absmax32: np.ndarray, bits: int) -> np.ndarray:

@@ -183,6 +183,8 @@ _FP32_MAX = torch.finfo(torch.float32).max
 _SCALE_HI_MASK = -4096
 # Half-integer quotients are looked for in groups of this many elements (divides any block).
 _TIE_GROUP = 32
+# Above one group in this many holding a half-integer quotient, ties are settled in place.
+_DENSE_TIES = 8
 
 
 def nearest_integer_at_ties(v: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -203,9 +205,9 @@ def nearest_integer_at_ties(v: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -
     * ``w*s_lo`` is exact: at most 20 bits, a multiple of ``2**-149``. (``v*s_lo`` may not be:
       for ``s < 2**-125`` it can be an odd multiple of ``2**-150``.)
 
-    So ``d - v*s = r1 - v*s_lo`` has the sign of ``2*r1 - w*s_lo``, computed exactly. Where
-    ``|v| > 2**11`` none of this holds, but those elements are clamped to ``+-qmax``
-    whichever integer is chosen, so the torch path and the kernel still agree bit for bit.
+    So ``d - v*s = r1 - v*s_lo`` has the sign of ``2*r1 - w*s_lo``, computed exactly. (A
+    half-integer ``|v| > qmax``, possible only with a subnormal scale, is clamped to
+    ``+-qmax`` whichever neighbour is chosen.)
 
     Args:
         v: fp32 half-integers ``fl(d / s)``.
@@ -223,27 +225,64 @@ def nearest_integer_at_ties(v: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -
     return torch.where(r2 > p2, v + 0.5, torch.where(r2 < p2, v - 0.5, torch.round(v)))
 
 
-def _settle_ties(r: torch.Tensor, t: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, block: int) -> None:
+def _settle_ties(
+    r: torch.Tensor,
+    t: torch.Tensor,
+    d: torch.Tensor,
+    sc: torch.Tensor,
+    block: int,
+    scratch: list[torch.Tensor] | None,
+) -> None:
     """Replace ``r = rne(v)`` by :func:`nearest_integer_at_ties` where ``v`` (in ``t``, which
-    this overwrites) is a half-integer. ``d`` is the chunk's deltas, ``sc`` its scales.
+    this overwrites) is a half-integer. ``d`` is the chunk's deltas, ``sc`` its scales;
+    ``scratch`` holds a chunk-sized fp32 buffer, allocated here the first time it is needed,
+    or is ``None`` where ``v`` was not the plain ``fl(d/s)`` (zero, infinite or subnormal
+    scales: masked and clamped quotients), which rules out the in-place way.
 
     ``|v - rne(v)|`` is exact (``|v| <= qmax`` here) and is 1/2 exactly at half-integers.
-    They are a few per million elements of fp32 data but about 0.3% of bf16 data, so they
-    are located in two steps, groups of ``_TIE_GROUP`` elements first, without a full-size
-    boolean pass (slow in torch), and only they are recomputed.
+    They are found per group of ``_TIE_GROUP`` elements first, without a full-size boolean
+    pass (slow in torch). Few groups (a few ties per million in fp32 data): only the ties are
+    gathered and recomputed. Many (bf16 deltas can put 20% of the quotients on
+    half-integers): the chunk is settled in place, branch-free like the kernel.
     """
     e = t.sub_(r).abs_()
     group_max = torch.amax(e.view(-1, _TIE_GROUP), dim=1)
     groups = (group_max == 0.5).nonzero().squeeze(1)
     if groups.numel() == 0:
         return
-    cols = torch.arange(_TIE_GROUP, device=e.device)
-    candidates = (groups.unsqueeze(1) * _TIE_GROUP + cols).reshape(-1)
-    ties = candidates[e[candidates] == 0.5]
-    d_t = d[ties]
-    s_t = sc[torch.div(ties, block, rounding_mode="floor")]
-    # The same correctly rounded quotient as the chunk's: these elements were not clamped.
-    r[ties] = nearest_integer_at_ties(d_t / s_t, d_t, s_t)
+    if scratch is None or groups.numel() * _DENSE_TIES < group_max.numel():
+        cols = torch.arange(_TIE_GROUP, device=e.device)
+        candidates = (groups.unsqueeze(1) * _TIE_GROUP + cols).reshape(-1)
+        ties = candidates[e[candidates] == 0.5]
+        d_t = d[ties]
+        s_t = sc[torch.div(ties, block, rounding_mode="floor")]
+        # The same correctly rounded quotient as the chunk's: these elements were not clamped.
+        r[ties] = nearest_integer_at_ties(d_t / s_t, d_t, s_t)
+        return
+    if not scratch:
+        scratch.append(torch.empty(r.numel(), dtype=torch.float32, device=r.device))
+    nb = sc.numel()
+    s = sc.unsqueeze(1)
+    s_hi = (s.view(torch.int32) & _SCALE_HI_MASK).view(torch.float32)
+    s_lo = s - s_hi
+    v = torch.div(d.view(nb, block), s, out=t.view(nb, block))  # the chunk's quotient again
+    # D = d - v*s_hi - v*s_lo; both products are exact at half-integers (see
+    # nearest_integer_at_ties), so a fused multiply-add in addcmul would give the same bits.
+    # Elsewhere D is not used. Below 2**-125, v*s_lo may round: compare 2D instead.
+    dd = scratch[0][: r.numel()].view(nb, block)
+    if float(sc.min()) < 2.0**-125:  # normal here: only [2**-126, 2**-125)
+        torch.addcmul(d.view(nb, block), v, s_hi, value=-1.0, out=dd)
+        dd.add_(dd).addcmul_(v, s_lo + s_lo, value=-1.0)
+    else:
+        torch.addcmul(d.view(nb, block), v, s_hi, value=-1.0, out=dd)
+        dd.addcmul_(v, s_lo, value=-1.0)
+    dd.sign_()  # which side of v the exact d/s lies on (0: an exact tie)
+    rr = r.view(nb, block)
+    e = v.sub_(rr)  # v - rne(v), signed
+    # c = sign(D) * e is +1/2 exactly at a half-integer whose exact quotient lies beyond it,
+    # away from rne(v), and below 1/2 everywhere else: floor(2c) is 1 there only.
+    dd.mul_(e).mul_(2.0).floor_().clamp_min_(0.0)
+    rr.addcmul_(dd, e, value=2.0)  # r + 2e = v + sign(e)/2: the integer on d/s's side
 
 
 def _chunk_elements(block: int) -> int:
@@ -319,6 +358,7 @@ def quantize_blockwise_torch(
     size = min(chunk, num_blocks(n, block) * block)
     d_buf: torch.Tensor | None = None
     r_buf: torch.Tensor | None = None
+    scratch: list[torch.Tensor] = []
     t_buf = torch.empty(size, dtype=torch.float32, device=dev)
     pack_bufs = [
         torch.empty(size >> j, dtype=torch.float32, device=dev) for j in range(1, k.bit_length())
@@ -391,7 +431,9 @@ def quantize_blockwise_torch(
                     r_buf = torch.empty(size, dtype=torch.float32, device=dev)
                 r = r_buf[:padded]
             torch.round(t, out=r)
-            _settle_ties(r, t, d, sc, block)
+            # In place needs the plain quotient: every scale normal and finite.
+            dense_ok = lo >= _FP32_SMALLEST_NORMAL and hi < math.inf
+            _settle_ties(r, t, d, sc, block, scratch if dense_ok else None)
         packed = r
         if k == 1:
             r.add_(magic)  # r is integral: this adds the offset, and the low byte is the code

@@ -231,26 +231,32 @@ def _settle_ties(
     d: torch.Tensor,
     sc: torch.Tensor,
     block: int,
-    scratch: list[torch.Tensor] | None,
+    state: dict | None,
 ) -> None:
     """Replace ``r = rne(v)`` by :func:`nearest_integer_at_ties` where ``v`` (in ``t``, which
-    this overwrites) is a half-integer. ``d`` is the chunk's deltas, ``sc`` its scales;
-    ``scratch`` holds a chunk-sized fp32 buffer, allocated here the first time it is needed,
-    or is ``None`` where ``v`` was not the plain ``fl(d/s)`` (zero, infinite or subnormal
-    scales: masked and clamped quotients), which rules out the in-place way.
+    this overwrites) is a half-integer. ``d`` is the chunk's deltas, ``sc`` its scales.
+
+    ``state`` carries, from chunk to chunk of one tensor, a chunk-sized scratch buffer and
+    whether ties were dense; it is ``None`` where ``v`` is not the plain ``fl(d/s)`` (zero,
+    infinite or subnormal scales: masked and clamped quotients), which rules out the
+    in-place way.
 
     ``|v - rne(v)|`` is exact (``|v| <= qmax`` here) and is 1/2 exactly at half-integers.
     They are found per group of ``_TIE_GROUP`` elements first, without a full-size boolean
     pass (slow in torch). Few groups (a few ties per million in fp32 data): only the ties are
     gathered and recomputed. Many (bf16 deltas can put 20% of the quotients on
-    half-integers): the chunk is settled in place, branch-free like the kernel.
+    half-integers): the chunk is settled in place, branch-free like the kernel, and so are
+    the tensor's next chunks, without looking for ties first. Either way gives the same bits.
     """
-    e = t.sub_(r).abs_()
+    if state is not None and state["dense"]:
+        _settle_ties_in_place(r, t, d, sc, block, state)
+        return
+    e = torch.sub(t, r, out=t).abs_()
     group_max = torch.amax(e.view(-1, _TIE_GROUP), dim=1)
     groups = (group_max == 0.5).nonzero().squeeze(1)
     if groups.numel() == 0:
         return
-    if scratch is None or groups.numel() * _DENSE_TIES < group_max.numel():
+    if state is None or groups.numel() * _DENSE_TIES < group_max.numel():
         cols = torch.arange(_TIE_GROUP, device=e.device)
         candidates = (groups.unsqueeze(1) * _TIE_GROUP + cols).reshape(-1)
         ties = candidates[e[candidates] == 0.5]
@@ -259,22 +265,31 @@ def _settle_ties(
         # The same correctly rounded quotient as the chunk's: these elements were not clamped.
         r[ties] = nearest_integer_at_ties(d_t / s_t, d_t, s_t)
         return
-    if not scratch:
-        scratch.append(torch.empty(r.numel(), dtype=torch.float32, device=r.device))
+    state["dense"] = True
+    torch.div(d.view(sc.numel(), block), sc.unsqueeze(1), out=t.view(sc.numel(), block))
+    _settle_ties_in_place(r, t, d, sc, block, state)
+
+
+def _settle_ties_in_place(
+    r: torch.Tensor, v: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, block: int, state: dict
+) -> None:
+    """:func:`_settle_ties` for a whole chunk at once, ``v = fl(d/s)`` intact in ``v`` (which
+    this overwrites); every scale normal and finite."""
+    if state["scratch"] is None:
+        state["scratch"] = torch.empty(r.numel(), dtype=torch.float32, device=r.device)
     nb = sc.numel()
     s = sc.unsqueeze(1)
     s_hi = (s.view(torch.int32) & _SCALE_HI_MASK).view(torch.float32)
     s_lo = s - s_hi
-    v = torch.div(d.view(nb, block), s, out=t.view(nb, block))  # the chunk's quotient again
-    # D = d - v*s_hi - v*s_lo; both products are exact at half-integers (see
-    # nearest_integer_at_ties), so a fused multiply-add in addcmul would give the same bits.
-    # Elsewhere D is not used. Below 2**-125, v*s_lo may round: compare 2D instead.
-    dd = scratch[0][: r.numel()].view(nb, block)
+    v = v.view(nb, block)
+    dd = state["scratch"][: r.numel()].view(nb, block)
+    # D = d - v*s_hi - v*s_lo, exact at half-integers (see nearest_integer_at_ties), so a
+    # multiply-add that addcmul may fuse gives the same bits there; elsewhere only |c| < 1/2
+    # below matters. Below 2**-125 v*s_lo may round: 2D is computed instead.
+    torch.addcmul(d.view(nb, block), v, s_hi, value=-1.0, out=dd)
     if float(sc.min()) < 2.0**-125:  # normal here: only [2**-126, 2**-125)
-        torch.addcmul(d.view(nb, block), v, s_hi, value=-1.0, out=dd)
         dd.add_(dd).addcmul_(v, s_lo + s_lo, value=-1.0)
     else:
-        torch.addcmul(d.view(nb, block), v, s_hi, value=-1.0, out=dd)
         dd.addcmul_(v, s_lo, value=-1.0)
     dd.sign_()  # which side of v the exact d/s lies on (0: an exact tie)
     rr = r.view(nb, block)
@@ -358,7 +373,7 @@ def quantize_blockwise_torch(
     size = min(chunk, num_blocks(n, block) * block)
     d_buf: torch.Tensor | None = None
     r_buf: torch.Tensor | None = None
-    scratch: list[torch.Tensor] = []
+    ties_state: dict = {"scratch": None, "dense": False}
     t_buf = torch.empty(size, dtype=torch.float32, device=dev)
     pack_bufs = [
         torch.empty(size >> j, dtype=torch.float32, device=dev) for j in range(1, k.bit_length())
@@ -433,7 +448,7 @@ def quantize_blockwise_torch(
             torch.round(t, out=r)
             # In place needs the plain quotient: every scale normal and finite.
             dense_ok = lo >= _FP32_SMALLEST_NORMAL and hi < math.inf
-            _settle_ties(r, t, d, sc, block, scratch if dense_ok else None)
+            _settle_ties(r, t, d, sc, block, ties_state if dense_ok else None)
         packed = r
         if k == 1:
             r.add_(magic)  # r is integral: this adds the offset, and the low byte is the code

@@ -28,17 +28,14 @@ Why the arithmetic looks the way it does: the decode must equal
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
-# Elements per program and warps: the same tile as the encoder (16 elements per thread).
-TILE_ELEMENTS = 4096
-NUM_WARPS = 8
+# NUM_WARPS, TILE_ELEMENTS and rows_per_program are re-exported for the PTX tests.
+from ._tiles import NUM_WARPS, TILE_ELEMENTS, launch_row_tiles, rows_per_program  # noqa: F401
 
 # Largest finite fp32, fp16 and bf16 values: the decode saturates to the output dtype's.
 _FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
@@ -162,10 +159,6 @@ def dequantize_blockwise_kernel(
         tl.store(out_ptr + offs, y)
 
 
-def rows_per_program(block: int) -> int:
-    """Blocks (rows) handled by one program for a given block size."""
-    return max(1, TILE_ELEMENTS // block)
-
 
 def launch_dequantize(
     codes: torch.Tensor,
@@ -182,32 +175,17 @@ def launch_dequantize(
     The output buffer is given by the caller. With ``row0 == 0`` this covers the whole
     tensor; a nonzero ``row0`` is for tests of the int64 offset arithmetic.
     """
-    rows = rows_per_program(block)
-    tile = rows * block
-    full_tiles = max(0, n - row0 * block) // tile
     ref = reference if reference is not None else out
-    common = dict(
+    launch_row_tiles(
+        dequantize_blockwise_kernel,
+        (codes, scales, ref, out),
+        n,
+        row0,
+        block,
+        out.device,
         HAS_REF=reference is not None,
         BITS=bits,
-        BLOCK=block,
-        ROWS=rows,
-        num_warps=NUM_WARPS,
-        enable_fp_fusion=False,
     )
-    # Triton launches on the current device: make it the tensors' device.
-    on_device = (
-        torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext()
-    )
-    with on_device:
-        if full_tiles:
-            dequantize_blockwise_kernel[(full_tiles,)](
-                codes, scales, ref, out, n, row0, MASKED=False, **common
-            )
-        tail_row0 = row0 + full_tiles * rows
-        if tail_row0 * block < n:
-            dequantize_blockwise_kernel[(1,)](
-                codes, scales, ref, out, n, tail_row0, MASKED=True, **common
-            )
 
 
 def dequantize_blockwise(

@@ -35,18 +35,15 @@ must give the same bytes, so every fp32 operation has to be correctly rounded.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
-# Elements per program: large enough to amortize the program's scalar work, small enough to
-# keep the tile in registers (16 elements per thread with 8 warps).
-TILE_ELEMENTS = 4096
-NUM_WARPS = 8
+# NUM_WARPS, TILE_ELEMENTS and rows_per_program are re-exported for the PTX tests.
+from ._tiles import NUM_WARPS, TILE_ELEMENTS, launch_row_tiles, rows_per_program  # noqa: F401
+
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude < 2**22 to an integer,
 # ties to even, in the current (round-to-nearest-even) mode.
@@ -165,11 +162,6 @@ def quantize_blockwise_kernel(
         tl.store(scales_ptr + rows, scale)
 
 
-def rows_per_program(block: int) -> int:
-    """Blocks (rows) handled by one program for a given block size."""
-    return max(1, TILE_ELEMENTS // block)
-
-
 def launch_quantize(
     x: torch.Tensor,
     reference: torch.Tensor | None,
@@ -185,32 +177,17 @@ def launch_quantize(
     The output buffers are given by the caller. With ``row0 == 0`` this covers the whole
     tensor; a nonzero ``row0`` is for tests of the int64 offset arithmetic.
     """
-    rows = rows_per_program(block)
-    tile = rows * block
-    full_tiles = max(0, n - row0 * block) // tile
     ref = reference if reference is not None else x
-    common = dict(
+    launch_row_tiles(
+        quantize_blockwise_kernel,
+        (x, ref, codes, scales),
+        n,
+        row0,
+        block,
+        x.device,
         HAS_REF=reference is not None,
         BITS=bits,
-        BLOCK=block,
-        ROWS=rows,
-        num_warps=NUM_WARPS,
-        enable_fp_fusion=False,
     )
-    # Triton launches on the current device: make it the tensors' device.
-    on_device = (
-        torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-    )
-    with on_device:
-        if full_tiles:
-            quantize_blockwise_kernel[(full_tiles,)](
-                x, ref, codes, scales, n, row0, MASKED=False, **common
-            )
-        tail_row0 = row0 + full_tiles * rows
-        if tail_row0 * block < n:
-            quantize_blockwise_kernel[(1,)](
-                x, ref, codes, scales, n, tail_row0, MASKED=True, **common
-            )
 
 
 def quantize_blockwise(

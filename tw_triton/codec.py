@@ -11,10 +11,12 @@ Encoding of one block of ``B`` elements (flattened, row-major order):
 * ``absmax = max |d|``, or ``+inf`` when any ``d`` in the block is NaN or infinite;
 * ``scale = absmax / qmax`` in fp32 (correctly rounded), ``qmax = 2**(bits-1) - 1``;
 * ``q = clamp(nearest(d / scale), -qmax, qmax)``, or ``0`` where ``scale`` is 0 or infinite,
-  with ``nearest`` the integer nearest to the *exact* quotient, ties to even. It is
-  ``rne(fl(d / scale))`` except where the rounded quotient is a half-integer, and there
-  the side of the exact quotient is settled with a few exact fp32 operations
-  (:func:`nearest_integer_at_ties`). Hence ``|d - q*scale| <= scale/2`` for every normal
+  with ``nearest`` the integer nearest to the *exact* quotient, ties to even. The kernel
+  computes it as ``rne(fl32(d / scale))`` except where that rounded quotient is a
+  half-integer, and settles the side of the exact quotient there with a few exact fp32
+  operations (:func:`nearest_integer_at_ties`); the torch path, at 8 and 4 bits, as
+  ``rne(fl64(d / scale))``, the same integer (proof at :func:`_encode_chunk_fp64`), and at
+  2 bits as ``rne(fl32(d / scale))``, which cannot land on a false tie there. Hence ``|d - q*scale| <= scale/2`` for every normal
   scale, and ``<= max(scale/2, absmax - qmax*scale)`` (``< qmax * 2**-150`` past
   ``scale/2``) for a subnormal one;
 * the stored code is ``u = q + 2**(bits-1)`` (so 0 is never used), packed LSB-first,
@@ -45,7 +47,7 @@ MAX_BLOCK = 4096
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # The torch path works on this many elements at a time, so that encoding a large tensor
-# needs temporaries of about three fp32 chunks only (12 MiB). Measured on a 2-core VM
+# needs temporaries of about four fp32 chunks only (16 MiB, the fp64 quotients are two). Measured on a 2-core VM
 # (benchmarks/codec.py): 2**16 loses to per-op overhead (~15 torch ops per chunk), 2**20
 # is fastest; the passes then run from L2/L3 rather than L1.
 CHUNK_ELEMENTS = 1 << 20
@@ -175,21 +177,18 @@ def _check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
 # the low byte of the sum's bit pattern is then the stored code: no float->uint8 conversion
 # (slow in torch) and no separate round pass.
 _RNE_MAGIC = 12582912.0
+# The same in fp64: 1.5 * 2**52 rounds |v| < 2**51 to an integer, ties to even.
+_RNE_MAGIC64 = 6755399441055744.0
 # A normal fp32 scale s = fl(absmax / qmax) is within a factor (1 + 2**-24) of the exact
 # quotient, so |d / s| rounds to at most qmax: the clamp can only bind when s is subnormal.
 _FP32_SMALLEST_NORMAL = 2.0**-126
 _FP32_MAX = torch.finfo(torch.float32).max
 # 0xFFFFF000 as an int32: keeps the sign, the exponent and the top 11 stored mantissa bits.
 _SCALE_HI_MASK = -4096
-# Half-integer quotients are looked for in groups of this many elements (divides any block).
-_TIE_GROUP = 32
-# Above one group in this many holding a half-integer quotient, ties are settled in place.
-_DENSE_TIES = 8
-
-
 def nearest_integer_at_ties(v: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """The integer nearest to the exact quotient ``d / s`` where ``v = fl(d / s)`` is a
-    half-integer, ties to even: the encoder's rounding rule, in fp32 ops only.
+    half-integer, ties to even: the encoder's rounding rule, in fp32 ops only. This is
+    the kernel's method (GPUs divide fp64 slowly); the torch path divides in fp64 instead.
 
     ``rne(v)`` is that integer everywhere except where the one rounding of the division
     lands exactly on a half-integer ``v`` that ``d / s`` is not on; ``d / s`` is then above
@@ -225,79 +224,66 @@ def nearest_integer_at_ties(v: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -
     return torch.where(r2 > p2, v + 0.5, torch.where(r2 < p2, v - 0.5, torch.round(v)))
 
 
-def _settle_ties(
-    r: torch.Tensor,
-    t: torch.Tensor,
+def _encode_chunk_fp64(
     d: torch.Tensor,
     sc: torch.Tensor,
-    block: int,
-    state: dict | None,
-) -> None:
-    """Replace ``r = rne(v)`` by :func:`nearest_integer_at_ties` where ``v`` (in ``t``, which
-    this overwrites) is a half-integer. ``d`` is the chunk's deltas, ``sc`` its scales.
+    wide: torch.Tensor,
+    spare: torch.Tensor,
+    all_normal: bool,
+    any_inf: bool,
+    qmax: float,
+    bits: int,
+    magic: float,
+) -> torch.Tensor:
+    """Codes of one chunk from the fp64 quotient ``rne(fl64(d / s))``: the encoder's rule.
 
-    ``state`` carries, from chunk to chunk of one tensor, a chunk-sized scratch buffer and
-    whether ties were dense; it is ``None`` where ``v`` is not the plain ``fl(d/s)`` (zero,
-    infinite or subnormal scales: masked and clamped quotients), which rules out the
-    in-place way.
+    ``d`` (fp32, whole blocks) and ``s`` are exact in fp64, so ``fl64(d / s)`` is ``d / s``
+    rounded once to 53 bits, within ``|d/s| * 2**-53`` of it. That never moves it onto or
+    across a half-integer ``h`` that ``d/s`` is not on: with ``d = a * 2**e`` and
+    ``s = b * 2**f`` (``a``, ``b`` integers below ``2**24``; subnormals included),
+    ``d/s - h = (2d - w*s) / (2s)`` (``w = 2h`` odd) is a nonzero multiple of
+    ``2**min(e+1, f) / (2s)``. That is at least ``|d/s| * 2**-24`` when ``e+1 <= f`` (as
+    ``|d| < 2**(e+24)``), and at least ``1 / (2b) > 2**-25`` otherwise: past ``|d/s| * 2**-33``
+    for any ``|d/s|`` that reaches a half-integer (>= 1/2) and stays below ``2**8`` (``|d/s|
+    <= 1.5 * qmax`` even for a subnormal scale, whose rounding error is at most ``2**-150``
+    while ``s >= 2**-149``). An exact half-integer quotient is computed exactly, and rounding
+    it ties to even is the rule. The clamp to ``+-qmax`` commutes with rounding (``qmax`` is
+    an integer), and ``0`` where the scale is 0 or infinite is set as in the fp32 path.
 
-    ``|v - rne(v)|`` is exact (``|v| <= qmax`` here) and is 1/2 exactly at half-integers.
-    They are found per group of ``_TIE_GROUP`` elements first, without a full-size boolean
-    pass (slow in torch). Few groups (a few ties per million in fp32 data): only the ties are
-    gathered and recomputed. Many (bf16 deltas can put 20% of the quotients on
-    half-integers): the chunk is settled in place, branch-free like the kernel, and so are
-    the tensor's next chunks, without looking for ties first. Either way gives the same bits.
+    Args:
+        d: fp32 deltas of the chunk, ``nb * block`` elements.
+        sc: the chunk's ``nb`` fp32 scales.
+        wide: fp64 scratch, at least ``d.numel()`` elements.
+        spare: fp32 scratch of ``d.numel()`` elements (the pack level for 4 bits).
+        all_normal: every scale normal and finite (no mask, no clamp needed).
+        any_inf: some scale is infinite.
+        qmax, bits, magic: the code's parameters; ``magic`` is ``1.5 * 2**52`` plus the
+            packed code offsets.
+
+    Returns:
+        fp64 values whose bit patterns hold the packed codes in their low byte.
     """
-    if state is not None and state["dense"]:
-        _settle_ties_in_place(r, t, d, sc, block, state)
-        return
-    e = torch.sub(t, r, out=t).abs_()
-    group_max = torch.amax(e.view(-1, _TIE_GROUP), dim=1)
-    groups = (group_max == 0.5).nonzero().squeeze(1)
-    if groups.numel() == 0:
-        return
-    if state is None or groups.numel() * _DENSE_TIES < group_max.numel():
-        cols = torch.arange(_TIE_GROUP, device=e.device)
-        candidates = (groups.unsqueeze(1) * _TIE_GROUP + cols).reshape(-1)
-        ties = candidates[e[candidates] == 0.5]
-        d_t = d[ties]
-        s_t = sc[torch.div(ties, block, rounding_mode="floor")]
-        # The same correctly rounded quotient as the chunk's: these elements were not clamped.
-        r[ties] = nearest_integer_at_ties(d_t / s_t, d_t, s_t)
-        return
-    state["dense"] = True
-    torch.div(d.view(sc.numel(), block), sc.unsqueeze(1), out=t.view(sc.numel(), block))
-    _settle_ties_in_place(r, t, d, sc, block, state)
-
-
-def _settle_ties_in_place(
-    r: torch.Tensor, v: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, block: int, state: dict
-) -> None:
-    """:func:`_settle_ties` for a whole chunk at once, ``v = fl(d/s)`` intact in ``v`` (which
-    this overwrites); every scale normal and finite."""
-    if state["scratch"] is None:
-        state["scratch"] = torch.empty(r.numel(), dtype=torch.float32, device=r.device)
     nb = sc.numel()
-    s = sc.unsqueeze(1)
-    s_hi = (s.view(torch.int32) & _SCALE_HI_MASK).view(torch.float32)
-    s_lo = s - s_hi
-    v = v.view(nb, block)
-    dd = state["scratch"][: r.numel()].view(nb, block)
-    # D = d - v*s_hi - v*s_lo, exact at half-integers (see nearest_integer_at_ties), so a
-    # multiply-add that addcmul may fuse gives the same bits there; elsewhere only |c| < 1/2
-    # below matters. Below 2**-125 v*s_lo may round: 2D is computed instead.
-    torch.addcmul(d.view(nb, block), v, s_hi, value=-1.0, out=dd)
-    if float(sc.min()) < 2.0**-125:  # normal here: only [2**-126, 2**-125)
-        dd.add_(dd).addcmul_(v, s_lo + s_lo, value=-1.0)
+    q = wide[: d.numel()]
+    rows = q.view(nb, -1)
+    q.copy_(d)  # exact widening
+    if all_normal:
+        rows.div_(sc.double().unsqueeze(1))
     else:
-        dd.addcmul_(v, s_lo, value=-1.0)
-    dd.sign_()  # which side of v the exact d/s lies on (0: an exact tie)
-    rr = r.view(nb, block)
-    e = v.sub_(rr)  # v - rne(v), signed
-    # c = sign(D) * e is +1/2 exactly at a half-integer whose exact quotient lies beyond it,
-    # away from rne(v), and below 1/2 everywhere else: floor(2c) is 1 there only.
-    dd.mul_(e).mul_(2.0).floor_().clamp_min_(0.0)
-    rr.addcmul_(dd, e, value=2.0)  # r + 2e = v + sign(e)/2: the integer on d/s's side
+        # A finite d divided by +inf is +-0: q = 0 where the scale is 0 or infinite.
+        rows.div_(sc.masked_fill(sc == 0.0, math.inf).double().unsqueeze(1))
+        if any_inf:
+            rows.masked_fill_((sc == math.inf).unsqueeze(1), 0.0)
+        q.clamp_(-qmax, qmax)
+    if bits == 8:
+        # One add rounds ties to even (1.5 * 2**52 is even) and offsets: the low byte is the code.
+        return q.add_(magic)
+    # 4 bits: round, join pairs (exact: small integers) into the spare fp32 buffer's memory.
+    q.round_()
+    pairs = q.view(-1, 2)
+    packed = spare.view(torch.float64)[: pairs.shape[0]]
+    torch.add(pairs[:, 0], pairs[:, 1], alpha=1 << bits, out=packed)
+    return packed.add_(magic)
 
 
 def _chunk_elements(block: int) -> int:
@@ -363,7 +349,8 @@ def quantize_blockwise_torch(
     k = 8 // bits
     # A packed byte is sum_j (q_j + offset) << (j * bits); the offsets' share is a constant.
     code_bias = sum((1 << (bits - 1)) << (j * bits) for j in range(k))
-    magic = _RNE_MAGIC + code_bias
+    # 8 and 4 bits round the fp64 quotient (_encode_chunk_fp64); 2 bits the fp32 one.
+    magic = (_RNE_MAGIC if bits == 2 else _RNE_MAGIC64) + code_bias
     # Contiguous tensors are sliced as flat views; strided ones go through _copy_flat_range.
     flat = x.view(-1) if x.is_contiguous() else None
     ref = reference
@@ -372,12 +359,12 @@ def quantize_blockwise_torch(
     chunk = _chunk_elements(block)
     size = min(chunk, num_blocks(n, block) * block)
     d_buf: torch.Tensor | None = None
-    r_buf: torch.Tensor | None = None
-    ties_state: dict = {"scratch": None, "dense": False}
     t_buf = torch.empty(size, dtype=torch.float32, device=dev)
-    pack_bufs = [
-        torch.empty(size >> j, dtype=torch.float32, device=dev) for j in range(1, k.bit_length())
-    ]
+    if bits == 2:
+        # The two levels of joining codes: 4 bytes a byte, in fp32 (exact small integers).
+        pack_bufs = [torch.empty(size >> j, dtype=torch.float32, device=dev) for j in (1, 2)]
+    else:
+        wide = torch.empty(size, dtype=torch.float64, device=dev)  # the fp64 quotients
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         nb = num_blocks(m, block)
@@ -421,6 +408,16 @@ def quantize_blockwise_torch(
         sc.nan_to_num_(nan=math.inf, posinf=math.inf)
         lo_t, hi_t = torch.aminmax(sc)
         lo, hi = lo_t.item(), hi_t.item()
+        byte0 = start * bits // 8
+        nbytes = packed_nbytes(m, bits)
+        if bits != 2:
+            all_normal = lo >= _FP32_SMALLEST_NORMAL and hi < math.inf
+            packed64 = _encode_chunk_fp64(
+                d, sc, wide, t, all_normal, hi == math.inf, qmax, bits, magic
+            )
+            # int64 -> uint8 keeps the low byte: the code.
+            codes[byte0 : byte0 + nbytes].copy_(packed64[:nbytes].view(torch.int64))
+            continue
         if lo > 0.0 and hi < math.inf:
             torch.div(rows, sc.unsqueeze(1), out=trows)
         else:
@@ -432,36 +429,17 @@ def quantize_blockwise_torch(
                 trows.masked_fill_((sc == math.inf).unsqueeze(1), 0.0)
         if lo < _FP32_SMALLEST_NORMAL:
             t.clamp_(-qmax, qmax)
-        if bits == 2:
-            # qmax = 1, so s = absmax exactly, and then a d/s that is not +-1/2 is more than
-            # 2**-25 away from it: fl(d/s) never lands on a tie that d/s is not on.
-            r = t.round_()
-        else:
-            if in_place:  # d_buf is free: it holds r
-                if d_buf is None:
-                    d_buf = torch.empty(size, dtype=torch.float32, device=dev)
-                r = d_buf[:padded]
-            else:
-                if r_buf is None:
-                    r_buf = torch.empty(size, dtype=torch.float32, device=dev)
-                r = r_buf[:padded]
-            torch.round(t, out=r)
-            # In place needs the plain quotient: every scale normal and finite.
-            dense_ok = lo >= _FP32_SMALLEST_NORMAL and hi < math.inf
-            _settle_ties(r, t, d, sc, block, ties_state if dense_ok else None)
-        packed = r
-        if k == 1:
-            r.add_(magic)  # r is integral: this adds the offset, and the low byte is the code
-        else:
-            for j, buf in enumerate(pack_bufs):
-                pairs = packed.view(-1, 2)
-                nxt = buf[: packed.numel() // 2]
-                # Exact: small integers. Level j joins groups of 2**j codes.
-                torch.add(pairs[:, 0], pairs[:, 1], alpha=1 << (bits << j), out=nxt)
-                packed = nxt
-            packed.add_(magic)
-        nbytes = packed_nbytes(m, bits)
-        byte0 = start * bits // 8
+        # 2 bits: qmax = 1, so s = absmax exactly, and then a d/s that is not +-1/2 is more
+        # than 2**-25 away from it: fl32(d/s) never lands on a tie that d/s is not on, and
+        # one fp32 division rounded half to even is the rule.
+        packed = t.round_()
+        for j, buf in enumerate(pack_bufs):
+            pairs = packed.view(-1, 2)
+            nxt = buf[: packed.numel() // 2]
+            # Exact: small integers. Level j joins groups of 2**j codes.
+            torch.add(pairs[:, 0], pairs[:, 1], alpha=1 << (bits << j), out=nxt)
+            packed = nxt
+        packed.add_(magic)  # integral: this adds the offsets, and the low byte is the code
         # int32 -> uint8 keeps the low byte: the code.
         codes[byte0 : byte0 + nbytes].copy_(packed[:nbytes].view(torch.int32))
     return codes, scales

@@ -179,6 +179,8 @@ def _check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
 _RNE_MAGIC = 12582912.0
 # The same in fp64: 1.5 * 2**52 rounds |v| < 2**51 to an integer, ties to even.
 _RNE_MAGIC64 = 6755399441055744.0
+# Adding 1.5 * 2**22 to a fp64 value |v| < 2**21 rounds it to a multiple of 2**-30.
+_SNAP_MAGIC64 = 6291456.0
 # A normal fp32 scale s = fl(absmax / qmax) is within a factor (1 + 2**-24) of the exact
 # quotient, so |d / s| rounds to at most qmax: the clamp can only bind when s is subnormal.
 _FP32_SMALLEST_NORMAL = 2.0**-126
@@ -235,7 +237,10 @@ def _encode_chunk_fp64(
     bits: int,
     magic: float,
 ) -> torch.Tensor:
-    """Codes of one chunk from the fp64 quotient ``rne(fl64(d / s))``: the encoder's rule.
+    """Codes of one chunk from the fp64 quotient: the encoder's rule, ``nearest(d / s)``.
+
+    At 4 bits this is ``rne(fl64(d / s))``; at 8 bits (where a pass saved shows) it is
+    ``rne(snap(fl64(d * fl64(1/s))))``, ``snap`` rounding to a multiple of ``2**-30``.
 
     ``d`` (fp32, whole blocks) and ``s`` are exact in fp64, so ``fl64(d / s)`` is ``d / s``
     rounded once to 53 bits, within ``|d/s| * 2**-53`` of it. That never moves it onto or
@@ -249,6 +254,13 @@ def _encode_chunk_fp64(
     while ``s >= 2**-149``). An exact half-integer quotient is computed exactly, and rounding
     it ties to even is the rule. The clamp to ``+-qmax`` commutes with rounding (``qmax`` is
     an integer), and ``0`` where the scale is 0 or infinite is set as in the fp32 path.
+
+    The product ``p = fl64(d * fl64(1/s))`` is within ``|d/s| * 2**-51.9 < 2**-43`` of
+    ``d/s`` (``1/s <= 2**149`` is in range). When ``d/s`` is a half-integer, ``p`` snaps
+    to it exactly (within half the grid step, ``2**-31``); when not, ``d/s`` is at least
+    ``2**-26`` from every half-integer (by the bound above when ``|d/s| >= 1/4``, and by
+    ``1/4`` otherwise), so the snapped value, within ``2**-31 + 2**-43`` of ``d/s``, stays
+    strictly on the same side of each, and rounds to the same integer.
 
     Args:
         d: fp32 deltas of the chunk, ``nb * block`` elements.
@@ -267,17 +279,23 @@ def _encode_chunk_fp64(
     q = wide[: d.numel()]
     rows = q.view(nb, -1)
     q.copy_(d)  # exact widening
-    if all_normal:
-        rows.div_(sc.double().unsqueeze(1))
+    # q = 0 where the scale is 0 or infinite: a finite d divided by (or times the inverse
+    # of) +inf is +-0, and the rows of infinite scales are zeroed after.
+    divisor = sc.double() if all_normal else sc.masked_fill(sc == 0.0, math.inf).double()
+    if bits == 8:
+        rows.mul_(divisor.reciprocal_().unsqueeze(1))
     else:
-        # A finite d divided by +inf is +-0: q = 0 where the scale is 0 or infinite.
-        rows.div_(sc.masked_fill(sc == 0.0, math.inf).double().unsqueeze(1))
+        rows.div_(divisor.unsqueeze(1))
+    if not all_normal:
         if any_inf:
             rows.masked_fill_((sc == math.inf).unsqueeze(1), 0.0)
         q.clamp_(-qmax, qmax)
     if bits == 8:
-        # One add rounds ties to even (1.5 * 2**52 is even) and offsets: the low byte is the code.
-        return q.add_(magic)
+        # Snap to multiples of 2**-30, then one add rounds ties to even (magic is even) and
+        # adds the offset: the low byte is the code. See the docstring for why a product
+        # by the rounded inverse, snapped, rounds as the exact quotient does.
+        q.add_(_SNAP_MAGIC64)
+        return q.add_(magic - _SNAP_MAGIC64)
     # 4 bits: round, join pairs (exact: small integers) into the spare fp32 buffer's memory.
     q.round_()
     pairs = q.view(-1, 2)

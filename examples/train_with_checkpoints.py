@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keyframe-every", type=int, default=4)
     p.add_argument("--bits", type=int, default=8)
     p.add_argument("--rules", default=None,
-                   help="rules preset, e.g. int8-moments to quantize AdamW moments in deltas too")
+                   help="rules preset, e.g. int8-exp-avg to quantize AdamW's exp_avg in deltas too")
     p.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
     args = p.parse_args(argv)
     args.d_model, args.layers, args.context, args.batch = 128, 2, 64, 16

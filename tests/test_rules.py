@@ -116,13 +116,14 @@ def test_rules_in_force_are_recorded():
 
 def test_presets():
     state = training_state()
-    assert set(PRESETS) >= {"exact", "int8-delta", "int4-delta", "int8-moments"}
+    assert set(PRESETS) >= {"exact", "int8-delta", "int4-delta", "int8-exp-avg"}
     assert all(e.codec == "exact" for e in quantize_state_dict(state, rules="exact").entries.values())
     c4 = codecs_of(quantize_state_dict(state, rules="int4-delta", bits=8))
     assert c4["model/enc.weight"] == ("blockwise", 4) and c4["optimizer/state/0/exp_avg"] == ("exact", None)
-    cm = codecs_of(quantize_state_dict(state, rules="int8-moments"))
+    cm = codecs_of(quantize_state_dict(state, rules="int8-exp-avg"))
     assert cm["optimizer/state/0/exp_avg"] == ("blockwise", 8)
-    assert cm["optimizer/state/0/exp_avg_sq"] == ("blockwise", 8)
+    # Linear codes for the second moment broke resumed runs (benchmarks/results): exact.
+    assert cm["optimizer/state/0/exp_avg_sq"] == ("exact", None)
     assert cm["optimizer/state/0/step"] == ("exact", None)
     assert cm["model/enc.weight"] == ("blockwise", 8)
     assert codecs_of(quantize_state_dict(state, rules="default")) == codecs_of(quantize_state_dict(state))

@@ -343,16 +343,16 @@ def resume_section(results: dict[str, dict[str, Any]]) -> str:
             + ", and the square root of a negative number is NaN. Quantizing only `exp_avg` "
             "(signed, the range of the gradient itself) is safe in both experiments.",
         ]
-    preset_rows = [r for res in (gpt, minilm) for r in res["rows"] if r["setting"] == 'preset "int8-moments"']
-    if preset_rows and 'preset "int8-moments"' not in safe:
-        lines += [
-            "",
-            "The library's `int8-moments` preset (both moments at int8, as deltas when a "
-            "reference is given, as a Checkpointer delta save does) is among the failures.",
-        ]
+    presets = sorted({r["setting"] for res in (gpt, minilm) for r in res["rows"]
+                      if r["setting"].startswith("preset ")})
+    for name in presets:
+        verdict = "resume-safe in both experiments" if name in safe else "fails at least one experiment"
+        lines += ["", f"The library's {name.removeprefix('preset ')} preset, run as such: {verdict}."]
     recs = [f"`{preset}`" for preset, setting in (("int8-delta", "int8 delta"), ("int4-delta", "int4 delta"))
             if setting in safe]
-    if "int8 delta + exp_avg int8" in safe:
+    if 'preset "int8-exp-avg"' in safe:
+        recs.append("`int8-exp-avg` (`exp_avg` at int8 delta, `exp_avg_sq` exact)")
+    elif "int8 delta + exp_avg int8" in safe:
         recs.append("an optimizer preset that quantizes `exp_avg` only (int8 delta) and keeps "
                     "`exp_avg_sq` exact")
     if recs:

@@ -59,8 +59,8 @@ SETTINGS = (
     Setting("int8 no delta", bits=8, delta=False),
     Setting("int8 delta + exp_avg int8", bits=8, moment_bits=8, moments=("exp_avg",)),
     Setting("int8 delta + moments int8", bits=8, moment_bits=8),
-    # The library's own preset, as a Checkpointer delta save would use it.
-    Setting('preset "int8-moments"', bits=8, moment_bits=8, preset="int8-moments"),
+    # The library's own optimizer preset, as a Checkpointer delta save would use it.
+    Setting('preset "int8-exp-avg"', bits=8, moment_bits=8, moments=("exp_avg",), preset="int8-exp-avg"),
     Setting("int8 delta + moments int8 without delta", bits=8, moment_bits=8, moment_delta=False),
     Setting("int8 no delta + moments int8", bits=8, delta=False, moment_bits=8, moment_delta=False),
 )

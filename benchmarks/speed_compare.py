@@ -19,7 +19,8 @@ Methods: ``torch.save``/``torch.load``; ``safetensors`` ``save_file``/``load_fil
 state flattened, non-tensor leaves in the header metadata); ``torch.distributed.checkpoint``
 ``save`` and ``async_save``, single process (``no_dist=True``: no process group needed);
 tw_triton through its ``Checkpointer`` (async writer): an exact keyframe, an int8 delta save
-(default rules), and an int8 delta save with AdamW's ``exp_avg`` at int8 delta too.
+(default rules), and an int8 delta save with the ``int8-exp-avg`` preset (AdamW's
+``exp_avg`` at int8 delta too, ``exp_avg_sq`` exact).
 
 Run: ``python benchmarks/speed_compare.py`` (about 5 minutes on 2 cores). Writes
 ``benchmarks/results/speed_compare.json``.
@@ -67,11 +68,9 @@ LOAD_FILES = {
     "dcp.load": "dcp.save",
 }
 
-# exp_avg (signed, the gradient's own range) at int8 as a delta; exp_avg_sq stays exact: the
-# resume experiments show that quantizing it linearly wrecks a resumed run.
-EXP_AVG_RULES = [
-    ("optimizer/state/*/exp_avg", {"codec": "blockwise", "bits": 8, "min_numel": 4096}),
-]
+# The library's preset "int8-exp-avg": weights and AdamW's exp_avg at int8 (deltas);
+# exp_avg_sq stays exact (the resume experiments show why).
+EXP_AVG_PRESET = "int8-exp-avg"
 
 
 # ----------------------------------------------------------------------------- memory
@@ -184,7 +183,7 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
     if method.startswith("tw"):
         from tw_triton import Checkpointer
 
-        rules = EXP_AVG_RULES if "exp_avg" in method else None
+        rules = EXP_AVG_PRESET if "exp_avg" in method else None
         ckpt = Checkpointer(out, keyframe_every=1_000_000, keep_last=None, rules=rules)
         if method != "tw keyframe (exact)":
             # The keyframe first (not measured); the measured save is the delta after it.

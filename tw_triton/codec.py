@@ -47,7 +47,8 @@ MAX_BLOCK = 4096
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # The torch path works on this many elements at a time, so that encoding a large tensor
-# needs temporaries of about four fp32 chunks only (16 MiB, the fp64 quotients are two). Measured on a 2-core VM
+# needs temporaries of about three fp32 chunks only (12 MiB; fp64 quotients half a chunk
+# at a time). Measured on a 2-core VM
 # (benchmarks/codec.py): 2**16 loses to per-op overhead (~15 torch ops per chunk), 2**20
 # is fastest; the passes then run from L2/L3 rather than L1.
 CHUNK_ELEMENTS = 1 << 20
@@ -263,8 +264,8 @@ def _encode_chunk_fp64(
     strictly on the same side of each, and rounds to the same integer.
 
     Args:
-        d: fp32 deltas of the chunk, ``nb * block`` elements.
-        sc: the chunk's ``nb`` fp32 scales.
+        d: fp32 deltas of whole blocks, ``nb * block`` elements.
+        sc: their ``nb`` fp32 scales.
         wide: fp64 scratch, at least ``d.numel()`` elements.
         spare: fp32 scratch of ``d.numel()`` elements (the pack level for 4 bits).
         all_normal: every scale normal and finite (no mask, no clamp needed).
@@ -382,7 +383,9 @@ def quantize_blockwise_torch(
         # The two levels of joining codes: 4 bytes a byte, in fp32 (exact small integers).
         pack_bufs = [torch.empty(size >> j, dtype=torch.float32, device=dev) for j in (1, 2)]
     else:
-        wide = torch.empty(size, dtype=torch.float64, device=dev)  # the fp64 quotients
+        # The fp64 quotients, half a chunk at a time: a 4 MiB buffer like the others (an
+        # 8 MiB one measured slower: it was more often handed out as fresh, faulting pages).
+        wide = torch.empty(num_blocks(size, 2 * block) * block, dtype=torch.float64, device=dev)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         nb = num_blocks(m, block)
@@ -430,11 +433,16 @@ def quantize_blockwise_torch(
         nbytes = packed_nbytes(m, bits)
         if bits != 2:
             all_normal = lo >= _FP32_SMALLEST_NORMAL and hi < math.inf
-            packed64 = _encode_chunk_fp64(
-                d, sc, wide, t, all_normal, hi == math.inf, qmax, bits, magic
-            )
-            # int64 -> uint8 keeps the low byte: the code.
-            codes[byte0 : byte0 + nbytes].copy_(packed64[:nbytes].view(torch.int64))
+            for s0 in range(0, min(m, padded), wide.numel()):
+                s1 = min(s0 + wide.numel(), padded)
+                packed64 = _encode_chunk_fp64(
+                    d[s0:s1], sc[s0 // block : s1 // block], wide, t[s0:s1],
+                    all_normal, hi == math.inf, qmax, bits, magic,
+                )
+                b = (start + s0) * bits // 8
+                nb_sub = packed_nbytes(min(s1, m) - s0, bits)
+                # int64 -> uint8 keeps the low byte: the code.
+                codes[b : b + nb_sub].copy_(packed64[:nb_sub].view(torch.int64))
             continue
         if lo > 0.0 and hi < math.inf:
             torch.div(rows, sc.unsqueeze(1), out=trows)

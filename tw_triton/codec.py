@@ -47,8 +47,8 @@ MAX_BLOCK = 4096
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # The torch path works on this many elements at a time, so that encoding a large tensor
-# needs temporaries of about three fp32 chunks only (12 MiB; fp64 quotients half a chunk
-# at a time). Measured on a 2-core VM
+# needs temporaries of about three fp32 chunks only (12 MiB; four at 4 bits, where the
+# fp64 quotients take two). Measured on a 2-core VM
 # (benchmarks/codec.py): 2**16 loses to per-op overhead (~15 torch ops per chunk), 2**20
 # is fastest; the passes then run from L2/L3 rather than L1.
 CHUNK_ELEMENTS = 1 << 20
@@ -383,9 +383,12 @@ def quantize_blockwise_torch(
         # The two levels of joining codes: 4 bytes a byte, in fp32 (exact small integers).
         pack_bufs = [torch.empty(size >> j, dtype=torch.float32, device=dev) for j in (1, 2)]
     else:
-        # The fp64 quotients, half a chunk at a time: a 4 MiB buffer like the others (an
-        # 8 MiB one measured slower: it was more often handed out as fresh, faulting pages).
-        wide = torch.empty(num_blocks(size, 2 * block) * block, dtype=torch.float64, device=dev)
+        # The fp64 quotients. Measured (benchmarks/codec.py, several runs): at 8 bits, a
+        # whole-chunk (8 MiB) buffer often came as fresh pages, faulting on every call (2x
+        # slower encode), so it takes half a chunk at a time; at 4 bits, halves fell into a
+        # 2.5x slower state in some runs (cause not pinned down) and a whole chunk did not.
+        wide_elems = size if bits == 4 else num_blocks(size, 2 * block) * block
+        wide = torch.empty(wide_elems, dtype=torch.float64, device=dev)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         nb = num_blocks(m, block)

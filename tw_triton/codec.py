@@ -380,7 +380,7 @@ def quantize_blockwise_torch(
     d_buf: torch.Tensor | None = None
     t_buf = torch.empty(size, dtype=torch.float32, device=dev)
     if bits == 2:
-        # The two levels of joining codes: 4 bytes a byte, in fp32 (exact small integers).
+        # The two levels of joining codes, 4 to a byte, in fp32 (exact small integers).
         pack_bufs = [torch.empty(size >> j, dtype=torch.float32, device=dev) for j in (1, 2)]
     else:
         # The fp64 quotients. Measured (benchmarks/codec.py, several runs): at 8 bits, a

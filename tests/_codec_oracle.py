@@ -62,9 +62,10 @@ def nearest_integer(d32: np.ndarray, s32: np.ndarray) -> np.ndarray:
 
     The fp64 quotient is within a relative ``2**-53`` of ``d / s``, so rounding it gives
     the right integer unless it lies that close to a half-integer. Quotients within a
-    relative ``2**-40`` of one are rounded in exact rational arithmetic instead. (This is a
-    different method from the codec's, which stays in fp32; see
-    ``tw_triton.codec.nearest_integer_at_ties``.)
+    relative ``2**-40`` of one are rounded in exact rational arithmetic instead. (The kernel
+    stays in fp32 and settles ties with split products, see
+    ``tw_triton.codec.nearest_integer_at_ties``; the torch path rounds an fp64 quotient at 8
+    and 4 bits, see ``tw_triton.codec._encode_chunk_fp64``. This check relies on neither.)
     """
     d = np.asarray(d32, dtype=np.float64)
     s = np.broadcast_to(np.asarray(s32, dtype=np.float64), d.shape)

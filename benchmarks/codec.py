@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tw_triton  # noqa: E402
-from tw_triton import codec  # noqa: E402
+from tw_triton.codecs import blockwise as codec  # noqa: E402
 from _common import machine_description, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -157,7 +157,7 @@ def _row_text(r: dict) -> str:
 _MEMORY_PROBE = textwrap.dedent(
     """
     import json, sys, torch
-    from tw_triton import codec
+    from tw_triton.codecs import blockwise as codec
 
     def status_kib(field):
         with open("/proc/self/status") as f:

@@ -10,7 +10,7 @@ masked launch; element offsets are int64 (see ``row0`` in the encode kernel's do
 which plays the same role here).
 
 Why the arithmetic looks the way it does: the decode must equal
-``tw_triton.codec.dequantize_blockwise_torch`` bit for bit, on the GPU and under
+``tw_triton.codecs.blockwise.dequantize_blockwise_torch`` bit for bit, on the GPU and under
 ``TRITON_INTERPRET=1``.
 
 * ``x_hat = fp32(ref) + fp32(q) * scale`` is a multiply and an add, each rounded: the
@@ -199,7 +199,7 @@ def dequantize_blockwise(
 ) -> torch.Tensor:
     """Decode to a flat tensor of ``numel`` elements with the fused kernel.
 
-    Same contract as ``tw_triton.codec.dequantize_blockwise_torch``:
+    Same contract as ``tw_triton.codecs.blockwise.dequantize_blockwise_torch``:
     ``x_hat = cast(sat(fp32(ref) + sat32(fp32(q) * scale)))``, the product rounded before
     the add, ``sat32``/``sat`` clamping to the fp32/output dtype's finite range.
 

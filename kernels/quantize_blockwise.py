@@ -13,7 +13,7 @@ a launch: 0 for the main launch, the tail's first row for the tail launch, and i
 row far past 2**31 elements, to run the offset arithmetic there without allocating it.
 
 Why the arithmetic looks the way it does: the CUDA kernel, this kernel under
-``TRITON_INTERPRET=1`` and the torch path (``tw_triton.codec.quantize_blockwise_torch``)
+``TRITON_INTERPRET=1`` and the torch path (``tw_triton.codecs.blockwise.quantize_blockwise_torch``)
 must give the same bytes, so every fp32 operation has to be correctly rounded.
 
 * ``tl.div_rn``: Triton's ``/`` on fp32 lowers to ``div.full.f32``, which may be 2 ulp off.
@@ -25,7 +25,7 @@ must give the same bytes, so every fp32 operation has to be correctly rounded.
 * Where ``v = fl(d / s)`` is exactly a half-integer, the code is the integer on the side of
   the exact ``d / s``, found by comparing ``2 * (d - v * s_hi)`` with ``(2 * v) * s_lo``
   (``s`` split into its top and bottom 12 significant bits; every step exact), as in
-  ``tw_triton.codec.nearest_integer_at_ties``. Branch-free with ``tl.where``: a few ALU ops
+  ``tw_triton.codecs.blockwise.nearest_integer_at_ties``. Branch-free with ``tl.where``: a few ALU ops
   per element in a memory-bound kernel.
 * bf16 is widened with an integer shift rather than a cast, because the 3.9 interpreter's
   software bf16 -> fp32 conversion gets subnormals wrong (1e-39 comes out as 4.4e-39).
@@ -139,7 +139,7 @@ def quantize_blockwise_kernel(
     v = tl.div_rn(d, safe_scale[:, None])
     r = (v + _RNE_MAGIC) - _RNE_MAGIC
     # Where v is a half-integer, rne(v) may be on the wrong side of the exact d / s: decide
-    # the side exactly (tw_triton.codec.nearest_integer_at_ties has the proof).
+    # the side exactly (tw_triton.codecs.blockwise.nearest_integer_at_ties has the proof).
     s_hi = (safe_scale.to(tl.int32, bitcast=True) & _SCALE_HI_MASK).to(tl.float32, bitcast=True)
     s_lo = safe_scale - s_hi
     r1 = d - v * s_hi[:, None]

@@ -1,6 +1,6 @@
 """An independent, slow, numpy statement of the codec and exact-arithmetic helpers.
 
-The torch path in :mod:`tw_triton.codec` is optimized (chunks, in-place passes, a rounding
+The torch path in :mod:`tw_triton.codecs.blockwise` is optimized (chunks, in-place passes, a rounding
 constant instead of ``round``, packing in float); this module restates the spec of
 DESIGN.md ("The codec") as plainly as possible so the tests can compare the two byte for
 byte. It also turns fp32 values into exact integers (units of ``2**-EXACT_SHIFT``) so error
@@ -64,8 +64,8 @@ def nearest_integer(d32: np.ndarray, s32: np.ndarray) -> np.ndarray:
     the right integer unless it lies that close to a half-integer. Quotients within a
     relative ``2**-40`` of one are rounded in exact rational arithmetic instead. (The kernel
     stays in fp32 and settles ties with split products, see
-    ``tw_triton.codec.nearest_integer_at_ties``; the torch path rounds an fp64 quotient at 8
-    and 4 bits, see ``tw_triton.codec._encode_chunk_fp64``. This check relies on neither.)
+    ``tw_triton.codecs.blockwise.nearest_integer_at_ties``; the torch path rounds an fp64 quotient at 8
+    and 4 bits, see ``tw_triton.codecs.blockwise._encode_chunk_fp64``. This check relies on neither.)
     """
     d = np.asarray(d32, dtype=np.float64)
     s = np.broadcast_to(np.asarray(s32, dtype=np.float64), d.shape)

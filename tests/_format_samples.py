@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tw_triton.codec import quantize
+from tw_triton.codecs.blockwise import quantize
 from tw_triton.qstate import EncodedEntry, QuantizedState
 
 

@@ -21,7 +21,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
-from tw_triton.codec import dequantize_blockwise_torch, quantize_blockwise_torch  # noqa: E402
+from tw_triton.codecs.blockwise import dequantize_blockwise_torch, quantize_blockwise_torch  # noqa: E402
 from tw_triton.kernels.dequantize_blockwise import launch_dequantize  # noqa: E402
 from tw_triton.kernels.quantize_blockwise import launch_quantize, rows_per_program  # noqa: E402
 

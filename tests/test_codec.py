@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import tw_triton
-from tw_triton import QuantizationError, QuantizedTensor, codec
+from tw_triton import QuantizationError, QuantizedTensor
+from tw_triton.codecs import blockwise as codec
 from _codec_oracle import spec_codes_to_q, spec_decode_f32, spec_encode, to_f32
 
 ROOT = Path(__file__).resolve().parents[1]

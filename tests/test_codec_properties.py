@@ -16,7 +16,7 @@ absmax, ``qmax = 2**(bits-1) - 1``)::
 
 Why: ``q`` is the integer nearest to the exact quotient ``d/s`` (ties to even), clamped to
 ``+-qmax``: ``rne(fl(d/s))`` everywhere except where ``fl(d/s)`` is a half-integer, which is
-resolved exactly (``tw_triton.codec.nearest_integer_at_ties``). A normal ``s`` is within a
+resolved exactly (``tw_triton.codecs.blockwise.nearest_integer_at_ties``). A normal ``s`` is within a
 factor ``1 + 2**-24`` of ``a/qmax``, so ``|d/s|`` rounds to at most ``qmax`` and the clamp
 never binds; a subnormal ``s`` can be up to ``2**-150`` short of ``a/qmax``, then the clamp
 binds and the error is ``|d| - qmax*s <= a - qmax*s < qmax * 2**-150``. A block whose
@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tw_triton
-from tw_triton import codec
+from tw_triton.codecs import blockwise as codec
 from _codec_oracle import (
     EXACT_SHIFT,
     exact,

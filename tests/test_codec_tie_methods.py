@@ -1,6 +1,6 @@
 """The two ways the codec rounds the exact quotient ``d/s`` agree with exact arithmetic.
 
-The kernel settles half-integer fp32 quotients with :func:`tw_triton.codec.nearest_integer_at_ties`
+The kernel settles half-integer fp32 quotients with :func:`tw_triton.codecs.blockwise.nearest_integer_at_ties`
 (fp32 ops only); the CPU torch path rounds an fp64 quotient (a product by the fp64 inverse,
 snapped to ``2**-30``, at 8 bits; a division at 4 bits), half a chunk or a whole chunk at a
 time. Both are checked here against the Fraction-exact oracle on deltas built to sit on and
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tw_triton
-from tw_triton import codec
+from tw_triton.codecs import blockwise as codec
 
 from _codec_oracle import near_tie_blocks, nearest_integer, scale_of, spec_encode
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tw_triton
-import tw_triton.codec as codec
+import tw_triton.codecs.blockwise as codec
 import tw_triton.kernels
 from _kernel_testing import (
     BLOCKS,
@@ -28,7 +28,7 @@ from _kernel_testing import (
     require_runnable_kernels,
     run_offset_check,
 )
-from tw_triton.codec import dequantize_blockwise_torch, quantize_blockwise_torch
+from tw_triton.codecs.blockwise import dequantize_blockwise_torch, quantize_blockwise_torch
 from tw_triton.errors import QuantizationError
 from tw_triton.kernels import dequantize_blockwise
 

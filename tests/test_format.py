@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from _format_samples import assert_same_state, blockwise_entry, exact_entry, sample_state
 from tw_triton import format as fmt
-from tw_triton.codec import QuantizedTensor, dequantize
+from tw_triton.codecs.blockwise import QuantizedTensor, dequantize
 from tw_triton.errors import CheckpointError, CheckpointIOError
 from tw_triton.qstate import EncodedEntry, QuantizedState
 

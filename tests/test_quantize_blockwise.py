@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tw_triton
-import tw_triton.codec as codec
+import tw_triton.codecs.blockwise as codec
 import tw_triton.kernels
 from _kernel_testing import (
     BLOCKS,
@@ -31,7 +31,7 @@ from _kernel_testing import (
     unpack_codes,
 )
 from _codec_oracle import near_tie_blocks, spec_encode, with_reference
-from tw_triton.codec import quantize_blockwise_torch
+from tw_triton.codecs.blockwise import quantize_blockwise_torch
 from tw_triton.errors import QuantizationError
 from tw_triton.kernels import quantize_blockwise
 

@@ -133,7 +133,7 @@ def test_one_host_sync_for_the_whole_state(monkeypatch):
     # The tensor codec is checked on its own (its CPU path may read scalars: no device to
     # sync with); here the state-level glue around it must not read any device value.
     inside_codec = []
-    real_quantize = tw_triton.codecs.quantize
+    real_quantize = tw_triton.codecs.blockwise.quantize
 
     def quantize(*a, **k):
         inside_codec.append(True)
@@ -153,7 +153,7 @@ def test_one_host_sync_for_the_whole_state(monkeypatch):
 
     state = make_state()
     ref = perturbed(state)
-    monkeypatch.setattr(tw_triton.codecs, "quantize", quantize)
+    monkeypatch.setattr(tw_triton.codecs.blockwise, "quantize", quantize)
     monkeypatch.setattr(torch.Tensor, "item", guarded(real_item))
     monkeypatch.setattr(torch.Tensor, "__bool__", guarded(real_bool))
     q = quantize_state_dict(state, reference=ref)

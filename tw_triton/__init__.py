@@ -1,6 +1,6 @@
 """tw_triton: small PyTorch training checkpoints by fused blockwise delta quantization."""
 
-from .codec import QuantizedTensor, dequantize, quantize
+from .codecs.blockwise import QuantizedTensor, dequantize, quantize
 from .codecs import Codec, register_codec
 from .state import dequantize_state_dict, load, quantize_state_dict, save
 from .writer import AsyncWriter

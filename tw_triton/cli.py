@@ -16,7 +16,7 @@ import torch
 
 from .codecs import get_codec
 from .errors import TwTritonError
-from .codec import check_params
+from .codecs.blockwise import check_params
 from .format import read_manifest, verify_file
 from .rules import PRESETS
 from .state import load, quantize_state_dict, save

@@ -52,7 +52,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .codec import FLOAT_DTYPES, check_params
+from .codecs.blockwise import FLOAT_DTYPES, check_params
 from .codecs import Codec, Encoded, ExactCodec, get_codec
 from .errors import CheckpointError, QuantizationError, ReferenceMismatchError, TwTritonError
 from .qstate import EncodedEntry, QuantizedState

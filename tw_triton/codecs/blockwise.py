@@ -36,10 +36,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
-from .errors import QuantizationError
+from ..errors import CheckpointError, QuantizationError
+from ..qstate import EncodedEntry
+from .base import Codec, Encoded, entry_buffer, move_to
+
+PACKING = "lsb-first"
 
 SUPPORTED_BITS = (8, 4, 2)
 MIN_BLOCK = 32
@@ -599,7 +604,7 @@ def quantize(
     _check_input(x, reference)
     check_params(bits, block)
     if _use_kernels(x.device):
-        from .kernels import quantize_blockwise
+        from ..kernels import quantize_blockwise
 
         rc = reference.contiguous() if reference is not None else None
         codes, scales = quantize_blockwise(x.contiguous(), rc, bits, block)
@@ -660,9 +665,110 @@ def dequantize(
             )
         rc = reference.to(dev).contiguous()
     if _use_kernels(dev):
-        from .kernels import dequantize_blockwise
+        from ..kernels import dequantize_blockwise
 
         flat = dequantize_blockwise(q.codes, q.scales, q.numel, q.bits, q.block, rc, out_dtype)
     else:
         flat = dequantize_blockwise_torch(q.codes, q.scales, q.numel, q.bits, q.block, rc, out_dtype)
     return flat.view(q.shape)
+
+
+class BlockwiseCodec(Codec):
+    """Blockwise absmax integer codec (delta from a reference when one is given)."""
+
+    name = "blockwise"
+    _KEYS = frozenset({"bits", "block", "packing", "delta"})
+
+    def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:
+        unknown = set(params) - self._KEYS
+        if unknown:
+            raise QuantizationError(
+                f"codec 'blockwise' has no parameter(s) {sorted(unknown)}; it takes "
+                f"{sorted(self._KEYS)}"
+            )
+        out = {
+            "bits": params.get("bits", bits),
+            "block": params.get("block", block),
+            "packing": params.get("packing", PACKING),
+            "delta": params.get("delta", True),
+        }
+        check_params(out["bits"], out["block"])
+        if out["packing"] != PACKING:
+            raise QuantizationError(f"codec 'blockwise' packs {PACKING!r} only, got {out['packing']!r}")
+        if not isinstance(out["delta"], bool):
+            raise QuantizationError(f"'delta' must be true or false, got {out['delta']!r}")
+        return out
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        return tensor.dtype in FLOAT_DTYPES and tensor.numel() > 0
+
+    def encode(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Encoded:
+        q = quantize(x, bits=params["bits"], block=params["block"], reference=reference)
+        stored = {
+            "bits": q.bits,
+            "block": q.block,
+            "packing": PACKING,
+            "delta": reference is not None,
+        }
+        entry = EncodedEntry(
+            codec=self.name,
+            params=stored,
+            shape=q.shape,
+            dtype=q.dtype,
+            buffers={"codes": q.codes, "scales": q.scales},
+        )
+        return Encoded(entry, unusable=q.nonfinite)
+
+    def decode(
+        self,
+        entry: EncodedEntry,
+        reference: torch.Tensor | None,
+        device: torch.device | None,
+        context: str,
+    ) -> torch.Tensor:
+        params = entry.params
+        bits, block = params.get("bits"), params.get("block")
+        try:
+            check_params(bits, block)  # type: ignore[arg-type]
+        except QuantizationError as e:
+            raise CheckpointError(f"{context}: {e}") from e
+        if params.get("packing") != PACKING:
+            raise CheckpointError(
+                f"{context}: packing {params.get('packing')!r} is not supported, expected {PACKING!r}"
+            )
+        if entry.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{context}: blockwise entry has dtype {entry.dtype}, expected one of "
+                "float32, float16, bfloat16"
+            )
+        shape = tuple(entry.shape)
+        numel = math.prod(shape)
+        codes = entry_buffer(entry, "codes", context)
+        scales = entry_buffer(entry, "scales", context)
+        want_codes, want_scales = packed_nbytes(numel, bits), num_blocks(numel, block)
+        if codes.dtype != torch.uint8 or codes.numel() != want_codes:
+            raise CheckpointError(
+                f"{context}: codes are {codes.dtype} x {codes.numel()}, expected uint8 x "
+                f"{want_codes} for shape {shape} at {bits} bits"
+            )
+        if scales.dtype != torch.float32 or scales.numel() != want_scales:
+            raise CheckpointError(
+                f"{context}: scales are {scales.dtype} x {scales.numel()}, expected float32 x "
+                f"{want_scales} for shape {shape} and block {block}"
+            )
+        if self.uses_reference(params) and reference is None:
+            raise CheckpointError(f"{context}: delta entry decoded without its reference tensor")
+        dev = codes.device if device is None else device
+        q = QuantizedTensor(
+            codes=move_to(codes.reshape(-1), dev),
+            scales=move_to(scales.reshape(-1), dev),
+            shape=shape,
+            dtype=entry.dtype,
+            bits=bits,  # type: ignore[arg-type]
+            block=block,  # type: ignore[arg-type]
+            nonfinite=torch.zeros((), dtype=torch.bool, device=dev),
+        )
+        ref = move_to(reference, dev) if reference is not None else None
+        return dequantize(q, reference=ref if self.uses_reference(params) else None)

@@ -1,0 +1,65 @@
+"""The codec registry: how one tensor of a state is encoded into named buffers and back.
+
+A codec turns a tensor (and, for delta codecs, the reference tensor at the same path) into an
+:class:`~tw_triton.qstate.EncodedEntry` — a codec name, JSON parameters and named buffers —
+and decodes such an entry back. The file format stores entries generically, so registering
+a new codec (a sparse bitmask codec, an entropy stage) needs no change to ``format.py``::
+
+    from tw_triton.codecs import Codec, register_codec
+
+    class MyCodec(Codec):
+        ...
+
+    register_codec("my-codec", MyCodec())
+
+Built in:
+
+``exact``
+    Stores the tensor as it is, in its own dtype (any dtype safetensors stores). Buffer
+    ``data``. No parameters.
+``blockwise``
+    The blockwise absmax integer codec of :mod:`tw_triton.codecs.blockwise` (Triton on CUDA, torch on
+    CPU). Buffers ``codes`` (uint8, packed LSB-first) and ``scales`` (float32, one per
+    block). Parameters ``bits`` (8, 4, 2), ``block`` (power of two, 32..4096), ``packing``
+    (``"lsb-first"``) and ``delta`` (whether the codes are the delta from a reference).
+"""
+
+from __future__ import annotations
+
+from .base import Codec, Encoded
+from .blockwise import PACKING, BlockwiseCodec
+from .exact import EXACT_DTYPES, ExactCodec
+from ..errors import QuantizationError
+
+# The registry is the one piece of mutable module state: codecs are process-wide plug-ins,
+# looked up by the name a file records, so a registry object would have to be global anyway.
+_REGISTRY: dict[str, Codec] = {c.name: c for c in (ExactCodec(), BlockwiseCodec())}
+
+
+def register_codec(name: str, codec: Codec, *, replace: bool = False) -> None:
+    """Make ``codec`` available to rules and to loading under ``name``.
+
+    Entries it encodes are recorded under ``name`` in the manifest, and a file naming
+    ``name`` is decoded by it.
+
+    Raises:
+        QuantizationError: ``codec`` is not a :class:`Codec`, the name is empty, or it is
+            taken and ``replace`` is false.
+    """
+    if not isinstance(codec, Codec):
+        raise QuantizationError(f"a codec must subclass tw_triton.codecs.Codec, got {type(codec).__name__}")
+    if not isinstance(name, str) or not name:
+        raise QuantizationError(f"a codec needs a non-empty string name, got {name!r}")
+    if name in _REGISTRY and not replace:
+        raise QuantizationError(f"codec {name!r} is already registered (pass replace=True)")
+    _REGISTRY[name] = codec
+
+
+def get_codec(name: str) -> Codec | None:
+    """The codec registered as ``name``, or ``None``."""
+    return _REGISTRY.get(name)
+
+
+def codec_names() -> list[str]:
+    """Names of all registered codecs."""
+    return sorted(_REGISTRY)

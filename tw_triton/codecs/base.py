@@ -1,0 +1,115 @@
+"""The codec interface: what every codec of the registry implements.
+
+A codec turns a tensor (and, for delta codecs, the reference tensor at the same path) into an
+:class:`~tw_triton.qstate.EncodedEntry` (a codec name, JSON parameters and named buffers)
+and decodes such an entry back. See :mod:`tw_triton.codecs` for the registry.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import CheckpointError
+from ..qstate import EncodedEntry
+from ..snapshot_pool import Allocator
+
+
+@dataclass
+class Encoded:
+    """What :meth:`Codec.encode` returns.
+
+    Attributes:
+        entry: the encoded tensor.
+        unusable: ``None``, or a 0-dim bool tensor on the tensor's device that is true when
+            this encoding cannot represent the tensor (a NaN/Inf block) and the tensor must
+            be stored exact instead. It is a device flag so that the state API can read all
+            of them with one host sync.
+    """
+
+    entry: EncodedEntry
+    unusable: torch.Tensor | None = None
+
+
+class Codec(ABC):
+    """One way to store a tensor. Subclasses set :attr:`name` and implement the methods."""
+
+    name: str = ""
+
+    @abstractmethod
+    def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:
+        """Validate rule parameters and fill defaults (``bits``/``block`` of the call).
+
+        Raises:
+            QuantizationError: unknown or invalid parameters.
+        """
+
+    @abstractmethod
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether this codec can encode ``tensor`` (dtype, size). Rules skip it otherwise."""
+
+    def uses_reference(self, params: Mapping[str, Any]) -> bool:
+        """Whether an entry with these (resolved or stored) params is a delta."""
+        return bool(params.get("delta", False))
+
+    @abstractmethod
+    def encode(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Encoded:
+        """Encode ``x`` on its own device. The buffers must not alias ``x`` (a snapshot).
+
+        ``reference`` is given only when :meth:`uses_reference` is true and a reference
+        state was passed; the stored params must say whether it was used.
+        """
+
+    def encode_with(
+        self,
+        x: torch.Tensor,
+        params: Mapping[str, Any],
+        reference: torch.Tensor | None,
+        allocate: Allocator,
+    ) -> Encoded:
+        """:meth:`encode`, writing the output buffers into memory from ``allocate``.
+
+        ``allocate(shape, dtype, device)`` returns an uninitialized contiguous tensor
+        (recycled host memory from a :class:`~tw_triton.snapshot_pool.SnapshotPool`).
+        The result must be the same as :meth:`encode`'s. The default ignores
+        ``allocate``: a codec that cannot write into given buffers still works.
+        """
+        return self.encode(x, params, reference)
+
+    @abstractmethod
+    def decode(
+        self,
+        entry: EncodedEntry,
+        reference: torch.Tensor | None,
+        device: torch.device | None,
+        context: str,
+    ) -> torch.Tensor:
+        """Decode ``entry`` on ``device`` (``None``: where its buffers are).
+
+        ``context`` names the file and entry for error messages.
+
+        Raises:
+            CheckpointError: the entry's params or buffers are not what this codec writes.
+        """
+
+
+def move_to(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    if device is None or t.device == device:
+        return t
+    # From pinned host memory this copy is asynchronous; decode kernels queue behind it.
+    return t.to(device, non_blocking=t.is_pinned())
+
+
+def entry_buffer(entry: EncodedEntry, name: str, context: str) -> torch.Tensor:
+    buf = entry.buffers.get(name)
+    if not isinstance(buf, torch.Tensor):
+        raise CheckpointError(
+            f"{context}: codec {entry.codec!r} expects a buffer {name!r}, found "
+            f"{sorted(entry.buffers)}"
+        )
+    return buf

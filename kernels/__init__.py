@@ -5,6 +5,8 @@ and allocates outputs. No policy, no file I/O and no torch fallback live here.
 """
 
 from .dequantize_blockwise import dequantize_blockwise
+from .dequantize_log2 import dequantize_log2
 from .quantize_blockwise import quantize_blockwise
+from .quantize_log2 import quantize_log2
 
-__all__ = ["quantize_blockwise", "dequantize_blockwise"]
+__all__ = ["quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2"]

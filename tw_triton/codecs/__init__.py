@@ -22,6 +22,12 @@ Built in:
     CPU). Buffers ``codes`` (uint8, packed LSB-first) and ``scales`` (float32, one per
     block). Parameters ``bits`` (8, 4, 2), ``block`` (power of two, 32..4096), ``packing``
     (``"lsb-first"``) and ``delta`` (whether the codes are the delta from a reference).
+``log2``
+    The second-moment codec of :mod:`tw_triton.codecs.log2`, for non-negative tensors such
+    as AdamW's ``exp_avg_sq``: codes linear in a piecewise-linear log2 between each block's
+    smallest and largest positive value, code 0 reserved for exact zero. Buffers ``codes``
+    (uint8), ``lo`` and ``hi`` (int32, one per block). Parameters ``bits``, ``block``,
+    ``packing``. Never decodes a value below zero, nor zero where the input was not.
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ from __future__ import annotations
 from .base import Codec, Encoded
 from .blockwise import PACKING, BlockwiseCodec
 from .exact import EXACT_DTYPES, ExactCodec
+from .log2 import Log2Codec
 from ..errors import QuantizationError
 
 # The registry is the one piece of mutable module state: codecs are process-wide plug-ins,
 # looked up by the name a file records, so a registry object would have to be global anyway.
-_REGISTRY: dict[str, Codec] = {c.name: c for c in (ExactCodec(), BlockwiseCodec())}
+_REGISTRY: dict[str, Codec] = {c.name: c for c in (ExactCodec(), BlockwiseCodec(), Log2Codec())}
 
 
 def register_codec(name: str, codec: Codec, *, replace: bool = False) -> None:

@@ -1,0 +1,120 @@
+"""Fused ``log2`` encode (the second-moment codec): log-domain bounds, rounding, packing.
+
+Same tile layout as ``quantize_blockwise`` (a ``(ROWS, BLOCK)`` tile per program, one row per
+codec block, whole tiles unmasked and the partial tile as one masked program; int64 offsets).
+The spec is ``tw_triton.codecs.log2.quantize_log2_torch``; the bytes must be identical, so:
+
+* ``t`` is the fp32 bit pattern of the input (bf16 widened by a shift, as in the blockwise
+  encoder, because the 3.9 interpreter's bf16 conversion is wrong for subnormals);
+* the row bounds are integer min/max reductions, exact everywhere;
+* ``step`` and the quotient use ``tl.div_rn`` on fp32 values converted from int32 with
+  round-to-nearest (``cvt.rn``), as torch's CPU conversion does; the rounding to an integer is
+  the ``1.5 * 2**23`` trick (the quotient is at most 254, far below ``2**22``);
+* ``enable_fp_fusion=False`` (from the launch helper) keeps every operation separately rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tw_triton.errors import QuantizationError
+
+from ._tiles import launch_row_tiles
+from .quantize_blockwise import _pack_lsb_first, _widen_to_f32
+
+_RNE_MAGIC = tl.constexpr(12582912.0)
+_F32_INF_BITS = tl.constexpr(0x7F800000)
+_NEG_ZERO_BITS = tl.constexpr(-(1 << 31))
+_INT32_MAX = tl.constexpr((1 << 31) - 1)
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit(do_not_specialize=["row0"])
+def quantize_log2_kernel(
+    x_ptr,
+    codes_ptr,
+    lo_ptr,
+    hi_ptr,
+    n,
+    row0,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Encode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat input."""
+    N_STEPS: tl.constexpr = (1 << BITS) - 2
+    PER_BYTE: tl.constexpr = 8 // BITS
+    BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
+
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if MASKED:
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    else:
+        x = tl.load(x_ptr + offs)
+    t = _widen_to_f32(x).to(tl.int32, bitcast=True)
+
+    pos = (t > 0) & (t < _F32_INF_BITS)
+    zero = (t == 0) | (t == _NEG_ZERO_BITS)
+    bad = tl.max((~(pos | zero)).to(tl.int32), axis=1) > 0
+    lo = tl.min(tl.where(pos, t, _INT32_MAX), axis=1)
+    hi = tl.max(tl.where(pos, t, 0), axis=1)
+    lo = tl.where(hi > 0, lo, 0)
+    pos = pos & ~bad[:, None]
+    lo = tl.where(bad, -1, lo)
+    hi = tl.where(bad, -1, hi)
+
+    step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
+    has_step = step > 0.0
+    safe = tl.where(has_step, step, 1.0)
+    r = tl.div_rn((t - lo[:, None]).to(tl.float32), safe[:, None])
+    r = tl.where(has_step[:, None], r, 0.0)
+    q = (r + _RNE_MAGIC) - _RNE_MAGIC
+    q = tl.minimum(tl.maximum(q, 0.0), N_STEPS * 1.0)
+    u = tl.where(pos, q.to(tl.int32) + 1, 0)
+    packed = _pack_lsb_first(u, ROWS, BLOCK, BITS)
+
+    byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
+    if MASKED:
+        tl.store(codes_ptr + byte_offs, packed, mask=byte_offs * PER_BYTE < n)
+        tl.store(lo_ptr + rows, lo, mask=rows * BLOCK < n)
+        tl.store(hi_ptr + rows, hi, mask=rows * BLOCK < n)
+    else:
+        tl.store(codes_ptr + byte_offs, packed)
+        tl.store(lo_ptr + rows, lo)
+        tl.store(hi_ptr + rows, hi)
+
+
+def quantize_log2(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, ...]:
+    """Encode a contiguous tensor with the fused kernel; the torch path's contract.
+
+    Returns:
+        ``(codes, lo, hi)``: ``uint8`` of ``ceil(n * bits / 8)`` bytes and two int32 of
+        ``ceil(n / block)`` values, on ``x``'s device.
+
+    Raises:
+        QuantizationError: an input the kernel cannot read as a flat contiguous tensor.
+    """
+    if x.dtype not in _SUPPORTED_DTYPES or not x.is_contiguous():
+        raise QuantizationError(
+            f"quantize_log2: x must be a contiguous float32, float16 or bfloat16 tensor, "
+            f"got {x.dtype}{'' if x.is_contiguous() else ' (not contiguous)'}"
+        )
+    if bits not in (8, 4, 2) or block < 32 or block > 4096 or block & (block - 1):
+        raise QuantizationError(
+            f"quantize_log2: bits must be 8, 4 or 2 and block a power of two from 32 to 4096, "
+            f"got bits={bits!r}, block={block!r}"
+        )
+    n = x.numel()
+    nblocks = -(-n // block)
+    codes = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
+    lo = torch.empty(nblocks, dtype=torch.int32, device=x.device)
+    hi = torch.empty(nblocks, dtype=torch.int32, device=x.device)
+    if n:
+        launch_row_tiles(quantize_log2_kernel, (x, codes, lo, hi), n, 0, block, x.device, BITS=bits)
+    return codes, lo, hi

@@ -1,0 +1,360 @@
+"""The second-moment codec ``log2``: blockwise codes of a non-negative tensor in a log domain.
+
+AdamW's ``exp_avg_sq`` is non-negative and spans the square of the gradient's range (often
+30 octaves and more inside one tensor). Linear codes round its small entries to zero or, as a
+delta, below zero, and the resumed step ``m / (sqrt(v) + eps)`` then explodes. This codec
+codes the *logarithm* instead, with exact zero kept apart, so that no decoded value is ever
+negative and none is zero unless the input was:
+
+* ``t = bits(fp32(v))``, the fp32 bit pattern as an int32. For a positive ``v``,
+  ``t / 2**23 - 127`` is a piecewise-linear ``log2 v`` (exact at powers of two, within 0.086
+  of it in between): monotone, integer, and the same on every device, with no
+  transcendental function whose rounding differs between libraries;
+* per block of ``block`` elements, ``lo`` and ``hi`` are the smallest and largest ``t`` of
+  the block's positive values (``0, 0`` when there is none; ``-1, -1`` when the block holds
+  a negative, NaN or infinite element, which cannot be coded: all its codes are then 0);
+* ``step = fl32(fl32(hi - lo) / N)`` with ``N = 2**bits - 2`` steps between
+  ``2**bits - 1`` levels;
+* a positive element gets ``u = 1 + min(N, rne(fl32(fl32(t - lo) / step)))`` (``u = 1`` when
+  ``step`` is 0); a zero (``+0`` or ``-0``) gets ``u = 0``: code 0 is reserved for exact zero;
+* codes are packed LSB-first as in :mod:`tw_triton.codecs.blockwise`.
+
+Decoding: ``u = 0`` gives ``+0``; otherwise ``t_hat = min(hi, lo + trunc(fl32(fl32(u - 1) *
+step) + 0.5))`` and ``v_hat = cast(as_fp32(t_hat))``, a positive fp32 between the block's
+smallest and largest positive input, hence (rounding being monotone) a positive value of the
+original dtype. The error in ``t`` is at most ``step / 2`` plus a few units of fp32 rounding,
+so the relative error of ``v`` is about ``2**(step / 2**24) - 1``: with 4 bits and a block
+spanning 20 octaves, a factor of at most ``2**(20/28)``, about 1.64.
+
+A negative, NaN or infinite element cannot be coded: its block gets bounds ``-1`` and the
+encoder's flag (:attr:`Log2Tensor.unusable`, a device bool, no sync) turns true, and the
+state-level code stores that tensor exact, as for the blockwise codec.
+
+Every operation above is an integer operation or a correctly rounded fp32 one, so the Triton
+kernels (``tw_triton.kernels.quantize_log2`` / ``dequantize_log2``) and this torch path give
+the same bytes and the same decoded tensors. Stored bytes per element: ``bits / 8 + 8 /
+block`` (two int32 bounds per block).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import CheckpointError, QuantizationError
+from ..qstate import EncodedEntry
+from .base import Codec, Encoded, entry_buffer, move_to
+from .blockwise import FLOAT_DTYPES, PACKING, check_params, num_blocks, packed_nbytes
+
+# bits(+inf): every t at or above it is +inf or a NaN with the sign bit clear.
+_F32_INF_BITS = 0x7F800000
+# bits(-0.0) read as an int32.
+_NEG_ZERO_BITS = -(1 << 31)
+_INT32_MAX = (1 << 31) - 1
+# Elements per chunk of the torch path (a whole number of blocks): temporaries stay at a few
+# 4 MiB buffers whatever the tensor's size.
+CHUNK_ELEMENTS = 1 << 20
+
+
+def levels(bits: int) -> int:
+    """Steps between the nonzero levels: ``2**bits - 2`` (254, 14 or 2)."""
+    return (1 << bits) - 2
+
+
+@dataclass(frozen=True)
+class Log2Tensor:
+    """A non-negative tensor encoded by the ``log2`` codec.
+
+    Attributes:
+        codes: packed codes, ``uint8``, ``ceil(numel * bits / 8)`` bytes.
+        lo, hi: int32, one per block: the smallest and largest fp32 bit pattern of the
+            block's positive elements (both 0 for a block without one).
+        shape, dtype: of the original tensor.
+        bits, block: code width (8, 4 or 2) and elements per block.
+        unusable: 0-dim bool on the codes' device, true when some element was negative,
+            NaN or infinite: the tensor must then be stored exact.
+    """
+
+    codes: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bits: int
+    block: int
+    unusable: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        """Elements of the original tensor."""
+        return math.prod(self.shape)
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise QuantizationError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise QuantizationError(f"log2 codes float32, float16 or bfloat16 tensors, got {x.dtype}")
+
+
+# --------------------------------------------------------------------------------------
+# The reference implementation (plain torch). The Triton launchers share these signatures.
+# --------------------------------------------------------------------------------------
+
+
+def _pack(u: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """Pack int32 codes (< 2**bits, a whole number of bytes' worth) LSB-first into ``out``."""
+    k = 8 // bits
+    if k == 1:
+        out.copy_(u[: out.numel()])
+        return
+    groups = u.view(-1, k)
+    acc = groups[:, 0].clone()
+    for j in range(1, k):
+        acc.add_(groups[:, j] << (j * bits))
+    out.copy_(acc[: out.numel()])
+
+
+def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """int32 codes of the first ``count`` elements of LSB-first packed bytes."""
+    k = 8 // bits
+    p = packed.to(torch.int32)
+    if k == 1:
+        return p[:count]
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    return ((p.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
+
+
+def quantize_log2_torch(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, ...]:
+    """Encode ``x`` (any shape and strides, read in row-major order): the kernel's spec.
+
+    Returns:
+        ``(codes, lo, hi)``: ``uint8`` codes and int32 bounds per block (``-1, -1`` for a
+        block with a negative, NaN or infinite element, whose codes are then all 0).
+    """
+    n = x.numel()
+    dev = x.device
+    nblocks = num_blocks(n, block)
+    codes = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev)
+    lo = torch.zeros(nblocks, dtype=torch.int32, device=dev)
+    hi = torch.zeros(nblocks, dtype=torch.int32, device=dev)
+    if n == 0:
+        return codes, lo, hi
+    flat = x.reshape(-1)
+    n_steps = float(levels(bits))
+    chunk = max(block, CHUNK_ELEMENTS // block * block)
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        nb = num_blocks(m, block)
+        padded = nb * block
+        v = torch.zeros(padded, dtype=torch.float32, device=dev)
+        v[:m].copy_(flat[start : start + m])
+        t = v.view(torch.int32).view(nb, block)
+        pos = (t > 0) & (t < _F32_INF_BITS)
+        zero = (t == 0) | (t == _NEG_ZERO_BITS)
+        bad_b = (~(pos | zero)).any(dim=1)
+        lo_b = torch.where(pos, t, _INT32_MAX).amin(dim=1)
+        hi_b = torch.where(pos, t, 0).amax(dim=1)
+        lo_b = torch.where(hi_b > 0, lo_b, 0)
+        # A block that cannot be coded stores bounds -1 and codes 0: the flag is then
+        # (hi < 0).any(), read on the device like the blockwise codec's infinite scales.
+        pos &= ~bad_b.unsqueeze(1)
+        lo_b = torch.where(bad_b, -1, lo_b)
+        hi_b = torch.where(bad_b, -1, hi_b)
+        b0 = start // block
+        lo[b0 : b0 + nb] = lo_b
+        hi[b0 : b0 + nb] = hi_b
+        step = (hi_b - lo_b).to(torch.float32) / n_steps
+        # step == 0 (one distinct value, or no positive one): every positive element is lo.
+        safe = torch.where(step > 0, step, 1.0).unsqueeze(1)
+        r = (t - lo_b.unsqueeze(1)).to(torch.float32) / safe
+        r = torch.where((step > 0).unsqueeze(1), r, 0.0)
+        q = torch.round(r).clamp_(0.0, n_steps)
+        u = torch.where(pos, q.to(torch.int32) + 1, 0)
+        byte0 = start * bits // 8
+        _pack(u.reshape(-1), bits, codes[byte0 : byte0 + packed_nbytes(m, bits)])
+    return codes, lo, hi
+
+
+def dequantize_log2_torch(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Decode to a flat tensor of ``numel`` elements of ``dtype``: the kernel's spec."""
+    dev = codes.device
+    out = torch.empty(numel, dtype=dtype, device=dev)
+    if numel == 0:
+        return out
+    n_steps = float(levels(bits))
+    chunk = max(block, CHUNK_ELEMENTS // block * block)
+    for start in range(0, numel, chunk):
+        m = min(chunk, numel - start)
+        nb = num_blocks(m, block)
+        byte0 = start * bits // 8
+        u = torch.zeros(nb * block, dtype=torch.int32, device=dev)
+        u[:m] = _unpack(codes[byte0 : byte0 + packed_nbytes(m, bits)], bits, m)
+        u = u.view(nb, block)
+        b0 = start // block
+        lo_b = lo[b0 : b0 + nb].unsqueeze(1)
+        hi_b = hi[b0 : b0 + nb].unsqueeze(1)
+        step = (hi_b - lo_b).to(torch.float32) / n_steps
+        p = (u - 1).to(torch.float32) * step
+        # float -> int32 truncates toward zero, as the kernel's conversion does.
+        t_hat = torch.minimum(lo_b + (p + 0.5).to(torch.int32), hi_b)
+        t_hat = torch.where(u > 0, t_hat, 0)
+        out[start : start + m].copy_(t_hat.reshape(-1)[:m].view(torch.float32))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Public tensor-level API
+# --------------------------------------------------------------------------------------
+
+
+def quantize_log2(x: torch.Tensor, *, bits: int = 4, block: int = 128) -> Log2Tensor:
+    """Encode a non-negative tensor with the ``log2`` codec (see the module doc).
+
+    On a CUDA tensor one fused Triton kernel does it; on a CPU tensor the torch path gives
+    the same bytes. Nothing here synchronizes with the device.
+
+    Raises:
+        QuantizationError: an unsupported dtype, bits or block.
+    """
+    _check_input(x)
+    check_params(bits, block)
+    if x.device.type == "cuda":
+        from ..kernels import quantize_log2 as kernel
+
+        codes, lo, hi = kernel(x.contiguous(), bits, block)
+    else:
+        codes, lo, hi = quantize_log2_torch(x, bits, block)
+    # The flag stays on the device: no sync here.
+    unusable = (hi < 0).any()
+    return Log2Tensor(codes, lo, hi, tuple(x.shape), x.dtype, bits, block, unusable)
+
+
+def dequantize_log2(q: Log2Tensor, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """Decode a :class:`Log2Tensor` to its shape and dtype, on ``device`` (default: where
+    its codes are)."""
+    if not isinstance(q, Log2Tensor):
+        raise QuantizationError(f"expected a Log2Tensor, got {type(q).__name__}")
+    dev = q.codes.device if device is None else torch.device(device)
+    codes, lo, hi = (t.to(dev, non_blocking=t.is_pinned()) for t in (q.codes, q.lo, q.hi))
+    if dev.type == "cuda":
+        from ..kernels import dequantize_log2 as kernel
+
+        flat = kernel(codes, lo, hi, q.numel, q.bits, q.block, q.dtype)
+    else:
+        flat = dequantize_log2_torch(codes, lo, hi, q.numel, q.bits, q.block, q.dtype)
+    return flat.view(q.shape)
+
+
+class Log2Codec(Codec):
+    """Registry entry ``log2``: the second-moment codec (no reference; see the module doc)."""
+
+    name = "log2"
+    _KEYS = frozenset({"bits", "block", "packing"})
+
+    def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:
+        unknown = set(params) - self._KEYS
+        if unknown:
+            raise QuantizationError(
+                f"codec 'log2' has no parameter(s) {sorted(unknown)}; it takes {sorted(self._KEYS)}"
+            )
+        out = {
+            "bits": params.get("bits", bits),
+            "block": params.get("block", block),
+            "packing": params.get("packing", PACKING),
+        }
+        check_params(out["bits"], out["block"])
+        if out["packing"] != PACKING:
+            raise QuantizationError(f"codec 'log2' packs {PACKING!r} only, got {out['packing']!r}")
+        return out
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        return tensor.dtype in FLOAT_DTYPES and tensor.numel() > 0
+
+    def encode(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Encoded:
+        q = quantize_log2(x, bits=params["bits"], block=params["block"])
+        entry = EncodedEntry(
+            codec=self.name,
+            params={"bits": q.bits, "block": q.block, "packing": PACKING},
+            shape=q.shape,
+            dtype=q.dtype,
+            buffers={"codes": q.codes, "lo": q.lo, "hi": q.hi},
+        )
+        return Encoded(entry, unusable=q.unusable)
+
+    def decode(
+        self,
+        entry: EncodedEntry,
+        reference: torch.Tensor | None,
+        device: torch.device | None,
+        context: str,
+    ) -> torch.Tensor:
+        params = entry.params
+        bits, block = params.get("bits"), params.get("block")
+        try:
+            check_params(bits, block)  # type: ignore[arg-type]
+        except QuantizationError as e:
+            raise CheckpointError(f"{context}: {e}") from e
+        if params.get("packing") != PACKING:
+            raise CheckpointError(
+                f"{context}: packing {params.get('packing')!r} is not supported, expected {PACKING!r}"
+            )
+        if entry.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{context}: log2 entry has dtype {entry.dtype}, expected float32, float16 or bfloat16"
+            )
+        shape = tuple(entry.shape)
+        numel = math.prod(shape)
+        codes = entry_buffer(entry, "codes", context)
+        want = packed_nbytes(numel, bits)  # type: ignore[arg-type]
+        if codes.dtype != torch.uint8 or codes.numel() != want:
+            raise CheckpointError(
+                f"{context}: codes are {codes.dtype} x {codes.numel()}, expected uint8 x {want} "
+                f"for shape {shape} at {bits} bits"
+            )
+        nblocks = num_blocks(numel, block)  # type: ignore[arg-type]
+        bounds = []
+        for name in ("lo", "hi"):
+            b = entry_buffer(entry, name, context)
+            if b.dtype != torch.int32 or b.numel() != nblocks:
+                raise CheckpointError(
+                    f"{context}: {name} is {b.dtype} x {b.numel()}, expected int32 x {nblocks} "
+                    f"for shape {shape} and block {block}"
+                )
+            bounds.append(b.reshape(-1))
+        dev = codes.device if device is None else device
+        q = Log2Tensor(
+            codes=move_to(codes.reshape(-1), dev),
+            lo=move_to(bounds[0], dev),
+            hi=move_to(bounds[1], dev),
+            shape=shape,
+            dtype=entry.dtype,
+            bits=bits,  # type: ignore[arg-type]
+            block=block,  # type: ignore[arg-type]
+            unusable=torch.zeros((), dtype=torch.bool, device=dev),
+        )
+        return dequantize_log2(q)
+
+
+__all__ = [
+    "Log2Tensor",
+    "Log2Codec",
+    "quantize_log2",
+    "dequantize_log2",
+    "quantize_log2_torch",
+    "dequantize_log2_torch",
+    "levels",
+]

@@ -68,12 +68,62 @@ def all_variants() -> list[Variant]:
     return out
 
 
+LOG2_BLOCKS = (128, 4096)
+
+
+def log2_variants() -> list[Variant]:
+    """The ``log2`` codec's kernels: bits x blocks x dtypes x {main, tail} x targets (no
+    reference: the codec has none)."""
+    return [
+        Variant(op, bits, block, dtype, None, masked, cc)
+        for op in ("log2-encode", "log2-decode")
+        for bits in BITS
+        for block in LOG2_BLOCKS
+        for dtype in DTYPES
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+
+
+def every_variant() -> list[Variant]:
+    """Everything the children compile."""
+    return all_variants() + log2_variants()
+
+
+def _log2_source(v: Variant):
+    from triton.compiler import ASTSource
+
+    from tw_triton.kernels._tiles import rows_per_program
+    from tw_triton.kernels.dequantize_log2 import dequantize_log2_kernel
+    from tw_triton.kernels.quantize_log2 import quantize_log2_kernel
+
+    if v.op == "log2-encode":
+        fn = quantize_log2_kernel
+        signature = {"x_ptr": f"*{v.dtype}", "codes_ptr": "*u8", "lo_ptr": "*i32", "hi_ptr": "*i32"}
+    else:
+        fn = dequantize_log2_kernel
+        signature = {"codes_ptr": "*u8", "lo_ptr": "*i32", "hi_ptr": "*i32", "out_ptr": f"*{v.dtype}"}
+    signature.update({"n": "i32", "row0": "i32"})
+    constexprs = {"MASKED": v.masked, "BITS": v.bits, "BLOCK": v.block, "ROWS": rows_per_program(v.block)}
+    signature.update({name: "constexpr" for name in constexprs})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
 def compile_variant(v: Variant):
     """Compile ``v`` for ``sm_{v.cc}`` (PTX and cubin); returns triton's ``CompiledKernel``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if v.op.startswith("log2-"):
+        from tw_triton.kernels._tiles import NUM_WARPS
+
+        return triton.compile(
+            _log2_source(v),
+            target=GPUTarget("cuda", v.cc, 32),
+            options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
+        )
     if v.op == "encode":
         from tw_triton.kernels.quantize_blockwise import (
             NUM_WARPS,
@@ -185,7 +235,7 @@ def facts(v: Variant) -> dict:
 
 
 def compile_in_children(out_dir: Path, processes: int) -> dict[str, dict]:
-    """Compile :func:`all_variants` in ``processes`` child processes; facts by label."""
+    """Compile :func:`every_variant` in ``processes`` child processes; facts by label."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     children = []
     for i in range(processes):
@@ -211,7 +261,7 @@ def _main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: interpreted jit functions cannot be compiled")
     index, count = (int(p) for p in args.shard.split("/"))
-    result = {v.label: facts(v) for v in all_variants()[index::count]}
+    result = {v.label: facts(v) for v in every_variant()[index::count]}
     Path(args.out).write_text(json.dumps(result))
 
 

@@ -97,3 +97,40 @@ def test_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, variant: _ptx
             assert "ld.global.v4.b32" in loads, loads
         # The decoded tile is written with 16-byte vector stores only.
         assert set(stores) == {"st.global.v4.b32"}, stores
+
+
+LOG2_VARIANTS = _ptx.log2_variants()
+
+
+@pytest.mark.parametrize("variant", LOG2_VARIANTS, ids=lambda v: v.label)
+def test_log2_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, variant: _ptx.Variant) -> None:
+    """The second-moment codec's kernels: the same rules as the blockwise ones."""
+    facts = ptx_facts[variant.label]
+    ops = facts["opcodes"]
+    assert facts["cubin_bytes"] > 0
+    assert facts["ptx_target"].startswith(f"sm_{variant.cc}"), facts["ptx_target"]
+    assert not _ops(facts, "div.full") and not _ops(facts, "div.approx"), _ops(facts, "div")
+    assert ops.get("div.rn.f32", 0) > 0  # step = (hi - lo) / N, and the encoder's quotient
+    assert not [op for op in ops if op.startswith("fma")], ops
+    assert not [op for op in ops if re.match(r"mad\.(rn|rz|rm|rp|f)", op)], ops
+    assert "mul.f32" not in ops and "add.f32" not in ops and "sub.f32" not in ops
+    assert not [op for op in ops if ".ftz" in op], ops
+    # int32 -> fp32 conversions round to nearest, as torch's do on the CPU.
+    assert ops.get("cvt.rn.f32.s32", 0) > 0, ops
+    if variant.op == "log2-decode":
+        assert ops.get("mul.rn.f32", 0) > 0 and ops.get("add.rn.f32", 0) > 0, ops
+        # fp32 -> int32 truncates, as torch's .to(torch.int32) does.
+        assert ops.get("cvt.rzi.s32.f32", 0) > 0, ops
+    assert facts["ctaid_uses"], "program id register never read"
+    narrow = [op for op in facts["ctaid_uses"] if not _WIDE.match(op)]
+    assert not narrow, f"program id used in 32-bit arithmetic: {narrow}"
+    if variant.masked:
+        return
+    loads = _ops(facts, "ld.global")
+    stores = _ops(facts, "st.global")
+    if variant.op == "log2-encode":
+        assert "ld.global.v4.b32" in loads and not [op for op in loads if op.endswith((".b8", ".b16"))], loads
+        assert not [op for op in stores if op.endswith((".b8", ".b16"))], stores
+    else:
+        assert not [op for op in loads if op.endswith((".b8", ".b16"))], loads
+        assert set(stores) == {"st.global.v4.b32"}, stores

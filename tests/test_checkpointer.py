@@ -18,6 +18,7 @@ from tw_triton.checkpointer import (
     restore_rng_state,
 )
 from tw_triton.errors import CheckpointError
+from tw_triton.format import read_manifest
 
 
 def make_run(seed: int):
@@ -56,10 +57,11 @@ def seed_all(seed: int) -> None:
 
 @pytest.mark.parametrize("async_write", [True, False])
 def test_restore_from_keyframe_continues_bit_for_bit(tmp_path, async_write):
+    # rules="default" keeps the optimizer moments exact, so a keyframe is the whole state.
     seed_all(0)
     model, opt, sched, scaler = make_run(0)
     train(model, opt, sched, 4)
-    with Checkpointer(tmp_path, async_write=async_write, fsync=False) as ckpt:
+    with Checkpointer(tmp_path, async_write=async_write, fsync=False, rules="default") as ckpt:
         ckpt.save(4, model=model, optimizer=opt, scheduler=sched, scaler=scaler, note="hello")
         assert ckpt.infos()[0].kind == "keyframe"
     expected = train(model, opt, sched, 5)
@@ -131,7 +133,7 @@ def test_restore_of_the_latest_reads_each_file_once(tmp_path, monkeypatch):
 def test_delta_stores_model_weights_quantized_and_optimizer_exact(tmp_path):
     model, opt, sched, _ = make_run(2)
     train(model, opt, sched, 2)
-    with Checkpointer(tmp_path, keyframe_every=5, fsync=False) as ckpt:
+    with Checkpointer(tmp_path, keyframe_every=5, fsync=False, rules="default") as ckpt:
         ckpt.save(1, model=model, optimizer=opt)
         train(model, opt, sched, 1)
         ckpt.save(2, model=model, optimizer=opt)
@@ -301,3 +303,38 @@ def test_cuda_run_restores_on_device(tmp_path):
     state = Checkpointer(tmp_path).load(2, device="cuda")
     for k, v in model.state_dict().items():
         assert torch.equal(state["model"][k], v)
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_default_keyframe_keeps_weights_exact_and_codes_the_moments(tmp_path, async_write):
+    """Under the default preset a keyframe stores the weights (the deltas' reference) exact
+    and the large AdamW moments coded: exp_avg blockwise, exp_avg_sq by log2 (never below
+    zero, zero exactly where it was zero). The next delta decodes against exact weights."""
+    seed_all(2)
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+    with Checkpointer(tmp_path, async_write=async_write, fsync=False) as ckpt:
+        ckpt.save(1, model=model, optimizer=opt)
+        ckpt.save(2, model=model, optimizer=opt)
+        ckpt.flush()
+        assert [i.kind for i in ckpt.infos()] == ["keyframe", "delta"]
+        codecs = {p: e["codec"] for p, e in read_manifest(ckpt.path_for(1))["entries"].items()}
+    assert codecs["model/0.weight"] == "exact" and codecs["model/2.weight"] == "exact"
+    assert codecs["optimizer/state/0/exp_avg"] == "blockwise"
+    assert codecs["optimizer/state/0/exp_avg_sq"] == "log2"
+    assert codecs["optimizer/state/1/exp_avg_sq"] == "exact"  # a bias: below 4096 elements
+    for step in (1, 2):
+        state = Checkpointer(tmp_path).load(step)
+        for name, p in model.state_dict().items():
+            if step == 1:
+                assert torch.equal(state["model"][name], p)
+            else:
+                assert float((state["model"][name] - p).abs().max()) <= float(p.abs().max()) / 100
+        for i, s in opt.state_dict()["state"].items():
+            v, v_hat = s["exp_avg_sq"], state["optimizer"]["state"][i]["exp_avg_sq"]
+            assert bool(((v == 0) == (v_hat == 0)).all()) and bool((v_hat >= 0).all())

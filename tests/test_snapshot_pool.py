@@ -178,7 +178,7 @@ def test_buffers_come_back_only_after_the_write_with_a_slow_writer(tmp_path, mon
 
     monkeypatch.setattr(fmt, "write_file", held_write)
     model, opt = make_run()
-    ckpt = Checkpointer(tmp_path, keyframe_every=3, keep_last=None, fsync=False,
+    ckpt = Checkpointer(tmp_path, keyframe_every=3, keep_last=None, fsync=False, rules="default",
                         async_write=async_write, max_pending=2)
     wants, kinds, overlapped = {}, {}, 0
     for step in range(7):
@@ -247,7 +247,7 @@ def test_reference_buffers_outlive_a_delta_still_encoding_on_the_writer(tmp_path
 
     monkeypatch.setattr(ck, "_encode_snapshot", held_encode)
     model, opt = make_run()
-    ckpt = Checkpointer(tmp_path, keyframe_every=2, keep_last=None, fsync=False, max_pending=2)
+    ckpt = Checkpointer(tmp_path, keyframe_every=2, keep_last=None, fsync=False, max_pending=2, rules="default")
     wants = {}
     go.set()
     ckpt.save(0, aux=aux_of(0), model=model, optimizer=opt)  # keyframe: the reference

@@ -102,7 +102,7 @@ from . import format as _format
 from .codecs import get_codec
 from .errors import CheckpointError, ReferenceMismatchError, TwTritonError
 from .qstate import QuantizedState
-from .rules import resolve_rules, select_rule
+from .rules import keyframe_rules, resolve_rules, rules_as_specs, select_rule
 from .snapshot_pool import SnapshotLease, SnapshotPool
 from .state import load as _load_state
 from .state import dequantize_state_dict, quantize_state_dict
@@ -116,6 +116,9 @@ STEP_DIGITS = 8
 RESERVED_NAMES = ("step", "rng")
 _NAME_RE = re.compile(r"step-(\d+)\.tw\.safetensors")
 _UNESCAPE_RE = re.compile(r"%(25|2F)")
+
+# The smallest preset the resume benchmarks measured within the noise floor (README).
+DEFAULT_RULES = "small"
 
 KIND_KEYFRAME = "keyframe"  # everything exact, no reference
 KIND_DELTA = "delta"  # quantized entries are deltas from a keyframe
@@ -273,7 +276,7 @@ class Checkpointer:
         *,
         keyframe_every: int = 10,
         keep_last: int | None = 3,
-        rules: Any = None,
+        rules: Any = DEFAULT_RULES,
         bits: int = 8,
         block: int = 128,
         async_write: bool = True,
@@ -372,27 +375,41 @@ class Checkpointer:
         meta: dict[str, Any] = {"step": step, "saved_at": time.time()}
         lease = self._new_lease()
         reference = self._reference if self.delta else None
+        # What the writer thread could fail on is checked here, so it reaches the loop now.
+        rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
+        kf_rules = rules_as_specs(keyframe_rules(rule_list))
+        ref_values: dict[str, torch.Tensor] = {}
         try:
-            if not keyframe and self._writer is not None and _all_on_cpu(tree):
+            if self._writer is not None and _all_on_cpu(tree):
                 # Only the copy blocks the loop; the writer thread encodes the copy.
-                q_id, q_ref_id = uuid.uuid4().hex, reference.checkpoint_id if reference else None
-                # What the writer thread could fail on, checked here so it reaches the loop now.
-                rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
-                if reference is not None:
+                q_id = uuid.uuid4().hex
+                q_ref_id = reference.checkpoint_id if reference is not None and not keyframe else None
+                if reference is not None and not keyframe:
                     _check_reference(tree, rule_list, reference, path)
                 snap_q = quantize_state_dict(tree, rules="exact", checkpoint_id=q_id, allocate=lease)
                 snapshot = dequantize_state_dict(snap_q)  # a tree over snap_q's buffers, no copy
                 del snap_q
-                future = self._write(functools.partial(
-                    _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block, meta, q_id,
-                ), path)
-                if reference is not None:
+                if keyframe:
+                    job = functools.partial(
+                        _encode_keyframe, snapshot, kf_rules, self.bits, self.block, meta, q_id
+                    )
+                    ref_values = flatten(snapshot)[0]
+                else:
+                    job = functools.partial(
+                        _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block,
+                        meta, q_id,
+                    )
+                future = self._write(job, path)
+                if reference is not None and not keyframe:
                     reference.last_use = future
             else:
                 if keyframe:
-                    q = quantize_state_dict(tree, rules="exact", bits=self.bits, block=self.block,
-                                            metadata=meta, allocate=lease)
-                    q.metadata["kind"] = KIND_KEYFRAME
+                    q = _encode_keyframe(tree, kf_rules, self.bits, self.block, meta, None,
+                                         allocate=lease)
+                    # The tensors deltas are coded against are exact entries of the keyframe.
+                    ref_values = {
+                        p: e.buffers["data"] for p, e in q.entries.items() if e.codec == "exact"
+                    }
                 else:
                     q = _encode_snapshot(tree, reference, self.rules, self.bits, self.block, meta, None,
                                          allocate=lease)
@@ -410,7 +427,9 @@ class Checkpointer:
         self._inflight[step] = (future, q_id, q_ref_id)
         if keyframe:
             self._since_keyframe = 0
-            self._reference = self._make_reference(q, tree, step, future) if self.delta else None
+            self._reference = (
+                self._make_reference(q_id, ref_values, rule_list, step, future) if self.delta else None
+            )
             if self._reference is not None and lease is not None:
                 # The reference outlives this save's write: its buffers leave the lease.
                 self._reference.lease = lease.split(list(_leaves(self._reference.tree)))
@@ -653,22 +672,29 @@ class Checkpointer:
             return self._writer.submit(q, path)
         return _done_future(_format.write_file(q, path, fsync=self.fsync))
 
-    def _make_reference(self, q: QuantizedState, tree: Any, step: int, future: Future) -> _Reference:
+    @staticmethod
+    def _make_reference(
+        checkpoint_id: str,
+        values: dict[str, torch.Tensor],
+        rule_list: Any,
+        step: int,
+        future: Future,
+    ) -> _Reference:
         """Keep the keyframe's values of the tensors that the rules will delta-code.
 
-        The keyframe is all exact, so its ``data`` buffers are the snapshot values; holding
-        them costs nothing more than not freeing them.
+        ``values`` are the keyframe's snapshot tensors (its exact entries, or the private
+        copy the writer thread encodes): the keyframe stores exactly these for every
+        delta-coded path (:func:`~tw_triton.rules.keyframe_rules`), so holding them costs
+        nothing more than not freeing them.
         """
-        rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
         flat: dict[str, torch.Tensor] = {}
-        for path, entry in q.entries.items():
-            data = entry.buffers["data"]
+        for path, data in values.items():
             rule = select_rule(rule_list, path, data)
             codec = get_codec(rule.codec)
             if codec is not None and codec.uses_reference(rule.params):
                 flat[path] = data
-        nbytes = sum(t.numel() * t.element_size() for t in flat.values())
-        return _Reference(q.checkpoint_id, step, _nest(flat), nbytes, future)
+        nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in flat.values()}.values())
+        return _Reference(checkpoint_id, step, _nest(flat), nbytes, future)
 
     def _drop_reference_if_lost(self) -> None:
         """A keyframe whose write failed cannot serve as a reference: start a new one."""
@@ -955,6 +981,28 @@ def _encode_snapshot(
         q = quantize_state_dict(snapshot, rules=rules, bits=bits, block=block, metadata=meta,
                                 checkpoint_id=checkpoint_id, allocate=allocate, copy=not deferred)
         q.metadata["kind"] = KIND_STANDALONE
+    return q
+
+
+def _encode_keyframe(
+    snapshot: Any,
+    rules: Any,
+    bits: int,
+    block: int,
+    meta: dict[str, Any],
+    checkpoint_id: str | None,
+    *,
+    allocate: SnapshotLease | None = None,
+) -> QuantizedState:
+    """Encode a keyframe with ``rules`` (the keyframe rules: delta-coded tensors exact).
+
+    With ``checkpoint_id`` it runs on the writer thread over ``snapshot``, a private copy
+    (exact entries hold its tensors); without, in ``save`` over the live state.
+    """
+    deferred = checkpoint_id is not None
+    q = quantize_state_dict(snapshot, rules=rules, bits=bits, block=block, metadata=meta,
+                            checkpoint_id=checkpoint_id, allocate=allocate, copy=not deferred)
+    q.metadata["kind"] = KIND_KEYFRAME
     return q
 
 

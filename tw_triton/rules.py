@@ -44,6 +44,19 @@ delta can make them negative), and a resumed AdamW then takes huge or NaN steps.
 resume-fidelity benchmark (``benchmarks/resume_fidelity.py``, ``resume_minilm.py``) measured
 exactly that, while ``exp_avg`` alone kept the resumed loss within 0.02 % of the original.
 
+Presets by intent, for a whole training state (model and AdamW), each followed by the
+defaults. Weights are deltas from the keyframe; the moments are coded on their own (``exp_avg``
+blockwise without a reference, ``exp_avg_sq`` by the ``log2`` codec, which never decodes a
+negative value nor a zero where there was none), both from 4096 elements up:
+
+``"safe"``      weight deltas int8, ``exp_avg`` int8, ``exp_avg_sq`` log2 8 bits;
+``"small"``     weight deltas int8, ``exp_avg`` int4, ``exp_avg_sq`` log2 4 bits (the
+                :class:`~tw_triton.checkpointer.Checkpointer` default);
+``"smallest"``  weight deltas int4, ``exp_avg`` int4, ``exp_avg_sq`` log2 2 bits.
+
+The resume benchmarks (``benchmarks/resume_fidelity.py``, ``resume_minilm.py``) measure each
+against the noise floor; the README has the numbers.
+
 A preset is the whole ``rules`` value; it is not mixed into a list, which keeps the order
 of matching obvious.
 """
@@ -63,7 +76,18 @@ DEFAULT_MIN_NUMEL = 4096
 MODEL_KEYS = ("model", "model_state_dict", "state_dict")
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict")
 _BITS_ALIASES = {"int8": 8, "int4": 4, "int2": 2}
-PRESETS = ("default", "exact", "int8-delta", "int4-delta", "int8-exp-avg")
+PRESETS = (
+    "default", "exact", "int8-delta", "int4-delta", "int8-exp-avg", "safe", "small", "smallest",
+)
+# The presets by intent: (weight-delta bits, exp_avg bits, exp_avg_sq log2 bits). Globs end
+# with the moment's name, so they match whatever name the optimizer was saved under.
+MOMENT_PRESETS: dict[str, tuple[int, int, int]] = {
+    "safe": (8, 8, 8),
+    "small": (8, 4, 4),
+    "smallest": (4, 4, 2),
+}
+FIRST_MOMENT_GLOB = "*exp_avg"
+SECOND_MOMENT_GLOB = "*exp_avg_sq"
 
 
 @dataclass(frozen=True)
@@ -172,7 +196,40 @@ def _preset_rules(name: str, state: Any, *, bits: int, block: int) -> list[Rule]
             for k in OPTIMIZER_KEYS
         ]
         return moments + default_rules(state, bits=8, block=block)
+    if name in MOMENT_PRESETS:
+        w_bits, m_bits, v_bits = MOMENT_PRESETS[name]
+        where = f"preset {name}"
+        moments = [
+            make_rule(SECOND_MOMENT_GLOB, {"codec": "log2", "bits": v_bits, "min_numel": DEFAULT_MIN_NUMEL},
+                      bits=bits, block=block, where=where),
+            make_rule(FIRST_MOMENT_GLOB, {"codec": "blockwise", "bits": m_bits, "delta": False,
+                                          "min_numel": DEFAULT_MIN_NUMEL},
+                      bits=bits, block=block, where=where),
+        ]
+        return moments + default_rules(state, bits=w_bits, block=block)
     raise QuantizationError(f"unknown rules preset {name!r}; presets: {', '.join(PRESETS)}")
+
+
+def keyframe_rules(rules: Sequence[Rule]) -> list[Rule]:
+    """``rules`` with every rule that codes a delta made exact: what a keyframe stores.
+
+    A keyframe is the reference of the deltas after it, so the tensors they delta-code are
+    stored exact; tensors coded on their own (optimizer moments under a moment preset) keep
+    their codec, so a keyframe is smaller than an exact one and a delta decodes against
+    exact values.
+    """
+    out = []
+    for rule in rules:
+        codec = get_codec(rule.codec)
+        if codec is not None and codec.uses_reference(rule.params):
+            rule = Rule(rule.pattern, "exact", {}, rule.min_numel)
+        out.append(rule)
+    return out
+
+
+def rules_as_specs(rules: Sequence[Rule]) -> list[tuple[str, dict[str, Any]]]:
+    """Resolved rules as ``(glob, spec)`` pairs that :func:`resolve_rules` takes back."""
+    return [(r.pattern, {"codec": r.codec, **r.params, "min_numel": r.min_numel}) for r in rules]
 
 
 def resolve_rules(rules: Any, state: Any, *, bits: int, block: int) -> list[Rule]:

@@ -21,12 +21,17 @@ What a save holds
     and Python's ``random``. ``step`` and ``rng`` are therefore reserved names.
 
 Keyframes and deltas
-    Every ``keyframe_every``-th save (and the first save of a process) is a *keyframe*:
-    everything stored exact, so restoring from it is bit for bit. The saves in between are
-    *deltas*: the tensors the rules quantize (by default the float tensors of at least 4096
-    elements under the name ``model``, so pass the model as ``model=``, or give ``rules``)
-    are stored as the blockwise-quantized difference from the last keyframe; everything else (optimizer moments, counters, RNG) stays exact. A delta file
-    names its keyframe by checkpoint id; loading it reads both files.
+    Every ``keyframe_every``-th save (and the first save of a process) is a *keyframe*. The
+    saves in between are *deltas*: the tensors the rules delta-code (the float tensors of at
+    least 4096 elements under the name ``model``, so pass the model as ``model=``, or give
+    ``rules``) are stored as the blockwise-quantized difference from the last keyframe. A
+    keyframe stores exactly those tensors exact (:func:`~tw_triton.rules.keyframe_rules`),
+    so deltas decode against exact values, and codes everything else by the rules. The
+    default rules are the preset ``"small"`` (:data:`DEFAULT_RULES`): AdamW's ``exp_avg`` in
+    int4 and ``exp_avg_sq`` by the ``log2`` codec, in keyframes and deltas alike; counters,
+    small tensors and RNG states stay exact. With ``rules="default"`` the optimizer is exact
+    and restoring a keyframe is bit for bit. A delta file names its keyframe by checkpoint
+    id; loading it reads both files.
 
 Device memory of deltas
     To encode deltas, the keyframe's values of the quantized-by-rule tensors stay where the
@@ -247,12 +252,13 @@ class Checkpointer:
 
     Args:
         directory: where the checkpoints go (created if missing).
-        keyframe_every: one save in this many is an exact keyframe (1: all exact).
+        keyframe_every: one save in this many is a keyframe (1: no deltas).
         keep_last: how many of the newest checkpoints retention keeps (plus the keyframes
             they need); ``None`` keeps everything.
-        rules: which tensors are quantized, as in :func:`tw_triton.quantize_state_dict`
-            (``None``: the defaults; a preset name; ``[(glob, codec spec), ...]``). Paths
-            start with the names given to :meth:`save` (``model/...``, ``optimizer/...``).
+        rules: which tensors are coded how, as in :func:`tw_triton.quantize_state_dict`
+            (a preset name, default ``"small"``; ``None``: the library defaults, optimizer
+            exact; ``[(glob, codec spec), ...]``). Paths start with the names given to
+            :meth:`save` (``model/...``, ``optimizer/...``).
         bits, block: parameters of the quantizing rules.
         async_write: write on a background thread (``save`` returns a pending Future);
             ``False`` writes before ``save`` returns.

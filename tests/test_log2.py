@@ -178,7 +178,7 @@ def test_log2_decode_names_the_entry_on_malformed_buffers(tmp_path) -> None:
     q = tw_triton.quantize_state_dict({"optimizer": opt.state_dict()}, rules=RULES)
     path, entry = next((p, e) for p, e in q.entries.items() if e.codec == "log2")
     entry.buffers["hi"] = entry.buffers["hi"][:-1]
-    with pytest.raises(CheckpointError, match=r"exp_avg_sq.*hi is torch.int32 x"):
+    with pytest.raises(CheckpointError, match=r"exp_avg_sq.*hi are torch.int32 x"):
         tw_triton.dequantize_state_dict(q)
     entry.buffers.pop("hi")
     with pytest.raises(CheckpointError, match="expects a buffer 'hi'"):

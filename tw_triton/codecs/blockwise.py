@@ -673,6 +673,60 @@ def dequantize(
     return flat.view(q.shape)
 
 
+def stored_codes(entry: EncodedEntry, context: str) -> tuple[int, int, torch.Tensor]:
+    """``(bits, block, codes)`` of a stored entry of a packed-code codec, checked.
+
+    Checks what every codec with LSB-first packed codes shares: ``bits`` and ``block``,
+    the packing, a float dtype, and a ``codes`` buffer of the right size.
+
+    Raises:
+        CheckpointError: naming ``context`` and what was expected.
+    """
+    params = entry.params
+    bits, block = params.get("bits"), params.get("block")
+    try:
+        check_params(bits, block)  # type: ignore[arg-type]
+    except QuantizationError as e:
+        raise CheckpointError(f"{context}: {e}") from e
+    if params.get("packing") != PACKING:
+        raise CheckpointError(
+            f"{context}: packing {params.get('packing')!r} is not supported, expected {PACKING!r}"
+        )
+    if entry.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(
+            f"{context}: {entry.codec} entry has dtype {entry.dtype}, expected one of "
+            "float32, float16, bfloat16"
+        )
+    shape = tuple(entry.shape)
+    codes = entry_buffer(entry, "codes", context)
+    want = packed_nbytes(math.prod(shape), bits)  # type: ignore[arg-type]
+    if codes.dtype != torch.uint8 or codes.numel() != want:
+        raise CheckpointError(
+            f"{context}: codes are {codes.dtype} x {codes.numel()}, expected uint8 x "
+            f"{want} for shape {shape} at {bits} bits"
+        )
+    return bits, block, codes  # type: ignore[return-value]
+
+
+def per_block_buffer(
+    entry: EncodedEntry, name: str, dtype: torch.dtype, block: int, context: str
+) -> torch.Tensor:
+    """The buffer ``name`` of ``entry``, checked to hold one ``dtype`` value per block.
+
+    Raises:
+        CheckpointError: naming ``context`` and what was expected.
+    """
+    shape = tuple(entry.shape)
+    want = num_blocks(math.prod(shape), block)
+    buf = entry_buffer(entry, name, context)
+    if buf.dtype != dtype or buf.numel() != want:
+        raise CheckpointError(
+            f"{context}: {name} are {buf.dtype} x {buf.numel()}, expected "
+            f"{str(dtype).removeprefix('torch.')} x {want} for shape {shape} and block {block}"
+        )
+    return buf
+
+
 class BlockwiseCodec(Codec):
     """Blockwise absmax integer codec (delta from a reference when one is given)."""
 
@@ -729,35 +783,10 @@ class BlockwiseCodec(Codec):
         context: str,
     ) -> torch.Tensor:
         params = entry.params
-        bits, block = params.get("bits"), params.get("block")
-        try:
-            check_params(bits, block)  # type: ignore[arg-type]
-        except QuantizationError as e:
-            raise CheckpointError(f"{context}: {e}") from e
-        if params.get("packing") != PACKING:
-            raise CheckpointError(
-                f"{context}: packing {params.get('packing')!r} is not supported, expected {PACKING!r}"
-            )
-        if entry.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(
-                f"{context}: blockwise entry has dtype {entry.dtype}, expected one of "
-                "float32, float16, bfloat16"
-            )
+        bits, block, codes = stored_codes(entry, context)
         shape = tuple(entry.shape)
         numel = math.prod(shape)
-        codes = entry_buffer(entry, "codes", context)
-        scales = entry_buffer(entry, "scales", context)
-        want_codes, want_scales = packed_nbytes(numel, bits), num_blocks(numel, block)
-        if codes.dtype != torch.uint8 or codes.numel() != want_codes:
-            raise CheckpointError(
-                f"{context}: codes are {codes.dtype} x {codes.numel()}, expected uint8 x "
-                f"{want_codes} for shape {shape} at {bits} bits"
-            )
-        if scales.dtype != torch.float32 or scales.numel() != want_scales:
-            raise CheckpointError(
-                f"{context}: scales are {scales.dtype} x {scales.numel()}, expected float32 x "
-                f"{want_scales} for shape {shape} and block {block}"
-            )
+        scales = per_block_buffer(entry, "scales", torch.float32, block, context)
         if self.uses_reference(params) and reference is None:
             raise CheckpointError(f"{context}: delta entry decoded without its reference tensor")
         dev = codes.device if device is None else device

@@ -44,10 +44,18 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import CheckpointError, QuantizationError
+from ..errors import QuantizationError
 from ..qstate import EncodedEntry
-from .base import Codec, Encoded, entry_buffer, move_to
-from .blockwise import FLOAT_DTYPES, PACKING, check_params, num_blocks, packed_nbytes
+from .base import Codec, Encoded, move_to
+from .blockwise import (
+    FLOAT_DTYPES,
+    PACKING,
+    check_params,
+    num_blocks,
+    packed_nbytes,
+    per_block_buffer,
+    stored_codes,
+)
 
 # bits(+inf): every t at or above it is +inf or a NaN with the sign bit clear.
 _F32_INF_BITS = 0x7F800000
@@ -302,44 +310,14 @@ class Log2Codec(Codec):
         device: torch.device | None,
         context: str,
     ) -> torch.Tensor:
-        params = entry.params
-        bits, block = params.get("bits"), params.get("block")
-        try:
-            check_params(bits, block)  # type: ignore[arg-type]
-        except QuantizationError as e:
-            raise CheckpointError(f"{context}: {e}") from e
-        if params.get("packing") != PACKING:
-            raise CheckpointError(
-                f"{context}: packing {params.get('packing')!r} is not supported, expected {PACKING!r}"
-            )
-        if entry.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(
-                f"{context}: log2 entry has dtype {entry.dtype}, expected float32, float16 or bfloat16"
-            )
+        bits, block, codes = stored_codes(entry, context)
+        lo, hi = (per_block_buffer(entry, n, torch.int32, block, context) for n in ("lo", "hi"))
         shape = tuple(entry.shape)
-        numel = math.prod(shape)
-        codes = entry_buffer(entry, "codes", context)
-        want = packed_nbytes(numel, bits)  # type: ignore[arg-type]
-        if codes.dtype != torch.uint8 or codes.numel() != want:
-            raise CheckpointError(
-                f"{context}: codes are {codes.dtype} x {codes.numel()}, expected uint8 x {want} "
-                f"for shape {shape} at {bits} bits"
-            )
-        nblocks = num_blocks(numel, block)  # type: ignore[arg-type]
-        bounds = []
-        for name in ("lo", "hi"):
-            b = entry_buffer(entry, name, context)
-            if b.dtype != torch.int32 or b.numel() != nblocks:
-                raise CheckpointError(
-                    f"{context}: {name} is {b.dtype} x {b.numel()}, expected int32 x {nblocks} "
-                    f"for shape {shape} and block {block}"
-                )
-            bounds.append(b.reshape(-1))
         dev = codes.device if device is None else device
         q = Log2Tensor(
             codes=move_to(codes.reshape(-1), dev),
-            lo=move_to(bounds[0], dev),
-            hi=move_to(bounds[1], dev),
+            lo=move_to(lo.reshape(-1), dev),
+            hi=move_to(hi.reshape(-1), dev),
             shape=shape,
             dtype=entry.dtype,
             bits=bits,  # type: ignore[arg-type]

@@ -397,7 +397,7 @@ def test_wrong_tensor_key(tmp_path, good):
 
 @pytest.mark.parametrize(
     "version, match",
-    [(2, "unknown format version 2.*newer"), (0, "unknown format version 0"), ("1", "version '1'"), (True, "version True"), (None, "version None")],
+    [(3, "unknown format version 3.*reads versions 1, 2.*newer"), (2**70, "version 1180591620717411303424.*newer"), (0, "unknown format version 0"), ("1", "version '1'"), (True, "version True"), (None, "version None")],
 )
 def test_unknown_version(tmp_path, good, version, match):
     def edit(h, m):

@@ -17,7 +17,7 @@ import tw_triton
 from _format_samples import STAGE_EVERYTHING, assert_same_state, sample_state
 from tw_triton import format as fmt
 from tw_triton.codecs import entropy
-from tw_triton.codecs.entropy import EntropyPolicy, check_zstd_frame, choose_stage, get_stage
+from tw_triton.codecs.entropy import EntropyPolicy, candidate_stages, check_zstd_frame, get_stage
 from tw_triton.errors import CheckpointError
 from tw_triton.writer import AsyncWriter
 
@@ -224,14 +224,25 @@ def test_stage_params_are_checked(name, params, itemsize, match):
 def test_policy_picks_the_stage_by_dtype_and_size():
     auto = entropy.AUTO
     big = entropy.MIN_STAGE_BYTES
-    assert choose_stage(torch.uint8, big, auto) == "zstd"
-    assert choose_stage(torch.bool, big, auto) == "zstd"
-    assert choose_stage(torch.int64, big, auto) == "zstd"
+    assert candidate_stages(torch.uint8, big, auto) == ("zstd",)
+    assert candidate_stages(torch.bool, big, auto) == ("zstd",)
+    assert set(candidate_stages(torch.int64, big, auto)) == set(STAGES)
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        assert choose_stage(dt, big, auto) == "zstd-bytegroup"
-    assert choose_stage(torch.float32, big - 1, auto) is None
-    assert choose_stage(torch.uint8, 0, EntropyPolicy(min_bytes=0)) is None
-    assert choose_stage(torch.float32, big, EntropyPolicy(stage="zstd")) == "zstd"
+        assert candidate_stages(dt, big, auto) == ("zstd-bytegroup",)
+    assert candidate_stages(torch.float32, big - 1, auto) == ()
+    assert candidate_stages(torch.uint8, 0, EntropyPolicy(min_bytes=0)) == ()
+    assert candidate_stages(torch.float32, big, EntropyPolicy(stage="zstd")) == ("zstd",)
+
+
+def test_integers_get_the_smaller_of_both_stages():
+    g = torch.Generator().manual_seed(0)
+    counters = torch.randint(-9, 9, (4096,), generator=g)  # int64: zstd wins
+    float_bits = (torch.randn(4096, generator=g) * 1e-3).view(torch.int32)  # grouping wins
+    for t, winner in ((counters, "zstd"), (float_bits, "zstd-bytegroup")):
+        sizes = {n: len(get_stage(n).encode(as_bytes(t), t.element_size(), 3)[0]) for n in STAGES}
+        assert min(sizes, key=sizes.get) == winner
+        staged = entropy.encode_buffer(t, as_bytes(t), entropy.AUTO)
+        assert staged.record["name"] == winner and len(staged.data) == sizes[winner]
 
 
 def test_policy_keeps_a_stage_only_when_it_saves_enough():

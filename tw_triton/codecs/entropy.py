@@ -18,9 +18,9 @@ Built in:
     well once they are together; the low mantissa bytes are near random either way.
     Parameter ``width`` is the element size; decoding undoes the grouping.
 
-:func:`choose_stage` is the policy: which stage a buffer gets (by element size), buffers
-under :data:`MIN_STAGE_BYTES` stay raw, and a stage is kept only where it saves at least
-:data:`MIN_SAVING` of the bytes. ``benchmarks/entropy_stage.py`` measures the stages on a
+:func:`candidate_stages` and :func:`encode_buffer` are the policy: which stage a buffer
+gets (by dtype), buffers under :data:`MIN_STAGE_BYTES` stay raw, and a stage is kept only
+where it saves at least :data:`MIN_SAVING` of the bytes. ``benchmarks/entropy_stage.py`` measures the stages on a
 real training state (``benchmarks/results/entropy_stage.md``).
 
 Reading is bounded: :meth:`Stage.check` walks the zstd frame's block headers before the
@@ -343,7 +343,7 @@ class EntropyPolicy:
         min_saving: a stage is kept only where it saves at least this fraction of the raw
             bytes; ``None`` keeps it whatever it gives (for tests of the format).
         stage: force this stage for every buffer it fits (``None``: by element size, see
-            :func:`choose_stage`).
+            :func:`candidate_stages`).
     """
 
     level: int = DEFAULT_LEVEL
@@ -372,19 +372,26 @@ def resolve_policy(entropy: Any) -> EntropyPolicy | None:
     raise CheckpointError(f"entropy must be 'auto', 'none', None or an EntropyPolicy, got {entropy!r}")
 
 
-def choose_stage(dtype: torch.dtype, nbytes: int, policy: EntropyPolicy) -> str | None:
-    """The stage to try for a buffer, or ``None`` to store it raw.
+def candidate_stages(dtype: torch.dtype, nbytes: int, policy: EntropyPolicy) -> tuple[str, ...]:
+    """The stages to try for a buffer (the smallest output wins); ``()`` to store it raw.
 
-    Floating (and complex) buffers of 2 bytes or more per element -> ``zstd-bytegroup``:
-    their high bytes hold sign and exponent. Everything else (1-byte codes, int8, bool, and
-    integers, whose small values already give zstd long runs of zero bytes that grouping
-    would break up) -> ``zstd``. Buffers under ``policy.min_bytes`` -> raw.
+    * under ``policy.min_bytes`` (or empty): raw;
+    * 1-byte elements (codes, int8, bool): ``zstd`` (grouping one byte changes nothing);
+    * floating and complex: ``zstd-bytegroup``, whose planes put sign and exponent bytes
+      together (it beat plain zstd on every float kind of the benchmark);
+    * wider integers: both. Small counters give zstd long runs of equal 8-byte patterns
+      that grouping breaks up, while integers that hold float bits (the log2 codec's
+      per-block bounds) group like floats; both kinds occur, and integer buffers are few.
     """
     if nbytes < policy.min_bytes or nbytes == 0:
-        return None
+        return ()
     if policy.stage is not None:
-        return policy.stage
-    return "zstd-bytegroup" if (dtype.is_floating_point or dtype.is_complex) and dtype.itemsize > 1 else "zstd"
+        return (policy.stage,)
+    if dtype.itemsize == 1:
+        return ("zstd",)
+    if dtype.is_floating_point or dtype.is_complex:
+        return ("zstd-bytegroup",)
+    return ("zstd-bytegroup", "zstd")
 
 
 @dataclass(frozen=True)
@@ -400,10 +407,14 @@ def encode_buffer(tensor: torch.Tensor, data: memoryview, policy: EntropyPolicy)
 
     Returns ``None`` where the buffer stays raw (too small, or the stage saved too little).
     """
-    name = choose_stage(tensor.dtype, len(data), policy)
-    if name is None:
+    best: tuple[bytes, str, dict[str, Any]] | None = None
+    for name in candidate_stages(tensor.dtype, len(data), policy):
+        stored, params = _STAGES[name].encode(data, tensor.element_size(), policy.level)
+        if best is None or len(stored) < len(best[0]):
+            best = (stored, name, params)
+    if best is None:
         return None
-    stored, params = _STAGES[name].encode(data, tensor.element_size(), policy.level)
+    stored, name, params = best
     if policy.min_saving is not None and len(stored) > len(data) * (1.0 - policy.min_saving):
         return None
     return StagedBytes(stored, {"name": name, "params": params, "raw_nbytes": len(data)})
@@ -422,7 +433,7 @@ __all__ = [
     "get_stage",
     "stage_names",
     "resolve_policy",
-    "choose_stage",
+    "candidate_stages",
     "encode_buffer",
     "check_zstd_frame",
 ]

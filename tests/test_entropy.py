@@ -31,10 +31,10 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
-def round_trip(name: str, t: torch.Tensor, level: int = 3) -> tuple[bytes, bytes]:
+def round_trip(name: str, t: torch.Tensor, level: int = 3, threads: int = 0) -> tuple[bytes, bytes]:
     stage = get_stage(name)
     raw = as_bytes(t)
-    stored, params = stage.encode(raw, t.element_size(), level)
+    stored, params = stage.encode(raw, t.element_size(), level, threads)
     stage.check_params(params, t.element_size(), "w")
     stage.check(memoryview(stored), params, len(raw), "w")
     out = bytearray(len(raw))
@@ -78,13 +78,27 @@ def test_every_stage_gives_the_bytes_back(name, dtype, n, kind, seed, level):
 
 @pytest.mark.parametrize("name", STAGES)
 def test_chunked_and_multithreaded_paths_give_the_bytes_back(name, monkeypatch):
-    """Small chunks and thread thresholds, so that a 1 MiB buffer takes the paths that
-    only buffers of many MiB take by default."""
+    """Small chunks and 2 zstd threads, so that a 1 MiB buffer takes the paths that only
+    buffers of many MiB take by default."""
     monkeypatch.setattr(entropy, "CHUNK_BYTES", 4099)
-    monkeypatch.setattr(entropy, "MT_MIN_BYTES", 1 << 16)
     t = (torch.randn(1 << 18, generator=torch.Generator().manual_seed(0)) * 1e-2).to(torch.float32)
-    raw, back = round_trip(name, t)
+    raw, back = round_trip(name, t, threads=2)
     assert back == raw
+
+
+def test_default_threads(monkeypatch):
+    big = entropy.MT_MIN_BYTES
+    for cores, expected in ((None, 0), (1, 0), (2, 0), (3, 0), (4, 2), (16, 8), (256, entropy.MAX_THREADS)):
+        monkeypatch.setattr(entropy.os, "cpu_count", lambda cores=cores: cores)
+        assert entropy.default_threads(big) == expected, cores
+        assert entropy.default_threads(big - 1) == 0
+    seen = []
+    real = entropy._zstd_compressor
+    monkeypatch.setattr(entropy, "_zstd_compressor", lambda level, threads: seen.append(threads) or real(level, threads))
+    t = torch.zeros(5000)
+    entropy.encode_buffer(t, as_bytes(t), EntropyPolicy(threads=2))
+    entropy.encode_buffer(t, as_bytes(t), entropy.AUTO)
+    assert seen == [2, 0]
 
 
 def test_bytegroup_puts_byte_k_of_every_element_together():
@@ -365,7 +379,7 @@ def test_register_stage():
     class Identity(entropy.Stage):
         name = "identity-test"
 
-        def encode(self, data, itemsize, level):
+        def encode(self, data, itemsize, level, threads=0):
             return bytes(data), {}
 
         def check_params(self, params, itemsize, where):

@@ -16,19 +16,38 @@ to the start of the data) and holds ``__metadata__`` (str -> str) with two keys:
 Tensor keys are ``"<entry path>:<buffer name>"``. Buffer names match ``[A-Za-z0-9_.-]+``
 (no colon), so the last colon splits a key unambiguously whatever the entry path holds.
 
-Buffers are laid out by decreasing element size (stable in entry order), so with the data
-section starting 8-byte aligned every buffer starts aligned to its element size, as
-safetensors' own writer does.
+Buffers are laid out by decreasing element size (stable in entry order; a staged buffer
+counts as bytes), so with the data section starting 8-byte aligned every buffer starts
+aligned to its element size, as safetensors' own writer does.
 
-Manifest, version 1::
+Manifest, version 2::
 
-    {"format": "tw_triton", "version": 1,
+    {"format": "tw_triton", "version": 2,
      "checkpoint_id": str, "reference_id": str | null, "checksum": "crc32",
      "entries": {path: {"codec": str, "params": {...}, "dtype": "bfloat16", "shape": [..],
                         "buffers": {name: {"key": str, "dtype": "U8", "shape": [..],
-                                           "data_offsets": [begin, end], "crc32": "89abcdef"}}}},
+                                           "data_offsets": [begin, end], "crc32": "89abcdef",
+                                           "stage": {"name": "zstd", "params": {"level": 3},
+                                                     "raw_nbytes": int}}}}},
      "aliases": {path: path}, "skeleton": any JSON, "rules": [...], "metadata": {...},
      "stats": {"raw_bytes": int, "stored_bytes": int, "entries": int, "buffers": int}}
+
+A buffer record's ``dtype`` and ``shape`` are always those of the buffer as the codec made
+it (what :func:`read_file` returns); ``data_offsets`` and ``crc32`` are those of the bytes
+stored in the file. ``"stage"`` is optional (version 2 only): the buffer went through the
+lossless entropy stage ``name`` of :mod:`tw_triton.codecs.entropy` with ``params``, and
+``raw_nbytes`` (equal to shape x dtype size) is its size before the stage. A staged buffer
+is, in the safetensors tensor table, a 1-D ``U8`` tensor of its stored bytes, so stock
+``safe_open`` opens every file and returns those bytes. The CRC-32 covers the stored bytes,
+so corruption is caught before the decoder runs; the decoder then checks the decoded size
+(see the entropy module: the stored frame must state ``raw_nbytes`` and be able to make
+that many bytes before the destination is allocated, and never writes past it).
+``stats.stored_bytes`` is the data section (stored bytes), ``raw_bytes`` the original
+tensors.
+
+Version 1 (format 0.1) is version 2 without stage records; both are read. Any other
+version is refused with a :class:`~tw_triton.errors.CheckpointError` naming it. The writer
+writes version 2, with stages chosen by the ``entropy`` policy of :func:`write_file`.
 
 The format knows no codec: it stores ``EncodedEntry.codec``, ``params`` and ``buffers``
 as they are. Whether a codec name is known, and whether an entry's buffers fit its shape,
@@ -36,9 +55,11 @@ is checked by the codec registry when the entry is decoded (``tw_triton.load``).
 
 Reading validates everything before it allocates: header length against the file size, the
 JSON, every offset (in range, contiguous, covering the data exactly), shape x dtype size
-against each byte span, dtypes against a whitelist, the manifest schema and version, and
-that the manifest and the tensor table agree key by key. Every allocation is bounded by the
-file size. Data checksums are verified on load unless ``verify=False``; the manifest's own
+against each byte span (against ``raw_nbytes`` for a staged buffer), dtypes against a
+whitelist, stage names and params, the manifest schema and version, and that the manifest
+and the tensor table agree key by key. Every allocation of a raw buffer is bounded by the
+file size; a staged buffer's allocation is bounded by what its stored zstd blocks can
+decode to (at most 32768 times their size, by the zstd format), checked before allocating. Data checksums are verified on load unless ``verify=False``; the manifest's own
 checksum is always verified (it costs nothing).
 
 Errors: every malformed file raises :class:`~tw_triton.errors.CheckpointError` naming the

@@ -53,7 +53,11 @@ MIN_STAGE_BYTES = 4096
 # A stage is kept only where it saves at least this fraction of the raw bytes. Below it,
 # the decode time (~1 GB/s) costs more than reading the few saved bytes from any disk.
 MIN_SAVING = 0.03
-# zstd compresses with several threads from this size up (its jobs are MBs each).
+# zstd compresses with several threads from this size up (its jobs are MBs each), with
+# half the cores (the rest belong to the training process: data loading, the launch loop),
+# at most MAX_THREADS, and only where that makes 2 threads or more. On the shared 2-core VM
+# of the benchmark, 2 threads against 1 on a 64 MiB buffer went either way between runs,
+# so a 2-core machine keeps the one writer thread.
 MT_MIN_BYTES = 8 << 20
 MAX_THREADS = 8
 # Byte grouping and streaming decode work in chunks of this many bytes, so the scratch
@@ -63,7 +67,8 @@ CHUNK_BYTES = 4 << 20
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # The zstd format caps a block's decoded size at 128 KiB (RFC 8878, 3.1.1.2).
 _ZSTD_BLOCK_MAX = 128 << 10
-_BLOCK_RAW, _BLOCK_RLE, _BLOCK_COMPRESSED = 0, 1, 2
+# Block types; the third, 2, is a compressed block (it decodes to at most the block maximum).
+_BLOCK_RAW, _BLOCK_RLE = 0, 1
 
 
 class Stage(ABC):
@@ -72,8 +77,11 @@ class Stage(ABC):
     name: str = ""
 
     @abstractmethod
-    def encode(self, data: memoryview, itemsize: int, level: int) -> tuple[bytes, dict[str, Any]]:
-        """Encode the raw bytes of a buffer of ``itemsize``-byte elements.
+    def encode(
+        self, data: memoryview, itemsize: int, level: int, threads: int = 0
+    ) -> tuple[bytes, dict[str, Any]]:
+        """Encode the raw bytes of a buffer of ``itemsize``-byte elements, at zstd ``level``
+        with ``threads`` compression threads (0: the calling thread only).
 
         Returns the stored bytes and the JSON params to record (decoding needs them).
         """
@@ -115,8 +123,13 @@ class Stage(ABC):
         self.decode(stored, params, memoryview(bytearray(raw_nbytes)), where)
 
 
-def _zstd_compressor(level: int, nbytes: int) -> zstandard.ZstdCompressor:
-    threads = min(os.cpu_count() or 1, MAX_THREADS) if nbytes >= MT_MIN_BYTES else 0
+def default_threads(nbytes: int) -> int:
+    """Compression threads for a buffer of ``nbytes``: see :data:`MT_MIN_BYTES`."""
+    threads = min((os.cpu_count() or 1) // 2, MAX_THREADS)
+    return threads if nbytes >= MT_MIN_BYTES and threads >= 2 else 0
+
+
+def _zstd_compressor(level: int, threads: int) -> zstandard.ZstdCompressor:
     # A compressor is not thread-safe and costs microseconds to make: one per call.
     return zstandard.ZstdCompressor(
         level=level, threads=threads, write_checksum=True, write_content_size=True
@@ -248,8 +261,10 @@ class ZstdStage(_ZstdFrameStage):
 
     name = "zstd"
 
-    def encode(self, data: memoryview, itemsize: int, level: int) -> tuple[bytes, dict[str, Any]]:
-        return _zstd_compressor(level, len(data)).compress(data), {"level": level}
+    def encode(
+        self, data: memoryview, itemsize: int, level: int, threads: int = 0
+    ) -> tuple[bytes, dict[str, Any]]:
+        return _zstd_compressor(level, threads).compress(data), {"level": level}
 
     def check_params(self, params: Any, itemsize: int, where: str) -> None:
         _check_level(params, ("level",), where)
@@ -266,12 +281,14 @@ class ByteGroupZstdStage(_ZstdFrameStage):
 
     name = "zstd-bytegroup"
 
-    def encode(self, data: memoryview, itemsize: int, level: int) -> tuple[bytes, dict[str, Any]]:
+    def encode(
+        self, data: memoryview, itemsize: int, level: int, threads: int = 0
+    ) -> tuple[bytes, dict[str, Any]]:
         if itemsize < 1 or len(data) % itemsize:
             raise CheckpointError(f"{self.name}: {len(data)} bytes are not whole {itemsize}-byte elements")
         elements = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
         rows = max(CHUNK_BYTES, 1)
-        compressor = _zstd_compressor(level, len(data)).compressobj(size=len(data))
+        compressor = _zstd_compressor(level, threads).compressobj(size=len(data))
         parts = []
         for plane in range(itemsize):
             for start in range(0, elements.shape[0], rows):
@@ -344,12 +361,15 @@ class EntropyPolicy:
             bytes; ``None`` keeps it whatever it gives (for tests of the format).
         stage: force this stage for every buffer it fits (``None``: by element size, see
             :func:`candidate_stages`).
+        threads: zstd compression threads (0: the writer thread alone); ``None`` picks by
+            buffer size and core count (:func:`default_threads`).
     """
 
     level: int = DEFAULT_LEVEL
     min_bytes: int = MIN_STAGE_BYTES
     min_saving: float | None = MIN_SAVING
     stage: str | None = None
+    threads: int | None = None
 
 
 AUTO = EntropyPolicy()
@@ -408,8 +428,9 @@ def encode_buffer(tensor: torch.Tensor, data: memoryview, policy: EntropyPolicy)
     Returns ``None`` where the buffer stays raw (too small, or the stage saved too little).
     """
     best: tuple[bytes, str, dict[str, Any]] | None = None
+    threads = default_threads(len(data)) if policy.threads is None else policy.threads
     for name in candidate_stages(tensor.dtype, len(data), policy):
-        stored, params = _STAGES[name].encode(data, tensor.element_size(), policy.level)
+        stored, params = _STAGES[name].encode(data, tensor.element_size(), policy.level, threads)
         if best is None or len(stored) < len(best[0]):
             best = (stored, name, params)
     if best is None:
@@ -434,6 +455,7 @@ __all__ = [
     "stage_names",
     "resolve_policy",
     "candidate_stages",
+    "default_threads",
     "encode_buffer",
     "check_zstd_frame",
 ]

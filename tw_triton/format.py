@@ -59,7 +59,8 @@ against each byte span (against ``raw_nbytes`` for a staged buffer), dtypes agai
 whitelist, stage names and params, the manifest schema and version, and that the manifest
 and the tensor table agree key by key. Every allocation of a raw buffer is bounded by the
 file size; a staged buffer's allocation is bounded by what its stored zstd blocks can
-decode to (at most 32768 times their size, by the zstd format), checked before allocating. Data checksums are verified on load unless ``verify=False``; the manifest's own
+decode to (at most 32768 times their size, by the zstd format), checked before allocating.
+Data checksums are verified on load unless ``verify=False``; the manifest's own
 checksum is always verified (it costs nothing).
 
 Errors: every malformed file raises :class:`~tw_triton.errors.CheckpointError` naming the
@@ -971,7 +972,9 @@ def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
             stage = None
             if "stage" in buf:
                 if version < 2:
-                    raise CheckpointError(f"{bwhere}: a stage record needs format version 2, the file says {version}")
+                    raise CheckpointError(
+                        f"{bwhere}: a stage record needs format version 2, the file says {version}"
+                    )
                 stage = _validate_stage(buf["stage"], bdtype.itemsize, numel * bdtype.itemsize, buf, bwhere)
                 if not 0 <= begin <= end:
                     raise CheckpointError(f"{bwhere}: data_offsets {offsets} are not [begin, end]")

@@ -9,7 +9,26 @@ from __future__ import annotations
 import torch
 
 from tw_triton.codecs.blockwise import quantize
+from tw_triton.codecs.entropy import EntropyPolicy, get_stage
 from tw_triton.qstate import EncodedEntry, QuantizedState
+
+# Every non-empty buffer through its stage, kept whatever it saves (even when the stored
+# bytes are larger): small files in which every buffer is staged, for the format tests.
+STAGE_EVERYTHING = EntropyPolicy(min_bytes=1, min_saving=None)
+
+
+def unstage(buffer_record: dict, stored: bytes) -> bytes:
+    """The raw bytes of a buffer from its stored bytes, by the stage its manifest record
+    names (the stored bytes themselves when it has none)."""
+    rec = buffer_record.get("stage")
+    if rec is None:
+        return stored
+    stage = get_stage(rec["name"])
+    out = bytearray(rec["raw_nbytes"])
+    where = buffer_record["key"]
+    stage.check(memoryview(stored), rec["params"], rec["raw_nbytes"], where)
+    stage.decode(memoryview(stored), rec["params"], memoryview(out), where)
+    return bytes(out)
 
 
 def blockwise_entry(

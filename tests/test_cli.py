@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import tw_triton
 from tw_triton.cli import EXIT_CHECKPOINT, EXIT_OK, EXIT_USAGE, _ProgressBar, main
+from tw_triton.format import read_manifest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -54,10 +55,15 @@ def test_inspect_table_and_totals(ckpts):
     assert f"checkpoint  {delta.checkpoint_id}" in text
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("entry"))
-    assert header.split() == ["entry", "shape", "dtype", "codec", "stored", "ratio"]
+    assert header.split() == ["entry", "shape", "dtype", "codec", "stage", "coded", "stored", "ratio"]
     row = next(line for line in lines if line.startswith("model/0.weight"))
-    assert row.split()[:5] == ["model/0.weight", "256x64", "float32", "int4/128", "delta"]
-    assert row.split()[-1] == f"{256 * 64 * 4 / (256 * 64 // 2 + 4 * 128):.2f}x"
+    # The codes (8 KiB) go through the entropy stage, the scales (512 B) stay raw.
+    assert row.split()[:6] == ["model/0.weight", "256x64", "float32", "int4/128", "delta", "codes:zstd"]
+    buffers = read_manifest(d / "delta.tw")["entries"]["model/0.weight"]["buffers"]
+    stored = sum(b["data_offsets"][1] - b["data_offsets"][0] for b in buffers.values())
+    assert stored < 256 * 64 // 2 + 4 * 128
+    assert row.split()[-1] == f"{256 * 64 * 4 / stored:.2f}x"
+    assert row.split()[-5:-3] == ["8.5", "KiB"]  # coded: codes + scales before the stage
     assert any(line.startswith("model/2.weight") and "alias of model/0.weight" in line for line in lines)
     size = os.path.getsize(d / "delta.tw")
     with open(d / "delta.tw", "rb") as f:

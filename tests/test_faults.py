@@ -306,7 +306,7 @@ def test_save_while_previous_is_writing_blocks_and_keeps_contents_apart(tmp_path
     gate = threading.Event()
     writing = threading.Event()
 
-    def slow_write(qstate, path, *, fsync=True):
+    def slow_write(qstate, path, *, fsync=True, entropy="auto"):
         writing.set()
         assert gate.wait(10)
         return real(qstate, path, fsync=fsync)

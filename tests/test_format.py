@@ -15,9 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _format_samples import assert_same_state, blockwise_entry, exact_entry, sample_state
+from _format_samples import assert_same_state, blockwise_entry, exact_entry, sample_state, unstage
 from tw_triton import format as fmt
 from tw_triton.codecs.blockwise import QuantizedTensor, dequantize
+from tw_triton.codecs import entropy
 from tw_triton.errors import CheckpointError, CheckpointIOError
 from tw_triton.qstate import EncodedEntry, QuantizedState
 
@@ -183,34 +184,52 @@ def test_round_trip_property(tmp_path, specs, checkpoint_id, reference_id, skele
 # --------------------------------------------------------------------------------------
 
 
-def test_safe_open_lists_every_buffer_and_reads_the_same_bytes(tmp_path):
-    state = sample_state(3)
+def _unstage(manifest: dict, key: str, stored: torch.Tensor) -> torch.Tensor:
+    """What a stock reader sees under ``key``, decoded by the stage the manifest names
+    (the tensor as it is for a raw buffer)."""
+    entry, name = key.rsplit(":", 1)
+    buf = manifest["entries"][entry]["buffers"][name]
+    if "stage" not in buf:
+        return stored
+    assert stored.dtype == torch.uint8 and stored.dim() == 1
+    raw = unstage(buf, stored.numpy().tobytes())
+    return torch.frombuffer(bytearray(raw), dtype=fmt.BUFFER_DTYPES[buf["dtype"]]).reshape(buf["shape"])
+
+
+@pytest.mark.parametrize("entropy", ["auto", None])
+def test_safe_open_lists_every_buffer_and_reads_the_same_bytes(tmp_path, entropy):
+    state = sample_state(3, scale=8)
     path = tmp_path / "ckpt.safetensors"
-    fmt.write_file(state, path)
+    fmt.write_file(state, path, entropy=entropy)
     expected = {
         fmt.tensor_key(p, name): t for p, e in state.entries.items() for name, t in e.buffers.items()
     }
     with safetensors.safe_open(str(path), framework="pt") as f:
         assert sorted(f.keys()) == sorted(expected)
+        manifest = json.loads(f.metadata()[fmt.MANIFEST_KEY])
         for key, t in expected.items():
-            got = f.get_tensor(key)
+            got = _unstage(manifest, key, f.get_tensor(key))
             assert got.dtype == t.dtype and got.shape == t.shape
             assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
-        manifest = json.loads(f.metadata()[fmt.MANIFEST_KEY])
     assert manifest == fmt.read_manifest(path)
     assert manifest["format"] == fmt.FORMAT_NAME and manifest["version"] == fmt.FORMAT_VERSION
+    staged = [b for e in manifest["entries"].values() for b in e["buffers"].values() if "stage" in b]
+    assert bool(staged) == (entropy == "auto")
 
 
-def test_safetensors_load_file_matches_read_file(tmp_path):
+@pytest.mark.parametrize("entropy", ["auto", None])
+def test_safetensors_load_file_matches_read_file(tmp_path, entropy):
     path = tmp_path / "ckpt.safetensors"
-    fmt.write_file(sample_state(4), path)
+    fmt.write_file(sample_state(4, scale=8), path, entropy=entropy)
     loaded = safetensors.torch.load_file(str(path))
+    manifest = fmt.read_manifest(path)
     back = fmt.read_file(path)
     ours = {fmt.tensor_key(p, n): t for p, e in back.entries.items() for n, t in e.buffers.items()}
     assert loaded.keys() == ours.keys()
     for key, t in ours.items():
-        assert loaded[key].dtype == t.dtype and loaded[key].shape == t.shape
-        assert torch.equal(loaded[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+        got = _unstage(manifest, key, loaded[key])
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
 
 
 def test_a_plain_safetensors_file_is_rejected_by_name(tmp_path):
@@ -229,7 +248,7 @@ def test_a_plain_safetensors_file_is_rejected_by_name(tmp_path):
 def test_file_size_is_buffers_plus_header(tmp_path):
     state = sample_state(5, scale=4)
     path = tmp_path / "ckpt.safetensors"
-    size = fmt.write_file(state, path)
+    size = fmt.write_file(state, path, entropy=None)
     n, header = header_of(path)
     buffer_bytes = sum(t.numel() * t.element_size() for e in state.entries.values() for t in e.buffers.values())
     assert size == path.stat().st_size == buffer_bytes + 8 + n
@@ -237,6 +256,24 @@ def test_file_size_is_buffers_plus_header(tmp_path):
     manifest = json.loads(header["__metadata__"][fmt.MANIFEST_KEY])
     assert manifest["stats"]["stored_bytes"] == buffer_bytes
     assert manifest["stats"]["raw_bytes"] == sum(e.raw_nbytes for e in state.entries.values())
+
+
+def test_staged_file_size_is_stored_bytes_plus_header(tmp_path):
+    state = sample_state(5, scale=16)
+    path = tmp_path / "ckpt.safetensors"
+    size = fmt.write_file(state, path)
+    n, header = header_of(path)
+    manifest = json.loads(header.pop("__metadata__")[fmt.MANIFEST_KEY])
+    stored = sum(info["data_offsets"][1] - info["data_offsets"][0] for info in header.values())
+    raw = sum(t.numel() * t.element_size() for e in state.entries.values() for t in e.buffers.values())
+    assert size == path.stat().st_size == stored + 8 + n
+    assert manifest["stats"]["stored_bytes"] == stored < raw
+    for entry in manifest["entries"].values():
+        for buf in entry["buffers"].values():
+            if "stage" in buf:
+                span = buf["data_offsets"][1] - buf["data_offsets"][0]
+                assert header[buf["key"]] == {"dtype": "U8", "shape": [span], "data_offsets": buf["data_offsets"]}
+                assert buf["stage"]["raw_nbytes"] * (1 - entropy.MIN_SAVING) >= span
 
 
 def test_every_buffer_is_aligned_to_its_element_size(tmp_path):

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tw_triton
-from _format_samples import assert_same_state, blockwise_entry, exact_entry
+from _format_samples import STAGE_EVERYTHING, assert_same_state, blockwise_entry, exact_entry, unstage
 from tw_triton import format as fmt
+from tw_triton.codecs import entropy
 from tw_triton.errors import CheckpointError
 from tw_triton.qstate import QuantizedState
 
@@ -397,7 +399,7 @@ def test_wrong_tensor_key(tmp_path, good):
 
 @pytest.mark.parametrize(
     "version, match",
-    [(2, "unknown format version 2.*newer"), (0, "unknown format version 0"), ("1", "version '1'"), (True, "version True"), (None, "version None")],
+    [(3, "unknown format version 3.*reads versions 1, 2.*newer"), (2**70, "version 1180591620717411303424.*newer"), (0, "unknown format version 0"), ("1", "version '1'"), (True, "version True"), (None, "version None")],
 )
 def test_unknown_version(tmp_path, good, version, match):
     def edit(h, m):
@@ -537,7 +539,7 @@ _JSON_VALUES = st.recursive(
     | st.sampled_from([0, 1, -1, 7, 2**31, 2**62, 2**63, 2**64, 10**30, -(2**63)])
     | st.integers()
     | st.floats(allow_nan=False)
-    | st.sampled_from(["", "F32", "U8", "BOOL", "float32", "exact", "blockwise", "model/w", "model/w:codes"])
+    | st.sampled_from(["", "F32", "U8", "BOOL", "float32", "exact", "blockwise", "model/w", "model/w:codes", "zstd", "zstd-bytegroup"])
     | st.text(max_size=8),
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=3),
     max_leaves=6,
@@ -550,7 +552,17 @@ def test_fuzz_structured_edits_with_a_valid_manifest_checksum(tmp_path, good, mo
     """Byte flips mostly stop at the manifest checksum; these edits replace one JSON value
     anywhere in the tensor table or the manifest and fix the checksum, so they reach every
     schema, offset and shape check behind it."""
-    state, blob = good
+    _structured_edits(tmp_path, good[1], monkeypatch, data)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_staged_fuzz_structured_edits_with_a_valid_manifest_checksum(tmp_path, staged, monkeypatch, data):
+    """The same on a file whose buffers are staged: stage records, raw sizes, U8 tables."""
+    _structured_edits(tmp_path, staged[1], monkeypatch, data)
+
+
+def _structured_edits(tmp_path: Path, blob: bytes, monkeypatch, data) -> None:
     header, manifest, payload = split(blob)
     tables = [{k: v for k, v in header.items() if k != "__metadata__"}, manifest]
     for _ in range(data.draw(st.integers(1, 3))):
@@ -591,4 +603,308 @@ def test_fuzz_structured_edits_with_a_valid_manifest_checksum(tmp_path, good, mo
             t = got.buffers[name]
             assert t.dtype == fmt.BUFFER_DTYPES[buf["dtype"]] and list(t.shape) == buf["shape"]
             begin, end = buf["data_offsets"]
-            assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == payload[begin:end]
+            assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == unstage(buf, payload[begin:end])
+
+
+# --------------------------------------------------------------------------------------
+# Staged (compressed) buffers
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory) -> tuple[QuantizedState, bytes]:
+    """small_state with every non-empty buffer through its entropy stage."""
+    state = small_state()
+    path = tmp_path_factory.mktemp("staged") / "staged.safetensors"
+    fmt.write_file(state, path, fsync=False, entropy=STAGE_EVERYTHING)
+    manifest = fmt.read_manifest(path)
+    stages = {b["stage"]["name"] for e in manifest["entries"].values() for b in e["buffers"].values() if "stage" in b}
+    assert stages == {"zstd", "zstd-bytegroup"}
+    return state, path.read_bytes()
+
+
+def _staged_keys(blob: bytes) -> list[tuple[str, str]]:
+    _, manifest, _ = split(blob)
+    return [(p, n) for p, e in manifest["entries"].items() for n, b in e["buffers"].items() if "stage" in b]
+
+
+def relayout(blob: bytes, entry: str, name: str, stored: bytes, edit: Callable[[dict, dict], None] | None = None) -> bytes:
+    """Replace one buffer's stored bytes (offsets, sizes and its CRC made consistent), so
+    that crafted stored bytes reach the stage's checks."""
+    header, manifest, data = split(blob)
+    keys = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    target = fmt.tensor_key(entry, name)
+    out, pos = b"", 0
+    for key in keys:
+        b, e = header[key]["data_offsets"]
+        chunk = stored if key == target else data[b:e]
+        e_path, b_name = key.rsplit(":", 1)
+        _set_both(header, manifest, e_path, b_name, "data_offsets", [pos, pos + len(chunk)])
+        if key == target:
+            header[key]["shape"] = [len(chunk)]
+            _buf(manifest, entry, name)["crc32"] = f"{zlib.crc32(chunk):08x}"
+        out += chunk
+        pos += len(chunk)
+    manifest["stats"]["stored_bytes"] = pos
+    if edit is not None:
+        edit(header, manifest)
+    return assemble(header, manifest, out)
+
+
+def test_staged_every_truncation_raises(tmp_path, staged):
+    _, blob = staged
+    path = tmp_path / "cut.safetensors"
+    for cut in range(len(blob)):
+        put(path, blob[:cut])
+        with pytest.raises(CheckpointError) as info:
+            fmt.read_file(path)
+        assert str(path) in str(info.value), cut
+
+
+def test_staged_every_data_bit_flip_is_caught_before_the_decoder(tmp_path, staged, monkeypatch):
+    """The CRC covers the stored bytes: a flip stops there, and the stage never runs."""
+    state, blob = staged
+    header, _, data = split(blob)
+    start = len(blob) - len(data)
+    owner = {}
+    for key, info in header.items():
+        if key != "__metadata__":
+            for i in range(*info["data_offsets"]):
+                owner[i] = key.rsplit(":", 1)
+    calls = []
+    for cls in (entropy.ZstdStage, entropy.ByteGroupZstdStage):
+        monkeypatch.setattr(cls, "decode", lambda *a, **k: calls.append(a))
+    path = tmp_path / "flip.safetensors"
+    for i in range(len(data)):
+        mutated = bytearray(blob)
+        mutated[start + i] ^= 1 << (i % 8)
+        put(path, bytes(mutated))
+        calls.clear()
+        with pytest.raises(CheckpointError, match="checksum mismatch") as info:
+            fmt.read_file(path)
+        entry, name = owner[i]
+        where = f"entry {entry!r} buffer {name!r}"
+        assert where in str(info.value)
+        # Buffers before it in the file were decoded; the corrupted one never reached its stage.
+        assert not any(where in call[-1] for call in calls)
+        with pytest.raises(CheckpointError, match="checksum mismatch"):
+            fmt.verify_file(path)
+
+
+def test_staged_bit_flips_without_verify_never_escape_as_another_error(tmp_path, staged):
+    """With verify=False the CRC is skipped: the frame checks and zstd's own content
+    checksum must still turn every flip in compressed data into a CheckpointError that
+    names the entry (or, for a flip no decoder sees, the identical content)."""
+    state, blob = staged
+    header, manifest, data = split(blob)
+    start = len(blob) - len(data)
+    path = tmp_path / "flip.safetensors"
+    results = {"error": 0, "identical": 0}
+    for entry, name in _staged_keys(blob):
+        b, e = _buf(manifest, entry, name)["data_offsets"]
+        for i in range(b, e):
+            for bit in (0, 3, 7):
+                mutated = bytearray(blob)
+                mutated[start + i] ^= 1 << bit
+                put(path, bytes(mutated))
+                try:
+                    back = fmt.read_file(path, verify=False)
+                except CheckpointError as exc:
+                    assert f"entry {entry!r} buffer {name!r}" in str(exc) and str(path) in str(exc)
+                    results["error"] += 1
+                    continue
+                assert_same_state(state, back)
+                results["identical"] += 1
+    assert results["error"] > 0.9 * sum(results.values()), results
+
+
+@pytest.mark.parametrize("raw_nbytes", [0, 1, 2**40, -1, "64", None, 1.5])
+def test_staged_lying_raw_size(tmp_path, staged, raw_nbytes):
+    def edit(h, m):
+        _buf(m, "model/w", "codes")["stage"]["raw_nbytes"] = raw_nbytes
+
+    err = expect_error(tmp_path, craft(staged[1], edit), "raw_nbytes")
+    assert "entry 'model/w' buffer 'codes'" in str(err)
+
+
+def test_staged_lying_shape_and_raw_size_together(tmp_path, staged, monkeypatch):
+    """Shape and raw_nbytes agree with each other but not with the stored frame: refused by
+    the frame check before the destination is allocated."""
+    for numel in (81, 79, 2**40):
+
+        def edit(h, m, numel=numel):
+            _buf(m, "model/w", "codes")["shape"] = [numel]
+            _buf(m, "model/w", "codes")["stage"]["raw_nbytes"] = numel
+
+        path = tmp_path / "lie.safetensors"
+        put(path, craft(staged[1], edit))
+        fmt.read_manifest(path)  # the header alone is consistent
+        with _bounded_allocations(monkeypatch, len(staged[1])):
+            with pytest.raises(CheckpointError, match="zstd frame holds 80 bytes, the manifest says raw_nbytes") as info:
+                fmt.read_file(path)
+        assert "entry 'model/w' buffer 'codes'" in str(info.value) and str(path) in str(info.value)
+        with pytest.raises(CheckpointError, match="zstd frame holds 80"):
+            fmt.verify_file(path)
+
+
+class _bounded_allocations:
+    """torch.empty may not allocate more than ``limit`` bytes inside the block."""
+
+    def __init__(self, monkeypatch, limit: int) -> None:
+        self.monkeypatch, self.limit = monkeypatch, limit
+
+    def __enter__(self) -> None:
+        real_empty = torch.empty
+        limit = self.limit
+
+        def bounded_empty(*size, **kw):
+            t = real_empty(*size, **kw)
+            assert t.numel() * t.element_size() <= limit, "allocation larger than the bound"
+            return t
+
+        self.ctx = self.monkeypatch.context()
+        self.ctx.__enter__().setattr(torch, "empty", bounded_empty)
+
+    def __exit__(self, *exc) -> None:
+        self.ctx.__exit__(*exc)
+
+
+def _hand_frame(content_size: int, blocks: list[tuple[int, int, bytes]]) -> bytes:
+    """A single-segment zstd frame with an 8-byte content size and the given blocks."""
+    out = b"\x28\xb5\x2f\xfd" + bytes([(3 << 6) | (1 << 5)]) + struct.pack("<Q", content_size)
+    for i, (kind, size, body) in enumerate(blocks):
+        out += (int(i == len(blocks) - 1) | (kind << 1) | (size << 3)).to_bytes(3, "little") + body
+    return out
+
+
+def test_staged_decompression_bomb_is_refused_before_allocating(tmp_path, staged, monkeypatch):
+    """A few stored bytes whose frame and manifest both claim 2**40 bytes: the frame's
+    blocks cannot make that many, so nothing is allocated."""
+    huge = 2**40
+
+    def edit(h, m):
+        _buf(m, "model/b", "data")["shape"] = [huge // 2]
+        _buf(m, "model/b", "data")["stage"]["raw_nbytes"] = huge
+        m["entries"]["model/b"]["shape"] = [huge // 2]
+
+    bomb = _hand_frame(huge, [(1, 128 << 10, b"\0")] * 4)
+    path = tmp_path / "bomb.safetensors"
+    put(path, relayout(staged[1], "model/b", "data", bomb, edit))
+    fmt.read_manifest(path)
+    with _bounded_allocations(monkeypatch, len(staged[1])):
+        with pytest.raises(CheckpointError, match="hold at most 524288 bytes, fewer than the 1099511627776") as info:
+            fmt.read_file(path)
+        with pytest.raises(CheckpointError, match="hold at most 524288"):
+            fmt.verify_file(path)
+    assert "entry 'model/b' buffer 'data'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "stored, match",
+    [
+        (b"", "magic"),
+        (b"not a zstd frame at all", "magic"),
+        (zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 12), "content size"),
+        (zstandard.ZstdCompressor().compress(b"\0" * 12) + b"\0", "trailing bytes"),
+        (zstandard.ZstdCompressor().compress(b"\0" * 11), "holds 11 bytes"),
+        # Frame, shape and raw size all say 12 bytes; the blocks make 2 (an RLE block of 2).
+        (_hand_frame(12, [(1, 2, b"\0")]), "hold at most 2 bytes"),
+    ],
+)
+def test_staged_crafted_stored_bytes(tmp_path, staged, monkeypatch, stored, match):
+    """model/b is 6 bf16 values (12 bytes); crafted stored bytes with a valid CRC."""
+    path = tmp_path / "crafted.safetensors"
+    put(path, relayout(staged[1], "model/b", "data", stored))
+    with _bounded_allocations(monkeypatch, len(staged[1])):
+        with pytest.raises(CheckpointError, match=match) as info:
+            fmt.read_file(path)
+    assert "entry 'model/b' buffer 'data'" in str(info.value) and str(path) in str(info.value)
+    with pytest.raises(CheckpointError, match=match):
+        fmt.verify_file(path)
+
+
+def test_staged_frame_that_is_a_valid_frame_of_other_bytes_is_caught_by_zstd_checksum(tmp_path, staged):
+    """Without the CRC (verify=False), a well-formed frame of 12 wrong bytes with a wrong
+    content checksum is still refused."""
+    good = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(b"\1" * 12))
+    good[-1] ^= 1
+    path = tmp_path / "x.safetensors"
+    put(path, relayout(staged[1], "model/b", "data", bytes(good)))
+    with pytest.raises(CheckpointError, match="entry 'model/b' buffer 'data': zstd could not decode"):
+        fmt.read_file(path, verify=False)
+
+
+@pytest.mark.parametrize(
+    "stage, match",
+    [
+        ({"name": "lz4", "params": {}, "raw_nbytes": 80}, "unknown entropy stage 'lz4'"),
+        ({"name": "", "params": {}, "raw_nbytes": 80}, "unknown entropy stage ''"),
+        ({"name": 7, "params": {}, "raw_nbytes": 80}, "unknown entropy stage 7"),
+        ({"name": "zstd", "params": {}, "raw_nbytes": 80}, "stage params"),
+        ({"name": "zstd-bytegroup", "params": {"level": 3, "width": 2}, "raw_nbytes": 80}, "'width' must be the element size 1"),
+        ({"name": "zstd", "params": {"level": 3}, "raw_nbytes": 80, "x": 1}, "unexpected fields"),
+        ({"name": "zstd", "params": {"level": 3}}, "missing field.*raw_nbytes"),
+        ("zstd", "expected a JSON object"),
+        (None, "expected a JSON object"),
+    ],
+)
+def test_staged_bogus_stage_records(tmp_path, staged, stage, match):
+    def edit(h, m):
+        _buf(m, "model/w", "codes")["stage"] = stage
+
+    err = expect_error(tmp_path, craft(staged[1], edit), match)
+    assert "entry 'model/w' buffer 'codes'" in str(err)
+
+
+def test_staged_tensor_table_must_say_u8_bytes(tmp_path, staged):
+    for field, value in (("dtype", "F32"), ("shape", [80])):
+
+        def edit(h, m, field=field, value=value):
+            h["model/w:codes"][field] = value
+
+        expect_error(tmp_path, craft(staged[1], edit), f"tensor table says {field}")
+
+
+def test_a_stage_record_in_a_version_1_manifest_is_refused(tmp_path, staged):
+    def edit(h, m):
+        m["version"] = 1
+
+    expect_error(tmp_path, craft(staged[1], edit), "needs format version 2, the file says 1")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_staged_fuzz_mutations_anywhere(tmp_path, staged, monkeypatch, data):
+    state, blob = staged
+    mutated = bytearray(blob)
+    for pos, value in data.draw(
+        st.lists(st.tuples(st.integers(0, len(blob) - 1), st.integers(0, 255)), min_size=1, max_size=8)
+    ):
+        mutated[pos] = value
+    cut = data.draw(st.none() | st.integers(0, len(blob)))
+    if cut is not None:
+        mutated = mutated[:cut]
+    _fuzz_once(tmp_path, state, bytes(mutated), monkeypatch)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_staged_fuzz_mutations_of_compressed_data_without_verify(tmp_path, staged, monkeypatch, data):
+    """Byte edits inside staged buffers only, CRC skipped: the stage's checks must hold."""
+    state, blob = staged
+    header, manifest, payload = split(blob)
+    start = len(blob) - len(payload)
+    entry, name = data.draw(st.sampled_from(_staged_keys(blob)))
+    b, e = _buf(manifest, entry, name)["data_offsets"]
+    mutated = bytearray(blob)
+    for pos, value in data.draw(st.lists(st.tuples(st.integers(b, e - 1), st.integers(0, 255)), min_size=1, max_size=4)):
+        mutated[start + pos] = value
+    path = tmp_path / "fuzz.safetensors"
+    put(path, bytes(mutated))
+    with _bounded_allocations(monkeypatch, len(blob)):
+        try:
+            back = fmt.read_file(path, verify=False)
+        except CheckpointError as exc:
+            assert f"entry {entry!r} buffer {name!r}" in str(exc) and str(path) in str(exc)
+            return
+    assert_same_state(state, back)

@@ -171,7 +171,7 @@ def test_buffers_come_back_only_after_the_write_with_a_slow_writer(tmp_path, mon
     real = fmt.write_file
     permits = threading.Semaphore(0)
 
-    def held_write(qstate, path, *, fsync=True):
+    def held_write(qstate, path, *, fsync=True, entropy="auto"):
         # Async: the write of save N waits until save N + 1 has taken its snapshot.
         assert not async_write or permits.acquire(timeout=20), "the test never let a write go"
         return real(qstate, path, fsync=fsync)

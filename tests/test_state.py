@@ -64,7 +64,11 @@ def test_in_memory_and_file_round_trip(tmp_path):
     q = quantize_state_dict(state)
     path = tmp_path / "a.tw"
     size = save(q, path)
-    assert size == os.path.getsize(path) == q.nbytes + header_bytes(path)
+    assert size == os.path.getsize(path) == tw_triton.format.read_manifest(path)["stats"]["stored_bytes"] + header_bytes(path)
+    # Without the entropy stage, the file is the buffers as they are plus the header.
+    raw_path = tmp_path / "raw.tw"
+    raw_size = save(q, raw_path, entropy=None)
+    assert raw_size == q.nbytes + header_bytes(raw_path) > size
     for out in (dequantize_state_dict(q), load(path)):
         # Exact entries bit for bit, structure and types identical.
         assert_same(state["optimizer"], out["optimizer"])

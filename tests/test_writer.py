@@ -60,7 +60,7 @@ class GatedWrite:
         self.started = threading.Event()
         self.calls: list[str] = []
 
-    def __call__(self, qstate, path, *, fsync=True):
+    def __call__(self, qstate, path, *, fsync=True, entropy="auto"):
         self.calls.append(os.fspath(path))
         self.started.set()
         assert self.gate.wait(10), "test never opened the gate"
@@ -82,7 +82,7 @@ def test_many_saves_in_order_each_with_its_own_content(tmp_path, monkeypatch):
     order: list[str] = []
     real = fmt.write_file
 
-    def recording(qstate, path, *, fsync=True):
+    def recording(qstate, path, *, fsync=True, entropy="auto"):
         order.append(os.path.basename(path))
         return real(qstate, path, fsync=fsync)
 
@@ -138,7 +138,7 @@ def test_backpressure_blocks_submit_and_keeps_saves_apart(tmp_path, monkeypatch,
 def test_write_error_goes_on_future_and_is_raised_at_next_submit(tmp_path, monkeypatch, code):
     real = fmt.write_file
 
-    def failing(qstate, path, *, fsync=True):
+    def failing(qstate, path, *, fsync=True, entropy="auto"):
         raise OSError(code, os.strerror(code), os.fspath(path))
 
     w = AsyncWriter()
@@ -161,7 +161,7 @@ def test_write_error_goes_on_future_and_is_raised_at_next_submit(tmp_path, monke
 
 
 def test_write_error_is_raised_at_flush_and_at_close(tmp_path, monkeypatch):
-    def failing(qstate, path, *, fsync=True):
+    def failing(qstate, path, *, fsync=True, entropy="auto"):
         raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
 
     monkeypatch.setattr(fmt, "write_file", failing)
@@ -181,7 +181,7 @@ def test_write_error_is_raised_at_flush_and_at_close(tmp_path, monkeypatch):
 def test_two_failures_are_both_reported(tmp_path, monkeypatch):
     both_queued = threading.Event()
 
-    def failing(qstate, path, *, fsync=True):
+    def failing(qstate, path, *, fsync=True, entropy="auto"):
         assert both_queued.wait(10)
         raise OSError(errno.EIO, "I/O error", os.fspath(path))
 
@@ -198,7 +198,7 @@ def test_two_failures_are_both_reported(tmp_path, monkeypatch):
 def test_close_drains_a_slow_write(tmp_path, monkeypatch):
     real = fmt.write_file
 
-    def slow(qstate, path, *, fsync=True):
+    def slow(qstate, path, *, fsync=True, entropy="auto"):
         time.sleep(0.3)
         return real(qstate, path, fsync=fsync)
 
@@ -214,7 +214,7 @@ def test_close_drains_a_slow_write(tmp_path, monkeypatch):
 
 
 def test_context_manager_does_not_mask_the_loop_exception(tmp_path, monkeypatch, caplog):
-    def failing(qstate, path, *, fsync=True):
+    def failing(qstate, path, *, fsync=True, entropy="auto"):
         raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
 
     monkeypatch.setattr(fmt, "write_file", failing)
@@ -267,7 +267,7 @@ from tw_triton.qstate import EncodedEntry, QuantizedState
 from tw_triton.writer import AsyncWriter
 real = fmt.write_file
 delay = float(sys.argv[2])
-def slow(q, p, *, fsync=True):
+def slow(q, p, *, fsync=True, entropy="auto"):
     time.sleep(delay)
     return real(q, p, fsync=fsync)
 fmt.write_file = slow

@@ -83,13 +83,23 @@ def _codec_label(codec: str, params: dict[str, Any]) -> str:
     return f"{codec} {json.dumps(shown, separators=(',', ':'))}" if shown else codec
 
 
-def _entry_sizes(entry: dict[str, Any]) -> tuple[int, int]:
-    from .format import ENTRY_DTYPES
+def _entry_sizes(entry: dict[str, Any]) -> tuple[int, int, int]:
+    """Bytes of the original tensor, of the codec's buffers, and stored in the file (after
+    the entropy stage)."""
+    from .format import BUFFER_DTYPES, ENTRY_DTYPES
 
     dtype = ENTRY_DTYPES[entry["dtype"]]
     raw = math.prod(entry["shape"]) * dtype.itemsize
-    stored = sum(b["data_offsets"][1] - b["data_offsets"][0] for b in entry["buffers"].values())
-    return raw, stored
+    buffers = entry["buffers"].values()
+    coded = sum(math.prod(b["shape"]) * BUFFER_DTYPES[b["dtype"]].itemsize for b in buffers)
+    stored = sum(b["data_offsets"][1] - b["data_offsets"][0] for b in buffers)
+    return raw, coded, stored
+
+
+def _stage_label(entry: dict[str, Any]) -> str:
+    """``buffer:stage`` for each staged buffer (``codes:zstd``), ``-`` when all are raw."""
+    staged = [f"{n}:{b['stage']['name']}" for n, b in entry["buffers"].items() if "stage" in b]
+    return ",".join(staged) or "-"
 
 
 def _header_bytes(path: str) -> int:
@@ -102,20 +112,23 @@ def inspect_lines(path: str) -> list[str]:
     manifest = read_manifest(path)
     entries = manifest["entries"]
     aliases = manifest["aliases"]
-    rows = [("entry", "shape", "dtype", "codec", "stored", "ratio")]
-    total_raw = total_stored = 0
+    # coded: the codec's buffers; stored: the same after the entropy stage, in the file;
+    # ratio: the original tensor over what is stored.
+    rows = [("entry", "shape", "dtype", "codec", "stage", "coded", "stored", "ratio")]
+    total_raw = total_coded = total_stored = 0
     for name, entry in entries.items():
-        raw, stored = _entry_sizes(entry)
+        raw, coded, stored = _entry_sizes(entry)
         total_raw += raw
+        total_coded += coded
         total_stored += stored
         shape = "x".join(map(str, entry["shape"])) or "scalar"
         ratio = f"{raw / stored:.2f}x" if stored else "-"
         rows.append((name, shape, entry["dtype"], _codec_label(entry["codec"], entry["params"]),
-                     _human(stored), ratio))
+                     _stage_label(entry), _human(coded), _human(stored), ratio))
     for name, target in aliases.items():
-        rows.append((name, "", "", f"alias of {target}", "0 B", "-"))
+        rows.append((name, "", "", f"alias of {target}", "-", "0 B", "0 B", "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    right = {4, 5}
+    right = {5, 6, 7}
 
     def fmt(r: Sequence[str]) -> str:
         cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
@@ -134,7 +147,8 @@ def inspect_lines(path: str) -> list[str]:
         "",
         f"total       {_plural(len(entries), 'entry', 'entries')} + "
         f"{_plural(len(aliases), 'alias', 'aliases')}: "
-        f"{_human(total_raw)} raw -> {_human(total_stored)} stored ({ratio})",
+        f"{_human(total_raw)} raw -> {_human(total_coded)} coded -> "
+        f"{_human(total_stored)} stored ({ratio})",
     ]
     return lines
 

@@ -16,19 +16,38 @@ to the start of the data) and holds ``__metadata__`` (str -> str) with two keys:
 Tensor keys are ``"<entry path>:<buffer name>"``. Buffer names match ``[A-Za-z0-9_.-]+``
 (no colon), so the last colon splits a key unambiguously whatever the entry path holds.
 
-Buffers are laid out by decreasing element size (stable in entry order), so with the data
-section starting 8-byte aligned every buffer starts aligned to its element size, as
-safetensors' own writer does.
+Buffers are laid out by decreasing element size (stable in entry order; a staged buffer
+counts as bytes), so with the data section starting 8-byte aligned every buffer starts
+aligned to its element size, as safetensors' own writer does.
 
-Manifest, version 1::
+Manifest, version 2::
 
-    {"format": "tw_triton", "version": 1,
+    {"format": "tw_triton", "version": 2,
      "checkpoint_id": str, "reference_id": str | null, "checksum": "crc32",
      "entries": {path: {"codec": str, "params": {...}, "dtype": "bfloat16", "shape": [..],
                         "buffers": {name: {"key": str, "dtype": "U8", "shape": [..],
-                                           "data_offsets": [begin, end], "crc32": "89abcdef"}}}},
+                                           "data_offsets": [begin, end], "crc32": "89abcdef",
+                                           "stage": {"name": "zstd", "params": {"level": 3},
+                                                     "raw_nbytes": int}}}}},
      "aliases": {path: path}, "skeleton": any JSON, "rules": [...], "metadata": {...},
      "stats": {"raw_bytes": int, "stored_bytes": int, "entries": int, "buffers": int}}
+
+A buffer record's ``dtype`` and ``shape`` are always those of the buffer as the codec made
+it (what :func:`read_file` returns); ``data_offsets`` and ``crc32`` are those of the bytes
+stored in the file. ``"stage"`` is optional (version 2 only): the buffer went through the
+lossless entropy stage ``name`` of :mod:`tw_triton.codecs.entropy` with ``params``, and
+``raw_nbytes`` (equal to shape x dtype size) is its size before the stage. A staged buffer
+is, in the safetensors tensor table, a 1-D ``U8`` tensor of its stored bytes, so stock
+``safe_open`` opens every file and returns those bytes. The CRC-32 covers the stored bytes,
+so corruption is caught before the decoder runs; the decoder then checks the decoded size
+(see the entropy module: the stored frame must state ``raw_nbytes`` and be able to make
+that many bytes before the destination is allocated, and never writes past it).
+``stats.stored_bytes`` is the data section (stored bytes), ``raw_bytes`` the original
+tensors.
+
+Version 1 (format 0.1) is version 2 without stage records; both are read. Any other
+version is refused with a :class:`~tw_triton.errors.CheckpointError` naming it. The writer
+writes version 2, with stages chosen by the ``entropy`` policy of :func:`write_file`.
 
 The format knows no codec: it stores ``EncodedEntry.codec``, ``params`` and ``buffers``
 as they are. Whether a codec name is known, and whether an entry's buffers fit its shape,
@@ -36,9 +55,12 @@ is checked by the codec registry when the entry is decoded (``tw_triton.load``).
 
 Reading validates everything before it allocates: header length against the file size, the
 JSON, every offset (in range, contiguous, covering the data exactly), shape x dtype size
-against each byte span, dtypes against a whitelist, the manifest schema and version, and
-that the manifest and the tensor table agree key by key. Every allocation is bounded by the
-file size. Data checksums are verified on load unless ``verify=False``; the manifest's own
+against each byte span (against ``raw_nbytes`` for a staged buffer), dtypes against a
+whitelist, stage names and params, the manifest schema and version, and that the manifest
+and the tensor table agree key by key. Every allocation of a raw buffer is bounded by the
+file size; a staged buffer's allocation is bounded by what its stored zstd blocks can
+decode to (at most 32768 times their size, by the zstd format), checked before allocating.
+Data checksums are verified on load unless ``verify=False``; the manifest's own
 checksum is always verified (it costs nothing).
 
 Errors: every malformed file raises :class:`~tw_triton.errors.CheckpointError` naming the
@@ -65,13 +87,16 @@ from typing import Any, BinaryIO
 
 import torch
 
+from .codecs.entropy import EntropyPolicy, Stage, encode_buffer, get_stage, resolve_policy, stage_names
 from .errors import CheckpointError, CheckpointIOError
 from .qstate import EncodedEntry, QuantizedState
 
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "tw_triton"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this reader reads: 1 (no entropy stage) and 2 (buffers may carry a stage).
+READABLE_VERSIONS = (1, 2)
 
 # Keys of the safetensors ``__metadata__`` map.
 MANIFEST_KEY = "tw_triton"
@@ -141,6 +166,9 @@ _MANIFEST_FIELDS = (
 )
 _ENTRY_FIELDS = ("codec", "params", "dtype", "shape", "buffers")
 _BUFFER_FIELDS = ("key", "dtype", "shape", "data_offsets", "crc32")
+_STAGE_FIELDS = ("name", "params", "raw_nbytes")
+# The safetensors dtype of a staged buffer's stored bytes.
+_STAGED_DTYPE = "U8"
 _TENSOR_INFO_FIELDS = ("dtype", "shape", "data_offsets")
 _STATS_FIELDS = ("raw_bytes", "stored_bytes", "entries", "buffers")
 
@@ -174,7 +202,13 @@ def is_temp_file(name: str | os.PathLike) -> bool:
     return _TEMP_NAME_RE.fullmatch(os.path.basename(os.fspath(name))) is not None
 
 
-def write_file(qstate: QuantizedState, path: str | os.PathLike, *, fsync: bool = True) -> int:
+def write_file(
+    qstate: QuantizedState,
+    path: str | os.PathLike,
+    *,
+    fsync: bool = True,
+    entropy: str | EntropyPolicy | None = "auto",
+) -> int:
     """Write ``qstate`` to ``path`` as one safetensors file, atomically.
 
     The bytes go to a temporary file in the same directory (see :func:`temp_path_for`),
@@ -188,11 +222,19 @@ def write_file(qstate: QuantizedState, path: str | os.PathLike, *, fsync: bool =
     Buffers that are not on the CPU are copied there first (the async writer hands over
     pinned host copies already).
 
+    The entropy stage runs here, before the header is laid out (the offsets need the
+    stored sizes): each buffer the policy picks is compressed in memory, and kept only if
+    it saved enough (:mod:`tw_triton.codecs.entropy`). Compressed buffers are small, the
+    rest are streamed from the tensors as before.
+
     Args:
         qstate: the encoded state. Its skeleton, params, rules and metadata must be
             JSON-serializable; buffer names must match ``[A-Za-z0-9_.-]+``.
         path: destination file.
         fsync: fsync the file and its directory (turn off only for throwaway files).
+        entropy: ``"auto"`` (the default policy of :mod:`tw_triton.codecs.entropy`),
+            ``None`` or ``"none"`` (every buffer raw, as format version 1 stored them), or
+            an :class:`~tw_triton.codecs.entropy.EntropyPolicy`.
 
     Returns:
         The number of bytes in the file.
@@ -205,7 +247,11 @@ def write_file(qstate: QuantizedState, path: str | os.PathLike, *, fsync: bool =
     """
     path = os.fspath(path)
     _require_little_endian(path)
-    plan = _plan(qstate, path)
+    try:
+        policy = resolve_policy(entropy)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from exc
+    plan = _plan(qstate, path, policy)
     tmp = temp_path_for(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
@@ -295,7 +341,8 @@ def verify_file(path: str | os.PathLike) -> None:
     """Validate a checkpoint completely and check every buffer's CRC-32.
 
     Streams the data through one reusable chunk buffer, so memory stays small whatever the
-    file size.
+    file size (plus, for a staged buffer, its stored bytes: the stage's frame is checked and
+    decoded in chunks that are thrown away, so the decoded content is checked too).
 
     Raises:
         CheckpointError: naming the file, the entry and the buffer that failed.
@@ -306,6 +353,12 @@ def verify_file(path: str | os.PathLike) -> None:
         scratch = memoryview(bytearray(min(IO_CHUNK_BYTES, max(layout.data_size, 1))))
         f.seek(layout.data_start)
         for spec in layout.buffers:
+            if spec.stage is not None:
+                stored = memoryview(bytearray(spec.nbytes))
+                _read_exact_into(f, stored, path, spec)
+                _check_crc(path, spec, zlib.crc32(stored))
+                spec.stage.verify(stored, spec.stage_params, spec.raw_nbytes, _where(path, spec))
+                continue
             crc = 0
             remaining = spec.nbytes
             while remaining:
@@ -326,10 +379,21 @@ class _PlannedBuffer:
     entry: str
     name: str
     key: str
-    tensor: torch.Tensor  # CPU, contiguous
-    st_dtype: str
+    tensor: torch.Tensor  # CPU, contiguous: the buffer as the codec made it
+    st_dtype: str  # the safetensors name of the tensor's dtype
     begin: int
     end: int
+    data: memoryview  # the bytes stored in the file: the tensor's, or its stage's output
+    stage: dict[str, Any] | None  # the manifest record of the stage, None when raw
+
+    @property
+    def table_dtype(self) -> str:
+        """The dtype in the safetensors tensor table: U8 bytes for a staged buffer."""
+        return _STAGED_DTYPE if self.stage is not None else self.st_dtype
+
+    @property
+    def table_shape(self) -> list[int]:
+        return [len(self.data)] if self.stage is not None else list(self.tensor.shape)
 
 
 @dataclass(frozen=True)
@@ -340,8 +404,9 @@ class _Plan:
     data_size: int
 
 
-def _plan(qstate: QuantizedState, path: str) -> _Plan:
-    """Check what can be checked before touching the disk, and lay the buffers out."""
+def _plan(qstate: QuantizedState, path: str, policy: EntropyPolicy | None) -> _Plan:
+    """Check what can be checked before touching the disk, run the entropy stage, and lay
+    the buffers out."""
     if not isinstance(qstate, QuantizedState):
         raise CheckpointError(
             f"checkpoint {path}: expected a QuantizedState, got {type(qstate).__name__}"
@@ -400,20 +465,41 @@ def _plan(qstate: QuantizedState, path: str) -> _Plan:
         if alias in qstate.entries:
             raise CheckpointError(f"checkpoint {path}: alias {alias!r} is also an entry")
 
-    # Decreasing element size keeps every buffer aligned to its element size; the sort is
-    # stable, so within one size the file follows the entry order.
-    order = sorted(range(len(pending)), key=lambda i: -pending[i][2].element_size())
+    stored: list[tuple[memoryview, dict[str, Any] | None]] = []
+    for entry_path, name, tensor, _ in pending:
+        view = _byte_view(tensor)
+        staged = None
+        if policy is not None:
+            try:
+                staged = encode_buffer(tensor, view, policy)
+            except Exception as exc:
+                # zstd's own errors (out of memory, a bad level) name no checkpoint.
+                raise CheckpointError(
+                    f"checkpoint {path}: entry {entry_path!r} buffer {name!r}: entropy stage "
+                    f"failed: {type(exc).__name__}: {exc}"
+                ) from exc
+        stored.append((view, None) if staged is None else (memoryview(staged.data), staged.record))
+
+    # Decreasing element size keeps every buffer aligned to its element size (staged
+    # buffers are bytes); the sort is stable, so within one size the file follows the
+    # entry order.
+    def stored_itemsize(i: int) -> int:
+        return 1 if stored[i][1] is not None else pending[i][2].element_size()
+
+    order = sorted(range(len(pending)), key=lambda i: -stored_itemsize(i))
     buffers: list[_PlannedBuffer] = []
     by_entry: dict[str, dict[str, _PlannedBuffer]] = {p: {} for p in qstate.entries}
     offset = 0
     for i in order:
         entry_path, name, tensor, st_dtype = pending[i]
-        nbytes = tensor.numel() * tensor.element_size()
+        data, stage = stored[i]
         key = tensor_key(entry_path, name)
         buffers.append(
-            _PlannedBuffer(entry_path, name, key, tensor, st_dtype, offset, offset + nbytes)
+            _PlannedBuffer(
+                entry_path, name, key, tensor, st_dtype, offset, offset + len(data), data, stage
+            )
         )
-        offset += nbytes
+        offset += len(data)
     # by_entry keeps each entry's own buffer order for the manifest.
     lookup = {(b.entry, b.name): b for b in buffers}
     for entry_path, name, _, _ in pending:
@@ -499,6 +585,8 @@ def _build_manifest(plan: _Plan, crcs: dict[str, int] | None) -> dict[str, Any]:
                 "data_offsets": [b.begin, b.end],
                 "crc32": f"{crcs[b.key] if crcs is not None else 0:08x}",
             }
+            if b.stage is not None:
+                bufs[name]["stage"] = b.stage
         entries[entry_path] = {
             "codec": entry.codec,
             "params": entry.params,
@@ -537,8 +625,8 @@ def _encode_header(plan: _Plan, path: str, crcs: dict[str, int] | None = None) -
     }
     for b in plan.buffers:
         header[b.key] = {
-            "dtype": b.st_dtype,
-            "shape": list(b.tensor.shape),
+            "dtype": b.table_dtype,
+            "shape": b.table_shape,
             "data_offsets": [b.begin, b.end],
         }
     raw = _json(header).encode("ascii")
@@ -554,7 +642,7 @@ def _encode_header(plan: _Plan, path: str, crcs: dict[str, int] | None = None) -
 def _write_buffers(f: BinaryIO, plan: _Plan) -> dict[str, int]:
     crcs: dict[str, int] = {}
     for b in plan.buffers:
-        view = _byte_view(b.tensor)
+        view = b.data
         crc = 0
         # zlib.crc32 and file writes release the GIL on large chunks, so a training thread
         # keeps running while the writer thread works.
@@ -613,11 +701,19 @@ class _BufferSpec:
     shape: tuple[int, ...]
     begin: int
     end: int
-    crc32: int
+    crc32: int  # of the stored bytes
+    stage: Stage | None = None
+    stage_params: dict[str, Any] | None = None
+    raw_nbytes: int = 0  # the decoded size of a staged buffer
 
     @property
     def nbytes(self) -> int:
+        """Stored bytes in the file."""
         return self.end - self.begin
+
+
+def _where(path: str, spec: _BufferSpec) -> str:
+    return f"checkpoint {path}: entry {spec.entry!r} buffer {spec.name!r}"
 
 
 @dataclass(frozen=True)
@@ -808,11 +904,12 @@ def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
             f"{where}: expected format {FORMAT_NAME!r}, found {manifest.get('format')!r}"
         )
     version = manifest.get("version")
-    if version != FORMAT_VERSION or not _is_int(version):
+    if not _is_int(version) or version not in READABLE_VERSIONS:
         newer = _is_int(version) and version > FORMAT_VERSION
         raise CheckpointError(
-            f"{where}: unknown format version {version!r}, this tw_triton reads version "
-            f"{FORMAT_VERSION}" + (" (written by a newer tw_triton?)" if newer else "")
+            f"{where}: unknown format version {version!r}, this tw_triton reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+            + (" (written by a newer tw_triton?)" if newer else "")
         )
     _check_fields(manifest, _MANIFEST_FIELDS, where)
     if not isinstance(manifest["checkpoint_id"], str):
@@ -872,7 +969,16 @@ def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
                     f"{bwhere}: data_offsets must be [begin, end], found {offsets!r}"
                 )
             begin, end = offsets
-            if not 0 <= begin <= end or end - begin != numel * bdtype.itemsize:
+            stage = None
+            if "stage" in buf:
+                if version < 2:
+                    raise CheckpointError(
+                        f"{bwhere}: a stage record needs format version 2, the file says {version}"
+                    )
+                stage = _validate_stage(buf["stage"], bdtype.itemsize, numel * bdtype.itemsize, buf, bwhere)
+                if not 0 <= begin <= end:
+                    raise CheckpointError(f"{bwhere}: data_offsets {offsets} are not [begin, end]")
+            elif not 0 <= begin <= end or end - begin != numel * bdtype.itemsize:
                 raise CheckpointError(
                     f"{bwhere}: data_offsets {offsets} do not span shape {buf['shape']} of "
                     f"{buf['dtype']} ({numel * bdtype.itemsize} bytes)"
@@ -884,7 +990,10 @@ def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
                 )
             shape = tuple(buf["shape"])
             specs.append(
-                _BufferSpec(entry_path, name, buf["key"], bdtype, shape, begin, end, int(crc, 16))
+                _BufferSpec(
+                    entry_path, name, buf["key"], bdtype, shape, begin, end, int(crc, 16),
+                    *(() if stage is None else (stage, buf["stage"]["params"], buf["stage"]["raw_nbytes"])),
+                )
             )
     aliases = manifest["aliases"]
     if not isinstance(aliases, dict):
@@ -897,6 +1006,25 @@ def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
         if alias in entries:
             raise CheckpointError(f"checkpoint {path}: alias {alias!r} is also an entry")
     return specs
+
+
+def _validate_stage(record: Any, itemsize: int, raw_nbytes: int, buf: dict[str, Any], where: str) -> Stage:
+    """A buffer's stage record: a known stage, its params, and the raw size its shape gives."""
+    swhere = f"{where} stage"
+    _check_fields(record, _STAGE_FIELDS, swhere)
+    if len(record) != len(_STAGE_FIELDS):
+        raise CheckpointError(f"{swhere}: unexpected fields {sorted(set(record) - set(_STAGE_FIELDS))}")
+    name = record["name"]
+    stage = get_stage(name) if isinstance(name, str) else None
+    if stage is None:
+        raise CheckpointError(f"{swhere}: unknown entropy stage {name!r}, expected one of {stage_names()}")
+    if not _is_int(record["raw_nbytes"]) or record["raw_nbytes"] != raw_nbytes:
+        raise CheckpointError(
+            f"{swhere}: raw_nbytes {record['raw_nbytes']!r} does not match shape {buf['shape']} of "
+            f"{buf['dtype']} ({raw_nbytes} bytes)"
+        )
+    stage.check_params(record["params"], itemsize, swhere)
+    return stage
 
 
 def _validate_tensor_table(
@@ -916,9 +1044,10 @@ def _validate_tensor_table(
             raise CheckpointError(
                 f"{bwhere}: unexpected fields in the tensor table: {sorted(info)}"
             )
+        staged = spec.stage is not None
         expected = {
-            "dtype": _BUFFER_DTYPE_NAMES[spec.dtype],
-            "shape": list(spec.shape),
+            "dtype": _STAGED_DTYPE if staged else _BUFFER_DTYPE_NAMES[spec.dtype],
+            "shape": [spec.nbytes] if staged else list(spec.shape),
             "data_offsets": [spec.begin, spec.end],
         }
         for field_name, value in expected.items():
@@ -989,8 +1118,14 @@ def _read_buffers(
     f: BinaryIO, layout: _Layout, path: str, *, verify: bool, pin: bool
 ) -> dict[tuple[str, str], torch.Tensor]:
     out: dict[tuple[str, str], torch.Tensor] = {}
+    # One scratch for the stored bytes of every staged buffer, as large as the largest.
+    largest = max((s.nbytes for s in layout.buffers if s.stage is not None), default=0)
+    scratch = memoryview(bytearray(largest))
     f.seek(layout.data_start)
     for spec in layout.buffers:
+        if spec.stage is not None:
+            out[(spec.entry, spec.name)] = _read_staged(f, spec, scratch, path, verify=verify, pin=pin)
+            continue
         # Bounded: validation proved that all buffers together fit in the file.
         tensor = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin)
         view = _byte_view(tensor)
@@ -1004,6 +1139,27 @@ def _read_buffers(
             _check_crc(path, spec, crc)
         out[(spec.entry, spec.name)] = tensor
     return out
+
+
+def _read_staged(
+    f: BinaryIO, spec: _BufferSpec, scratch: memoryview, path: str, *, verify: bool, pin: bool
+) -> torch.Tensor:
+    """Read a staged buffer's stored bytes, check them, and decode into its tensor.
+
+    The CRC covers the stored bytes, so corruption stops here before the decoder runs.
+    The stage checks its frame against the raw size before the tensor is allocated, so a
+    manifest that promises more than the stored bytes can make allocates nothing.
+    """
+    assert spec.stage is not None and spec.stage_params is not None
+    stored = scratch[: spec.nbytes]
+    _read_exact_into(f, stored, path, spec)
+    if verify:
+        _check_crc(path, spec, zlib.crc32(stored))
+    where = _where(path, spec)
+    spec.stage.check(stored, spec.stage_params, spec.raw_nbytes, where)
+    tensor = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin)
+    spec.stage.decode(stored, spec.stage_params, _byte_view(tensor), where)
+    return tensor
 
 
 def _check_crc(path: str, spec: _BufferSpec, crc: int) -> None:

@@ -54,6 +54,7 @@ import torch
 
 from .codecs.blockwise import FLOAT_DTYPES, check_params
 from .codecs import Codec, Encoded, ExactCodec, get_codec
+from .codecs.entropy import EntropyPolicy
 from .errors import CheckpointError, QuantizationError, ReferenceMismatchError, TwTritonError
 from .qstate import EncodedEntry, QuantizedState
 from .rules import resolve_rules, select_rule
@@ -436,14 +437,22 @@ def dequantize_state_dict(
         raise CheckpointError(f"{where}: {e}") from e
 
 
-def save(qstate: QuantizedState, path: PathLike, *, fsync: bool = True) -> int:
+def save(
+    qstate: QuantizedState,
+    path: PathLike,
+    *,
+    fsync: bool = True,
+    entropy: str | EntropyPolicy | None = "auto",
+) -> int:
     """Write ``qstate`` to one safetensors file at ``path`` (atomically); return its size.
 
-    Buffers on a GPU are copied to the host first. See :func:`tw_triton.format.write_file`.
+    Buffers on a GPU are copied to the host first. ``entropy`` picks the lossless stage:
+    ``"auto"`` (default policy), ``None``/``"none"`` (raw), or an
+    :class:`~tw_triton.codecs.entropy.EntropyPolicy`. See :func:`tw_triton.format.write_file`.
     """
     from .format import write_file
 
-    return write_file(qstate, path, fsync=fsync)
+    return write_file(qstate, path, fsync=fsync, entropy=entropy)
 
 
 def load(

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import format as _format
+from .codecs import entropy as _entropy
 from .errors import CheckpointError, CheckpointIOError
 from .qstate import EncodedEntry, QuantizedState
 
@@ -188,6 +189,9 @@ class AsyncWriter:
             of the page cache).
         exit_timeout: seconds to wait for pending saves at interpreter exit; ``None``
             waits until they are written.
+        entropy: the lossless stage of :func:`tw_triton.format.write_file` (``"auto"``,
+            ``None``/``"none"``, or an ``EntropyPolicy``); it runs on the writer thread,
+            after the device-to-host copy.
     """
 
     def __init__(
@@ -197,9 +201,13 @@ class AsyncWriter:
         pinned_bytes: int | None = None,
         fsync: bool = True,
         exit_timeout: float | None = None,
+        entropy: str | _entropy.EntropyPolicy | None = "auto",
     ) -> None:
         if max_pending < 1:
             raise CheckpointError(f"max_pending must be at least 1, got {max_pending}")
+        # Checked here, so that a bad value fails at construction, not on the first save.
+        _entropy.resolve_policy(entropy)
+        self.entropy = entropy
         self.max_pending = max_pending
         self.fsync = fsync
         self.exit_timeout = exit_timeout
@@ -434,7 +442,7 @@ class AsyncWriter:
             job.device_state = None  # the copies are done; let the device memory go
             if job.encode is not None:
                 job.qstate, job.encode = job.encode(), None
-            nbytes = _format.write_file(job.qstate, job.path, fsync=self.fsync)
+            nbytes = _format.write_file(job.qstate, job.path, fsync=self.fsync, entropy=self.entropy)
         except BaseException as err:  # noqa: BLE001 - every failure goes to the Future
             error = err
             logger.error("async save to '%s' failed: %s: %s", job.path, type(err).__name__, err)

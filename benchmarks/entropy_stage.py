@@ -1,0 +1,373 @@
+"""The lossless entropy stage on a real training state: bits per element, and speed.
+
+Trains the tiny byte-level GPT of ``resume_fidelity.py`` with AdamW (``--steps``, default
+300), writes an exact keyframe at ``--keyframe`` (default 150), and encodes the final state
+against it the way the library does: weight deltas at 8, 4 and 2 bits (default rules), and
+the moments by the ``"small"`` preset (``exp_avg`` int4 blockwise, ``exp_avg_sq`` log2 4-bit).
+Every buffer of the encoded states is sorted into a kind, and each kind goes through both
+stages (``zstd``, ``zstd-bytegroup``) buffer by buffer, as the file writer does.
+
+Reported per kind:
+
+* bits per element: raw (as the codec stores it), after each stage, and after the stage the
+  policy picks (``auto``: buffers under 4 KiB, or saving under 3 %, stay raw);
+* the order-0 empirical entropy: of the code symbols for code buffers (what an ideal
+  order-0 coder of the codes would reach), of each byte plane summed over the planes for
+  float buffers (what an order-0 coder after byte grouping would reach);
+* compress and decompress throughput of the policy's stage in MB/s of raw bytes (best of 3
+  runs of each kind, one process, a shared machine: noisy);
+* zstd levels 1, 3 and 9 on the policy's stage (the level choice);
+* whole files: each checkpoint written with ``entropy=None`` and ``"auto"``.
+
+Run: ``python benchmarks/entropy_stage.py`` (about a minute on 2 cores). Writes
+``benchmarks/results/entropy_stage.json`` and ``benchmarks/results/entropy_stage.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+import zlib
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import tw_triton
+from _common import RESULTS_DIR, environment, fmt_table, log, write_result
+from resume_fidelity import Config, Trainer, load_corpus
+from tw_triton import format as fmt
+from tw_triton.codecs import entropy
+from tw_triton.qstate import QuantizedState
+
+STAGES = ("zstd", "zstd-bytegroup")
+LEVELS = (1, 3, 9)
+REPEATS = 3
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def code_symbols(codes: torch.Tensor, bits: int, count: int) -> np.ndarray:
+    """Unpack LSB-first packed codes into one symbol per element."""
+    packed = codes.reshape(-1).numpy()
+    per_byte = 8 // bits
+    fields = [(packed >> (i * bits)) & ((1 << bits) - 1) for i in range(per_byte)]
+    return np.stack(fields, axis=1).reshape(-1)[:count]
+
+
+def order0_bits(symbols: np.ndarray) -> float:
+    """Empirical order-0 entropy, bits per symbol."""
+    if symbols.size == 0:
+        return 0.0
+    counts = np.bincount(symbols.astype(np.int64))
+    p = counts[counts > 0] / symbols.size
+    return float(-(p * np.log2(p)).sum())
+
+
+def plane_entropy_bits(t: torch.Tensor) -> float:
+    """Sum over byte planes of each plane's order-0 entropy: bits per element."""
+    planes = t.contiguous().reshape(-1).view(torch.uint8).numpy().reshape(-1, t.element_size())
+    return sum(order0_bits(planes[:, k]) for k in range(planes.shape[1]))
+
+
+def classify(path: str, codec: str, params: dict[str, Any], name: str, t: torch.Tensor) -> str | None:
+    """The kind of one buffer, or None for what the table leaves out (tiny exact tensors)."""
+    weight = path.startswith("model/")
+    moment = path.rsplit("/", 1)[-1]
+    if codec == "blockwise" and name == "codes":
+        what = "weight-delta" if weight else moment
+        return f"{what} codes int{params['bits']}"
+    if codec == "log2" and name == "codes":
+        return f"{moment} log2 codes {params['bits']}-bit"
+    if codec in ("blockwise", "log2"):
+        return f"per-block {name} ({t.dtype})".replace("torch.", "")
+    if codec == "exact" and t.dtype.is_floating_point and t.numel() >= 4096:
+        return f"exact {'weights' if weight else moment} {str(t.dtype).replace('torch.', '')}"
+    return None
+
+
+def collect(states: dict[str, QuantizedState]) -> dict[str, list[dict[str, Any]]]:
+    """Buffers by kind, each with what the entropy columns need."""
+    kinds: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    # Several states hold the same buffer (the final moments are exact in every delta; the
+    # int8 weight deltas are in two states): each distinct buffer counts once.
+    seen: set[tuple[str, str, int, int]] = set()
+    for label, q in states.items():
+        for path, e in q.entries.items():
+            for name, t in e.buffers.items():
+                kind = classify(path, e.codec, e.params, name, t)
+                if kind is None:
+                    continue
+                t = t.contiguous()
+                key = (kind, path, t.numel(), zlib.crc32(_bytes(t)))
+                if key in seen:
+                    continue
+                seen.add(key)
+                if name == "codes":
+                    elements = math.prod(e.shape)
+                    symbols = code_symbols(t, e.params["bits"], elements)
+                    h0 = order0_bits(symbols)
+                    raw_bits = e.params["bits"]
+                else:
+                    elements = t.numel()
+                    h0 = plane_entropy_bits(t)
+                    raw_bits = 8 * t.element_size()
+                kinds[kind].append({"tensor": t, "elements": elements, "h0": h0, "raw_bits": raw_bits, "src": label})
+    return dict(kinds)
+
+
+def _best(fn, repeats: int = REPEATS) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_kind(bufs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stored bytes per stage and level, the policy's choice, and the policy stage's speed."""
+    elements = sum(b["elements"] for b in bufs)
+    raw = sum(len(_bytes(b["tensor"])) for b in bufs)
+    out: dict[str, Any] = {
+        "buffers": len(bufs),
+        "elements": elements,
+        "raw_bytes": raw,
+        "raw_bits": bufs[0]["raw_bits"],
+        "h0_bits": sum(b["h0"] * b["elements"] for b in bufs) / elements,
+        "stored": {},
+    }
+    for name in STAGES:
+        stage = entropy.get_stage(name)
+        for level in LEVELS:
+            total = 0
+            for b in bufs:
+                total += len(stage.encode(_bytes(b["tensor"]), b["tensor"].element_size(), level)[0])
+            out["stored"][f"{name}/{level}"] = total
+    # What the writer's default policy stores, buffer by buffer.
+    auto_total = 0
+    chosen = set()
+    encoded = []
+    for b in bufs:
+        t = b["tensor"]
+        staged = entropy.encode_buffer(t, _bytes(t), entropy.AUTO)
+        auto_total += len(_bytes(t)) if staged is None else len(staged.data)
+        if staged is not None:
+            chosen.add(staged.record["name"])
+            encoded.append((staged, t))
+    out["auto_bytes"] = auto_total
+    out["auto_stages"] = sorted(chosen)
+    # The policy's stage for this kind: its first candidate, or for integers (which try
+    # both) the one that stored this kind smaller.
+    candidates = entropy.candidate_stages(bufs[0]["tensor"].dtype, entropy.MIN_STAGE_BYTES, entropy.AUTO)
+    level = entropy.DEFAULT_LEVEL
+    policy_stage = min(candidates, key=lambda n: out["stored"][f"{n}/{level}"])
+    out["policy_stage"] = policy_stage
+    stage = entropy.get_stage(policy_stage)
+    frames = [(stage.encode(_bytes(b["tensor"]), b["tensor"].element_size(), entropy.DEFAULT_LEVEL), b["tensor"])
+              for b in bufs]
+
+    def compress() -> None:
+        for b in bufs:
+            stage.encode(_bytes(b["tensor"]), b["tensor"].element_size(), entropy.DEFAULT_LEVEL)
+
+    dests = [bytearray(len(_bytes(t))) for _, t in frames]
+
+    def decompress() -> None:
+        for ((stored, params), t), dest in zip(frames, dests):
+            view = memoryview(stored)
+            stage.check(view, params, len(dest), "bench")
+            stage.decode(view, params, memoryview(dest), "bench")
+
+    decompress()
+    assert all(bytes(d) == bytes(_bytes(t)) for d, (_, t) in zip(dests, frames)), "stage is not lossless"
+    out["compress_mb_s"] = raw / _best(compress) / 1e6
+    out["decompress_mb_s"] = raw / _best(decompress) / 1e6
+    out["level_speed_mb_s"] = {}
+    for level in LEVELS:
+        def comp(level: int = level) -> None:
+            for b in bufs:
+                stage.encode(_bytes(b["tensor"]), b["tensor"].element_size(), level)
+
+        out["level_speed_mb_s"][str(level)] = raw / _best(comp) / 1e6
+    return out
+
+
+def file_sizes(states: dict[str, QuantizedState], tmp: Path) -> list[dict[str, Any]]:
+    rows = []
+    for label, q in states.items():
+        row: dict[str, Any] = {"checkpoint": label}
+        for mode in (None, "auto"):
+            path = tmp / f"{label}-{mode}.tw"
+            t_write = _best(lambda: fmt.write_file(q, path, fsync=False, entropy=mode), 2)
+            t_read = _best(lambda: fmt.read_file(path), 2)
+            key = "auto" if mode else "none"
+            row[f"{key}_bytes"] = path.stat().st_size
+            row[f"{key}_write_s"] = t_write
+            row[f"{key}_read_s"] = t_read
+        row["raw_tensor_bytes"] = fmt.read_manifest(tmp / f"{label}-auto.tw")["stats"]["raw_bytes"]
+        rows.append(row)
+    return rows
+
+
+def large_buffer_threads(nbytes: int = 64 << 20) -> dict[str, Any]:
+    """One synthetic 64 MiB fp32 buffer (Gaussian, exp_avg-like scale) through
+    zstd-bytegroup with 1 and with 2 zstd threads."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(nbytes // 4, generator=g) * 1e-3
+    stage = entropy.get_stage("zstd-bytegroup")
+    out: dict[str, Any] = {"nbytes": nbytes, "default_threads": entropy.default_threads(nbytes)}
+    for threads in (0, 2):
+        seconds = _best(lambda: stage.encode(_bytes(t), 4, entropy.DEFAULT_LEVEL, threads), 2)
+        stored, params = stage.encode(_bytes(t), 4, entropy.DEFAULT_LEVEL, threads)
+        dest = bytearray(nbytes)
+        d_seconds = _best(lambda: stage.decode(memoryview(stored), params, memoryview(dest), "bench"), 2)
+        assert bytes(dest) == bytes(_bytes(t))
+        out[str(threads)] = {"compress_mb_s": nbytes / seconds / 1e6, "decompress_mb_s": nbytes / d_seconds / 1e6,
+                             "bits": 8 * len(stored) / t.numel()}
+    return out
+
+
+def train_states(cfg: Config, seed: int, tmp: Path) -> dict[str, QuantizedState]:
+    corpus = load_corpus()
+    trainer = Trainer(cfg, corpus, seed)
+    keyframe_path = tmp / "keyframe.tw"
+    states: dict[str, QuantizedState] = {}
+    t0 = time.perf_counter()
+    while trainer.step < cfg.steps:
+        if trainer.step == cfg.keyframe:
+            states["keyframe (exact)"] = tw_triton.quantize_state_dict(trainer.state(), rules="exact")
+            tw_triton.save(states["keyframe (exact)"], keyframe_path, fsync=False, entropy=None)
+        trainer.train_step()
+    log(f"trained {cfg.steps} steps in {time.perf_counter() - t0:.1f} s")
+    final = trainer.state()
+    for bits in (8, 4, 2):
+        states[f"delta int{bits}"] = tw_triton.quantize_state_dict(final, reference=keyframe_path, bits=bits)
+    states['delta int8, preset "small"'] = tw_triton.quantize_state_dict(final, reference=keyframe_path, rules="small")
+    return states
+
+
+def _bits(nbytes: float, elements: int) -> str:
+    return f"{8 * nbytes / elements:.3f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    cfg = result["config"]
+    lines = [
+        "# Entropy stage on a training state",
+        "",
+        f"Machine: {env['machine']}; Python {env['python']}, torch {env['torch']}, zstandard "
+        f"{result['zstandard']}, {env['torch_threads']} torch thread(s). One run, on a machine "
+        "shared with other jobs: timings are noisy (best of 3 per kind); sizes are exact.",
+        "",
+        f"State: the tiny GPT of `resume_fidelity.py` (d_model {cfg['d_model']}, {cfg['n_layers']} layers, "
+        f"{result['parameters']:,} parameters) trained {cfg['steps']} AdamW steps; keyframe (exact) at step "
+        f"{cfg['keyframe']}, deltas of the final state against it (default rules at 8/4/2 bits; "
+        "the `small` preset codes the moments).",
+        "",
+        "Bits per element: raw = as the codec stores it; zstd / bytegroup = after that stage at "
+        f"level {entropy.DEFAULT_LEVEL}; auto = what the writer's default policy stores (buffers "
+        f"under {entropy.MIN_STAGE_BYTES} B or saving under {entropy.MIN_SAVING:.0%} stay raw); "
+        "H0 = order-0 empirical entropy (code symbols for codes; sum over byte planes for "
+        "floats). Throughput: the policy's stage, MB/s of raw bytes, one thread below 8 MiB.",
+        "",
+        f"Command: `python benchmarks/entropy_stage.py`",
+        "",
+    ]
+    headers = ["kind", "buffers", "elements", "raw", "zstd", "bytegroup", "auto", "H0", "auto saves",
+               "compress MB/s", "decompress MB/s"]
+    rows = []
+    for kind, k in result["kinds"].items():
+        n = k["elements"]
+        rows.append([
+            kind, k["buffers"], f"{n:,}", f"{k['raw_bits']}",
+            _bits(k["stored"][f"zstd/{entropy.DEFAULT_LEVEL}"], n),
+            _bits(k["stored"][f"zstd-bytegroup/{entropy.DEFAULT_LEVEL}"], n),
+            _bits(k["auto_bytes"], n), f"{k['h0_bits']:.3f}",
+            f"{1 - k['auto_bytes'] / k['raw_bytes']:.1%}",
+            f"{k['compress_mb_s']:.0f}", f"{k['decompress_mb_s']:.0f}",
+        ])
+    lines += ["## Bits per element, by buffer kind", "", fmt_table(headers, rows), ""]
+    headers = ["kind", "stage"] + [f"level {lv} bits" for lv in LEVELS] + [f"level {lv} MB/s" for lv in LEVELS]
+    rows = []
+    for kind, k in result["kinds"].items():
+        n = k["elements"]
+        s = k["policy_stage"]
+        rows.append([kind, s] + [_bits(k["stored"][f"{s}/{lv}"], n) for lv in LEVELS]
+                    + [f"{k['level_speed_mb_s'][str(lv)]:.0f}" for lv in LEVELS])
+    lines += ["## zstd level (the policy's stage)", "", fmt_table(headers, rows), ""]
+    headers = ["checkpoint", "tensors raw", "file, entropy=None", "file, auto", "auto smaller by",
+               "write none / auto s", "read none / auto s"]
+    rows = []
+    for r in result["files"]:
+        rows.append([
+            r["checkpoint"], f"{r['raw_tensor_bytes'] / 2**20:.2f} MiB", f"{r['none_bytes'] / 2**20:.2f} MiB",
+            f"{r['auto_bytes'] / 2**20:.2f} MiB", f"{r['none_bytes'] / r['auto_bytes']:.2f}x",
+            f"{r['none_write_s']:.3f} / {r['auto_write_s']:.3f}", f"{r['none_read_s']:.3f} / {r['auto_read_s']:.3f}",
+        ])
+    lines += ["## Whole files (write_file without fsync, page cache)", "", fmt_table(headers, rows), ""]
+    big = result["large_buffer"]
+    rows = [[label, f"{big[k]['bits']:.3f}", f"{big[k]['compress_mb_s']:.0f}", f"{big[k]['decompress_mb_s']:.0f}"]
+            for k, label in (("0", "1 thread"), ("2", "2 zstd threads"))]
+    lines += [
+        f"## One large buffer: {big['nbytes'] >> 20} MiB of synthetic Gaussian fp32 (zstd-bytegroup)",
+        "",
+        f"The writer's default here: {big['default_threads'] or 1} thread(s) (zstd threads are used from "
+        f"{entropy.MT_MIN_BYTES >> 20} MiB up, with half the cores, and only where that makes 2 or "
+        "more; decoding is one thread either way).",
+        "",
+        fmt_table(["compress", "bits/elem", "compress MB/s", "decompress MB/s"], rows),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--keyframe", type=int, default=150)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
+    args = parser.parse_args()
+    cfg = Config(d_model=args.d_model, n_layers=args.layers, steps=args.steps, keyframe=args.keyframe)
+    import zstandard
+
+    with tempfile.TemporaryDirectory() as tmp:
+        states = train_states(cfg, args.seed, Path(tmp))
+        kinds = collect(states)
+        measured = {kind: measure_kind(bufs) for kind, bufs in sorted(kinds.items())}
+        files = file_sizes(states, Path(tmp))
+    large = large_buffer_threads()
+    params = sum(e.raw_nbytes // e.dtype.itemsize for p, e in states["keyframe (exact)"].entries.items()
+                 if p.startswith("model/"))
+    result = {
+        "config": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "steps": cfg.steps, "keyframe": cfg.keyframe,
+                   "seed": args.seed},
+        "parameters": params,
+        "zstandard": zstandard.__version__,
+        "kinds": measured,
+        "files": files,
+        "large_buffer": large,
+    }
+    if args.no_write:
+        print(markdown({"environment": environment(), **result}))
+        return
+    path = write_result("entropy_stage", result)
+    md = markdown({"environment": environment(), **result})
+    (RESULTS_DIR / "entropy_stage.md").write_text(md + "\n", encoding="utf-8")
+    print(md)
+    log(f"wrote {path} and {RESULTS_DIR / 'entropy_stage.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,405 @@
+"""The lossless entropy stage: stages round-trip bytes exactly, the policy, the frame checks
+that run before any allocation, and the write path (write_file, save, AsyncWriter)."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+
+import pytest
+import torch
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tw_triton
+from _format_samples import STAGE_EVERYTHING, assert_same_state, sample_state
+from tw_triton import format as fmt
+from tw_triton.codecs import entropy
+from tw_triton.codecs.entropy import EntropyPolicy, candidate_stages, check_zstd_frame, get_stage
+from tw_triton.errors import CheckpointError
+from tw_triton.writer import AsyncWriter
+
+STAGES = ["zstd", "zstd-bytegroup"]
+DTYPES = [torch.uint8, torch.int8, torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+          torch.int32, torch.int64]
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    t = t.contiguous().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def round_trip(name: str, t: torch.Tensor, level: int = 3, threads: int = 0) -> tuple[bytes, bytes]:
+    stage = get_stage(name)
+    raw = as_bytes(t)
+    stored, params = stage.encode(raw, t.element_size(), level, threads)
+    stage.check_params(params, t.element_size(), "w")
+    stage.check(memoryview(stored), params, len(raw), "w")
+    out = bytearray(len(raw))
+    stage.decode(memoryview(stored), params, memoryview(out), "w")
+    stage.verify(memoryview(stored), params, len(raw), "w")
+    return bytes(raw), bytes(out)
+
+
+def _tensor(kind: str, dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "bytes":  # any bit pattern, NaN payloads included
+        return torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype)
+    if kind == "zeros":
+        return torch.zeros(n, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.3
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=g) * 1e-3).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -9), min(info.max, 9), (n,), generator=g).to(dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Stages: bytes back identical
+# --------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(STAGES),
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 3000) | st.sampled_from([1, 2, 7, 4096, 70001]),
+    kind=st.sampled_from(["bytes", "zeros", "values"]),
+    seed=st.integers(0, 2**16),
+    level=st.sampled_from([1, 3, 9]),
+)
+def test_every_stage_gives_the_bytes_back(name, dtype, n, kind, seed, level):
+    raw, back = round_trip(name, _tensor(kind, dtype, n, seed), level)
+    assert back == raw
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_chunked_and_multithreaded_paths_give_the_bytes_back(name, monkeypatch):
+    """Small chunks and 2 zstd threads, so that a 1 MiB buffer takes the paths that only
+    buffers of many MiB take by default."""
+    monkeypatch.setattr(entropy, "CHUNK_BYTES", 4099)
+    t = (torch.randn(1 << 18, generator=torch.Generator().manual_seed(0)) * 1e-2).to(torch.float32)
+    raw, back = round_trip(name, t, threads=2)
+    assert back == raw
+
+
+def test_default_threads(monkeypatch):
+    big = entropy.MT_MIN_BYTES
+    for cores, expected in ((None, 0), (1, 0), (2, 0), (3, 0), (4, 2), (16, 8), (256, entropy.MAX_THREADS)):
+        monkeypatch.setattr(entropy.os, "cpu_count", lambda cores=cores: cores)
+        assert entropy.default_threads(big) == expected, cores
+        assert entropy.default_threads(big - 1) == 0
+    seen = []
+    real = entropy._zstd_compressor
+    monkeypatch.setattr(entropy, "_zstd_compressor", lambda level, threads: seen.append(threads) or real(level, threads))
+    t = torch.zeros(5000)
+    entropy.encode_buffer(t, as_bytes(t), EntropyPolicy(threads=2))
+    entropy.encode_buffer(t, as_bytes(t), entropy.AUTO)
+    assert seen == [2, 0]
+
+
+def test_bytegroup_puts_byte_k_of_every_element_together():
+    t = torch.tensor([0x04030201, 0x08070605, 0x0C0B0A09], dtype=torch.int32)
+    stored, params = get_stage("zstd-bytegroup").encode(as_bytes(t), 4, 3)
+    assert params == {"level": 3, "width": 4}
+    assert zstandard.ZstdDecompressor().decompress(stored) == bytes([1, 5, 9, 2, 6, 10, 3, 7, 11, 4, 8, 12])
+
+
+def test_bytegroup_beats_plain_zstd_on_floats():
+    t = torch.randn(1 << 16, generator=torch.Generator().manual_seed(1)) * 1e-3
+    sizes = {n: len(get_stage(n).encode(as_bytes(t), 4, 3)[0]) for n in STAGES}
+    assert sizes["zstd-bytegroup"] < 0.97 * sizes["zstd"]
+
+
+def test_decode_writes_into_the_destination_and_nowhere_else():
+    t = (torch.arange(5000) % 7).to(torch.int16)
+    for name in STAGES:
+        stage = get_stage(name)
+        stored, params = stage.encode(as_bytes(t), 2, 3)
+        big = bytearray(b"\xee" * (16 + 10000 + 16))
+        out = memoryview(big)[16 : 16 + 10000]
+        stage.decode(memoryview(stored), params, out, "w")
+        assert bytes(out) == bytes(as_bytes(t))
+        assert big[:16] == b"\xee" * 16 and big[-16:] == b"\xee" * 16
+
+
+# --------------------------------------------------------------------------------------
+# The frame check: what it refuses before anything is allocated
+# --------------------------------------------------------------------------------------
+
+
+def frame(content: bytes, **kw) -> bytes:
+    return zstandard.ZstdCompressor(level=3, write_checksum=True, **kw).compress(content)
+
+
+def hand_frame(
+    content_size: int, blocks: list[tuple[int, int, bytes]], checksum: bool = False, window: bool = False
+) -> bytes:
+    """A zstd frame built by hand (RFC 8878): 8-byte content size, single segment (or a
+    1 KiB window when ``window``), the given blocks as (type, size field, body), the last
+    one marked last."""
+    fhd = (3 << 6) | (int(not window) << 5) | (int(checksum) << 2)
+    out = b"\x28\xb5\x2f\xfd" + bytes([fhd]) + (b"\0" if window else b"") + struct.pack("<Q", content_size)
+    for i, (kind, size, body) in enumerate(blocks):
+        word = int(i == len(blocks) - 1) | (kind << 1) | (size << 3)
+        out += word.to_bytes(3, "little") + body
+    return out + (b"\0\0\0\0" if checksum else b"")
+
+
+def test_frame_check_accepts_what_zstd_writes():
+    for content in (b"", b"a", bytes(range(256)) * 999, b"\0" * 300000):
+        check_zstd_frame(memoryview(frame(content)), len(content), "w")
+    # A hand-made frame: one raw block, one RLE block.
+    f = hand_frame(5, [(0, 2, b"ab"), (1, 3, b"c")])
+    check_zstd_frame(memoryview(f), 5, "w")
+    assert zstandard.ZstdDecompressor().decompress(f) == b"abccc"
+
+
+@pytest.mark.parametrize(
+    "stored, raw, match",
+    [
+        (b"", 0, "magic"),
+        (b"\x28\xb5\x2f", 0, "magic"),
+        (b"PK\x03\x04" + b"\0" * 20, 4, "magic"),
+        (b"\x50\x2a\x4d\x18" + b"\4\0\0\0abcd", 0, "magic"),  # a skippable frame
+        (frame(b"x" * 100), 101, "holds 100 bytes, the manifest says raw_nbytes 101"),
+        (frame(b"x" * 100), 99, "holds 100 bytes"),
+        (frame(b"x" * 100, write_content_size=False), 100, "does not state its content size"),
+        (frame(b"x" * 100) + b"\0", 100, "trailing bytes"),
+        (frame(b"x" * 100) + frame(b""), 100, "trailing bytes"),
+        (frame(bytes(range(256)) * 40)[:-9], 10240, "truncated"),
+        (frame(b"x" * 100)[:-1], 100, "truncated"),
+        # The bomb: a few bytes that claim 2**40 bytes of content; the blocks hold 1.
+        (hand_frame(2**40, [(0, 1, b"z")]), 2**40, "hold at most 1 bytes, fewer than the 1099511627776"),
+        (hand_frame(300000, [(1, 128 << 10, b"z")] * 2), 300000, "hold at most 262144"),
+        (hand_frame(10, [(3, 0, b"")]), 10, "bad zstd block header"),
+        # Single segment: the window is the content size, and no block may be larger.
+        (hand_frame(1, [(0, 2, b"ab")]), 1, "bad zstd block header"),
+        (hand_frame(2**20, [(1, (128 << 10) + 1, b"z")]), 2**20, "bad zstd block header"),
+    ],
+)
+def test_frame_check_refuses(stored, raw, match):
+    with pytest.raises(CheckpointError, match=match) as info:
+        check_zstd_frame(memoryview(stored), raw, "checkpoint f: entry 'e' buffer 'b'")
+    assert "entry 'e' buffer 'b'" in str(info.value)
+
+
+def test_a_frame_that_decodes_to_more_than_it_states_is_an_error():
+    """Header and blocks agree with 1 byte of content, the blocks make 2: zstd stops it,
+    and the decoder never writes past the 1-byte destination."""
+    stored = memoryview(hand_frame(1, [(0, 2, b"ab")], window=True))
+    check_zstd_frame(stored, 1, "w")
+    for name in STAGES:
+        big = bytearray(b"\xee" * 3)
+        params = {"level": 3} if name == "zstd" else {"level": 3, "width": 1}
+        with pytest.raises(CheckpointError, match="w: zstd"):
+            get_stage(name).decode(stored, params, memoryview(big)[:1], "w")
+        assert big[1:] == b"\xee\xee"
+
+
+def test_corrupted_content_is_caught_by_the_zstd_checksum():
+    content = bytes(range(256)) * 64
+    stored = bytearray(frame(content))
+    stored[-1] ^= 0x40  # the frame's content checksum
+    for name in STAGES:
+        params = {"level": 3} if name == "zstd" else {"level": 3, "width": 1}
+        with pytest.raises(CheckpointError, match="zstd could not decode"):
+            get_stage(name).decode(memoryview(stored), params, memoryview(bytearray(len(content))), "w")
+        with pytest.raises(CheckpointError, match="zstd could not decode"):
+            get_stage(name).verify(memoryview(stored), params, len(content), "w")
+
+
+@pytest.mark.parametrize(
+    "name, params, itemsize, match",
+    [
+        ("zstd", {}, 1, "keys"),
+        ("zstd", {"level": 3, "x": 1}, 1, "keys"),
+        ("zstd", {"level": "3"}, 1, "'level' must be an int"),
+        ("zstd", [3], 1, "keys"),
+        ("zstd-bytegroup", {"level": 3}, 4, "keys"),
+        ("zstd-bytegroup", {"level": 3, "width": 2}, 4, "'width' must be the element size 4"),
+        ("zstd-bytegroup", {"level": 3, "width": 0}, 4, "'width'"),
+        ("zstd-bytegroup", {"level": True, "width": 4}, 4, "'level'"),
+    ],
+)
+def test_stage_params_are_checked(name, params, itemsize, match):
+    with pytest.raises(CheckpointError, match=match):
+        get_stage(name).check_params(params, itemsize, "w")
+
+
+# --------------------------------------------------------------------------------------
+# The policy
+# --------------------------------------------------------------------------------------
+
+
+def test_policy_picks_the_stage_by_dtype_and_size():
+    auto = entropy.AUTO
+    big = entropy.MIN_STAGE_BYTES
+    assert candidate_stages(torch.uint8, big, auto) == ("zstd",)
+    assert candidate_stages(torch.bool, big, auto) == ("zstd",)
+    assert set(candidate_stages(torch.int64, big, auto)) == set(STAGES)
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        assert candidate_stages(dt, big, auto) == ("zstd-bytegroup",)
+    assert candidate_stages(torch.float32, big - 1, auto) == ()
+    assert candidate_stages(torch.uint8, 0, EntropyPolicy(min_bytes=0)) == ()
+    assert candidate_stages(torch.float32, big, EntropyPolicy(stage="zstd")) == ("zstd",)
+
+
+def test_integers_get_the_smaller_of_both_stages():
+    g = torch.Generator().manual_seed(0)
+    counters = torch.randint(-9, 9, (4096,), generator=g)  # int64: zstd wins
+    float_bits = (torch.randn(4096, generator=g) * 1e-3).view(torch.int32)  # grouping wins
+    for t, winner in ((counters, "zstd"), (float_bits, "zstd-bytegroup")):
+        sizes = {n: len(get_stage(n).encode(as_bytes(t), t.element_size(), 3)[0]) for n in STAGES}
+        assert min(sizes, key=sizes.get) == winner
+        staged = entropy.encode_buffer(t, as_bytes(t), entropy.AUTO)
+        assert staged.record["name"] == winner and len(staged.data) == sizes[winner]
+
+
+def test_policy_keeps_a_stage_only_when_it_saves_enough():
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
+    assert entropy.encode_buffer(noise, as_bytes(noise), entropy.AUTO) is None
+    forced = entropy.encode_buffer(noise, as_bytes(noise), EntropyPolicy(min_saving=None))
+    assert forced is not None and len(forced.data) > len(as_bytes(noise))  # incompressible
+    codes = (128 + torch.randn(1 << 16, generator=g).mul(6).round().clamp(-127, 127)).to(torch.uint8)
+    staged = entropy.encode_buffer(codes, as_bytes(codes), entropy.AUTO)
+    assert staged is not None
+    assert staged.record == {"name": "zstd", "params": {"level": entropy.DEFAULT_LEVEL}, "raw_nbytes": 1 << 16}
+    assert len(staged.data) <= (1 - entropy.MIN_SAVING) * (1 << 16)
+    tiny = codes[: entropy.MIN_STAGE_BYTES - 1]
+    assert entropy.encode_buffer(tiny, as_bytes(tiny), entropy.AUTO) is None
+
+
+@pytest.mark.parametrize("bad", ["zstd", "AUTO", 3, True, EntropyPolicy(stage="lz4")])
+def test_bad_entropy_arguments_are_refused(tmp_path, bad):
+    path = tmp_path / "x.tw"
+    with pytest.raises(CheckpointError, match="entropy|unknown stage") as info:
+        fmt.write_file(sample_state(0), path, entropy=bad)
+    assert str(path) in str(info.value) and not path.exists()
+    with pytest.raises(CheckpointError):
+        AsyncWriter(entropy=bad)
+
+
+# --------------------------------------------------------------------------------------
+# The write path
+# --------------------------------------------------------------------------------------
+
+
+def _stages(path) -> dict[str, str]:
+    m = fmt.read_manifest(path)
+    return {b["key"]: b["stage"]["name"] for e in m["entries"].values() for b in e["buffers"].values() if "stage" in b}
+
+
+@pytest.mark.parametrize("entropy_arg", ["auto", None, "none", STAGE_EVERYTHING, EntropyPolicy(level=1)])
+def test_write_file_entropy_modes_round_trip(tmp_path, entropy_arg):
+    state = sample_state(3, scale=8)
+    path = tmp_path / "a.tw"
+    fmt.write_file(state, path, fsync=False, entropy=entropy_arg)
+    assert_same_state(state, fmt.read_file(path))
+    fmt.verify_file(path)
+    assert fmt.read_manifest(path)["version"] == 2
+    staged = _stages(path)
+    nonempty = [fmt.tensor_key(p, n) for p, e in state.entries.items() for n, b in e.buffers.items() if b.numel()]
+    if entropy_arg in (None, "none"):
+        assert staged == {}
+    elif entropy_arg is STAGE_EVERYTHING:
+        assert sorted(staged) == sorted(nonempty)
+    else:
+        # The large codes and the exact float moments are staged, the small buffers are not.
+        assert staged["model/encoder.0.weight:codes"] == "zstd"
+        assert staged["optimizer/state/0/exp_avg:data"] == "zstd-bytegroup"
+        assert "model/encoder.0.bias:data" not in staged
+
+
+def test_read_with_pinned_memory_and_without_verify(tmp_path):
+    state = sample_state(4, scale=4)
+    fmt.write_file(state, tmp_path / "a.tw", fsync=False, entropy=STAGE_EVERYTHING)
+    assert_same_state(state, fmt.read_file(tmp_path / "a.tw", verify=False, pin_memory=True))
+
+
+def test_save_and_load_pass_entropy_through(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    model = {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}
+    opt = {"state": {0: {"exp_avg": torch.randn(256, 64, generator=g) * 1e-3}}}
+    q = tw_triton.quantize_state_dict({"model": model, "optimizer": opt})
+    a = tw_triton.save(q, tmp_path / "a.tw")
+    b = tw_triton.save(q, tmp_path / "b.tw", entropy=None)
+    assert a < b and _stages(tmp_path / "a.tw") and not _stages(tmp_path / "b.tw")
+    for p in ("a.tw", "b.tw"):
+        back = tw_triton.load(tmp_path / p)
+        assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], opt["state"][0]["exp_avg"])
+
+
+def test_async_writer_runs_the_stage_on_its_thread(tmp_path, monkeypatch):
+    threads: list[str] = []
+    real = fmt.encode_buffer
+
+    def recording(*args, **kw):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fmt, "encode_buffer", recording)
+    state = sample_state(5, scale=8)
+    with AsyncWriter(fsync=False) as w:
+        w.submit(state, tmp_path / "auto.tw").result()
+    with AsyncWriter(fsync=False, entropy=None) as w:
+        w.submit(state, tmp_path / "raw.tw").result()
+    assert threads and set(threads) == {"tw_triton-writer"}
+    assert _stages(tmp_path / "auto.tw") and not _stages(tmp_path / "raw.tw")
+    assert_same_state(state, fmt.read_file(tmp_path / "auto.tw"))
+
+
+def test_stage_failure_names_the_buffer_and_leaves_no_file(tmp_path, monkeypatch):
+    def broken(*args, **kw):
+        raise zstandard.ZstdError("out of memory")
+
+    monkeypatch.setattr(entropy.ZstdStage, "encode", broken)
+    path = tmp_path / "a.tw"
+    with pytest.raises(CheckpointError, match="entry 'model/encoder.0.weight' buffer 'codes': entropy stage failed"):
+        fmt.write_file(sample_state(6, scale=8), path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_staged_buffer_crc_covers_the_stored_bytes(tmp_path):
+    path = tmp_path / "a.tw"
+    fmt.write_file(sample_state(7, scale=8), path, fsync=False)
+    n = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    blob = path.read_bytes()
+    buf = fmt.read_manifest(path)["entries"]["model/encoder.0.weight"]["buffers"]["codes"]
+    begin, end = buf["data_offsets"]
+    assert "stage" in buf
+    assert f"{zlib.crc32(blob[8 + n + begin : 8 + n + end]):08x}" == buf["crc32"]
+
+
+def test_register_stage():
+    class Identity(entropy.Stage):
+        name = "identity-test"
+
+        def encode(self, data, itemsize, level, threads=0):
+            return bytes(data), {}
+
+        def check_params(self, params, itemsize, where):
+            if params != {}:
+                raise CheckpointError(f"{where}: no params")
+
+        def check(self, stored, params, raw_nbytes, where):
+            if len(stored) != raw_nbytes:
+                raise CheckpointError(f"{where}: size")
+
+        def decode(self, stored, params, out, where):
+            out[:] = stored
+
+    with pytest.raises(CheckpointError, match="already registered"):
+        entropy.register_stage(entropy.ZstdStage())
+    entropy.register_stage(Identity())
+    try:
+        assert "identity-test" in entropy.stage_names()
+        raw, back = round_trip("identity-test", torch.arange(10, dtype=torch.int16))
+        assert raw == back
+    finally:
+        entropy._STAGES.pop("identity-test")
+

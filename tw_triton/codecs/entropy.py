@@ -1,0 +1,461 @@
+"""The lossless entropy stage: a buffer's bytes become fewer stored bytes, and back.
+
+A stage sits after the codecs: it sees one stored buffer (packed codes, per-block scales,
+an exact tensor) as bytes and returns other bytes plus JSON parameters that the manifest
+records next to the buffer (``tw_triton.format``, version 2). It never changes a value:
+decoding gives back the very same bytes.
+
+Built in:
+
+``zstd``
+    Zstandard at :data:`DEFAULT_LEVEL`, one frame with its content size and content
+    checksum. Best for 1-byte buffers: the blockwise and log2 codes cluster near the middle
+    code, so they carry well under 8 bits of information per byte.
+``zstd-bytegroup``
+    For buffers of ``width`` > 1 bytes per element: byte ``k`` of every element is put
+    together (plane ``k``), the planes are concatenated in order and the whole goes through
+    zstd. The high bytes of floats (sign and exponent) repeat a few values and compress
+    well once they are together; the low mantissa bytes are near random either way.
+    Parameter ``width`` is the element size; decoding undoes the grouping.
+
+:func:`candidate_stages` and :func:`encode_buffer` are the policy: which stage a buffer
+gets (by dtype), buffers under :data:`MIN_STAGE_BYTES` stay raw, and a stage is kept only
+where it saves at least :data:`MIN_SAVING` of the bytes. ``benchmarks/entropy_stage.py`` measures the stages on a
+real training state (``benchmarks/results/entropy_stage.md``).
+
+Reading is bounded: :meth:`Stage.check` walks the zstd frame's block headers before the
+destination is allocated. The frame must state its content size, equal to the raw size
+the manifest records, and its blocks must be able to produce that many bytes, so a
+lying manifest is refused before any allocation; the decoder then writes into the
+destination buffer and never past it. Every failure is a
+:class:`~tw_triton.errors.CheckpointError` naming the file, the entry and the buffer.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import zstandard
+
+from ..errors import CheckpointError
+
+# zstd's own default: ~300 MB/s per core on this kind of data with most of the ratio of
+# higher levels (level 9 gained < 1 % on quantized codes in benchmarks/entropy_stage.py).
+DEFAULT_LEVEL = 3
+# Buffers under this many bytes stay raw: the manifest record of a stage costs ~80 bytes
+# and a zstd frame ~20, so a small buffer saves little and costs a decoder call.
+MIN_STAGE_BYTES = 4096
+# A stage is kept only where it saves at least this fraction of the raw bytes. Below it,
+# the decode time (~1 GB/s) costs more than reading the few saved bytes from any disk.
+MIN_SAVING = 0.03
+# zstd compresses with several threads from this size up (its jobs are MBs each), with
+# half the cores (the rest belong to the training process: data loading, the launch loop),
+# at most MAX_THREADS, and only where that makes 2 threads or more. On the shared 2-core VM
+# of the benchmark, 2 threads against 1 on a 64 MiB buffer went either way between runs,
+# so a 2-core machine keeps the one writer thread.
+MT_MIN_BYTES = 8 << 20
+MAX_THREADS = 8
+# Byte grouping and streaming decode work in chunks of this many bytes, so the scratch
+# memory stays small whatever the buffer size.
+CHUNK_BYTES = 4 << 20
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# The zstd format caps a block's decoded size at 128 KiB (RFC 8878, 3.1.1.2).
+_ZSTD_BLOCK_MAX = 128 << 10
+# Block types; the third, 2, is a compressed block (it decodes to at most the block maximum).
+_BLOCK_RAW, _BLOCK_RLE = 0, 1
+
+
+class Stage(ABC):
+    """One lossless transform of a buffer's bytes. Subclasses set :attr:`name`."""
+
+    name: str = ""
+
+    @abstractmethod
+    def encode(
+        self, data: memoryview, itemsize: int, level: int, threads: int = 0
+    ) -> tuple[bytes, dict[str, Any]]:
+        """Encode the raw bytes of a buffer of ``itemsize``-byte elements, at zstd ``level``
+        with ``threads`` compression threads (0: the calling thread only).
+
+        Returns the stored bytes and the JSON params to record (decoding needs them).
+        """
+
+    @abstractmethod
+    def check_params(self, params: Any, itemsize: int, where: str) -> None:
+        """Validate recorded params for a buffer of ``itemsize``-byte elements.
+
+        Raises:
+            CheckpointError: params this stage does not write.
+        """
+
+    @abstractmethod
+    def check(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
+        """Validate the stored bytes before the destination is allocated: they must be
+        able to decode to exactly ``raw_nbytes`` bytes.
+
+        Raises:
+            CheckpointError: the stored bytes cannot decode to that size.
+        """
+
+    @abstractmethod
+    def decode(
+        self, stored: memoryview, params: Mapping[str, Any], out: memoryview, where: str
+    ) -> None:
+        """Decode into ``out`` (exactly the raw size, writable), after :meth:`check`.
+
+        Raises:
+            CheckpointError: the stored bytes are corrupted.
+        """
+
+    def verify(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
+        """Check that the stored bytes decode to ``raw_nbytes`` bytes, keeping nothing.
+
+        The default decodes into a scratch buffer of the raw size; a streaming stage can
+        do it in constant memory.
+        """
+        self.check(stored, params, raw_nbytes, where)
+        self.decode(stored, params, memoryview(bytearray(raw_nbytes)), where)
+
+
+def default_threads(nbytes: int) -> int:
+    """Compression threads for a buffer of ``nbytes``: see :data:`MT_MIN_BYTES`."""
+    threads = min((os.cpu_count() or 1) // 2, MAX_THREADS)
+    return threads if nbytes >= MT_MIN_BYTES and threads >= 2 else 0
+
+
+def _zstd_compressor(level: int, threads: int) -> zstandard.ZstdCompressor:
+    # A compressor is not thread-safe and costs microseconds to make: one per call.
+    return zstandard.ZstdCompressor(
+        level=level, threads=threads, write_checksum=True, write_content_size=True
+    )
+
+
+def _check_level(params: Any, keys: tuple[str, ...], where: str) -> None:
+    if not isinstance(params, dict) or sorted(params) != sorted(keys):
+        raise CheckpointError(f"{where}: stage params must be an object with keys {list(keys)}, found {params!r}")
+    level = params["level"]
+    if not isinstance(level, int) or isinstance(level, bool):
+        raise CheckpointError(f"{where}: stage param 'level' must be an int, found {level!r}")
+
+
+def check_zstd_frame(stored: memoryview, raw_nbytes: int, where: str) -> None:
+    """Check that ``stored`` is exactly one zstd frame that decodes to ``raw_nbytes`` bytes,
+    as far as its headers tell, without decoding it.
+
+    Walks the block headers (3 bytes each, RFC 8878): the frame must end exactly at the
+    end of ``stored``, state its content size (equal to ``raw_nbytes``), use no dictionary,
+    and its blocks must be able to produce ``raw_nbytes`` bytes (raw and RLE blocks say
+    their size; a compressed block makes at most 128 KiB). Costs one step per block.
+
+    Raises:
+        CheckpointError: naming ``where`` and what did not fit.
+    """
+    n = len(stored)
+    if n < 4 or stored[:4] != _ZSTD_MAGIC:
+        raise CheckpointError(f"{where}: stored bytes do not start with a zstd frame magic number")
+    try:
+        header_size = zstandard.frame_header_size(stored)
+        frame = zstandard.get_frame_parameters(stored)
+    except zstandard.ZstdError as exc:
+        raise CheckpointError(f"{where}: bad zstd frame header: {exc}") from exc
+    if frame.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+        raise CheckpointError(f"{where}: the zstd frame does not state its content size")
+    if frame.content_size != raw_nbytes:
+        raise CheckpointError(
+            f"{where}: the zstd frame holds {frame.content_size} bytes, the manifest says "
+            f"raw_nbytes {raw_nbytes}"
+        )
+    if frame.dict_id != 0:
+        raise CheckpointError(f"{where}: the zstd frame needs dictionary {frame.dict_id}; none is stored")
+    block_max = min(frame.window_size, _ZSTD_BLOCK_MAX) if frame.window_size else _ZSTD_BLOCK_MAX
+    pos = header_size
+    capacity = 0
+    while True:
+        if pos + 3 > n:
+            raise CheckpointError(f"{where}: the zstd frame is truncated (block header at byte {pos} of {n})")
+        word = int.from_bytes(stored[pos : pos + 3], "little")
+        last, kind, size = word & 1, (word >> 1) & 3, word >> 3
+        if kind == 3 or size > block_max:
+            raise CheckpointError(f"{where}: bad zstd block header at byte {pos} (type {kind}, size {size})")
+        if kind == _BLOCK_RLE:
+            pos += 4
+            capacity += size
+        else:
+            pos += 3 + size
+            capacity += size if kind == _BLOCK_RAW else block_max
+        if pos > n:
+            raise CheckpointError(f"{where}: the zstd frame is truncated (a block ends at byte {pos} of {n})")
+        if last:
+            break
+    if frame.has_checksum:
+        pos += 4
+    if pos != n:
+        raise CheckpointError(
+            f"{where}: the zstd frame is {pos} bytes but {n} are stored "
+            + ("(truncated)" if pos > n else "(trailing bytes)")
+        )
+    if capacity < raw_nbytes:
+        raise CheckpointError(
+            f"{where}: the zstd frame's blocks hold at most {capacity} bytes, fewer than the "
+            f"{raw_nbytes} it states"
+        )
+
+
+class _Reader:
+    """Reads exactly the decoded bytes of one zstd frame, into given buffers."""
+
+    def __init__(self, stored: memoryview, where: str) -> None:
+        self.where = where
+        self._reader = zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=False)
+        self.done = 0
+
+    def fill(self, out: memoryview) -> None:
+        got = 0
+        try:
+            while got < len(out):
+                k = self._reader.readinto(out[got:])
+                if not k:
+                    raise CheckpointError(
+                        f"{self.where}: zstd stream ended after {self.done + got} bytes, "
+                        f"expected more (corrupted)"
+                    )
+                got += k
+        except zstandard.ZstdError as exc:
+            raise CheckpointError(f"{self.where}: zstd could not decode the stored bytes: {exc}") from exc
+        self.done += got
+
+    def finish(self) -> None:
+        try:
+            extra = self._reader.read(1)
+        except zstandard.ZstdError as exc:
+            raise CheckpointError(f"{self.where}: zstd could not decode the stored bytes: {exc}") from exc
+        if extra:
+            raise CheckpointError(f"{self.where}: zstd decodes to more than the expected {self.done} bytes")
+
+
+class _ZstdFrameStage(Stage):
+    """A stage whose stored bytes are one zstd frame of the raw size."""
+
+    def check(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
+        check_zstd_frame(stored, raw_nbytes, where)
+
+    def verify(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
+        # Decode in chunks and drop them: constant memory, and zstd's content checksum
+        # still checks every decoded byte.
+        self.check(stored, params, raw_nbytes, where)
+        scratch = memoryview(bytearray(min(CHUNK_BYTES, max(raw_nbytes, 1))))
+        reader = _Reader(stored, where)
+        for start in range(0, raw_nbytes, len(scratch)):
+            reader.fill(scratch[: min(len(scratch), raw_nbytes - start)])
+        reader.finish()
+
+
+class ZstdStage(_ZstdFrameStage):
+    """Zstandard over the bytes as they are."""
+
+    name = "zstd"
+
+    def encode(
+        self, data: memoryview, itemsize: int, level: int, threads: int = 0
+    ) -> tuple[bytes, dict[str, Any]]:
+        return _zstd_compressor(level, threads).compress(data), {"level": level}
+
+    def check_params(self, params: Any, itemsize: int, where: str) -> None:
+        _check_level(params, ("level",), where)
+
+    def decode(self, stored: memoryview, params: Mapping[str, Any], out: memoryview, where: str) -> None:
+        # Straight into the destination: the stream reader decodes into ``out`` itself.
+        reader = _Reader(stored, where)
+        reader.fill(out)
+        reader.finish()
+
+
+class ByteGroupZstdStage(_ZstdFrameStage):
+    """Byte planes (byte k of every element together), then zstd."""
+
+    name = "zstd-bytegroup"
+
+    def encode(
+        self, data: memoryview, itemsize: int, level: int, threads: int = 0
+    ) -> tuple[bytes, dict[str, Any]]:
+        if itemsize < 1 or len(data) % itemsize:
+            raise CheckpointError(f"{self.name}: {len(data)} bytes are not whole {itemsize}-byte elements")
+        elements = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
+        rows = max(CHUNK_BYTES, 1)
+        compressor = _zstd_compressor(level, threads).compressobj(size=len(data))
+        parts = []
+        for plane in range(itemsize):
+            for start in range(0, elements.shape[0], rows):
+                # A strided column gather per chunk: bounded scratch, no Python loop over elements.
+                parts.append(compressor.compress(np.ascontiguousarray(elements[start : start + rows, plane])))
+        parts.append(compressor.flush())
+        return b"".join(parts), {"level": level, "width": itemsize}
+
+    def check_params(self, params: Any, itemsize: int, where: str) -> None:
+        _check_level(params, ("level", "width"), where)
+        if params["width"] != itemsize or isinstance(params["width"], bool):
+            raise CheckpointError(
+                f"{where}: stage param 'width' must be the element size {itemsize}, found {params['width']!r}"
+            )
+
+    def check(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
+        super().check(stored, params, raw_nbytes, where)
+        if raw_nbytes % params["width"]:
+            raise CheckpointError(f"{where}: {raw_nbytes} bytes are not whole {params['width']}-byte elements")
+
+    def decode(self, stored: memoryview, params: Mapping[str, Any], out: memoryview, where: str) -> None:
+        width = params["width"]
+        elements = np.frombuffer(out, dtype=np.uint8).reshape(-1, width)
+        count = elements.shape[0]
+        scratch = memoryview(bytearray(min(CHUNK_BYTES, max(count, 1))))
+        reader = _Reader(stored, where)
+        for plane in range(width):
+            for start in range(0, count, len(scratch)):
+                chunk = scratch[: min(len(scratch), count - start)]
+                reader.fill(chunk)
+                elements[start : start + len(chunk), plane] = np.frombuffer(chunk, dtype=np.uint8)
+        reader.finish()
+
+
+# The stage registry, like the codec registry: a file names its stage, the reader looks it up.
+_STAGES: dict[str, Stage] = {s.name: s for s in (ZstdStage(), ByteGroupZstdStage())}
+
+
+def register_stage(stage: Stage, *, replace: bool = False) -> None:
+    """Make ``stage`` available to writing and reading under ``stage.name``.
+
+    Raises:
+        CheckpointError: not a :class:`Stage`, an empty name, or a taken name without ``replace``.
+    """
+    if not isinstance(stage, Stage) or not isinstance(stage.name, str) or not stage.name:
+        raise CheckpointError(f"a stage must subclass Stage and have a name, got {stage!r}")
+    if stage.name in _STAGES and not replace:
+        raise CheckpointError(f"stage {stage.name!r} is already registered (pass replace=True)")
+    _STAGES[stage.name] = stage
+
+
+def get_stage(name: str) -> Stage | None:
+    """The stage registered as ``name``, or ``None``."""
+    return _STAGES.get(name)
+
+
+def stage_names() -> list[str]:
+    """Names of all registered stages."""
+    return sorted(_STAGES)
+
+
+@dataclass(frozen=True)
+class EntropyPolicy:
+    """Which buffers go through which stage when a checkpoint is written.
+
+    Attributes:
+        level: zstd level for every stage.
+        min_bytes: buffers smaller than this stay raw.
+        min_saving: a stage is kept only where it saves at least this fraction of the raw
+            bytes; ``None`` keeps it whatever it gives (for tests of the format).
+        stage: force this stage for every buffer it fits (``None``: by element size, see
+            :func:`candidate_stages`).
+        threads: zstd compression threads (0: the writer thread alone); ``None`` picks by
+            buffer size and core count (:func:`default_threads`).
+    """
+
+    level: int = DEFAULT_LEVEL
+    min_bytes: int = MIN_STAGE_BYTES
+    min_saving: float | None = MIN_SAVING
+    stage: str | None = None
+    threads: int | None = None
+
+
+AUTO = EntropyPolicy()
+
+
+def resolve_policy(entropy: Any) -> EntropyPolicy | None:
+    """``"auto"`` -> the default policy, ``None``/``"none"`` -> no stage, a policy as is.
+
+    Raises:
+        CheckpointError: anything else, or a policy naming an unknown stage.
+    """
+    if entropy is None or entropy == "none":
+        return None
+    if isinstance(entropy, str) and entropy == "auto":
+        return AUTO
+    if isinstance(entropy, EntropyPolicy):
+        if entropy.stage is not None and entropy.stage not in _STAGES:
+            raise CheckpointError(f"entropy policy names unknown stage {entropy.stage!r}; known: {stage_names()}")
+        return entropy
+    raise CheckpointError(f"entropy must be 'auto', 'none', None or an EntropyPolicy, got {entropy!r}")
+
+
+def candidate_stages(dtype: torch.dtype, nbytes: int, policy: EntropyPolicy) -> tuple[str, ...]:
+    """The stages to try for a buffer (the smallest output wins); ``()`` to store it raw.
+
+    * under ``policy.min_bytes`` (or empty): raw;
+    * 1-byte elements (codes, int8, bool): ``zstd`` (grouping one byte changes nothing);
+    * floating and complex: ``zstd-bytegroup``, whose planes put sign and exponent bytes
+      together (it beat plain zstd on every float kind of the benchmark);
+    * wider integers: both. Small counters give zstd long runs of equal 8-byte patterns
+      that grouping breaks up, while integers that hold float bits (the log2 codec's
+      per-block bounds) group like floats; both kinds occur, and integer buffers are few.
+    """
+    if nbytes < policy.min_bytes or nbytes == 0:
+        return ()
+    if policy.stage is not None:
+        return (policy.stage,)
+    if dtype.itemsize == 1:
+        return ("zstd",)
+    if dtype.is_floating_point or dtype.is_complex:
+        return ("zstd-bytegroup",)
+    return ("zstd-bytegroup", "zstd")
+
+
+@dataclass(frozen=True)
+class StagedBytes:
+    """A buffer after its stage: the stored bytes and the manifest record of the stage."""
+
+    data: bytes
+    record: dict[str, Any]  # {"name", "params", "raw_nbytes"}
+
+
+def encode_buffer(tensor: torch.Tensor, data: memoryview, policy: EntropyPolicy) -> StagedBytes | None:
+    """Run the policy's stage on one contiguous CPU buffer whose bytes are ``data``.
+
+    Returns ``None`` where the buffer stays raw (too small, or the stage saved too little).
+    """
+    best: tuple[bytes, str, dict[str, Any]] | None = None
+    threads = default_threads(len(data)) if policy.threads is None else policy.threads
+    for name in candidate_stages(tensor.dtype, len(data), policy):
+        stored, params = _STAGES[name].encode(data, tensor.element_size(), policy.level, threads)
+        if best is None or len(stored) < len(best[0]):
+            best = (stored, name, params)
+    if best is None:
+        return None
+    stored, name, params = best
+    if policy.min_saving is not None and len(stored) > len(data) * (1.0 - policy.min_saving):
+        return None
+    return StagedBytes(stored, {"name": name, "params": params, "raw_nbytes": len(data)})
+
+
+__all__ = [
+    "DEFAULT_LEVEL",
+    "MIN_STAGE_BYTES",
+    "MIN_SAVING",
+    "Stage",
+    "ZstdStage",
+    "ByteGroupZstdStage",
+    "EntropyPolicy",
+    "StagedBytes",
+    "register_stage",
+    "get_stage",
+    "stage_names",
+    "resolve_policy",
+    "candidate_stages",
+    "default_threads",
+    "encode_buffer",
+    "check_zstd_frame",
+]

@@ -129,10 +129,10 @@ def instrumented(clock: StageClock) -> Iterator[None]:
     patch(state_mod, "unflatten", clock.wrap("unflatten", state_mod.unflatten))
     for name in codec_names():
         codec = get_codec(name)
-        enc = "snapshot copy" if name == "exact" else "encode"
+        enc = "snapshot copy" if name == "exact" else f"encode:{name}"
         for method in ("encode", "encode_with"):
             patch(codec, method, clock.wrap(enc, getattr(codec, method)))
-        patch(codec, "decode", clock.wrap("decode", codec.decode))
+        patch(codec, "decode", clock.wrap(f"decode:{name}", codec.decode))
     try:
         yield
     finally:
@@ -204,6 +204,14 @@ def _state_bytes(state: Any) -> int:
 # ---------------------------------------------------------------------------- rounds
 
 
+def _with_sums(times: dict[str, float]) -> dict[str, float]:
+    """Adds ``encode`` and ``decode``, the sums of the per-codec ``encode:*`` / ``decode:*``."""
+    out = dict(times)
+    for stage in ("encode", "decode"):
+        out[stage] = sum(v for k, v in times.items() if k.startswith(stage + ":"))
+    return out
+
+
 def one_round(state: dict[str, Any], clock: StageClock, directory: Path) -> dict[str, dict[str, float]]:
     """Keyframe save, delta save, and their loads; stage times and wall totals of each."""
     out: dict[str, dict[str, float]] = {}
@@ -216,7 +224,7 @@ def one_round(state: dict[str, Any], clock: StageClock, directory: Path) -> dict
             t0 = time.perf_counter()
             ckpt.save(step, model=state["model"], optimizer=state["optimizer"]).result()
             total = time.perf_counter() - t0
-            out[name] = {**clock.reset(), "total": total}
+            out[name] = {**_with_sums(clock.reset()), "total": total}
     finally:
         ckpt.close()
     files = sorted(directory.glob("*.tw.safetensors"))
@@ -225,7 +233,7 @@ def one_round(state: dict[str, Any], clock: StageClock, directory: Path) -> dict
         t0 = time.perf_counter()
         tw_triton.load(path, device="cpu", reference=None if ref is None else str(ref))
         total = time.perf_counter() - t0
-        out[name] = {**clock.reset(), "total": total}
+        out[name] = {**_with_sums(clock.reset()), "total": total}
     for f in files:
         f.unlink()
     return out
@@ -267,6 +275,11 @@ def markdown(result: dict[str, Any]) -> str:
               "| operation | " + " | ".join(STAGES) + " |", "|---|" + "---:|" * len(STAGES)]
     for op, row in result["median"].items():
         lines.append(f"| {op} | " + " | ".join(f"{row.get(s, 0.0):.3f}" for s in STAGES) + " |")
+    per_codec = sorted({k for row in result["median"].values() for k in row if ":" in k})
+    lines += ["", "Encode and decode seconds by codec (medians):", "",
+              "| operation | " + " | ".join(per_codec) + " |", "|---|" + "---:|" * len(per_codec)]
+    for op, row in result["median"].items():
+        lines.append(f"| {op} | " + " | ".join(f"{row.get(k, 0.0):.3f}" for k in per_codec) + " |")
     lines.append("")
     return "\n".join(lines)
 

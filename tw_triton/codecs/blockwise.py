@@ -425,8 +425,33 @@ def _copy_flat_range(src: torch.Tensor, start: int, dst: torch.Tensor) -> None:
             pos += take
 
 
+def _checked_out(
+    t: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device, name: str
+) -> torch.Tensor:
+    """``t`` flattened, if it is a contiguous ``dtype`` tensor of ``numel`` elements on
+    ``device``; else :class:`QuantizationError`."""
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype != dtype
+        or t.numel() != numel
+        or t.device != device
+        or not t.is_contiguous()
+    ):
+        got = f"{t.dtype} x {t.numel()} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise QuantizationError(
+            f"{name} must be a contiguous {dtype} tensor of {numel} elements on {device}, got {got}"
+            + ("" if not isinstance(t, torch.Tensor) or t.is_contiguous() else " (not contiguous)")
+        )
+    return t.view(-1)
+
+
 def quantize_blockwise_torch(
-    x: torch.Tensor, reference: torch.Tensor | None, bits: int, block: int
+    x: torch.Tensor,
+    reference: torch.Tensor | None,
+    bits: int,
+    block: int,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode a tensor: the plain-torch reference of the encode kernel.
 
@@ -447,17 +472,24 @@ def quantize_blockwise_torch(
         reference: ``None`` or a float tensor of ``x``'s shape (any strides).
         bits: 8, 4 or 2.
         block: power of two from 32 to 4096.
+        out: optional ``(codes, scales)`` to write into (for instance memory that is
+            already mapped, from a snapshot pool): contiguous, of the sizes below.
 
     Returns:
         ``(codes, scales)``: ``uint8`` of ``ceil(n * bits / 8)`` bytes and fp32 of
-        ``ceil(n / block)`` values, on ``x``'s device.
+        ``ceil(n / block)`` values, on ``x``'s device (``out`` itself when given).
     """
     n = x.numel()
     dev = x.device
-    codes = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev)
-    scales = torch.empty(num_blocks(n, block), dtype=torch.float32, device=dev)
+    if out is None:
+        out = (
+            torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev),
+            torch.empty(num_blocks(n, block), dtype=torch.float32, device=dev),
+        )
+    codes = _checked_out(out[0], packed_nbytes(n, bits), torch.uint8, dev, "codes")
+    scales = _checked_out(out[1], num_blocks(n, block), torch.float32, dev, "scales")
     if n == 0:
-        return codes, scales
+        return out
     qmax = float(qmax_for(bits))
     bias = 1 << (bits - 1)
     # Contiguous tensors are sliced as flat views; strided ones go through _copy_flat_range.
@@ -541,7 +573,7 @@ def quantize_blockwise_torch(
             u = u_buf[:padded]
             u.copy_(src)  # one code per byte, the padding's too (q = 0)
             _pack_codes(u, bits, dst, words)
-    return codes, scales
+    return out
 
 
 def dequantize_blockwise_torch(
@@ -575,15 +607,7 @@ def dequantize_blockwise_torch(
     dev = codes.device
     if out is None:
         out = torch.empty(numel, dtype=dtype, device=dev)
-    elif (
-        out.dtype != dtype or out.numel() != numel or out.device != dev or not out.is_contiguous()
-    ):
-        raise QuantizationError(
-            f"out must be a contiguous {dtype} tensor of {numel} elements on {dev}, got "
-            f"{out.dtype} x {out.numel()} on {out.device}"
-            f"{'' if out.is_contiguous() else ' (not contiguous)'}"
-        )
-    out_flat = out.view(-1)
+    out_flat = _checked_out(out, numel, dtype, dev, "out")
     if numel == 0:
         return out
     k = 8 // bits

@@ -150,34 +150,34 @@ def minilm_shaped_state(quick: bool = False) -> tuple[dict[str, Any], str]:
     """A model + AdamW state after one step: MiniLM when available, else a look-alike."""
     torch.manual_seed(0)
     vocab, width, layers, ff = (1000, 64, 2, 256) if quick else (30522, 384, 6, 1536)
-    what = "synthetic"
     try:  # the real model when the bench extra is there
         if quick:
-            raise ImportError
-        from _minilm import load_minilm
+            raise ImportError("quick run: the small look-alike")
+        from _minilm import SENTENCES, contrastive_step, load_minilm
 
-        model, _ = load_minilm()
-        what = "MiniLM (all-MiniLM-L6-v2)"
+        model, tokenizer = load_minilm()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        half = len(SENTENCES) // 2
+        contrastive_step(model, tokenizer, opt, list(SENTENCES[:half:2]), list(SENTENCES[1:half:2]))
+        return {"model": model.state_dict(), "optimizer": opt.state_dict()}, (
+            "MiniLM (all-MiniLM-L6-v2) + AdamW after one contrastive step")
     except Exception:  # noqa: BLE001 - no bench extra: build the look-alike
-        layer = torch.nn.TransformerEncoderLayer(width, 12 if width % 12 == 0 else 4, ff, batch_first=True)
-        model = torch.nn.ModuleDict(
-            {
-                "embeddings": torch.nn.Embedding(vocab, width),
-                "position": torch.nn.Embedding(512, width),
-                "encoder": torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False),
-                "pooler": torch.nn.Linear(width, width),
-            }
-        )
-        what = (f"MiniLM-shaped torch.nn.TransformerEncoder ({layers} layers, width {width}, "
-                f"ff {ff}, vocab {vocab})")
+        pass
+    layer = torch.nn.TransformerEncoderLayer(width, 12 if width % 12 == 0 else 4, ff, batch_first=True)
+    model = torch.nn.ModuleDict(
+        {
+            "embeddings": torch.nn.Embedding(vocab, width),
+            "position": torch.nn.Embedding(512, width),
+            "encoder": torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False),
+            "pooler": torch.nn.Linear(width, width),
+        }
+    )
+    what = (f"MiniLM-shaped torch.nn.TransformerEncoder ({layers} layers, width {width}, "
+            f"ff {ff}, vocab {vocab}) + AdamW after one step")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if "embeddings" in model:
-        tokens = torch.randint(0, vocab, (8, 64))
-        h = model["embeddings"](tokens) + model["position"](torch.arange(64))
-        loss = model["pooler"](model["encoder"](h)).pow(2).mean()
-    else:
-        loss = sum(p.float().pow(2).mean() for p in model.parameters())
-    loss.backward()
+    tokens = torch.randint(0, vocab, (8, 64))
+    h = model["embeddings"](tokens) + model["position"](torch.arange(64))
+    model["pooler"](model["encoder"](h)).pow(2).mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return {"model": model.state_dict(), "optimizer": opt.state_dict()}, what

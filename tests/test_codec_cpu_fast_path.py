@@ -174,3 +174,20 @@ def test_word_packing_is_lsb_first(bits):
     x, w, t, e = (torch.empty(256, dtype=torch.uint8) for _ in range(4))
     q = codec._signed_codes(out, bits, x, w, t, e)
     assert torch.equal(q.to(torch.int16), u.to(torch.int16) - (1 << (bits - 1)))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("bits", (8, 4, 2))
+def test_decode_in_place_into_its_own_reference(dtype, bits):
+    n = 3 * 1024 + 77
+    g = torch.Generator().manual_seed(bits)
+    ref = torch.randn(n, generator=g).to(dtype)
+    x = (ref.float() + torch.randn(n, generator=g) * 0.01).to(dtype)
+    with _chunk(1024):
+        codes, scales = codec.quantize_blockwise_torch(x, ref, bits, 64)
+        want = codec.dequantize_blockwise_torch(codes, scales, n, bits, 64, ref, dtype)
+        buf = ref.clone()
+        got = codec.dequantize_blockwise_torch(codes, scales, n, bits, 64, buf, dtype, out=buf)
+    assert got is buf
+    assert torch.equal(_bits_t(got) if dtype != torch.float32 else got.view(torch.int32),
+                       _bits_t(want) if dtype != torch.float32 else want.view(torch.int32))

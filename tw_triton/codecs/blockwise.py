@@ -603,6 +603,9 @@ def dequantize_blockwise_torch(
     Args:
         out: optional contiguous tensor of ``numel`` elements and ``dtype`` on ``codes``'
             device to decode into (for instance memory that is already mapped); returned.
+            It may be ``reference`` itself: each chunk of the reference is read before the
+            same chunk of the output is written, so a loader that owns the reference's
+            memory can decode a delta in place, without a second full-size buffer.
     """
     dev = codes.device
     if out is None:

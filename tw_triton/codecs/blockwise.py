@@ -15,7 +15,7 @@ Encoding of one block of ``B`` elements (flattened, row-major order):
   computes it as ``rne(fl32(d / scale))`` except where that rounded quotient is a
   half-integer, and settles the side of the exact quotient there with a few exact fp32
   operations (:func:`nearest_integer_at_ties`); the torch path, at 8 and 4 bits, as
-  ``rne(fl64(d / scale))``, the same integer (proof at :func:`_encode_chunk_fp64`), and at
+  ``rne(fl64(d / scale))``, the same integer (proof at :func:`_round_quotients_fp64`), and at
   2 bits as ``rne(fl32(d / scale))``, which cannot land on a false tie there. Hence ``|d - q*scale| <= scale/2`` for every normal
   scale, and ``<= max(scale/2, absmax - qmax*scale)`` (``< qmax * 2**-150`` past
   ``scale/2``) for a subnormal one;
@@ -35,6 +35,7 @@ difference) decodes to NaN: such a tensor could not be quantized, which
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -232,82 +233,163 @@ def nearest_integer_at_ties(v: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -
     return torch.where(r2 > p2, v + 0.5, torch.where(r2 < p2, v - 0.5, torch.round(v)))
 
 
-def _encode_chunk_fp64(
-    d: torch.Tensor,
-    sc: torch.Tensor,
-    wide: torch.Tensor,
-    spare: torch.Tensor,
-    all_normal: bool,
-    any_inf: bool,
-    qmax: float,
-    bits: int,
-    magic: float,
-) -> torch.Tensor:
-    """Codes of one chunk from the fp64 quotient: the encoder's rule, ``nearest(d / s)``.
+# Scratch buffers of the torch path, one set per thread, kept between calls.
+_SCRATCH = threading.local()
 
-    At 4 bits this is ``rne(fl64(d / s))``; at 8 bits (where a pass saved shows) it is
-    ``rne(snap(fl64(d * fl64(1/s))))``, ``snap`` rounding to a multiple of ``2**-30``.
 
-    ``d`` (fp32, whole blocks) and ``s`` are exact in fp64, so ``fl64(d / s)`` is ``d / s``
-    rounded once to 53 bits, within ``|d/s| * 2**-53`` of it. That never moves it onto or
-    across a half-integer ``h`` that ``d/s`` is not on: with ``d = a * 2**e`` and
-    ``s = b * 2**f`` (``a``, ``b`` integers below ``2**24``; subnormals included),
-    ``d/s - h = (2d - w*s) / (2s)`` (``w = 2h`` odd) is a nonzero multiple of
-    ``2**min(e+1, f) / (2s)``. That is at least ``|d/s| * 2**-24`` when ``e+1 <= f`` (as
-    ``|d| < 2**(e+24)``), and at least ``1 / (2b) > 2**-25`` otherwise: past ``|d/s| * 2**-33``
-    for any ``|d/s|`` that reaches a half-integer (>= 1/2) and stays below ``2**8`` (``|d/s|
-    <= 1.5 * qmax`` even for a subnormal scale, whose rounding error is at most ``2**-150``
-    while ``s >= 2**-149``). An exact half-integer quotient is computed exactly, and rounding
-    it ties to even is the rule. The clamp to ``+-qmax`` commutes with rounding (``qmax`` is
-    an integer), and ``0`` where the scale is 0 or infinite is set as in the fp32 path.
+def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized 1-D ``dtype`` buffer of ``numel`` elements, reused across calls.
 
-    The product ``p = fl64(d * fl64(1/s))`` is within ``|d/s| * 2**-51.9 < 2**-43`` of
-    ``d/s`` (``1/s <= 2**149`` is in range). When ``d/s`` is a half-integer, ``p`` snaps
-    to it exactly (within half the grid step, ``2**-31``); when not, ``d/s`` is at least
-    ``2**-26`` from every half-integer (by the bound above when ``|d/s| >= 1/4``, and by
-    ``1/4`` otherwise), so the snapped value, within ``2**-31 + 2**-43`` of ``d/s``, stays
-    strictly on the same side of each, and rounds to the same integer.
-
-    Args:
-        d: fp32 deltas of whole blocks, ``nb * block`` elements.
-        sc: their ``nb`` fp32 scales.
-        wide: fp64 scratch, at least ``d.numel()`` elements.
-        spare: fp32 scratch of ``d.numel()`` elements (the pack level for 4 bits).
-        all_normal: every scale normal and finite (no mask, no clamp needed).
-        any_inf: some scale is infinite.
-        qmax, bits, magic: the code's parameters; ``magic`` is ``1.5 * 2**52`` plus the
-            packed code offsets.
-
-    Returns:
-        fp64 values whose bit patterns hold the packed codes in their low byte.
+    Why: a chunk's temporaries are megabytes, and glibc serves blocks that large with new
+    ``mmap()`` pages, which fault in on first touch and are unmapped again on free. On a
+    2-core VM (benchmarks/codec.py) faulting 16 MiB costs about as much as encoding 64 MiB,
+    so each call paid that again. The buffers stay per thread (the writer thread and the
+    training loop may run the codec at once; a thread's set goes when the thread ends),
+    at most six of them, about 20 MiB at the default chunk. Other devices allocate.
     """
-    nb = sc.numel()
-    q = wide[: d.numel()]
-    rows = q.view(nb, -1)
-    q.copy_(d)  # exact widening
-    # q = 0 where the scale is 0 or infinite: a finite d divided by (or times the inverse
-    # of) +inf is +-0, and the rows of infinite scales are zeroed after.
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    nbytes = numel * dtype.itemsize
+    buf = bufs.get(name)
+    if buf is None or buf.numel() < nbytes:
+        buf = bufs[name] = torch.empty(nbytes, dtype=torch.uint8)
+    return buf[:nbytes].view(dtype)
+
+
+def release_scratch() -> None:
+    """Free the calling thread's scratch buffers of the torch path (they come back on use)."""
+    _SCRATCH.__dict__.pop("bufs", None)
+
+
+def _rows_absmax(rows: torch.Tensor, sc: torch.Tensor, low: torch.Tensor) -> None:
+    """``sc[i] = max |rows[i]|`` (NaN when the row holds one) from two read-only reductions.
+
+    ``max(amax, -amin)`` is the absmax, and both reductions propagate NaN; it saves the
+    write of ``|rows|`` that ``abs`` then ``amax`` costs. ``abs_`` turns a ``-0.0`` (a row of
+    negative zeros) into the ``+0.0`` that the kernel's ``max |d|`` gives.
+    """
+    torch.amax(rows, dim=1, out=sc)
+    torch.amin(rows, dim=1, out=low)
+    torch.maximum(sc, low.neg_(), out=sc)
+    sc.abs_()
+
+
+def _round_quotients_fp64(
+    wide: torch.Tensor, sc: torch.Tensor, all_normal: bool, any_inf: bool, qmax: float, bias: int
+) -> torch.Tensor:
+    """Round ``d / s`` to the nearest integer, exactly, in place, for 8 and 4 bits.
+
+    ``wide`` holds the fp32 deltas of whole blocks widened to fp64 (exact); ``sc`` their
+    scales. Returns ``wide`` as int64 whose low byte is the code ``q + bias``.
+
+    The rule is ``nearest(d / s)`` of the exact quotient, ties to even. This computes
+    ``rne(snap(fl64(d * fl64(1/s))))``, ``snap`` rounding to a multiple of ``2**-30``.
+    ``d`` (fp32) and ``s`` are exact in fp64. With ``d = a * 2**e`` and ``s = b * 2**f``
+    (``a``, ``b`` integers below ``2**24``; subnormals included), ``d/s - h = (2d - w*s) /
+    (2s)`` for a half-integer ``h = w/2`` (``w`` odd) is either zero or a nonzero multiple of
+    ``2**min(e+1, f) / (2s)``: at least ``|d/s| * 2**-24`` when ``e+1 <= f`` (as ``|d| <
+    2**(e+24)``) and at least ``1 / (2b) > 2**-25`` otherwise. So a ``d/s`` with ``1/4 <=
+    |d/s| < 2**8`` that is not a half-integer is at least ``2**-26`` from every one (and one
+    below ``1/4`` is ``1/4`` from the nearest). (``|d/s| <= 1.5 * qmax`` even for a subnormal
+    scale, whose rounding error is at most ``2**-150`` while ``s >= 2**-149``.)
+
+    The product ``p`` is within ``|d/s| * 2**-51.9 < 2**-43`` of ``d/s`` (``1/s <= 2**149``
+    is in range). When ``d/s`` is a half-integer, ``p`` snaps to it exactly (within half the
+    grid step, ``2**-31``), and rounding it ties to even is the rule; when not, the snapped
+    value, within ``2**-31 + 2**-43`` of ``d/s``, stays strictly on the same side of every
+    half-integer, so it rounds to the same integer. The clamp to ``+-qmax`` commutes with
+    rounding (``qmax`` is an integer), and ``q = 0`` where the scale is 0 or infinite.
+
+    Adding ``1.5 * 2**22`` to ``|v| < 2**21`` rounds it to a multiple of ``2**-30``; adding
+    then ``1.5 * 2**52 + bias - 1.5 * 2**22`` (an even integer) rounds to an integer ties to
+    even and adds the offset, and the sum's bit pattern ends in ``q + bias``.
+    """
+    rows = wide.view(sc.numel(), -1)
+    # q = 0 where the scale is 0 or infinite: a finite d times the inverse of +inf is +-0,
+    # and the rows of infinite scales (NaN/Inf elements) are zeroed after.
     divisor = sc.double() if all_normal else sc.masked_fill(sc == 0.0, math.inf).double()
-    if bits == 8:
-        rows.mul_(divisor.reciprocal_().unsqueeze(1))
-    else:
-        rows.div_(divisor.unsqueeze(1))
+    rows.mul_(divisor.reciprocal_().unsqueeze(1))
     if not all_normal:
         if any_inf:
             rows.masked_fill_((sc == math.inf).unsqueeze(1), 0.0)
-        q.clamp_(-qmax, qmax)
+        wide.clamp_(-qmax, qmax)
+    wide.add_(_SNAP_MAGIC64)
+    wide.add_(_RNE_MAGIC64 + bias - _SNAP_MAGIC64)
+    return wide.view(torch.int64)
+
+
+def _pack_codes(u: torch.Tensor, bits: int, out: torch.Tensor, words: torch.Tensor) -> None:
+    """Join ``u`` (one code per byte, a multiple of 4 bytes, aligned) into ``out``, LSB-first.
+
+    Whole words at a time instead of strided byte views (strided byte ops ran 8x slower
+    than contiguous ones here): at 4 bits an int16 ``b0 | b1 << 8`` becomes ``b0 | b1 << 4``
+    in its low byte by ``w | w >> 4``; at 2 bits an int32 of four codes by ``w | w >> 6``
+    then ``| >> 12``. Casting to uint8 keeps the low byte.
+    """
+    if bits == 4:
+        w = u.view(torch.int16)
+        t = words[: w.numel() * 2].view(torch.int16)
+        torch.bitwise_right_shift(w, 4, out=t)
+        w.bitwise_or_(t)
+    else:
+        w = u.view(torch.int32)
+        t = words[: w.numel() * 4].view(torch.int32)
+        torch.bitwise_right_shift(w, 6, out=t)
+        w.bitwise_or_(t)
+        torch.bitwise_right_shift(w, 12, out=t)
+        w.bitwise_or_(t)
+    out.copy_(w[: out.numel()])
+
+
+# 0xF0F0 and 0xC0C0C0C0 as signed integers: the top bits of each byte of a word.
+_HI_NIBBLES16 = -3856
+_HI_CRUMBS32 = -1061109568
+
+
+def _signed_codes(
+    packed: torch.Tensor, bits: int, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor,
+    e: torch.Tensor,
+) -> torch.Tensor:
+    """The codes of ``packed`` as int8 ``q``, one per element (``len(packed) * 8 // bits``).
+
+    XOR with the offset in every field turns ``u = q + 2**(bits-1)`` into ``q`` in two's
+    complement of ``bits`` bits. Each field is then moved to the top of its own byte of a
+    wider word (contiguous int16/int32 ops; no strided byte views) and an arithmetic shift
+    right of the int8 bytes sign-extends it. ``x``: byte scratch of at least ``len(packed)``;
+    ``w``, ``t``, ``e`` (``e`` for 2 bits only): of ``len(packed) * 8 // bits`` bytes each.
+    """
+    n = packed.numel()
+    xs = x[:n]
     if bits == 8:
-        # Snap to multiples of 2**-30, then one add rounds ties to even (magic is even) and
-        # adds the offset: the low byte is the code. See the docstring for why a product
-        # by the rounded inverse, snapped, rounds as the exact quotient does.
-        q.add_(_SNAP_MAGIC64)
-        return q.add_(magic - _SNAP_MAGIC64)
-    # 4 bits: round, join pairs (exact: small integers) into the spare fp32 buffer's memory.
-    q.round_()
-    pairs = q.view(-1, 2)
-    packed = spare.view(torch.float64)[: pairs.shape[0]]
-    torch.add(pairs[:, 0], pairs[:, 1], alpha=1 << bits, out=packed)
-    return packed.add_(magic)
+        torch.bitwise_xor(packed, 0x80, out=xs)
+        return xs.view(torch.int8)
+    if bits == 4:
+        torch.bitwise_xor(packed, 0x88, out=xs)
+        ww = w[: 2 * n].view(torch.int16)
+        tt = t[: 2 * n].view(torch.int16)
+        ww.copy_(xs)  # 0x00HL
+        torch.bitwise_left_shift(ww, 4, out=tt)  # L at bits 4-7
+        ww.bitwise_left_shift_(8)  # H at bits 12-15
+        ww.bitwise_or_(tt).bitwise_and_(_HI_NIBBLES16)
+        return ww.view(torch.int8).bitwise_right_shift_(4)
+    torch.bitwise_xor(packed, 0xAA, out=xs)
+    ww = w[: 4 * n].view(torch.int32)
+    tt = t[: 4 * n].view(torch.int32)
+    ee = e[: 4 * n].view(torch.int32)
+    ww.copy_(xs)
+    torch.bitwise_and(ww, 0x33, out=tt)  # fields 0 and 2, at bits 0-1 and 4-5
+    ww.bitwise_and_(0xCC)  # fields 1 and 3, at bits 2-3 and 6-7
+    # Fields 0..3 go to bits 6-7, 14-15, 22-23, 30-31; the copies each OR leaves elsewhere
+    # are masked off after.
+    torch.bitwise_left_shift(tt, 12, out=ee)
+    tt.bitwise_or_(ee).bitwise_left_shift_(6)
+    torch.bitwise_left_shift(ww, 12, out=ee)
+    ww.bitwise_or_(ee).bitwise_left_shift_(12)
+    ww.bitwise_or_(tt).bitwise_and_(_HI_CRUMBS32)
+    return ww.view(torch.int8).bitwise_right_shift_(6)
 
 
 def _chunk_elements(block: int) -> int:
@@ -343,14 +425,46 @@ def _copy_flat_range(src: torch.Tensor, start: int, dst: torch.Tensor) -> None:
             pos += take
 
 
-def quantize_blockwise_torch(
-    x: torch.Tensor, reference: torch.Tensor | None, bits: int, block: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode a contiguous tensor: the plain-torch reference of the encode kernel.
+def _checked_out(
+    t: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device, name: str
+) -> torch.Tensor:
+    """``t`` flattened, if it is a contiguous ``dtype`` tensor of ``numel`` elements on
+    ``device``; else :class:`QuantizationError`."""
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype != dtype
+        or t.numel() != numel
+        or t.device != device
+        or not t.is_contiguous()
+    ):
+        got = f"{t.dtype} x {t.numel()} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise QuantizationError(
+            f"{name} must be a contiguous {dtype} tensor of {numel} elements on {device}, got {got}"
+            + ("" if not isinstance(t, torch.Tensor) or t.is_contiguous() else " (not contiguous)")
+        )
+    return t.view(-1)
 
-    Works through the flattened tensor ``CHUNK_ELEMENTS`` at a time, so the temporaries are
-    about three fp32 chunks whatever the tensor's size (strided inputs included: they are
-    read chunk by chunk, never copied whole).
+
+def quantize_blockwise_torch(
+    x: torch.Tensor,
+    reference: torch.Tensor | None,
+    bits: int,
+    block: int,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode a tensor: the plain-torch reference of the encode kernel.
+
+    Works through the flattened tensor ``CHUNK_ELEMENTS`` at a time, in per-thread scratch
+    buffers kept between calls (:func:`_scratch`), so the temporaries are a few chunks
+    whatever the tensor's size (strided inputs included: they are read chunk by chunk,
+    never copied whole). Each torch op runs on both cores (torch intra-op threads).
+
+    Per chunk: the fp32 delta (read in place for a contiguous fp32 tensor without a
+    reference), two read-only reductions for the absmax, then for 8 and 4 bits the fp64
+    quotient rounded exactly (:func:`_round_quotients_fp64`: widen, multiply, two adds) and
+    for 2 bits the fp32 one (divide, one add); the code is the low byte of the result, and
+    4 and 2 bits join codes a word at a time (:func:`_pack_codes`).
 
     Args:
         x: float32, float16 or bfloat16 tensor (any shape and strides; read in row-major
@@ -358,23 +472,26 @@ def quantize_blockwise_torch(
         reference: ``None`` or a float tensor of ``x``'s shape (any strides).
         bits: 8, 4 or 2.
         block: power of two from 32 to 4096.
+        out: optional ``(codes, scales)`` to write into (for instance memory that is
+            already mapped, from a snapshot pool): contiguous, of the sizes below.
 
     Returns:
         ``(codes, scales)``: ``uint8`` of ``ceil(n * bits / 8)`` bytes and fp32 of
-        ``ceil(n / block)`` values, on ``x``'s device.
+        ``ceil(n / block)`` values, on ``x``'s device (``out`` itself when given).
     """
     n = x.numel()
     dev = x.device
-    codes = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev)
-    scales = torch.empty(num_blocks(n, block), dtype=torch.float32, device=dev)
+    if out is None:
+        out = (
+            torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev),
+            torch.empty(num_blocks(n, block), dtype=torch.float32, device=dev),
+        )
+    codes = _checked_out(out[0], packed_nbytes(n, bits), torch.uint8, dev, "codes")
+    scales = _checked_out(out[1], num_blocks(n, block), torch.float32, dev, "scales")
     if n == 0:
-        return codes, scales
+        return out
     qmax = float(qmax_for(bits))
-    k = 8 // bits
-    # A packed byte is sum_j (q_j + offset) << (j * bits); the offsets' share is a constant.
-    code_bias = sum((1 << (bits - 1)) << (j * bits) for j in range(k))
-    # 8 and 4 bits round the fp64 quotient (_encode_chunk_fp64); 2 bits the fp32 one.
-    magic = (_RNE_MAGIC if bits == 2 else _RNE_MAGIC64) + code_bias
+    bias = 1 << (bits - 1)
     # Contiguous tensors are sliced as flat views; strided ones go through _copy_flat_range.
     flat = x.view(-1) if x.is_contiguous() else None
     ref = reference
@@ -382,43 +499,33 @@ def quantize_blockwise_torch(
         ref = ref.view(-1)
     chunk = _chunk_elements(block)
     size = min(chunk, num_blocks(n, block) * block)
-    d_buf: torch.Tensor | None = None
-    t_buf = torch.empty(size, dtype=torch.float32, device=dev)
-    if bits == 2:
-        # The two levels of joining codes, 4 to a byte, in fp32 (exact small integers).
-        pack_bufs = [torch.empty(size >> j, dtype=torch.float32, device=dev) for j in (1, 2)]
-    else:
-        # The fp64 quotients. Measured (benchmarks/codec.py, several runs): at 8 bits, a
-        # whole-chunk (8 MiB) buffer often came as fresh pages, faulting on every call (2x
-        # slower encode), so it takes half a chunk at a time; at 4 bits, halves fell into a
-        # 2.5x slower state in some runs (cause not pinned down) and a whole chunk did not.
-        wide_elems = size if bits == 4 else num_blocks(size, 2 * block) * block
-        wide = torch.empty(wide_elems, dtype=torch.float64, device=dev)
+    d_buf = _scratch("a", size, torch.float32, dev)
+    t_buf = _scratch("b", size, torch.float32, dev)
+    low = torch.empty(size // block, dtype=torch.float32, device=dev)
+    wide = _scratch("wide", size, torch.float64, dev) if bits != 2 else None
+    u_buf = _scratch("u", size, torch.uint8, dev) if bits != 8 else None
+    words = _scratch("w", size, torch.uint8, dev) if bits != 8 else None
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         nb = num_blocks(m, block)
         padded = nb * block
-        in_place = flat is not None and padded == m and ref is None and x.dtype == torch.float32
-        if in_place:
+        if flat is not None and padded == m and ref is None and x.dtype == torch.float32:
             d = flat[start : start + m]  # the delta is x itself: read it in place
         else:
-            if d_buf is None:
-                d_buf = torch.empty(size, dtype=torch.float32, device=dev)
             d = d_buf[:padded]
             if padded != m:
                 # Zero padding: it never raises the absmax and is never stored.
                 d[m:].zero_()
-            t = t_buf[:padded]
             if ref is None:
                 _copy_flat_range(x, start, d[:m])
             else:
                 # The delta is one fp32 subtraction of exact upcasts. Mixed-dtype torch ops
                 # take a slow scalar path (fp16 - bf16 into fp32: 20x a copy), so every
-                # operand is made fp32 first, in buffers this chunk does not need yet.
+                # operand is made fp32 first.
                 if ref.dtype == torch.float32 and ref.dim() == 1:
                     rs = ref[start : start + m]
                 else:
-                    rs = t[:m]
+                    rs = t_buf[:m]
                     _copy_flat_range(ref, start, rs)
                 if flat is not None and x.dtype == torch.float32:
                     torch.sub(flat[start : start + m], rs, out=d[:m])
@@ -426,57 +533,47 @@ def quantize_blockwise_torch(
                     _copy_flat_range(x, start, d[:m])
                     d[:m].sub_(rs)
         rows = d.view(nb, block)
-        t = t_buf[:padded]
-        trows = t.view(nb, block)
         b0 = start // block
         sc = scales[b0 : b0 + nb]
-        torch.abs(rows, out=trows)
-        torch.amax(trows, dim=1, out=sc)  # NaN propagates into the block's absmax
+        _rows_absmax(rows, sc, low[:nb])  # NaN propagates into the block's absmax
         sc.div_(qmax)
         # NaN or Inf anywhere in the block makes the block unquantizable: scale = +inf.
         sc.nan_to_num_(nan=math.inf, posinf=math.inf)
         lo_t, hi_t = torch.aminmax(sc)
         lo, hi = lo_t.item(), hi_t.item()
         byte0 = start * bits // 8
-        nbytes = packed_nbytes(m, bits)
+        dst = codes[byte0 : byte0 + packed_nbytes(m, bits)]
         if bits != 2:
+            w = wide[:padded]
+            w.copy_(d)  # exact widening
             all_normal = lo >= _FP32_SMALLEST_NORMAL and hi < math.inf
-            for s0 in range(0, min(m, padded), wide.numel()):
-                s1 = min(s0 + wide.numel(), padded)
-                packed64 = _encode_chunk_fp64(
-                    d[s0:s1], sc[s0 // block : s1 // block], wide, t[s0:s1],
-                    all_normal, hi == math.inf, qmax, bits, magic,
-                )
-                b = (start + s0) * bits // 8
-                nb_sub = packed_nbytes(min(s1, m) - s0, bits)
-                # int64 -> uint8 keeps the low byte: the code.
-                codes[b : b + nb_sub].copy_(packed64[:nb_sub].view(torch.int64))
-            continue
-        if lo > 0.0 and hi < math.inf:
-            torch.div(rows, sc.unsqueeze(1), out=trows)
+            src = _round_quotients_fp64(w, sc, all_normal, hi == math.inf, qmax, bias)
         else:
-            # q = 0 where the scale is 0 or infinite: a finite d divided by +inf is +-0.
-            divisor = sc.masked_fill(sc == 0.0, math.inf)
-            torch.div(rows, divisor.unsqueeze(1), out=trows)
-            if hi == math.inf:
-                # NaN/Inf elements of an unquantizable block: q = 0 as well.
-                trows.masked_fill_((sc == math.inf).unsqueeze(1), 0.0)
-        if lo < _FP32_SMALLEST_NORMAL:
-            t.clamp_(-qmax, qmax)
-        # 2 bits: qmax = 1, so s = absmax exactly, and then a d/s that is not +-1/2 is more
-        # than 2**-25 away from it: fl32(d/s) never lands on a tie that d/s is not on, and
-        # one fp32 division rounded half to even is the rule.
-        packed = t.round_()
-        for j, buf in enumerate(pack_bufs):
-            pairs = packed.view(-1, 2)
-            nxt = buf[: packed.numel() // 2]
-            # Exact: small integers. Level j joins groups of 2**j codes.
-            torch.add(pairs[:, 0], pairs[:, 1], alpha=1 << (bits << j), out=nxt)
-            packed = nxt
-        packed.add_(magic)  # integral: this adds the offsets, and the low byte is the code
-        # int32 -> uint8 keeps the low byte: the code.
-        codes[byte0 : byte0 + nbytes].copy_(packed[:nbytes].view(torch.int32))
-    return codes, scales
+            t = t_buf[:padded]
+            trows = t.view(nb, block)
+            if lo > 0.0 and hi < math.inf:
+                torch.div(rows, sc.unsqueeze(1), out=trows)
+            else:
+                # q = 0 where the scale is 0 or infinite: a finite d divided by +inf is +-0.
+                divisor = sc.masked_fill(sc == 0.0, math.inf)
+                torch.div(rows, divisor.unsqueeze(1), out=trows)
+                if hi == math.inf:
+                    # NaN/Inf elements of an unquantizable block: q = 0 as well.
+                    trows.masked_fill_((sc == math.inf).unsqueeze(1), 0.0)
+            if lo < _FP32_SMALLEST_NORMAL:
+                t.clamp_(-qmax, qmax)
+            # 2 bits: qmax = 1, so s = absmax exactly, and then a d/s that is not +-1/2 is
+            # more than 2**-25 away from it: fl32(d/s) never lands on a tie that d/s is not
+            # on, and one fp32 division rounded half to even is the rule. Adding 1.5 * 2**23
+            # plus the (even) offset rounds ties to even and leaves q + bias in the low byte.
+            src = t.add_(_RNE_MAGIC + bias).view(torch.int32)
+        if bits == 8:
+            dst.copy_(src[: dst.numel()])  # int64 -> uint8 keeps the low byte: the code
+        else:
+            u = u_buf[:padded]
+            u.copy_(src)  # one code per byte, the padding's too (q = 0)
+            _pack_codes(u, bits, dst, words)
+    return out
 
 
 def dequantize_blockwise_torch(
@@ -487,75 +584,93 @@ def dequantize_blockwise_torch(
     block: int,
     reference: torch.Tensor | None,
     dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode to a flat tensor of ``numel`` elements: the reference of the decode kernel.
 
     ``x_hat = cast(sat(fp32(ref) + sat(fp32(q) * scale)))``: the product is rounded to fp32
     before the add, and ``sat`` clamps to the largest finite value (of fp32 for the
     product, of ``dtype`` for the sum), NaN staying NaN. ``reference`` is ``None`` or a
-    contiguous tensor with ``numel`` elements.
+    tensor with ``numel`` elements (read in row-major order, chunk by chunk).
+
+    Per chunk of ``CHUNK_ELEMENTS``: the codes become int8 ``q`` with a few byte and word
+    ops (:func:`_signed_codes`), one conversion to fp32, one multiply by the scales (for
+    fp32 without a reference written straight into the output), then the reference's add
+    and the saturating cast into the output. The saturation of the product is skipped when
+    the scales show it cannot bind (same bits). Each torch op runs on both cores.
+
+    Args:
+        out: optional contiguous tensor of ``numel`` elements and ``dtype`` on ``codes``'
+            device to decode into (for instance memory that is already mapped); returned.
+            It may be ``reference`` itself: each chunk of the reference is read before the
+            same chunk of the output is written, so a loader that owns the reference's
+            memory can decode a delta in place, without a second full-size buffer.
     """
     dev = codes.device
-    out = torch.empty(numel, dtype=dtype, device=dev)
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=dev)
+    out_flat = _checked_out(out, numel, dtype, dev, "out")
     if numel == 0:
         return out
     k = 8 // bits
-    offset = float(1 << (bits - 1))
     out_max = torch.finfo(dtype).max
-    ref = reference.reshape(-1) if reference is not None else None
+    # A bound on the products' magnitude, fl(2**(bits-1) * max |scale|) (code 0, never
+    # written by the encoder, is q = -2**(bits-1); rounding is monotone), NaN when a scale
+    # is NaN. Saturating is a no-op unless it exceeds the limit, so the pass is skipped
+    # then: the result is the same bits.
+    reach = (scales.abs().amax() * float(1 << (bits - 1))).item()
+    ref = reference
+    if ref is not None and ref.is_contiguous():
+        ref = ref.view(-1)
     chunk = _chunk_elements(block)
     size = min(chunk, num_blocks(numel, block) * block)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=dev)
-    u_buf = torch.empty(size, dtype=torch.uint8, device=dev) if k > 1 else None
-    i_buf = torch.empty(size, dtype=torch.int32, device=dev)
-    v_buf = torch.empty(size, dtype=torch.float32, device=dev)
+    v_buf = _scratch("a", size, torch.float32, dev)
+    r_buf = _scratch("b", size, torch.float32, dev) if ref is not None else None
+    x_buf = _scratch("u", size // k, torch.uint8, dev)
+    w_buf = _scratch("w", size, torch.uint8, dev) if k > 1 else None
+    t_buf = _scratch("t", size, torch.uint8, dev) if k > 1 else None
+    e_buf = _scratch("e", size, torch.uint8, dev) if k == 4 else None
     for start in range(0, numel, chunk):
         m = min(chunk, numel - start)
         nb = num_blocks(m, block)
         padded = nb * block
         nbytes = packed_nbytes(m, bits)
         byte0 = start * bits // 8
-        packed = codes[byte0 : byte0 + nbytes]
-        filled = nbytes * k  # elements unpacked from whole bytes, m <= filled <= padded
-        if k == 1:
-            u = packed
-        else:
-            u2 = u_buf[:filled].view(nbytes, k)
-            torch.bitwise_right_shift(packed.unsqueeze(1), shifts, out=u2)
-            u2.bitwise_and_((1 << bits) - 1)
-            u = u_buf[:filled]
-        # uint8 -> fp32 is slow in torch; uint8 -> int32 -> fp32 is not.
-        i = i_buf[:filled]
-        i.copy_(u)
+        q = _signed_codes(codes[byte0 : byte0 + nbytes], bits, x_buf, w_buf, t_buf, e_buf)
+        filled = q.numel()  # elements unpacked from whole bytes, m <= filled <= padded
         v = v_buf[:padded]
-        v[:filled].copy_(i)
+        v[:filled].copy_(q)
         if filled != padded:
             v[filled:].zero_()
-        v.sub_(offset)
+        vrows = v.view(nb, block)
         b0 = start // block
-        sc = scales[b0 : b0 + nb]
-        # A bound on the products' magnitude, fl(2**(bits-1) * max |scale|) (code 0, never
-        # written by the encoder, is q = -2**(bits-1); rounding is monotone), NaN when a
-        # scale is NaN. Saturating is a no-op unless it exceeds the limit, so the pass is
-        # skipped then: the result is the same bits.
-        reach = (sc.abs().amax() * offset).item()
-        dst = out[start : start + m]
+        sc = scales[b0 : b0 + nb].unsqueeze(1)
+        dst = out_flat[start : start + m]
         if ref is None:
-            if dtype == torch.float32 and padded == m and reach <= out_max:
+            if dtype == torch.float32 and padded == m:
                 # The product is the result: write it straight into the output.
-                torch.mul(v.view(nb, block), sc.unsqueeze(1), out=dst.view(nb, block))
+                torch.mul(vrows, sc, out=dst.view(nb, block))
+                if not reach <= out_max:
+                    dst.clamp_(-out_max, out_max)  # torch.clamp keeps NaN
                 continue
-            v.view(nb, block).mul_(sc.unsqueeze(1))
+            vrows.mul_(sc)
             if not reach <= out_max:
-                v.clamp_(-out_max, out_max)  # torch.clamp keeps NaN
+                v.clamp_(-out_max, out_max)
             dst.copy_(v[:m])
             continue
-        v.view(nb, block).mul_(sc.unsqueeze(1))
+        vrows.mul_(sc)
         if not reach <= _FP32_MAX:
             v.clamp_(-_FP32_MAX, _FP32_MAX)
-        # fp32 += any float dtype: the reference is widened exactly, one fp32 add.
+        # fp32 + any float dtype: the reference is widened exactly (a copy: mixed-dtype
+        # adds take a slow path), then one fp32 add.
+        if ref.dtype == torch.float32 and ref.dim() == 1:
+            rs = ref[start : start + m]
+        else:
+            rs = r_buf[:m]
+            _copy_flat_range(ref, start, rs)
         vm = v[:m]
-        vm.add_(ref[start : start + m])
+        vm.add_(rs)
         if dtype == torch.float32:
             torch.clamp(vm, -out_max, out_max, out=dst)
         else:

@@ -281,7 +281,7 @@ def test_example_quick_mode_resumes_exactly_from_a_keyframe(tmp_path):
     assert any("torch.save" in ln for ln in lines)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_run_restores_on_device(tmp_path):
     seed_all(0)
     model, opt, sched, _ = make_run(0)

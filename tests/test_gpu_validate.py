@@ -32,13 +32,20 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the no-GPU mode")
-def test_dry_run_passes_and_writes_its_report(tmp_path):
-    out = tmp_path / "report"
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    if torch.cuda.is_available():
+        pytest.skip("the dry run is the no-GPU mode")
+    out = tmp_path_factory.mktemp("validate") / "report"
     proc = subprocess.run(
         [sys.executable, str(GPU_DIR / "validate.py"), "--dry-run", "--out", str(out)],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
     )
+    return proc, out
+
+
+def test_dry_run_passes_and_writes_its_report(dry_run):
+    proc, out = dry_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "VALIDATION PASSED" in proc.stdout
     result = json.loads((out / "results.json").read_text())
@@ -53,6 +60,28 @@ def test_dry_run_passes_and_writes_its_report(tmp_path):
     assert steps["concurrency"]["data"]["runs"][1]["device_branch_forced"] is True
     summary = (out / "summary.md").read_text()
     assert "Dry run on the CPU" in summary and "| **PASS** |" in summary
+
+
+def test_results_page_shows_gpu_runs_and_says_not_run_otherwise(dry_run, tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import make_results
+
+    _, out = dry_run
+    root = tmp_path / "gpu"
+    shutil.copytree(out, root / "cpu-dry-run")
+    assert "**Not run.**" in make_results.gpu_section(root), "a dry run is not a GPU result"
+    # The same report as if a device had produced it (a fixture: no number here is real).
+    data = json.loads((out / "results.json").read_text())
+    data["dry_run"] = False
+    data["device"]["device_name"] = "Test Device 1"
+    for row in data["steps"]["throughput"]["data"]["rows"]:
+        row["input_mib"] = 64.0
+    (root / "test-device-1").mkdir()
+    (root / "test-device-1" / "results.json").write_text(json.dumps(data))
+    page = make_results.gpu_section(root)
+    assert "Not run" not in page and "### Test Device 1" in page
+    assert "(d) ~2.2 GB state" in page and "| blockwise | encode |" in page
+    assert page.count("### ") == 1
 
 
 class _NoisyCodec(BlockwiseCodec):

@@ -47,10 +47,12 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 
 import _end_to_end  # noqa: E402
+from _common import device_slug as slug  # noqa: E402
 import _identity  # noqa: E402
 import _throughput  # noqa: E402
 
@@ -73,11 +75,6 @@ class Step:
     detail: str = ""
     data: dict[str, Any] = field(default_factory=dict)
     goal: str | None = None  # "MET", "MISSED" or None (no goal, or not on a GPU)
-
-
-def slug(name: str) -> str:
-    """``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
 
 
 def log(msg: str) -> None:

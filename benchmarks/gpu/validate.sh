@@ -10,22 +10,19 @@ PY="${PYTHON:-python}"
 # torch (a CUDA build) must be there already: installing it here would fetch GBs, or a CPU build.
 "$PY" -c "import torch" || { echo "validate.sh: torch is not installed" >&2; exit 2; }
 
-# This checkout installed (tw_triton.kernels is mapped from kernels/ by the install), plus
-# the test extra; skipped when all of it is importable from here already.
-if ! "$PY" - <<'PY' 2>/dev/null
-import pathlib, sys
-import hypothesis, pytest, safetensors, triton  # noqa: F401
-import tw_triton, tw_triton.kernels
-here = pathlib.Path.cwd().resolve()
-ok = pathlib.Path(tw_triton.__file__).resolve().is_relative_to(here) and \
-     pathlib.Path(tw_triton.kernels.__file__).resolve().is_relative_to(here)
-sys.exit(0 if ok else 1)
-PY
-then
+# The project and its test extra. Installed only when something is missing, so a rerun
+# changes nothing. An install of another checkout is left alone (it may be someone else's):
+# this checkout's package then comes first on the path, with a warning.
+if ! "$PY" -c "import hypothesis, pytest, safetensors, triton, tw_triton.kernels" 2>/dev/null; then
     echo "validate.sh: installing this checkout with its test extra" >&2
     # Offline first (the build backend already installed), then with build isolation.
     "$PY" -m pip install --quiet --no-build-isolation -e ".[test]" \
         || "$PY" -m pip install --quiet -e ".[test]"
+fi
+where="$("$PY" -c "import pathlib, tw_triton.kernels as k; print(pathlib.Path(k.__file__).resolve().parent.parent)")"
+if [ "$where" != "$(pwd -P)" ]; then
+    echo "validate.sh: warning: tw_triton.kernels comes from $where, not this checkout" >&2
+    export PYTHONPATH="$(pwd -P)${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 exec "$PY" benchmarks/gpu/validate.py "$@"

@@ -92,3 +92,17 @@ def fmt_table(headers: list[str], rows: list[list[Any]]) -> str:
 def log(msg: str) -> None:
     """Progress line on stderr, so stdout carries only the tables."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def device_slug(name: str) -> str:
+    """A folder name for a device: ``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``."""
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
+
+
+def gpu_results_dir(device: "torch.device | None" = None) -> Path:
+    """``results/gpu/<device-name-slug>/`` for the current (or given) CUDA device, created."""
+    path = RESULTS_DIR / "gpu" / device_slug(torch.cuda.get_device_name(device))
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -19,7 +19,8 @@ Three measurements, each a ratio taken side by side in one run:
 
 On CUDA (``--device cuda``) part 1 times the loop pause with the model and optimizer on
 the GPU: ``save()`` then enqueues the encode kernels and the device-to-host copies and syncs
-once. That path is written but has NOT been run (no GPU where this was written).
+once. That path is written but has NOT been run (no GPU where this was written). Its report
+goes to ``benchmarks/results/gpu/<device-name-slug>/save_stall.md``.
 
     python benchmarks/save_stall.py                  # ~16 M parameters + AdamW, 5 repeats
     python benchmarks/save_stall.py --params 4 --repeats 3 --no-write   # quick look
@@ -411,10 +412,17 @@ def main(argv: list[str] | None = None) -> int:
     ]
     report = "\n".join(lines) + "\n"
     print(report)
-    if not args.no_write and args.device == "cpu":
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(report)
-        print(f"wrote {RESULTS}")
+    if not args.no_write:
+        if args.device == "cuda":
+            # GPU results sit apart, under the device's name (make_results.py reads them there).
+            from _common import gpu_results_dir
+
+            target = gpu_results_dir() / "save_stall.md"
+        else:
+            target = RESULTS
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(report)
+        print(f"wrote {target}")
     return 0
 
 

@@ -24,6 +24,15 @@ tw_triton through its ``Checkpointer`` (async writer): an exact keyframe, an int
 
 Run: ``python benchmarks/speed_compare.py`` (about 5 minutes on 2 cores). Writes
 ``benchmarks/results/speed_compare.json``.
+
+With ``--device cuda`` the state lives on the GPU: every save starts from device tensors
+(``tw_triton`` encodes there and copies on a side stream; the others copy to the host
+themselves), every load ends with the tensors on the GPU (``torch.load(map_location=...)``,
+``load_file(device=...)``, DCP into a device template, ``tw_triton.load(device=...)``) and a
+device sync, and the peak device memory of each save (``torch.cuda.max_memory_allocated``
+above the level before it) is recorded too. Results go to
+``benchmarks/results/gpu/<device-name-slug>/speed_compare.json``. Not run yet: no GPU was
+available where this was written.
 """
 
 from __future__ import annotations
@@ -43,6 +52,27 @@ from typing import Any, Callable, Iterator
 import torch
 
 HERE = Path(__file__).resolve().parent
+
+# Where the state lives, saves start and loads end: "cpu", or "cuda" (--device cuda). Set
+# by main() in the parent and in every child.
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
+def _device_peak_start() -> int:
+    if DEVICE.type != "cuda":
+        return 0
+    torch.cuda.synchronize(DEVICE)
+    torch.cuda.reset_peak_memory_stats(DEVICE)
+    return torch.cuda.memory_allocated(DEVICE)
+
+
+def _device_peak_since(base: int) -> int | None:
+    return torch.cuda.max_memory_allocated(DEVICE) - base if DEVICE.type == "cuda" else None
 
 SAVE_METHODS = (
     "torch.save",
@@ -162,7 +192,7 @@ def _perturb(state: dict[str, Any]) -> None:
     with torch.no_grad():
         for v in state["model"].values():
             if v.is_floating_point():
-                v.add_(torch.randn(v.shape, generator=gen) * 1e-4)
+                v.add_((torch.randn(v.shape, generator=gen) * 1e-4).to(v.device))
 
 
 # ----------------------------------------------------------------------------- children
@@ -178,7 +208,7 @@ def _single_process_dcp() -> Iterator[None]:
 
 def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
     """Save the fixture state with ``method``; return timings, peak memory and file bytes."""
-    state = torch.load(fixture, weights_only=True)
+    state = torch.load(fixture, weights_only=True, map_location=DEVICE)
     ckpt = None
     if method.startswith("tw"):
         from tw_triton import Checkpointer
@@ -189,6 +219,8 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
             # The keyframe first (not measured); the measured save is the delta after it.
             ckpt.save(0, model=state["model"], optimizer=state["optimizer"]).result()
             _perturb(state)
+    _sync()
+    dev_base = _device_peak_start()
     base = rss_bytes()
     reset_peak()
     t0 = time.perf_counter()
@@ -223,6 +255,7 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
         fut.result()
         total = time.perf_counter() - t0
     peak = peak_bytes() - base
+    dev_peak = _device_peak_since(dev_base)
     if ckpt is not None:
         ckpt.close()
         if method != "tw keyframe (exact)":
@@ -235,6 +268,7 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
         "blocked_s": blocked,
         "total_s": total,
         "peak_extra_bytes": peak,
+        "peak_device_bytes": dev_peak,
         "file_bytes": _size_of_checkpoint(out, method),
     }
 
@@ -252,11 +286,11 @@ def load_with(method: str, files: Path, template: Any = None) -> dict[str, torch
     ``template`` is the state's structure, which DCP needs (it loads in place).
     """
     if method == "torch.load":
-        state = torch.load(files / "state.pt", weights_only=True)
+        state = torch.load(files / "state.pt", weights_only=True, map_location=DEVICE)
     elif method == "safetensors":
         from safetensors.torch import load_file
 
-        state = load_file(str(files / "state.safetensors"))
+        state = load_file(str(files / "state.safetensors"), device=str(DEVICE))
     elif method == "dcp.load":
         import torch.distributed.checkpoint as dcp
 
@@ -267,13 +301,14 @@ def load_with(method: str, files: Path, template: Any = None) -> dict[str, torch
         import tw_triton
 
         ref = files / "reference.tw.safetensors"
-        state = tw_triton.load(files / "state.tw.safetensors", device="cpu",
+        state = tw_triton.load(files / "state.tw.safetensors", device=DEVICE,
                                reference=str(ref) if ref.exists() else None)
     flat = _flatten(state)
     # Read every byte once: a memory-mapped load (safetensors) is otherwise only a promise,
     # and the first training step would pay for the page faults instead.
     for t in flat.values():
         t.sum()
+    _sync()
     # The training state only (tw_triton's Checkpointer adds RNG states).
     return {k: v for k, v in flat.items() if k.startswith(("model/", "optimizer/"))}
 
@@ -285,7 +320,7 @@ def child_load(method: str, fixture: Path, files: Path) -> dict[str, Any]:
         # DCP loads in place: the caller needs the state's structure and allocations, which
         # a resuming job has (its model and optimizer). Built before the clock starts, but
         # the allocation itself is inside the measured region (it is memory the load needs).
-        template = torch.load(fixture, weights_only=True, mmap=True)
+        template = torch.load(fixture, weights_only=True, mmap=True, map_location=DEVICE)
     if method.startswith("tw"):
         import tw_triton  # noqa: F401  (import cost outside the clock, like torch's)
 
@@ -302,7 +337,8 @@ def run_child(args: list[str], threads: int) -> dict[str, Any]:
     """Run this script as a child and parse the JSON line it prints."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), *args, "--threads", str(threads)],
+        [sys.executable, str(Path(__file__).resolve()), *args, "--threads", str(threads),
+         "--device", DEVICE.type],
         capture_output=True, text=True, env=env, cwd=HERE, check=False,
     )
     if proc.returncode != 0:
@@ -351,6 +387,8 @@ def run(repeats: int, threads: int, log: Callable[[str], None]) -> dict[str, Any
             "blocked_s": median([r["blocked_s"] for r in s]),
             "total_s": median([r["total_s"] for r in s]),
             "save_peak_extra_bytes": median([r["peak_extra_bytes"] for r in s]),
+            "save_peak_device_bytes": (max(r["peak_device_bytes"] for r in s)
+                                       if s[0].get("peak_device_bytes") is not None else None),
         })
     load_rows = []
     for method in LOAD_METHODS:
@@ -385,7 +423,7 @@ def tables(result: dict[str, Any]) -> str:
          for r in result["save_rows"]],
     )
     load = fmt_table(
-        ["method", "load to CPU (s)", "vs torch.load", "peak extra RSS (MiB)"],
+        ["method", f"load to {result.get('device', 'cpu')} (s)", "vs torch.load", "peak extra RSS (MiB)"],
         [[r["method"], f"{r['load_s']:.3f}", f"{r['load_vs_torch_load']:.2f}",
           f"{mib(r['load_peak_extra_bytes']):.0f}"] for r in result["load_rows"]],
     )
@@ -397,11 +435,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads in every child (1: steadier on a shared machine)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the state lives and loads go (cuda: results/gpu/<device>/)")
     parser.add_argument("--child-save", metavar="METHOD", help=argparse.SUPPRESS)
     parser.add_argument("--child-load", metavar="METHOD", help=argparse.SUPPRESS)
     parser.add_argument("--fixture", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DEVICE
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device")
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
     if args.child_save:
         print(json.dumps(child_save(args.child_save, args.fixture, args.out)))
@@ -410,10 +454,16 @@ def main() -> None:
         print(json.dumps(child_load(args.child_load, args.fixture, args.out)))
         return
 
-    from _common import log, write_result
+    from _common import gpu_results_dir, log, write_result
 
     result = run(args.repeats, args.threads, log)
-    path = write_result("speed_compare", result)
+    result["device"] = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
+    if DEVICE.type == "cuda":
+        # The GPU results sit apart, under the device's name (make_results.py reads them there).
+        name = str((gpu_results_dir() / "speed_compare").relative_to(HERE / "results"))
+    else:
+        name = "speed_compare"
+    path = write_result(name, result)
     print(f"{result['state']['params']} parameters + AdamW moments, "
           f"{result['state']['state_bytes'] / 2**20:.1f} MiB of tensors; medians of {args.repeats} runs, "
           f"{args.threads} torch thread(s)")

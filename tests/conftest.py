@@ -6,11 +6,71 @@ decides between interpreted and compiled when each ``@triton.jit`` function is d
 here, before any test module imports triton. The rest of the library only launches kernels
 on CUDA tensors, so the setting changes nothing for other tests. With a GPU the kernels
 stay compiled and the kernel tests run them on CUDA tensors instead.
+
+The ``cuda`` marker collects every test that runs a CUDA path when a GPU is present, so
+that ``pytest -m cuda`` is the GPU half of the suite (``benchmarks/gpu/validate.py`` runs it):
+
+* ``@pytest.mark.cuda``: the test needs a CUDA device. Without one it is skipped, with the
+  reason shown; with one, a skip (from inside the test, or any other marker) is turned into
+  a failure, so nothing of the GPU half can pass by being silently skipped.
+* The kernel test modules in :data:`KERNEL_MODULES` compare the kernels with the torch path
+  on ``KERNEL_DEVICE``: under the interpreter on the CPU, compiled on CUDA. They get the
+  marker here, as ``cuda(interpreted=True)``: they run without a GPU too, and with one the
+  same no-skip rule holds.
 """
+
+from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+# The override lets a test check the GPU-side rules of this file on a machine without one.
+HAS_CUDA = torch.cuda.is_available() or os.environ.get("TW_TRITON_TEST_ASSUME_CUDA") == "1"
+
+# Modules whose tests run the kernels on the GPU when there is one (and interpreted if not).
+KERNEL_MODULES = frozenset(
+    {
+        "test_quantize_blockwise.py",
+        "test_dequantize_blockwise.py",
+        "test_quantize_log2.py",
+    }
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "cuda: runs a CUDA path on a GPU (skipped without one unless interpreted=True; "
+        "a skip while a GPU is present is a failure)",
+    )
+
+
+def _interpreted(marker: pytest.Mark) -> bool:
+    return bool(marker.kwargs.get("interpreted", False))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in KERNEL_MODULES and item.get_closest_marker("cuda") is None:
+            item.add_marker(pytest.mark.cuda(interpreted=True))
+        marker = item.get_closest_marker("cuda")
+        if marker is not None and not HAS_CUDA and not _interpreted(marker):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device (marker 'cuda')"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    if HAS_CUDA and report.skipped and item.get_closest_marker("cuda") is not None:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid}: a 'cuda' test was skipped although a CUDA device is present "
+            f"({reason}); the GPU half of the suite must run in full"
+        )

@@ -295,7 +295,7 @@ def test_example_quick_mode_resumes_exactly_from_an_exact_keyframe(tmp_path):
     assert delta_gap < 0.05
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_run_restores_on_device(tmp_path):
     seed_all(0)
     model, opt, sched, _ = make_run(0)

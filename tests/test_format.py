@@ -366,7 +366,7 @@ def test_pin_memory(tmp_path, caplog):
         assert "not pinned" in caplog.text
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.cuda
 def test_cuda_buffers_are_written(tmp_path):
     state = sample_state(12)
     on_gpu = QuantizedState(

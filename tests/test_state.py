@@ -433,7 +433,7 @@ def test_metadata_and_ids_are_recorded(tmp_path):
     assert quantize_state_dict({}).checkpoint_id != quantize_state_dict({}).checkpoint_id
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_round_trip_matches_cpu(tmp_path):
     state = make_state()
     ref = perturbed(state)

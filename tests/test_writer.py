@@ -300,7 +300,7 @@ def test_exit_hook_finishes_or_warns(tmp_path):
     assert "not finished" in r.stderr and "late.tw.safetensors" in r.stderr
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_buffers_are_staged_through_a_reused_pinned_pool(tmp_path):
     states = []
     for s in range(3):

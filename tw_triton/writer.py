@@ -364,6 +364,9 @@ class AsyncWriter:
             views = carve(pinned, tensors)
             events = self._copy_to_host(tensors, views)
         except BaseException:
+            # Copies enqueued before the failure (e.g. for another device) still write into
+            # the buffer: it goes back to the pool only once they are done.
+            self._drain_side_streams()
             self._pool.release(pinned)
             raise
         by_key = {(name, bname): v for (name, bname, _), v in zip(device_bufs, views)}
@@ -390,10 +393,17 @@ class AsyncWriter:
             with torch.cuda.stream(side):
                 for i in members:
                     views[i].copy_(tensors[i], non_blocking=True)
-            done = torch.cuda.Event()
+            # A blocking event: the writer thread sleeps in synchronize() instead of spinning
+            # a CPU core that the training loop may need while the copy runs.
+            done = torch.cuda.Event(blocking=True)
             done.record(side)
             events.append(done)
         return events
+
+    def _drain_side_streams(self) -> None:
+        """Wait for every copy enqueued on the side streams (an error path only)."""
+        for stream in self._side_streams.values():
+            stream.synchronize()
 
     def _side_stream(self, index: int) -> "torch.cuda.Stream":
         stream = self._side_streams.get(index)

@@ -38,6 +38,9 @@ class Codec(ABC):
     """One way to store a tensor. Subclasses set :attr:`name` and implement the methods."""
 
     name: str = ""
+    #: Whether encode/decode of CUDA tensors run Triton kernels that must match the torch
+    #: path byte for byte (``benchmarks/gpu/validate.py`` compares every codec that says so).
+    has_kernel: bool = False
 
     @abstractmethod
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:

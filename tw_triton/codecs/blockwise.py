@@ -846,6 +846,7 @@ class BlockwiseCodec(Codec):
     """Blockwise absmax integer codec (delta from a reference when one is given)."""
 
     name = "blockwise"
+    has_kernel = True
     _KEYS = frozenset({"bits", "block", "packing", "delta"})
 
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:

@@ -269,6 +269,7 @@ class Log2Codec(Codec):
     """Registry entry ``log2``: the second-moment codec (no reference; see the module doc)."""
 
     name = "log2"
+    has_kernel = True
     _KEYS = frozenset({"bits", "block", "packing"})
 
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:

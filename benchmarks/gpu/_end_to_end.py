@@ -1,0 +1,351 @@
+"""Steps (d) and (e) of the GPU validation: a whole training state on the device.
+
+(d) **Save and load** a transformer + AdamW state on the device (about 2.2 GB on a GPU:
+184 M parameters, fp32 weights and both moments), against ``torch.save`` /
+``torch.load(map_location=device)``, safetensors ``save_file`` / ``load_file(device=...)``
+and DCP ``async_save``. Per method, medians over rounds that take turns:
+
+* ``blocked_s``: until the save call returns to the loop (the device synchronized before
+  the clock starts, so no earlier training work is counted);
+* ``total_s``: until the file is durable (``torch.save`` and ``save_file`` followed by an
+  fsync of the file; DCP and tw_triton fsync themselves);
+* ``peak_device_bytes``: ``torch.cuda.max_memory_allocated`` during the save above what was
+  allocated before it;
+* ``load_s``: from the files (warm page cache: they were just written) to every tensor on
+  the device, device synchronized.
+
+Goals (reported, not failing): tw_triton's blocking <= 5 % of ``torch.save``'s; load <=
+safetensors'.
+
+(e) **Concurrency**: saves while training runs on the default stream. Right after each
+``save()`` returns, the parameters and optimizer moments are overwritten in place and more
+work is queued; the files must hold the values at the time of ``save()``: exact entries
+bit for bit, and coded entries byte for byte what the CPU torch path makes of those
+values (against the keyframe's values for a delta). Fails on any difference.
+
+On the CPU (``--dry-run``) the same code runs on a tiny model; the Checkpointer's device
+branch (encode during ``save()``, no writer-thread encode) is forced for (e), beside its
+normal CPU branch, so both are exercised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+import tw_triton
+from tw_triton import Checkpointer
+from tw_triton.codecs import get_codec
+from tw_triton.format import read_file
+from tw_triton.tree import flatten
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------ model
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, a transformer encoder and an output head: the shape of an LM's state."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        layer = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(width, vocab)
+        self.vocab = vocab
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(tokens)))
+
+
+def build(device: torch.device, size: str, seed: int = 0) -> tuple[TinyLM, torch.optim.Optimizer, Callable[[], None]]:
+    """Model, AdamW after one step, and a function that runs one more training step."""
+    torch.manual_seed(seed)
+    vocab, width, layers, heads = {
+        "large": (16000, 1024, 12, 16),  # 184 M parameters: ~2.2 GB with both moments
+        "medium": (8000, 512, 4, 8),  # 20 M parameters
+        "tiny": (500, 64, 2, 4),
+    }[size]
+    model = TinyLM(vocab, width, layers, heads).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def step() -> None:
+        tokens = torch.randint(0, vocab, (4, 64), device=device, generator=gen)
+        logits = model(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    step()
+    return model, opt, step
+
+
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    tensors = flatten({"model": model.state_dict(), "optimizer": opt.state_dict()})[0]
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# ------------------------------------------------------------------------------ (d)
+
+SAVE_METHODS = ("torch.save", "safetensors", "dcp.async_save", "tw keyframe", "tw delta")
+LOAD_METHODS = ("torch.load", "safetensors", "tw keyframe", "tw delta")
+
+
+def _flat_tensors(state: Any) -> dict[str, torch.Tensor]:
+    return flatten(state)[0]
+
+
+def run_save_load(
+    device: torch.device,
+    workdir: Path,
+    *,
+    size: str,
+    rounds: int,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Time every save and load method on one state; medians per method."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+
+    model, opt, step = build(device, size)
+    nbytes = state_bytes(model, opt)
+    log(f"end-to-end: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
+        f"state {nbytes / 2**30:.2f} GiB on {device}")
+    ck_kf = Checkpointer(workdir / "tw-keyframe", keyframe_every=1, keep_last=1)
+    ck_delta = Checkpointer(workdir / "tw-delta", keyframe_every=1_000_000, keep_last=1)
+    ck_delta.save(0, model=model, optimizer=opt).result()  # the keyframe the deltas use
+    saves: dict[str, list[dict[str, float]]] = {m: [] for m in SAVE_METHODS}
+    loads: dict[str, list[float]] = {m: [] for m in LOAD_METHODS}
+    last_step = 0
+    for r in range(rounds + 1):  # round 0 warms up (allocations, Triton compiles); not kept
+        step()
+        last_step = r + 1
+        for method in SAVE_METHODS:
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+            t0 = time.perf_counter()
+            if method == "torch.save":
+                torch.save(state, workdir / "state.pt")
+                fsync_path(workdir / "state.pt")
+                blocked = total = time.perf_counter() - t0
+            elif method == "safetensors":
+                flat = {k: v.contiguous() for k, v in _flat_tensors(state).items()}
+                save_file(flat, str(workdir / "state.safetensors"))
+                fsync_path(workdir / "state.safetensors")
+                blocked = total = time.perf_counter() - t0
+            elif method == "dcp.async_save":
+                with _quiet_dcp():
+                    fut = dcp.async_save(state, checkpoint_id=str(workdir / f"dcp-{r}"), no_dist=True)
+                blocked = time.perf_counter() - t0
+                fut.result()
+                total = time.perf_counter() - t0
+            else:
+                ck = ck_kf if method == "tw keyframe" else ck_delta
+                fut = ck.save(last_step, model=model, optimizer=opt)
+                blocked = time.perf_counter() - t0
+                fut.result()
+                total = time.perf_counter() - t0
+            peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else None
+            if r:
+                saves[method].append({"blocked_s": blocked, "total_s": total, "peak_device_bytes": peak})
+        for method in LOAD_METHODS:
+            sync(device)
+            t0 = time.perf_counter()
+            if method == "torch.load":
+                out = torch.load(workdir / "state.pt", map_location=device, weights_only=True)
+            elif method == "safetensors":
+                out = load_file(str(workdir / "state.safetensors"), device=str(device))
+            else:
+                ck = ck_kf if method == "tw keyframe" else ck_delta
+                out = ck.load(last_step, device=device)
+            sync(device)
+            if r:
+                loads[method].append(time.perf_counter() - t0)
+            del out
+    sizes = {
+        "torch.save": (workdir / "state.pt").stat().st_size,
+        "safetensors": (workdir / "state.safetensors").stat().st_size,
+        "dcp.async_save": sum(p.stat().st_size for p in (workdir / f"dcp-{rounds}").rglob("*") if p.is_file()),
+        "tw keyframe": os.path.getsize(ck_kf.path_for(last_step)),
+        "tw delta": os.path.getsize(ck_delta.path_for(last_step)),
+    }
+    ck_kf.close()
+    ck_delta.close()
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    save_rows = {
+        m: {
+            "blocked_s": med([x["blocked_s"] for x in v]),
+            "total_s": med([x["total_s"] for x in v]),
+            "peak_device_bytes": (max(x["peak_device_bytes"] for x in v) if device.type == "cuda" else None),
+            "file_bytes": sizes[m],
+        }
+        for m, v in saves.items()
+    }
+    load_rows = {m: {"load_s": med(v)} for m, v in loads.items()}
+    ts = save_rows["torch.save"]["blocked_s"]
+    st = load_rows["safetensors"]["load_s"]
+    goals = {
+        "tw_blocking_vs_torch_save": {
+            m: round(save_rows[m]["blocked_s"] / ts, 4) for m in ("tw keyframe", "tw delta")
+        },
+        "tw_load_vs_safetensors": {m: round(load_rows[m]["load_s"] / st, 4) for m in ("tw keyframe", "tw delta")},
+    }
+    if device.type == "cuda":
+        goals["blocking_goal_met"] = all(v <= 0.05 for v in goals["tw_blocking_vs_torch_save"].values())
+        goals["load_goal_met"] = all(v <= 1.0 for v in goals["tw_load_vs_safetensors"].values())
+    return {
+        "state_bytes": nbytes,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "rounds": rounds,
+        "save": save_rows,
+        "load": load_rows,
+        "goals": goals,
+    }
+
+
+# ------------------------------------------------------------------------------ (e)
+
+
+def _clone_tree(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _clone_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone_tree(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    return tree
+
+
+def _scramble(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Overwrite every parameter and moment in place, as the next steps would."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-3.0).add_(1.0)
+        for s in opt.state.values():
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in s:
+                    s[k].mul_(5.0).add_(1.0)
+
+
+def check_file_holds(path: str, expected: dict[str, torch.Tensor], refs: dict[str, torch.Tensor] | None) -> list[str]:
+    """Differences between the file at ``path`` and the CPU encoding of ``expected``.
+
+    Exact entries must hold ``expected`` bit for bit; coded entries the bytes the CPU path
+    encodes from ``expected`` (with the file's own params, against ``refs`` for a delta).
+    """
+    q = read_file(path)
+    problems = []
+    for name, want in expected.items():
+        name = q.aliases.get(name, name)
+        entry = q.entries.get(name)
+        if entry is None:
+            problems.append(f"{path}: no entry {name!r}")
+            continue
+        if entry.codec == "exact":
+            got = entry.buffers["data"].reshape(-1)
+            if got.dtype != want.dtype or not torch.equal(
+                got.view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8)
+            ):
+                problems.append(f"{path}: exact entry {name!r} differs from the value at save()")
+            continue
+        codec = get_codec(entry.codec)
+        params = {k: v for k, v in entry.params.items() if k != "ref_fp"}
+        ref = None
+        if codec.uses_reference(params):
+            if refs is None or name not in refs:
+                problems.append(f"{path}: delta entry {name!r} without a keyframe value to check against")
+                continue
+            ref = refs[name]
+        enc = codec.encode(want, params, ref)
+        for bname, buf in enc.entry.buffers.items():
+            stored = entry.buffers.get(bname)
+            if stored is None or not torch.equal(
+                stored.reshape(-1).view(torch.uint8), buf.reshape(-1).contiguous().view(torch.uint8)
+            ):
+                problems.append(f"{path}: {entry.codec} entry {name!r} buffer {bname!r} is not the "
+                                "encoding of the value at save()")
+    return problems
+
+
+def run_concurrency(
+    device: torch.device,
+    workdir: Path,
+    *,
+    size: str,
+    saves: int,
+    force_device_branch: bool = False,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Save while training runs and the state is overwritten after each ``save()``."""
+    import tw_triton.checkpointer as ckmod
+
+    model, opt, step = build(device, size, seed=1)
+    busy = torch.randn(2048 if device.type == "cuda" else 64, 2048 if device.type == "cuda" else 64, device=device)
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    directory = workdir / ("concurrency-device-branch" if force_device_branch else "concurrency")
+    original = ckmod._all_on_cpu
+    if force_device_branch:
+        # The branch a CUDA state takes (encode in save(), buffers handed to the writer).
+        ckmod._all_on_cpu = lambda tree: False
+    try:
+        ck = Checkpointer(directory, keyframe_every=3, keep_last=None, fsync=False)
+        for s in range(saves):
+            step()
+            # The values at save(): cloned on the same stream before save() is called.
+            expected[s] = _clone_tree({"model": model.state_dict(), "optimizer": opt.state_dict()})
+            for _ in range(8):
+                busy = torch.tanh(busy @ busy)  # queue work: the device runs behind the host
+            ck.save(s, model=model, optimizer=opt)
+            _scramble(model, opt)  # right after save() returns, on the default stream
+            for _ in range(8):
+                busy = torch.tanh(busy @ busy)
+        ck.flush()
+        problems: list[str] = []
+        for s in range(saves):
+            path = ck.path_for(s)
+            meta = read_file(path).metadata
+            want = {k: v.cpu() for k, v in flatten(expected[s])[0].items()}
+            ref_step = meta.get("reference_step")
+            refs = None
+            if ref_step is not None:
+                refs = {k: v.cpu() for k, v in flatten(expected[ref_step])[0].items()}
+            problems += check_file_holds(path, want, refs)
+        ck.close()
+    finally:
+        ckmod._all_on_cpu = original
+    log(f"concurrency ({'device branch' if force_device_branch else 'default branch'}): "
+        f"{saves} saves, {len(problems)} problem(s)")
+    return {"saves": saves, "problems": problems[:50], "problem_count": len(problems),
+            "device_branch_forced": force_device_branch, "tw_triton": tw_triton.__version__}

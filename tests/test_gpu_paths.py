@@ -1,0 +1,236 @@
+"""Rules of the CUDA paths that can be checked without a GPU (benchmarks/gpu/REVIEW.md).
+
+* Kernel launches: no zero-size grid, the whole tiles unmasked plus at most one masked
+  tail program, every row covered once, a 1-D grid far below CUDA's 2**31 - 1 limit even
+  for tensors of 2**40 elements, and the launch made inside the tensors' device guard (a
+  tensor on ``cuda:1`` while ``cuda:0`` is current).
+* Host reads: a device value read on the host (``.item()``, ``bool(t)``, ``torch.equal``,
+  which all sync with a GPU) never happens per tensor. The kernel wrappers read none, and
+  the state API reads all its device flags with one transfer per checkpoint.
+
+A device read is counted as a dispatch of ``aten._local_scalar_dense`` (what ``.item()``,
+``bool``, ``int`` and ``float`` of a tensor run), ``aten.is_nonzero`` or ``aten.equal``. The
+codecs' CPU torch path reads scalars per chunk (free on the CPU, and it never runs on a
+GPU), so the state-level check pauses counting inside codec calls, which the kernel-wrapper
+check covers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tw_triton
+import tw_triton.state as state_mod
+from tw_triton.codecs import codec_names, get_codec
+
+# The modules (tw_triton.kernels re-exports functions of the same names).
+tiles = importlib.import_module("tw_triton.kernels._tiles")
+kq = importlib.import_module("tw_triton.kernels.quantize_blockwise")
+kdeq = importlib.import_module("tw_triton.kernels.dequantize_blockwise")
+kq_log2 = importlib.import_module("tw_triton.kernels.quantize_log2")
+kdeq_log2 = importlib.import_module("tw_triton.kernels.dequantize_log2")
+
+CUDA_GRID_X_MAX = 2**31 - 1
+HOST_READS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default"}
+
+
+class FakeKernel:
+    """Stands in for a ``@triton.jit`` function: records ``kernel[grid](*args, **meta)``."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple[int, ...], tuple, dict[str, Any]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        def launch(*args: Any, **meta: Any) -> None:
+            self.launches.append((grid, args, meta))
+
+        return launch
+
+
+def covered_rows(kernel: FakeKernel, block: int) -> list[int]:
+    rows = []
+    for grid, args, meta in kernel.launches:
+        n, row0 = args[-2], args[-1]
+        for pid in range(grid[0]):
+            first = row0 + pid * meta["ROWS"]
+            rows += [r for r in range(first, first + meta["ROWS"]) if r * block < n]
+    return rows
+
+
+@pytest.mark.parametrize("block", [32, 128, 4096])
+@pytest.mark.parametrize("n_tiles, extra", [(0, 0), (0, 1), (0, 4095), (1, 0), (1, 1), (3, 0), (3, 77)])
+def test_launches_cover_every_row_once_without_empty_grids(block, n_tiles, extra):
+    n = n_tiles * tiles.TILE_ELEMENTS + extra
+    kernel = FakeKernel()
+    tiles.launch_row_tiles(kernel, ("x",), n, 0, block, torch.device("cpu"))
+    grids = [g for g, _, _ in kernel.launches]
+    assert all(len(g) == 1 and g[0] >= 1 for g in grids), grids
+    masked = [m["MASKED"] for _, _, m in kernel.launches]
+    assert masked.count(True) <= 1 and masked.count(False) <= 1
+    if n == 0:
+        assert kernel.launches == []
+    # Whole tiles unmasked (vector accesses), one masked program for the rest.
+    assert masked.count(False) == (1 if n_tiles else 0)
+    assert masked.count(True) == (1 if extra else 0)
+    for grid, _, meta in kernel.launches:
+        if meta["MASKED"]:
+            assert grid == (1,)
+        assert meta["enable_fp_fusion"] is False
+    rows = covered_rows(kernel, block)
+    assert sorted(rows) == list(range(-(-n // block))), "a row missed or launched twice"
+
+
+@pytest.mark.parametrize("block", [32, 4096])
+def test_grid_stays_below_the_cuda_limit_for_huge_tensors(block):
+    kernel = FakeKernel()
+    n = 2**40 + 5  # not allocated: the helper only computes the grid
+    tiles.launch_row_tiles(kernel, ("x",), n, 0, block, torch.device("cpu"))
+    (main, _, meta), (tail, _, tmeta) = kernel.launches
+    assert not meta["MASKED"] and tmeta["MASKED"]
+    assert main[0] * meta["ROWS"] * block + block >= n - block
+    # 2**40 elements (2 TiB of bf16, past any single GPU) leave ~8x of headroom: the grid
+    # is tiles of 4096 elements whatever the block.
+    assert 4 * main[0] <= CUDA_GRID_X_MAX, f"grid {main} is within 4x of CUDA's limit"
+
+
+def test_launch_runs_inside_the_tensors_device_guard(monkeypatch):
+    """A tensor on cuda:1 while cuda:0 is current: Triton launches on the current device,
+    so the helper must make the tensors' device current around the launch."""
+    current: list[torch.device | None] = [None]
+    seen: list[torch.device | None] = []
+
+    @contextlib.contextmanager
+    def fake_guard(device):
+        previous, current[0] = current[0], torch.device(device)
+        try:
+            yield
+        finally:
+            current[0] = previous
+
+    class RecordingKernel(FakeKernel):
+        def __getitem__(self, grid):
+            seen.append(current[0])
+            return super().__getitem__(grid)
+
+    monkeypatch.setattr(torch.cuda, "device", fake_guard)
+    kernel = RecordingKernel()
+    tiles.launch_row_tiles(kernel, ("x",), 3 * tiles.TILE_ELEMENTS + 1, 0, 128, torch.device("cuda", 1))
+    assert seen == [torch.device("cuda", 1)] * 2
+    assert current[0] is None  # the guard is left afterwards
+
+
+class HostReads(TorchDispatchMode):
+    """Counts device-to-host reads of tensor values, except while paused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.where: list[str] = []
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and str(func) in HOST_READS:
+            self.count += 1
+            import traceback
+
+            self.where.append("".join(traceback.format_stack(limit=6)[:-1]))
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def pause(self):
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+
+def _paused(reads: HostReads, fn):
+    def wrapper(*args, **kwargs):
+        with reads.pause():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@pytest.mark.parametrize("numel", [0, 1, 4096 * 3 + 5])
+def test_kernel_wrappers_read_nothing_back_and_skip_empty_launches(monkeypatch, numel):
+    reads = HostReads()
+    launches = []
+    real = tiles.launch_row_tiles
+
+    def counted(*args, **kwargs):
+        launches.append(args[2])
+        with reads.pause():  # the interpreter itself is no part of the GPU path
+            return real(*args, **kwargs)
+
+    for mod in (kq, kdeq, kq_log2, kdeq_log2):
+        monkeypatch.setattr(mod, "launch_row_tiles", counted)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=gen).to(torch.bfloat16)
+    with reads:
+        codes, scales = kq.quantize_blockwise(x, x, 4, 128)
+        out = kdeq.dequantize_blockwise(codes, scales, numel, 4, 128, x, torch.bfloat16)
+        lcodes, lo, hi = kq_log2.quantize_log2(x.abs(), 8, 64)
+        lout = kdeq_log2.dequantize_log2(lcodes, lo, hi, numel, 8, 64, torch.bfloat16)
+    assert reads.count == 0, reads.where
+    assert launches == ([] if numel == 0 else [numel] * 4)
+    assert out.shape == lout.shape == (numel,)
+    if numel:
+        want_c, want_s = tw_triton.codecs.blockwise.quantize_blockwise_torch(x, x, 4, 128)
+        assert torch.equal(codes, want_c) and torch.equal(scales, want_s)
+
+
+def _training_state(n_layers: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    model = {f"layer{i}.weight": torch.randn(64, 96, generator=gen) for i in range(n_layers)}
+    model |= {f"layer{i}.bias": torch.randn(96, generator=gen) for i in range(n_layers)}
+    opt_state = {
+        i: {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 96, generator=gen) * 1e-3,
+            "exp_avg_sq": torch.rand(64, 96, generator=gen) * 1e-6}
+        for i in range(n_layers)
+    }
+    opt = {"state": opt_state, "param_groups": [{"lr": 1e-3, "params": list(range(n_layers))}]}
+    return {"model": model, "optimizer": opt, "step": 7}
+
+
+def test_state_api_reads_device_flags_once_per_checkpoint_not_per_tensor(monkeypatch):
+    """Quantize (keyframe and delta) and decode a 12-layer state: no per-tensor host read,
+    and one batched read of every flag and fingerprint per checkpoint."""
+    reads = HostReads()
+    batched: list[int] = []
+    real_read = state_mod._read_device_scalars
+
+    def counted_read(scalars):
+        batched.append(len(scalars))
+        with reads.pause():  # its one .cpu() per device is the intended sync
+            return real_read(scalars)
+
+    monkeypatch.setattr(state_mod, "_read_device_scalars", counted_read)
+    for name in codec_names():
+        codec = get_codec(name)
+        for meth in ("encode", "encode_with", "decode"):
+            monkeypatch.setattr(codec, meth, _paused(reads, getattr(codec, meth)))
+    kf_state = _training_state(12)
+    state = _training_state(12)
+    rules = [("optimizer/state/*/exp_avg", "int8"),
+             ("optimizer/state/*/exp_avg_sq", {"codec": "log2", "bits": 8, "min_numel": 0})]
+    with reads:
+        kf = tw_triton.quantize_state_dict(kf_state, rules=rules, bits=8, block=64)
+        ref = tw_triton.dequantize_state_dict(kf)
+        q = tw_triton.quantize_state_dict(state, reference=ref, rules=rules, bits=8, block=64)
+        back = tw_triton.dequantize_state_dict(q, reference=ref)
+    assert reads.count == 0, reads.where[:3]
+    coded = [e for e in q.entries.values() if e.codec != "exact"]
+    assert len(coded) >= 36, "the state should hold many coded tensors"
+    # One batched read per quantize (flags + fingerprints) and one per delta decode
+    # (fingerprints); none for the keyframe decode, which has no flag to read.
+    assert len(batched) == 3, batched
+    assert batched[1] >= 2 * len(coded) - 12  # flags of every coded tensor + delta fingerprints
+    assert back["step"] == 7

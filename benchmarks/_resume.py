@@ -361,7 +361,8 @@ def size_table(result: dict[str, Any]) -> str:
             r["setting"], r["spec"]["keyframe_every"], split(b["keyframe"]), split(b["delta"]),
             f"{b['cycle']:.2f}", f"{b['torch_save']:.2f}",
             f"{b['x_keyframe']:.2f}x / {b['x_delta']:.2f}x" if b["x_delta"] else f"{b['x_keyframe']:.2f}x / -",
-            f"**{b['x_cycle']:.2f}x** ({b['x_cycle_default_k']:.2f}x at k={DEFAULT_KEYFRAME_EVERY})",
+            f"**{b['x_cycle']:.2f}x**" + ("" if r["spec"]["keyframe_every"] == DEFAULT_KEYFRAME_EVERY
+                                          else f" ({b['x_cycle_default_k']:.2f}x at k={DEFAULT_KEYFRAME_EVERY})"),
         ])
     headers = ["setting", "keyframe_every", "keyframe B/param (weights / exp_avg / exp_avg_sq / rest = total)",
                "delta B/param (same split)", "cycle average B/param", "torch.save B/param",

@@ -134,7 +134,7 @@ class Config:
 
 QUICK = Config(d_model=32, n_layers=1, n_heads=2, context=16, batch=4, steps=24, save_every=1,
                eval_every=4, eval_batches=2)
-DEFAULT_SETTINGS = "safe,small,smallest"
+DEFAULT_SETTINGS = "small,smallest"
 QUICK_SETTINGS = "small"
 
 

@@ -200,8 +200,13 @@ def check_exact(base: dict[str, Any], run: dict[str, Any]) -> None:
 
 
 def run_seed(make_run: MakeRun, seed: int, plan: Plan, settings: tuple[ResumeSetting, ...], *,
-             noise_seed_offset: int = 1000, exact_check: bool = False) -> dict[str, Any]:
-    """The uninterrupted run, its noise floor and every setting's restarted run, for one seed."""
+             noise_seed_offset: int = 1000, exact_check: bool = False,
+             exact_keyframe_every: int | None = None) -> dict[str, Any]:
+    """The uninterrupted run, its noise floor and every setting's restarted run, for one seed.
+
+    With ``exact_check`` the ``exact`` preset runs first through the restarts of
+    ``exact_keyframe_every`` (default: the first setting's) and must reproduce the run.
+    """
     t0 = time.perf_counter()
     base = uninterrupted(make_run, seed, plan)
     noise = uninterrupted(make_run, seed + noise_seed_offset, plan)
@@ -210,7 +215,8 @@ def run_seed(make_run: MakeRun, seed: int, plan: Plan, settings: tuple[ResumeSet
     out: dict[str, Any] = {"seed": seed, "base": base, "noise": noise, "settings": {}}
     todo = list(settings)
     if exact_check:
-        todo.insert(0, ResumeSetting("exact (check)", "exact", keyframe_every=settings[0].keyframe_every))
+        k = exact_keyframe_every or (settings[0].keyframe_every if settings else DEFAULT_KEYFRAME_EVERY)
+        todo.insert(0, ResumeSetting("exact (check)", "exact", keyframe_every=k))
     for setting in todo:
         t0 = time.perf_counter()
         restarts = plan.restart_steps(setting.keyframe_every)

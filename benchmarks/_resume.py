@@ -159,7 +159,7 @@ def restarted(make_run: MakeRun, data_seed: int, setting: ResumeSetting, plan: P
             restarts.append({"step": step, "kind": newest.kind})
     finally:
         ckpt.close()
-    return {"losses": losses, "evals": evals, "files": files, "restarts": restarts,
+    return {"losses": losses, "evals": evals, "files": files_by_kind(files), "restarts": restarts,
             "torch_save_bytes": torch_bytes, **damage}
 
 
@@ -244,14 +244,22 @@ def run_seed(make_run: MakeRun, seed: int, plan: Plan, settings: tuple[ResumeSet
 # ------------------------------------------------------------------------------ summary
 
 
-def _bytes_of(files: list[dict[str, Any]], kind: str) -> dict[str, float] | None:
-    chosen = [f for f in files if f["kind"] == kind]
-    if not chosen:
-        return None
-    return {p: sum(f[p] for f in chosen) / len(chosen) for p in (*PARTS, "total")}
+def files_by_kind(files: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kind of file (keyframe, delta, standalone): count, mean bytes per part, size range."""
+    out = {}
+    for kind in sorted({f["kind"] for f in files}):
+        chosen = [f for f in files if f["kind"] == kind]
+        out[kind] = {"count": len(chosen),
+                     "mean": {p: sum(f[p] for f in chosen) / len(chosen) for p in (*PARTS, "total")},
+                     "min_total": min(f["total"] for f in chosen), "max_total": max(f["total"] for f in chosen)}
+    return out
 
 
-def size_summary(files: list[dict[str, Any]], torch_bytes: int, params: int,
+def _bytes_of(files: dict[str, dict[str, Any]], kind: str) -> dict[str, float] | None:
+    return files[kind]["mean"] if kind in files else None
+
+
+def size_summary(files: dict[str, dict[str, Any]], torch_bytes: int, params: int,
                  keyframe_every: int) -> dict[str, Any]:
     """Bytes per parameter by part for keyframes and deltas, the cycle averages and ratios.
 

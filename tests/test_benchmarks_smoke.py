@@ -86,8 +86,11 @@ def test_restart_summary_splits_bytes_and_scales_by_the_noise_floor(gpt_quick: d
     run = gpt_quick["runs"][0]
     for row in gpt_quick["rows"]:
         r = run["settings"][row["setting"]]
-        for f in r["files"]:
-            assert sum(f[p] for p in PARTS) == f["total"] and min(f[p] for p in PARTS) > 0
+        for kind, f in r["files"].items():
+            assert sum(f["mean"][p] for p in PARTS) == pytest.approx(f["mean"]["total"]), kind
+            assert min(f["mean"][p] for p in PARTS) > 0 and f["min_total"] <= f["mean"]["total"] <= f["max_total"]
+        # One file per save: every save_every-th step.
+        assert sum(f["count"] for f in r["files"].values()) == gpt_quick["config"]["steps"] // gpt_quick["config"]["save_every"]
         b = row["bytes_per_param"]
         assert b["delta"]["weights"] < b["keyframe"]["weights"]  # exact in keyframes, codes in deltas
         assert b["delta"]["total"] < b["cycle"] < b["keyframe"]["total"]

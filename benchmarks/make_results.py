@@ -1,7 +1,7 @@
 """Regenerate the results page and its plots: ``python benchmarks/make_results.py``.
 
 Runs the four benchmarks (``fidelity_minilm.py``, ``resume_fidelity.py``,
-``resume_minilm.py``, ``speed_compare.py``; about 10 minutes on a quiet 2-core machine), which
+``resume_minilm.py``, ``speed_compare.py``; about 20 minutes on a quiet 2-core machine), which
 write JSON under ``benchmarks/results/``, then writes ``benchmarks/results/README.md`` and the PNG plots from
 those JSON files, and the compact table between the results-table markers at the top of the
 project README. ``--no-run`` rebuilds from the JSON files already there.
@@ -266,13 +266,20 @@ def _restart_words(res: dict[str, Any]) -> str:
             f"{', '.join(str(r['seed']) for r in res['runs'])}")
 
 
+def _command(script: str, res: dict[str, Any]) -> str:
+    """The command that reruns ``res``: its settings and seeds as given."""
+    labels = ",".join(r["setting"] for r in res["rows"])
+    seeds = " ".join(str(r["seed"]) for r in res["runs"])
+    return f"`python benchmarks/{script} --settings {labels} --seeds {seeds}`"
+
+
 def _resume_intro_gpt(res: dict[str, Any]) -> str:
     cfg = res["config"]
     return (
         f"**2a. A byte-level GPT** ({res['params']:,} parameters, {cfg['n_layers']} layers, "
         f"d={cfg['d_model']}, context {cfg['context']}, batch {cfg['batch']}) trained from scratch with "
         f"AdamW and a cosine schedule on {res['corpus_bytes'] / 1e6:.2f} MB of Python standard-library "
-        f"source; {_restart_words(res)}. Command: `python benchmarks/resume_fidelity.py`"
+        f"source; {_restart_words(res)}. Command: {_command('resume_fidelity.py', res)}"
     )
 
 
@@ -283,7 +290,7 @@ def _resume_intro_minilm(res: dict[str, Any]) -> str:
         f"lr {cfg['lr']}, dropout on, batch {cfg['batch']}) on {res['pairs']} pairs built from the same "
         "stdlib files: a function's docstring summary against its signature, in-batch contrastive "
         f"loss; {_restart_words(res)}. The checkpoints also hold the RNG states (dropout). "
-        "Command: `python benchmarks/resume_minilm.py`"
+        f"Command: {_command('resume_minilm.py', res)}"
     )
 
 
@@ -453,8 +460,8 @@ def write_page() -> str:
     speed = read_result("speed_compare")
     rec = recommend_block(fid)
     plot_fidelity(fid, RESULTS_DIR / "fidelity_minilm.png")
-    plot_resume(results["resume_fidelity"], RESULTS_DIR / "resume_fidelity.png", "training loss (nats/byte)")
-    plot_resume(results["resume_minilm"], RESULTS_DIR / "resume_minilm.png", "contrastive training loss")
+    plot_resume(results["resume_fidelity"], RESULTS_DIR / "resume_fidelity.png", "loss (nats/byte)")
+    plot_resume(results["resume_minilm"], RESULTS_DIR / "resume_minilm.png", "contrastive loss")
     plot_speed(speed, RESULTS_DIR / "speed_compare.png")
     envs = {name: read_result(name)["environment"] for name in ("fidelity_minilm", *RESUME_EXPERIMENTS, "speed_compare")}
     env_lines = [

@@ -22,7 +22,7 @@ files' manifests), the cycle average, and the ratios to ``torch.save`` of the sa
 The first seed also runs the ``exact`` preset through the same restarts, which must
 reproduce the uninterrupted run bit for bit, or the script fails.
 
-Run: ``python benchmarks/resume_fidelity.py`` (about 4-5 minutes on 2 quiet cores;
+Run: ``python benchmarks/resume_fidelity.py`` (about 3-4 minutes of one free core;
 ``--quick`` is a seconds-long smoke run that writes nothing unless ``--out`` names a result).
 Writes ``benchmarks/results/resume_fidelity.json``.
 """

@@ -4,16 +4,28 @@ A :class:`Setting` names what is quantized how (model weights, optimizer moments
 not). :func:`save_setting` writes a training state with it through the public state-level
 API (``quantize_state_dict`` + ``save``) and :func:`load_setting` reads it back with
 ``load``, so every size the benchmarks report is the size of a real file on disk.
+
+A :class:`ResumeSetting` is what the restart benchmarks run through a
+:class:`tw_triton.Checkpointer`: a rule set (a preset name from ``tw_triton.rules.PRESETS``
+or an explicit rule list), ``bits``, ``block``, ``keyframe_every`` and the delta mode.
+:func:`parse_settings` turns ``--settings small,int4-delta,w8-m4:k=4`` into settings (any
+preset the library knows runs with no change here), and :func:`stored_split` reads how many
+bytes a written file spends on weights, ``exp_avg``, ``exp_avg_sq`` and the rest from its
+manifest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import tw_triton
+from tw_triton.rules import PRESETS, resolve_rules
 
 # Tensors smaller than this stay exact, like the library's default rules: their scales
 # would cost more than the bits saved.
@@ -119,3 +131,154 @@ def load_setting(
 ) -> Any:
     """Read a checkpoint written by :func:`save_setting` back to CPU tensors."""
     return tw_triton.load(path, device="cpu", reference=str(reference) if reference else None)
+
+
+# --------------------------------------------------------------------------- restarts
+
+# How a Checkpointer codes the saves between keyframes: "open" = deltas from the last
+# keyframe (Checkpointer(delta=True)); "none" = quantized on their own (delta=False).
+DELTA_MODES = {"open": True, "none": False}
+# The Checkpointer's own default, against which the cycle average is also reported.
+DEFAULT_KEYFRAME_EVERY = 10
+# The parts of a checkpoint whose bytes the restart benchmarks report apart.
+PARTS = ("weights", "exp_avg", "exp_avg_sq", "rest")
+
+
+def _moment(name: str, spec: Any) -> tuple[str, Any]:
+    return (f"optimizer/state/*/{name}", spec)
+
+
+# Explicit rule lists, for what no preset expresses. Weight rules come from the defaults
+# (the call's ``bits``), so a list only names the optimizer moments it codes.
+EXPLICIT_RULES: dict[str, list[Any]] = {
+    # exp_avg int4 on its own, exp_avg_sq exact: the first-moment lever alone.
+    "w8-m4": [_moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096})],
+    # exp_avg int4, exp_avg_sq log2 at 4 bits, weight deltas at int4 (bits=4 below).
+    "w4-m4-v4": [_moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
+                 _moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096})],
+    # A negative control: exp_avg_sq linear int8 (known to break AdamW on resume).
+    "w8-m8-v8linear": [_moment("exp_avg_sq", {"codec": "int8", "delta": False, "min_numel": 4096}),
+                       _moment("exp_avg", {"codec": "int8", "delta": False, "min_numel": 4096})],
+}
+EXPLICIT_BITS = {"w4-m4-v4": 4}
+
+
+@dataclass(frozen=True)
+class ResumeSetting:
+    """One way to checkpoint a run: what a :class:`tw_triton.Checkpointer` is built with.
+
+    Attributes:
+        label: name in tables (the ``--settings`` token that made it).
+        rules: a preset name or a list of ``(glob, codec spec)`` pairs.
+        bits, block: the Checkpointer's defaults for quantizing rules.
+        keyframe_every: one save in this many is a keyframe.
+        delta: delta mode, a key of :data:`DELTA_MODES`.
+    """
+
+    label: str
+    rules: Any
+    bits: int = 8
+    block: int = 128
+    keyframe_every: int = DEFAULT_KEYFRAME_EVERY
+    delta: str = "open"
+
+    def checkpointer(self, directory: str | os.PathLike[str]) -> tw_triton.Checkpointer:
+        """A Checkpointer on ``directory`` with this setting, as a (re)started process makes it.
+
+        Synchronous and without fsync: the benchmark measures what the files hold, not how
+        fast they are written, and every save must be on disk when ``save`` returns.
+        """
+        return tw_triton.Checkpointer(
+            directory, keyframe_every=self.keyframe_every, keep_last=2, rules=self.rules,
+            bits=self.bits, block=self.block, delta=DELTA_MODES[self.delta], async_write=False,
+            fsync=False,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The setting as plain JSON values (rule lists as lists)."""
+        d = dataclasses.asdict(self)
+        if not isinstance(self.rules, str):
+            d["rules"] = [[g, spec] for g, spec in self.rules]
+        return d
+
+
+def _validate(setting: ResumeSetting) -> None:
+    """Resolve the setting's rules against a small AdamW-shaped state; raise if they do not.
+
+    An unknown codec or bad parameters raise ``QuantizationError`` here, before any training.
+    """
+    z = torch.zeros(64, 64)
+    state = {"model": {"w": z}, "optimizer": {"state": {0: {"exp_avg": z, "exp_avg_sq": z}}}}
+    resolve_rules(setting.rules, state, bits=setting.bits, block=setting.block)
+
+
+def parse_setting(token: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY) -> ResumeSetting:
+    """One ``--settings`` token: ``NAME[:k=INT][:bits=INT][:block=INT][:delta=open|none]``.
+
+    ``NAME`` is a preset of ``tw_triton.rules.PRESETS`` (run as ``rules=NAME``) or a key of
+    :data:`EXPLICIT_RULES`. ``keyframe_every`` applies unless the token sets ``k``.
+
+    Raises:
+        ValueError: an unknown name or modifier (lists what is known);
+        tw_triton.errors.QuantizationError: rules that name an unknown codec or bad params.
+    """
+    name, *mods = token.split(":")
+    if name in PRESETS:
+        setting = ResumeSetting(token, name, keyframe_every=keyframe_every)
+    elif name in EXPLICIT_RULES:
+        setting = ResumeSetting(token, EXPLICIT_RULES[name], bits=EXPLICIT_BITS.get(name, 8),
+                                keyframe_every=keyframe_every)
+    else:
+        raise ValueError(f"unknown setting {name!r}: presets {', '.join(PRESETS)}; "
+                         f"rule lists {', '.join(EXPLICIT_RULES)}")
+    fields = {"k": "keyframe_every", "bits": "bits", "block": "block", "delta": "delta"}
+    for mod in mods:
+        key, sep, value = mod.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"setting {token!r}: bad modifier {mod!r}; use k=, bits=, block=, delta=")
+        if key == "delta":
+            if value not in DELTA_MODES:
+                raise ValueError(f"setting {token!r}: delta mode {value!r} is not one of {', '.join(DELTA_MODES)}")
+            setting = dataclasses.replace(setting, delta=value)
+        else:
+            setting = dataclasses.replace(setting, **{fields[key]: int(value)})
+    if setting.keyframe_every < 1:
+        raise ValueError(f"setting {token!r}: keyframe_every must be at least 1")
+    _validate(setting)
+    return setting
+
+
+def parse_settings(spec: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY) -> tuple[ResumeSetting, ...]:
+    """A comma-separated ``--settings`` value (see :func:`parse_setting`)."""
+    tokens = [t.strip() for t in spec.split(",") if t.strip()]
+    if not tokens:
+        raise ValueError("no settings given")
+    if len(set(tokens)) != len(tokens):
+        raise ValueError(f"a setting is named twice in {spec!r}")
+    return tuple(parse_setting(t, keyframe_every=keyframe_every) for t in tokens)
+
+
+def part_of(path: str) -> str:
+    """Which of :data:`PARTS` a flattened checkpoint path belongs to."""
+    if path.startswith("model/"):
+        return "weights"
+    leaf = path.rsplit("/", 1)[-1]
+    return leaf if leaf in ("exp_avg", "exp_avg_sq") else "rest"
+
+
+def stored_split(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Bytes a checkpoint file spends per part, from its manifest (the file's own counts).
+
+    Returns ``{"kind": ..., "step": ..., "total": file size, "weights": ..., "exp_avg": ...,
+    "exp_avg_sq": ..., "rest": ...}``; ``rest`` is everything else in the file (header,
+    small and exact entries), so the parts add up to the file size.
+    """
+    manifest = tw_triton.format.read_manifest(path)
+    total = Path(path).stat().st_size
+    parts = dict.fromkeys(PARTS, 0)
+    for entry_path, entry in manifest["entries"].items():
+        nbytes = sum(b["data_offsets"][1] - b["data_offsets"][0] for b in entry["buffers"].values())
+        parts[part_of(entry_path)] += nbytes
+    parts["rest"] = total - parts["weights"] - parts["exp_avg"] - parts["exp_avg_sq"]
+    meta = manifest.get("metadata") or {}
+    return {"kind": meta.get("kind", "unknown"), "step": meta.get("step"), "total": total, **parts}

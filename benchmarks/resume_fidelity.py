@@ -1,39 +1,47 @@
-"""Resume fidelity: does a run restored from a quantized checkpoint train like the original?
+"""Resume fidelity under repeated restarts: a tiny byte-level GPT, killed and restored 9 times.
 
-A small byte-level GPT trains on a corpus built from Python standard-library source files
-found on disk (2 CPU cores: about a second per 20 steps). The uninterrupted run goes for
-``--steps`` steps. At ``--keyframe`` it writes an exact checkpoint (model, AdamW,
-cosine scheduler, step), the reference of the delta settings. At ``--at`` it writes one
-checkpoint per setting (exact, int8/int4/int2 delta, int8 without delta, moments quantized),
-and each is restored into a fresh model, optimizer and scheduler and trained to the end on
-the same batches (a batch is a function of the step, so the data order survives a resume).
+A small byte-level GPT trains from scratch with AdamW and a cosine schedule on a corpus built
+from Python standard-library source files found on disk. Per seed (see ``_resume.py``):
 
-Reported per setting: file size against ``torch.save`` of the same state, the largest
-deviation of the per-step training loss from the uninterrupted run relative to the mean loss
-(and relative to that step's loss), and the relative deviation of the final held-out loss. The exact setting must reproduce the
-uninterrupted run bit for bit; the script fails if it does not.
+* the uninterrupted run (``--steps`` steps);
+* the noise floor: the same run with another data-order seed (same initial weights);
+* per setting, the same run with a ``tw_triton.Checkpointer`` saving every ``--save-every``
+  steps, killed and restored from its own latest checkpoint at least 8 times (model,
+  optimizer, scheduler and Checkpointer rebuilt from scratch each time).
 
-Run: ``python benchmarks/resume_fidelity.py`` (a few minutes on 2 cores; ``--seeds`` for
-more runs, reported as medians). Writes ``benchmarks/results/resume_fidelity.json``.
+A setting is a rule set run through the Checkpointer: any preset of
+``tw_triton.rules.PRESETS`` by name, or a rule list of ``_twapi.EXPLICIT_RULES``, with
+modifiers (``--settings small,smallest:k=4,w8-m4:delta=none``). An unknown name or codec
+fails before anything trains.
+
+Reported per setting: the final held-out loss deviation from the uninterrupted run and the
+largest deviation of the held-out curve, each as a multiple of the noise floor (median and
+worst over the seeds); the largest per-step training-loss deviation; bytes per parameter of
+keyframes and deltas split into weights, ``exp_avg``, ``exp_avg_sq`` and the rest (from the
+files' manifests), the cycle average, and the ratios to ``torch.save`` of the same state.
+The first seed also runs the ``exact`` preset through the same restarts, which must
+reproduce the uninterrupted run bit for bit, or the script fails.
+
+Run: ``python benchmarks/resume_fidelity.py`` (about 3-4 minutes of one free core;
+``--quick`` is a seconds-long smoke run that writes nothing unless ``--out`` names a result).
+Writes ``benchmarks/results/resume_fidelity.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sysconfig
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import fmt_table, log, median, mib, write_result
-from _twapi import Setting, load_setting, save_setting
+from _common import log, write_result
+from _resume import Plan, run_seed, summarize, tables
+from _twapi import ResumeSetting, parse_settings
 
 # Standard-library modules present in every CPython 3.10+; their text is the corpus.
 CORPUS_FILES = (
@@ -50,37 +58,6 @@ CORPUS_FILES = (
     "enum.py",
     "ast.py",
 )
-
-SETTINGS = (
-    Setting("exact", bits=None, delta=False),
-    Setting("int8 delta", bits=8),
-    Setting("int4 delta", bits=4),
-    Setting("int2 delta", bits=2),
-    Setting("int8 no delta", bits=8, delta=False),
-    Setting("int8 delta + exp_avg int8", bits=8, moment_bits=8, moments=("exp_avg",)),
-    Setting("int8 delta + moments int8", bits=8, moment_bits=8),
-    # The library's own optimizer preset, as a Checkpointer delta save would use it.
-    Setting('preset "int8-exp-avg"', bits=8, moment_bits=8, moments=("exp_avg",), preset="int8-exp-avg"),
-    Setting("int8 delta + moments int8 without delta", bits=8, moment_bits=8, moment_delta=False),
-    Setting("int8 no delta + moments int8", bits=8, delta=False, moment_bits=8, moment_delta=False),
-)
-
-
-@dataclass(frozen=True)
-class Config:
-    """Sizes of the model and of the run."""
-
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    context: int = 64
-    batch: int = 8
-    lr: float = 2e-3
-    steps: int = 300
-    keyframe: int = 150
-    at: int = 200
-    eval_batches: int = 8
-
 
 def load_corpus() -> torch.Tensor:
     """The corpus as a uint8 tensor (bytes of the files in :data:`CORPUS_FILES`)."""
@@ -135,12 +112,41 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
 
-class Trainer:
-    """Model, AdamW and cosine schedule; batches are a pure function of (seed, step)."""
+@dataclass(frozen=True)
+class Config:
+    """Sizes of the model and of the run."""
 
-    def __init__(self, cfg: Config, corpus: torch.Tensor, seed: int) -> None:
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    context: int = 64
+    batch: int = 8
+    lr: float = 2e-3
+    steps: int = 480
+    save_every: int = 5
+    eval_every: int = 20
+    eval_batches: int = 8
+
+    def plan(self, min_restarts: int = 8) -> Plan:
+        """When the runs save, evaluate and restart."""
+        return Plan(self.steps, self.save_every, self.eval_every, min_restarts)
+
+
+QUICK = Config(d_model=32, n_layers=1, n_heads=2, context=16, batch=4, steps=24, save_every=1,
+               eval_every=4, eval_batches=2)
+DEFAULT_SETTINGS = "small,smallest"
+QUICK_SETTINGS = "small"
+
+
+class Trainer:
+    """Model, AdamW and cosine schedule; batches are a pure function of (data seed, step).
+
+    The initial weights come from ``seed``; ``data_seed`` (default ``seed``) orders the data.
+    """
+
+    def __init__(self, cfg: Config, corpus: torch.Tensor, seed: int, data_seed: int | None = None) -> None:
         self.cfg = cfg
-        self.seed = seed
+        self.data_seed = seed if data_seed is None else data_seed
         split = int(len(corpus) * 0.9)
         self.train_data = corpus[:split].long()
         self.val_data = corpus[split:].long()
@@ -159,7 +165,7 @@ class Trainer:
 
     def train_step(self) -> float:
         """One optimizer step on the batch of the current step; returns its loss."""
-        x, y = self._batch(self.train_data, self.seed * 1_000_003 + self.step)
+        x, y = self._batch(self.train_data, self.data_seed * 1_000_003 + self.step)
         loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -177,217 +183,63 @@ class Trainer:
             losses.append(float(F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())))
         return sum(losses) / len(losses)
 
-    def state(self) -> dict[str, Any]:
-        """The training state a checkpoint holds."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(),
-            "scheduler": self.sched.state_dict(),
-            "step": self.step,
-        }
-
-    def restore(self, state: dict[str, Any]) -> None:
-        """Put a loaded checkpoint back (the inverse of :meth:`state`)."""
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
+    def objects(self) -> dict[str, Any]:
+        """What a checkpoint holds, by name."""
+        return {"model": self.model, "optimizer": self.opt, "scheduler": self.sched}
 
 
-def max_dev_rel_mean(curve: list[float], base: list[float]) -> float:
-    """Largest ``|loss - base|`` over the steps, relative to the mean of ``base``.
-
-    Unlike :func:`max_rel_dev` this does not blow up on steps whose loss is near zero (a
-    contrastive fine-tune has many); ``inf`` if the run diverged.
-    """
-    devs = [abs(a - b) if math.isfinite(a) else math.inf for a, b in zip(curve, base)]
-    return max(devs) / (sum(base) / len(base))
-
-
-def max_rel_dev(curve: list[float], base: list[float]) -> float:
-    """Largest ``|loss - base| / base`` over the steps (``inf`` if the run diverged)."""
-    devs = [abs(a - b) / b if math.isfinite(a) else math.inf for a, b in zip(curve, base)]
-    return max(devs)
-
-
-class Resumable(Protocol):
-    """What the resume experiment needs from a training run."""
-
-    step: int
-
-    def train_step(self) -> float: ...
-
-    def eval_loss(self) -> float: ...
-
-    def state(self) -> dict[str, Any]: ...
-
-    def restore(self, state: dict[str, Any]) -> None: ...
-
-
-def run_seed(cfg: Config, corpus: torch.Tensor, seed: int, settings: tuple[Setting, ...]) -> dict[str, Any]:
-    """The uninterrupted run and every resumed run for one seed of the GPT."""
-    return run_schedule(
-        lambda: Trainer(cfg, corpus, seed), seed, cfg.steps, cfg.keyframe, cfg.at, settings
-    )
-
-
-def run_schedule(
-    make_trainer: Callable[[], Resumable],
-    seed: int,
-    steps: int,
-    keyframe_step: int,
-    at: int,
-    settings: tuple[Setting, ...],
-) -> dict[str, Any]:
-    """Train ``steps`` steps; keyframe at ``keyframe_step``; checkpoint and resume at ``at``.
-
-    ``make_trainer`` builds a fresh run in its initial state (same seed every call); the
-    batches it trains on must depend only on the step, so that a resumed run sees the same
-    data as the uninterrupted one.
-    """
-    t0 = time.perf_counter()
-    base = make_trainer()
-    base_losses: list[float] = []
-    results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmpdir = Path(tmp)
-        keyframe = tmpdir / "keyframe.tw.safetensors"
-        while base.step < steps:
-            if base.step == keyframe_step:
-                save_setting(base.state(), Setting("exact", bits=None), keyframe)
-            if base.step == at:
-                torch.save(base.state(), tmpdir / "state.pt")
-                torch_bytes = (tmpdir / "state.pt").stat().st_size
-                for s in settings:
-                    path = tmpdir / f"setting{settings.index(s)}.tw.safetensors"
-                    results[s.name] = {"file_bytes": save_setting(base.state(), s, path, keyframe)}
-            base_losses.append(base.train_step())
-        base_eval = base.eval_loss()
-        log(f"seed {seed}: uninterrupted run {time.perf_counter() - t0:.0f} s, final eval {base_eval:.4f}")
-        tail = base_losses[at:]
-        for s in settings:
-            path = tmpdir / f"setting{settings.index(s)}.tw.safetensors"
-            resumed = make_trainer()
-            loaded = load_setting(path, keyframe if s.uses_reference else None)
-            # AdamW takes the square root of exp_avg_sq: a negative value there means NaN.
-            negative = sum(
-                int((st["exp_avg_sq"] < 0).sum()) for st in loaded["optimizer"]["state"].values()
-            )
-            resumed.restore(loaded)
-            curve = [resumed.train_step() for _ in range(steps - at)]
-            ev = resumed.eval_loss()
-            r = results[s.name]
-            r.update(
-                {
-                    "vs_torch_save": torch_bytes / r["file_bytes"],
-                    "max_rel_loss_dev": max_rel_dev(curve, tail),
-                    "max_dev_rel_mean": max_dev_rel_mean(curve, tail),
-                    "final_eval_rel_dev": abs(ev - base_eval) / base_eval if math.isfinite(ev) else math.inf,
-                    "negative_exp_avg_sq": negative,
-                    "losses": curve,
-                }
-            )
-            if s.name == "exact" and curve != tail:
-                raise AssertionError("the exact checkpoint did not reproduce the uninterrupted run")
-            log(
-                f"seed {seed}: {s.name}: x{r['vs_torch_save']:.2f} smaller, max loss dev "
-                f"{r['max_dev_rel_mean']:.2e} of the mean (per step {r['max_rel_loss_dev']:.2e}), "
-                f"eval dev {r['final_eval_rel_dev']:.2e}"
-            )
+def run(cfg: Config, corpus: torch.Tensor, seeds: list[int], settings: tuple[ResumeSetting, ...], *,
+        exact_check: bool = True, min_restarts: int = 8) -> dict[str, Any]:
+    """Every seed's runs and the summary, as the JSON result (less the environment)."""
+    plan = cfg.plan(min_restarts)
+    runs = [run_seed(lambda data_seed, s=seed: Trainer(cfg, corpus, s, data_seed), seed, plan, settings,
+                     exact_check=exact_check and i == 0)
+            for i, seed in enumerate(seeds)]
+    params = sum(p.numel() for p in TinyGPT(cfg).parameters())
     return {
-        "seed": seed,
-        "torch_save_bytes": torch_bytes,
-        "base_losses": base_losses,
-        "base_eval": base_eval,
-        "settings": results,
+        "task": "byte-level GPT on Python stdlib source, repeated restarts",
+        "corpus_files": list(CORPUS_FILES),
+        "corpus_bytes": int(corpus.numel()),
+        "params": params,
+        "config": asdict(cfg),
+        "restart_steps": {s.label: plan.restart_steps(s.keyframe_every) for s in settings},
+        **summarize(runs, settings, params),
+        "runs": runs,
     }
-
-
-def summarize(runs: list[dict[str, Any]], settings: tuple[Setting, ...]) -> list[dict[str, Any]]:
-    """Per setting: medians over the seeds."""
-    rows = []
-    for s in settings:
-        per = [r["settings"][s.name] for r in runs]
-        rows.append(
-            {
-                "setting": s.name,
-                "spec": asdict(s),
-                "file_bytes": median([p["file_bytes"] for p in per]),
-                "vs_torch_save": median([p["vs_torch_save"] for p in per]),
-                "max_rel_loss_dev": median([p["max_rel_loss_dev"] for p in per]),
-                "max_rel_loss_dev_worst_seed": max(p["max_rel_loss_dev"] for p in per),
-                "max_dev_rel_mean": median([p["max_dev_rel_mean"] for p in per]),
-                "max_dev_rel_mean_worst_seed": max(p["max_dev_rel_mean"] for p in per),
-                "final_eval_rel_dev": median([p["final_eval_rel_dev"] for p in per]),
-                "negative_exp_avg_sq_max": max(p["negative_exp_avg_sq"] for p in per),
-            }
-        )
-    return rows
-
-
-def table(result: dict[str, Any]) -> str:
-    """Markdown table of the per-setting medians."""
-    def pct(v: float) -> str:
-        return "diverged" if not math.isfinite(v) else f"{100 * v:.3f} %"
-
-    body = [
-        [
-            r["setting"],
-            f"{mib(r['file_bytes']):.2f}",
-            f"{r['vs_torch_save']:.2f}x",
-            pct(r["max_dev_rel_mean"]),
-            pct(r["max_dev_rel_mean_worst_seed"]),
-            pct(r["max_rel_loss_dev_worst_seed"]),
-            pct(r["final_eval_rel_dev"]),
-            r["negative_exp_avg_sq_max"],
-        ]
-        for r in result["rows"]
-    ]
-    headers = [
-        "setting",
-        "file MiB",
-        "smaller than torch.save",
-        "max |loss - uninterrupted| / mean loss (median over seeds)",
-        "worst seed",
-        "max per-step relative deviation (worst seed)",
-        "final held-out loss deviation (median)",
-        "negative exp_avg_sq after load (worst seed)",
-    ]
-    return fmt_table(headers, body)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=Config.steps)
-    parser.add_argument("--keyframe", type=int, default=Config.keyframe)
-    parser.add_argument("--at", type=int, default=Config.at)
-    parser.add_argument(
-        "--threads", type=int, default=1,
-        help="torch intra-op threads (1: steady timings on a shared 2-core machine)",
-    )
+    parser.add_argument("--settings", default=None,
+                        help=f"comma-separated settings (default {DEFAULT_SETTINGS!r}; see _twapi.parse_setting)")
+    parser.add_argument("--keyframe-every", type=int, default=10, help="for settings that do not set k=")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--save-every", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="a tiny model and run: a smoke test of seconds")
+    parser.add_argument("--no-exact-check", action="store_true", help="skip the bit-exact restart check")
+    parser.add_argument("--out", default=None,
+                        help="result name under benchmarks/results/ (default resume_fidelity; --quick: none)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: steady timings on a shared 2-core machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not 0 <= args.keyframe <= args.at < args.steps:
-        parser.error("need 0 <= --keyframe <= --at < --steps")
-    cfg = Config(steps=args.steps, keyframe=args.keyframe, at=args.at)
-    corpus = load_corpus()
-    runs = [run_seed(cfg, corpus, seed, SETTINGS) for seed in args.seeds]
-    n_params = sum(p.numel() for p in TinyGPT(cfg).parameters())
-    result = {
-        "task": "byte-level GPT on Python stdlib source",
-        "corpus_files": list(CORPUS_FILES),
-        "corpus_bytes": int(corpus.numel()),
-        "params": n_params,
-        "config": asdict(cfg),
-        "rows": summarize(runs, SETTINGS),
-        "runs": runs,
-    }
-    path = write_result("resume_fidelity", result)
-    print(f"{n_params} parameters; checkpoint at step {cfg.at}, keyframe at {cfg.keyframe}, "
-          f"resumed to {cfg.steps}; seeds {args.seeds}")
-    print(table(result))
-    log(f"wrote {path}")
+    cfg = QUICK if args.quick else Config()
+    overrides = {k: v for k, v in (("steps", args.steps), ("save_every", args.save_every)) if v is not None}
+    cfg = Config(**{**asdict(cfg), **overrides})
+    keyframe_every = 2 if args.quick and args.settings is None else args.keyframe_every
+    try:
+        settings = parse_settings(args.settings or (QUICK_SETTINGS if args.quick else DEFAULT_SETTINGS),
+                                  keyframe_every=keyframe_every)
+    except ValueError as e:
+        parser.error(str(e))
+    seeds = [0] if args.quick and args.seeds == [0, 1, 2] else args.seeds
+    result = run(cfg, load_corpus(), seeds, settings, exact_check=not args.no_exact_check)
+    print(f"{result['params']} parameters; {cfg.steps} steps, a save every {cfg.save_every}; seeds {seeds}")
+    print(tables(result))
+    name = args.out or (None if args.quick else "resume_fidelity")
+    if name:
+        log(f"wrote {write_result(name, result)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,18 @@
+"""tw_triton for ``torch.distributed.checkpoint`` (DCP): sharded, async, reshardable saves.
+
+DCP plans, deduplicates, reshards and runs the async machinery; tw_triton encodes each
+chunk with its codecs and writes tw_triton files::
+
+    import torch.distributed.checkpoint as dcp
+    from tw_triton.dcp import StorageWriter, StorageReader
+
+    dcp.save(state, storage_writer=StorageWriter("ckpt/step_100", rules="small"))
+    dcp.load(state, storage_reader=StorageReader("ckpt/step_100"))
+
+Private and experimental DCP points are wrapped in :mod:`tw_triton.dcp._compat`.
+"""
+
+from .keyframe import Keyframe
+from .storage import StorageReader, StorageWriter
+
+__all__ = ["StorageWriter", "StorageReader", "Keyframe"]

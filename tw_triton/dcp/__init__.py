@@ -9,10 +9,12 @@ chunk with its codecs and writes tw_triton files::
     dcp.save(state, storage_writer=StorageWriter("ckpt/step_100", rules="small"))
     dcp.load(state, storage_reader=StorageReader("ckpt/step_100"))
 
-Private and experimental DCP points are wrapped in :mod:`tw_triton.dcp._compat`.
+``tw_triton.dcp.save`` / ``load`` do the same and re-raise tw_triton's errors out of DCP's
+``CheckpointException``. Private and experimental DCP points are wrapped in :mod:`tw_triton.dcp._compat`.
 """
 
+from .api import load, save
 from .keyframe import Keyframe
 from .storage import StorageReader, StorageWriter
 
-__all__ = ["StorageWriter", "StorageReader", "Keyframe"]
+__all__ = ["StorageWriter", "StorageReader", "Keyframe", "save", "load"]

@@ -53,4 +53,18 @@ def zstd_extensions() -> list[Any] | None:
     return [ZStandard()] if ZStandard.is_available() else None
 
 
-__all__ = ["flatten_state_dict", "local_chunk", "zstd_extensions"]
+__all__ = ["flatten_state_dict", "local_chunk", "zstd_extensions", "rank_errors"]
+
+
+def rank_errors(exc: BaseException) -> list[BaseException]:
+    """The per-rank exceptions inside DCP's ``CheckpointException``, lowest rank first.
+
+    ``CheckpointException.failures`` is public, but the ``(exception, traceback)`` pairs it
+    holds are DCP's internal ``WRAPPED_EXCEPTION`` type.
+    """
+    failures = getattr(exc, "failures", None) or {}
+    out = []
+    for rank in sorted(failures):
+        pair = failures[rank]
+        out.append(pair[0] if isinstance(pair, tuple) else pair)
+    return out

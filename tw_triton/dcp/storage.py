@@ -43,7 +43,7 @@ from ..codecs import get_codec
 from ..errors import CheckpointError, CheckpointIOError, ReferenceMismatchError
 from ..format import write_file
 from ..qstate import EncodedEntry, QuantizedState
-from ..rules import resolve_rules, select_rule
+from ..rules import Rule, resolve_rules, rules_as_specs, select_rule
 from ..state import quantize_state_dict
 from ..tree import escape_component, flatten
 from . import _compat
@@ -68,6 +68,7 @@ class _Chunk:
     obj_path: tuple[Any, ...]
     offsets: tuple[int, ...]
     tensor: torch.Tensor  # this rank's data: a tensor chunk, or uint8 bytes
+    global_shape: tuple[int, ...]
 
 
 def _tw_path(obj_path: tuple[Any, ...]) -> str:
@@ -94,34 +95,53 @@ def _encode_chunks(
     keyframe: Keyframe | None,
     checkpoint_id: str,
 ) -> QuantizedState:
-    """Encode this rank's chunks as one state, the keyframe regions as the reference."""
-    nested = _nest({c.obj_path: c.tensor for c in chunks})
-    reference = None
-    if keyframe is not None:
-        rule_list = resolve_rules(rules, nested, bits=bits, block=block)
-        wanted = []
-        for c in chunks:
-            rule = select_rule(rule_list, _tw_path(c.obj_path), c.tensor)
-            codec = get_codec(rule.codec)
-            if codec is not None and codec.uses_reference(rule.params):
-                wanted.append(c)
-        by_device: dict[torch.device, list[_Chunk]] = {}
-        for c in wanted:
-            by_device.setdefault(c.tensor.device, []).append(c)
-        ref_leaves: dict[tuple[Any, ...], torch.Tensor] = {}
-        for dev, cs in by_device.items():
-            keys = [(c.fqn, c.offsets, tuple(c.tensor.shape)) for c in cs]
-            for c, r in zip(cs, keyframe.regions(keys, dev)):
-                ref_leaves[c.obj_path] = r
-        reference = _nest(ref_leaves)
-    return quantize_state_dict(
-        nested,
-        reference=reference,
-        reference_id=keyframe.checkpoint_id if keyframe is not None else None,
-        rules=rules,
-        bits=bits,
-        block=block,
+    """Encode this rank's chunks, each with the rule its *whole* tensor selects.
+
+    Rules are matched on the global tensor (a meta tensor of its full shape), so a size
+    floor such as ``min_numel`` gives the same codec on any number of ranks. Chunks are
+    then encoded in one ``quantize_state_dict`` call per selected rule, with the
+    keyframe's regions as the reference of the delta ones.
+    """
+    full = {
+        c.obj_path: torch.empty(c.global_shape, dtype=c.tensor.dtype, device="meta") for c in chunks
+    }
+    rule_list = resolve_rules(rules, _nest(full), bits=bits, block=block)
+    groups: dict[int, tuple[Rule, list[_Chunk]]] = {}
+    for c in chunks:
+        rule = select_rule(rule_list, _tw_path(c.obj_path), full[c.obj_path])
+        groups.setdefault(id(rule), (rule, []))[1].append(c)
+    entries: dict[str, EncodedEntry] = {}
+    aliases: dict[str, str] = {}
+    for rule, cs in groups.values():
+        codec = get_codec(rule.codec)
+        reference = None
+        if keyframe is not None and codec is not None and codec.uses_reference(rule.params):
+            ref_leaves: dict[tuple[Any, ...], torch.Tensor] = {}
+            by_device: dict[torch.device, list[_Chunk]] = {}
+            for c in cs:
+                by_device.setdefault(c.tensor.device, []).append(c)
+            for dev, dcs in by_device.items():
+                keys = [(c.fqn, c.offsets, tuple(c.tensor.shape)) for c in dcs]
+                for c, r in zip(dcs, keyframe.regions(keys, dev)):
+                    ref_leaves[c.obj_path] = r
+            reference = _nest(ref_leaves)
+        part = quantize_state_dict(
+            _nest({c.obj_path: c.tensor for c in cs}),
+            reference=reference,
+            reference_id=keyframe.checkpoint_id if reference is not None else None,
+            rules=rules_as_specs([Rule("*", rule.codec, rule.params, 0)]),
+            bits=bits,
+            block=block,
+            checkpoint_id=checkpoint_id,
+        )
+        entries.update(part.entries)
+        aliases.update(part.aliases)
+    return QuantizedState(
+        entries=entries,
+        skeleton=None,
         checkpoint_id=checkpoint_id,
+        aliases=aliases,
+        rules=[r.to_json() for r in rule_list],
     )
 
 
@@ -219,7 +239,7 @@ class StorageWriter(FileSystemWriter):
         for fqn, value in flat.items():
             if isinstance(value, torch.Tensor):
                 local, offsets = _compat.local_chunk(value)
-                chunks.append(_Chunk(fqn, tuple(mappings[fqn]), offsets, local.detach()))
+                chunks.append(_Chunk(fqn, tuple(mappings[fqn]), offsets, local.detach(), tuple(value.shape)))
         encoded = _encode_chunks(
             chunks, rules=self.rules, bits=self.bits, block=self.block,
             keyframe=self.keyframe, checkpoint_id="staged",
@@ -270,7 +290,7 @@ class StorageWriter(FileSystemWriter):
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item).getvalue()
                 t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-                chunk = _Chunk(fqn, obj_path, (0,), t)
+                chunk = _Chunk(fqn, obj_path, (0,), t, tuple(t.shape))
                 byte_chunks.append(chunk)
             else:
                 offsets = tuple(int(o) for o in item.tensor_data.chunk.offsets)
@@ -282,7 +302,8 @@ class StorageWriter(FileSystemWriter):
                             "stage() did not encode on this rank"
                         )
                 else:
-                    chunk = _Chunk(fqn, obj_path, offsets, planner.resolve_data(item).detach())
+                    chunk = _Chunk(fqn, obj_path, offsets, planner.resolve_data(item).detach(),
+                                   tuple(int(n) for n in item.tensor_data.size))
                 tensor_chunks.append(chunk)
             items.append((item, chunk))
 
@@ -398,6 +419,16 @@ class StorageReader(FileSystemReader):
             self._record = rec
         return self._record
 
+    def preflight(self) -> None:
+        """Check the metadata, that every rank file is there, and the keyframe of a delta.
+
+        Raises:
+            CheckpointError, ReferenceMismatchError: as ``dcp.load`` would, but unwrapped.
+        """
+        rec = self._load_record()
+        if rec.reference is not None:
+            self._reference()
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md = self._load_record().metadata
         md.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.load_id)
@@ -422,7 +453,15 @@ class StorageReader(FileSystemReader):
                         f"{directory} is a delta from keyframe checkpoint {want!r}, recorded at "
                         f"{recorded}, which is not there (nor beside it); pass reference="
                     )
-            self._keyframe = open_reference(ref)
+            try:
+                self._keyframe = open_reference(ref)
+            except ReferenceMismatchError:
+                raise
+            except CheckpointError as exc:
+                raise ReferenceMismatchError(
+                    f"{directory} is a delta from keyframe checkpoint {want!r}, and the "
+                    f"reference cannot be read: {exc}"
+                ) from exc
         if self._keyframe.checkpoint_id != want:
             raise ReferenceMismatchError(
                 f"{directory} is a delta from keyframe checkpoint {want!r}, but reference "

@@ -119,3 +119,41 @@ def main_sharded(rank: int, world: int, port: int, root: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def main_checkpointer(rank: int, world: int, port: int, root: str) -> None:
+    """DistributedCheckpointer: steps 0..3 (keyframe every 3, keep 2), then rank 1 dies
+    in the middle of step 4, after writing its file and before the metadata."""
+    import datetime
+
+    import tw_triton.dcp.storage as storage
+    from tw_triton.dcp import DistributedCheckpointer
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    model, opt = fsdp_model_and_opt()
+    ckpt = DistributedCheckpointer(f"{root}/run", rules="small", keyframe_every=3, keep=2)
+    saved = {}
+    for step in range(4):
+        train_step(model, opt, step)
+        state = app_state(model, opt)
+        fut = ckpt.save(state, step, asynchronous=(step == 2))
+        if fut is not None:
+            ckpt.wait()
+        saved[step] = full_tensors(state)
+    if rank == 0:
+        torch.save(saved, f"{root}/saved.pt")
+    dist.barrier()
+    train_step(model, opt, 4)
+    if rank == 1:
+        real_write = storage.write_file
+
+        def write_then_die(*args, **kwargs):
+            real_write(*args, **kwargs)
+            os._exit(17)
+
+        storage.write_file = write_then_die
+    ckpt.save(app_state(model, opt), 4)  # rank 0 fails in DCP's collective; rank 1 exits
+    os._exit(0)  # not reached on a correct run

@@ -172,3 +172,40 @@ def test_plain_dcp_load_carries_the_tw_triton_error(sharded, tmp_path):
         dcp.load(state, storage_reader=StorageReader(f"{root}/delta", reference=f"{root}/one_exact"), no_dist=True)
     (err, _), = info.value.failures.values()
     assert isinstance(err, ReferenceMismatchError)
+
+
+def test_checkpointer_retention_and_killed_rank(tmp_path):
+    root = str(tmp_path)
+    ctx = mp.start_processes(
+        W.main_checkpointer, args=(2, free_port(), root), nprocs=2, start_method="spawn", join=False
+    )
+    for p in ctx.processes:
+        p.join(timeout=90)
+    codes = [p.exitcode for p in ctx.processes]
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    assert codes[1] == 17 and codes[0] not in (0, None), codes  # rank 0 saw the failure
+    from tw_triton.dcp import DistributedCheckpointer, is_complete
+
+    ckpt = DistributedCheckpointer(f"{root}/run")
+    names = sorted(os.listdir(f"{root}/run"))
+    # keep=2 kept steps 2 and 3, and keyframe 0 that step 2 is a delta of; step 1 went.
+    # Step 4 was killed: its directory holds rank 1's file and no metadata.
+    assert names == ["step_00000000", "step_00000002", "step_00000003", "step_00000004"]
+    assert not is_complete(f"{root}/run/step_00000004")
+    assert "__1_0.tw.safetensors" in os.listdir(f"{root}/run/step_00000004")
+    assert ckpt.latest() == f"{root}/run/step_00000003"
+    saved = torch.load(f"{root}/saved.pt")
+    key = json.load(open(f"{root}/run/step_00000000/tw_dcp.json"))["checkpoint_id"]
+    assert json.load(open(f"{root}/run/step_00000002/tw_dcp.json"))["reference"]["checkpoint_id"] == key
+    # The previous checkpoints load in one process; step 3 is a keyframe: weights exact.
+    _, _, state = plain_state(seed=5)
+    assert ckpt.load(state) == 3
+    got = W.full_tensors(state)
+    assert torch.equal(got["model.0.weight"], saved[3]["model.0.weight"])
+    # Step 2 (async, a delta of step 0) decodes close to what was saved.
+    _, _, state = plain_state(seed=5)
+    assert ckpt.load(state, f"{root}/run/step_00000002") == 2
+    err = (W.full_tensors(state)["model.0.weight"] - saved[2]["model.0.weight"]).abs().max()
+    assert 0 < err < 1e-3

@@ -14,7 +14,8 @@ chunk with its codecs and writes tw_triton files::
 """
 
 from .api import load, save
+from .checkpointer import DistributedCheckpointer
 from .keyframe import Keyframe
-from .storage import StorageReader, StorageWriter
+from .storage import StorageReader, StorageWriter, is_complete
 
-__all__ = ["StorageWriter", "StorageReader", "Keyframe", "save", "load"]
+__all__ = ["StorageWriter", "StorageReader", "Keyframe", "save", "load", "DistributedCheckpointer", "is_complete"]

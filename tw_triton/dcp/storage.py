@@ -43,7 +43,7 @@ from ..codecs import get_codec
 from ..errors import CheckpointError, CheckpointIOError, ReferenceMismatchError
 from ..format import write_file
 from ..qstate import EncodedEntry, QuantizedState
-from ..rules import Rule, resolve_rules, rules_as_specs, select_rule
+from ..rules import Rule, keyframe_rules, resolve_rules, rules_as_specs, select_rule
 from ..state import quantize_state_dict
 from ..tree import escape_component, flatten
 from . import _compat
@@ -94,6 +94,7 @@ def _encode_chunks(
     block: int,
     keyframe: Keyframe | None,
     checkpoint_id: str,
+    as_keyframe: bool = False,
 ) -> QuantizedState:
     """Encode this rank's chunks, each with the rule its *whole* tensor selects.
 
@@ -106,6 +107,8 @@ def _encode_chunks(
         c.obj_path: torch.empty(c.global_shape, dtype=c.tensor.dtype, device="meta") for c in chunks
     }
     rule_list = resolve_rules(rules, _nest(full), bits=bits, block=block)
+    if as_keyframe:
+        rule_list = keyframe_rules(rule_list)
     groups: dict[int, tuple[Rule, list[_Chunk]]] = {}
     for c in chunks:
         rule = select_rule(rule_list, _tw_path(c.obj_path), full[c.obj_path])
@@ -199,6 +202,8 @@ class StorageWriter(FileSystemWriter):
         reference: a keyframe checkpoint directory (or a :class:`Keyframe`, whose decoded
             regions stay cached on the device across saves): quantized entries become
             deltas from it.
+        as_keyframe: store what the rules would delta-code exact instead (the reference
+            of later deltas), keeping the codecs of entries coded on their own.
         sync_files: fsync every file and the directory.
         overwrite: replace a tw_triton checkpoint already in ``path``.
 
@@ -215,10 +220,12 @@ class StorageWriter(FileSystemWriter):
         bits: int = 8,
         block: int = 128,
         reference: "str | os.PathLike | Keyframe | None" = None,
+        as_keyframe: bool = False,
         sync_files: bool = True,
         overwrite: bool = True,
     ) -> None:
         super().__init__(path, sync_files=sync_files, overwrite=overwrite)
+        self.as_keyframe = as_keyframe
         self.rules = rules
         self.bits = bits
         self.block = block
@@ -242,7 +249,7 @@ class StorageWriter(FileSystemWriter):
                 chunks.append(_Chunk(fqn, tuple(mappings[fqn]), offsets, local.detach(), tuple(value.shape)))
         encoded = _encode_chunks(
             chunks, rules=self.rules, bits=self.bits, block=self.block,
-            keyframe=self.keyframe, checkpoint_id="staged",
+            keyframe=self.keyframe, checkpoint_id="staged", as_keyframe=self.as_keyframe,
         )
         self._staged_qstate = _to_host(encoded)
         self._staged = {c.fqn: c for c in chunks}
@@ -313,7 +320,7 @@ class StorageWriter(FileSystemWriter):
         else:
             encoded = _to_host(_encode_chunks(
                 tensor_chunks, rules=self.rules, bits=self.bits, block=self.block,
-                keyframe=self.keyframe, checkpoint_id=ckpt_id,
+                keyframe=self.keyframe, checkpoint_id=ckpt_id, as_keyframe=self.as_keyframe,
             ))
         if byte_chunks:
             raw = quantize_state_dict(_nest({c.obj_path: c.tensor for c in byte_chunks}), rules="exact")
@@ -362,6 +369,19 @@ class StorageWriter(FileSystemWriter):
             files=files,
         )
         write_json(doc, os.path.join(directory, METADATA_NAME), fsync=self.sync_files)
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a complete checkpoint: valid metadata, every rank file there.
+
+    The coordinator writes the metadata only after every rank's files are durable, so a
+    save killed on any rank leaves a directory for which this is false.
+    """
+    try:
+        StorageReader(path)._load_record()
+    except CheckpointError:
+        return False
+    return True
 
 
 class StorageReader(FileSystemReader):
@@ -548,4 +568,4 @@ class StorageReader(FileSystemReader):
         return fut
 
 
-__all__ = ["StorageWriter", "StorageReader", "FILE_SUFFIX"]
+__all__ = ["StorageWriter", "StorageReader", "FILE_SUFFIX", "is_complete"]

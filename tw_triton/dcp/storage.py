@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -41,14 +41,14 @@ from torch.futures import Future
 
 from ..codecs import get_codec
 from ..errors import CheckpointError, CheckpointIOError, ReferenceMismatchError
-from ..format import write_file
+from ..format import read_file, write_file
 from ..qstate import EncodedEntry, QuantizedState
 from ..rules import Rule, keyframe_rules, resolve_rules, rules_as_specs, select_rule
-from ..state import quantize_state_dict
+from ..state import dequantize_state_dict, quantize_state_dict
 from ..tree import escape_component, flatten
 from . import _compat
 from ._meta import METADATA_NAME, StorageInfo, read_record, to_json, write_json
-from .keyframe import Keyframe, decode_file, open_reference
+from .keyframe import Keyframe, open_reference
 
 FILE_SUFFIX = ".tw.safetensors"
 _DCP_KEY = "dcp"
@@ -492,9 +492,6 @@ class StorageReader(FileSystemReader):
     def _decode(self, name: str) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
         rec = self._record
         path = os.path.join(os.fspath(self.path), name)
-        from ..format import read_file
-        from ..state import dequantize_state_dict
-
         qstate = read_file(path, verify=self.verify)
         if qstate.checkpoint_id != rec.checkpoint_id:
             raise CheckpointError(

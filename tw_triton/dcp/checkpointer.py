@@ -1,0 +1,173 @@
+"""``DistributedCheckpointer``: keyframes, deltas, retention and ``latest()`` across ranks.
+
+Layout: ``<directory>/step_<step, 8 digits>/``, each a DCP checkpoint written by
+:class:`~tw_triton.dcp.StorageWriter`. Crash safety comes from the order of writes:
+
+* every rank writes its own files atomically (temp file, fsync, rename);
+* DCP gathers every rank's write results on the coordinator, which only then writes
+  ``tw_dcp.json``, so a directory with valid metadata and every listed file is complete,
+  and a save killed on any rank leaves no metadata (:func:`is_complete` is false);
+* rank 0 deletes old checkpoints only after the save returned on every rank (DCP's final
+  collective, plus a barrier for synchronous saves), and never a keyframe a kept delta
+  needs, nor the checkpoint ``latest()`` would return.
+
+So a rank killed mid-save leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..errors import CheckpointError
+from ._meta import read_record
+from .api import load as _load
+from .keyframe import Keyframe
+from .storage import StorageWriter, is_complete
+
+_STEP_RE = re.compile(r"step_(\d{8,})")
+
+
+class DistributedCheckpointer:
+    """Periodic sharded checkpoints of a training state through DCP.
+
+    Args:
+        directory: where the ``step_*`` checkpoint directories go (shared by all ranks).
+        rules, bits, block: as for :class:`StorageWriter`; default preset ``"small"``.
+        keyframe_every: a keyframe every this many saves; the saves between are deltas
+            against the last keyframe (1: every save is a keyframe).
+        keep: how many complete checkpoints to keep (plus keyframes they need).
+        process_group: the group DCP uses (default: the default group, if initialized).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        rules: Any = "small",
+        bits: int = 8,
+        block: int = 128,
+        keyframe_every: int = 4,
+        keep: int = 2,
+        process_group: Any = None,
+    ) -> None:
+        if keyframe_every < 1 or keep < 1:
+            raise CheckpointError(f"keyframe_every and keep must be >= 1, got {keyframe_every}, {keep}")
+        self.directory = os.fspath(directory)
+        self.rules, self.bits, self.block = rules, bits, block
+        self.keyframe_every, self.keep = keyframe_every, keep
+        self.process_group = process_group
+        self._keyframe: Keyframe | None = None
+        self._since_keyframe = 0
+        self._pending: Future | None = None
+        os.makedirs(self.directory, exist_ok=True)
+
+    # -- queries (any process, no collectives) ---------------------------------------
+    def path_for(self, step: int) -> str:
+        """The directory of ``step``'s checkpoint."""
+        return os.path.join(self.directory, f"step_{step:08d}")
+
+    def complete(self) -> list[tuple[int, str]]:
+        """``(step, path)`` of every complete checkpoint, oldest first."""
+        out = []
+        for name in os.listdir(self.directory):
+            m = _STEP_RE.fullmatch(name)
+            path = os.path.join(self.directory, name)
+            if m and is_complete(path):
+                out.append((int(m.group(1)), path))
+        return sorted(out)
+
+    def latest(self) -> str | None:
+        """The newest complete checkpoint, or ``None``."""
+        done = self.complete()
+        return done[-1][1] if done else None
+
+    # -- saving ----------------------------------------------------------------------
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group) if dist.is_initialized() else 0
+
+    def save(self, state: dict[str, Any], step: int, *, asynchronous: bool = False) -> Future | None:
+        """Save ``state`` (collective: call on every rank) as ``step``.
+
+        With ``asynchronous``, encoding happens now (``StorageWriter.stage``) and the write
+        in the background; the returned future completes when it is on disk. Retention for
+        it runs at the next ``save`` or ``wait``.
+        """
+        self.wait()
+        is_keyframe = self._keyframe is None or self._since_keyframe >= self.keyframe_every - 1
+        path = self.path_for(step)
+        writer = StorageWriter(
+            path, rules=self.rules, bits=self.bits, block=self.block,
+            reference=None if is_keyframe else self._keyframe, as_keyframe=is_keyframe,
+        )
+        no_dist = not dist.is_initialized()
+        if asynchronous:
+            fut = dcp.async_save(state, storage_writer=writer, process_group=self.process_group, no_dist=no_dist)
+            self._pending = fut
+        else:
+            dcp.save(state, storage_writer=writer, process_group=self.process_group, no_dist=no_dist)
+            if not no_dist:
+                dist.barrier(self.process_group)
+        if is_keyframe:
+            self._pending_keyframe = path
+            self._since_keyframe = 0
+        else:
+            self._pending_keyframe = None
+            self._since_keyframe += 1
+        if not asynchronous:
+            self._finish_save()
+            return None
+        return self._pending
+
+    def wait(self) -> None:
+        """Wait for a pending asynchronous save, then run retention."""
+        if self._pending is not None:
+            fut, self._pending = self._pending, None
+            fut.result()
+            self._finish_save()
+
+    def _finish_save(self) -> None:
+        if self._pending_keyframe is not None:
+            self._keyframe = Keyframe(self._pending_keyframe)
+            self._pending_keyframe = None
+        if self._rank() == 0:
+            self._retain()
+
+    def _retain(self) -> None:
+        done = self.complete()
+        kept = [p for _, p in done[-self.keep:]]
+        needed = set(kept)
+        for p in kept:
+            ref = read_record(p).reference
+            if ref is not None:
+                needed.update(q for _, q in done if read_record(q).checkpoint_id == ref["checkpoint_id"])
+        if self._keyframe is not None:
+            needed.add(self._keyframe.path)
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if _STEP_RE.fullmatch(name) and path not in needed:
+                # Incomplete directories (crashed saves) go too: a complete newer one exists.
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- loading ---------------------------------------------------------------------
+    def load(self, state: dict[str, Any], path: str | None = None) -> int | None:
+        """Load the latest complete checkpoint (or ``path``) into ``state`` in place.
+
+        Returns:
+            The step loaded, or ``None`` when there is no complete checkpoint.
+        """
+        path = path or self.latest()
+        if path is None:
+            return None
+        _load(state, path, no_dist=not dist.is_initialized())
+        m = _STEP_RE.fullmatch(os.path.basename(path))
+        return int(m.group(1)) if m else None
+
+
+__all__ = ["DistributedCheckpointer"]

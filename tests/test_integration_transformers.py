@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip(
-    "transformers", reason="the Hugging Face extra is not installed: pip install 'tw-triton[hf]'"
-)
+_HF_MISSING = "the Hugging Face extra is not installed: pip install 'tw-triton[hf]'"
+transformers = pytest.importorskip("transformers", reason=_HF_MISSING)
+pytest.importorskip("accelerate", reason=_HF_MISSING)  # Trainer needs it
 
 from safetensors import safe_open  # noqa: E402
 

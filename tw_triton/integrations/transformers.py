@@ -50,11 +50,12 @@ from typing import Any
 
 import torch
 
-from ..checkpointer import Checkpointer, checkpoint_name, restore_rng_state
+from ..checkpointer import Checkpointer, checkpoint_name, parse_checkpoint_name, restore_rng_state
 from ..errors import CheckpointError, TwTritonError
 from . import require
 
-_transformers = require("transformers", "hf")
+require("transformers", "hf")
+require("accelerate", "hf")  # Trainer cannot run without it
 from transformers import Trainer  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
@@ -306,7 +307,7 @@ class TwCheckpointMixin:
         trainer wrote (the reference of the next delta).
         """
         ckpt = self._tw_ckpt
-        if ckpt is None:
+        if ckpt is None or not self._tw_orphans(run_dir):
             return
         infos = ckpt.infos()  # waits for this trainer's pending saves
         by_step = {i.step: i for i in infos}
@@ -341,6 +342,21 @@ class TwCheckpointMixin:
                     pass
                 self._tw_saved_steps.discard(info.step)
                 logger.info("removed %s: its checkpoint folder was deleted", info.path)
+
+    def _tw_orphans(self, run_dir: str) -> bool:
+        """Whether some file in ``tw_triton/`` has no ``checkpoint-N`` folder (cheap: names only).
+
+        Only such files can go, so the common case skips reading every header (and waiting
+        for the write in flight).
+        """
+        prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+        folders = {
+            int(name[len(prefix):]) for name in os.listdir(run_dir)
+            if name.startswith(prefix) and name[len(prefix):].isdigit()
+        }
+        steps = {parse_checkpoint_name(name) for name in os.listdir(self._tw_ckpt.directory)}
+        steps.discard(None)
+        return bool(steps - folders)
 
     def _tw_finish(self) -> None:
         """Wait for pending saves, prune, stop the writer; drop the cached resume state."""

@@ -187,3 +187,27 @@ def test_load_errors_and_remote_paths(tmp_path):
         io.save_checkpoint({"a": 1}, "s3://bucket/x.ckpt")
     with pytest.raises(TypeError, match="storage_options"):
         io.save_checkpoint({"a": 1}, tmp_path / "x.ckpt", storage_options={"x": 1})
+
+
+README = __import__("pathlib").Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_example(subsection: str, lang: str = "python") -> str:
+    """The first ```lang block under ``### subsection`` of the README's integrations section."""
+    import re
+
+    text = README.read_text()
+    start = text.index("## Framework integrations")
+    start = text.index(f"### {subsection}", start)
+    end = text.find("\n### ", start + 1)
+    block = re.search(rf"```{lang}\n(.*?)```", text[start:end], re.S)
+    assert block is not None, f"no {lang} block under ### {subsection}"
+    return block.group(1)
+
+
+def test_readme_example_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "readme"}
+    exec(compile(readme_example("Lightning"), "README.md", "exec"), scope)
+    assert scope["state"]["global_step"] == 20  # 5 epochs of 4 batches: resumed after 3
+    assert sorted(os.listdir(tmp_path / "pl-run")) == ["epoch=4-step=20.ckpt", "last.ckpt"]

@@ -188,3 +188,39 @@ def test_missing_file_is_a_clear_error(uninterrupted, tmp_path):
 def test_reserved_options_are_refused(tmp_path):
     with pytest.raises(Exception, match="save_total_limit"):
         make_trainer(tmp_path, tw_options={"keep_last": 2})
+
+
+README = __import__("pathlib").Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_example(subsection: str, lang: str = "python", index: int = 0) -> str:
+    """The ``index``-th ```lang block under ``### subsection`` of the README's integrations section."""
+    import re
+
+    text = README.read_text()
+    start = text.index("## Framework integrations")
+    start = text.index(f"### {subsection}", start)
+    end = text.find("\n### ", start + 1)
+    blocks = re.findall(rf"```{lang}\n(.*?)```", text[start:end], re.S)
+    assert len(blocks) > index, f"no {lang} block {index} under ### {subsection}"
+    return blocks[index]
+
+
+def test_readme_example_runs_and_its_listing_is_what_it_writes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "readme"}
+    exec(compile(readme_example("Hugging Face `Trainer`"), "README.md", "exec"), scope)
+    listed = set()
+    for line in readme_example("Hugging Face `Trainer`", "text").splitlines():
+        path = line.split("}")[0] + "}" if "{" in line else line.split()[0]
+        if "{" in path:
+            head, names = path.split("{")
+            listed |= {head + n.strip() for n in names.rstrip("}").split(",")}
+        elif path:
+            listed.add(path)
+    written = {str(p.relative_to(tmp_path)) for p in (tmp_path / "hf-run").rglob("*") if p.is_file()}
+    assert written == listed
+    exec(compile(readme_example("Hugging Face `Trainer`", index=1), "README.md", "exec"), scope)
+    assert scope["trainer"].state.global_step == 30
+    assert sorted(d for d in os.listdir(tmp_path / "hf-run") if d.startswith("checkpoint-")) == [
+        "checkpoint-25", "checkpoint-30"]

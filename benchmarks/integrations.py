@@ -14,7 +14,7 @@ train the same steps and save every ``--save-every`` steps, side by side in one 
   do not fsync.
 
 Models: ``tiny`` is the BertConfig / LightningModule of the integration tests (~0.1 M
-parameters), ``small`` the same shapes wider (~3 M); AdamW in both. CPU only.
+parameters), ``small`` the same shapes wider (BERT 4.3 M, MLP 0.4 M); AdamW in both. CPU only.
 
     python benchmarks/integrations.py                      # tiny and small, 3 rounds
     python benchmarks/integrations.py --models tiny --repeats 1

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from tw_triton.errors import QuantizationError  # noqa: E402
+from tw_triton.errors import CheckpointError, QuantizationError  # noqa: E402
 from tw_triton.format import read_manifest  # noqa: E402
 from tw_triton.integrations.lightning import TwCheckpointIO  # noqa: E402
 
@@ -187,6 +187,19 @@ def test_load_errors_and_remote_paths(tmp_path):
         io.save_checkpoint({"a": 1}, "s3://bucket/x.ckpt")
     with pytest.raises(TypeError, match="storage_options"):
         io.save_checkpoint({"a": 1}, tmp_path / "x.ckpt", storage_options={"x": 1})
+
+
+def test_a_failed_background_write_is_raised_naming_the_file(tmp_path):
+    io = TwCheckpointIO(fsync=False)
+    target = tmp_path / "taken.ckpt"
+    target.mkdir()  # the final rename onto a directory fails on the writer thread
+    io.save_checkpoint({"state_dict": OrderedDict(w=torch.ones(4))}, target)
+    with pytest.raises(CheckpointError, match="taken.ckpt"):
+        io.flush()
+    io.teardown()
+    io.save_checkpoint({"a": 1}, tmp_path / "ok.ckpt")  # the plugin is usable again
+    io.teardown()
+    assert io.load_checkpoint(tmp_path / "ok.ckpt") == {"a": 1}
 
 
 README = __import__("pathlib").Path(__file__).resolve().parent.parent / "README.md"

@@ -19,7 +19,7 @@ pytest.importorskip("accelerate", reason=_HF_MISSING)  # Trainer needs it
 from safetensors import safe_open  # noqa: E402
 
 from tw_triton.checkpointer import parse_checkpoint_name  # noqa: E402
-from tw_triton.errors import CheckpointError  # noqa: E402
+from tw_triton.errors import CheckpointError, TwTritonError  # noqa: E402
 from tw_triton.format import read_manifest  # noqa: E402
 from tw_triton.integrations.transformers import (  # noqa: E402
     POINTER_NAME,
@@ -188,6 +188,29 @@ def test_missing_file_is_a_clear_error(uninterrupted, tmp_path):
 def test_reserved_options_are_refused(tmp_path):
     with pytest.raises(Exception, match="save_total_limit"):
         make_trainer(tmp_path, tw_options={"keep_last": 2})
+
+
+def test_corrupted_file_fails_the_resume_naming_it(uninterrupted, tmp_path):
+    import shutil
+
+    src, _, _ = uninterrupted
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    path = copy / TW_SUBDIR / "step-00000006.tw.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF  # a byte of tensor data: the checksum catches it
+    path.write_bytes(bytes(data))
+    trainer = make_trainer(tmp_path / "out", tw_options={"fsync": False})
+    with pytest.raises(CheckpointError, match="step-00000006"):
+        trainer.train(resume_from_checkpoint=str(copy / "checkpoint-6"))
+
+
+def test_sharded_runs_are_refused(tmp_path):
+    trainer = make_trainer(tmp_path, tw_options={"fsync": False})
+    trainer.is_fsdp_enabled = True  # what Trainer sets for an FSDP run
+    with pytest.raises(TwTritonError, match="FSDP"):
+        trainer._save_checkpoint(trainer.model, trial=None)
+    assert not (tmp_path / TW_SUBDIR).exists()
 
 
 README = __import__("pathlib").Path(__file__).resolve().parent.parent / "README.md"

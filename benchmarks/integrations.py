@@ -23,6 +23,8 @@ parameters), ``small`` the same shapes wider (BERT 4.3 M, MLP 0.4 M); AdamW in b
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import os
 import shutil
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 for kind in ("stock", "tw"):
                     out = Path(tempfile.mkdtemp(prefix=f"twbench-{fw}-{kind}-"))
                     try:
-                        nbytes, t = runs[fw](kind, size, out, args.steps, args.save_every)
+                        with contextlib.redirect_stdout(io.StringIO()):  # Trainer prints its metrics
+                            nbytes, t = runs[fw](kind, size, out, args.steps, args.save_every)
                     finally:
                         shutil.rmtree(out, ignore_errors=True)
                     sizes[kind] = nbytes

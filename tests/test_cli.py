@@ -214,6 +214,34 @@ def test_runs_as_a_module_and_as_the_installed_script(ckpts):
         assert proc.returncode == EXIT_USAGE and "no such file" in proc.stderr
 
 
+
+def _pyproject_version() -> str:
+    import tomllib
+
+    with open(README.parent / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["version"]
+
+
+def test_version_flag_prints_the_package_version(capsys):
+    assert tw_triton.__version__ == _pyproject_version()
+    assert main(["--version"]) == EXIT_OK
+    assert capsys.readouterr().out.strip() == f"tw {tw_triton.__version__}"
+
+
+def test_python_dash_m_tw_triton_is_the_tw_command(ckpts):
+    d, *_ = ckpts
+    base = [sys.executable, "-m", "tw_triton"]
+    proc = subprocess.run(base + ["inspect", str(d / "key.tw")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert "model/0.weight" in proc.stdout
+    proc = subprocess.run(base + ["--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_OK and "inspect" in proc.stdout and "--version" in proc.stdout
+    proc = subprocess.run(base + ["--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_OK and proc.stdout.strip() == f"tw {tw_triton.__version__}"
+    # Exit codes are the command's: a missing input is a usage error.
+    proc = subprocess.run(base + ["verify", str(d / "nope.tw")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_USAGE and "no such file" in proc.stderr
+
 # ---- README: the state-API example runs, and its `tw inspect` output is current --------------
 
 

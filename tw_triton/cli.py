@@ -1,6 +1,7 @@
 """The ``tw`` command: inspect, verify, export and convert tw_triton checkpoints.
 
-Run ``tw --help`` or ``tw COMMAND --help``. Also runnable as ``python -m tw_triton.cli``.
+Run ``tw --help`` or ``tw COMMAND --help``. Also runnable as ``python -m tw_triton`` (or
+``python -m tw_triton.cli``); ``tw --version`` prints the version.
 """
 
 from __future__ import annotations
@@ -297,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(

@@ -1,0 +1,103 @@
+"""accelerate: the Checkpointer route resumes a prepared loop; why the save_state hooks are not used."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate", reason="accelerate is not installed: pip install 'tw-triton[hf]'")
+
+from accelerate import Accelerator  # noqa: E402
+
+import tw_triton  # noqa: E402
+from tw_triton.integrations.accelerate import load_state, save_state  # noqa: E402
+
+STEPS = 6
+
+
+def setup(seed: int = 0):
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Dropout(0.1), torch.nn.Linear(128, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    return accelerator, model, opt, sched
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 64, generator=g)
+    return x, x[:, :1]
+
+
+def train(accelerator, model, opt, sched, steps, ckpt=None, save_at=()):
+    for step in steps:
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step in save_at:
+            save_state(accelerator, ckpt, step, model=model, optimizer=opt, scheduler=sched)
+
+
+def test_checkpointer_route_resumes_bit_for_bit(tmp_path):
+    acc, model, opt, sched = setup()
+    ckpt = tw_triton.Checkpointer(tmp_path, keyframe_every=1, rules="default", fsync=False)
+    train(acc, model, opt, sched, range(STEPS), ckpt, save_at={2})
+    ckpt.close()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+
+    acc2, model2, opt2, sched2 = setup(seed=99)  # different init: the checkpoint must overwrite it
+    state = load_state(acc2, tw_triton.Checkpointer(tmp_path, rules="default"), model=model2, optimizer=opt2,
+                       scheduler=sched2)
+    assert state["step"] == 2
+    # Dropout draws from the torch RNG, which the checkpoint restored.
+    train(acc2, model2, opt2, sched2, range(state["step"] + 1, STEPS))
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_save_state_hooks_cannot_keep_the_optimizer_out(tmp_path):
+    """The why-not in tw_triton.integrations.accelerate, checked against the installed accelerate."""
+    acc, model, opt, sched = setup()
+    train(acc, model, opt, sched, range(1))
+    seen = []
+
+    def hook(models, weights, output_dir):
+        seen.append(len(weights))
+        weights.clear()  # what a hook can do: take the model weights over
+
+    acc.register_save_state_pre_hook(hook)
+    acc.save_state(str(tmp_path))
+    assert seen == [1]
+    names = set(os.listdir(tmp_path))
+    assert not any(n.startswith("model") for n in names)
+    assert "optimizer.bin" in names  # still written with torch.save: the hooks never see it
+
+
+README = __import__("pathlib").Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_example(subsection: str, lang: str = "python") -> str:
+    """The first ```lang block under ``### subsection`` of the README's integrations section."""
+    import re
+
+    text = README.read_text()
+    start = text.index("## Framework integrations")
+    start = text.index(f"### {subsection}", start)
+    end = text.find("\n### ", start + 1)
+    block = re.search(rf"```{lang}\n(.*?)```", text[start:end], re.S)
+    assert block is not None, f"no {lang} block under ### {subsection}"
+    return block.group(1)
+
+
+def test_readme_example_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "readme"}
+    exec(compile(readme_example("accelerate"), "README.md", "exec"), scope)
+    assert scope["start"] == 16  # the last save was at step 15

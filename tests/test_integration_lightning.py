@@ -1,0 +1,226 @@
+"""Lightning integration: TwCheckpointIO with ModelCheckpoint, ckpt_path resume, exact dicts, refusals."""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="the Lightning extra is not installed: pip install 'tw-triton[lightning]'")
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from tw_triton.errors import CheckpointError, QuantizationError  # noqa: E402
+from tw_triton.format import read_manifest  # noqa: E402
+from tw_triton.integrations.lightning import TwCheckpointIO  # noqa: E402
+
+BATCHES_PER_EPOCH = 2
+EPOCHS = 4
+
+
+class TinyModule(pl.LightningModule):
+    """64 -> 128 -> 1 MLP (the 128x64 weight has 8192 elements: the rules code it), no dropout."""
+
+    def __init__(self, hidden: int = 128, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)}
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16 * BATCHES_PER_EPOCH, 64, generator=g)
+    y = x[:, :1] * 0.5
+    return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=False)
+
+
+def make_trainer(root, io, max_epochs=EPOCHS, **ckpt_kw):
+    ckpt = ModelCheckpoint(dirpath=str(root), **{"save_top_k": -1, "save_last": True, **ckpt_kw})
+    return pl.Trainer(
+        max_epochs=max_epochs, plugins=[io], callbacks=[ckpt], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1, default_root_dir=str(root),
+    ), ckpt
+
+
+def params(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_same(a, b, where="checkpoint"):
+    """Deep equality with types: containers, keys and order, leaf types and values, tensors bit for bit."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}/{i}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), where
+    else:
+        assert a == b, where
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pl-full")
+    trainer, _ = make_trainer(root, TwCheckpointIO(rules="default", fsync=False))
+    module = TinyModule()
+    trainer.fit(module, loader())
+    return root, params(module)
+
+
+def test_each_checkpoint_is_one_tw_file_at_lightnings_path(full_run):
+    root, _ = full_run
+    names = sorted(os.listdir(root))
+    steps = [BATCHES_PER_EPOCH * (e + 1) for e in range(EPOCHS)]
+    assert names == sorted([f"epoch={e}-step={s}.ckpt" for e, s in enumerate(steps)] + ["last.ckpt"])
+    for name in names:
+        manifest = read_manifest(root / name)
+        assert manifest["metadata"]["writer"] == "tw_triton.integrations.lightning"
+        assert manifest.get("reference_id") is None  # every file stands alone
+        with safe_open(str(root / name), "pt") as f:
+            assert any(k.startswith("state_dict/") for k in f.keys())
+
+
+def test_ckpt_path_resume_matches_the_uninterrupted_run(full_run, tmp_path):
+    src, want = full_run
+    trainer, _ = make_trainer(tmp_path, TwCheckpointIO(rules="default", fsync=False))
+    module = TinyModule(hidden=128, lr=1e-2)
+    torch.manual_seed(123)
+    for p in module.parameters():  # a fresh init that the checkpoint must overwrite
+        p.data.normal_()
+    trainer.fit(module, loader(), ckpt_path=str(src / "epoch=1-step=4.ckpt"))
+    assert trainer.global_step == BATCHES_PER_EPOCH * EPOCHS
+    got = params(module)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k  # exact rules: bit for bit
+
+
+def test_checkpoint_dict_comes_back_exactly(tmp_path):
+    trainer, _ = make_trainer(tmp_path / "run", TwCheckpointIO(rules="default", fsync=False), max_epochs=1)
+    module = TinyModule()
+    trainer.fit(module, loader())
+    ckpt = trainer._checkpoint_connector.dump_checkpoint()
+    ckpt["extra"] = {"tuple": (1, 2.5, None), "inf": float("inf"), "nan": float("nan"), "bytes": b"\x00\xff",
+                     "np": np.arange(3, dtype=np.int16), "npf": np.float32(0.5), "od": OrderedDict(b=1, a=2)}
+    for async_write in (True, False):
+        io = TwCheckpointIO(rules="default", fsync=False, async_write=async_write)
+        path = tmp_path / f"x-{async_write}.ckpt"
+        io.save_checkpoint(ckpt, path)
+        assert_same(io.load_checkpoint(path), ckpt)
+        io.teardown()
+
+
+def test_default_rules_are_smaller_and_resume(full_run, tmp_path):
+    src, _ = full_run
+    trainer, _ = make_trainer(tmp_path, TwCheckpointIO(fsync=False), max_epochs=1)
+    module = TinyModule()
+    trainer.fit(module, loader())
+    ckpt = trainer._checkpoint_connector.dump_checkpoint()
+    tw_path, pt_path = tmp_path / "tw.ckpt", tmp_path / "pt.ckpt"
+    TwCheckpointIO(fsync=False, async_write=False).save_checkpoint(ckpt, tw_path)
+    torch.save(ckpt, pt_path)
+    assert os.path.getsize(tw_path) < os.path.getsize(pt_path)
+    loaded = TwCheckpointIO().load_checkpoint(tw_path)
+    assert_same(loaded["state_dict"], ckpt["state_dict"])  # the model is exact in every file
+    m0, m1 = ckpt["optimizer_states"][0]["state"], loaded["optimizer_states"][0]["state"]
+    big = [i for i, s in m0.items() if s["exp_avg"].numel() >= 4096]
+    assert big and not all(torch.equal(m0[i]["exp_avg"], m1[i]["exp_avg"]) for i in big)  # coded
+    # Resuming from a default-rules file runs to the end.
+    trainer2, _ = make_trainer(tmp_path / "r", TwCheckpointIO(fsync=False), max_epochs=2)
+    trainer2.fit(TinyModule(), loader(), ckpt_path=str(tw_path))
+    assert trainer2.global_step == 2 * BATCHES_PER_EPOCH
+
+
+def test_model_checkpoint_top_k_removes_through_the_plugin(tmp_path):
+    trainer, cb = make_trainer(tmp_path, TwCheckpointIO(fsync=False), save_top_k=2, monitor="train_loss")
+    trainer.fit(TinyModule(), loader())
+    kept = sorted(n for n in os.listdir(tmp_path) if n != "last.ckpt")
+    assert len(kept) == 2
+    assert {os.path.basename(p) for p in cb.best_k_models} == set(kept)
+    best = TwCheckpointIO().load_checkpoint(cb.best_model_path)
+    assert best["global_step"] > 0
+
+
+def test_unsupported_entry_is_refused_naming_it(tmp_path):
+    ckpt = {"state_dict": OrderedDict(w=torch.ones(3)), "hyper_parameters": {"data_dir": pathlib.Path("/data")}}
+    io = TwCheckpointIO(fsync=False)
+    path = tmp_path / "bad.ckpt"
+    with pytest.raises(QuantizationError, match=r"bad\.ckpt.*'hyper_parameters/data_dir'"):
+        io.save_checkpoint(ckpt, path)
+    io.teardown()
+    assert not path.exists()
+
+
+def test_load_errors_and_remote_paths(tmp_path):
+    io = TwCheckpointIO()
+    with pytest.raises(FileNotFoundError, match="not found"):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    with pytest.raises(Exception, match="local files only"):
+        io.save_checkpoint({"a": 1}, "s3://bucket/x.ckpt")
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({"a": 1}, tmp_path / "x.ckpt", storage_options={"x": 1})
+
+
+def test_a_failed_background_write_is_raised_naming_the_file(tmp_path):
+    io = TwCheckpointIO(fsync=False)
+    target = tmp_path / "taken.ckpt"
+    target.mkdir()  # the final rename onto a directory fails on the writer thread
+    io.save_checkpoint({"state_dict": OrderedDict(w=torch.ones(4))}, target)
+    with pytest.raises(CheckpointError, match="taken.ckpt"):
+        io.flush()
+    io.teardown()
+    io.save_checkpoint({"a": 1}, tmp_path / "ok.ckpt")  # the plugin is usable again
+    io.teardown()
+    assert io.load_checkpoint(tmp_path / "ok.ckpt") == {"a": 1}
+
+
+README = __import__("pathlib").Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_example(subsection: str, lang: str = "python") -> str:
+    """The first ```lang block under ``### subsection`` of the README's integrations section."""
+    import re
+
+    text = README.read_text()
+    start = text.index("## Framework integrations")
+    start = text.index(f"### {subsection}", start)
+    end = text.find("\n### ", start + 1)
+    block = re.search(rf"```{lang}\n(.*?)```", text[start:end], re.S)
+    assert block is not None, f"no {lang} block under ### {subsection}"
+    return block.group(1)
+
+
+def test_readme_example_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "readme"}
+    exec(compile(readme_example("Lightning"), "README.md", "exec"), scope)
+    assert scope["state"]["global_step"] == 20  # 5 epochs of 4 batches: resumed after 3
+    assert sorted(os.listdir(tmp_path / "pl-run")) == ["epoch=4-step=20.ckpt", "last.ckpt"]

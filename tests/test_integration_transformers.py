@@ -1,0 +1,249 @@
+"""Hugging Face Trainer integration: tw_triton checkpoints, retention, resume vs an uninterrupted run.
+
+A tiny BertForSequenceClassification built from a BertConfig (no downloads) trains 8 steps
+on random token ids, saving every 2 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+_HF_MISSING = "the Hugging Face extra is not installed: pip install 'tw-triton[hf]'"
+transformers = pytest.importorskip("transformers", reason=_HF_MISSING)
+pytest.importorskip("accelerate", reason=_HF_MISSING)  # Trainer needs it
+
+from safetensors import safe_open  # noqa: E402
+
+from tw_triton.checkpointer import parse_checkpoint_name  # noqa: E402
+from tw_triton.errors import CheckpointError, TwTritonError  # noqa: E402
+from tw_triton.format import read_manifest  # noqa: E402
+from tw_triton.integrations.transformers import (  # noqa: E402
+    POINTER_NAME,
+    TW_SUBDIR,
+    TwTrainer,
+    load_checkpoint_state,
+)
+
+STEPS = 8
+SAVE_EVERY = 2
+VOCAB = 128
+SEQ = 16
+
+
+def tiny_bert(seed: int = 0) -> torch.nn.Module:
+    # hidden 64 / intermediate 128 / vocab 128: the attention, FFN and embedding matrices
+    # have >= 4096 elements, so the default rules delta-code them.
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=128, max_position_embeddings=SEQ, num_labels=2,
+    )
+    torch.manual_seed(seed)
+    return transformers.BertForSequenceClassification(config)
+
+
+def dataset(n: int = 64) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    labels = (ids[:, 0] % 2).long()  # learnable: the label is a function of the first token
+    return [{"input_ids": ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": labels[i]}
+            for i in range(n)]
+
+
+def make_trainer(out, *, tw_options=None, cls=TwTrainer, max_steps=STEPS, **args):
+    targs = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=max_steps, save_steps=SAVE_EVERY, save_strategy="steps",
+        per_device_train_batch_size=8, learning_rate=1e-3, logging_steps=1, report_to=[],
+        use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, **args,
+    )
+    kw = {} if cls is transformers.Trainer else {"tw_options": tw_options}
+    return cls(model=tiny_bert(), args=targs, train_dataset=dataset(), **kw)
+
+
+class StopAt(transformers.TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+        return control
+
+
+def losses(trainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def params(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """8 steps, a checkpoint every 2; keyframes at steps 2 and 6, deltas at 4 and 8.
+
+    rules="default": the optimizer is exact and keyframes are exact, so resuming from a
+    keyframe must give the same run bit for bit.
+    """
+    out = tmp_path_factory.mktemp("hf-full")
+    trainer = make_trainer(out, tw_options={"keyframe_every": 2, "rules": "default", "fsync": False})
+    trainer.train()
+    return out, losses(trainer), params(trainer)
+
+
+def test_checkpoint_folders_hold_tw_files_and_no_pickles(uninterrupted):
+    out, _, _ = uninterrupted
+    folders = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))
+    assert folders == [f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)]
+    for d in folders:
+        names = set(os.listdir(out / d))
+        assert names == {POINTER_NAME, "trainer_state.json"}, names
+    tw = out / TW_SUBDIR
+    kinds = {}
+    for name in os.listdir(tw):
+        step = parse_checkpoint_name(name)
+        assert step is not None, name
+        manifest = read_manifest(tw / name)
+        kinds[step] = manifest["metadata"]["kind"]
+        with safe_open(str(tw / name), "pt") as f:  # stock safetensors opens every file
+            assert len(list(f.keys())) > 0
+    assert kinds == {2: "keyframe", 4: "delta", 6: "keyframe", 8: "delta"}
+    state = load_checkpoint_state(out / "checkpoint-4")
+    assert set(state) >= {"step", "model", "optimizer", "scheduler", "rng"}
+    assert state["step"] == 4
+    assert state["scheduler"]["last_epoch"] == 4
+
+
+def test_resume_from_keyframe_is_bit_identical(uninterrupted, tmp_path):
+    src, full_losses, full_params = uninterrupted
+    trainer = make_trainer(tmp_path, tw_options={"keyframe_every": 2, "rules": "default", "fsync": False})
+    trainer.train(resume_from_checkpoint=str(src / "checkpoint-6"))
+    assert trainer.state.global_step == STEPS
+    got = params(trainer)
+    for k, v in full_params.items():
+        assert torch.equal(got[k], v), k
+    assert {s: v for s, v in losses(trainer).items() if s > 6} == {s: v for s, v in full_losses.items() if s > 6}
+
+
+def test_resume_from_delta_is_close(uninterrupted, tmp_path):
+    src, full_losses, full_params = uninterrupted
+    trainer = make_trainer(tmp_path, tw_options={"keyframe_every": 2, "rules": "default", "fsync": False})
+    trainer.train(resume_from_checkpoint=str(src / "checkpoint-4"))
+    got = params(trainer)
+    # int8 blockwise delta of the weights at step 4, then 4 more AdamW steps (lr 1e-3).
+    worst = max((got[k] - v).abs().max().item() for k, v in full_params.items())
+    assert worst < 1e-3, worst
+    resumed = losses(trainer)
+    for s in range(5, STEPS + 1):
+        assert resumed[s] == pytest.approx(full_losses[s], rel=1e-3, abs=1e-4), s
+
+
+def test_resume_true_with_library_default_rules(tmp_path):
+    # An interrupted run: the same schedule (max_steps 8), stopped after step 4.
+    first = make_trainer(tmp_path, tw_options={"fsync": False})
+    first.add_callback(StopAt(4))
+    first.train()
+    assert first.state.global_step == 4
+    second = make_trainer(tmp_path, tw_options={"fsync": False})
+    second.train(resume_from_checkpoint=True)  # finds checkpoint-4 in output_dir
+    assert second.state.global_step == STEPS
+    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")) == [
+        f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)
+    ]
+    ref = make_trainer(tmp_path / "ref", tw_options={"fsync": False})
+    ref.train()
+    a, b = losses(second), losses(ref)
+    for s in range(5, STEPS + 1):
+        # Library default rules code the optimizer moments: close, not bit for bit.
+        assert a[s] == pytest.approx(b[s], rel=2e-2), s
+
+
+def test_retention_keeps_the_keyframes_kept_deltas_need(tmp_path):
+    # keyframe_every=3: saves at 2 (keyframe), 4, 6 (deltas from 2), 8 (keyframe).
+    trainer = make_trainer(tmp_path, save_total_limit=2, tw_options={"keyframe_every": 3, "fsync": False})
+    trainer.train()
+    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")) == ["checkpoint-6", "checkpoint-8"]
+    steps = sorted(parse_checkpoint_name(n) for n in os.listdir(tmp_path / TW_SUBDIR))
+    assert steps == [2, 6, 8]  # 4 is gone; 2 stays because 6 is a delta from it
+    assert load_checkpoint_state(tmp_path / "checkpoint-6")["step"] == 6
+
+
+def test_missing_file_is_a_clear_error(uninterrupted, tmp_path):
+    src, _, _ = uninterrupted
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    pointer = json.loads((src / "checkpoint-4" / POINTER_NAME).read_text())
+    pointer["file"] = "../nowhere/step-00000004.tw.safetensors"
+    (folder / POINTER_NAME).write_text(json.dumps(pointer))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint_state(folder)
+    (folder / POINTER_NAME).write_text("{not json")
+    with pytest.raises(CheckpointError, match=POINTER_NAME):
+        load_checkpoint_state(folder)
+
+
+def test_reserved_options_are_refused(tmp_path):
+    with pytest.raises(Exception, match="save_total_limit"):
+        make_trainer(tmp_path, tw_options={"keep_last": 2})
+
+
+def test_corrupted_file_fails_the_resume_naming_it(uninterrupted, tmp_path):
+    import shutil
+
+    src, _, _ = uninterrupted
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    path = copy / TW_SUBDIR / "step-00000006.tw.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF  # a byte of tensor data: the checksum catches it
+    path.write_bytes(bytes(data))
+    trainer = make_trainer(tmp_path / "out", tw_options={"fsync": False})
+    with pytest.raises(CheckpointError, match="step-00000006"):
+        trainer.train(resume_from_checkpoint=str(copy / "checkpoint-6"))
+
+
+def test_sharded_runs_are_refused(tmp_path):
+    trainer = make_trainer(tmp_path, tw_options={"fsync": False})
+    trainer.is_fsdp_enabled = True  # what Trainer sets for an FSDP run
+    with pytest.raises(TwTritonError, match="FSDP"):
+        trainer._save_checkpoint(trainer.model, trial=None)
+    assert not (tmp_path / TW_SUBDIR).exists()
+
+
+README = __import__("pathlib").Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_example(subsection: str, lang: str = "python", index: int = 0) -> str:
+    """The ``index``-th ```lang block under ``### subsection`` of the README's integrations section."""
+    import re
+
+    text = README.read_text()
+    start = text.index("## Framework integrations")
+    start = text.index(f"### {subsection}", start)
+    end = text.find("\n### ", start + 1)
+    blocks = re.findall(rf"```{lang}\n(.*?)```", text[start:end], re.S)
+    assert len(blocks) > index, f"no {lang} block {index} under ### {subsection}"
+    return blocks[index]
+
+
+def test_readme_example_runs_and_its_listing_is_what_it_writes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    scope = {"__name__": "readme"}
+    exec(compile(readme_example("Hugging Face `Trainer`"), "README.md", "exec"), scope)
+    listed = set()
+    for line in readme_example("Hugging Face `Trainer`", "text").splitlines():
+        path = line.split("}")[0] + "}" if "{" in line else line.split()[0]
+        if "{" in path:
+            head, names = path.split("{")
+            listed |= {head + n.strip() for n in names.rstrip("}").split(",")}
+        elif path:
+            listed.add(path)
+    written = {str(p.relative_to(tmp_path)) for p in (tmp_path / "hf-run").rglob("*") if p.is_file()}
+    assert written == listed
+    exec(compile(readme_example("Hugging Face `Trainer`", index=1), "README.md", "exec"), scope)
+    assert scope["trainer"].state.global_step == 30
+    assert sorted(d for d in os.listdir(tmp_path / "hf-run") if d.startswith("checkpoint-")) == [
+        "checkpoint-25", "checkpoint-30"]

@@ -1,0 +1,220 @@
+"""Lightning checkpoints as tw_triton files: the :class:`TwCheckpointIO` plugin.
+
+Usage::
+
+    from tw_triton.integrations.lightning import TwCheckpointIO
+
+    trainer = L.Trainer(plugins=[TwCheckpointIO()], callbacks=[ModelCheckpoint(...)])
+    trainer.fit(model, datamodule=dm)
+    trainer.fit(model, datamodule=dm, ckpt_path="last")    # resume
+
+What a checkpoint is
+    One tw_triton file (a safetensors file; stock ``safetensors`` opens it) at exactly the
+    path Lightning gives (``epoch=3-step=400.ckpt``, ``last.ckpt``), holding Lightning's
+    whole checkpoint dict: ``state_dict``, ``optimizer_states``, ``lr_schedulers``,
+    ``loops``, ``callbacks``, ``hyper_parameters``, versions and whatever
+    ``on_save_checkpoint`` adds. Each file stands alone (no deltas: ``ModelCheckpoint``
+    deletes files in any order): the tensors the rules would delta-code (the model's large
+    weights) are stored exact, the rest is coded by the rules
+    (:func:`~tw_triton.rules.keyframe_rules`), e.g. the AdamW moments under the library's
+    default preset. With ``rules="default"`` everything comes back bit for bit.
+
+What comes back exactly, and what is refused
+    The dict is stored as tensors plus a JSON skeleton (:mod:`tw_triton.tree`): dict,
+    OrderedDict (with ``_metadata``), list, tuple, tensors, numpy arrays and scalars, None,
+    bool, int, float (also inf/nan), str and bytes come back with their types and values;
+    Lightning's own entries are all of these. Anything else (a ``pathlib.Path`` or an enum
+    among the hyperparameters, an OmegaConf container and its ``hparams_type``, an object a
+    callback returns) is refused when saving: a
+    :class:`~tw_triton.errors.QuantizationError` names the file and the entry (e.g.
+    ``'hyper_parameters/data_dir'``), and nothing is written. The safe route for such a
+    value is Lightning's own hooks: turn it into plain values in ``on_save_checkpoint`` and
+    back in ``on_load_checkpoint``, or keep it out of ``save_hyperparameters(ignore=...)``.
+    No pickle is ever written or read.
+
+Writing in the background
+    With ``async_write`` (default) ``save_checkpoint`` returns once the state is copied
+    (CPU tensors) or encoded (CUDA tensors, by the Triton kernels); a writer thread encodes
+    (CPU) and writes. ``load_checkpoint``, ``remove_checkpoint`` and ``teardown`` wait for
+    pending writes first; a failed write is raised at the next call.
+
+Loading
+    ``map_location``: ``None`` loads to the CPU, a device or device string loads there (CUDA
+    decodes on the GPU); a function or dict (``torch.load`` storage maps) loads to the CPU,
+    where Lightning moves the state anyway. ``weights_only`` is accepted and has nothing to
+    restrict: loading never runs code. ``LightningModule.load_from_checkpoint`` calls
+    ``torch.load`` itself and cannot read these files; use ``trainer.fit/validate/test(...,
+    ckpt_path=...)``, or ``TwCheckpointIO().load_checkpoint(path)["state_dict"]``.
+
+Paths are local files; a remote URL (``s3://...``) is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import torch
+
+from ..checkpointer import DEFAULT_RULES
+from ..errors import CheckpointError, QuantizationError
+from ..rules import keyframe_rules, resolve_rules, rules_as_specs
+from ..state import dequantize_state_dict, load, quantize_state_dict
+from ..tree import flatten
+from ..writer import AsyncWriter
+from ..format import write_file
+from . import require
+
+require("lightning", "lightning")
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
+
+WRITER = "tw_triton.integrations.lightning"
+
+
+def _local_path(path: Any) -> str:
+    text = os.fspath(path)
+    if "://" in text:
+        raise CheckpointError(f"{text}: TwCheckpointIO writes local files only, not URLs")
+    return text
+
+
+def _encode(tree: Any, rules: Any, bits: int, block: int, meta: dict[str, Any], copy: bool) -> Any:
+    q = quantize_state_dict(tree, rules=rules, bits=bits, block=block, metadata=meta, copy=copy)
+    q.metadata["kind"] = "keyframe"
+    return q
+
+
+class TwCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that writes each checkpoint as one tw_triton file.
+
+    Args:
+        rules: which tensors are coded how, as for :class:`~tw_triton.Checkpointer` (default:
+            the library's default preset); tensors the rules delta-code are stored exact.
+        bits, block: parameters of quantizing rules that do not set them.
+        async_write: write on a background thread (see the module doc).
+        max_pending: saves in flight before ``save_checkpoint`` waits.
+        fsync: fsync files and their directory (leave on outside of tests).
+        verify: check checksums when loading.
+    """
+
+    def __init__(
+        self,
+        *,
+        rules: Any = DEFAULT_RULES,
+        bits: int = 8,
+        block: int = 128,
+        async_write: bool = True,
+        max_pending: int = 1,
+        fsync: bool = True,
+        verify: bool = True,
+    ) -> None:
+        super().__init__()
+        self.rules = rules
+        self.bits = bits
+        self.block = block
+        self.async_write = async_write
+        self.max_pending = max_pending
+        self.fsync = fsync
+        self.verify = verify
+        self._writer: AsyncWriter | None = None
+        self._pending: dict[str, Future] = {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Encode ``checkpoint`` and write it to ``path`` (see the module doc).
+
+        Raises:
+            TypeError: ``storage_options`` were given (as Lightning's own local plugin does).
+            QuantizationError: an entry the format cannot hold; names the file and the entry.
+            CheckpointError: an earlier background write failed.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                "TwCheckpointIO does not take storage_options; got "
+                f"{storage_options!r}"
+            )
+        path = _local_path(path)
+        try:
+            rule_list = resolve_rules(self.rules, checkpoint, bits=self.bits, block=self.block)
+            specs = rules_as_specs(keyframe_rules(rule_list))
+            meta = {"writer": WRITER, "saved_at": time.time()}
+            tensors, _ = flatten(checkpoint)
+            on_cpu = all(t.device.type == "cpu" for t in tensors.values())
+            if self.async_write and on_cpu:
+                # Only this copy holds up training; the writer thread encodes the copy.
+                snapshot = dequantize_state_dict(quantize_state_dict(checkpoint, rules="exact"))
+                job: Any = functools.partial(_encode, snapshot, specs, self.bits, self.block, meta, False)
+            else:
+                job = _encode(checkpoint, specs, self.bits, self.block, meta, True)
+        except QuantizationError as e:
+            raise QuantizationError(
+                f"{path}: cannot store this Lightning checkpoint: {e}. Turn such values into "
+                "plain ones in on_save_checkpoint (and back in on_load_checkpoint), or leave "
+                "them out of save_hyperparameters(ignore=[...])"
+            ) from e
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if not self.async_write:
+            write_file(job, path, fsync=self.fsync)
+            return
+        self._wait_for(path)  # two saves to one path (last.ckpt) land in order anyway
+        self._pending = {p: f for p, f in self._pending.items() if not f.done()}
+        if self._writer is None:
+            self._writer = AsyncWriter(max_pending=self.max_pending, fsync=self.fsync)
+        self._pending[path] = self._writer.submit(job, path)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load the checkpoint dict written by :meth:`save_checkpoint` (see the module doc).
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            CheckpointError: the file is not a valid tw_triton checkpoint (names the entry).
+        """
+        path = _local_path(path)
+        self.flush()
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        device: Any = "cpu"
+        if isinstance(map_location, (str, torch.device)):
+            device = map_location
+        state = load(path, device=device, verify=self.verify)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: not a Lightning checkpoint (expected a dict at the top)")
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint at ``path`` (after its pending write, if any)."""
+        path = _local_path(path)
+        self._wait_for(path)
+        if os.path.islink(path) or os.path.isfile(path):
+            os.unlink(path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path)
+
+    def flush(self) -> None:
+        """Wait for every pending write; raise a failed one's error."""
+        if self._writer is not None:
+            self._writer.flush()
+        self._pending.clear()
+
+    def teardown(self) -> None:
+        """Flush and stop the writer thread (a later save starts a new one)."""
+        writer, self._writer = self._writer, None
+        self._pending.clear()
+        if writer is not None:
+            writer.close()
+
+    def _wait_for(self, path: str) -> None:
+        future = self._pending.pop(path, None)
+        if future is not None:
+            wait_futures([future])
+            if self._writer is not None:
+                self._writer.check()
+
+
+__all__ = ["TwCheckpointIO"]

@@ -1,0 +1,392 @@
+"""Hugging Face ``Trainer`` checkpoints as tw_triton files: keyframes, deltas, resume.
+
+Usage::
+
+    from tw_triton.integrations.transformers import TwTrainer
+
+    trainer = TwTrainer(model=model, args=args, train_dataset=ds)   # same arguments as Trainer
+    trainer.train()
+    trainer.train(resume_from_checkpoint=True)                      # or ".../checkpoint-500"
+
+``TwTrainer`` is ``TwCheckpointMixin`` + ``transformers.Trainer``; put the mixin first in
+your own subclass (``class MyTrainer(TwCheckpointMixin, Seq2SeqTrainer)``) to keep it.
+
+Layout of ``args.output_dir``
+    ``tw_triton/step-00000500.tw.safetensors``
+        model, optimizer, LR scheduler, grad scaler and RNG states of step 500: one file,
+        written by a :class:`~tw_triton.Checkpointer` (a keyframe every
+        ``keyframe_every`` saves, deltas from the last keyframe in between; written on a
+        background thread).
+    ``checkpoint-500/``
+        what ``Trainer`` needs to find and resume a checkpoint: ``trainer_state.json``
+        (written by ``Trainer``) and ``tw_checkpoint.json``, which names the file above.
+        No ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` or ``training_args.bin``:
+        nothing in a checkpoint is a pickle.
+
+Retention
+    ``save_total_limit`` works as in ``Trainer``, which deletes whole ``checkpoint-N``
+    folders. At the next save (and when ``train`` returns) the files in ``tw_triton/``
+    whose folder is gone are deleted, except a keyframe that a kept checkpoint, or the
+    next delta, needs.
+
+Resume
+    ``train(resume_from_checkpoint=...)`` reads the tw_triton file once and puts back the
+    model, optimizer, scheduler, scaler and RNG states where ``Trainer`` would. A folder
+    without ``tw_checkpoint.json`` (a stock ``Trainer`` checkpoint) is loaded by
+    ``Trainer``'s own code. ``load_best_model_at_end`` loads the best model from its file.
+
+Not supported (refused with :class:`~tw_triton.errors.TwTritonError` at the first save):
+DeepSpeed, FSDP, and runs of more than one process (their checkpoints are sharded or
+per-rank; see the DCP integration). ``trainer.save_model()`` called by you still writes a
+standard ``save_pretrained`` folder: that is the model to ship, not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from ..checkpointer import Checkpointer, checkpoint_name, parse_checkpoint_name, restore_rng_state
+from ..errors import CheckpointError, TwTritonError
+from . import require
+
+require("transformers", "hf")
+require("accelerate", "hf")  # Trainer cannot run without it
+from transformers import Trainer  # noqa: E402
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+TW_SUBDIR = "tw_triton"
+POINTER_NAME = "tw_checkpoint.json"
+POINTER_FORMAT = "tw_triton.hf_trainer"
+POINTER_VERSION = 1
+_KEYFRAME = "keyframe"
+
+
+def read_pointer(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``tw_checkpoint.json`` of a ``checkpoint-N`` folder, or ``None`` if it has none.
+
+    The returned dict has ``step`` and ``path`` (the tw_triton file, absolute).
+
+    Raises:
+        CheckpointError: the pointer exists but is malformed.
+    """
+    where = os.path.join(os.fspath(checkpoint_dir), POINTER_NAME)
+    if not os.path.isfile(where):
+        return None
+    try:
+        with open(where, encoding="utf-8") as f:
+            data = json.load(f)
+        if data.get("format") != POINTER_FORMAT or data.get("version") != POINTER_VERSION:
+            raise ValueError(f"format {data.get('format')!r} v{data.get('version')!r}")
+        step = data["step"]
+        rel = data["file"]
+        if not isinstance(step, int) or isinstance(step, bool) or not isinstance(rel, str):
+            raise ValueError("'step' must be an int and 'file' a string")
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise CheckpointError(
+            f"{where}: not a valid tw_triton checkpoint pointer (expected JSON with format "
+            f"{POINTER_FORMAT!r} v{POINTER_VERSION}, 'step' and 'file'): {e}"
+        ) from e
+    path = os.path.normpath(os.path.join(os.fspath(checkpoint_dir), rel))
+    return {"step": step, "path": path}
+
+
+def _write_pointer(checkpoint_dir: str, tw_dir: str, step: int) -> None:
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    rel = os.path.relpath(os.path.join(tw_dir, checkpoint_name(step)), checkpoint_dir)
+    data = {"format": POINTER_FORMAT, "version": POINTER_VERSION, "step": step, "file": rel}
+    final = os.path.join(checkpoint_dir, POINTER_NAME)
+    tmp = final + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, final)
+
+
+def load_checkpoint_state(checkpoint_dir: str | os.PathLike, *, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Load the state a :class:`TwTrainer` checkpoint folder points to.
+
+    Returns:
+        ``{"step", "model", "optimizer", "scheduler", ["scaler"], "rng"}`` as saved
+        (``optimizer``/``scheduler`` are absent with ``save_only_model``).
+
+    Raises:
+        CheckpointError: the folder has no (valid) ``tw_checkpoint.json``, the file it names
+            is missing (e.g. deleted by retention), or the file or its keyframe is bad.
+    """
+    pointer = read_pointer(checkpoint_dir)
+    if pointer is None:
+        raise CheckpointError(f"{os.fspath(checkpoint_dir)}: no {POINTER_NAME}; not a TwTrainer checkpoint")
+    path = pointer["path"]
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"{os.fspath(checkpoint_dir)}: {POINTER_NAME} names {path}, which does not exist"
+        )
+    if os.path.basename(path) != checkpoint_name(pointer["step"]):
+        raise CheckpointError(
+            f"{os.fspath(checkpoint_dir)}: {POINTER_NAME} names {path}, expected a file named "
+            f"{checkpoint_name(pointer['step'])}"
+        )
+    reader = Checkpointer(os.path.dirname(path), keep_last=None, async_write=False)
+    try:
+        return reader.load(pointer["step"], device=device)
+    finally:
+        reader.close()
+
+
+class TwCheckpointMixin:
+    """Makes a ``transformers.Trainer`` (sub)class write and resume tw_triton checkpoints.
+
+    Args:
+        tw_options: keyword arguments for the :class:`~tw_triton.Checkpointer` that writes
+            ``output_dir/tw_triton`` (``keyframe_every``, ``rules``, ``bits``, ``block``,
+            ``async_write``, ...); what is not given keeps the Checkpointer's default.
+            ``keep_last`` is not accepted: ``save_total_limit`` decides retention.
+        *args, **kwargs: passed to the ``Trainer``.
+    """
+
+    def __init__(self, *args: Any, tw_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        options = dict(tw_options or {})
+        for reserved in ("directory", "keep_last"):
+            if reserved in options:
+                raise TwTritonError(
+                    f"tw_options[{reserved!r}] is set by the Trainer (output_dir, save_total_limit)"
+                )
+        self._tw_options = options
+        self._tw_ckpt: Checkpointer | None = None
+        self._tw_saved_steps: set[int] = set()
+        self._tw_in_save = False
+        self._tw_resume: tuple[str, dict[str, Any]] | None = None
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ saving
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        self._tw_check_supported()
+        run_dir = self._get_output_dir(trial=trial)
+        step = self.state.global_step
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if self.args.should_save:
+            ckpt = self._tw_checkpointer(run_dir)
+            # Files of folders Trainer deleted at the last save go now: every earlier save
+            # is complete by here (a listing waits), so each file's keyframe is known.
+            self._tw_prune(run_dir, keep_reference=True)
+            objects: dict[str, Any] = {"model": self.model}
+            if not self.args.save_only_model:
+                objects["optimizer"] = self.optimizer
+                objects["scheduler"] = self.lr_scheduler
+                scaler = getattr(self.accelerator, "scaler", None)
+                if scaler is not None:
+                    objects["scaler"] = scaler
+            ckpt.save(step, **objects)
+            self._tw_saved_steps.add(step)
+            _write_pointer(folder, ckpt.directory, step)
+        # Trainer writes trainer_state.json, keeps the callbacks' states and rotates the
+        # folders; its model/optimizer/scheduler/scaler/RNG writers are no-ops meanwhile.
+        self._tw_in_save = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._tw_in_save = False
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self._tw_in_save:
+            return
+        super().save_model(output_dir, _internal_call=_internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._tw_in_save:
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        if not self._tw_in_save:
+            super()._save_scaler(output_dir)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        if not self._tw_in_save:
+            super()._save_rng_state(output_dir)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; on return every checkpoint it saved is on disk and pruned."""
+        try:
+            result = super().train(*args, **kwargs)
+        except BaseException:
+            try:
+                self._tw_finish()
+            except TwTritonError as err:  # do not hide the training loop's own exception
+                logger.error("while finishing tw_triton checkpoints: %s", err)
+            raise
+        self._tw_finish()
+        return result
+
+    # ----------------------------------------------------------------- loading
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        state = self._tw_state(resume_from_checkpoint)
+        if state is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        target = self.model if model is None else model
+        target.load_state_dict(state["model"])
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        state = self._tw_state(checkpoint) if checkpoint is not None else None
+        if state is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        if "optimizer" in state and "scheduler" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.lr_scheduler.load_state_dict(state["scheduler"])
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        state = self._tw_state(checkpoint) if checkpoint is not None else None
+        if state is None:
+            super()._load_scaler(checkpoint)
+            return
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and "scaler" in state:
+            scaler.load_state_dict(state["scaler"])
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        state = self._tw_state(checkpoint) if checkpoint is not None else None
+        if state is None:
+            super()._load_rng_state(checkpoint)
+            return
+        if "rng" in state:
+            restore_rng_state(state["rng"], source=os.path.join(checkpoint, POINTER_NAME))
+        self._tw_resume = None  # the last piece Trainer restores: free the loaded state
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if self._tw_ckpt is not None:
+            self._tw_ckpt.flush()  # the best checkpoint may still be being written
+        if best is None or read_pointer(best) is None:
+            super()._load_best_model()
+            return
+        logger.info("loading best model from %s (score: %s)", best, self.state.best_metric)
+        state = load_checkpoint_state(best)
+        self.model.load_state_dict(state["model"])
+
+    # --------------------------------------------------------------- internals
+
+    def _tw_check_supported(self) -> None:
+        what = None
+        if getattr(self, "is_deepspeed_enabled", False):
+            what = "DeepSpeed"
+        elif getattr(self, "is_fsdp_enabled", False):
+            what = "FSDP"
+        elif self.args.world_size > 1:
+            what = f"{self.args.world_size} processes"
+        if what is not None:
+            raise TwTritonError(
+                f"TwTrainer writes single-process checkpoints; this run uses {what}, whose "
+                "state is sharded or per rank (use the stock Trainer checkpoints there)"
+            )
+
+    def _tw_checkpointer(self, run_dir: str) -> Checkpointer:
+        tw_dir = os.path.join(run_dir, TW_SUBDIR)
+        if self._tw_ckpt is not None and self._tw_ckpt.directory != tw_dir:
+            self._tw_finish()  # a hyperparameter-search trial moved to another run dir
+        if self._tw_ckpt is None:
+            # Retention is ours (folder by folder, see the module doc), not keep_last's.
+            self._tw_ckpt = Checkpointer(tw_dir, keep_last=None, **self._tw_options)
+            self._tw_saved_steps = set()
+        return self._tw_ckpt
+
+    def _tw_prune(self, run_dir: str, *, keep_reference: bool) -> None:
+        """Delete the tw_triton files of ``run_dir`` that no checkpoint folder needs.
+
+        Kept: the file of every ``checkpoint-N`` folder that has a pointer, the keyframe
+        each of those is a delta from, and with ``keep_reference`` the newest keyframe this
+        trainer wrote (the reference of the next delta).
+        """
+        ckpt = self._tw_ckpt
+        if ckpt is None or not self._tw_orphans(run_dir):
+            return
+        infos = ckpt.infos()  # waits for this trainer's pending saves
+        by_step = {i.step: i for i in infos}
+        by_id = {i.checkpoint_id: i for i in infos}
+        keep: set[int] = set()
+        tw_dir = os.path.abspath(ckpt.directory)
+        prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+        for name in os.listdir(run_dir):
+            folder = os.path.join(run_dir, name)
+            if not name.startswith(prefix) or not os.path.isdir(folder):
+                continue
+            try:
+                pointer = read_pointer(folder)
+            except CheckpointError as e:
+                logger.warning("ignoring %s: %s", folder, e)
+                continue
+            if pointer is None or os.path.dirname(os.path.abspath(pointer["path"])) != tw_dir:
+                continue
+            keep.add(pointer["step"])
+        mine = [s for s in self._tw_saved_steps if s in by_step and by_step[s].kind == _KEYFRAME]
+        if mine and keep_reference:
+            keep.add(max(mine))
+        for step in list(keep):
+            info = by_step.get(step)
+            if info is not None and info.reference_id is not None and info.reference_id in by_id:
+                keep.add(by_id[info.reference_id].step)
+        for info in infos:
+            if info.step not in keep:
+                try:
+                    os.unlink(info.path)
+                except FileNotFoundError:
+                    pass
+                self._tw_saved_steps.discard(info.step)
+                logger.info("removed %s: its checkpoint folder was deleted", info.path)
+
+    def _tw_orphans(self, run_dir: str) -> bool:
+        """Whether some file in ``tw_triton/`` has no ``checkpoint-N`` folder (cheap: names only).
+
+        Only such files can go, so the common case skips reading every header (and waiting
+        for the write in flight).
+        """
+        prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+        folders = {
+            int(name[len(prefix):]) for name in os.listdir(run_dir)
+            if name.startswith(prefix) and name[len(prefix):].isdigit()
+        }
+        steps = {parse_checkpoint_name(name) for name in os.listdir(self._tw_ckpt.directory)}
+        steps.discard(None)
+        return bool(steps - folders)
+
+    def _tw_finish(self) -> None:
+        """Wait for pending saves, prune, stop the writer; drop the cached resume state."""
+        self._tw_resume = None
+        ckpt = self._tw_ckpt
+        if ckpt is None:
+            return
+        try:
+            ckpt.flush()
+            self._tw_prune(os.path.dirname(ckpt.directory), keep_reference=False)
+        finally:
+            self._tw_ckpt = None
+            ckpt.close()
+
+    def _tw_state(self, checkpoint_dir: str) -> dict[str, Any] | None:
+        """The state a tw checkpoint folder points to (read once per resume), or ``None``."""
+        if read_pointer(checkpoint_dir) is None:
+            return None
+        key = os.path.abspath(checkpoint_dir)
+        if self._tw_resume is None or self._tw_resume[0] != key:
+            self._tw_check_supported()
+            self._tw_resume = (key, load_checkpoint_state(checkpoint_dir))
+        return self._tw_resume[1]
+
+
+class TwTrainer(TwCheckpointMixin, Trainer):
+    """``transformers.Trainer`` whose checkpoints are tw_triton files (see the module doc).
+
+    Takes ``Trainer``'s arguments plus ``tw_options`` (:class:`TwCheckpointMixin`).
+    """
+
+
+__all__ = ["TwTrainer", "TwCheckpointMixin", "load_checkpoint_state", "read_pointer"]

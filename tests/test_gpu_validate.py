@@ -9,12 +9,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import tw_triton.codecs as tw_codecs
+import tw_triton.format
 from tw_triton.codecs import ExactCodec, get_codec
 from tw_triton.codecs.blockwise import BlockwiseCodec
 
@@ -137,6 +139,15 @@ def test_concurrency_check_catches_a_snapshot_that_aliases_the_state(tmp_path, m
 
     monkeypatch.setattr(ExactCodec, "encode_with", aliasing_encode)
     monkeypatch.setattr(ExactCodec, "encode", aliasing_encode)
+    # The writer thread must write after the state is scrambled, or the aliasing goes unseen
+    # (on a fast idle CPU it can finish first): hold each write back a little.
+    real_write_file = tw_triton.format.write_file
+
+    def late_write_file(*args, **kwargs):
+        time.sleep(0.2)
+        return real_write_file(*args, **kwargs)
+
+    monkeypatch.setattr(tw_triton.format, "write_file", late_write_file)
     bad = _end_to_end.run_concurrency(torch.device("cpu"), tmp_path / "bad", size="tiny", saves=3,
                                       force_device_branch=True)
     assert bad["problem_count"] > 0

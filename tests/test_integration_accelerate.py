@@ -80,20 +80,7 @@ def test_save_state_hooks_cannot_keep_the_optimizer_out(tmp_path):
     assert "optimizer.bin" in names  # still written with torch.save: the hooks never see it
 
 
-README = __import__("pathlib").Path(__file__).resolve().parent.parent / "README.md"
-
-
-def readme_example(subsection: str, lang: str = "python") -> str:
-    """The first ```lang block under ``### subsection`` of the README's integrations section."""
-    import re
-
-    text = README.read_text()
-    start = text.index("## Framework integrations")
-    start = text.index(f"### {subsection}", start)
-    end = text.find("\n### ", start + 1)
-    block = re.search(rf"```{lang}\n(.*?)```", text[start:end], re.S)
-    assert block is not None, f"no {lang} block under ### {subsection}"
-    return block.group(1)
+from _readme import readme_example  # noqa: E402
 
 
 def test_readme_example_runs(tmp_path, monkeypatch):

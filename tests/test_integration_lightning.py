@@ -202,20 +202,7 @@ def test_a_failed_background_write_is_raised_naming_the_file(tmp_path):
     assert io.load_checkpoint(tmp_path / "ok.ckpt") == {"a": 1}
 
 
-README = __import__("pathlib").Path(__file__).resolve().parent.parent / "README.md"
-
-
-def readme_example(subsection: str, lang: str = "python") -> str:
-    """The first ```lang block under ``### subsection`` of the README's integrations section."""
-    import re
-
-    text = README.read_text()
-    start = text.index("## Framework integrations")
-    start = text.index(f"### {subsection}", start)
-    end = text.find("\n### ", start + 1)
-    block = re.search(rf"```{lang}\n(.*?)```", text[start:end], re.S)
-    assert block is not None, f"no {lang} block under ### {subsection}"
-    return block.group(1)
+from _readme import readme_example  # noqa: E402
 
 
 def test_readme_example_runs(tmp_path, monkeypatch):

@@ -213,20 +213,7 @@ def test_sharded_runs_are_refused(tmp_path):
     assert not (tmp_path / TW_SUBDIR).exists()
 
 
-README = __import__("pathlib").Path(__file__).resolve().parent.parent / "README.md"
-
-
-def readme_example(subsection: str, lang: str = "python", index: int = 0) -> str:
-    """The ``index``-th ```lang block under ``### subsection`` of the README's integrations section."""
-    import re
-
-    text = README.read_text()
-    start = text.index("## Framework integrations")
-    start = text.index(f"### {subsection}", start)
-    end = text.find("\n### ", start + 1)
-    blocks = re.findall(rf"```{lang}\n(.*?)```", text[start:end], re.S)
-    assert len(blocks) > index, f"no {lang} block {index} under ### {subsection}"
-    return blocks[index]
+from _readme import readme_example  # noqa: E402
 
 
 def test_readme_example_runs_and_its_listing_is_what_it_writes(tmp_path, monkeypatch):

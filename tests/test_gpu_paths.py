@@ -213,10 +213,12 @@ def test_state_api_reads_device_flags_once_per_checkpoint_not_per_tensor(monkeyp
             return real_read(scalars)
 
     monkeypatch.setattr(state_mod, "_read_device_scalars", counted_read)
-    for name in codec_names():
-        codec = get_codec(name)
+    # Patch the classes, not the registered instances: undoing a patch of a method on an
+    # instance leaves the bound method behind as an instance attribute, which would hide
+    # later class-level patches (other tests') from the registry's codecs.
+    for cls in {type(get_codec(name)) for name in codec_names()}:
         for meth in ("encode", "encode_with", "decode"):
-            monkeypatch.setattr(codec, meth, _paused(reads, getattr(codec, meth)))
+            monkeypatch.setattr(cls, meth, _paused(reads, getattr(cls, meth)))
     kf_state = _training_state(12)
     state = _training_state(12)
     rules = [("optimizer/state/*/exp_avg", "int8"),

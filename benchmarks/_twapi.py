@@ -136,8 +136,9 @@ def load_setting(
 # --------------------------------------------------------------------------- restarts
 
 # How a Checkpointer codes the saves between keyframes: "open" = deltas from the last
-# keyframe (Checkpointer(delta=True)); "none" = quantized on their own (delta=False).
-DELTA_MODES = {"open": True, "none": False}
+# keyframe; "closed" = each delta from the reconstruction of the save before it;
+# "none" = quantized on their own (see tw_triton.deltas).
+DELTA_MODES = {"open": "open", "closed": "closed", "none": "none"}
 # The Checkpointer's own default, against which the cycle average is also reported.
 DEFAULT_KEYFRAME_EVERY = 10
 # The parts of a checkpoint whose bytes the restart benchmarks report apart.
@@ -159,8 +160,13 @@ EXPLICIT_RULES: dict[str, list[Any]] = {
     # A negative control: exp_avg_sq linear int8 (known to break AdamW on resume).
     "w8-m8-v8linear": [_moment("exp_avg_sq", {"codec": "int8", "delta": False, "min_numel": 4096}),
                        _moment("exp_avg", {"codec": "int8", "delta": False, "min_numel": 4096})],
+    # The moment presets' shapes at other weight bits (weights from bits= below).
+    "w2-m4-v2": [_moment("exp_avg_sq", {"codec": "log2", "bits": 2, "min_numel": 4096}),
+                 _moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096})],
+    "w2-m2-v2": [_moment("exp_avg_sq", {"codec": "log2", "bits": 2, "min_numel": 4096}),
+                 _moment("exp_avg", {"codec": "int2", "delta": False, "min_numel": 4096})],
 }
-EXPLICIT_BITS = {"w4-m4-v4": 4}
+EXPLICIT_BITS = {"w4-m4-v4": 4, "w2-m4-v2": 2, "w2-m2-v2": 2}
 
 
 @dataclass(frozen=True)

@@ -104,12 +104,11 @@ import numpy as np
 import torch
 
 from . import format as _format
-from .codecs import get_codec
-from .errors import CheckpointError, ReferenceMismatchError, TwTritonError
+from .errors import CheckpointError, TwTritonError
 from .qstate import QuantizedState
-from .rules import keyframe_rules, resolve_rules, rules_as_specs, select_rule
+from .deltas import Reference, advance, chain_of, check_reference, decode_chain, delta_mode, make_reference
+from .rules import keyframe_rules, resolve_rules, rules_as_specs
 from .snapshot_pool import SnapshotLease, SnapshotPool
-from .state import load as _load_state
 from .state import dequantize_state_dict, quantize_state_dict
 from .tree import flatten
 from .writer import AsyncWriter
@@ -120,7 +119,6 @@ CHECKPOINT_SUFFIX = ".tw.safetensors"
 STEP_DIGITS = 8
 RESERVED_NAMES = ("step", "rng")
 _NAME_RE = re.compile(r"step-(\d+)\.tw\.safetensors")
-_UNESCAPE_RE = re.compile(r"%(25|2F)")
 
 # The smallest preset the resume benchmarks measured within the noise floor (README).
 DEFAULT_RULES = "small"
@@ -163,19 +161,6 @@ class CheckpointInfo:
     nbytes: int
 
 
-@dataclass
-class _Reference:
-    """The keyframe the next deltas are encoded against, kept on the tensors' devices."""
-
-    checkpoint_id: str
-    step: int
-    tree: dict[str, Any]  # nested like the saved state, only the delta-coded tensors
-    nbytes: int
-    future: Future  # the keyframe's write: if it fails, the reference is dropped
-    lease: SnapshotLease | None = None  # pooled host buffers under ``tree``, kept with it
-    last_use: Future | None = None  # the last save encoded against it on the writer thread
-
-
 def capture_rng_state() -> dict[str, Any]:
     """The RNG states of torch (CPU; CUDA if initialized), numpy and Python ``random``."""
     rng: dict[str, Any] = {
@@ -212,25 +197,6 @@ def restore_rng_state(rng: dict[str, Any], *, source: str = "checkpoint") -> Non
                 "CUDA RNG states not restored", source, len(cuda),
                 torch.cuda.device_count() if torch.cuda.is_available() else 0,
             )
-
-
-def _unescape(component: str) -> str:
-    return _UNESCAPE_RE.sub(lambda m: "%" if m.group(1) == "25" else "/", component)
-
-
-def _nest(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Nested dicts whose flattened paths (``tree.flatten``) are exactly ``flat``'s keys.
-
-    List indices become string keys, which flatten to the same path components.
-    """
-    root: dict[str, Any] = {}
-    for path, t in flat.items():
-        parts = [_unescape(p) for p in path.split("/")]
-        node = root
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = t
-    return root
 
 
 def _state_of(value: Any) -> Any:
@@ -286,12 +252,13 @@ class Checkpointer:
         bits: int = 8,
         block: int = 128,
         async_write: bool = True,
-        delta: bool = True,
+        delta: bool | str = True,
         max_pending: int = 1,
         pinned_bytes: int | None = None,
         fsync: bool = True,
         snapshot_pool_bytes: int | None = None,
     ) -> None:
+        self.delta_mode = delta_mode(delta)
         if keyframe_every < 1:
             raise CheckpointError(f"keyframe_every must be at least 1, got {keyframe_every}")
         if keep_last is not None and keep_last < 1:
@@ -303,13 +270,13 @@ class Checkpointer:
         self.rules = rules
         self.bits = bits
         self.block = block
-        self.delta = delta
+        self.delta = self.delta_mode != "none"
         self.fsync = fsync
         self._writer = (
             AsyncWriter(max_pending=max_pending, pinned_bytes=pinned_bytes, fsync=fsync)
             if async_write else None
         )
-        self._reference: _Reference | None = None
+        self._reference: Reference | None = None
         self._since_keyframe: int | None = None  # None: the next save is a keyframe
         self._inflight: dict[int, tuple[Future, str, str | None]] = {}  # step -> (future, id, ref id)
         self._manifest_cache: dict[str, tuple[tuple[int, int], CheckpointInfo | None]] = {}
@@ -391,7 +358,7 @@ class Checkpointer:
                 q_id = uuid.uuid4().hex
                 q_ref_id = reference.checkpoint_id if reference is not None and not keyframe else None
                 if reference is not None and not keyframe:
-                    _check_reference(tree, rule_list, reference, path)
+                    check_reference(tree, rule_list, reference, path)
                 snap_q = quantize_state_dict(tree, rules="exact", checkpoint_id=q_id, allocate=lease)
                 snapshot = dequantize_state_dict(snap_q)  # a tree over snap_q's buffers, no copy
                 del snap_q
@@ -403,7 +370,7 @@ class Checkpointer:
                 else:
                     job = functools.partial(
                         _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block,
-                        meta, q_id,
+                        meta, q_id, ref_at=_ref_at(reference),
                     )
                 future = self._write(job, path)
                 if reference is not None and not keyframe:
@@ -418,7 +385,7 @@ class Checkpointer:
                     }
                 else:
                     q = _encode_snapshot(tree, reference, self.rules, self.bits, self.block, meta, None,
-                                         allocate=lease)
+                                         allocate=lease, ref_at=_ref_at(reference))
                 q_id, q_ref_id = q.checkpoint_id, q.reference_id
                 future = self._write(q, path)
         except BaseException:
@@ -434,13 +401,16 @@ class Checkpointer:
         if keyframe:
             self._since_keyframe = 0
             self._reference = (
-                self._make_reference(q_id, ref_values, rule_list, step, future) if self.delta else None
+                make_reference(q_id, ref_values, rule_list, step, future, closed=self.delta_mode == "closed")
+                if self.delta else None
             )
             if self._reference is not None and lease is not None:
                 # The reference outlives this save's write: its buffers leave the lease.
                 self._reference.lease = lease.split(list(_leaves(self._reference.tree)))
         else:
             self._since_keyframe = (self._since_keyframe or 0) + 1
+            if reference is not None and reference.closed and q_ref_id is not None:
+                self._link(reference, q_id, step, future)
         if self._writer is None:
             self._collect_finished()
             self._retain()
@@ -608,13 +578,10 @@ class Checkpointer:
             if dev.type == "cuda" and not torch.cuda.is_available():
                 raise TwTritonError(f"cannot load from {self.directory!r} to {dev}: CUDA is not available")
             found, info, reads = self._latest_read(pin=_wants_pinned(dev))
-            state = _decode_read(info, found, reads, dev)
         else:
             found, info = self._find(step, verify=verify)
-            reference = None
-            if info.reference_id is not None:
-                reference = _reference_info(info, found, self.directory).path
-            state = _load_state(info.path, device=dev, reference=reference, verify=verify)
+            reads = {}
+        state = _decode_read(info, found, reads, dev, verify=verify)
         if not isinstance(state, dict) or "step" not in state:
             raise CheckpointError(
                 f"{info.path}: not a Checkpointer checkpoint (expected a dict with 'step' at the top)"
@@ -678,39 +645,29 @@ class Checkpointer:
             return self._writer.submit(q, path)
         return _done_future(_format.write_file(q, path, fsync=self.fsync))
 
-    @staticmethod
-    def _make_reference(
-        checkpoint_id: str,
-        values: dict[str, torch.Tensor],
-        rule_list: Any,
-        step: int,
-        future: Future,
-    ) -> _Reference:
-        """Keep the keyframe's values of the tensors that the rules will delta-code.
-
-        ``values`` are the keyframe's snapshot tensors (its exact entries, or the private
-        copy the writer thread encodes): the keyframe stores exactly these for every
-        delta-coded path (:func:`~tw_triton.rules.keyframe_rules`), so holding them costs
-        nothing more than not freeing them.
-        """
-        flat: dict[str, torch.Tensor] = {}
-        for path, data in values.items():
-            rule = select_rule(rule_list, path, data)
-            codec = get_codec(rule.codec)
-            if codec is not None and codec.uses_reference(rule.params):
-                flat[path] = data
-        nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in flat.values()}.values())
-        return _Reference(checkpoint_id, step, _nest(flat), nbytes, future)
-
     def _drop_reference_if_lost(self) -> None:
         """A keyframe whose write failed cannot serve as a reference: start a new one."""
         ref = self._reference
-        if ref is not None and ref.future.done() and ref.future.exception() is not None:
+        if ref is not None and ref.lost():
             logger.warning(
-                "keyframe of step %d was not written; the next save will be a new keyframe", ref.step
+                "a save that the next delta would build on (step %d or its keyframe) was not "
+                "written; the next save will be a new keyframe", ref.step
             )
             self._retire_reference()
             self._since_keyframe = None
+
+    def _link(self, reference: Reference, checkpoint_id: str, step: int, future: Future) -> None:
+        """Closed loop: the delta just saved is what the next delta is coded against.
+
+        Its encode (now, or on the writer thread before the next save's) advances the
+        reference's tensors; the keyframe's pooled buffers are no longer the reference once
+        that encode is done.
+        """
+        reference.checkpoint_id, reference.step = checkpoint_id, step
+        reference.links.append(future)
+        if reference.lease is not None:
+            self._leases.append((future, reference.lease))
+            reference.lease = None
 
     def _new_lease(self) -> SnapshotLease | None:
         """The allocator of the next save's snapshot, with the pool's cap brought up to date."""
@@ -881,84 +838,47 @@ class Checkpointer:
             logger.debug("retention removed %s", info.path)
 
 
-def _reference_info(
-    info: CheckpointInfo, found: dict[int, CheckpointInfo], directory: str
-) -> CheckpointInfo:
-    ref = next((i for i in found.values() if i.checkpoint_id == info.reference_id), None)
-    if ref is None:
-        raise ReferenceMismatchError(
-            f"{info.path}: is a delta from checkpoint {info.reference_id!r}, which is "
-            f"not in {directory!r}"
-        )
-    return ref
-
-
 def _decode_read(
     info: CheckpointInfo,
     found: dict[int, CheckpointInfo],
     reads: dict[str, QuantizedState],
     device: torch.device,
+    *,
+    verify: bool = True,
 ) -> Any:
-    """Decode the verified read of ``info`` (and of its keyframe) on ``device``.
+    """Decode ``info`` on ``device``, with the chain of checkpoints it is a delta of.
 
-    The checks that :func:`tw_triton.load` makes of a reference file are made here on the
-    keyframe's read: its id, and that it is no delta itself; the per-entry fingerprints are
-    checked by the decode.
+    Files already read (and verified) are taken from ``reads``; the others are read now.
+    Each link is checked to be the checkpoint its successor names; the per-entry
+    fingerprints are checked by the decode.
     """
-    q = reads[info.path]
-    reference = None
-    if info.reference_id is not None:
-        ref = _reference_info(info, found, os.path.dirname(info.path))
-        rq = reads[ref.path]
-        if rq.checkpoint_id != q.reference_id:
-            raise ReferenceMismatchError(
-                f"{info.path}: is a delta from reference checkpoint {q.reference_id!r}, but "
-                f"reference file {ref.path!r} is checkpoint {rq.checkpoint_id!r}"
-            )
-        if rq.reference_id is not None:
-            # Chains are not followed: a reference must decode on its own (a keyframe).
-            raise ReferenceMismatchError(
-                f"{info.path}: reference file {ref.path!r} is itself a delta (from checkpoint "
-                f"{rq.reference_id!r}); a reference must be a checkpoint without deltas"
-            )
-        reference = dequantize_state_dict(rq, device=device, source=ref.path)
-    return dequantize_state_dict(q, reference=reference, device=device, source=info.path)
+    by_id = {i.checkpoint_id: i for i in found.values()}
+    chain = chain_of(info, by_id, os.path.dirname(info.path))
+    pin = _wants_pinned(device)
+
+    def read(item: CheckpointInfo) -> QuantizedState:
+        q = reads.pop(item.path, None)
+        return q if q is not None else _format.read_file(item.path, verify=verify, pin_memory=pin)
+
+    return decode_chain(chain, read, device)
 
 
 def _wants_pinned(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
-def _check_reference(tree: Any, rule_list: Any, reference: _Reference, path: str) -> None:
-    """Raise now what encoding ``tree`` against ``reference`` would raise on the writer thread.
-
-    Raises:
-        ReferenceMismatchError: a tensor the rules delta-code has no tensor of its shape in
-            the reference (e.g. the model changed shape since the keyframe).
-    """
-    ref_flat, _ = flatten(reference.tree)
-    for entry, x in flatten(tree)[0].items():
-        rule = select_rule(rule_list, entry, x)
-        codec = get_codec(rule.codec)
-        if codec is None or not codec.uses_reference(rule.params):
-            continue
-        r = ref_flat.get(entry)
-        if r is None or tuple(r.shape) != tuple(x.shape):
-            found = "no tensor" if r is None else f"shape {tuple(r.shape)}"
-            raise ReferenceMismatchError(
-                f"cannot save {path!r} as a delta: entry {entry!r} has shape {tuple(x.shape)} but "
-                f"the keyframe of step {reference.step} has {found} there; "
-                "the state changed since the keyframe (the next keyframe starts over)"
-            )
-
-
 def _all_on_cpu(tree: Any) -> bool:
     return all(t.device.type == "cpu" for t in flatten(tree)[0].values())
 
 
+def _ref_at(reference: Reference | None) -> tuple[str, int] | None:
+    """The id and step of the checkpoint a delta saved now is coded against."""
+    return None if reference is None else (reference.checkpoint_id, reference.step)
+
+
 def _encode_snapshot(
     snapshot: Any,
-    reference: _Reference | None,
+    reference: Reference | None,
     rules: Any,
     bits: int,
     block: int,
@@ -966,23 +886,31 @@ def _encode_snapshot(
     checkpoint_id: str | None,
     *,
     allocate: SnapshotLease | None = None,
+    ref_at: tuple[str, int] | None = None,
 ) -> QuantizedState:
     """Encode a save between keyframes: a delta from ``reference``, or on its own without.
 
     With ``checkpoint_id`` it runs on the writer thread over ``snapshot``, a private copy of
     the state (exact entries then hold the copy's tensors, no second copy); without, it
-    runs in ``save`` over the live state (copies into ``allocate``).
+    runs in ``save`` over the live state (copies into ``allocate``). ``ref_at`` is the id
+    and step of the reference as they were at ``save`` (in closed loop the main thread
+    moves them on before the writer thread gets here). A closed-loop reference is advanced
+    to this delta's reconstruction before returning.
     """
     deferred = checkpoint_id is not None
     if reference is not None:
+        ref_id, ref_step = ref_at if ref_at is not None else (reference.checkpoint_id, reference.step)
         q = quantize_state_dict(
-            snapshot, reference=reference.tree, reference_id=reference.checkpoint_id, rules=rules,
+            snapshot, reference=reference.tree, reference_id=ref_id, rules=rules,
             bits=bits, block=block, metadata=meta, checkpoint_id=checkpoint_id, allocate=allocate,
             copy=not deferred,
         )
         q.metadata["kind"] = KIND_DELTA if q.reference_id is not None else KIND_STANDALONE
         if q.reference_id is not None:
-            q.metadata["reference_step"] = reference.step
+            q.metadata["reference_step"] = ref_step
+            if reference.closed:
+                q.metadata["delta_mode"] = "closed"
+                advance(reference, q)
     else:
         q = quantize_state_dict(snapshot, rules=rules, bits=bits, block=block, metadata=meta,
                                 checkpoint_id=checkpoint_id, allocate=allocate, copy=not deferred)

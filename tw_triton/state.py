@@ -48,7 +48,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -376,7 +376,56 @@ def dequantize_state_dict(
     """
     where = source or MEMORY_SOURCE
     dev = torch.device(device) if device is not None else None
+    out = _decode_entries(qstate, None, reference, dev, where, progress, verify)
+    try:
+        return unflatten(qstate.skeleton, out)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from e
+
+
+def dequantize_entries(
+    qstate: QuantizedState,
+    paths: Iterable[str],
+    *,
+    reference: Any = None,
+    device: torch.device | str | None = None,
+    source: str | None = None,
+    verify: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Decode only the entries at ``paths`` (aliases included) into ``{path: tensor}``.
+
+    What a chain of deltas needs from each link but the last: the tensors the next link
+    is a delta of, not the whole state. ``reference`` is as for
+    :func:`dequantize_state_dict` and is needed only if one of ``paths`` is a delta entry.
+
+    Raises:
+        CheckpointError: a path with no entry, or anything :func:`dequantize_state_dict`
+            raises for those entries.
+    """
+    where = source or MEMORY_SOURCE
+    dev = torch.device(device) if device is not None else None
+    wanted = set(paths)
+    missing = sorted(p for p in wanted if p not in qstate.entries and p not in qstate.aliases)
+    if missing:
+        raise CheckpointError(f"{where}: has no entry {missing[0]!r} (needed to decode the next delta)")
+    targets = {qstate.aliases.get(p, p) for p in wanted}
+    out = _decode_entries(qstate, targets, reference, dev, where, None, verify)
+    return {p: out[qstate.aliases.get(p, p)] for p in wanted}
+
+
+def _decode_entries(
+    qstate: QuantizedState,
+    only: set[str] | None,
+    reference: Any,
+    dev: torch.device | None,
+    where: str,
+    progress: Progress | None,
+    verify: bool,
+) -> dict[str, torch.Tensor]:
+    """Decode the entries of ``qstate`` (those in ``only``, or all) and resolve aliases."""
     delta = set(_delta_paths(qstate, where))
+    if only is not None:
+        delta &= only
 
     ref_tensors: dict[str, torch.Tensor] = {}
     if delta:
@@ -417,6 +466,8 @@ def dequantize_state_dict(
     out: dict[str, torch.Tensor] = {}
     total = len(qstate.entries)
     for i, (path, entry) in enumerate(qstate.entries.items()):
+        if only is not None and path not in only:
+            continue
         codec = _codec_or_raise(entry.codec, CheckpointError, f"{where}: entry {path!r}")
         context = f"{where}: entry {path!r} (codec {entry.codec!r})"
         target = host if path in host_paths and dev is not None else dev
@@ -428,13 +479,12 @@ def dequantize_state_dict(
         if progress is not None:
             progress(i + 1, total)
     for path, target in qstate.aliases.items():
+        if only is not None and target not in only:
+            continue
         if target not in out:
             raise CheckpointError(f"{where}: alias {path!r} points to {target!r}, which has no entry")
         out[path] = out[target]
-    try:
-        return unflatten(qstate.skeleton, out)
-    except CheckpointError as e:
-        raise CheckpointError(f"{where}: {e}") from e
+    return out
 
 
 def save(
@@ -496,4 +546,4 @@ def load(
     )
 
 
-__all__ = ["quantize_state_dict", "dequantize_state_dict", "save", "load"]
+__all__ = ["quantize_state_dict", "dequantize_state_dict", "dequantize_entries", "save", "load"]

@@ -1,0 +1,161 @@
+"""Closed-loop deltas (``Checkpointer(delta="closed")``): chains of deltas, each coded against
+the reconstruction of the save before it (tw_triton.deltas)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import tw_triton
+import tw_triton.format as fmt
+from tw_triton.checkpointer import Checkpointer
+from tw_triton.deltas import delta_mode
+from tw_triton.errors import CheckpointError
+from tw_triton.format import read_manifest
+from tw_triton.state import dequantize_entries
+
+BITS, BLOCK = 2, 64
+
+
+def _drift(steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Weights that move steadily (a random walk plus a trend), as training moves them."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(96, 64, generator=gen)
+    trend = torch.randn(96, 64, generator=gen) * 1e-3
+    out = []
+    for _ in range(steps):
+        w = w + trend + torch.randn(96, 64, generator=gen) * 2e-4
+        out.append({"w": w.clone(), "b": torch.randn(8, generator=gen)})
+    return out
+
+
+def _save_all(directory, states, *, delta, async_write, keyframe_every=100, keep_last=None):
+    with Checkpointer(directory, keyframe_every=keyframe_every, keep_last=keep_last, rules="default",
+                      bits=BITS, block=BLOCK, delta=delta, async_write=async_write, fsync=False) as ck:
+        for step, s in enumerate(states):
+            ck.save(step, model=s)
+    return Checkpointer(directory, keep_last=None)
+
+
+def _expected_closed(states):
+    """The reconstructions a closed-loop chain must give, computed with the tensor API."""
+    ref = states[0]["w"].clone()
+    out = [ref]
+    for s in states[1:]:
+        q = tw_triton.quantize(s["w"], bits=BITS, block=BLOCK, reference=ref)
+        ref = tw_triton.dequantize(q, reference=ref)
+        out.append(ref)
+    return out
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_closed_loop_chain_decodes_to_the_encoders_reconstruction(tmp_path, async_write):
+    states = _drift(7)
+    ck = _save_all(tmp_path, states, delta="closed", async_write=async_write)
+    infos = ck.infos()
+    assert [i.kind for i in infos] == ["keyframe"] + ["delta"] * 6
+    for prev, info in zip(infos, infos[1:]):
+        assert info.reference_id == prev.checkpoint_id  # each link names the one before it
+        assert read_manifest(info.path)["metadata"]["delta_mode"] == "closed"
+    want = _expected_closed(states)
+    for step in range(7):
+        got = ck.load(step)["model"]
+        assert torch.equal(got["w"], want[step]), step
+        assert torch.equal(got["b"], states[step]["b"])  # small tensors stay exact
+    assert ck.latest() == 6
+    assert torch.equal(ck.load()["model"]["w"], want[6])
+
+
+def test_closed_loop_error_stays_bounded_where_open_loop_grows(tmp_path):
+    states = _drift(12)
+    closed = _save_all(tmp_path / "closed", states, delta="closed", async_write=True)
+    opened = _save_all(tmp_path / "open", states, delta="open", async_write=True)
+    err_closed = [(closed.load(s)["model"]["w"] - states[s]["w"]).abs().max().item() for s in range(1, 12)]
+    err_open = [(opened.load(s)["model"]["w"] - states[s]["w"]).abs().max().item() for s in range(1, 12)]
+    # Open loop: the codes span the whole drift since the keyframe, so the error grows.
+    assert err_open[-1] > 3 * err_open[0]
+    # Closed loop: bounded by one step's change (plus the carried error), whatever the distance.
+    assert max(err_closed) < 0.5 * err_open[-1]
+    assert err_closed[-1] < 2 * err_closed[0]
+
+
+def test_async_and_sync_closed_loop_write_the_same_values(tmp_path):
+    states = _drift(5, seed=3)
+    a = _save_all(tmp_path / "a", states, delta="closed", async_write=True)
+    b = _save_all(tmp_path / "b", states, delta="closed", async_write=False)
+    for step in range(5):
+        assert torch.equal(a.load(step)["model"]["w"], b.load(step)["model"]["w"])
+
+
+def test_a_corrupt_link_makes_latest_fall_back_before_it(tmp_path, caplog):
+    states = _drift(6)
+    ck = _save_all(tmp_path, states, delta="closed", async_write=False)
+    path = ck.path_for(3)
+    data = bytearray(open(path, "rb").read())
+    data[-5] ^= 0xFF  # a data byte: the file's checksum fails
+    open(path, "wb").write(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert ck.latest() == 2  # 5 and 4 need 3; 3 fails
+    assert any("fails verification" in r.message for r in caplog.records)
+    want = _expected_closed(states)
+    assert torch.equal(ck.load()["model"]["w"], want[2])
+    with pytest.raises(CheckpointError, match="step-00000003"):
+        ck.load(5)
+
+
+def test_retention_keeps_the_whole_chain_a_kept_delta_needs(tmp_path):
+    states = _drift(9)
+    ck = _save_all(tmp_path, states, delta="closed", async_write=True, keyframe_every=4, keep_last=1)
+    # Keyframes at 0, 4, 8: the newest (8) needs nothing; 4..7 are gone once 8 is kept.
+    assert ck.steps() == [8]
+    ck2 = _save_all(tmp_path / "b", states[:7], delta="closed", async_write=True, keyframe_every=4, keep_last=1)
+    # 6 needs 5 needs 4 (a keyframe): the chain stays, 0..3 go.
+    assert ck2.steps() == [4, 5, 6]
+    assert torch.equal(ck2.load()["model"]["w"], _expected_closed(states[4:7])[-1])
+
+
+def test_a_failed_link_write_starts_a_new_keyframe(tmp_path, monkeypatch):
+    states = _drift(6)
+    real = fmt.write_file
+    calls = []
+
+    def failing(q, path, *args, **kwargs):
+        calls.append(path)
+        if os.path.basename(path).startswith("step-00000002"):
+            raise OSError(28, "No space left on device")
+        return real(q, path, *args, **kwargs)
+
+    monkeypatch.setattr(fmt, "write_file", failing)
+    ck = Checkpointer(tmp_path, keyframe_every=100, keep_last=None, rules="default", bits=BITS, block=BLOCK,
+                      delta="closed", async_write=True, fsync=False)
+    for step in range(3):
+        ck.save(step, model=states[step])
+    with pytest.raises(CheckpointError):
+        ck.flush()
+    ck.save(3, model=states[3])  # must not be a delta of the lost step 2
+    ck.close()
+    infos = {i.step: i for i in Checkpointer(tmp_path).infos()}
+    assert sorted(infos) == [0, 1, 3]
+    assert infos[3].kind == "keyframe"
+    assert torch.equal(Checkpointer(tmp_path).load(3)["model"]["w"], states[3]["w"])
+
+
+def test_delta_argument_is_checked(tmp_path):
+    assert delta_mode(True) == "open" and delta_mode(False) == "none" and delta_mode("closed") == "closed"
+    with pytest.raises(CheckpointError, match="closed"):
+        Checkpointer(tmp_path / "never-made", delta="loop")
+    assert not (tmp_path / "never-made").exists()
+
+
+def test_dequantize_entries_decodes_a_subset_and_names_a_missing_path():
+    w = torch.randn(64, 64)
+    state = {"model": {"a": w, "b": torch.randn(64, 64)}, "step": 3}
+    q = tw_triton.quantize_state_dict(state, rules=[("model/*", {"codec": "int8", "min_numel": 0})])
+    got = dequantize_entries(q, ["model/a"])
+    assert list(got) == ["model/a"]
+    assert torch.equal(got["model/a"], tw_triton.dequantize_state_dict(q)["model"]["a"])
+    with pytest.raises(CheckpointError, match="model/zz"):
+        dequantize_entries(q, ["model/zz"])

@@ -1,0 +1,273 @@
+"""What a Checkpointer's deltas are coded against, and decoding a chain of them.
+
+Two ways to code the saves between keyframes (``Checkpointer(delta=...)``):
+
+``"open"`` (open loop)
+    Every delta is coded against the last keyframe's exact values. Loading a delta reads
+    it and its keyframe; losing a delta loses only that delta. The quantization error of a
+    delta grows with its distance from the keyframe, because the codes must span
+    everything that changed since then.
+
+``"closed"`` (closed loop)
+    Every delta is coded against the *reconstruction* of the save before it: after a
+    delta is encoded, the reference becomes ``decode(delta, reference)``, which is exactly
+    what a loader rebuilds (the codecs are bit-exact on every device). The error of a
+    delta is then bounded by the change since the previous save plus the previous error,
+    whatever the distance from the keyframe, so fewer bits serve. The price is a chain:
+    loading delta ``k`` decodes the keyframe and deltas ``1..k`` in order (only the
+    delta-coded tensors of the links before ``k``), a delta that is lost or corrupt makes
+    the deltas after it unloadable until the next keyframe (``latest()`` then falls back to
+    the newest checkpoint whose whole chain verifies), and retention keeps every link that
+    a kept checkpoint needs.
+
+Each file records the id of the checkpoint it is a delta of (``reference_id``), so the
+chain is found from the files themselves; :func:`chain_of` walks it and :func:`decode_chain`
+decodes it.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .codecs import get_codec
+from .errors import CheckpointError, ReferenceMismatchError
+from .qstate import QuantizedState
+from .rules import select_rule
+from .snapshot_pool import SnapshotLease
+from .state import dequantize_entries, dequantize_state_dict
+from .tree import flatten
+
+DELTA_MODES = ("open", "closed", "none")
+_UNESCAPE_RE = re.compile(r"%(25|2F)")
+
+
+def delta_mode(delta: Any) -> str:
+    """The delta mode a ``Checkpointer(delta=...)`` argument names.
+
+    ``True`` is ``"open"`` and ``False`` is ``"none"`` (the values before closed loop
+    existed).
+
+    Raises:
+        CheckpointError: anything else than a bool or one of :data:`DELTA_MODES`.
+    """
+    if delta is True:
+        return "open"
+    if delta is False:
+        return "none"
+    if isinstance(delta, str) and delta in DELTA_MODES:
+        return delta
+    raise CheckpointError(f"delta must be True, False or one of {', '.join(map(repr, DELTA_MODES))}, got {delta!r}")
+
+
+def _unescape(component: str) -> str:
+    return _UNESCAPE_RE.sub(lambda m: "%" if m.group(1) == "25" else "/", component)
+
+
+def nest(flat: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Nested dicts whose flattened paths (``tree.flatten``) are exactly ``flat``'s keys.
+
+    List indices become string keys, which flatten to the same path components.
+    """
+    root: dict[str, Any] = {}
+    for path, t in flat.items():
+        parts = [_unescape(p) for p in path.split("/")]
+        node = root
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = t
+    return root
+
+
+@dataclass
+class Reference:
+    """What the next delta is encoded against, kept on the tensors' devices.
+
+    ``checkpoint_id`` and ``step`` name the checkpoint the next delta will record as its
+    reference (the keyframe; in closed loop, the last delta). They are read and written by
+    the thread that calls ``save``. ``tree`` is read and, in closed loop, replaced by the
+    thread that encodes (the writer thread for a CPU state with an async writer), always in
+    save order.
+    """
+
+    checkpoint_id: str
+    step: int
+    tree: dict[str, Any]  # nested like the saved state, only the delta-coded tensors
+    nbytes: int
+    future: Future  # the keyframe's write: if it fails, the reference is dropped
+    lease: SnapshotLease | None = None  # pooled host buffers under ``tree``, kept with it
+    last_use: Future | None = None  # the last save encoded against it on the writer thread
+    closed: bool = False
+    links: list[Future] = field(default_factory=list)  # closed loop: the writes of its deltas
+
+    def lost(self) -> bool:
+        """Whether a write this reference depends on failed (the keyframe, or a chain link)."""
+        return any(f.done() and f.exception() is not None for f in (self.future, *self.links))
+
+
+def make_reference(
+    checkpoint_id: str,
+    values: Mapping[str, torch.Tensor],
+    rule_list: Any,
+    step: int,
+    future: Future,
+    *,
+    closed: bool,
+) -> Reference:
+    """Keep the keyframe's values of the tensors that the rules will delta-code.
+
+    ``values`` are the keyframe's snapshot tensors (its exact entries, or the private copy
+    the writer thread encodes): the keyframe stores exactly these for every delta-coded
+    path (:func:`~tw_triton.rules.keyframe_rules`), so holding them costs nothing more than
+    not freeing them.
+    """
+    flat: dict[str, torch.Tensor] = {}
+    for path, data in values.items():
+        rule = select_rule(rule_list, path, data)
+        codec = get_codec(rule.codec)
+        if codec is not None and codec.uses_reference(rule.params):
+            flat[path] = data
+    nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in flat.values()}.values())
+    return Reference(checkpoint_id, step, nest(flat), nbytes, future, closed=closed)
+
+
+def check_reference(tree: Any, rule_list: Any, reference: Reference, path: str) -> None:
+    """Raise now what encoding ``tree`` against ``reference`` would raise on the writer thread.
+
+    Raises:
+        ReferenceMismatchError: a tensor the rules delta-code has no tensor of its shape in
+            the reference (e.g. the model changed shape since the keyframe).
+    """
+    ref_flat, _ = flatten(reference.tree)
+    for entry, x in flatten(tree)[0].items():
+        rule = select_rule(rule_list, entry, x)
+        codec = get_codec(rule.codec)
+        if codec is None or not codec.uses_reference(rule.params):
+            continue
+        r = ref_flat.get(entry)
+        if r is None or tuple(r.shape) != tuple(x.shape):
+            found = "no tensor" if r is None else f"shape {tuple(r.shape)}"
+            raise ReferenceMismatchError(
+                f"cannot save {path!r} as a delta: entry {entry!r} has shape {tuple(x.shape)} but "
+                f"the keyframe of step {reference.step} has {found} there; "
+                "the state changed since the keyframe (the next keyframe starts over)"
+            )
+
+
+def advance(reference: Reference, q: QuantizedState) -> None:
+    """Closed loop: make ``reference`` the reconstruction of ``q``, the delta just encoded.
+
+    Every tensor of the reference becomes what a loader decodes from ``q`` at its path
+    (the delta decoded against the old reference; an entry stored exact because it held
+    NaN/Inf decodes to its own values), on the reference tensor's device and in its
+    dtype. The new tensors are fresh: the old ones may still be read by a pending write,
+    and an exact entry's buffer may go back to the snapshot pool once ``q`` is written.
+    """
+    old, _ = flatten(reference.tree)
+    new: dict[str, torch.Tensor] = {}
+    decoded: dict[str, torch.Tensor] = {}  # by entry path: tied tensors stay tied
+    for path, r in old.items():
+        target = q.aliases.get(path, path)
+        if target not in decoded:
+            entry = q.entries.get(target)
+            if entry is None:
+                raise CheckpointError(
+                    f"checkpoint {q.checkpoint_id}: has no entry {path!r} to advance the closed-loop reference"
+                )
+            codec = get_codec(entry.codec)
+            context = f"checkpoint {q.checkpoint_id}: entry {target!r}"
+            if codec is None:
+                raise CheckpointError(f"{context}: unknown codec {entry.codec!r}")
+            if codec.uses_reference(entry.params):
+                t = codec.decode(entry, old[target] if target in old else r, r.device, context)
+            else:
+                t = codec.decode(entry, None, r.device, context).clone()
+            decoded[target] = t
+        new[path] = decoded[target]
+    reference.tree = nest(new)
+
+
+def chain_of(info: Any, by_id: Mapping[str, Any], directory: str) -> list[Any]:
+    """``info`` and the checkpoints it needs, oldest (the keyframe) first.
+
+    ``info`` and the values of ``by_id`` have ``checkpoint_id``, ``reference_id`` and
+    ``path`` (:class:`~tw_triton.checkpointer.CheckpointInfo`).
+
+    Raises:
+        ReferenceMismatchError: a reference that is not in ``by_id``, or a cycle.
+    """
+    chain = [info]
+    seen = {info.checkpoint_id}
+    while chain[-1].reference_id is not None:
+        ref = by_id.get(chain[-1].reference_id)
+        if ref is None:
+            raise ReferenceMismatchError(
+                f"{chain[-1].path}: is a delta from checkpoint {chain[-1].reference_id!r}, which is "
+                f"not in {directory!r}"
+            )
+        if ref.checkpoint_id in seen:
+            raise ReferenceMismatchError(f"{info.path}: its references form a cycle at {ref.path}")
+        seen.add(ref.checkpoint_id)
+        chain.append(ref)
+    chain.reverse()
+    return chain
+
+
+def decode_chain(
+    chain: list[Any],
+    read: Callable[[Any], QuantizedState],
+    device: torch.device,
+) -> Any:
+    """Decode the last checkpoint of ``chain`` (from :func:`chain_of`) on ``device``.
+
+    ``read(info)`` returns the checkpoint's :class:`QuantizedState`. Each link but the last
+    is decoded only at the paths the next link is a delta of; every link is checked to be
+    the checkpoint its successor names.
+
+    Raises:
+        ReferenceMismatchError: a file that is not the checkpoint the next link needs.
+        CheckpointError: anything decoding raises, naming the file and the entry.
+    """
+    reference: Any = None
+    prev_q: QuantizedState | None = None
+    prev_info: Any = None
+    qs = [read(chain[0])]
+    for k, info in enumerate(chain):
+        q = qs[k]
+        if prev_q is not None and prev_q.checkpoint_id != q.reference_id:
+            raise ReferenceMismatchError(
+                f"{info.path}: is a delta from reference checkpoint {q.reference_id!r}, but "
+                f"reference file {prev_info.path!r} is checkpoint {prev_q.checkpoint_id!r}"
+            )
+        if k == len(chain) - 1:
+            return dequantize_state_dict(q, reference=reference, device=device, source=info.path)
+        nxt = read(chain[k + 1])
+        qs.append(nxt)
+        needed = [p for p, e in nxt.entries.items() if _uses_reference(e)]
+        flat = dequantize_entries(q, needed, reference=reference, device=device, source=info.path)
+        reference = nest(flat)
+        qs[k] = None  # type: ignore[call-overload]  # a link's buffers are not needed any more
+        prev_q, prev_info = q, info
+    raise CheckpointError("empty chain")  # pragma: no cover - chain_of never returns one
+
+
+def _uses_reference(entry: Any) -> bool:
+    codec = get_codec(entry.codec)
+    return codec is not None and codec.uses_reference(entry.params)
+
+
+__all__ = [
+    "DELTA_MODES",
+    "Reference",
+    "advance",
+    "chain_of",
+    "check_reference",
+    "decode_chain",
+    "delta_mode",
+    "make_reference",
+    "nest",
+]

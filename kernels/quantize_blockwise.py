@@ -98,6 +98,7 @@ def quantize_blockwise_kernel(
     MASKED: tl.constexpr,
     HAS_REF: tl.constexpr,
     BITS: tl.constexpr,
+    QMAX: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
@@ -105,9 +106,9 @@ def quantize_blockwise_kernel(
 
     ``MASKED`` is False for tiles wholly inside the tensor, which then need no bounds
     checks (and keep 16-byte vector loads whatever ``n`` is); the launcher runs the one
-    partial tile at the end as a separate ``MASKED`` launch.
+    partial tile at the end as a separate ``MASKED`` launch. ``QMAX`` is the largest code
+    magnitude: ``2**(BITS-1) - 1``, or fewer levels in the same container (3 in 4 bits).
     """
-    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     CODE_OFFSET: tl.constexpr = 1 << (BITS - 1)
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
@@ -171,11 +172,13 @@ def launch_quantize(
     bits: int,
     block: int,
     row0: int = 0,
+    qmax: int | None = None,
 ) -> None:
     """Launch the encode kernel over rows ``row0 ..`` of an ``n``-element flat tensor.
 
     The output buffers are given by the caller. With ``row0 == 0`` this covers the whole
-    tensor; a nonzero ``row0`` is for tests of the int64 offset arithmetic.
+    tensor; a nonzero ``row0`` is for tests of the int64 offset arithmetic. ``qmax``
+    defaults to the container's ``2**(bits-1) - 1``.
     """
     ref = reference if reference is not None else x
     launch_row_tiles(
@@ -187,11 +190,12 @@ def launch_quantize(
         x.device,
         HAS_REF=reference is not None,
         BITS=bits,
+        QMAX=(1 << (bits - 1)) - 1 if qmax is None else qmax,
     )
 
 
 def quantize_blockwise(
-    x: torch.Tensor, reference: torch.Tensor | None, bits: int, block: int
+    x: torch.Tensor, reference: torch.Tensor | None, bits: int, block: int, qmax: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode a contiguous tensor with the fused kernel; same contract as the torch path.
 
@@ -199,8 +203,9 @@ def quantize_blockwise(
         x: contiguous float32, float16 or bfloat16 tensor (any shape; read flattened).
         reference: ``None`` or a contiguous float tensor with ``x.numel()`` elements on
             ``x``'s device.
-        bits: 8, 4 or 2.
+        bits: 8, 4 or 2 (the code container).
         block: power of two from 32 to 4096.
+        qmax: largest code magnitude, from 1 to ``2**(bits-1) - 1`` (the default).
 
     Returns:
         ``(codes, scales)``: ``uint8`` of ``ceil(n * bits / 8)`` bytes and fp32 of
@@ -217,11 +222,13 @@ def quantize_blockwise(
             f"quantize_blockwise: bits must be 8, 4 or 2 and block a power of two from 32 "
             f"to 4096, got bits={bits!r}, block={block!r}"
         )
+    if qmax is not None and not 1 <= qmax <= (1 << (bits - 1)) - 1:
+        raise QuantizationError(f"quantize_blockwise: qmax must be from 1 to {(1 << (bits - 1)) - 1}, got {qmax!r}")
     n = x.numel()
     codes = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(-(-n // block), dtype=torch.float32, device=x.device)
     if n:
-        launch_quantize(x, reference, codes, scales, n, bits, block)
+        launch_quantize(x, reference, codes, scales, n, bits, block, qmax=qmax)
     return codes, scales
 
 

@@ -27,10 +27,11 @@ def to_f32(t: torch.Tensor | None) -> np.ndarray | None:
 
 
 def spec_encode(
-    x32: np.ndarray, r32: np.ndarray | None, bits: int, block: int
+    x32: np.ndarray, r32: np.ndarray | None, bits: int, block: int, qmax: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Codes (uint8) and scales (float32) of DESIGN.md's codec, block by block."""
-    qmax = (1 << (bits - 1)) - 1
+    """Codes (uint8) and scales (float32) of DESIGN.md's codec, block by block (``qmax``:
+    the largest code magnitude, by default the container's)."""
+    qmax = (1 << (bits - 1)) - 1 if qmax is None else qmax
     offset = 1 << (bits - 1)
     k = 8 // bits
     n = x32.size
@@ -140,13 +141,15 @@ def half_ulp_exact(a32: np.ndarray) -> np.ndarray:
     return exact(gap) // 2
 
 
-def scale_of(absmax32: np.ndarray, bits: int) -> np.ndarray:
+def scale_of(absmax32: np.ndarray, bits: int, qmax: int | None = None) -> np.ndarray:
     """The codec's scale ``fl(absmax / qmax)`` in fp32."""
-    return (np.asarray(absmax32, np.float32) / np.float32((1 << (bits - 1)) - 1)).astype(np.float32)
+    qmax = (1 << (bits - 1)) - 1 if qmax is None else qmax
+    return (np.asarray(absmax32, np.float32) / np.float32(qmax)).astype(np.float32)
 
 
 def near_tie_blocks(
-    rng: np.random.Generator, nblocks: int, block: int, bits: int, log2_lo: float, log2_hi: float
+    rng: np.random.Generator, nblocks: int, block: int, bits: int, log2_lo: float, log2_hi: float,
+    qmax: int | None = None,
 ) -> np.ndarray:
     """fp32 deltas, ``nblocks * block`` of them, built to sit on or next to half-integer
     multiples of their block's scale: where a once-rounded quotient ``fl(d/s)`` lands on a
@@ -157,7 +160,7 @@ def near_tie_blocks(
     mantissa otherwise); its first element is an absmax ``a`` with ``fl(a/qmax) = s`` and
     the others are ``fl((n + 1/2) * s)`` moved by ``-2..2`` ulps, ``|n + 1/2| < qmax``.
     """
-    qmax = (1 << (bits - 1)) - 1
+    qmax = (1 << (bits - 1)) - 1 if qmax is None else qmax
     e = rng.uniform(log2_lo, log2_hi, nblocks)
     mant = np.where(rng.random(nblocks) < 0.25, 1.0, 1.0 + rng.integers(0, 2**23, nblocks) / 2**23)
     s = (mant * np.exp2(np.floor(e))).astype(np.float32)
@@ -166,9 +169,9 @@ def near_tie_blocks(
     # Nudge a until it maps back to s where it can; otherwise keep the scale it gives.
     for step in (0, 1, -1, 2, -2):
         cand = np.maximum(a.view(np.int32) + np.int32(step), 1).view(np.float32)
-        hit = scale_of(cand, bits) == s
+        hit = scale_of(cand, bits, qmax) == s
         a = np.where(hit, cand, a).astype(np.float32)
-    s = scale_of(a, bits)
+    s = scale_of(a, bits, qmax)
     n = rng.integers(-qmax, qmax, (nblocks, block)) + 0.5  # half-integers in (-qmax, qmax)
     base = (n * s.astype(np.float64)[:, None]).astype(np.float32)  # n*s is exact in fp64
     ulps = rng.integers(-2, 3, (nblocks, block)).astype(np.int32)

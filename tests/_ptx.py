@@ -159,6 +159,7 @@ def compile_variant(v: Variant):
         "MASKED": v.masked,
         "HAS_REF": v.ref_dtype is not None,
         "BITS": v.bits,
+        **({"QMAX": (1 << (v.bits - 1)) - 1} if v.op == "encode" else {}),
         "BLOCK": v.block,
         "ROWS": rows_per_program(v.block),
     }

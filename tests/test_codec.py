@@ -18,6 +18,7 @@ import torch
 
 import tw_triton
 from tw_triton import QuantizationError, QuantizedTensor
+from tw_triton.errors import CheckpointError
 from tw_triton.codecs import blockwise as codec
 from _codec_oracle import spec_codes_to_q, spec_decode_f32, spec_encode, to_f32
 
@@ -508,3 +509,54 @@ def test_benchmark_quick_smoke(tmp_path):
     assert "clone" in proc.stdout and "encode" in proc.stdout
     text = out.read_text()
     assert "GB/s" in text and "chunk" in text
+
+
+# ------------------------------------------------------------------ fewer levels (int3)
+
+
+@pytest.mark.parametrize("bits,qmax", [(4, 3), (4, 1), (8, 15), (8, 127)])
+def test_fewer_levels_in_the_same_container_match_the_oracle(bits, qmax):
+    gen = torch.Generator().manual_seed(qmax)
+    x = torch.randn(4 * 128 + 17, generator=gen)
+    q = codec.quantize(x, bits=bits, block=128, qmax=qmax)
+    want_codes, want_scales = spec_encode(x.numpy(), None, bits, 128, qmax)
+    assert np.array_equal(q.codes.numpy(), want_codes)
+    assert np.array_equal(q.scales.numpy(), want_scales)
+    offset = 1 << (bits - 1)
+    u = q.codes.numpy().astype(np.int64)
+    fields = [(u >> (j * bits)) & ((1 << bits) - 1) for j in range(8 // bits)]
+    used = np.stack(fields, axis=1).reshape(-1)[: x.numel()]
+    assert used.min() >= offset - qmax and used.max() <= offset + qmax
+    # The usual bound, with the narrower scale: |x - x_hat| <= s / 2.
+    err = (codec.dequantize(q) - x).abs().view(-1)
+    s = torch.repeat_interleave(q.scales, 128)[: x.numel()]
+    assert bool((err <= s / 2).all())
+
+
+def test_int3_rule_records_qmax_and_round_trips_through_a_file(tmp_path):
+    x = torch.randn(64, 96)
+    q = tw_triton.quantize_state_dict({"m": x}, rules=[("m", {"codec": "int3", "block": 64})])
+    entry = q.entries["m"]
+    assert entry.params["bits"] == 4 and entry.params["qmax"] == 3
+    tw_triton.save(q, tmp_path / "a.tw")
+    back = tw_triton.load(tmp_path / "a.tw")["m"]
+    assert torch.equal(back, codec.dequantize(codec.quantize(x, bits=4, block=64, qmax=3)))
+    # A full-range qmax is the default and is not recorded.
+    q4 = tw_triton.quantize_state_dict({"m": x}, rules=[("m", {"codec": "int4", "qmax": 7})])
+    assert "qmax" not in q4.entries["m"].params
+
+
+@pytest.mark.parametrize("bad", [0, 8, -1, 2.0, True, "3"])
+def test_bad_qmax_is_refused_naming_it(bad):
+    with pytest.raises(QuantizationError, match="qmax"):
+        codec.quantize(torch.randn(256), bits=4, qmax=bad)
+    with pytest.raises(QuantizationError, match="qmax"):
+        tw_triton.quantize_state_dict({"m": torch.randn(256)}, rules=[("m", {"codec": "int4", "qmax": bad})])
+
+
+def test_a_manifest_with_an_impossible_qmax_fails_to_load(tmp_path):
+    q = tw_triton.quantize_state_dict({"m": torch.randn(256)}, rules=[("m", "int3")])
+    q.entries["m"].params["qmax"] = 9  # more levels than 4 bits hold
+    tw_triton.save(q, tmp_path / "bad.tw")
+    with pytest.raises(CheckpointError, match=r"bad\.tw.*'m'.*qmax"):
+        tw_triton.load(tmp_path / "bad.tw")

@@ -39,11 +39,11 @@ require_runnable_kernels()
 
 
 def assert_encodes_like_torch(
-    x: torch.Tensor, ref: torch.Tensor | None, bits: int, block: int
+    x: torch.Tensor, ref: torch.Tensor | None, bits: int, block: int, qmax: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode on the kernel device and with torch on the CPU; codes and scales must match."""
-    codes, scales = quantize_blockwise(on_kernel_device(x), on_kernel_device(ref), bits, block)
-    t_codes, t_scales = quantize_blockwise_torch(x, ref, bits, block)
+    codes, scales = quantize_blockwise(on_kernel_device(x), on_kernel_device(ref), bits, block, qmax)
+    t_codes, t_scales = quantize_blockwise_torch(x, ref, bits, block, qmax=qmax)
     assert codes.device.type == KERNEL_DEVICE.type
     assert codes.dtype == torch.uint8 and scales.dtype == torch.float32
     assert codes.shape == t_codes.shape == ((x.numel() * bits + 7) // 8,)
@@ -65,6 +65,8 @@ def encode_cases(draw):
     dtype = draw(st.sampled_from(FLOATS))
     ref_dtype = draw(st.sampled_from((None,) + FLOATS))
     bits = draw(st.sampled_from((8, 4, 2)))
+    # Fewer levels than the container (int3 = 4 bits, qmax 3) in a quarter of the cases.
+    qmax = draw(st.sampled_from((None, None, None, draw(st.integers(1, (1 << (bits - 1)) - 1)))))
     block = draw(st.sampled_from(BLOCKS))
     lo, hi = exponent_range(dtype)
     exp_lo = draw(st.integers(lo, hi))
@@ -72,13 +74,13 @@ def encode_cases(draw):
     zero_fraction = draw(st.sampled_from((0.0, 0.0, 0.3, 0.97)))
     ref_mode = draw(st.sampled_from(("near", "independent")))
     seed = draw(st.integers(0, 2**31 - 1))
-    return shape, dtype, ref_dtype, bits, block, exp_lo, exp_span, zero_fraction, ref_mode, seed
+    return shape, dtype, ref_dtype, bits, qmax, block, exp_lo, exp_span, zero_fraction, ref_mode, seed
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(encode_cases())
 def test_kernel_encode_is_byte_identical_to_torch(case) -> None:
-    shape, dtype, ref_dtype, bits, block, exp_lo, exp_span, zero_fraction, ref_mode, seed = case
+    shape, dtype, ref_dtype, bits, qmax, block, exp_lo, exp_span, zero_fraction, ref_mode, seed = case
     gen = torch.Generator().manual_seed(seed)
     numel = math.prod(shape)
     x = random_floats(gen, numel, dtype, exp_lo, exp_lo + exp_span, zero_fraction).view(shape)
@@ -92,12 +94,12 @@ def test_kernel_encode_is_byte_identical_to_torch(case) -> None:
             lo, hi = exponent_range(ref_dtype)
             ref_exp = exp_lo if lo <= exp_lo <= hi else lo
             ref = random_floats(gen, numel, ref_dtype, ref_exp, ref_exp + 2).view(shape)
-    assert_encodes_like_torch(x, ref, bits, block)
+    assert_encodes_like_torch(x, ref, bits, block, qmax)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    bits=st.sampled_from((8, 4, 2)),
+    bits=st.sampled_from((8, 4, 2, "int3")),
     block=st.sampled_from(BLOCKS),
     nblocks=st.integers(1, 3),
     tail=st.integers(0, 31),
@@ -111,18 +113,21 @@ def test_kernel_encode_of_near_ties_is_byte_identical_to_torch(
     """Deltas on and within 2 ulps of half-integer multiples of the block scale (power-of-two
     and random 24-bit scales, subnormal to huge): where fl(d/s) is a half-integer, both
     paths must settle the side of the exact quotient the same way."""
+    qmax = None
+    if bits == "int3":
+        bits, qmax = 4, 3
     rng = np.random.default_rng(seed)
-    d = near_tie_blocks(rng, nblocks, block, bits, log2_scale, log2_scale + 1)
+    d = near_tie_blocks(rng, nblocks, block, bits, log2_scale, log2_scale + 1, qmax)
     d = d[: max(1, d.size - tail)]
     if ref_dtype is None:
         x, ref = torch.from_numpy(d), None
     else:
         x32, ref = with_reference(rng, d, ref_dtype)
         x = torch.from_numpy(x32)
-    codes, _ = assert_encodes_like_torch(x, ref, bits, block)
+    codes, _ = assert_encodes_like_torch(x, ref, bits, block, qmax)
     if ref_dtype is None:
         # And both are the exact-arithmetic oracle's codes.
-        want, _ = spec_encode(d, None, bits, block)
+        want, _ = spec_encode(d, None, bits, block, qmax)
         assert np.array_equal(codes.numpy(), want)
 
 
@@ -222,9 +227,9 @@ def test_tw_triton_quantize_dispatches_contiguous_tensors_to_the_kernel(monkeypa
     so the same code path runs on the interpreter, with a non-contiguous input."""
     calls = []
 
-    def spy(x, reference, bits, block):
-        calls.append((x.is_contiguous(), None if reference is None else reference.is_contiguous()))
-        return quantize_blockwise(x, reference, bits, block)
+    def spy(x, reference, bits, block, qmax=None):
+        calls.append((x.is_contiguous(), None if reference is None else reference.is_contiguous(), qmax))
+        return quantize_blockwise(x, reference, bits, block, qmax)
 
     monkeypatch.setattr(codec, "_use_kernels", lambda device: True)
     monkeypatch.setattr(tw_triton.kernels, "quantize_blockwise", spy)
@@ -232,7 +237,7 @@ def test_tw_triton_quantize_dispatches_contiguous_tensors_to_the_kernel(monkeypa
     x = on_kernel_device(base.t())  # non-contiguous
     ref = on_kernel_device(torch.randn(70, 96))
     q = tw_triton.quantize(x, bits=4, block=64, reference=ref)
-    assert calls == [(True, True)]
+    assert calls == [(True, True, 7)]
     t_codes, t_scales = quantize_blockwise_torch(base.t().contiguous(), ref.cpu(), 4, 64)
     assert torch.equal(q.codes.cpu(), t_codes) and torch.equal(q.scales.cpu(), t_scales)
     assert q.shape == (70, 96) and q.dtype == torch.bfloat16

@@ -75,7 +75,11 @@ from .errors import QuantizationError
 DEFAULT_MIN_NUMEL = 4096
 MODEL_KEYS = ("model", "model_state_dict", "state_dict")
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict")
-_BITS_ALIASES = {"int8": 8, "int4": 4, "int2": 2}
+# Codec names that are the blockwise codec with these params ("int3": seven levels in a
+# 4-bit container, which the entropy stage stores in about their entropy).
+_BITS_ALIASES: dict[str, dict[str, int]] = {
+    "int8": {"bits": 8}, "int4": {"bits": 4}, "int3": {"bits": 4, "qmax": 3}, "int2": {"bits": 2},
+}
 PRESETS = (
     "default", "exact", "int8-delta", "int4-delta", "int8-exp-avg", "safe", "small", "smallest",
 )
@@ -132,7 +136,7 @@ def model_patterns(state: Any) -> list[str]:
 def _parse_spec(spec: Any, where: str) -> tuple[str, dict[str, Any], int]:
     if isinstance(spec, str):
         if spec in _BITS_ALIASES:
-            return "blockwise", {"bits": _BITS_ALIASES[spec]}, 0
+            return "blockwise", dict(_BITS_ALIASES[spec]), 0
         return spec, {}, 0
     if isinstance(spec, Mapping):
         params = dict(spec)
@@ -140,7 +144,8 @@ def _parse_spec(spec: Any, where: str) -> tuple[str, dict[str, Any], int]:
         if not isinstance(name, str):
             raise QuantizationError(f"{where}: a dict codec spec needs a 'codec' name, got {spec!r}")
         if name in _BITS_ALIASES:
-            params.setdefault("bits", _BITS_ALIASES[name])
+            for key, value in _BITS_ALIASES[name].items():
+                params.setdefault(key, value)
             name = "blockwise"
         min_numel = params.pop("min_numel", 0)
         if not isinstance(min_numel, int) or isinstance(min_numel, bool) or min_numel < 0:

@@ -117,6 +117,22 @@ def qmax_for(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
+def check_qmax(bits: int, qmax: Any) -> int:
+    """``qmax`` checked for the container ``bits`` (``None``: the container's full range).
+
+    Fewer levels than the container holds (``qmax=3`` in 4 bits: seven levels, "int3")
+    cost the same raw bytes, but the entropy stage stores them in about their entropy.
+
+    Raises:
+        QuantizationError: not an int from 1 to :func:`qmax_for` ``(bits)``.
+    """
+    if qmax is None:
+        return qmax_for(bits)
+    if isinstance(qmax, bool) or not isinstance(qmax, int) or not 1 <= qmax <= qmax_for(bits):
+        raise QuantizationError(f"qmax must be an int from 1 to {qmax_for(bits)} for {bits} bits, got {qmax!r}")
+    return qmax
+
+
 def packed_nbytes(numel: int, bits: int) -> int:
     """Bytes of packed codes for ``numel`` elements: padding is never stored."""
     return (numel * bits + 7) // 8
@@ -452,6 +468,7 @@ def quantize_blockwise_torch(
     block: int,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qmax: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode a tensor: the plain-torch reference of the encode kernel.
 
@@ -474,6 +491,7 @@ def quantize_blockwise_torch(
         block: power of two from 32 to 4096.
         out: optional ``(codes, scales)`` to write into (for instance memory that is
             already mapped, from a snapshot pool): contiguous, of the sizes below.
+        qmax: largest code magnitude (default ``2**(bits-1) - 1``; see :func:`check_qmax`).
 
     Returns:
         ``(codes, scales)``: ``uint8`` of ``ceil(n * bits / 8)`` bytes and fp32 of
@@ -490,7 +508,7 @@ def quantize_blockwise_torch(
     scales = _checked_out(out[1], num_blocks(n, block), torch.float32, dev, "scales")
     if n == 0:
         return out
-    qmax = float(qmax_for(bits))
+    qmax = float(check_qmax(bits, qmax))
     bias = 1 << (bits - 1)
     # Contiguous tensors are sliced as flat views; strided ones go through _copy_flat_range.
     flat = x.view(-1) if x.is_contiguous() else None
@@ -694,6 +712,7 @@ def quantize(
     bits: int = 8,
     block: int = 128,
     reference: torch.Tensor | None = None,
+    qmax: int | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` (optionally as a delta from ``reference``) blockwise.
 
@@ -709,6 +728,8 @@ def quantize(
         bits: 8, 4 or 2 bits per element.
         block: elements per scale, a power of two from 32 to 4096.
         reference: optional tensor of the same shape and device, any float dtype.
+        qmax: largest code magnitude, default ``2**(bits-1) - 1``; fewer levels in the same
+            container (``bits=4, qmax=3``) decode the same way (:func:`check_qmax`).
 
     Returns:
         A :class:`QuantizedTensor` on ``x``'s device.
@@ -718,14 +739,15 @@ def quantize(
     """
     _check_input(x, reference)
     check_params(bits, block)
+    qmax = check_qmax(bits, qmax)
     if _use_kernels(x.device):
         from ..kernels import quantize_blockwise
 
         rc = reference.contiguous() if reference is not None else None
-        codes, scales = quantize_blockwise(x.contiguous(), rc, bits, block)
+        codes, scales = quantize_blockwise(x.contiguous(), rc, bits, block, qmax)
     else:
         # The torch path reads strided tensors chunk by chunk: no full-size copy.
-        codes, scales = quantize_blockwise_torch(x, reference, bits, block)
+        codes, scales = quantize_blockwise_torch(x, reference, bits, block, qmax=qmax)
     # A block is unquantizable exactly when its scale is infinite (NaN/Inf in it). A block
     # whose qmax * scale overflows fp32 is not: the decode saturates the product, and x is
     # finite, so that only moves the value towards x. The flag stays on the device.
@@ -847,7 +869,7 @@ class BlockwiseCodec(Codec):
 
     name = "blockwise"
     has_kernel = True
-    _KEYS = frozenset({"bits", "block", "packing", "delta"})
+    _KEYS = frozenset({"bits", "block", "packing", "delta", "qmax"})
 
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:
         unknown = set(params) - self._KEYS
@@ -867,6 +889,8 @@ class BlockwiseCodec(Codec):
             raise QuantizationError(f"codec 'blockwise' packs {PACKING!r} only, got {out['packing']!r}")
         if not isinstance(out["delta"], bool):
             raise QuantizationError(f"'delta' must be true or false, got {out['delta']!r}")
+        if params.get("qmax") is not None and check_qmax(out["bits"], params["qmax"]) != qmax_for(out["bits"]):
+            out["qmax"] = params["qmax"]  # recorded only when it narrows the container
         return out
 
     def accepts(self, tensor: torch.Tensor) -> bool:
@@ -875,13 +899,15 @@ class BlockwiseCodec(Codec):
     def encode(
         self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
     ) -> Encoded:
-        q = quantize(x, bits=params["bits"], block=params["block"], reference=reference)
+        q = quantize(x, bits=params["bits"], block=params["block"], reference=reference, qmax=params.get("qmax"))
         stored = {
             "bits": q.bits,
             "block": q.block,
             "packing": PACKING,
             "delta": reference is not None,
         }
+        if "qmax" in params:
+            stored["qmax"] = params["qmax"]
         entry = EncodedEntry(
             codec=self.name,
             params=stored,
@@ -915,5 +941,12 @@ class BlockwiseCodec(Codec):
             block=block,  # type: ignore[arg-type]
             nonfinite=torch.zeros((), dtype=torch.bool, device=dev),
         )
+        if "qmax" in params:
+            # The decode does not need it, but a value the encoder cannot have written
+            # means the manifest is not what was written.
+            try:
+                check_qmax(bits, params["qmax"])
+            except QuantizationError as e:
+                raise CheckpointError(f"{context}: {e}") from e
         ref = move_to(reference, dev) if reference is not None else None
         return dequantize(q, reference=ref if self.uses_reference(params) else None)

@@ -45,7 +45,9 @@ def expected_extra(step: int) -> torch.Tensor:
 
 def _save_forever(directory: str, ready_fd: int) -> None:
     torch.set_num_threads(1)
-    ckpt = Checkpointer(directory, keyframe_every=KEYFRAME_EVERY, keep_last=KEEP_LAST)
+    # int8 weight deltas (rules "small"), closed loop (the default): a kill must never leave a
+    # chain that latest() picks but cannot load; the error check needs the int8 precision.
+    ckpt = Checkpointer(directory, keyframe_every=KEYFRAME_EVERY, keep_last=KEEP_LAST, rules="small")
     last = ckpt.latest()
     model = torch.nn.Linear(WEIGHT_SHAPE[1], WEIGHT_SHAPE[0], bias=False)
     step = 0

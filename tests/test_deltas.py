@@ -159,3 +159,21 @@ def test_dequantize_entries_decodes_a_subset_and_names_a_missing_path():
     assert torch.equal(got["model/a"], tw_triton.dequantize_state_dict(q)["model"]["a"])
     with pytest.raises(CheckpointError, match="model/zz"):
         dequantize_entries(q, ["model/zz"])
+
+
+@pytest.mark.parametrize("delta,rules,warns", [
+    ("closed", "smallest", False),
+    ("open", "smallest", True),  # 2-bit deltas against the keyframe
+    ("open", "small", False),
+    ("none", "smallest", True),  # 2-bit weights on their own
+    ("none", "small", False),
+])
+def test_too_coarse_settings_are_named_in_a_warning(tmp_path, caplog, delta, rules, warns):
+    with caplog.at_level(logging.WARNING, logger="tw_triton.rules"):
+        with Checkpointer(tmp_path, delta=delta, rules=rules, fsync=False, async_write=False) as ck:
+            for step in range(3):
+                ck.save(step, model=_drift(1, seed=step)[0])
+    said = [r.message for r in caplog.records if "too coarse" in r.message]
+    assert len(said) == (1 if warns else 0), said  # once per Checkpointer, not per save
+    if warns:
+        assert "model/*" in said[0] and str(tmp_path) in said[0]

@@ -312,7 +312,7 @@ def test_save_while_previous_is_writing_blocks_and_keeps_contents_apart(tmp_path
         return real(qstate, path, fsync=fsync)
 
     monkeypatch.setattr(fmt, "write_file", slow_write)
-    ckpt = Checkpointer(tmp_path, keyframe_every=10, fsync=False)
+    ckpt = Checkpointer(tmp_path, keyframe_every=10, fsync=False, rules="small")  # int8 weight deltas
     model = model_with(1.0)
     t0 = time.perf_counter()
     first = ckpt.save(0, model=model)

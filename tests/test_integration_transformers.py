@@ -161,13 +161,18 @@ def test_resume_true_with_library_default_rules(tmp_path):
         assert a[s] == pytest.approx(b[s], rel=2e-2), s
 
 
-def test_retention_keeps_the_keyframes_kept_deltas_need(tmp_path):
-    # keyframe_every=3: saves at 2 (keyframe), 4, 6 (deltas from 2), 8 (keyframe).
-    trainer = make_trainer(tmp_path, save_total_limit=2, tw_options={"keyframe_every": 3, "fsync": False})
+@pytest.mark.parametrize("delta,kept", [
+    ("open", [2, 6, 8]),  # 4 is gone; 2 stays because 6 is a delta from it
+    ("closed", [2, 4, 6, 8]),  # 6 is a delta from 4, which is one from 2: the chain stays
+])
+def test_retention_keeps_the_keyframes_kept_deltas_need(tmp_path, delta, kept):
+    # keyframe_every=3: saves at 2 (keyframe), 4, 6 (deltas), 8 (keyframe).
+    trainer = make_trainer(tmp_path, save_total_limit=2,
+                           tw_options={"keyframe_every": 3, "fsync": False, "delta": delta, "rules": "small"})
     trainer.train()
     assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")) == ["checkpoint-6", "checkpoint-8"]
     steps = sorted(parse_checkpoint_name(n) for n in os.listdir(tmp_path / TW_SUBDIR))
-    assert steps == [2, 6, 8]  # 4 is gone; 2 stays because 6 is a delta from it
+    assert steps == kept
     assert load_checkpoint_state(tmp_path / "checkpoint-6")["step"] == 6
 
 

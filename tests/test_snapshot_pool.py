@@ -208,7 +208,9 @@ def test_pool_stays_within_its_bound_and_close_gives_it_back(tmp_path):
     for step in range(10):
         train_step(model, opt, step)
         ckpt.save(step, model=model, optimizer=opt)
-        ref = ckpt._reference.lease.nbytes
+        # In closed loop the keyframe's buffers leave the reference after the first delta.
+        lease = ckpt._reference.lease
+        ref = lease.nbytes if lease is not None else 0
         assert ckpt.pool_bytes <= 2 * ckpt._largest_snapshot + ref
     assert ckpt._largest_snapshot >= 4 * 256 * 256 * 4  # keyframe: 2 weights + 4 moments pooled
     assert ckpt._pool.reused > 0

@@ -24,14 +24,22 @@ Keyframes and deltas
     Every ``keyframe_every``-th save (and the first save of a process) is a *keyframe*. The
     saves in between are *deltas*: the tensors the rules delta-code (the float tensors of at
     least 4096 elements under the name ``model``, so pass the model as ``model=``, or give
-    ``rules``) are stored as the blockwise-quantized difference from the last keyframe. A
-    keyframe stores exactly those tensors exact (:func:`~tw_triton.rules.keyframe_rules`),
-    so deltas decode against exact values, and codes everything else by the rules. The
-    default rules are the preset ``"small"`` (:data:`DEFAULT_RULES`): AdamW's ``exp_avg`` in
-    int4 and ``exp_avg_sq`` by the ``log2`` codec, in keyframes and deltas alike; counters,
-    small tensors and RNG states stay exact. With ``rules="default"`` the optimizer is exact
-    and restoring a keyframe is bit for bit. A delta file names its keyframe by checkpoint
-    id; loading it reads both files.
+    ``rules``) are stored as the blockwise-quantized difference from a reference. A
+    keyframe stores exactly those tensors exact (:func:`~tw_triton.rules.keyframe_rules`)
+    and codes everything else by the rules. The default rules are the preset
+    ``"smallest"`` (:data:`DEFAULT_RULES`): weight deltas in 2 bits, AdamW's ``exp_avg`` in
+    seven levels and ``exp_avg_sq`` by the ``log2`` codec in 2 bits, in keyframes and deltas
+    alike; counters, small tensors and RNG states stay exact. With ``rules="default"`` the
+    optimizer is exact and restoring a keyframe is bit for bit.
+
+    ``delta`` picks the reference (:mod:`tw_triton.deltas`). ``"closed"`` (the default):
+    each delta is coded against the reconstruction of the save before it, so its error
+    does not grow with the distance from the keyframe; loading delta ``k`` decodes the
+    keyframe and the deltas up to ``k`` (each file names the one before it), and a lost
+    delta makes the ones after it unloadable until the next keyframe (:meth:`latest` falls
+    back). ``"open"`` (or ``True``): every delta is coded against the keyframe; loading reads
+    two files and losing a delta loses only that delta, but 2-bit weight deltas are too
+    coarse for it (a warning says so): use ``rules="small"`` with open loop.
 
 Device memory of deltas
     To encode deltas, the keyframe's values of the quantized-by-rule tensors stay where the
@@ -107,7 +115,7 @@ from . import format as _format
 from .errors import CheckpointError, TwTritonError
 from .qstate import QuantizedState
 from .deltas import Reference, advance, chain_of, check_reference, decode_chain, delta_mode, make_reference
-from .rules import keyframe_rules, resolve_rules, rules_as_specs
+from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
 from .snapshot_pool import SnapshotLease, SnapshotPool
 from .state import dequantize_state_dict, quantize_state_dict
 from .tree import flatten
@@ -121,7 +129,8 @@ RESERVED_NAMES = ("step", "rng")
 _NAME_RE = re.compile(r"step-(\d+)\.tw\.safetensors")
 
 # The smallest preset the resume benchmarks measured within the noise floor (README).
-DEFAULT_RULES = "small"
+DEFAULT_RULES = "smallest"
+DEFAULT_DELTA = "closed"
 
 KIND_KEYFRAME = "keyframe"  # everything exact, no reference
 KIND_DELTA = "delta"  # quantized entries are deltas from a keyframe
@@ -228,8 +237,10 @@ class Checkpointer:
         bits, block: parameters of the quantizing rules.
         async_write: write on a background thread (``save`` returns a pending Future);
             ``False`` writes before ``save`` returns.
-        delta: encode the saves between keyframes as deltas from the last keyframe,
-            which keeps one copy of the quantized tensors on their device; ``False`` keeps
+        delta: how the saves between keyframes are coded (:mod:`tw_triton.deltas`):
+            ``"closed"`` (default) as deltas from the previous save's reconstruction,
+            ``"open"`` (or ``True``) as deltas from the last keyframe; both keep one copy
+            of the delta-coded tensors on their device. ``"none"`` (or ``False``) keeps
             nothing and quantizes those saves on their own.
         max_pending: saves in flight before ``save`` blocks (async only).
         pinned_bytes: cap on the writer's pinned host memory (async only; see
@@ -252,7 +263,7 @@ class Checkpointer:
         bits: int = 8,
         block: int = 128,
         async_write: bool = True,
-        delta: bool | str = True,
+        delta: bool | str = DEFAULT_DELTA,
         max_pending: int = 1,
         pinned_bytes: int | None = None,
         fsync: bool = True,
@@ -289,6 +300,7 @@ class Checkpointer:
         # Each save's pooled buffers, until its write is done (then back to the pool).
         self._leases: list[tuple[Future, SnapshotLease]] = []
         self._closed = False
+        self._warned_coarse = False
 
     # ------------------------------------------------------------------- saving
 
@@ -350,6 +362,8 @@ class Checkpointer:
         reference = self._reference if self.delta else None
         # What the writer thread could fail on is checked here, so it reaches the loop now.
         rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
+        if not self._warned_coarse:
+            self._warned_coarse = warn_if_too_coarse(rule_list, self.delta_mode, self.directory)
         kf_rules = rules_as_specs(keyframe_rules(rule_list))
         ref_values: dict[str, torch.Tensor] = {}
         try:
@@ -459,6 +473,12 @@ class Checkpointer:
     def reference_nbytes(self) -> int:
         """Bytes the current keyframe reference holds on its devices (0 without one)."""
         return self._reference.nbytes if self._reference is not None else 0
+
+    @property
+    def reference_id(self) -> str | None:
+        """Id of the checkpoint the next delta will be coded against (``None``: the next
+        save is a keyframe). In closed loop, the last delta; else the last keyframe."""
+        return self._reference.checkpoint_id if self._reference is not None else None
 
     @property
     def pool_bytes(self) -> int:

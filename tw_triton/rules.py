@@ -11,7 +11,9 @@ matches ``/``.
 Codec specs:
 
 * ``"exact"``, ``"blockwise"`` or any registered codec name;
-* ``"int8"``, ``"int4"``, ``"int2"``: the blockwise codec at 8, 4 or 2 bits;
+* ``"int8"``, ``"int4"``, ``"int2"``: the blockwise codec at 8, 4 or 2 bits; ``"int3"``:
+  seven levels (``qmax`` 3) in a 4-bit container, which the entropy stage stores in about
+  their entropy;
 * a dict ``{"codec": "blockwise", "bits": 4, "block": 64, "delta": False, "min_numel": 0}``.
 
 Parameters a spec leaves out (``bits``, ``block``) come from the call
@@ -51,8 +53,13 @@ negative value nor a zero where there was none), both from 4096 elements up:
 
 ``"safe"``      weight deltas int8, ``exp_avg`` int8, ``exp_avg_sq`` log2 8 bits;
 ``"small"``     weight deltas int8, ``exp_avg`` int4, ``exp_avg_sq`` log2 4 bits (the
-                :class:`~tw_triton.checkpointer.Checkpointer` default);
-``"smallest"``  weight deltas int4, ``exp_avg`` int4, ``exp_avg_sq`` log2 2 bits.
+                default of :class:`~tw_triton.dcp.DistributedCheckpointer`);
+``"smallest"``  weight deltas int2, ``exp_avg`` int3 in blocks of 256, ``exp_avg_sq`` log2
+                2 bits in blocks of 512 (the :class:`~tw_triton.checkpointer.Checkpointer`
+                default). Its 2-bit weight deltas need *closed-loop* deltas
+                (``Checkpointer(delta="closed")``, the default; see
+                :mod:`tw_triton.deltas`): against a keyframe many saves back (open loop)
+                four levels are too coarse, and the resumed run measurably drifts.
 
 The resume benchmarks (``benchmarks/resume_fidelity.py``, ``resume_minilm.py``) measure each
 against the noise floor; the README has the numbers.
@@ -64,6 +71,7 @@ of matching obvious.
 from __future__ import annotations
 
 import fnmatch
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -77,19 +85,24 @@ MODEL_KEYS = ("model", "model_state_dict", "state_dict")
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict")
 # Codec names that are the blockwise codec with these params ("int3": seven levels in a
 # 4-bit container, which the entropy stage stores in about their entropy).
+logger = logging.getLogger(__name__)
 _BITS_ALIASES: dict[str, dict[str, int]] = {
     "int8": {"bits": 8}, "int4": {"bits": 4}, "int3": {"bits": 4, "qmax": 3}, "int2": {"bits": 2},
 }
 PRESETS = (
     "default", "exact", "int8-delta", "int4-delta", "int8-exp-avg", "safe", "small", "smallest",
 )
-# The presets by intent: (weight-delta bits, exp_avg bits, exp_avg_sq log2 bits). Globs end
-# with the moment's name, so they match whatever name the optimizer was saved under.
-MOMENT_PRESETS: dict[str, tuple[int, int, int]] = {
-    "safe": (8, 8, 8),
-    "small": (8, 4, 4),
-    "smallest": (4, 4, 2),
+# The presets by intent: (weight-delta bits, exp_avg spec, exp_avg_sq log2 spec). Globs end
+# with the moment's name, so they match whatever name the optimizer was saved under. Wider
+# blocks for the moments of "smallest" halve what their scales and bounds cost; measured
+# (benchmarks/resume_fidelity.py) to keep the resumed run as close as blocks of 128.
+MOMENT_PRESETS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
+    "safe": (8, {"codec": "int8"}, {"bits": 8}),
+    "small": (8, {"codec": "int4"}, {"bits": 4}),
+    "smallest": (2, {"codec": "int3", "block": 256}, {"bits": 2, "block": 512}),
 }
+# Weight-delta bits that need closed-loop deltas (see "smallest" above).
+CLOSED_LOOP_BITS = 2
 FIRST_MOMENT_GLOB = "*exp_avg"
 SECOND_MOMENT_GLOB = "*exp_avg_sq"
 
@@ -202,17 +215,43 @@ def _preset_rules(name: str, state: Any, *, bits: int, block: int) -> list[Rule]
         ]
         return moments + default_rules(state, bits=8, block=block)
     if name in MOMENT_PRESETS:
-        w_bits, m_bits, v_bits = MOMENT_PRESETS[name]
+        w_bits, m_spec, v_spec = MOMENT_PRESETS[name]
         where = f"preset {name}"
         moments = [
-            make_rule(SECOND_MOMENT_GLOB, {"codec": "log2", "bits": v_bits, "min_numel": DEFAULT_MIN_NUMEL},
+            make_rule(SECOND_MOMENT_GLOB, {"codec": "log2", **v_spec, "min_numel": DEFAULT_MIN_NUMEL},
                       bits=bits, block=block, where=where),
-            make_rule(FIRST_MOMENT_GLOB, {"codec": "blockwise", "bits": m_bits, "delta": False,
-                                          "min_numel": DEFAULT_MIN_NUMEL},
+            make_rule(FIRST_MOMENT_GLOB, {**m_spec, "delta": False, "min_numel": DEFAULT_MIN_NUMEL},
                       bits=bits, block=block, where=where),
         ]
         return moments + default_rules(state, bits=w_bits, block=block)
     raise QuantizationError(f"unknown rules preset {name!r}; presets: {', '.join(PRESETS)}")
+
+
+def warn_if_too_coarse(rules: Sequence[Rule], mode: str, where: str) -> bool:
+    """Log a warning if ``rules`` code weight deltas too coarsely for delta mode ``mode``;
+    return whether it did.
+
+    ``"open"``: deltas at :data:`CLOSED_LOOP_BITS` against the keyframe, whose error grows
+    with the distance from it. ``"none"``: the tensors the rules delta-code are quantized
+    on their own, and below 8 bits that loses a trained model (int4 alone: embedding
+    cosine 0.91 on MiniLM, benchmarks/fidelity_minilm.py). Closed loop needs no warning.
+    """
+    deltas = [r for r in rules if r.codec == "blockwise" and r.params.get("delta", True)]
+    if mode == "open":
+        coarse = [r.pattern for r in deltas if r.params.get("bits") <= CLOSED_LOOP_BITS]
+        why = f"at {CLOSED_LOOP_BITS} bits against the keyframe (open loop)"
+    elif mode == "none":
+        coarse = [r.pattern for r in deltas if r.params.get("bits") < 8]
+        why = "below 8 bits on their own (no delta)"
+    else:
+        return False
+    if coarse:
+        logger.warning(
+            "%s: rules code %s %s; that measured too coarse for a resumed run "
+            "(benchmarks/resume_fidelity.py). Use closed-loop deltas (delta='closed') or rules='small'",
+            where, ", ".join(coarse), why,
+        )
+    return bool(coarse)
 
 
 def keyframe_rules(rules: Sequence[Rule]) -> list[Rule]:

@@ -43,7 +43,7 @@ from ..codecs import get_codec
 from ..errors import CheckpointError, CheckpointIOError, ReferenceMismatchError
 from ..format import read_file, write_file
 from ..qstate import EncodedEntry, QuantizedState
-from ..rules import Rule, keyframe_rules, resolve_rules, rules_as_specs, select_rule
+from ..rules import Rule, keyframe_rules, resolve_rules, rules_as_specs, select_rule, warn_if_too_coarse
 from ..state import dequantize_state_dict, quantize_state_dict
 from ..tree import escape_component, flatten
 from . import _compat
@@ -109,6 +109,9 @@ def _encode_chunks(
     rule_list = resolve_rules(rules, _nest(full), bits=bits, block=block)
     if as_keyframe:
         rule_list = keyframe_rules(rule_list)
+    elif keyframe is not None:
+        # DCP deltas are open loop (against the keyframe directory).
+        warn_if_too_coarse(rule_list, "open", f"checkpoint {checkpoint_id}")
     groups: dict[int, tuple[Rule, list[_Chunk]]] = {}
     for c in chunks:
         rule = select_rule(rule_list, _tw_path(c.obj_path), full[c.obj_path])

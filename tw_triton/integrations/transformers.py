@@ -15,7 +15,7 @@ Layout of ``args.output_dir``
     ``tw_triton/step-00000500.tw.safetensors``
         model, optimizer, LR scheduler, grad scaler and RNG states of step 500: one file,
         written by a :class:`~tw_triton.Checkpointer` (a keyframe every
-        ``keyframe_every`` saves, deltas from the last keyframe in between; written on a
+        ``keyframe_every`` saves, deltas in between (closed loop by default); written on a
         background thread).
     ``checkpoint-500/``
         what ``Trainer`` needs to find and resume a checkpoint: ``trainer_state.json``
@@ -26,8 +26,8 @@ Layout of ``args.output_dir``
 Retention
     ``save_total_limit`` works as in ``Trainer``, which deletes whole ``checkpoint-N``
     folders. At the next save (and when ``train`` returns) the files in ``tw_triton/``
-    whose folder is gone are deleted, except a keyframe that a kept checkpoint, or the
-    next delta, needs.
+    whose folder is gone are deleted, except those that a kept checkpoint, or the next
+    delta, needs (its keyframe and, with closed-loop deltas, the deltas between).
 
 Resume
     ``train(resume_from_checkpoint=...)`` reads the tw_triton file once and puts back the
@@ -65,7 +65,6 @@ TW_SUBDIR = "tw_triton"
 POINTER_NAME = "tw_checkpoint.json"
 POINTER_FORMAT = "tw_triton.hf_trainer"
 POINTER_VERSION = 1
-_KEYFRAME = "keyframe"
 
 
 def read_pointer(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -302,9 +301,9 @@ class TwCheckpointMixin:
     def _tw_prune(self, run_dir: str, *, keep_reference: bool) -> None:
         """Delete the tw_triton files of ``run_dir`` that no checkpoint folder needs.
 
-        Kept: the file of every ``checkpoint-N`` folder that has a pointer, the keyframe
-        each of those is a delta from, and with ``keep_reference`` the newest keyframe this
-        trainer wrote (the reference of the next delta).
+        Kept: the file of every ``checkpoint-N`` folder that has a pointer, the files each
+        of those needs (its keyframe; in closed loop, every delta back to it), and with
+        ``keep_reference`` the reference of the next delta and what it needs.
         """
         ckpt = self._tw_ckpt
         if ckpt is None or not self._tw_orphans(run_dir):
@@ -327,13 +326,17 @@ class TwCheckpointMixin:
             if pointer is None or os.path.dirname(os.path.abspath(pointer["path"])) != tw_dir:
                 continue
             keep.add(pointer["step"])
-        mine = [s for s in self._tw_saved_steps if s in by_step and by_step[s].kind == _KEYFRAME]
-        if mine and keep_reference:
-            keep.add(max(mine))
-        for step in list(keep):
-            info = by_step.get(step)
-            if info is not None and info.reference_id is not None and info.reference_id in by_id:
-                keep.add(by_id[info.reference_id].step)
+        if keep_reference and ckpt.reference_id in by_id:
+            keep.add(by_id[ckpt.reference_id].step)
+        # A delta needs its reference, and in closed loop that one needs its own: the chain.
+        frontier = list(keep)
+        while frontier:
+            info = by_step.get(frontier.pop())
+            if info is not None and info.reference_id in by_id:
+                ref_step = by_id[info.reference_id].step
+                if ref_step not in keep:
+                    keep.add(ref_step)
+                    frontier.append(ref_step)
         for info in infos:
             if info.step not in keep:
                 try:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import tw_triton
+from tw_triton.checkpointer import DEFAULT_DELTA
 from tw_triton.rules import PRESETS, resolve_rules
 
 # Tensors smaller than this stay exact, like the library's default rules: their scales
@@ -195,7 +196,7 @@ class ResumeSetting:
     bits: int = 8
     block: int = 128
     keyframe_every: int = DEFAULT_KEYFRAME_EVERY
-    delta: str = "open"
+    delta: str = DEFAULT_DELTA
 
     def checkpointer(self, directory: str | os.PathLike[str]) -> tw_triton.Checkpointer:
         """A Checkpointer on ``directory`` with this setting, as a (re)started process makes it.

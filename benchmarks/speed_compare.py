@@ -82,6 +82,8 @@ SAVE_METHODS = (
     "tw keyframe (exact)",
     "tw int8 delta",
     "tw int8 delta + exp_avg int8",
+    "tw default keyframe",
+    "tw default delta",
 )
 # Which save method's files each load method reads.
 LOAD_METHODS = (
@@ -91,6 +93,8 @@ LOAD_METHODS = (
     "tw keyframe (exact)",
     "tw int8 delta",
     "tw int8 delta + exp_avg int8",
+    "tw default keyframe",
+    "tw default delta",
 )
 LOAD_FILES = {
     "torch.load": "torch.save",
@@ -98,9 +102,18 @@ LOAD_FILES = {
     "dcp.load": "dcp.save",
 }
 
-# The library's preset "int8-exp-avg": weights and AdamW's exp_avg at int8 (deltas);
-# exp_avg_sq stays exact (the resume experiments show why).
-EXP_AVG_PRESET = "int8-exp-avg"
+# The Checkpointer rules of each tw method (the library defaults apply to what is left out):
+# None = the rule defaults (int8 weight deltas, optimizer exact); "int8-exp-avg" adds AdamW's
+# exp_avg at int8; the "default" methods run the Checkpointer as constructed with no options
+# (its DEFAULT_RULES preset, closed-loop deltas).
+TW_RULES = {
+    "tw keyframe (exact)": {"rules": None},
+    "tw int8 delta": {"rules": None},
+    "tw int8 delta + exp_avg int8": {"rules": "int8-exp-avg"},
+    "tw default keyframe": {},
+    "tw default delta": {},
+}
+TW_KEYFRAMES = ("tw keyframe (exact)", "tw default keyframe")
 
 
 # ----------------------------------------------------------------------------- memory
@@ -213,9 +226,8 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
     if method.startswith("tw"):
         from tw_triton import Checkpointer
 
-        rules = EXP_AVG_PRESET if "exp_avg" in method else None
-        ckpt = Checkpointer(out, keyframe_every=1_000_000, keep_last=None, rules=rules)
-        if method != "tw keyframe (exact)":
+        ckpt = Checkpointer(out, keyframe_every=1_000_000, keep_last=None, **TW_RULES[method])
+        if method not in TW_KEYFRAMES:
             # The keyframe first (not measured); the measured save is the delta after it.
             ckpt.save(0, model=state["model"], optimizer=state["optimizer"]).result()
             _perturb(state)
@@ -249,7 +261,7 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
             fut.result()
             total = time.perf_counter() - t0
     else:
-        step = 0 if method == "tw keyframe (exact)" else 1
+        step = 0 if method in TW_KEYFRAMES else 1
         fut = ckpt.save(step, model=state["model"], optimizer=state["optimizer"])
         blocked = time.perf_counter() - t0
         fut.result()
@@ -258,7 +270,7 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
     dev_peak = _device_peak_since(dev_base)
     if ckpt is not None:
         ckpt.close()
-        if method != "tw keyframe (exact)":
+        if method not in TW_KEYFRAMES:
             # Keep only what a load of the delta needs, named for the load child.
             os.replace(out / "step-00000000.tw.safetensors", out / "reference.tw.safetensors")
             os.replace(out / "step-00000001.tw.safetensors", out / "state.tw.safetensors")

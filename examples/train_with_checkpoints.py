@@ -9,8 +9,9 @@ causal transformer learns the text of this repository's own Python sources.
    and stops at ``--crash-at``.
 3. Fresh model, optimizer and scheduler are restored from the latest checkpoint (a delta
    between keyframes) and, separately, from the last keyframe, and both continue to
-   ``--steps``. Under the default rules (preset ``small``) a keyframe stores the weights
-   exact and the AdamW moments coded, so both resumes continue within quantization error,
+   ``--steps``. Under the Checkpointer's defaults (preset ``smallest``, closed-loop deltas)
+   a keyframe stores the weights exact and the AdamW moments coded, and a delta the weights
+   as 2-bit deltas from the save before it, so both resumes continue within quantization error,
    which the printed loss gap measures (the script exits with status 1 if a gap exceeds 1 %
    of the loss). With ``--rules default`` or ``--rules exact`` the moments are exact, and
    restoring a keyframe must then reproduce the reference losses bit for bit.
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--crash-at", type=int, default=90, help="the crashed run stops here")
     p.add_argument("--keyframe-every", type=int, default=4)
     p.add_argument("--rules", default=tw_triton.checkpointer.DEFAULT_RULES,
-                   help="rules preset: safe, small (default), smallest; default or exact keep the "
+                   help="rules preset: safe, small, smallest (default); default or exact keep the "
                         "optimizer exact")
     p.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
     args = p.parse_args(argv)

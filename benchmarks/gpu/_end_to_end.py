@@ -340,7 +340,10 @@ def run_concurrency(
             ref_step = meta.get("reference_step")
             refs = None
             if ref_step is not None:
-                refs = {k: v.cpu() for k, v in flatten(expected[ref_step])[0].items()}
+                # What the delta was coded against is what a loader decodes for its reference:
+                # the keyframe's exact values (open loop) or the reconstruction of the save
+                # before it (closed loop), itself checked against its own save in this loop.
+                refs = {k: v.cpu() for k, v in flatten(ck.load(ref_step, device="cpu"))[0].items()}
             problems += check_file_holds(path, want, refs)
         ck.close()
     finally:

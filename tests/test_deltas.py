@@ -177,3 +177,30 @@ def test_too_coarse_settings_are_named_in_a_warning(tmp_path, caplog, delta, rul
     assert len(said) == (1 if warns else 0), said  # once per Checkpointer, not per save
     if warns:
         assert "model/*" in said[0] and str(tmp_path) in said[0]
+
+
+def test_state_load_follows_a_closed_loop_chain_by_file(tmp_path):
+    states = _drift(4)
+    ck = _save_all(tmp_path, states, delta="closed", async_write=False)
+    want = _expected_closed(states)
+    # tw_triton.load with the previous file as the reference: the chain behind it is found
+    # by checkpoint id among the files beside it.
+    got = tw_triton.load(ck.path_for(3), reference=ck.path_for(2))["model"]["w"]
+    assert torch.equal(got, want[3])
+    os.unlink(ck.path_for(1))  # a link of the chain is gone
+    with pytest.raises(tw_triton.ReferenceMismatchError, match="no checkpoint file"):
+        tw_triton.load(ck.path_for(3), reference=ck.path_for(2))
+
+
+def test_cli_verify_checks_a_closed_loop_delta_against_the_file_before_it(tmp_path):
+    import subprocess
+    import sys
+
+    ck = _save_all(tmp_path, _drift(3), delta="closed", async_write=False)
+    run = subprocess.run([sys.executable, "-m", "tw_triton", "verify", ck.path_for(2), "--reference", ck.path_for(1)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "reference OK" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "tw_triton", "verify", ck.path_for(2), "--reference", ck.path_for(0)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "step-00000000" in bad.stderr

@@ -260,11 +260,18 @@ def test_reference_given_as_path_records_its_id(tmp_path):
     assert quantize_state_dict(state, reference=load(tmp_path / "key.tw"), reference_id="k0").reference_id == "k0"
 
 
-def test_a_delta_cannot_be_a_reference(tmp_path):
+def test_a_delta_as_reference_decodes_through_the_file_it_names(tmp_path):
     state = make_state()
     save(quantize_state_dict(perturbed(state), checkpoint_id="kf"), tmp_path / "k.tw")
-    save(quantize_state_dict(state, reference=tmp_path / "k.tw"), tmp_path / "d.tw")
-    with pytest.raises(ReferenceMismatchError, match=r"d\.tw' is itself a delta .*'model/w1'.*'kf'"):
+    save(quantize_state_dict(state, reference=tmp_path / "k.tw", checkpoint_id="d1"), tmp_path / "d.tw")
+    # A chain (closed loop): d.tw is a delta from "kf", found by id beside it.
+    q = quantize_state_dict(perturbed(state, seed=2), reference=tmp_path / "d.tw")
+    assert q.reference_id == "d1"
+    save(q, tmp_path / "d2.tw")
+    want = load(tmp_path / "d2.tw", reference=load(tmp_path / "d.tw", reference=tmp_path / "k.tw"))
+    assert_same(load(tmp_path / "d2.tw", reference=tmp_path / "d.tw"), want)
+    (tmp_path / "k.tw").unlink()
+    with pytest.raises(ReferenceMismatchError, match=r"d\.tw' is itself a delta from checkpoint 'kf'"):
         quantize_state_dict(state, reference=tmp_path / "d.tw")
 
 

@@ -38,7 +38,10 @@ References
 
     The reference used to encode must be what a loader will rebuild: pass the *decoded*
     keyframe (``load(keyframe_path)`` or ``dequantize_state_dict(keyframe_qstate)``), or
-    its path, not the original tensors it was quantized from.
+    its path, not the original tensors it was quantized from. A reference *file* may itself
+    be a delta (a closed-loop chain, :mod:`tw_triton.deltas`): it is decoded against the
+    checkpoint it names, found by id among the files in its directory, and so on back to a
+    keyframe.
 """
 
 from __future__ import annotations
@@ -139,19 +142,46 @@ def _flat_reference(
                     f"reference file {os.fspath(reference)!r} is checkpoint {found!r}"
                 )
         rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device))
-        nested = _delta_paths(rq, os.fspath(reference))
-        if nested:
-            # Chains are not followed: a reference must decode on its own (a keyframe).
-            raise ReferenceMismatchError(
-                f"{where or 'quantize_state_dict'}: reference file {os.fspath(reference)!r} is "
-                f"itself a delta (entry {nested[0]!r} needs checkpoint {rq.reference_id!r}); "
-                "use a checkpoint without deltas as the reference"
-            )
-        state = dequantize_state_dict(rq, device=device, source=os.fspath(reference))
+        prev = None
+        if _delta_paths(rq, os.fspath(reference)):
+            # A link of a closed-loop chain: it decodes against its own reference, found by
+            # checkpoint id among the files beside it (recursively, back to a keyframe).
+            prev = _find_checkpoint(os.path.dirname(os.fspath(reference)), rq.reference_id,
+                                    f"{where or 'quantize_state_dict'}: reference file {os.fspath(reference)!r}")
+        state = dequantize_state_dict(rq, reference=prev, device=device, source=os.fspath(reference),
+                                      verify=verify)
         tensors, _ = flatten(state)
         return tensors, rq.checkpoint_id, f"reference file {os.fspath(reference)!r}"
     tensors, _ = flatten(reference)
     return tensors, None, "the in-memory reference"
+
+
+def _find_checkpoint(directory: str, checkpoint_id: str | None, where: str) -> str:
+    """The path of the checkpoint file in ``directory`` whose id is ``checkpoint_id``.
+
+    Raises:
+        ReferenceMismatchError: no readable checkpoint file there has that id.
+    """
+    from .format import read_manifest
+
+    directory = directory or "."
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        raise ReferenceMismatchError(f"{where}: cannot list {directory!r} to find checkpoint {checkpoint_id!r}: {e}") from e
+    for name in names:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            if read_manifest(path).get("checkpoint_id") == checkpoint_id:
+                return path
+        except (CheckpointError, OSError):
+            continue  # not a tw_triton checkpoint, or unreadable: not the one
+    raise ReferenceMismatchError(
+        f"{where} is itself a delta from checkpoint {checkpoint_id!r}, and no checkpoint file in "
+        f"{directory!r} is that checkpoint"
+    )
 
 
 def _reference_tensor(

@@ -11,10 +11,13 @@ causal transformer learns the text of this repository's own Python sources.
    between keyframes) and, separately, from the last keyframe, and both continue to
    ``--steps``. Under the Checkpointer's defaults (preset ``smallest``, closed-loop deltas)
    a keyframe stores the weights exact and the AdamW moments coded, and a delta the weights
-   as 2-bit deltas from the save before it, so both resumes continue within quantization error,
-   which the printed loss gap measures (the script exits with status 1 if a gap exceeds 1 %
-   of the loss). With ``--rules default`` or ``--rules exact`` the moments are exact, and
-   restoring a keyframe must then reproduce the reference losses bit for bit.
+   as 2-bit deltas from the save before it, so both resumes continue within quantization error.
+4. The noise floor: the uninterrupted run again with another data order (same initial
+   weights). A resume is judged by its final held-out loss (fixed batches of text the runs
+   never train on): its deviation from the uninterrupted run must stay below the noise
+   run's, or the script exits with status 1. The largest per-step training-loss gap after
+   the resume is printed too. With ``--rules default`` or ``--rules exact`` the moments are
+   exact, and restoring a keyframe must then reproduce the reference losses bit for bit.
 
 Sizes are compared against ``torch.save`` of the same state: a keyframe, a delta, and the
 average over one keyframe cycle.
@@ -82,6 +85,18 @@ def make_objects(args, vocab: int, seed: int):
     return model, opt, sched
 
 
+@torch.no_grad()
+def held_out_loss(model, held_out: torch.Tensor, args) -> float:
+    """Mean loss over fixed windows of text that no run trains on (dropout off)."""
+    model.eval()
+    n = (len(held_out) - 1) // args.context
+    windows = [held_out[i * args.context : (i + 1) * args.context + 1] for i in range(min(n, 32))]
+    batch = torch.stack(windows)
+    loss = nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+    model.train()
+    return float(loss)
+
+
 def train_steps(model, opt, sched, data: torch.Tensor, args, first: int, last: int, ckpt=None) -> list[float]:
     """Steps ``first..last-1``. Batches come from numpy's and Python's RNGs and dropout from
     torch's, so a resumed run matches only if all three RNG states come back."""
@@ -138,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
 
     text = corpus()
     chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    encoded = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    split = int(len(encoded) * 0.95)
+    data, held_out = encoded[:split], encoded[split:]
     base = Path(args.dir or tempfile.mkdtemp(prefix="tw_triton_example_"))
     t_start = time.perf_counter()
 
@@ -147,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     model, opt, sched = make_objects(args, len(chars), seed=0)
     with Checkpointer(base / "reference", keyframe_every=args.keyframe_every, rules=args.rules) as ck:
         reference = train_steps(model, opt, sched, data, args, 0, args.steps, ck)
+    ref_eval = held_out_loss(model, held_out, args)
     ref_infos = Checkpointer(base / "reference").infos()
     ref_sizes = {i.kind: i.nbytes for i in ref_infos}
     plain = torch_save_bytes(model, opt, sched)
@@ -177,13 +195,22 @@ def main(argv: list[str] | None = None) -> int:
         state = reader.restore(step, model=model, optimizer=opt, scheduler=sched)
         resumed = train_steps(model, opt, sched, data, args, state["step"], args.steps)
         gap = [abs(a - b) for a, b in zip(resumed, reference[state["step"]:])]
-        results[label] = (step, infos[step].kind, max(gap), resumed[-1] - reference[-1])
+        results[label] = (step, infos[step].kind, max(gap), held_out_loss(model, held_out, args) - ref_eval)
+
+    # 4. The noise floor: the same run, another data order.
+    seed_everything(0)
+    model, opt, sched = make_objects(args, len(chars), seed=0)
+    np.random.seed(1)
+    random.seed(1)
+    train_steps(model, opt, sched, data, args, 0, args.steps)
+    noise = held_out_loss(model, held_out, args) - ref_eval
     elapsed = time.perf_counter() - t_start
 
     n_params = sum(p.numel() for p in make_objects(args, len(chars), seed=0)[0].parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters; {args.steps} steps; saves every {args.every}; "
           f"keyframe every {args.keyframe_every} saves; rules {args.rules}")
-    print(f"final loss (uninterrupted): {reference[-1]:.4f} (first {reference[0]:.4f})")
+    print(f"final loss (uninterrupted): {reference[-1]:.4f} (first {reference[0]:.4f}); "
+          f"held-out loss {ref_eval:.4f}, noise floor (another data order) {abs(noise):.2e}")
     print(f"torch.save of model+optimizer+scheduler: {plain / 1e6:.3f} MB")
     for kind in ("keyframe", "delta"):
         if kind in ref_sizes:
@@ -195,14 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"save() paused the loop {1e3 * float(np.median(stall)):.1f} ms (median of {len(stall)} saves)")
     for label, (step, kind, gap, final) in results.items():
         print(f"resume from step {step} ({kind}): loss gap after resume max {gap:.2e}, "
-              f"final-loss difference {final:+.2e}")
+              f"held-out loss difference {final:+.2e} = {abs(final) / abs(noise):.2f}x the noise floor")
     print(f"total time {elapsed:.1f} s")
     if args.rules in ("default", "exact") and results["keyframe"][2] != 0.0:
         print("ERROR: resuming from an exact keyframe did not reproduce the run exactly", file=sys.stderr)
         return 1
-    for label, (_, _, gap, _) in results.items():
-        if not math.isfinite(gap) or gap > 0.01 * reference[-1]:
-            print(f"ERROR: resuming from the {label} checkpoint drifted by {gap:.3g}", file=sys.stderr)
+    for label, (_, _, gap, final) in results.items():
+        if not math.isfinite(gap) or not abs(final) < abs(noise):
+            print(f"ERROR: resuming from the {label} checkpoint moved the held-out loss by {final:+.3g}, "
+                  f"more than another data order does ({abs(noise):.3g})", file=sys.stderr)
             return 1
     return 0
 

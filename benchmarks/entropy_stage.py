@@ -3,7 +3,9 @@
 Trains the tiny byte-level GPT of ``resume_fidelity.py`` with AdamW (``--steps``, default
 300), writes an exact keyframe at ``--keyframe`` (default 150), and encodes the final state
 against it the way the library does: weight deltas at 8, 4 and 2 bits (default rules), and
-the moments by the ``"small"`` preset (``exp_avg`` int4 blockwise, ``exp_avg_sq`` log2 4-bit).
+the moments by the ``"small"`` preset (``exp_avg`` int4 blockwise, ``exp_avg_sq`` log2 4-bit)
+and by the ``"smallest"`` preset (``exp_avg`` int3 in 4-bit containers, ``exp_avg_sq`` log2
+2-bit, wider blocks).
 Every buffer of the encoded states is sorted into a kind, and each kind goes through both
 stages (``zstd``, ``zstd-bytegroup``) buffer by buffer, as the file writer does.
 
@@ -83,6 +85,8 @@ def classify(path: str, codec: str, params: dict[str, Any], name: str, t: torch.
     moment = path.rsplit("/", 1)[-1]
     if codec == "blockwise" and name == "codes":
         what = "weight-delta" if weight else moment
+        if params.get("qmax") is not None:  # fewer levels than the container: int3 in 4 bits
+            return f"{what} codes int{params['qmax'].bit_length() + 1} (in {params['bits']} bits)"
         return f"{what} codes int{params['bits']}"
     if codec == "log2" and name == "codes":
         return f"{moment} log2 codes {params['bits']}-bit"
@@ -251,6 +255,11 @@ def train_states(cfg: Config, seed: int, tmp: Path) -> dict[str, QuantizedState]
     for bits in (8, 4, 2):
         states[f"delta int{bits}"] = tw_triton.quantize_state_dict(final, reference=keyframe_path, bits=bits)
     states['delta int8, preset "small"'] = tw_triton.quantize_state_dict(final, reference=keyframe_path, rules="small")
+    # "smallest": its moments (int3 exp_avg, 2-bit log2 exp_avg_sq, wider blocks). Its 2-bit
+    # weight deltas are coded against the keyframe here (the Checkpointer's closed loop codes
+    # them against the previous save, which this single state cannot show).
+    states['delta int2, preset "smallest"'] = tw_triton.quantize_state_dict(final, reference=keyframe_path,
+                                                                           rules="smallest")
     return states
 
 

@@ -95,14 +95,16 @@ def test_a_corrupt_link_makes_latest_fall_back_before_it(tmp_path, caplog):
     ck = _save_all(tmp_path, states, delta="closed", async_write=False)
     path = ck.path_for(3)
     data = bytearray(open(path, "rb").read())
-    data[-5] ^= 0xFF  # a data byte: the file's checksum fails
+    # A byte of the weight codes, which the next links are decoded through: its CRC fails.
+    begin = read_manifest(path)["entries"]["model/w"]["buffers"]["codes"]["data_offsets"][0]
+    data[8 + int.from_bytes(data[:8], "little") + begin] ^= 0xFF
     open(path, "wb").write(bytes(data))
     with caplog.at_level(logging.WARNING):
         assert ck.latest() == 2  # 5 and 4 need 3; 3 fails
     assert any("fails verification" in r.message for r in caplog.records)
     want = _expected_closed(states)
     assert torch.equal(ck.load()["model"]["w"], want[2])
-    with pytest.raises(CheckpointError, match="step-00000003"):
+    with pytest.raises(CheckpointError, match="step-00000003.*'model/w'"):
         ck.load(5)
 
 
@@ -204,3 +206,29 @@ def test_cli_verify_checks_a_closed_loop_delta_against_the_file_before_it(tmp_pa
     bad = subprocess.run([sys.executable, "-m", "tw_triton", "verify", ck.path_for(2), "--reference", ck.path_for(0)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "step-00000000" in bad.stderr
+
+
+def test_loading_a_delta_reads_only_what_the_chain_needs_from_earlier_links(tmp_path, monkeypatch):
+    states = _drift(3)
+    for s in states:
+        s["big_exact"] = torch.randn(64, 64)  # not delta-coded (not under model/): never read back
+    with Checkpointer(tmp_path, keep_last=None, rules="default", bits=BITS, block=BLOCK, fsync=False) as ck:
+        for step, s in enumerate(states):
+            ck.save(step, model={"w": s["w"]}, extra=s["big_exact"])
+    asked = []
+    real = fmt.read_file
+
+    def spy(path, **kwargs):
+        asked.append((os.path.basename(path), kwargs.get("entries")))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(fmt, "read_file", spy)
+    got = Checkpointer(tmp_path).load(2)
+    assert torch.equal(got["model"]["w"], _expected_closed(states)[2])
+    assert torch.equal(got["extra"], states[2]["big_exact"])
+    by_file = dict(asked)
+    assert by_file["step-00000002.tw.safetensors"] is None  # the one loaded: whole
+    assert by_file["step-00000001.tw.safetensors"] == ["model/w"]
+    assert by_file["step-00000000.tw.safetensors"] == ["model/w"]
+    with pytest.raises(CheckpointError, match="no entry 'model/nope'"):
+        real(Checkpointer(tmp_path).path_for(0), entries=["model/nope"])

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _format_samples import assert_same_state, blockwise_entry, exact_entry, sample_state, unstage
+import tw_triton
 from tw_triton import format as fmt
 from tw_triton.codecs.blockwise import QuantizedTensor, dequantize
 from tw_triton.codecs import entropy
@@ -533,3 +534,18 @@ def test_reading_a_missing_file_is_an_io_error(tmp_path):
     assert info.value.errno == errno.ENOENT and str(tmp_path / "missing") in str(info.value)
     with pytest.raises(CheckpointIOError):
         fmt.read_manifest(tmp_path / "missing")
+
+
+def test_read_file_of_some_entries_reads_just_those(tmp_path):
+    w = torch.randn(64, 64)
+    state = {"model": {"a": w, "tied": w, "b": torch.randn(300)}, "extra": torch.arange(10)}
+    tw_triton.save(tw_triton.quantize_state_dict(state, rules=[("model/a", "int4")]), tmp_path / "s.tw")
+    full = fmt.read_file(tmp_path / "s.tw")
+    part = fmt.read_file(tmp_path / "s.tw", entries=["model/tied", "extra"])  # an alias of model/a
+    assert sorted(part.entries) == ["extra", "model/a"]
+    assert part.aliases == {"model/tied": "model/a"}
+    for path, entry in part.entries.items():
+        for name, buf in entry.buffers.items():
+            assert torch.equal(buf, full.entries[path].buffers[name]), (path, name)
+    with pytest.raises(CheckpointError, match=r"s\.tw: has no entry 'model/zz'"):
+        fmt.read_file(tmp_path / "s.tw", entries=["model/zz"])

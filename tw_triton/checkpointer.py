@@ -784,7 +784,7 @@ class Checkpointer:
         """Why ``info`` cannot be loaded, or ``None`` if it (and its keyframe) verify.
 
         With ``reads``, files are verified by reading them whole, and each good read is
-        kept there by path (for :meth:`_latest_read`).
+        kept there by path (for :meth:`_latest_read`): each file is read once.
         """
         chain = [info]
         seen = {info.checkpoint_id}
@@ -876,9 +876,11 @@ def _decode_read(
     chain = chain_of(info, by_id, os.path.dirname(info.path))
     pin = _wants_pinned(device)
 
-    def read(item: CheckpointInfo) -> QuantizedState:
+    def read(item: CheckpointInfo, entries: list[str] | None) -> QuantizedState:
         q = reads.pop(item.path, None)
-        return q if q is not None else _format.read_file(item.path, verify=verify, pin_memory=pin)
+        if q is not None:
+            return q
+        return _format.read_file(item.path, verify=verify, pin_memory=pin, entries=entries)
 
     return decode_chain(chain, read, device)
 

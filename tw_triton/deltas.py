@@ -219,40 +219,43 @@ def chain_of(info: Any, by_id: Mapping[str, Any], directory: str) -> list[Any]:
 
 def decode_chain(
     chain: list[Any],
-    read: Callable[[Any], QuantizedState],
+    read: Callable[[Any, list[str] | None], QuantizedState],
     device: torch.device,
 ) -> Any:
     """Decode the last checkpoint of ``chain`` (from :func:`chain_of`) on ``device``.
 
-    ``read(info)`` returns the checkpoint's :class:`QuantizedState`. Each link but the last
-    is decoded only at the paths the next link is a delta of; every link is checked to be
-    the checkpoint its successor names.
+    ``read(info, entries)`` returns the checkpoint's :class:`QuantizedState`, with only
+    ``entries`` (``None``: all). The last link is read whole; each link before it only at
+    the paths the next link is a delta of (so a keyframe's optimizer state is never read to
+    load a delta), newest first, each checked to be the checkpoint its successor names.
+    Then the links are decoded oldest first, each against the one before.
 
     Raises:
         ReferenceMismatchError: a file that is not the checkpoint the next link needs.
-        CheckpointError: anything decoding raises, naming the file and the entry.
+        CheckpointError: anything reading or decoding raises, naming the file and the entry.
     """
-    reference: Any = None
-    prev_q: QuantizedState | None = None
-    prev_info: Any = None
-    qs = [read(chain[0])]
-    for k, info in enumerate(chain):
-        q = qs[k]
-        if prev_q is not None and prev_q.checkpoint_id != q.reference_id:
+    qs: list[QuantizedState | None] = [None] * len(chain)
+    qs[-1] = read(chain[-1], None)
+    needs: list[list[str]] = [[] for _ in chain]
+    for k in range(len(chain) - 2, -1, -1):
+        nxt = qs[k + 1]
+        assert nxt is not None
+        needs[k] = [p for p, e in nxt.entries.items() if _uses_reference(e)]
+        q = read(chain[k], needs[k])
+        if q.checkpoint_id != nxt.reference_id:
             raise ReferenceMismatchError(
-                f"{info.path}: is a delta from reference checkpoint {q.reference_id!r}, but "
-                f"reference file {prev_info.path!r} is checkpoint {prev_q.checkpoint_id!r}"
+                f"{chain[k + 1].path}: is a delta from reference checkpoint {nxt.reference_id!r}, but "
+                f"reference file {chain[k].path!r} is checkpoint {q.checkpoint_id!r}"
             )
-        if k == len(chain) - 1:
-            return dequantize_state_dict(q, reference=reference, device=device, source=info.path)
-        nxt = read(chain[k + 1])
-        qs.append(nxt)
-        needed = [p for p, e in nxt.entries.items() if _uses_reference(e)]
-        flat = dequantize_entries(q, needed, reference=reference, device=device, source=info.path)
+        qs[k] = q
+    reference: Any = None
+    for k, info in enumerate(chain[:-1]):
+        q = qs[k]
+        assert q is not None
+        flat = dequantize_entries(q, needs[k], reference=reference, device=device, source=info.path)
         reference = nest(flat)
-        qs[k] = None  # type: ignore[call-overload]  # a link's buffers are not needed any more
-        prev_q, prev_info = q, info
-    raise CheckpointError("empty chain")  # pragma: no cover - chain_of never returns one
+        qs[k] = None  # a link's buffers are not needed any more
+    return dequantize_state_dict(qs[-1], reference=reference, device=device, source=chain[-1].path)
 
 
 def _uses_reference(entry: Any) -> bool:

@@ -83,7 +83,7 @@ import struct
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterable
 
 import torch
 
@@ -306,7 +306,11 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_file(
-    path: str | os.PathLike, *, verify: bool = True, pin_memory: bool = False
+    path: str | os.PathLike,
+    *,
+    verify: bool = True,
+    pin_memory: bool = False,
+    entries: Iterable[str] | None = None,
 ) -> QuantizedState:
     """Read a checkpoint into a :class:`QuantizedState` whose buffers are CPU tensors.
 
@@ -320,21 +324,32 @@ def read_file(
             manifest's checksum is checked either way.
         pin_memory: allocate the buffers in page-locked memory for a fast non-blocking copy
             to the GPU. Needs CUDA; without it the buffers are ordinary memory (logged).
+        entries: read only these entries (paths, or aliases of them); the others are left
+            out of the result, which then cannot be unflattened, only decoded entry by
+            entry (what a link of a delta chain needs). ``None``: every entry.
 
     Returns:
         The state as written: entries in their original order with codec, params, shape,
         dtype and buffers, plus skeleton, ids, aliases, rules and metadata.
 
     Raises:
-        CheckpointError: malformed, truncated or corrupted file, naming the entry;
+        CheckpointError: malformed, truncated or corrupted file, naming the entry, or an
+            entry asked for that the file does not hold;
         CheckpointIOError: the operating system failed.
     """
     path = os.fspath(path)
     pin = pin_memory and _can_pin(path)
     with _open_for_reading(path) as f:
         layout = _read_layout(f, path)
-        tensors = _read_buffers(f, layout, path, verify=verify, pin=pin)
-    return _to_qstate(layout.manifest, tensors)
+        wanted = None
+        if entries is not None:
+            aliases = layout.manifest["aliases"]
+            wanted = {aliases.get(p, p) for p in entries}
+            missing = sorted(wanted - set(layout.manifest["entries"]))
+            if missing:
+                raise CheckpointError(f"checkpoint {path}: has no entry {missing[0]!r}")
+        tensors = _read_buffers(f, layout, path, verify=verify, pin=pin, only=wanted)
+    return _to_qstate(layout.manifest, tensors, only=wanted)
 
 
 def verify_file(path: str | os.PathLike) -> None:
@@ -1115,14 +1130,17 @@ def _can_pin(path: str) -> bool:
 
 
 def _read_buffers(
-    f: BinaryIO, layout: _Layout, path: str, *, verify: bool, pin: bool
+    f: BinaryIO, layout: _Layout, path: str, *, verify: bool, pin: bool, only: set[str] | None = None
 ) -> dict[tuple[str, str], torch.Tensor]:
     out: dict[tuple[str, str], torch.Tensor] = {}
+    specs = [s for s in layout.buffers if only is None or s.entry in only]
     # One scratch for the stored bytes of every staged buffer, as large as the largest.
-    largest = max((s.nbytes for s in layout.buffers if s.stage is not None), default=0)
+    largest = max((s.nbytes for s in specs if s.stage is not None), default=0)
     scratch = memoryview(bytearray(largest))
     f.seek(layout.data_start)
-    for spec in layout.buffers:
+    for spec in specs:
+        if only is not None:
+            f.seek(layout.data_start + spec.begin)  # skipped buffers leave gaps
         if spec.stage is not None:
             out[(spec.entry, spec.name)] = _read_staged(f, spec, scratch, path, verify=verify, pin=pin)
             continue
@@ -1171,10 +1189,12 @@ def _check_crc(path: str, spec: _BufferSpec, crc: int) -> None:
 
 
 def _to_qstate(
-    manifest: dict[str, Any], tensors: dict[tuple[str, str], torch.Tensor]
+    manifest: dict[str, Any], tensors: dict[tuple[str, str], torch.Tensor], only: set[str] | None = None
 ) -> QuantizedState:
     entries: dict[str, EncodedEntry] = {}
     for entry_path, entry in manifest["entries"].items():
+        if only is not None and entry_path not in only:
+            continue
         entries[entry_path] = EncodedEntry(
             codec=entry["codec"],
             params=entry["params"],
@@ -1187,7 +1207,7 @@ def _to_qstate(
         skeleton=manifest["skeleton"],
         checkpoint_id=manifest["checkpoint_id"],
         reference_id=manifest["reference_id"],
-        aliases=dict(manifest["aliases"]),
+        aliases={a: t for a, t in manifest["aliases"].items() if only is None or t in only},
         rules=manifest["rules"],
         metadata=manifest["metadata"],
     )

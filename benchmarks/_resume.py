@@ -321,6 +321,8 @@ def summarize(runs: list[dict[str, Any]], settings: tuple[ResumeSetting, ...], p
                 row[f"{m}_x_noise_worst"] = _x(max(vals), median(noise))
                 # The most stringent reading: the worst seed against the smallest floor seen.
                 row[f"{m}_x_min_noise_worst"] = _x(max(vals), min(noise))
+                # Each seed against its own noise run (same initial weights), the worst seed.
+                row[f"{m}_x_own_noise_worst"] = max(_x(v, n) for v, n in zip(vals, noise))
         row["negative_exp_avg_sq"] = max(p["negative_exp_avg_sq"] for p in per)
         row["nonfinite_exp_avg_sq"] = max(p["nonfinite_exp_avg_sq"] for p in per)
         sizes = [size_summary(p["files"], p["torch_save_bytes"], params, s.keyframe_every) for p in per]
@@ -347,6 +349,7 @@ def _times(v: float) -> str:
 def _floor(row: dict[str, Any], metric: str) -> str:
     seeds = row[f"{metric}_noise_per_seed"]
     return (f"floor {_pct(row[f'{metric}_noise_floor'])}, per seed {_pct(min(seeds))}..{_pct(max(seeds))}; "
+            f"each seed vs its own floor, worst {_times(row[f'{metric}_x_own_noise_worst'])}; "
             f"worst vs smallest floor {_times(row[f'{metric}_x_min_noise_worst'])}")
 
 

@@ -180,9 +180,11 @@ EXPLICIT_RULES: dict[str, list[Any]] = {
                       _moment("exp_avg", {"codec": "int3", "block": 256, "delta": False, "min_numel": 4096})],
     "w2-m4-v4": [_moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
                  _moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096})],
+    "w2-m3-v4": [_moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
+                 _moment("exp_avg", {"codec": "int3", "block": 256, "delta": False, "min_numel": 4096})],
 }
 EXPLICIT_BITS = {"w4-m4-v4": 4, "w2-m4-v2": 2, "w2-m2-v2": 2, "w2-m4-v2-wide": 2, "w2-m3-v2-wide": 2,
-                 "w2-m3-v2-wider": 2, "w8-m3-v2-wide": 8, "w2-m4-v4": 2}
+                 "w2-m3-v2-wider": 2, "w8-m3-v2-wide": 8, "w2-m4-v4": 2, "w2-m3-v4": 2}
 
 
 @dataclass(frozen=True)

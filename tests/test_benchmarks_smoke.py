@@ -190,11 +190,11 @@ def test_resume_page_and_summary_rows_from_the_results(gpt_quick: dict) -> None:
     assert "noise floor" in page and "| small |" in page and "| int4-delta |" in page
     safe = mr.resume_safe([gpt_quick])
     for row in gpt_quick["rows"]:
-        within = row["final_x_noise_worst"] <= 1 and row["curve_x_noise_worst"] <= 1
+        within = row["final_x_own_noise_worst"] <= 1 and row["curve_x_own_noise_worst"] <= 1
         assert (row["setting"] in safe) == within
     worse = json.loads(json.dumps(gpt_quick))  # the JSON round trip the page is built from
     for row in worse["rows"]:
-        row["final_x_noise_worst"] = 1.5
+        row["final_x_own_noise_worst"] = 1.5
     assert mr.resume_safe([gpt_quick, worse]) == []
 
 

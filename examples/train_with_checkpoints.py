@@ -10,8 +10,8 @@ causal transformer learns the text of this repository's own Python sources.
 3. Fresh model, optimizer and scheduler are restored from the latest checkpoint (a delta
    between keyframes) and, separately, from the last keyframe, and both continue to
    ``--steps``. Under the Checkpointer's defaults (preset ``smallest``, closed-loop deltas)
-   a keyframe stores the weights exact and the AdamW moments coded, and a delta the weights
-   as 2-bit deltas from the save before it, so both resumes continue within quantization error.
+   a keyframe stores the weights exact and the AdamW moments coded (int4, log2 4 bits), and
+   a delta the weights as 2-bit deltas from the save before it, so both resumes continue within quantization error.
 4. The noise floor: the uninterrupted run again with another data order (same initial
    weights). A resume is judged by its final held-out loss (fixed batches of text the runs
    never train on): its deviation from the uninterrupted run must stay below the noise

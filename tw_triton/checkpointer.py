@@ -28,8 +28,8 @@ Keyframes and deltas
     keyframe stores exactly those tensors exact (:func:`~tw_triton.rules.keyframe_rules`)
     and codes everything else by the rules. The default rules are the preset
     ``"smallest"`` (:data:`DEFAULT_RULES`): weight deltas in 2 bits, AdamW's ``exp_avg`` in
-    seven levels and ``exp_avg_sq`` by the ``log2`` codec in 2 bits, in keyframes and deltas
-    alike; counters, small tensors and RNG states stay exact. With ``rules="default"`` the
+    int4 and ``exp_avg_sq`` by the ``log2`` codec in 4 bits, in keyframes and deltas alike;
+    counters, small tensors and RNG states stay exact. With ``rules="default"`` the
     optimizer is exact and restoring a keyframe is bit for bit.
 
     ``delta`` picks the reference (:mod:`tw_triton.deltas`). ``"closed"`` (the default):

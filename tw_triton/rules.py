@@ -54,9 +54,9 @@ negative value nor a zero where there was none), both from 4096 elements up:
 ``"safe"``      weight deltas int8, ``exp_avg`` int8, ``exp_avg_sq`` log2 8 bits;
 ``"small"``     weight deltas int8, ``exp_avg`` int4, ``exp_avg_sq`` log2 4 bits (the
                 default of :class:`~tw_triton.dcp.DistributedCheckpointer`);
-``"smallest"``  weight deltas int2, ``exp_avg`` int3 in blocks of 256, ``exp_avg_sq`` log2
-                2 bits in blocks of 512 (the :class:`~tw_triton.checkpointer.Checkpointer`
-                default). Its 2-bit weight deltas need *closed-loop* deltas
+``"smallest"``  weight deltas int2, ``exp_avg`` int4, ``exp_avg_sq`` log2 4 bits (the
+                :class:`~tw_triton.checkpointer.Checkpointer` default). Its 2-bit weight
+                deltas need *closed-loop* deltas
                 (``Checkpointer(delta="closed")``, the default; see
                 :mod:`tw_triton.deltas`): against a keyframe many saves back (open loop)
                 four levels are too coarse, and the resumed run measurably drifts.
@@ -93,13 +93,14 @@ PRESETS = (
     "default", "exact", "int8-delta", "int4-delta", "int8-exp-avg", "safe", "small", "smallest",
 )
 # The presets by intent: (weight-delta bits, exp_avg spec, exp_avg_sq log2 spec). Globs end
-# with the moment's name, so they match whatever name the optimizer was saved under. Wider
-# blocks for the moments of "smallest" halve what their scales and bounds cost; measured
-# (benchmarks/resume_fidelity.py) to keep the resumed run as close as blocks of 128.
+# with the moment's name, so they match whatever name the optimizer was saved under. Fewer
+# moment bits (exp_avg int3, exp_avg_sq log2 2 bits in wider blocks) measured within the
+# noise floor when training the GPT from scratch but beyond it, on some seeds, when
+# fine-tuning MiniLM (benchmarks/resume_minilm.py): no preset uses them.
 MOMENT_PRESETS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
     "safe": (8, {"codec": "int8"}, {"bits": 8}),
     "small": (8, {"codec": "int4"}, {"bits": 4}),
-    "smallest": (2, {"codec": "int3", "block": 256}, {"bits": 2, "block": 512}),
+    "smallest": (2, {"codec": "int4"}, {"bits": 4}),
 }
 # Weight-delta bits that need closed-loop deltas (see "smallest" above).
 CLOSED_LOOP_BITS = 2

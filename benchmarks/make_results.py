@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import RESULTS_DIR, fmt_table, log, mib, read_result
+from _twapi import DEFAULT_KEYFRAME_EVERY
 
 HERE = Path(__file__).resolve().parent
 PROJECT_README = HERE.parent / "README.md"
@@ -515,9 +516,13 @@ def summary_table(fid: dict[str, Any], results: dict[str, dict[str, Any]], speed
         for r in results[exp]["rows"]:
             b = r["bytes_per_param"]
             delta = f", delta {b['x_delta']:.1f}x" if b["x_delta"] else ""
+            k = r["spec"]["keyframe_every"]
+            at_default = ("" if k == DEFAULT_KEYFRAME_EVERY or "x_cycle_default_k" not in b
+                          else f" ({b['x_cycle_default_k']:.1f}x at the default k={DEFAULT_KEYFRAME_EVERY})")
             rows.append([
-                f"{label}, `{r['setting']}` (keyframe every {r['spec']['keyframe_every']})",
-                f"keyframe {b['x_keyframe']:.1f}x{delta}, cycle average {b['x_cycle']:.1f}x smaller than torch.save",
+                f"{label}, `{r['setting']}` (keyframe every {k})",
+                f"keyframe {b['x_keyframe']:.1f}x{delta}, cycle average {b['x_cycle']:.1f}x{at_default} "
+                "smaller than torch.save",
                 f"after {r['restarts']} restarts the final loss deviation is {r['final_x_own_noise_worst']:.2f}x "
                 f"the noise floor (worst of {len(r['seeds'])} seeds, each against its own)",
             ])

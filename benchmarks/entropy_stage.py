@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import tempfile
 import time
 import zlib
@@ -239,19 +238,24 @@ def large_buffer_threads(nbytes: int = 64 << 20) -> dict[str, Any]:
     return out
 
 
-def train_states(cfg: Config, seed: int, tmp: Path) -> dict[str, QuantizedState]:
+def _training_state(trainer: Trainer) -> dict[str, Any]:
+    """Model and AdamW state of the GPT (what the restart benchmarks' checkpoints hold)."""
+    return {"model": trainer.model.state_dict(), "optimizer": trainer.opt.state_dict()}
+
+
+def train_states(cfg: Config, keyframe: int, seed: int, tmp: Path) -> dict[str, QuantizedState]:
     corpus = load_corpus()
     trainer = Trainer(cfg, corpus, seed)
     keyframe_path = tmp / "keyframe.tw"
     states: dict[str, QuantizedState] = {}
     t0 = time.perf_counter()
     while trainer.step < cfg.steps:
-        if trainer.step == cfg.keyframe:
-            states["keyframe (exact)"] = tw_triton.quantize_state_dict(trainer.state(), rules="exact")
+        if trainer.step == keyframe:
+            states["keyframe (exact)"] = tw_triton.quantize_state_dict(_training_state(trainer), rules="exact")
             tw_triton.save(states["keyframe (exact)"], keyframe_path, fsync=False, entropy=None)
         trainer.train_step()
     log(f"trained {cfg.steps} steps in {time.perf_counter() - t0:.1f} s")
-    final = trainer.state()
+    final = _training_state(trainer)
     for bits in (8, 4, 2):
         states[f"delta int{bits}"] = tw_triton.quantize_state_dict(final, reference=keyframe_path, bits=bits)
     states['delta int8, preset "small"'] = tw_triton.quantize_state_dict(final, reference=keyframe_path, rules="small")
@@ -348,11 +352,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print only; leave results/ alone")
     args = parser.parse_args()
-    cfg = Config(d_model=args.d_model, n_layers=args.layers, steps=args.steps, keyframe=args.keyframe)
+    cfg = Config(d_model=args.d_model, n_layers=args.layers, steps=args.steps)
     import zstandard
 
     with tempfile.TemporaryDirectory() as tmp:
-        states = train_states(cfg, args.seed, Path(tmp))
+        states = train_states(cfg, args.keyframe, args.seed, Path(tmp))
         kinds = collect(states)
         measured = {kind: measure_kind(bufs) for kind, bufs in sorted(kinds.items())}
         files = file_sizes(states, Path(tmp))
@@ -360,7 +364,7 @@ def main() -> None:
     params = sum(e.raw_nbytes // e.dtype.itemsize for p, e in states["keyframe (exact)"].entries.items()
                  if p.startswith("model/"))
     result = {
-        "config": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "steps": cfg.steps, "keyframe": cfg.keyframe,
+        "config": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "steps": cfg.steps, "keyframe": args.keyframe,
                    "seed": args.seed},
         "parameters": params,
         "zstandard": zstandard.__version__,

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import io
 import logging
-import os
 import shutil
 import statistics
 import sys

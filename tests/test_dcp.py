@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import socket
-import warnings
 
 import pytest
 import torch

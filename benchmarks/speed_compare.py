@@ -474,7 +474,8 @@ def main() -> None:
         # The GPU results sit apart, under the device's name (make_results.py reads them there).
         name = str((gpu_results_dir() / "speed_compare").relative_to(HERE / "results"))
     else:
-        name = "speed_compare"
+        # The results page reads the 1-thread run; other thread counts sit beside it.
+        name = "speed_compare" if args.threads == 1 else f"speed_compare_threads{args.threads}"
     path = write_result(name, result)
     print(f"{result['state']['params']} parameters + AdamW moments, "
           f"{result['state']['state_bytes'] / 2**20:.1f} MiB of tensors; medians of {args.repeats} runs, "

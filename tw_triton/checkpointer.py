@@ -112,7 +112,7 @@ import numpy as np
 import torch
 
 from . import format as _format
-from .errors import CheckpointError, TwTritonError
+from .errors import CheckpointError, ReferenceMismatchError, TwTritonError
 from .qstate import QuantizedState
 from .deltas import Reference, advance, chain_of, check_reference, decode_chain, delta_mode, make_reference
 from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
@@ -786,16 +786,10 @@ class Checkpointer:
         With ``reads``, files are verified by reading them whole, and each good read is
         kept there by path (for :meth:`_latest_read`): each file is read once.
         """
-        chain = [info]
-        seen = {info.checkpoint_id}
-        while chain[-1].reference_id is not None:
-            ref = by_id.get(chain[-1].reference_id)
-            if ref is None:
-                return f"its reference checkpoint {chain[-1].reference_id!r} is missing"
-            if ref.checkpoint_id in seen:
-                return f"its references form a cycle at {ref.path}"
-            seen.add(ref.checkpoint_id)
-            chain.append(ref)
+        try:
+            chain = chain_of(info, by_id, os.path.dirname(info.path))
+        except ReferenceMismatchError as e:  # a missing link, or a cycle
+            return str(e)
         if not verify:
             return None
         for item in chain:

@@ -206,8 +206,8 @@ def chain_of(info: Any, by_id: Mapping[str, Any], directory: str) -> list[Any]:
         ref = by_id.get(chain[-1].reference_id)
         if ref is None:
             raise ReferenceMismatchError(
-                f"{chain[-1].path}: is a delta from checkpoint {chain[-1].reference_id!r}, which is "
-                f"not in {directory!r}"
+                f"{chain[-1].path}: is a delta from reference checkpoint {chain[-1].reference_id!r}, "
+                f"which is not in {directory!r}"
             )
         if ref.checkpoint_id in seen:
             raise ReferenceMismatchError(f"{info.path}: its references form a cycle at {ref.path}")

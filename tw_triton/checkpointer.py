@@ -114,7 +114,16 @@ import torch
 from . import format as _format
 from .errors import CheckpointError, ReferenceMismatchError, TwTritonError
 from .qstate import QuantizedState
-from .deltas import Reference, advance, chain_of, check_reference, decode_chain, delta_mode, make_reference
+from .deltas import (
+    Reference,
+    advance,
+    chain_of,
+    check_reference,
+    decode_chain,
+    delta_mode,
+    make_reference,
+    with_references,
+)
 from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
 from .snapshot_pool import SnapshotLease, SnapshotPool
 from .state import dequantize_state_dict, quantize_state_dict
@@ -834,13 +843,7 @@ class Checkpointer:
         if self._reference is not None:
             needed.add(self._reference.checkpoint_id)
         needed |= {found[s].reference_id for s in keep if s in found and found[s].reference_id}
-        by_id = {info.checkpoint_id: info for info in found.values()}
-        frontier = list(needed)
-        while frontier:  # references of references (none with keyframes, but be safe)
-            ref = by_id.get(frontier.pop())
-            if ref is not None and ref.reference_id and ref.reference_id not in needed:
-                needed.add(ref.reference_id)
-                frontier.append(ref.reference_id)
+        needed = with_references(needed, {info.checkpoint_id: info for info in found.values()})
         for step, info in found.items():
             if step in keep or info.checkpoint_id in needed:
                 continue

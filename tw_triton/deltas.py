@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -217,6 +217,20 @@ def chain_of(info: Any, by_id: Mapping[str, Any], directory: str) -> list[Any]:
     return chain
 
 
+def with_references(ids: Iterable[str], by_id: Mapping[str, Any]) -> set[str]:
+    """``ids`` and every checkpoint id they need, transitively (a closed-loop chain back to
+    its keyframe). Ids not in ``by_id`` are kept but not followed."""
+    needed = set(ids)
+    frontier = list(needed)
+    while frontier:
+        info = by_id.get(frontier.pop())
+        ref = info.reference_id if info is not None else None
+        if ref is not None and ref not in needed:
+            needed.add(ref)
+            frontier.append(ref)
+    return needed
+
+
 def decode_chain(
     chain: list[Any],
     read: Callable[[Any, list[str] | None], QuantizedState],
@@ -273,4 +287,5 @@ __all__ = [
     "delta_mode",
     "make_reference",
     "nest",
+    "with_references",
 ]

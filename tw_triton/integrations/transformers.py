@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from ..checkpointer import Checkpointer, checkpoint_name, parse_checkpoint_name, restore_rng_state
+from ..deltas import with_references
 from ..errors import CheckpointError, TwTritonError
 from . import require
 
@@ -329,14 +330,8 @@ class TwCheckpointMixin:
         if keep_reference and ckpt.reference_id in by_id:
             keep.add(by_id[ckpt.reference_id].step)
         # A delta needs its reference, and in closed loop that one needs its own: the chain.
-        frontier = list(keep)
-        while frontier:
-            info = by_step.get(frontier.pop())
-            if info is not None and info.reference_id in by_id:
-                ref_step = by_id[info.reference_id].step
-                if ref_step not in keep:
-                    keep.add(ref_step)
-                    frontier.append(ref_step)
+        ids = with_references({by_step[s].checkpoint_id for s in keep if s in by_step}, by_id)
+        keep |= {by_id[i].step for i in ids if i in by_id}
         for info in infos:
             if info.step not in keep:
                 try:

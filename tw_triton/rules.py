@@ -94,9 +94,9 @@ PRESETS = (
 )
 # The presets by intent: (weight-delta bits, exp_avg spec, exp_avg_sq log2 spec). Globs end
 # with the moment's name, so they match whatever name the optimizer was saved under. Fewer
-# moment bits (exp_avg int3, exp_avg_sq log2 2 bits in wider blocks) measured within the
-# noise floor when training the GPT from scratch but beyond it, on some seeds, when
-# fine-tuning MiniLM (benchmarks/resume_minilm.py): no preset uses them.
+# moment bits measured within the noise floor when training the GPT from scratch, but int3
+# exp_avg left it when fine-tuning MiniLM and 2-bit log2 exp_avg_sq came close
+# (benchmarks/moment_ablation.py): no preset uses them.
 MOMENT_PRESETS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
     "safe": (8, {"codec": "int8"}, {"bits": 8}),
     "small": (8, {"codec": "int4"}, {"bits": 4}),

@@ -125,33 +125,45 @@ def _flat_reference(
     verify: bool,
     expect_id: str | None = None,
     where: str = "",
+    paths: Iterable[str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], str | None, str]:
     """``(tensors by path, checkpoint id or None, description)`` of a reference.
 
     For a path, ``expect_id`` (a checkpoint id, not a fingerprint) is checked against the
-    reference's manifest before its data is read.
+    reference's manifest before its data is read, and with ``paths`` only those of its
+    entries are read and decoded (a delta needs the tensors it is a delta of, not the
+    reference's optimizer state); paths the file lacks are left out, for the caller to
+    report.
     """
     if isinstance(reference, (str, os.PathLike)):
         from .format import read_file, read_manifest
 
+        source = os.fspath(reference)
+        manifest = read_manifest(reference)
         if expect_id is not None and not expect_id.startswith(FINGERPRINT_PREFIX):
-            found = read_manifest(reference).get("checkpoint_id")
+            found = manifest.get("checkpoint_id")
             if found != expect_id:
                 raise ReferenceMismatchError(
                     f"{where} is a delta from reference checkpoint {expect_id!r}, but "
-                    f"reference file {os.fspath(reference)!r} is checkpoint {found!r}"
+                    f"reference file {source!r} is checkpoint {found!r}"
                 )
-        rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device))
+        wanted = None
+        if paths is not None:
+            held = set(manifest["entries"]) | set(manifest["aliases"])
+            wanted = sorted(p for p in set(paths) if p in held)
+        rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device), entries=wanted)
         prev = None
-        if _delta_paths(rq, os.fspath(reference)):
+        if _delta_paths(rq, source):
             # A link of a closed-loop chain: it decodes against its own reference, found by
             # checkpoint id among the files beside it (recursively, back to a keyframe).
-            prev = _find_checkpoint(os.path.dirname(os.fspath(reference)), rq.reference_id,
-                                    f"{where or 'quantize_state_dict'}: reference file {os.fspath(reference)!r}")
-        state = dequantize_state_dict(rq, reference=prev, device=device, source=os.fspath(reference),
-                                      verify=verify)
-        tensors, _ = flatten(state)
-        return tensors, rq.checkpoint_id, f"reference file {os.fspath(reference)!r}"
+            prev = _find_checkpoint(os.path.dirname(source), rq.reference_id,
+                                    f"{where or 'quantize_state_dict'}: reference file {source!r}")
+        if wanted is not None:
+            tensors = dequantize_entries(rq, wanted, reference=prev, device=device, source=source, verify=verify)
+        else:
+            state = dequantize_state_dict(rq, reference=prev, device=device, source=source, verify=verify)
+            tensors, _ = flatten(state)
+        return tensors, rq.checkpoint_id, f"reference file {source!r}"
     tensors, _ = flatten(reference)
     return tensors, None, "the in-memory reference"
 
@@ -469,7 +481,7 @@ def _decode_entries(
             )
         rid = qstate.reference_id
         ref_tensors, _, ref_what = _flat_reference(
-            reference, device=dev, verify=verify, expect_id=rid, where=f"{where}: entry {first!r}"
+            reference, device=dev, verify=verify, expect_id=rid, where=f"{where}: entry {first!r}", paths=delta
         )
         checks: list[tuple[str, torch.Tensor]] = []
         for path in sorted(delta):

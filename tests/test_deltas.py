@@ -16,6 +16,7 @@ from tw_triton.deltas import delta_mode
 from tw_triton.errors import CheckpointError
 from tw_triton.format import read_manifest
 from tw_triton.state import dequantize_entries
+from _read_spy import spy_on_reads
 
 BITS, BLOCK = 2, 64
 
@@ -215,14 +216,8 @@ def test_loading_a_delta_reads_only_what_the_chain_needs_from_earlier_links(tmp_
     with Checkpointer(tmp_path, keep_last=None, rules="default", bits=BITS, block=BLOCK, fsync=False) as ck:
         for step, s in enumerate(states):
             ck.save(step, model={"w": s["w"]}, extra=s["big_exact"])
-    asked = []
     real = fmt.read_file
-
-    def spy(path, **kwargs):
-        asked.append((os.path.basename(path), kwargs.get("entries")))
-        return real(path, **kwargs)
-
-    monkeypatch.setattr(fmt, "read_file", spy)
+    asked = spy_on_reads(monkeypatch)
     got = Checkpointer(tmp_path).load(2)
     assert torch.equal(got["model"]["w"], _expected_closed(states)[2])
     assert torch.equal(got["extra"], states[2]["big_exact"])

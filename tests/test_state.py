@@ -501,20 +501,13 @@ def test_crafted_manifest_values_raise_checkpoint_errors_only(tmp_path_factory, 
 
 
 def test_a_reference_file_is_read_only_where_the_delta_needs_it(tmp_path, monkeypatch):
-    import tw_triton.format as fmt
+    from _read_spy import spy_on_reads
 
     state = make_state()
     save(quantize_state_dict(perturbed(state), checkpoint_id="kf"), tmp_path / "k.tw")
     save(quantize_state_dict(state, reference=tmp_path / "k.tw"), tmp_path / "d.tw")
     want = load(tmp_path / "d.tw", reference=load(tmp_path / "k.tw"))
-    asked = []
-    real = fmt.read_file
-
-    def spy(path, **kwargs):
-        asked.append((os.path.basename(path), kwargs.get("entries")))
-        return real(path, **kwargs)
-
-    monkeypatch.setattr(fmt, "read_file", spy)
+    asked = spy_on_reads(monkeypatch)
     got = load(tmp_path / "d.tw", reference=tmp_path / "k.tw")
     assert_same(got, want)
     # The delta whole; of the keyframe only the tensors the delta is a delta of (the large

@@ -39,7 +39,7 @@ from .errors import CheckpointError, ReferenceMismatchError
 from .qstate import QuantizedState
 from .rules import select_rule
 from .snapshot_pool import SnapshotLease
-from .state import dequantize_entries, dequantize_state_dict
+from .state import delta_paths, dequantize_entries, dequantize_state_dict
 from .tree import flatten
 
 DELTA_MODES = ("open", "closed", "none")
@@ -254,7 +254,7 @@ def decode_chain(
     for k in range(len(chain) - 2, -1, -1):
         nxt = qs[k + 1]
         assert nxt is not None
-        needs[k] = [p for p, e in nxt.entries.items() if _uses_reference(e)]
+        needs[k] = delta_paths(nxt, chain[k + 1].path)
         q = read(chain[k], needs[k])
         if q.checkpoint_id != nxt.reference_id:
             raise ReferenceMismatchError(
@@ -270,11 +270,6 @@ def decode_chain(
         reference = nest(flat)
         qs[k] = None  # a link's buffers are not needed any more
     return dequantize_state_dict(qs[-1], reference=reference, device=device, source=chain[-1].path)
-
-
-def _uses_reference(entry: Any) -> bool:
-    codec = get_codec(entry.codec)
-    return codec is not None and codec.uses_reference(entry.params)
 
 
 __all__ = [

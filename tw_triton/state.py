@@ -153,7 +153,7 @@ def _flat_reference(
             wanted = sorted(p for p in set(paths) if p in held)
         rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device), entries=wanted)
         prev = None
-        if _delta_paths(rq, source):
+        if delta_paths(rq, source):
             # A link of a closed-loop chain: it decodes against its own reference, found by
             # checkpoint id among the files beside it (recursively, back to a keyframe).
             prev = _find_checkpoint(os.path.dirname(source), rq.reference_id,
@@ -371,7 +371,12 @@ def quantize_state_dict(
     )
 
 
-def _delta_paths(qstate: QuantizedState, source: str) -> list[str]:
+def delta_paths(qstate: QuantizedState, source: str) -> list[str]:
+    """Paths of ``qstate``'s delta entries (those decoded against a reference).
+
+    Raises:
+        CheckpointError: an entry of an unknown codec (naming ``source`` and the entry).
+    """
     out = []
     for path, entry in qstate.entries.items():
         codec = _codec_or_raise(entry.codec, CheckpointError, f"{source}: entry {path!r}")
@@ -465,7 +470,7 @@ def _decode_entries(
     verify: bool,
 ) -> dict[str, torch.Tensor]:
     """Decode the entries of ``qstate`` (those in ``only``, or all) and resolve aliases."""
-    delta = set(_delta_paths(qstate, where))
+    delta = set(delta_paths(qstate, where))
     if only is not None:
         delta &= only
 

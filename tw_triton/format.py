@@ -89,6 +89,7 @@ import torch
 
 from .codecs.entropy import EntropyPolicy, Stage, encode_buffer, get_stage, resolve_policy, stage_names
 from .errors import CheckpointError, CheckpointIOError
+from .parallel import parallel_map
 from .qstate import EncodedEntry, QuantizedState
 
 logger = logging.getLogger(__name__)
@@ -355,9 +356,10 @@ def read_file(
 def verify_file(path: str | os.PathLike) -> None:
     """Validate a checkpoint completely and check every buffer's CRC-32.
 
-    Streams the data through one reusable chunk buffer, so memory stays small whatever the
+    Streams each buffer through a chunk-sized scratch, so memory stays small whatever the
     file size (plus, for a staged buffer, its stored bytes: the stage's frame is checked and
     decoded in chunks that are thrown away, so the decoded content is checked too).
+    Buffers are checked on several threads (:mod:`tw_triton.parallel`).
 
     Raises:
         CheckpointError: naming the file, the entry and the buffer that failed.
@@ -365,23 +367,27 @@ def verify_file(path: str | os.PathLike) -> None:
     path = os.fspath(path)
     with _open_for_reading(path) as f:
         layout = _read_layout(f, path)
-        scratch = memoryview(bytearray(min(IO_CHUNK_BYTES, max(layout.data_size, 1))))
-        f.seek(layout.data_start)
-        for spec in layout.buffers:
+
+        def verify_one(spec: _BufferSpec) -> None:
+            offset = layout.data_start + spec.begin
             if spec.stage is not None:
                 stored = memoryview(bytearray(spec.nbytes))
-                _read_exact_into(f, stored, path, spec)
+                _read_exact_into(f, stored, offset, path, spec)
                 _check_crc(path, spec, zlib.crc32(stored))
                 spec.stage.verify(stored, spec.stage_params, spec.raw_nbytes, _where(path, spec))
-                continue
+                return
+            scratch = memoryview(bytearray(min(IO_CHUNK_BYTES, max(spec.nbytes, 1))))
             crc = 0
-            remaining = spec.nbytes
-            while remaining:
-                n = min(remaining, len(scratch))
-                _read_exact_into(f, scratch[:n], path, spec)
+            done = 0
+            while done < spec.nbytes:
+                n = min(spec.nbytes - done, len(scratch))
+                _read_exact_into(f, scratch[:n], offset + done, path, spec)
                 crc = zlib.crc32(scratch[:n], crc)
-                remaining -= n
+                done += n
             _check_crc(path, spec, crc)
+
+        parallel_map(verify_one, layout.buffers, sizes=[s.raw_nbytes or s.nbytes for s in layout.buffers],
+                     threads=None if hasattr(os, "preadv") else 1)
 
 
 # --------------------------------------------------------------------------------------
@@ -480,8 +486,8 @@ def _plan(qstate: QuantizedState, path: str, policy: EntropyPolicy | None) -> _P
         if alias in qstate.entries:
             raise CheckpointError(f"checkpoint {path}: alias {alias!r} is also an entry")
 
-    stored: list[tuple[memoryview, dict[str, Any] | None]] = []
-    for entry_path, name, tensor, _ in pending:
+    def stage(item: tuple[str, str, torch.Tensor, str]) -> tuple[memoryview, dict[str, Any] | None]:
+        entry_path, name, tensor, _ = item
         view = _byte_view(tensor)
         staged = None
         if policy is not None:
@@ -493,7 +499,13 @@ def _plan(qstate: QuantizedState, path: str, policy: EntropyPolicy | None) -> _P
                     f"checkpoint {path}: entry {entry_path!r} buffer {name!r}: entropy stage "
                     f"failed: {type(exc).__name__}: {exc}"
                 ) from exc
-        stored.append((view, None) if staged is None else (memoryview(staged.data), staged.record))
+        return (view, None) if staged is None else (memoryview(staged.data), staged.record)
+
+    # Buffers are staged independently, so on several threads (zstd releases the GIL).
+    stored = parallel_map(
+        stage, pending, sizes=[t.numel() * t.element_size() for _, _, t, _ in pending],
+        threads=None if policy is not None else 1,
+    )
 
     # Decreasing element size keeps every buffer aligned to its element size (staged
     # buffers are bytes); the sort is stable, so within one size the file follows the
@@ -775,11 +787,17 @@ def _read_exact(f: BinaryIO, n: int, path: str, what: str) -> bytes:
     return bytes(buf)
 
 
-def _read_exact_into(f: BinaryIO, view: memoryview, path: str, spec: _BufferSpec) -> None:
+def _read_exact_into(f: BinaryIO, view: memoryview, offset: int, path: str, spec: _BufferSpec) -> None:
+    """Fill ``view`` from byte ``offset`` of ``f``: a positional read where the OS has one
+    (threads may read one file at once), else seek and read."""
     got = 0
     n = len(view)
     while got < n:
-        k = f.readinto(view[got:])
+        if hasattr(os, "preadv"):
+            k = os.preadv(f.fileno(), [view[got:]], offset + got)
+        else:
+            f.seek(offset + got)
+            k = f.readinto(view[got:])
         if not k:
             raise CheckpointError(
                 f"checkpoint {path}: entry {spec.entry!r} buffer {spec.name!r}: file ended "
@@ -1132,35 +1150,43 @@ def _can_pin(path: str) -> bool:
 def _read_buffers(
     f: BinaryIO, layout: _Layout, path: str, *, verify: bool, pin: bool, only: set[str] | None = None
 ) -> dict[tuple[str, str], torch.Tensor]:
-    out: dict[tuple[str, str], torch.Tensor] = {}
+    """Read (and decode, for staged ones) the buffers of ``only``'s entries, or all.
+
+    Each buffer is read at its offset with positional reads straight into its tensor
+    (staged ones into their stored size, then decoded into the tensor), so buffers are
+    independent and run on several threads (:func:`~tw_triton.parallel.parallel_map`):
+    reads, checksums and zstd all release the GIL.
+    """
     specs = [s for s in layout.buffers if only is None or s.entry in only]
-    # One scratch for the stored bytes of every staged buffer, as large as the largest.
-    largest = max((s.nbytes for s in specs if s.stage is not None), default=0)
-    scratch = memoryview(bytearray(largest))
-    f.seek(layout.data_start)
-    for spec in specs:
-        if only is not None:
-            f.seek(layout.data_start + spec.begin)  # skipped buffers leave gaps
+    positional = hasattr(os, "preadv")
+
+    def read_one(spec: _BufferSpec) -> torch.Tensor:
+        offset = layout.data_start + spec.begin
         if spec.stage is not None:
-            out[(spec.entry, spec.name)] = _read_staged(f, spec, scratch, path, verify=verify, pin=pin)
-            continue
+            return _read_staged(f, spec, offset, path, verify=verify, pin=pin)
         # Bounded: validation proved that all buffers together fit in the file.
         tensor = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin)
         view = _byte_view(tensor)
         crc = 0
         for start in range(0, len(view), IO_CHUNK_BYTES):
             chunk = view[start : start + IO_CHUNK_BYTES]
-            _read_exact_into(f, chunk, path, spec)
+            _read_exact_into(f, chunk, offset + start, path, spec)
             if verify:
                 crc = zlib.crc32(chunk, crc)
         if verify:
             _check_crc(path, spec, crc)
-        out[(spec.entry, spec.name)] = tensor
-    return out
+        return tensor
+
+    # Without positional reads (Windows) the file position is shared: one thread.
+    tensors = parallel_map(
+        read_one, specs, sizes=[s.raw_nbytes or s.nbytes for s in specs],
+        threads=None if positional else 1,
+    )
+    return {(s.entry, s.name): t for s, t in zip(specs, tensors)}
 
 
 def _read_staged(
-    f: BinaryIO, spec: _BufferSpec, scratch: memoryview, path: str, *, verify: bool, pin: bool
+    f: BinaryIO, spec: _BufferSpec, offset: int, path: str, *, verify: bool, pin: bool
 ) -> torch.Tensor:
     """Read a staged buffer's stored bytes, check them, and decode into its tensor.
 
@@ -1169,8 +1195,8 @@ def _read_staged(
     manifest that promises more than the stored bytes can make allocates nothing.
     """
     assert spec.stage is not None and spec.stage_params is not None
-    stored = scratch[: spec.nbytes]
-    _read_exact_into(f, stored, path, spec)
+    stored = memoryview(bytearray(spec.nbytes))
+    _read_exact_into(f, stored, offset, path, spec)
     if verify:
         _check_crc(path, spec, zlib.crc32(stored))
     where = _where(path, spec)

@@ -59,6 +59,7 @@ from .codecs.blockwise import FLOAT_DTYPES, check_params
 from .codecs import Codec, Encoded, ExactCodec, get_codec
 from .codecs.entropy import EntropyPolicy
 from .errors import CheckpointError, QuantizationError, ReferenceMismatchError, TwTritonError
+from .parallel import parallel_map
 from .qstate import EncodedEntry, QuantizedState
 from .rules import resolve_rules, select_rule
 from .snapshot_pool import Allocator
@@ -293,11 +294,7 @@ def quantize_state_dict(
             first_by_storage[key] = path
         canonical.append(path)
 
-    entries: dict[str, EncodedEntry] = {}
-    flagged: list[tuple[str, torch.Tensor]] = []
-    fingerprinted: list[tuple[str, torch.Tensor]] = []
-    exact = _codec_or_raise("exact", QuantizationError, "quantize_state_dict")
-    for i, path in enumerate(canonical):
+    def encode_one(path: str) -> tuple[Encoded, torch.Tensor | None]:
         x = tensors[path]
         rule = select_rule(rule_list, path, x)
         codec = _codec_or_raise(rule.codec, QuantizationError, f"entry {path!r}")
@@ -316,13 +313,27 @@ def quantize_state_dict(
         except QuantizationError as e:
             raise QuantizationError(f"entry {path!r} (codec {rule.codec!r}): {e}") from e
         enc.entry.codec = rule.codec
+        return enc, ref if ref is not None and codec.uses_reference(enc.entry.params) else None
+
+    # On the CPU the entries are encoded on several threads (each alone: the bytes do not
+    # depend on it); device tensors are encoded here, where their launches are queued.
+    on_host = all(t.device.type == "cpu" for t in tensors.values())
+    encoded = parallel_map(
+        encode_one, canonical, sizes=[tensors[p].numel() * tensors[p].element_size() for p in canonical],
+        threads=None if on_host else 1,
+        done=None if progress is None else (lambda i: progress(i + 1, len(canonical))),
+    )
+
+    entries: dict[str, EncodedEntry] = {}
+    flagged: list[tuple[str, torch.Tensor]] = []
+    fingerprinted: list[tuple[str, torch.Tensor]] = []
+    exact = _codec_or_raise("exact", QuantizationError, "quantize_state_dict")
+    for path, (enc, used_ref) in zip(canonical, encoded):
         entries[path] = enc.entry
         if enc.unusable is not None:
             flagged.append((path, enc.unusable))
-        if ref is not None and codec.uses_reference(enc.entry.params):
-            fingerprinted.append((path, _fingerprint(ref)))
-        if progress is not None:
-            progress(i + 1, len(canonical))
+        if used_ref is not None:
+            fingerprinted.append((path, _fingerprint(used_ref)))
 
     # The one host sync: every NaN/Inf flag and every reference fingerprint together.
     values = _read_device_scalars([f for _, f in flagged] + [f for _, f in fingerprinted])
@@ -510,21 +521,31 @@ def _decode_entries(
     # numpy leaves come back as arrays: decode them on the host, not via the GPU.
     host_paths = set(skeleton_ndarray_paths(qstate.skeleton))
     host = torch.device("cpu")
-    out: dict[str, torch.Tensor] = {}
     total = len(qstate.entries)
-    for i, (path, entry) in enumerate(qstate.entries.items()):
-        if only is not None and path not in only:
-            continue
+    indexed = [(i, path) for i, path in enumerate(qstate.entries) if only is None or path in only]
+
+    def decode_one(item: tuple[int, str]) -> torch.Tensor:
+        path = item[1]
+        entry = qstate.entries[path]
         codec = _codec_or_raise(entry.codec, CheckpointError, f"{where}: entry {path!r}")
         context = f"{where}: entry {path!r} (codec {entry.codec!r})"
         target = host if path in host_paths and dev is not None else dev
         ref = ref_tensors.get(path) if path in delta else None
         try:
-            out[path] = codec.decode(entry, ref, target, context)
+            return codec.decode(entry, ref, target, context)
         except QuantizationError as e:
             raise CheckpointError(f"{context}: {e}") from e
-        if progress is not None:
-            progress(i + 1, total)
+
+    # Decoding on the host runs on several threads, as encoding does; on a device, here.
+    on_host = (dev is None or dev.type == "cpu") and all(
+        b.device.type == "cpu" for e in qstate.entries.values() for b in e.buffers.values()
+    )
+    decoded = parallel_map(
+        decode_one, indexed, sizes=[qstate.entries[p].raw_nbytes for _, p in indexed],
+        threads=None if on_host else 1,
+        done=None if progress is None else (lambda k: progress(indexed[k][0] + 1, total)),
+    )
+    out: dict[str, torch.Tensor] = {path: t for (_, path), t in zip(indexed, decoded)}
     for path, target in qstate.aliases.items():
         if only is not None and target not in only:
             continue

@@ -1,0 +1,105 @@
+"""CPU worker threads for work over independent tensors and buffers.
+
+The CPU path of a save or a load is many independent pieces: entries to encode or decode,
+buffers to entropy-code or to read and check. Each piece runs in torch ops, zstd and
+``zlib.crc32``, which all release the GIL on large inputs, so a few Python threads keep
+every core busy; torch's own intra-op threads barely help here, because most ops are on
+one chunk of a few MiB and the zstd stage and the checksum are serial.
+
+:func:`parallel_map` runs a function over items on :func:`cpu_threads` threads, largest
+piece first (so one big tensor does not start last and finish alone), and returns the
+results in the items' order. The bytes produced never depend on the thread count: each
+piece is computed alone, and the caller lays the results out in its own order.
+
+The number of threads is ``TW_TRITON_THREADS`` when set (``1`` turns parallelism off:
+for a training loop that needs every core itself), else the machine's cores, at most
+:data:`MAX_THREADS`.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence, TypeVar
+
+from .errors import TwTritonError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+ENV_THREADS = "TW_TRITON_THREADS"
+# Beyond this the pieces of one checkpoint (a few hundred tensors, the largest tens of
+# MiB) stop dividing evenly, and memory bandwidth is the bound anyway.
+MAX_THREADS = 8
+
+
+def cpu_threads() -> int:
+    """Worker threads for the CPU path: ``TW_TRITON_THREADS``, or the cores (at most 8).
+
+    Raises:
+        TwTritonError: ``TW_TRITON_THREADS`` is set but not a positive integer.
+    """
+    raw = os.environ.get(ENV_THREADS, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise TwTritonError(f"{ENV_THREADS} must be a positive integer, found {raw!r}")
+        return value
+    return max(1, min(os.cpu_count() or 1, MAX_THREADS))
+
+
+def parallel_map(
+    fn: Callable[[T], R],
+    items: Sequence[T],
+    *,
+    sizes: Sequence[int] | None = None,
+    threads: int | None = None,
+    done: Callable[[int], None] | None = None,
+) -> list[R]:
+    """``[fn(item) for item in items]``, computed on up to ``threads`` threads.
+
+    Args:
+        fn: applied to each item; it must not depend on what other calls do.
+        items: the pieces of work.
+        sizes: a cost per item (bytes, elements); larger ones are started first.
+        threads: worker threads (default :func:`cpu_threads`). With 1, or one item, the
+            calls run here, in order.
+        done: called as ``done(i)`` in the calling thread, in order, once item ``i``'s
+            result is ready (for progress callbacks, which users expect on their thread).
+
+    Returns:
+        The results, in the order of ``items``.
+
+    Raises:
+        The exception of the first item (in ``items`` order) whose call raised; items not
+        yet started when a call fails are not started.
+    """
+    n = len(items)
+    workers = min(cpu_threads() if threads is None else threads, n)
+    if workers <= 1:
+        results = []
+        for i, item in enumerate(items):
+            results.append(fn(item))
+            if done is not None:
+                done(i)
+        return results
+    order = sorted(range(n), key=lambda i: -sizes[i]) if sizes is not None else range(n)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tw_triton-cpu") as pool:
+        futures = {i: pool.submit(fn, items[i]) for i in order}
+        try:
+            results = []
+            for i in range(n):
+                results.append(futures[i].result())
+                if done is not None:
+                    done(i)
+            return results
+        except BaseException:
+            for f in futures.values():
+                f.cancel()
+            raise
+
+
+__all__ = ["ENV_THREADS", "MAX_THREADS", "cpu_threads", "parallel_map"]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -232,6 +233,9 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
             ckpt.save(0, model=state["model"], optimizer=state["optimizer"]).result()
             _perturb(state)
     _sync()
+    # The fixture's load left garbage behind; a full collection inside the timed region
+    # (80 ms on this state) would be charged to whichever method happened to trigger it.
+    gc.collect()
     dev_base = _device_peak_start()
     base = rss_bytes()
     reset_peak()
@@ -336,6 +340,7 @@ def child_load(method: str, fixture: Path, files: Path) -> dict[str, Any]:
     if method.startswith("tw"):
         import tw_triton  # noqa: F401  (import cost outside the clock, like torch's)
 
+    gc.collect()  # as in child_save: no setup garbage collected on the clock
     base = rss_bytes()
     reset_peak()
     t0 = time.perf_counter()
@@ -361,26 +366,34 @@ def run_child(args: list[str], threads: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- parent
 
 
-def run(repeats: int, threads: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """Build the state once, then measure every method ``repeats`` times, round-robin."""
+def run(
+    repeats: int, threads: int, log: Callable[[str], None], only: list[str] | None = None
+) -> dict[str, Any]:
+    """Build the state once, then measure every method ``repeats`` times, round-robin.
+
+    ``only``: measure these methods (and torch.save / torch.load, the yardsticks) alone.
+    """
     from _common import median
+
+    save_methods = [m for m in SAVE_METHODS if only is None or m in only or m == "torch.save"]
+    load_methods = [m for m in LOAD_METHODS if only is None or m in only or m == "torch.load"]
 
     with tempfile.TemporaryDirectory() as tmp:
         tmpdir = Path(tmp)
         fixture = tmpdir / "fixture.pt"
         info = build_fixture(fixture)
         log(f"state: {info['state_tensors']} tensors, {info['state_bytes'] / 2**20:.1f} MiB")
-        saves: dict[str, list[dict[str, Any]]] = {m: [] for m in SAVE_METHODS}
-        loads: dict[str, list[dict[str, Any]]] = {m: [] for m in LOAD_METHODS}
+        saves: dict[str, list[dict[str, Any]]] = {m: [] for m in save_methods}
+        loads: dict[str, list[dict[str, Any]]] = {m: [] for m in load_methods}
         for rep in range(repeats):
-            for method in SAVE_METHODS:
+            for method in save_methods:
                 out = tmpdir / f"save-{rep}-{method.replace(' ', '_')}"
                 out.mkdir()
                 r = run_child(["--child-save", method, "--fixture", str(fixture), "--out", str(out)], threads)
                 saves[method].append(r)
                 log(f"rep {rep} save {method}: blocked {r['blocked_s']:.3f} s, total {r['total_s']:.3f} s, "
                     f"peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB, {r['file_bytes'] / 2**20:.1f} MiB")
-            for method in LOAD_METHODS:
+            for method in load_methods:
                 src = tmpdir / f"save-{rep}-{LOAD_FILES.get(method, method).replace(' ', '_')}"
                 r = run_child(["--child-load", method, "--fixture", str(fixture), "--out", str(src)], threads)
                 loads[method].append(r)
@@ -391,7 +404,7 @@ def run(repeats: int, threads: int, log: Callable[[str], None]) -> dict[str, Any
 
     ref = "torch.save"
     rows = []
-    for method in SAVE_METHODS:
+    for method in save_methods:
         s = saves[method]
         rows.append({
             "method": method,
@@ -403,7 +416,7 @@ def run(repeats: int, threads: int, log: Callable[[str], None]) -> dict[str, Any
                                        if s[0].get("peak_device_bytes") is not None else None),
         })
     load_rows = []
-    for method in LOAD_METHODS:
+    for method in load_methods:
         s = loads[method]
         load_rows.append({
             "method": method,
@@ -449,6 +462,8 @@ def main() -> None:
                         help="torch intra-op threads in every child (1: steadier on a shared machine)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where the state lives and loads go (cuda: results/gpu/<device>/)")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated subset of methods to measure (printed, not written)")
     parser.add_argument("--child-save", metavar="METHOD", help=argparse.SUPPRESS)
     parser.add_argument("--child-load", metavar="METHOD", help=argparse.SUPPRESS)
     parser.add_argument("--fixture", type=Path, help=argparse.SUPPRESS)
@@ -468,7 +483,13 @@ def main() -> None:
 
     from _common import gpu_results_dir, log, write_result
 
-    result = run(args.repeats, args.threads, log)
+    only = None
+    if args.methods:
+        only = [m.strip() for m in args.methods.split(",")]
+        unknown = sorted(set(only) - set(SAVE_METHODS) - set(LOAD_METHODS))
+        if unknown:
+            parser.error(f"unknown methods {unknown}; known: {list(SAVE_METHODS)}")
+    result = run(args.repeats, args.threads, log, only)
     result["device"] = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
     if DEVICE.type == "cuda":
         # The GPU results sit apart, under the device's name (make_results.py reads them there).
@@ -476,12 +497,13 @@ def main() -> None:
     else:
         # The results page reads the 1-thread run; other thread counts sit beside it.
         name = "speed_compare" if args.threads == 1 else f"speed_compare_threads{args.threads}"
-    path = write_result(name, result)
+    path = write_result(name, result) if only is None else None
     print(f"{result['state']['params']} parameters + AdamW moments, "
           f"{result['state']['state_bytes'] / 2**20:.1f} MiB of tensors; medians of {args.repeats} runs, "
           f"{args.threads} torch thread(s)")
     print(tables(result))
-    log(f"wrote {path}")
+    if path is not None:
+        log(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,7 @@ from .deltas import (
     check_reference,
     decode_chain,
     delta_mode,
+    delta_coded,
     make_reference,
     with_references,
 )
@@ -389,7 +390,10 @@ class Checkpointer:
                     job = functools.partial(
                         _encode_keyframe, snapshot, kf_rules, self.bits, self.block, meta, q_id
                     )
-                    ref_values = flatten(snapshot)[0]
+                    # Chosen before the writer thread starts: rule matching is Python, and
+                    # once that thread runs it would wait on the GIL (seen as 30% of the pause).
+                    if self.delta:
+                        ref_values = delta_coded(flatten(snapshot)[0], rule_list)
                 else:
                     job = functools.partial(
                         _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block,
@@ -403,9 +407,11 @@ class Checkpointer:
                     q = _encode_keyframe(tree, kf_rules, self.bits, self.block, meta, None,
                                          allocate=lease)
                     # The tensors deltas are coded against are exact entries of the keyframe.
-                    ref_values = {
-                        p: e.buffers["data"] for p, e in q.entries.items() if e.codec == "exact"
-                    }
+                    if self.delta:
+                        ref_values = delta_coded(
+                            {p: e.buffers["data"] for p, e in q.entries.items() if e.codec == "exact"},
+                            rule_list,
+                        )
                 else:
                     q = _encode_snapshot(tree, reference, self.rules, self.bits, self.block, meta, None,
                                          allocate=lease, ref_at=_ref_at(reference))
@@ -424,7 +430,7 @@ class Checkpointer:
         if keyframe:
             self._since_keyframe = 0
             self._reference = (
-                make_reference(q_id, ref_values, rule_list, step, future, closed=self.delta_mode == "closed")
+                make_reference(q_id, ref_values, step, future, closed=self.delta_mode == "closed")
                 if self.delta else None
             )
             if self._reference is not None and lease is not None:

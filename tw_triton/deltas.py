@@ -109,10 +109,20 @@ class Reference:
         return any(f.done() and f.exception() is not None for f in (self.future, *self.links))
 
 
+def delta_coded(values: Mapping[str, torch.Tensor], rule_list: Any) -> dict[str, torch.Tensor]:
+    """The entries of ``values`` (flat, by path) that ``rule_list`` will code as deltas."""
+    flat: dict[str, torch.Tensor] = {}
+    for path, data in values.items():
+        rule = select_rule(rule_list, path, data)
+        codec = get_codec(rule.codec)
+        if codec is not None and codec.uses_reference(rule.params):
+            flat[path] = data
+    return flat
+
+
 def make_reference(
     checkpoint_id: str,
-    values: Mapping[str, torch.Tensor],
-    rule_list: Any,
+    flat: Mapping[str, torch.Tensor],
     step: int,
     future: Future,
     *,
@@ -120,19 +130,13 @@ def make_reference(
 ) -> Reference:
     """Keep the keyframe's values of the tensors that the rules will delta-code.
 
-    ``values`` are the keyframe's snapshot tensors (its exact entries, or the private copy
-    the writer thread encodes): the keyframe stores exactly these for every delta-coded
-    path (:func:`~tw_triton.rules.keyframe_rules`), so holding them costs nothing more than
-    not freeing them.
+    ``flat`` is :func:`delta_coded` of the keyframe's snapshot tensors (its exact entries,
+    or the private copy the writer thread encodes): the keyframe stores exactly these for
+    every delta-coded path (:func:`~tw_triton.rules.keyframe_rules`), so holding them costs
+    nothing more than not freeing them.
     """
-    flat: dict[str, torch.Tensor] = {}
-    for path, data in values.items():
-        rule = select_rule(rule_list, path, data)
-        codec = get_codec(rule.codec)
-        if codec is not None and codec.uses_reference(rule.params):
-            flat[path] = data
     nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in flat.values()}.values())
-    return Reference(checkpoint_id, step, nest(flat), nbytes, future, closed=closed)
+    return Reference(checkpoint_id, step, nest(dict(flat)), nbytes, future, closed=closed)
 
 
 def check_reference(tree: Any, rule_list: Any, reference: Reference, path: str) -> None:
@@ -280,6 +284,7 @@ __all__ = [
     "check_reference",
     "decode_chain",
     "delta_mode",
+    "delta_coded",
     "make_reference",
     "nest",
     "with_references",

@@ -31,6 +31,9 @@ ENV_THREADS = "TW_TRITON_THREADS"
 # Beyond this the pieces of one checkpoint (a few hundred tensors, the largest tens of
 # MiB) stop dividing evenly, and memory bandwidth is the bound anyway.
 MAX_THREADS = 8
+# Items smaller than this run on the calling thread: handing one to a worker costs tens of
+# microseconds and a GIL hand-over, more than a small copy or encode.
+MIN_PARALLEL_SIZE = 1 << 18
 
 
 def cpu_threads() -> int:
@@ -64,7 +67,8 @@ def parallel_map(
     Args:
         fn: applied to each item; it must not depend on what other calls do.
         items: the pieces of work.
-        sizes: a cost per item (bytes, elements); larger ones are started first.
+        sizes: a cost per item in bytes; larger ones are started first, and those under
+            :data:`MIN_PARALLEL_SIZE` run on the calling thread. ``None``: all on workers.
         threads: worker threads (default :func:`cpu_threads`). With 1, or one item, the
             calls run here, in order.
         done: called as ``done(i)`` in the calling thread, in order, once item ``i``'s
@@ -78,7 +82,8 @@ def parallel_map(
         yet started when a call fails are not started.
     """
     n = len(items)
-    workers = min(cpu_threads() if threads is None else threads, n)
+    big = [i for i in range(n) if sizes is None or sizes[i] >= MIN_PARALLEL_SIZE]
+    workers = min(cpu_threads() if threads is None else threads, len(big))
     if workers <= 1:
         results = []
         for i, item in enumerate(items):
@@ -86,13 +91,14 @@ def parallel_map(
             if done is not None:
                 done(i)
         return results
-    order = sorted(range(n), key=lambda i: -sizes[i]) if sizes is not None else range(n)
+    order = sorted(big, key=lambda i: -sizes[i]) if sizes is not None else big
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tw_triton-cpu") as pool:
         futures = {i: pool.submit(fn, items[i]) for i in order}
         try:
             results = []
             for i in range(n):
-                results.append(futures[i].result())
+                # Small items run here meanwhile, in order.
+                results.append(futures[i].result() if i in futures else fn(items[i]))
                 if done is not None:
                     done(i)
             return results
@@ -102,4 +108,4 @@ def parallel_map(
             raise
 
 
-__all__ = ["ENV_THREADS", "MAX_THREADS", "cpu_threads", "parallel_map"]
+__all__ = ["ENV_THREADS", "MAX_THREADS", "MIN_PARALLEL_SIZE", "cpu_threads", "parallel_map"]

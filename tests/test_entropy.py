@@ -253,7 +253,7 @@ def test_integers_get_the_smaller_of_both_stages():
     counters = torch.randint(-9, 9, (4096,), generator=g)  # int64: zstd wins
     float_bits = (torch.randn(4096, generator=g) * 1e-3).view(torch.int32)  # grouping wins
     for t, winner in ((counters, "zstd"), (float_bits, "zstd-bytegroup")):
-        sizes = {n: len(get_stage(n).encode(as_bytes(t), t.element_size(), 3)[0]) for n in STAGES}
+        sizes = {n: len(get_stage(n).encode(as_bytes(t), t.element_size(), entropy.DEFAULT_LEVEL)[0]) for n in STAGES}
         assert min(sizes, key=sizes.get) == winner
         staged = entropy.encode_buffer(t, as_bytes(t), entropy.AUTO)
         assert staged.record["name"] == winner and len(staged.data) == sizes[winner]

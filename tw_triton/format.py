@@ -217,9 +217,10 @@ def write_file(
     directory is fsynced so the rename itself survives a crash. On any error the temporary
     file is removed and a file already at ``path`` is left untouched.
 
-    Buffers are streamed straight from the tensors (no copy of the whole file in memory);
-    CRC-32 of each buffer is computed chunk by chunk while it is written, and the header,
-    whose length does not depend on the checksums, is rewritten with them at the end.
+    Buffers are written straight from the tensors (no copy of the whole file in memory),
+    in file order with large sequential writes, after the header. The CRC-32 of each
+    buffer's stored bytes is taken while planning, on the worker threads that stage the
+    buffers (:mod:`tw_triton.parallel`), so the header is written once, already final.
     Buffers that are not on the CPU are copied there first (the async writer hands over
     pinned host copies already).
 
@@ -257,15 +258,9 @@ def write_file(
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         with os.fdopen(fd, "wb") as f:
-            header = _encode_header(plan, path)
-            f.write(header)
-            crcs = _write_buffers(f, plan)
-            final = _encode_header(plan, path, crcs)
-            # The checksums are fixed-width hex, so the header keeps its length.
-            if len(final) != len(header):
-                raise CheckpointError(f"checkpoint {path}: header changed length while writing")
-            f.seek(0)
-            f.write(final)
+            # The checksums were taken while planning, so the header is final: one pass.
+            f.write(_encode_header(plan, path))
+            _write_buffers(f, plan)
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
@@ -406,6 +401,7 @@ class _PlannedBuffer:
     end: int
     data: memoryview  # the bytes stored in the file: the tensor's, or its stage's output
     stage: dict[str, Any] | None  # the manifest record of the stage, None when raw
+    crc32: int  # of ``data``
 
     @property
     def table_dtype(self) -> str:
@@ -486,7 +482,7 @@ def _plan(qstate: QuantizedState, path: str, policy: EntropyPolicy | None) -> _P
         if alias in qstate.entries:
             raise CheckpointError(f"checkpoint {path}: alias {alias!r} is also an entry")
 
-    def stage(item: tuple[str, str, torch.Tensor, str]) -> tuple[memoryview, dict[str, Any] | None]:
+    def stage(item: tuple[str, str, torch.Tensor, str]) -> tuple[memoryview, dict[str, Any] | None, int]:
         entry_path, name, tensor, _ = item
         view = _byte_view(tensor)
         staged = None
@@ -499,12 +495,15 @@ def _plan(qstate: QuantizedState, path: str, policy: EntropyPolicy | None) -> _P
                     f"checkpoint {path}: entry {entry_path!r} buffer {name!r}: entropy stage "
                     f"failed: {type(exc).__name__}: {exc}"
                 ) from exc
-        return (view, None) if staged is None else (memoryview(staged.data), staged.record)
+        if staged is None:
+            return view, None, zlib.crc32(view)
+        data = memoryview(staged.data)
+        return data, staged.record, zlib.crc32(data)
 
-    # Buffers are staged independently, so on several threads (zstd releases the GIL).
+    # Buffers are staged and checksummed independently, so on several threads (zstd and
+    # zlib.crc32 release the GIL).
     stored = parallel_map(
         stage, pending, sizes=[t.numel() * t.element_size() for _, _, t, _ in pending],
-        threads=None if policy is not None else 1,
     )
 
     # Decreasing element size keeps every buffer aligned to its element size (staged
@@ -519,11 +518,11 @@ def _plan(qstate: QuantizedState, path: str, policy: EntropyPolicy | None) -> _P
     offset = 0
     for i in order:
         entry_path, name, tensor, st_dtype = pending[i]
-        data, stage = stored[i]
+        data, stage, crc = stored[i]
         key = tensor_key(entry_path, name)
         buffers.append(
             _PlannedBuffer(
-                entry_path, name, key, tensor, st_dtype, offset, offset + len(data), data, stage
+                entry_path, name, key, tensor, st_dtype, offset, offset + len(data), data, stage, crc
             )
         )
         offset += len(data)
@@ -599,7 +598,7 @@ def _manifest_json(manifest: dict[str, Any], path: str) -> str:
         ) from exc
 
 
-def _build_manifest(plan: _Plan, crcs: dict[str, int] | None) -> dict[str, Any]:
+def _build_manifest(plan: _Plan) -> dict[str, Any]:
     q = plan.qstate
     entries: dict[str, Any] = {}
     for entry_path, entry in q.entries.items():
@@ -610,7 +609,7 @@ def _build_manifest(plan: _Plan, crcs: dict[str, int] | None) -> dict[str, Any]:
                 "dtype": b.st_dtype,
                 "shape": list(b.tensor.shape),
                 "data_offsets": [b.begin, b.end],
-                "crc32": f"{crcs[b.key] if crcs is not None else 0:08x}",
+                "crc32": f"{b.crc32:08x}",
             }
             if b.stage is not None:
                 bufs[name]["stage"] = b.stage
@@ -641,9 +640,9 @@ def _build_manifest(plan: _Plan, crcs: dict[str, int] | None) -> dict[str, Any]:
     }
 
 
-def _encode_header(plan: _Plan, path: str, crcs: dict[str, int] | None = None) -> bytes:
-    """The length prefix and padded JSON header; checksums are zeros until known."""
-    manifest = _manifest_json(_build_manifest(plan, crcs), path)
+def _encode_header(plan: _Plan, path: str) -> bytes:
+    """The length prefix and the padded JSON header."""
+    manifest = _manifest_json(_build_manifest(plan), path)
     header: dict[str, Any] = {
         "__metadata__": {
             MANIFEST_KEY: manifest,
@@ -666,19 +665,13 @@ def _encode_header(plan: _Plan, path: str, crcs: dict[str, int] | None = None) -
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_buffers(f: BinaryIO, plan: _Plan) -> dict[str, int]:
-    crcs: dict[str, int] = {}
+def _write_buffers(f: BinaryIO, plan: _Plan) -> None:
+    # File writes release the GIL on large chunks, so a training thread keeps running
+    # while the writer thread works.
     for b in plan.buffers:
         view = b.data
-        crc = 0
-        # zlib.crc32 and file writes release the GIL on large chunks, so a training thread
-        # keeps running while the writer thread works.
         for start in range(0, len(view), IO_CHUNK_BYTES):
-            chunk = view[start : start + IO_CHUNK_BYTES]
-            crc = zlib.crc32(chunk, crc)
-            f.write(chunk)
-        crcs[b.key] = crc
-    return crcs
+            f.write(view[start : start + IO_CHUNK_BYTES])
 
 
 def _fsync_directory(directory: str) -> None:

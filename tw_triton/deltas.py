@@ -36,6 +36,7 @@ import torch
 
 from .codecs import get_codec
 from .errors import CheckpointError, ReferenceMismatchError
+from .parallel import parallel_map
 from .qstate import QuantizedState
 from .rules import select_rule
 from .snapshot_pool import SnapshotLease
@@ -172,27 +173,35 @@ def advance(reference: Reference, q: QuantizedState) -> None:
     and an exact entry's buffer may go back to the snapshot pool once ``q`` is written.
     """
     old, _ = flatten(reference.tree)
-    new: dict[str, torch.Tensor] = {}
-    decoded: dict[str, torch.Tensor] = {}  # by entry path: tied tensors stay tied
+    first: dict[str, torch.Tensor] = {}  # entry path -> a reference tensor decoded to it
     for path, r in old.items():
         target = q.aliases.get(path, path)
-        if target not in decoded:
-            entry = q.entries.get(target)
-            if entry is None:
-                raise CheckpointError(
-                    f"checkpoint {q.checkpoint_id}: has no entry {path!r} to advance the closed-loop reference"
-                )
-            codec = get_codec(entry.codec)
-            context = f"checkpoint {q.checkpoint_id}: entry {target!r}"
-            if codec is None:
-                raise CheckpointError(f"{context}: unknown codec {entry.codec!r}")
-            if codec.uses_reference(entry.params):
-                t = codec.decode(entry, old[target] if target in old else r, r.device, context)
-            else:
-                t = codec.decode(entry, None, r.device, context).clone()
-            decoded[target] = t
-        new[path] = decoded[target]
-    reference.tree = nest(new)
+        if target not in q.entries:
+            raise CheckpointError(
+                f"checkpoint {q.checkpoint_id}: has no entry {path!r} to advance the closed-loop reference"
+            )
+        first.setdefault(target, r)
+
+    def decode(target: str) -> torch.Tensor:
+        entry, r = q.entries[target], first[target]
+        codec = get_codec(entry.codec)
+        context = f"checkpoint {q.checkpoint_id}: entry {target!r}"
+        if codec is None:
+            raise CheckpointError(f"{context}: unknown codec {entry.codec!r}")
+        if codec.uses_reference(entry.params):
+            return codec.decode(entry, old[target] if target in old else r, r.device, context)
+        return codec.decode(entry, None, r.device, context).clone()
+
+    # Host tensors decode on the worker threads, as a load does; device ones here.
+    targets = list(first)
+    on_host = all(r.device.type == "cpu" for r in first.values()) and all(
+        b.device.type == "cpu" for t in targets for b in q.entries[t].buffers.values()
+    )
+    decoded = dict(zip(targets, parallel_map(
+        decode, targets, sizes=[q.entries[t].raw_nbytes for t in targets], threads=None if on_host else 1,
+    )))
+    # By entry path, so tied tensors stay tied.
+    reference.tree = nest({path: decoded[q.aliases.get(path, path)] for path in old})
 
 
 def chain_of(info: Any, by_id: Mapping[str, Any], directory: str) -> list[Any]:

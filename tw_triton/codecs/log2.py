@@ -50,6 +50,7 @@ from .base import Codec, Encoded, move_to
 from .blockwise import (
     FLOAT_DTYPES,
     PACKING,
+    _scratch,
     check_params,
     num_blocks,
     packed_nbytes,
@@ -196,29 +197,60 @@ def dequantize_log2_torch(
     block: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Decode to a flat tensor of ``numel`` elements of ``dtype``: the kernel's spec."""
+    """Decode to a flat tensor of ``numel`` elements of ``dtype``: the kernel's spec.
+
+    Per chunk of ``CHUNK_ELEMENTS``, in per-thread scratch kept between calls (a chunk's
+    temporaries are megabytes, and fresh pages fault in on every call otherwise): the
+    codes are unpacked into int32 ``u``, then ``fl32(u - 1)`` (exact: ``u`` is small),
+    times the block's step, plus one half, truncated, plus ``lo``, capped at ``hi``, and
+    ``+0`` where ``u`` is 0; an fp32 output is written in place.
+    """
     dev = codes.device
     out = torch.empty(numel, dtype=dtype, device=dev)
     if numel == 0:
         return out
     n_steps = float(levels(bits))
+    k = 8 // bits
+    mask = (1 << bits) - 1
     chunk = max(block, CHUNK_ELEMENTS // block * block)
+    size = min(chunk, num_blocks(numel, block) * block)
+    u_buf = _scratch("log2_u", size, torch.int32, dev)
+    p_buf = _scratch("log2_p", size, torch.float32, dev)
+    t_buf = _scratch("log2_t", size, torch.int32, dev)
+    out_bits = out.view(torch.int32) if dtype == torch.float32 else None
     for start in range(0, numel, chunk):
         m = min(chunk, numel - start)
         nb = num_blocks(m, block)
+        padded = nb * block
         byte0 = start * bits // 8
-        u = torch.zeros(nb * block, dtype=torch.int32, device=dev)
-        u[:m] = _unpack(codes[byte0 : byte0 + packed_nbytes(m, bits)], bits, m)
-        u = u.view(nb, block)
+        packed = codes[byte0 : byte0 + packed_nbytes(m, bits)]
+        u = u_buf[:padded]
+        filled = packed.numel() * k  # m <= filled <= padded
+        if k == 1:
+            u[:filled].copy_(packed)
+        else:
+            groups = u[:filled].view(-1, k)
+            for j in range(k):
+                groups[:, j].copy_((packed >> (j * bits)) & mask)
+        if filled != padded:
+            u[filled:].zero_()
         b0 = start // block
         lo_b = lo[b0 : b0 + nb].unsqueeze(1)
         hi_b = hi[b0 : b0 + nb].unsqueeze(1)
         step = (hi_b - lo_b).to(torch.float32) / n_steps
-        p = (u - 1).to(torch.float32) * step
-        # float -> int32 truncates toward zero, as the kernel's conversion does.
-        t_hat = torch.minimum(lo_b + (p + 0.5).to(torch.int32), hi_b)
-        t_hat = torch.where(u > 0, t_hat, 0)
-        out[start : start + m].copy_(t_hat.reshape(-1)[:m].view(torch.float32))
+        p = p_buf[:padded]
+        p.copy_(u).sub_(1.0)
+        p.view(nb, block).mul_(step).add_(0.5)
+        # fp32 output of whole blocks: the bits are written straight into it.
+        direct = out_bits is not None and padded == m
+        t = out_bits[start : start + m] if direct else t_buf[:padded]
+        t.copy_(p)  # float -> int32 truncates toward zero, as the kernel's conversion does
+        rows = t.view(nb, block)
+        rows.add_(lo_b)
+        torch.minimum(rows, hi_b, out=rows)
+        t.masked_fill_(u == 0, 0)
+        if not direct:
+            out[start : start + m].copy_(t[:m].view(torch.float32))
     return out
 
 

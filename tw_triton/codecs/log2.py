@@ -140,6 +140,10 @@ def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 def quantize_log2_torch(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, ...]:
     """Encode ``x`` (any shape and strides, read in row-major order): the kernel's spec.
 
+    Per chunk of ``CHUNK_ELEMENTS``, in per-thread scratch kept between calls (see
+    :func:`~tw_triton.codecs.blockwise._scratch`), with masks and integers written into it
+    in place; a contiguous fp32 chunk of whole blocks is read where it lies.
+
     Returns:
         ``(codes, lo, hi)``: ``uint8`` codes and int32 bounds per block (``-1, -1`` for a
         block with a negative, NaN or infinite element, whose codes are then all 0).
@@ -155,34 +159,62 @@ def quantize_log2_torch(x: torch.Tensor, bits: int, block: int) -> tuple[torch.T
     flat = x.reshape(-1)
     n_steps = float(levels(bits))
     chunk = max(block, CHUNK_ELEMENTS // block * block)
+    size = min(chunk, nblocks * block)
+    v_buf = _scratch("log2_v", size, torch.float32, dev)
+    i_buf = _scratch("log2_u", size, torch.int32, dev)
+    r_buf = _scratch("log2_p", size, torch.float32, dev)
+    pos_buf = _scratch("log2_pos", size, torch.bool, dev)
+    ok_buf = _scratch("log2_ok", size, torch.bool, dev)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         nb = num_blocks(m, block)
         padded = nb * block
-        v = torch.zeros(padded, dtype=torch.float32, device=dev)
-        v[:m].copy_(flat[start : start + m])
+        if x.dtype == torch.float32 and padded == m:
+            v = flat[start : start + m]  # read only: the bits are taken as they are
+        else:
+            v = v_buf[:padded]
+            if padded != m:
+                v[m:].zero_()  # a zero is coded as itself and never widens the bounds
+            v[:m].copy_(flat[start : start + m])
         t = v.view(torch.int32).view(nb, block)
-        pos = (t > 0) & (t < _F32_INF_BITS)
-        zero = (t == 0) | (t == _NEG_ZERO_BITS)
-        bad_b = (~(pos | zero)).any(dim=1)
-        lo_b = torch.where(pos, t, _INT32_MAX).amin(dim=1)
-        hi_b = torch.where(pos, t, 0).amax(dim=1)
+        pos = pos_buf[:padded].view(nb, block)
+        ok = ok_buf[:padded].view(nb, block)
+        tmp = i_buf[:padded].view(nb, block)
+        # pos: positive and finite; ok: pos or a zero of either sign.
+        torch.gt(t, 0, out=pos)
+        torch.lt(t, _F32_INF_BITS, out=ok)
+        pos &= ok
+        torch.eq(t, 0, out=ok)
+        ok |= pos
+        ok |= t == _NEG_ZERO_BITS
+        bad_b = ~ok.all(dim=1)
+        torch.logical_not(pos, out=ok)  # ok is free again: now "not pos"
+        tmp.copy_(t)
+        lo_b = tmp.masked_fill_(ok, _INT32_MAX).amin(dim=1)
+        hi_b = tmp.masked_fill_(ok, 0).amax(dim=1)
         lo_b = torch.where(hi_b > 0, lo_b, 0)
         # A block that cannot be coded stores bounds -1 and codes 0: the flag is then
         # (hi < 0).any(), read on the device like the blockwise codec's infinite scales.
-        pos &= ~bad_b.unsqueeze(1)
-        lo_b = torch.where(bad_b, -1, lo_b)
-        hi_b = torch.where(bad_b, -1, hi_b)
+        if bool(bad_b.any()):
+            pos &= ~bad_b.unsqueeze(1)
+            lo_b = torch.where(bad_b, -1, lo_b)
+            hi_b = torch.where(bad_b, -1, hi_b)
         b0 = start // block
         lo[b0 : b0 + nb] = lo_b
         hi[b0 : b0 + nb] = hi_b
         step = (hi_b - lo_b).to(torch.float32) / n_steps
         # step == 0 (one distinct value, or no positive one): every positive element is lo.
+        flat_step = (step > 0).unsqueeze(1)
         safe = torch.where(step > 0, step, 1.0).unsqueeze(1)
-        r = (t - lo_b.unsqueeze(1)).to(torch.float32) / safe
-        r = torch.where((step > 0).unsqueeze(1), r, 0.0)
-        q = torch.round(r).clamp_(0.0, n_steps)
-        u = torch.where(pos, q.to(torch.int32) + 1, 0)
+        r = r_buf[:padded].view(nb, block)
+        torch.sub(t, lo_b.unsqueeze(1), out=tmp)
+        r.copy_(tmp).div_(safe)
+        r.masked_fill_(~flat_step, 0.0)
+        torch.round(r, out=r).clamp_(0.0, n_steps)
+        u = tmp
+        u.copy_(r).add_(1)
+        torch.logical_not(pos, out=ok)
+        u.masked_fill_(ok, 0)
         byte0 = start * bits // 8
         _pack(u.reshape(-1), bits, codes[byte0 : byte0 + packed_nbytes(m, bits)])
     return codes, lo, hi

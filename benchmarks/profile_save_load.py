@@ -17,9 +17,10 @@ thread it runs:
 
 * snapshot copy: the exact codec copying tensors (the copy that unblocks the loop);
 * encode: the other codecs' ``encode`` / ``encode_with``;
-* checksum: ``zlib.crc32`` called by the file format (writing and verifying);
-* write: ``tw_triton.format._write_buffers`` less its checksums; fsync: ``os.fsync``;
-* read: ``tw_triton.format.read_file`` less its checksums;
+* checksum: ``zlib.crc32`` called by the file format (while planning a write, and verifying);
+* write: ``tw_triton.format._write_buffers``; fsync: ``os.fsync``;
+* zstd: the entropy stage, compressing (``encode_buffer``) and decompressing;
+* read: the file reads of ``tw_triton.format`` (positional reads into the buffers);
 * decode: every codec's ``decode`` (the delta load includes decoding its keyframe);
 * unflatten: ``tw_triton.state.unflatten``;
 * other: the rest of the wall time (planning, manifest, Python).
@@ -50,12 +51,14 @@ import tw_triton  # noqa: E402
 from tw_triton import format as fmt  # noqa: E402
 from tw_triton import state as state_mod  # noqa: E402
 from tw_triton.codecs import codec_names, get_codec  # noqa: E402
+from tw_triton.codecs.entropy import get_stage, stage_names  # noqa: E402
+from tw_triton.parallel import cpu_threads  # noqa: E402
 from _common import machine_description  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-STAGES = ("snapshot copy", "encode", "checksum", "write", "fsync", "read", "decode", "unflatten")
-SAVE_STAGES = ("snapshot copy", "encode", "checksum", "write", "fsync")
-LOAD_STAGES = ("read", "checksum", "decode", "unflatten")
+STAGES = ("snapshot copy", "encode", "zstd", "checksum", "write", "fsync", "read", "decode", "unflatten")
+SAVE_STAGES = ("snapshot copy", "encode", "zstd", "checksum", "write", "fsync")
+LOAD_STAGES = ("read", "checksum", "zstd", "decode", "unflatten")
 
 
 # ---------------------------------------------------------------------------- timers
@@ -124,7 +127,11 @@ def instrumented(clock: StageClock) -> Iterator[None]:
 
     patch(fmt, "zlib", _TimedZlib(clock, fmt.zlib))
     patch(fmt, "_write_buffers", clock.wrap("write", fmt._write_buffers))
-    patch(fmt, "read_file", clock.wrap("read", fmt.read_file))
+    patch(fmt, "_read_exact_into", clock.wrap("read", fmt._read_exact_into))
+    patch(fmt, "encode_buffer", clock.wrap("zstd", fmt.encode_buffer))
+    for name in stage_names():
+        stage = get_stage(name)
+        patch(stage, "decode", clock.wrap("zstd", stage.decode))
     patch(os, "fsync", clock.wrap("fsync", os.fsync))
     patch(state_mod, "unflatten", clock.wrap("unflatten", state_mod.unflatten))
     for name in codec_names():
@@ -252,7 +259,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Where the time of a CPU save and load goes",
         "",
-        f"Machine: {result['machine']}; torch {torch.__version__}, {torch.get_num_threads()} threads.",
+        f"Machine: {result['machine']}; torch {torch.__version__}, {torch.get_num_threads()} threads;"
+        f" tw_triton worker threads: {cpu_threads()} (`TW_TRITON_THREADS` to change).",
         f"State: {result['state']}, {result['state_mib']:.0f} MiB of tensors.",
         f"Command: `{result['command']}` ({result['rounds']} rounds in one process; medians over"
         f" rounds, the first included). Load average {result['load_before']:.1f} before and"
@@ -260,17 +268,20 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "Checkpointer defaults (async writer, default rules, snapshot pool, fsync); a keyframe at",
         "step 0 and a delta at step 1; each loaded to the CPU (the delta with its keyframe).",
-        "Each stage counts its own time (nested stages subtracted), on any thread; `other` is the",
-        "rest of the wall time. Shares are of the wall total.",
+        "Each stage counts its own time (nested stages subtracted) on every thread, so a stage's",
+        "share is thread-seconds over wall seconds: with tw_triton's worker threads the stages",
+        "overlap and the shares can add up to more than 100% (the `busy` column: their sum).",
+        "`other` is the wall time no stage covers (0 when they overlap beyond the total).",
         "",
-        "| operation | total s | " + " | ".join(STAGES) + " | other |",
-        "|---|---:|" + "---:|" * (len(STAGES) + 1),
+        "| operation | total s | " + " | ".join(STAGES) + " | other | busy |",
+        "|---|---:|" + "---:|" * (len(STAGES) + 2),
     ]
     for op, row in result["median"].items():
         total = row["total"]
         staged = sum(row.get(s, 0.0) for s in STAGES)
         cells = [f"{row.get(s, 0.0) / total:.0%}" if row.get(s, 0.0) else "-" for s in STAGES]
-        lines.append(f"| {op} | {total:.3f} | " + " | ".join(cells) + f" | {(total - staged) / total:.0%} |")
+        lines.append(f"| {op} | {total:.3f} | " + " | ".join(cells)
+                     + f" | {max(0.0, total - staged) / total:.0%} | {staged / total:.0%} |")
     lines += ["", "Seconds per stage (medians):", "",
               "| operation | " + " | ".join(STAGES) + " |", "|---|" + "---:|" * len(STAGES)]
     for op, row in result["median"].items():

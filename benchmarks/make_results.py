@@ -363,6 +363,8 @@ def speed_section(speed: dict[str, Any]) -> str:
     from speed_compare import tables
 
     st = speed["state"]
+    tw_threads = (f"{speed['tw_threads']} here" if "tw_threads" in speed
+                  else "all cores of the machine, 2 here")
     return "\n".join([
         "## 3. Speed and memory on the same state",
         "",
@@ -387,10 +389,14 @@ def speed_section(speed: dict[str, Any]) -> str:
         "the unpickler); DCP writes `.distcp` data files plus a `.metadata` file that is a pickle "
         "(protocol 4); safetensors and tw_triton files have a JSON header and no pickle.",
         "",
-        "On the CPU the tw_triton encode runs on the training thread (the torch reference path), "
-        "so \"blocks the loop\" includes quantizing; on a GPU the encode is a kernel launch. The "
-        "keyframe's peak memory is its snapshot: an exact copy of the state, so training may "
-        "continue while the writer works.",
+        "On the CPU, `save()` blocks the loop for a copy of the state into the Checkpointer's "
+        "snapshot pool; the writer thread encodes that copy, runs the entropy stage and writes. "
+        "Encoding, zstd, checksums, reads and decodes run on tw_triton's CPU worker threads "
+        f"({tw_threads}; `TW_TRITON_THREADS` sets them), so a tw_triton save or load uses every "
+        "core while `torch.save` and `torch.load` use one. Each child runs `gc.collect()` before "
+        "its timed region, so garbage left by loading the fixture is not collected on the clock "
+        "of whichever method happens to trigger it. The keyframe's peak memory is its snapshot: "
+        "an exact copy of the state, so training may continue while the writer works.",
     ])
 
 

@@ -431,7 +431,9 @@ def run(
     lbase = next(r for r in load_rows if r["method"] == "torch.load")
     for r in load_rows:
         r["load_vs_torch_load"] = r["load_s"] / lbase["load_s"]
-    return {"state": info, "repeats": repeats, "threads": threads, "save_rows": rows,
+    from tw_triton.parallel import cpu_threads
+
+    return {"state": info, "repeats": repeats, "threads": threads, "tw_threads": cpu_threads(), "save_rows": rows,
             "load_rows": load_rows, "raw_saves": saves, "raw_loads": loads}
 
 

@@ -109,6 +109,9 @@ MAX_HEADER_BYTES = 100_000_000
 # Reads, writes and checksums go in chunks of this size: large enough that syscalls are
 # cheap, small enough that the CRC of a chunk runs while the chunk is still in cache.
 IO_CHUNK_BYTES = 8 << 20
+# Positional reads let worker threads read one file at once; without them (Windows) the
+# file position is shared and one thread reads.
+_POSITIONAL_READS = hasattr(os, "preadv")
 
 BUFFER_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 _CRC_RE = re.compile(r"[0-9a-f]{8}")
@@ -382,7 +385,7 @@ def verify_file(path: str | os.PathLike) -> None:
             _check_crc(path, spec, crc)
 
         parallel_map(verify_one, layout.buffers, sizes=[s.raw_nbytes or s.nbytes for s in layout.buffers],
-                     threads=None if hasattr(os, "preadv") else 1)
+                     threads=None if _POSITIONAL_READS else 1)
 
 
 # --------------------------------------------------------------------------------------
@@ -786,7 +789,7 @@ def _read_exact_into(f: BinaryIO, view: memoryview, offset: int, path: str, spec
     got = 0
     n = len(view)
     while got < n:
-        if hasattr(os, "preadv"):
+        if _POSITIONAL_READS:
             k = os.preadv(f.fileno(), [view[got:]], offset + got)
         else:
             f.seek(offset + got)
@@ -1151,7 +1154,6 @@ def _read_buffers(
     reads, checksums and zstd all release the GIL.
     """
     specs = [s for s in layout.buffers if only is None or s.entry in only]
-    positional = hasattr(os, "preadv")
 
     def read_one(spec: _BufferSpec) -> torch.Tensor:
         offset = layout.data_start + spec.begin
@@ -1170,10 +1172,9 @@ def _read_buffers(
             _check_crc(path, spec, crc)
         return tensor
 
-    # Without positional reads (Windows) the file position is shared: one thread.
     tensors = parallel_map(
         read_one, specs, sizes=[s.raw_nbytes or s.nbytes for s in specs],
-        threads=None if positional else 1,
+        threads=None if _POSITIONAL_READS else 1,
     )
     return {(s.entry, s.name): t for s, t in zip(specs, tensors)}
 

@@ -83,9 +83,9 @@ from .errors import QuantizationError
 DEFAULT_MIN_NUMEL = 4096
 MODEL_KEYS = ("model", "model_state_dict", "state_dict")
 OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict")
+logger = logging.getLogger(__name__)
 # Codec names that are the blockwise codec with these params ("int3": seven levels in a
 # 4-bit container, which the entropy stage stores in about their entropy).
-logger = logging.getLogger(__name__)
 _BITS_ALIASES: dict[str, dict[str, int]] = {
     "int8": {"bits": 8}, "int4": {"bits": 4}, "int3": {"bits": 4, "qmax": 3}, "int2": {"bits": 2},
 }

@@ -127,16 +127,6 @@ def _pack(u: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     out.copy_(acc[: out.numel()])
 
 
-def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """int32 codes of the first ``count`` elements of LSB-first packed bytes."""
-    k = 8 // bits
-    p = packed.to(torch.int32)
-    if k == 1:
-        return p[:count]
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
-    return ((p.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
-
-
 def quantize_log2_torch(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, ...]:
     """Encode ``x`` (any shape and strides, read in row-major order): the kernel's spec.
 
@@ -204,12 +194,12 @@ def quantize_log2_torch(x: torch.Tensor, bits: int, block: int) -> tuple[torch.T
         hi[b0 : b0 + nb] = hi_b
         step = (hi_b - lo_b).to(torch.float32) / n_steps
         # step == 0 (one distinct value, or no positive one): every positive element is lo.
-        flat_step = (step > 0).unsqueeze(1)
-        safe = torch.where(step > 0, step, 1.0).unsqueeze(1)
+        has_step = step > 0
+        safe = torch.where(has_step, step, 1.0).unsqueeze(1)
         r = r_buf[:padded].view(nb, block)
         torch.sub(t, lo_b.unsqueeze(1), out=tmp)
         r.copy_(tmp).div_(safe)
-        r.masked_fill_(~flat_step, 0.0)
+        r.masked_fill_(~has_step.unsqueeze(1), 0.0)
         torch.round(r, out=r).clamp_(0.0, n_steps)
         u = tmp
         u.copy_(r).add_(1)

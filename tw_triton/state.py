@@ -540,8 +540,11 @@ def _decode_entries(
     on_host = (dev is None or dev.type == "cpu") and all(
         b.device.type == "cpu" for e in qstate.entries.values() for b in e.buffers.values()
     )
+    # An exact entry decodes to a view of its buffer on the host: no work for a worker
+    # (the snapshot that save() decodes is all exact, and it blocks the loop).
     decoded = parallel_map(
-        decode_one, indexed, sizes=[qstate.entries[p].raw_nbytes for _, p in indexed],
+        decode_one, indexed,
+        sizes=[0 if qstate.entries[p].codec == "exact" else qstate.entries[p].raw_nbytes for _, p in indexed],
         threads=None if on_host else 1,
         done=None if progress is None else (lambda k: progress(indexed[k][0] + 1, total)),
     )

@@ -201,3 +201,57 @@ def with_reference(
     r32 = np.where(ok, r32, np.float32(0)).astype(np.float32)
     x = np.where(ok, x, d).astype(np.float32)
     return x, torch.from_numpy(r32).to(ref_dtype)
+
+
+# bits(+inf) and bits(-0.0) as int32 values (the log2 codec's spec).
+_F32_INF_BITS = 0x7F800000
+_NEG_ZERO_BITS = -(1 << 31)
+
+
+def spec_encode_log2(x32: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes (uint8), ``lo`` and ``hi`` (int32) of the ``log2`` codec, as its module doc
+    states them, block by block in numpy (no chunks, no fast path, no packing tricks)."""
+    n_steps = np.float32((1 << bits) - 2)
+    n = x32.size
+    nblocks = -(-n // block)
+    v = np.zeros(nblocks * block, dtype=np.float32)
+    v[:n] = x32
+    t = v.view(np.int32).astype(np.int64).reshape(nblocks, block)
+    pos = (t > 0) & (t < _F32_INF_BITS)
+    zero = (t == 0) | (t == _NEG_ZERO_BITS)
+    bad = ~(pos | zero).all(axis=1)
+    pos &= ~bad[:, None]
+    has = pos.any(axis=1)
+    lo = np.where(has, np.where(pos, t, 2**40).min(axis=1), 0)
+    hi = np.where(has, np.where(pos, t, 0).max(axis=1), 0)
+    lo = np.where(bad, -1, lo)
+    hi = np.where(bad, -1, hi)
+    step = ((hi - lo).astype(np.float32) / n_steps).astype(np.float32)
+    with np.errstate(all="ignore"):
+        r = ((t - lo[:, None]).astype(np.float32) / np.where(step > 0, step, np.float32(1))[:, None]).astype(
+            np.float32
+        )
+        r = np.where((step > 0)[:, None], np.rint(r), 0)
+    u = np.where(pos, 1 + np.minimum(n_steps, np.maximum(r, 0)), 0).astype(np.int64).reshape(-1)
+    k = 8 // bits
+    packed = np.zeros(u.size // k, dtype=np.int64)
+    for j in range(k):
+        packed |= u.reshape(-1, k)[:, j] << (j * bits)
+    return packed[: (n * bits + 7) // 8].astype(np.uint8), lo.astype(np.int32), hi.astype(np.int32)
+
+
+def spec_decode_log2(
+    codes: np.ndarray, lo: np.ndarray, hi: np.ndarray, numel: int, bits: int, block: int
+) -> np.ndarray:
+    """The fp32 values the ``log2`` codec decodes to (before the cast to the stored dtype)."""
+    n_steps = np.float32((1 << bits) - 2)
+    k = 8 // bits
+    u = ((codes.astype(np.int64)[:, None] >> (np.arange(k) * bits)) & ((1 << bits) - 1)).reshape(-1)[:numel]
+    blk = np.arange(numel) // block
+    lo_e, hi_e = lo.astype(np.int64)[blk], hi.astype(np.int64)[blk]
+    step = ((hi_e - lo_e).astype(np.float32) / n_steps).astype(np.float32)
+    p = ((u - 1).astype(np.float32) * step).astype(np.float32)
+    p = (p + np.float32(0.5)).astype(np.float32)
+    t_hat = np.minimum(hi_e, lo_e + np.trunc(p).astype(np.int64))
+    t_hat = np.where(u == 0, 0, t_hat)
+    return t_hat.astype(np.int32).view(np.float32)

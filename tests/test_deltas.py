@@ -227,3 +227,73 @@ def test_loading_a_delta_reads_only_what_the_chain_needs_from_earlier_links(tmp_
     assert by_file["step-00000000.tw.safetensors"] == ["model/w"]
     with pytest.raises(CheckpointError, match="no entry 'model/nope'"):
         real(Checkpointer(tmp_path).path_for(0), entries=["model/nope"])
+
+
+# ----------------------------------------------------------------------- decoding in place
+
+
+def _delta_state(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ref = {"model": {"w": torch.randn(96, 64, generator=gen).to(dtype), "v": torch.randn(4096, generator=gen)}}
+    new = {"model": {k: (t.float() + 1e-3 * torch.randn(t.shape, generator=gen)).to(t.dtype)
+                     for k, t in ref["model"].items()}}
+    return ref, new
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reuse_reference_decodes_into_the_reference_with_the_same_values(dtype):
+    ref, new = _delta_state(dtype)
+    q = tw_triton.quantize_state_dict(new, reference=ref, bits=4, block=64)
+    want = tw_triton.dequantize_state_dict(q, reference=ref)
+    kept = {k: t.clone() for k, t in ref["model"].items()}
+    # Default: the caller's reference is left alone.
+    assert all(torch.equal(ref["model"][k], kept[k]) for k in kept)
+    got = tw_triton.dequantize_state_dict(q, reference=ref, reuse_reference=True)
+    for k in kept:
+        assert torch.equal(got["model"][k], want["model"][k])
+        # Decoded over the reference's own memory: no second buffer.
+        assert got["model"][k].data_ptr() == ref["model"][k].data_ptr()
+
+
+def test_reuse_reference_leaves_tied_reference_tensors_to_fresh_memory():
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randn(64, 64, generator=gen)
+    ref = {"model": {"a": shared, "b": shared}}  # tied in the reference
+    new = {"model": {"a": shared + 1e-3, "b": shared - 1e-3}}  # two entries in the delta
+    q = tw_triton.quantize_state_dict(new, reference=ref, bits=8, block=64)
+    assert not q.aliases
+    want = tw_triton.dequantize_state_dict(q, reference={"model": {"a": shared.clone(), "b": shared.clone()}})
+    got = tw_triton.dequantize_state_dict(q, reference=ref, reuse_reference=True)
+    # Writing a's result over the shared tensor would have changed what b decodes against.
+    assert torch.equal(got["model"]["a"], want["model"]["a"])
+    assert torch.equal(got["model"]["b"], want["model"]["b"])
+
+
+def test_load_decodes_a_delta_over_the_reference_read_from_its_file(tmp_path):
+    ref, new = _delta_state()
+    tw_triton.save(tw_triton.quantize_state_dict(ref, rules="exact"), tmp_path / "k.tw")
+    q = tw_triton.quantize_state_dict(new, reference=tmp_path / "k.tw", bits=4, block=64)
+    tw_triton.save(q, tmp_path / "d.tw")
+    got = tw_triton.load(tmp_path / "d.tw", reference=tmp_path / "k.tw")
+    want = tw_triton.dequantize_state_dict(q, reference=ref)
+    for k in ref["model"]:
+        assert torch.equal(got["model"][k], want["model"][k])
+
+
+def test_a_chain_decodes_each_link_into_the_memory_of_the_one_before(tmp_path, monkeypatch):
+    states = _drift(5)
+    ck = _save_all(tmp_path, states, delta="closed", async_write=False)
+    from tw_triton.codecs.blockwise import BlockwiseCodec
+
+    calls = []
+    real = BlockwiseCodec.decode_over
+
+    def spy(self, entry, reference, device, context):
+        out = real(self, entry, reference, device, context)
+        calls.append(out.data_ptr() == reference.data_ptr())
+        return out
+
+    monkeypatch.setattr(BlockwiseCodec, "decode_over", spy)
+    got = ck.load(4)["model"]["w"]
+    assert torch.equal(got, _expected_closed(states)[4])
+    assert calls == [True] * 4  # links 1..4, each over its predecessor's "w"

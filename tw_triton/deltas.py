@@ -255,7 +255,8 @@ def decode_chain(
     ``entries`` (``None``: all). The last link is read whole; each link before it only at
     the paths the next link is a delta of (so a keyframe's optimizer state is never read to
     load a delta), newest first, each checked to be the checkpoint its successor names.
-    Then the links are decoded oldest first, each against the one before.
+    Then the links are decoded oldest first, each against the one before and into its
+    memory where the codec can (the decoded links are this function's own).
 
     Raises:
         ReferenceMismatchError: a file that is not the checkpoint the next link needs.
@@ -279,10 +280,14 @@ def decode_chain(
     for k, info in enumerate(chain[:-1]):
         q = qs[k]
         assert q is not None
-        flat = dequantize_entries(q, needs[k], reference=reference, device=device, source=info.path)
+        flat = dequantize_entries(
+            q, needs[k], reference=reference, device=device, source=info.path, reuse_reference=True
+        )
         reference = nest(flat)
         qs[k] = None  # a link's buffers are not needed any more
-    return dequantize_state_dict(qs[-1], reference=reference, device=device, source=chain[-1].path)
+    return dequantize_state_dict(
+        qs[-1], reference=reference, device=device, source=chain[-1].path, reuse_reference=True
+    )
 
 
 __all__ = [

@@ -127,8 +127,11 @@ def _flat_reference(
     expect_id: str | None = None,
     where: str = "",
     paths: Iterable[str] | None = None,
-) -> tuple[dict[str, torch.Tensor], str | None, str]:
-    """``(tensors by path, checkpoint id or None, description)`` of a reference.
+) -> tuple[dict[str, torch.Tensor], str | None, str, bool]:
+    """``(tensors by path, checkpoint id or None, description, owned)`` of a reference.
+
+    ``owned``: the tensors were decoded here from a file, so nothing else holds them and a
+    delta may be decoded over them.
 
     For a path, ``expect_id`` (a checkpoint id, not a fingerprint) is checked against the
     reference's manifest before its data is read, and with ``paths`` only those of its
@@ -164,9 +167,9 @@ def _flat_reference(
         else:
             state = dequantize_state_dict(rq, reference=prev, device=device, source=source, verify=verify)
             tensors, _ = flatten(state)
-        return tensors, rq.checkpoint_id, f"reference file {source!r}"
+        return tensors, rq.checkpoint_id, f"reference file {source!r}", True
     tensors, _ = flatten(reference)
-    return tensors, None, "the in-memory reference"
+    return tensors, None, "the in-memory reference", False
 
 
 def _find_checkpoint(directory: str, checkpoint_id: str | None, where: str) -> str:
@@ -280,7 +283,7 @@ def quantize_state_dict(
     if reference is not None:
         # A reference read from a file goes straight to the device the state lives on.
         ref_device = next((t.device for t in tensors.values() if t.device.type != "cpu"), None)
-        ref_tensors, ref_file_id, ref_what = _flat_reference(reference, device=ref_device, verify=True)
+        ref_tensors, ref_file_id, ref_what, _ = _flat_reference(reference, device=ref_device, verify=True)
 
     aliases: dict[str, str] = {}
     first_by_storage: dict[tuple[Any, ...], str] = {}
@@ -408,6 +411,7 @@ def dequantize_state_dict(
     source: str | None = None,
     progress: Progress | None = None,
     verify: bool = True,
+    reuse_reference: bool = False,
 ) -> Any:
     """Decode a :class:`QuantizedState` back into its nested state.
 
@@ -420,6 +424,10 @@ def dequantize_state_dict(
         source: the file name for error messages (default: an in-memory state).
         progress: called as ``progress(done, total)`` after each entry is decoded.
         verify: check checksums when reading a reference given as a path.
+        reuse_reference: the in-memory ``reference`` is yours to give up: delta entries
+            are decoded into its tensors (on the host, where the codec can), which then
+            hold the result. Saves one full-size buffer per delta tensor. A reference read
+            from a path is always reused this way (it is decoded for this call alone).
 
     Returns:
         The nested state with its original container, key and leaf types. Exact entries
@@ -434,11 +442,27 @@ def dequantize_state_dict(
     """
     where = source or MEMORY_SOURCE
     dev = torch.device(device) if device is not None else None
-    out = _decode_entries(qstate, None, reference, dev, where, progress, verify)
+    out = _decode_entries(qstate, None, reference, dev, where, progress, verify, reuse_reference)
     try:
         return unflatten(qstate.skeleton, out)
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from e
+
+
+def _disjoint(tensors: dict[str, torch.Tensor], paths: Iterable[str]) -> set[str]:
+    """The paths whose tensor shares no byte with another path's: those a delta may be
+    decoded over without changing what another entry reads (tied tensors are one tensor
+    under two paths)."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), p) for p in paths if (t := tensors[p]).numel()
+    )
+    alone = set()
+    reach = -1  # the furthest end of the spans before this one
+    for i, (start, end, path) in enumerate(spans):
+        if reach <= start and (i + 1 == len(spans) or spans[i + 1][0] >= end):
+            alone.add(path)
+        reach = max(reach, end)
+    return alone
 
 
 def dequantize_entries(
@@ -449,12 +473,14 @@ def dequantize_entries(
     device: torch.device | str | None = None,
     source: str | None = None,
     verify: bool = True,
+    reuse_reference: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Decode only the entries at ``paths`` (aliases included) into ``{path: tensor}``.
 
     What a chain of deltas needs from each link but the last: the tensors the next link
-    is a delta of, not the whole state. ``reference`` is as for
-    :func:`dequantize_state_dict` and is needed only if one of ``paths`` is a delta entry.
+    is a delta of, not the whole state. ``reference`` and ``reuse_reference`` are as for
+    :func:`dequantize_state_dict`; a reference is needed only if one of ``paths`` is a
+    delta entry.
 
     Raises:
         CheckpointError: a path with no entry, or anything :func:`dequantize_state_dict`
@@ -467,7 +493,7 @@ def dequantize_entries(
     if missing:
         raise CheckpointError(f"{where}: has no entry {missing[0]!r} (needed to decode the next delta)")
     targets = {qstate.aliases.get(p, p) for p in wanted}
-    out = _decode_entries(qstate, targets, reference, dev, where, None, verify)
+    out = _decode_entries(qstate, targets, reference, dev, where, None, verify, reuse_reference)
     return {p: out[qstate.aliases.get(p, p)] for p in wanted}
 
 
@@ -479,9 +505,16 @@ def _decode_entries(
     where: str,
     progress: Progress | None,
     verify: bool,
+    reuse_reference: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Decode the entries of ``qstate`` (those in ``only``, or all) and resolve aliases."""
+    """Decode the entries of ``qstate`` (those in ``only``, or all) and resolve aliases.
+
+    A delta entry is decoded over its reference tensor (:meth:`Codec.decode_over`) when the
+    reference is owned (read from a file here, or ``reuse_reference``) and no other delta
+    entry reads the same memory (tied tensors).
+    """
     delta = set(delta_paths(qstate, where))
+    owned = False
     if only is not None:
         delta &= only
 
@@ -496,9 +529,10 @@ def _decode_entries(
                 "reference checkpoint's path or its decoded state)"
             )
         rid = qstate.reference_id
-        ref_tensors, _, ref_what = _flat_reference(
+        ref_tensors, _, ref_what, owned = _flat_reference(
             reference, device=dev, verify=verify, expect_id=rid, where=f"{where}: entry {first!r}", paths=delta
         )
+        owned = owned or reuse_reference
         checks: list[tuple[str, torch.Tensor]] = []
         for path in sorted(delta):
             entry = qstate.entries[path]
@@ -518,6 +552,8 @@ def _decode_entries(
                     "not that reference"
                 )
 
+    reusable = _disjoint(ref_tensors, delta) if owned else set()
+
     # numpy leaves come back as arrays: decode them on the host, not via the GPU.
     host_paths = set(skeleton_ndarray_paths(qstate.skeleton))
     host = torch.device("cpu")
@@ -532,6 +568,8 @@ def _decode_entries(
         target = host if path in host_paths and dev is not None else dev
         ref = ref_tensors.get(path) if path in delta else None
         try:
+            if path in reusable:
+                return codec.decode_over(entry, ref, target, context)
             return codec.decode(entry, ref, target, context)
         except QuantizationError as e:
             raise CheckpointError(f"{context}: {e}") from e

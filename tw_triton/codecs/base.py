@@ -101,6 +101,23 @@ class Codec(ABC):
         """
 
 
+    def decode_over(
+        self,
+        entry: EncodedEntry,
+        reference: torch.Tensor,
+        device: torch.device | None,
+        context: str,
+    ) -> torch.Tensor:
+        """:meth:`decode` a delta entry, free to write the result into ``reference``.
+
+        For a loader that owns the reference (it decoded it itself, and nothing else reads
+        it): decoding in place saves a second full-size buffer per delta tensor, and the
+        page faults of fresh memory. The result must be the same values as :meth:`decode`'s;
+        the default allocates, as :meth:`decode` does.
+        """
+        return self.decode(entry, reference, device, context)
+
+
 def move_to(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     if device is None or t.device == device:
         return t

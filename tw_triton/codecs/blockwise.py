@@ -53,11 +53,12 @@ MAX_BLOCK = 4096
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # The torch path works on this many elements at a time, so that encoding a large tensor
-# needs temporaries of about three fp32 chunks only (12 MiB; four at 4 bits, where the
-# fp64 quotients take two). Measured on a 2-core VM
-# (benchmarks/codec.py): 2**16 loses to per-op overhead (~15 torch ops per chunk), 2**20
-# is fastest; the passes then run from L2/L3 rather than L1.
-CHUNK_ELEMENTS = 1 << 20
+# needs temporaries of about three fp32 chunks only (3 MiB; four at 4 bits, where the
+# fp64 quotients take two). Measured on a 2-core VM on the MiniLM + AdamW state: 2**18
+# encodes as fast as 2**20 and decodes 1.2x faster (the passes stay in L2/L3), with a
+# quarter of the scratch per worker thread, which counts in a load's peak memory; 2**17
+# loses to per-op overhead (~15 torch ops per chunk).
+CHUNK_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,7 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
     2-core VM (benchmarks/codec.py) faulting 16 MiB costs about as much as encoding 64 MiB,
     so each call paid that again. The buffers stay per thread (the writer thread and the
     training loop may run the codec at once; a thread's set goes when the thread ends),
-    at most six of them, about 20 MiB at the default chunk. Other devices allocate.
+    at most six of them, about 5 MiB at the default chunk. Other devices allocate.
     """
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
@@ -917,6 +918,19 @@ class BlockwiseCodec(Codec):
         )
         return Encoded(entry, unusable=q.nonfinite)
 
+    def _stored(self, entry: EncodedEntry, context: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """``(bits, block, codes, scales)`` of a stored entry, checked."""
+        bits, block, codes = stored_codes(entry, context)
+        scales = per_block_buffer(entry, "scales", torch.float32, block, context)
+        if "qmax" in entry.params:
+            # The decode does not need it, but a value the encoder cannot have written
+            # means the manifest is not what was written.
+            try:
+                check_qmax(bits, entry.params["qmax"])
+            except QuantizationError as e:
+                raise CheckpointError(f"{context}: {e}") from e
+        return bits, block, codes, scales
+
     def decode(
         self,
         entry: EncodedEntry,
@@ -924,29 +938,46 @@ class BlockwiseCodec(Codec):
         device: torch.device | None,
         context: str,
     ) -> torch.Tensor:
-        params = entry.params
-        bits, block, codes = stored_codes(entry, context)
-        shape = tuple(entry.shape)
-        numel = math.prod(shape)
-        scales = per_block_buffer(entry, "scales", torch.float32, block, context)
-        if self.uses_reference(params) and reference is None:
+        bits, block, codes, scales = self._stored(entry, context)
+        delta = self.uses_reference(entry.params)
+        if delta and reference is None:
             raise CheckpointError(f"{context}: delta entry decoded without its reference tensor")
         dev = codes.device if device is None else device
         q = QuantizedTensor(
             codes=move_to(codes.reshape(-1), dev),
             scales=move_to(scales.reshape(-1), dev),
-            shape=shape,
+            shape=tuple(entry.shape),
             dtype=entry.dtype,
             bits=bits,  # type: ignore[arg-type]
             block=block,  # type: ignore[arg-type]
             nonfinite=torch.zeros((), dtype=torch.bool, device=dev),
         )
-        if "qmax" in params:
-            # The decode does not need it, but a value the encoder cannot have written
-            # means the manifest is not what was written.
-            try:
-                check_qmax(bits, params["qmax"])
-            except QuantizationError as e:
-                raise CheckpointError(f"{context}: {e}") from e
         ref = move_to(reference, dev) if reference is not None else None
-        return dequantize(q, reference=ref if self.uses_reference(params) else None)
+        return dequantize(q, reference=ref if delta else None)
+
+    def decode_over(
+        self,
+        entry: EncodedEntry,
+        reference: torch.Tensor,
+        device: torch.device | None,
+        context: str,
+    ) -> torch.Tensor:
+        """Decode a delta into ``reference`` itself, where the torch path can (see
+        :func:`dequantize_blockwise_torch`'s ``out``): a contiguous host tensor of the
+        entry's dtype and shape. Anything else (a device, another dtype) allocates."""
+        dev = reference.device if device is None else device
+        if (
+            not self.uses_reference(entry.params)
+            or dev.type != "cpu"
+            or reference.device != dev
+            or reference.dtype != entry.dtype
+            or tuple(reference.shape) != tuple(entry.shape)
+            or not reference.is_contiguous()
+        ):
+            return self.decode(entry, reference, device, context)
+        bits, block, codes, scales = self._stored(entry, context)
+        dequantize_blockwise_torch(
+            move_to(codes.reshape(-1), dev), move_to(scales.reshape(-1), dev), reference.numel(), bits,
+            block, reference, entry.dtype, out=reference,
+        )
+        return reference

@@ -281,12 +281,14 @@ def decode_chain(
         q = qs[k]
         assert q is not None
         flat = dequantize_entries(
-            q, needs[k], reference=reference, device=device, source=info.path, reuse_reference=True
+            q, needs[k], reference=reference, device=device, source=info.path, reuse_reference=True,
+            release_buffers=True,
         )
         reference = nest(flat)
         qs[k] = None  # a link's buffers are not needed any more
     return dequantize_state_dict(
-        qs[-1], reference=reference, device=device, source=chain[-1].path, reuse_reference=True
+        qs[-1], reference=reference, device=device, source=chain[-1].path, reuse_reference=True,
+        release_buffers=True,
     )
 
 

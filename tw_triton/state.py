@@ -163,9 +163,13 @@ def _flat_reference(
             prev = _find_checkpoint(os.path.dirname(source), rq.reference_id,
                                     f"{where or 'quantize_state_dict'}: reference file {source!r}")
         if wanted is not None:
-            tensors = dequantize_entries(rq, wanted, reference=prev, device=device, source=source, verify=verify)
+            tensors = dequantize_entries(
+                rq, wanted, reference=prev, device=device, source=source, verify=verify, release_buffers=True
+            )
         else:
-            state = dequantize_state_dict(rq, reference=prev, device=device, source=source, verify=verify)
+            state = dequantize_state_dict(
+                rq, reference=prev, device=device, source=source, verify=verify, release_buffers=True
+            )
             tensors, _ = flatten(state)
         return tensors, rq.checkpoint_id, f"reference file {source!r}", True
     tensors, _ = flatten(reference)
@@ -412,6 +416,7 @@ def dequantize_state_dict(
     progress: Progress | None = None,
     verify: bool = True,
     reuse_reference: bool = False,
+    release_buffers: bool = False,
 ) -> Any:
     """Decode a :class:`QuantizedState` back into its nested state.
 
@@ -428,6 +433,10 @@ def dequantize_state_dict(
             are decoded into its tensors (on the host, where the codec can), which then
             hold the result. Saves one full-size buffer per delta tensor. A reference read
             from a path is always reused this way (it is decoded for this call alone).
+        release_buffers: ``qstate`` is yours to give up: each entry's stored buffers are
+            dropped from it as soon as the entry is decoded, so the stored and the decoded
+            bytes of the whole state are never held together (what :func:`load` does with
+            the state it read). ``qstate``'s entries have no buffers afterwards.
 
     Returns:
         The nested state with its original container, key and leaf types. Exact entries
@@ -442,7 +451,7 @@ def dequantize_state_dict(
     """
     where = source or MEMORY_SOURCE
     dev = torch.device(device) if device is not None else None
-    out = _decode_entries(qstate, None, reference, dev, where, progress, verify, reuse_reference)
+    out = _decode_entries(qstate, None, reference, dev, where, progress, verify, reuse_reference, release_buffers)
     try:
         return unflatten(qstate.skeleton, out)
     except CheckpointError as e:
@@ -474,13 +483,14 @@ def dequantize_entries(
     source: str | None = None,
     verify: bool = True,
     reuse_reference: bool = False,
+    release_buffers: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Decode only the entries at ``paths`` (aliases included) into ``{path: tensor}``.
 
     What a chain of deltas needs from each link but the last: the tensors the next link
-    is a delta of, not the whole state. ``reference`` and ``reuse_reference`` are as for
-    :func:`dequantize_state_dict`; a reference is needed only if one of ``paths`` is a
-    delta entry.
+    is a delta of, not the whole state. ``reference``, ``reuse_reference`` and
+    ``release_buffers`` are as for :func:`dequantize_state_dict`; a reference is needed only
+    if one of ``paths`` is a delta entry.
 
     Raises:
         CheckpointError: a path with no entry, or anything :func:`dequantize_state_dict`
@@ -493,7 +503,7 @@ def dequantize_entries(
     if missing:
         raise CheckpointError(f"{where}: has no entry {missing[0]!r} (needed to decode the next delta)")
     targets = {qstate.aliases.get(p, p) for p in wanted}
-    out = _decode_entries(qstate, targets, reference, dev, where, None, verify, reuse_reference)
+    out = _decode_entries(qstate, targets, reference, dev, where, None, verify, reuse_reference, release_buffers)
     return {p: out[qstate.aliases.get(p, p)] for p in wanted}
 
 
@@ -506,6 +516,7 @@ def _decode_entries(
     progress: Progress | None,
     verify: bool,
     reuse_reference: bool = False,
+    release_buffers: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Decode the entries of ``qstate`` (those in ``only``, or all) and resolve aliases.
 
@@ -569,10 +580,16 @@ def _decode_entries(
         ref = ref_tensors.get(path) if path in delta else None
         try:
             if path in reusable:
-                return codec.decode_over(entry, ref, target, context)
-            return codec.decode(entry, ref, target, context)
+                decoded = codec.decode_over(entry, ref, target, context)
+            else:
+                decoded = codec.decode(entry, ref, target, context)
         except QuantizationError as e:
             raise CheckpointError(f"{context}: {e}") from e
+        if release_buffers:
+            # A new dict, not clear(): one attribute store, and a reader of the old dict
+            # (none here but this thread) would still see it whole.
+            entry.buffers = {}
+        return decoded
 
     # Decoding on the host runs on several threads, as encoding does; on a device, here.
     on_host = (dev is None or dev.type == "cpu") and all(
@@ -652,6 +669,7 @@ def load(
         source=os.fspath(path),
         progress=progress,
         verify=verify,
+        release_buffers=True,
     )
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
+from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import zstandard
@@ -124,6 +126,85 @@ def test_decode_writes_into_the_destination_and_nowhere_else():
         stage.decode(memoryview(stored), params, out, "w")
         assert bytes(out) == bytes(as_bytes(t))
         assert big[:16] == b"\xee" * 16 and big[-16:] == b"\xee" * 16
+
+
+# --------------------------------------------------------------------------------------
+# Byte grouping: the stored bytes are the format, whatever the stage does to be fast
+# --------------------------------------------------------------------------------------
+
+
+def reference_bytegroup(raw: bytes, width: int, level: int, threads: int = 0) -> bytes:
+    """A zstd-bytegroup frame written the plain way: byte k of every element (numpy's
+    column ``[:, k]``), the planes concatenated, one zstd frame with content size and
+    checksum. Streamed with the size pledged, like the stage: for inputs of tens of MiB a
+    one-shot ``ZstdCompressor.compress`` finds other (valid) matches, so other bytes."""
+    elements = np.frombuffer(raw, dtype=np.uint8).reshape(-1, width)
+    planes = b"".join(elements[:, k].tobytes() for k in range(width))
+    cctx = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True, write_content_size=True)
+    obj = cctx.compressobj(size=len(raw))
+    return obj.compress(planes) + obj.flush()
+
+
+def _elements(kind: str, width: int, n: int, seed: int) -> bytes:
+    """``n`` elements of ``width`` bytes: random bytes, zeros, or float values where the
+    width is a float's (their planes differ: sign and exponent bytes repeat)."""
+    g = torch.Generator().manual_seed(seed)
+    floats = {2: torch.float16, 4: torch.float32, 8: torch.float64, 16: torch.complex128}
+    if kind == "values" and width in floats:
+        return bytes(as_bytes((torch.randn(n, generator=g) * 1e-3).to(floats[width])))
+    if kind == "zeros":
+        return bytes(n * width)
+    return bytes(torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g).numpy())
+
+
+def _unaligned(raw: bytes, offset: int, fill: int = 0) -> memoryview:
+    """``raw`` in a buffer that starts ``offset`` bytes into its allocation, with 3 more
+    ``fill`` bytes after it."""
+    return memoryview(bytearray([fill]) * offset + bytearray(raw) + bytearray([fill]) * 3)[offset : offset + len(raw)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    data=st.data(),
+    width=st.sampled_from([2, 4, 8, 16, 1, 3, 6, 12]),
+    chunk=st.sampled_from([1, 5, 64, 4096]),
+    kind=st.sampled_from(["bytes", "zeros", "values"]),
+    seed=st.integers(0, 2**16),
+    level=st.sampled_from([1, 3]),
+    little=st.booleans(),
+    offset=st.sampled_from([0, 1, 3]),
+)
+def test_bytegroup_writes_the_reference_bytes_and_reads_them(data, width, chunk, kind, seed, level, little, offset):
+    """Every width (2, 4, 8, complex's 16 and odd ones), counts on and off the chunk size,
+    empty and tiny buffers, the big-endian path (single bytes) on this machine too, buffers
+    not aligned to their words, and a destination full of garbage."""
+    on_chunks = st.builds(lambda m, e: max(m * chunk + e, 0), st.integers(0, 3), st.integers(-1, 1))
+    n = data.draw(st.integers(0, 700) | on_chunks)
+    raw = _elements(kind, width, n, seed)
+    stage = get_stage("zstd-bytegroup")
+    with mock.patch.object(entropy, "CHUNK_BYTES", chunk), mock.patch.object(entropy, "_LITTLE_ENDIAN", little):
+        stored, params = stage.encode(_unaligned(raw, offset), width, level)
+        assert params == {"level": level, "width": width}
+        assert stored == reference_bytegroup(raw, width, level)
+        stage.check(memoryview(stored), params, len(raw), "w")
+        out = _unaligned(b"\xa5" * len(raw), offset, fill=0xEE)
+        stage.decode(memoryview(stored), params, out, "w")
+    assert bytes(out) == raw
+    assert bytes(out.obj[:offset]) == b"\xee" * offset and bytes(out.obj[offset + len(raw) :]) == b"\xee" * 3
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_bytegroup_bytes_at_the_real_chunk_size(threads):
+    """A float32 buffer of two encode chunks per plane (and five decode chunks), plus 3
+    elements, with and without zstd's worker threads."""
+    n = entropy.CHUNK_BYTES + 3
+    raw = _elements("values", 4, n, 0)
+    stage = get_stage("zstd-bytegroup")
+    stored, params = stage.encode(memoryview(raw), 4, entropy.DEFAULT_LEVEL, threads)
+    assert stored == reference_bytegroup(raw, 4, entropy.DEFAULT_LEVEL, threads)
+    out = bytearray(b"\xff" * len(raw))
+    stage.decode(memoryview(stored), params, memoryview(out), "w")
+    assert out == raw
 
 
 # --------------------------------------------------------------------------------------

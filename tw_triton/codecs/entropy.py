@@ -33,7 +33,9 @@ destination buffer and never past it. Every failure is a
 
 from __future__ import annotations
 
+import io
 import os
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -65,6 +67,11 @@ MAX_THREADS = 8
 # Byte grouping and streaming decode work in chunks of this many bytes, so the scratch
 # memory stays small whatever the buffer size.
 CHUNK_BYTES = 4 << 20
+
+# Plane k is byte k of every element in memory order. On a little-endian machine that is
+# bits 8*(k % s) .. 8*(k % s) + 7 of the element's (k // s)-th s-byte word, so a plane is a
+# shift of whole words (see _words); elsewhere the stage moves single bytes.
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # The zstd format caps a block's decoded size at 128 KiB (RFC 8878, 3.1.1.2).
@@ -278,6 +285,22 @@ class ZstdStage(_ZstdFrameStage):
         reader.finish()
 
 
+def _words(buf: Any, width: int) -> np.ndarray:
+    """The ``width``-byte elements of ``buf`` as rows of the widest unsigned words that tile
+    them (8, 4, 2 or 1 bytes; 1 on a big-endian machine): float32 is one uint32 column,
+    complex128 two uint64 columns.
+
+    Numpy copies a byte column of stride ``width`` one byte at a time. A shift and a
+    truncating cast of whole words gathers the same plane ~4x faster and the widen, shift
+    and or put it back ~1.4x faster, while the data sits in the cache (a 4 MiB float32
+    buffer). On buffers many times the cache both ways are bound by memory traffic (every
+    plane reads, or rewrites, the whole buffer) and the gap shrinks to ~15 % (gather) and
+    none (put back).
+    """
+    size = next(s for s in (8, 4, 2, 1) if width % s == 0) if _LITTLE_ENDIAN else 1
+    return np.frombuffer(buf, dtype=np.dtype(f"u{size}")).reshape(-1, width // size)
+
+
 class ByteGroupZstdStage(_ZstdFrameStage):
     """Byte planes (byte k of every element together), then zstd."""
 
@@ -288,16 +311,25 @@ class ByteGroupZstdStage(_ZstdFrameStage):
     ) -> tuple[bytes, dict[str, Any]]:
         if itemsize < 1 or len(data) % itemsize:
             raise CheckpointError(f"{self.name}: {len(data)} bytes are not whole {itemsize}-byte elements")
-        elements = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
+        words = _words(data, itemsize)
+        size, count = words.itemsize, words.shape[0]
         rows = max(CHUNK_BYTES, 1)
-        compressor = _zstd_compressor(level, threads).compressobj(size=len(data))
-        parts = []
-        for plane in range(itemsize):
-            for start in range(0, elements.shape[0], rows):
-                # A strided column gather per chunk: bounded scratch, no Python loop over elements.
-                parts.append(compressor.compress(np.ascontiguousarray(elements[start : start + rows, plane])))
-        parts.append(compressor.flush())
-        return b"".join(parts), {"level": level, "width": itemsize}
+        # One plane chunk at a time in a reused scratch: bounded memory. write() takes in
+        # all of its input before it returns, so the scratch can be refilled.
+        scratch = np.empty(min(rows, count), dtype=np.uint8)
+        # The frame goes straight into a BytesIO, whose getvalue() hands over its buffer
+        # without a copy; joining per-chunk bytes copied the whole output once more (~17 ms
+        # of ~165 on 87 MiB of float32). Same zstd stream calls, so the same bytes.
+        sink = io.BytesIO()
+        with _zstd_compressor(level, threads).stream_writer(sink, size=len(data), closefd=False) as writer:
+            for plane in range(itemsize):
+                column, shift = words[:, plane // size], 8 * (plane % size)
+                for start in range(0, count, rows):
+                    chunk = scratch[: min(rows, count - start)]
+                    # The unsafe cast to uint8 keeps the low byte: byte ``plane`` of each element.
+                    np.right_shift(column[start : start + len(chunk)], shift, out=chunk, casting="unsafe")
+                    writer.write(chunk)
+        return sink.getvalue(), {"level": level, "width": itemsize}
 
     def check_params(self, params: Any, itemsize: int, where: str) -> None:
         _check_level(params, ("level", "width"), where)
@@ -312,16 +344,30 @@ class ByteGroupZstdStage(_ZstdFrameStage):
             raise CheckpointError(f"{where}: {raw_nbytes} bytes are not whole {params['width']}-byte elements")
 
     def decode(self, stored: memoryview, params: Mapping[str, Any], out: memoryview, where: str) -> None:
-        width = params["width"]
-        elements = np.frombuffer(out, dtype=np.uint8).reshape(-1, width)
-        count = elements.shape[0]
-        scratch = memoryview(bytearray(min(CHUNK_BYTES, max(count, 1))))
+        words = _words(out, params["width"])
+        size, count = words.itemsize, words.shape[0]
+        # Chunks of CHUNK_BYTES of widened plane bytes: the scratch stays ~1.25 CHUNK_BYTES.
+        rows = max(CHUNK_BYTES // size, 1)
+        scratch = np.empty(min(rows, count), dtype=np.uint8)
+        wide = np.empty(len(scratch) if size > 1 else 0, dtype=words.dtype)
         reader = _Reader(stored, where)
-        for plane in range(width):
-            for start in range(0, count, len(scratch)):
-                chunk = scratch[: min(len(scratch), count - start)]
-                reader.fill(chunk)
-                elements[start : start + len(chunk), plane] = np.frombuffer(chunk, dtype=np.uint8)
+        for plane in range(params["width"]):
+            column, shift = words[:, plane // size], 8 * (plane % size)
+            for start in range(0, count, rows):
+                chunk = scratch[: min(rows, count - start)]
+                reader.fill(memoryview(chunk))
+                dest = column[start : start + len(chunk)]
+                if shift == 0:
+                    # A word's first plane: widening sets its other bytes to 0, clearing
+                    # whatever the destination held, so later planes can be or-ed in.
+                    dest[...] = chunk
+                else:
+                    # Widen, shift, or: three in-place passes, faster than one
+                    # left_shift(chunk, dtype=...) whose buffered cast is slow.
+                    spread = wide[: len(chunk)]
+                    spread[...] = chunk
+                    np.left_shift(spread, shift, out=spread)
+                    np.bitwise_or(dest, spread, out=dest)
         reader.finish()
 
 

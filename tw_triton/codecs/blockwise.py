@@ -53,12 +53,13 @@ MAX_BLOCK = 4096
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # The torch path works on this many elements at a time, so that encoding a large tensor
-# needs temporaries of about three fp32 chunks only (3 MiB; four at 4 bits, where the
-# fp64 quotients take two). Measured on a 2-core VM on the MiniLM + AdamW state: 2**18
-# encodes as fast as 2**20 and decodes 1.2x faster (the passes stay in L2/L3), with a
-# quarter of the scratch per worker thread, which counts in a load's peak memory; 2**17
-# loses to per-op overhead (~15 torch ops per chunk).
-CHUNK_ELEMENTS = 1 << 18
+# needs temporaries of about three fp32 chunks only (6 MiB; four at 4 bits, where the
+# fp64 quotients take two). Measured on a 2-core VM on the MiniLM + AdamW state: alone,
+# 2**18 runs as fast as 2**20 (decode 1.2x faster); inside a save or load, where two
+# worker threads take turns at the GIL for every torch op, 2**20 was up to ~10% faster
+# (noisy). Each worker keeps its scratch, which counts in a load's peak memory: 2**19
+# keeps the peak of a delta load at 1.17x the state, 2**20 at 1.21x.
+CHUNK_ELEMENTS = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,7 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
     2-core VM (benchmarks/codec.py) faulting 16 MiB costs about as much as encoding 64 MiB,
     so each call paid that again. The buffers stay per thread (the writer thread and the
     training loop may run the codec at once; a thread's set goes when the thread ends),
-    at most six of them, about 5 MiB at the default chunk. Other devices allocate.
+    at most six of them, about 10 MiB at the default chunk. Other devices allocate.
     """
     if device.type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)

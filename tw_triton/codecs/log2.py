@@ -67,8 +67,8 @@ _INT32_MAX = (1 << 31) - 1
 # Packing reads the int16 codes of a byte as one wider integer, which assumes this order.
 _LITTLE_ENDIAN = sys.byteorder == "little"
 # Elements per chunk of the torch path (a whole number of blocks): temporaries stay at a few
-# 1 MiB buffers whatever the tensor's size (as fast as 2**20 here; see blockwise's chunk).
-CHUNK_ELEMENTS = 1 << 18
+# 2 MiB buffers whatever the tensor's size (chosen with blockwise's CHUNK_ELEMENTS).
+CHUNK_ELEMENTS = 1 << 19
 
 
 def levels(bits: int) -> int:

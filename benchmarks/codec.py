@@ -124,6 +124,7 @@ def cpu_throughput(n: int, reps: int) -> list[dict]:
 
             rows.append(
                 dict(
+                    codec="blockwise",
                     dtype=str(dtype).replace("torch.", ""),
                     reference=None if ref_dtype is None else str(ref_dtype).replace("torch.", ""),
                     bits=bits,
@@ -146,6 +147,58 @@ def cpu_throughput(n: int, reps: int) -> list[dict]:
                 )
             )
             print(_row_text(rows[-1]), flush=True)
+    rows += log2_throughput(base, reps)
+    return rows
+
+
+def log2_throughput(base: torch.Tensor, reps: int) -> list[dict]:
+    """The same columns for the ``log2`` second-moment codec, on a second-moment-like input:
+    squares of normal values (positive, spanning many octaves) with 2% of the blocks exact
+    zeros, as the rows of embedding tokens a batch never saw. Blocks that mix zeros with
+    positive values take the codec's masked path, several times slower (see its module)."""
+    from tw_triton.codecs import log2
+
+    rows = []
+    v = base.square()
+    v[: v.numel() // 128 * 128].view(-1, 128)[::50] = 0.0
+    n = v.numel()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = v.to(dtype)
+        xbytes = x.numel() * x.element_size()
+        for bits in BITS:
+            enc = log2.quantize_log2_torch(x, bits, 128)  # warm-up, and the outputs reused
+            q = log2.quantize_log2(x, bits=bits, block=128)
+            log2.dequantize_log2(q)
+            dst = torch.empty_like(x)
+            out_x = torch.empty(n, dtype=dtype)
+            t = {k: [] for k in ("copy", "clone", "enc", "enc_alloc", "dec", "dec_alloc")}
+            for _ in range(reps):
+                t["copy"].append(_time_once(lambda: dst.copy_(x)))
+                t["enc"].append(_time_once(lambda: log2.quantize_log2_torch(x, bits, 128, out=enc)))
+                t["dec"].append(_time_once(lambda: log2.dequantize_log2_torch(*enc, n, bits, 128, dtype, out=out_x)))
+                t["clone"].append(_time_once(lambda: x.clone()))
+                t["enc_alloc"].append(_time_once(lambda: log2.quantize_log2(x, bits=bits, block=128)))
+                t["dec_alloc"].append(_time_once(lambda: log2.dequantize_log2(q)))
+            med = {k: statistics.median(vals) for k, vals in t.items()}
+
+            def over(base_key: str, key: str) -> float:
+                return statistics.median(c / e for c, e in zip(t[base_key], t[key]))
+
+            rows.append(dict(
+                codec="log2", dtype=str(dtype).replace("torch.", ""), reference=None, bits=bits, block=128,
+                numel=n,
+                copy_gbps=xbytes / med["copy"] / 1e9,
+                clone_gbps=xbytes / med["clone"] / 1e9,
+                encode_gbps=xbytes / med["enc"] / 1e9,
+                decode_gbps=xbytes / med["dec"] / 1e9,
+                encode_alloc_gbps=xbytes / med["enc_alloc"] / 1e9,
+                decode_alloc_gbps=xbytes / med["dec_alloc"] / 1e9,
+                encode_over_copy=over("copy", "enc"),
+                decode_over_copy=over("copy", "dec"),
+                encode_alloc_over_clone=over("clone", "enc_alloc"),
+                decode_alloc_over_clone=over("clone", "dec_alloc"),
+            ))
+            print(_row_text(rows[-1]), flush=True)
     return rows
 
 
@@ -167,7 +220,7 @@ def _median_rows(runs: list[list[dict]]) -> list[dict]:
 def _row_text(r: dict) -> str:
     ref = f"+ref {r['reference']}" if r["reference"] else "no ref"
     return (
-        f"{r['dtype']:>8} {ref:>12} bits={r['bits']} n={r['numel']}: copy_ {r['copy_gbps']:6.2f} GB/s"
+        f"{r.get('codec', 'blockwise'):>9} {r['dtype']:>8} {ref:>12} bits={r['bits']} n={r['numel']}: copy_ {r['copy_gbps']:6.2f} GB/s"
         f" | encode {r['encode_gbps']:6.2f} GB/s ({r['encode_over_copy']:.2f} of copy_)"
         f" | decode {r['decode_gbps']:6.2f} GB/s ({r['decode_over_copy']:.2f} of copy_)"
         f" | allocating: clone {r['clone_gbps']:5.2f}, encode {r['encode_alloc_gbps']:5.2f},"
@@ -373,12 +426,13 @@ def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[
         "which allocate their outputs, beside `x.clone()`: fresh pages fault in on first touch,",
         "which on this VM costs more than the codec itself (see the note below the table).",
         "",
-        "| dtype | reference | bits | copy_ GB/s | encode GB/s | decode GB/s | enc/copy_ | dec/copy_ | clone GB/s | encode alloc GB/s | decode alloc GB/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| codec | dtype | reference | bits | copy_ GB/s | encode GB/s | decode GB/s | enc/copy_ | dec/copy_ | clone GB/s | encode alloc GB/s | decode alloc GB/s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in cpu:
         out.append(
-            f"| {r['dtype']} | {r['reference'] or '-'} | {r['bits']} | {r['copy_gbps']:.2f} |"
+            f"| {r.get('codec', 'blockwise')} | {r['dtype']} | {r['reference'] or '-'} | {r['bits']} |"
+            f" {r['copy_gbps']:.2f} |"
             f" {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} | {r['encode_over_copy']:.2f} |"
             f" {r['decode_over_copy']:.2f} | {r['clone_gbps']:.2f} | {r['encode_alloc_gbps']:.2f} |"
             f" {r['decode_alloc_gbps']:.2f} |"

@@ -240,3 +240,19 @@ def test_log2_tensor_is_a_frozen_record() -> None:
     assert isinstance(q, Log2Tensor) and q.numel == 64
     with pytest.raises(Exception):
         q.bits = 4  # type: ignore[misc]
+
+
+def test_log2_torch_path_writes_into_given_outputs_and_checks_them() -> None:
+    x = torch.randn(5 * 128 + 9).square()
+    want = quantize_log2_torch(x, 4, 128)
+    # Garbage in the outputs must not leak into the result (lo and hi are not pre-zeroed).
+    out = tuple(torch.full_like(t, 7) for t in want)
+    got = quantize_log2_torch(x, 4, 128, out=out)
+    assert got is out and all(torch.equal(a, b) for a, b in zip(got, want))
+    dec = torch.full((x.numel(),), float("nan"))
+    assert dequantize_log2_torch(*want, x.numel(), 4, 128, torch.float32, out=dec) is dec
+    assert torch.equal(dec, dequantize_log2_torch(*want, x.numel(), 4, 128, torch.float32))
+    with pytest.raises(QuantizationError, match="lo must be a contiguous"):
+        quantize_log2_torch(x, 4, 128, out=(want[0], want[1][:-1], want[2]))
+    with pytest.raises(QuantizationError, match="out must be a contiguous torch.bfloat16"):
+        dequantize_log2_torch(*want, x.numel(), 4, 128, torch.bfloat16, out=dec)

@@ -297,3 +297,24 @@ def test_a_chain_decodes_each_link_into_the_memory_of_the_one_before(tmp_path, m
     got = ck.load(4)["model"]["w"]
     assert torch.equal(got, _expected_closed(states)[4])
     assert calls == [True] * 4  # links 1..4, each over its predecessor's "w"
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_closed_loop_reference_advances_in_place_after_the_keyframe(tmp_path, async_write):
+    states = _drift(6)
+    want = _expected_closed(states)
+    seen = []
+    with Checkpointer(tmp_path, keyframe_every=100, keep_last=None, rules="default", bits=BITS, block=BLOCK,
+                      delta="closed", async_write=async_write, fsync=False) as ck:
+        for step, s in enumerate(states):
+            ck.save(step, model=s).result()
+            w = ck._reference.tree["model"]["w"]
+            seen.append(w.data_ptr())
+            # The reference is the reconstruction a loader decodes, save after save.
+            assert torch.equal(w, want[step])
+    # The keyframe's snapshot buffer is left alone (its write may read it), the first
+    # advance allocates, and every later one decodes over its own previous tensor.
+    assert seen[1] != seen[0]
+    assert seen[2:] == [seen[1]] * (len(states) - 2)
+    got = Checkpointer(tmp_path, keep_last=None).load(5)["model"]["w"]
+    assert torch.equal(got, want[5])

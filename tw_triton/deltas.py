@@ -40,7 +40,7 @@ from .parallel import parallel_map
 from .qstate import QuantizedState
 from .rules import select_rule
 from .snapshot_pool import SnapshotLease
-from .state import delta_paths, dequantize_entries, dequantize_state_dict
+from .state import delta_paths, dequantize_entries, dequantize_state_dict, disjoint_paths
 from .tree import flatten
 
 DELTA_MODES = ("open", "closed", "none")
@@ -104,6 +104,9 @@ class Reference:
     last_use: Future | None = None  # the last save encoded against it on the writer thread
     closed: bool = False
     links: list[Future] = field(default_factory=list)  # closed loop: the writes of its deltas
+    # Closed loop: ``tree``'s tensors were decoded by :func:`advance`, so nothing else holds
+    # them (the keyframe's are its snapshot buffers, which its write may still be reading).
+    owned: bool = False
 
     def lost(self) -> bool:
         """Whether a write this reference depends on failed (the keyframe, or a chain link)."""
@@ -169,8 +172,12 @@ def advance(reference: Reference, q: QuantizedState) -> None:
     Every tensor of the reference becomes what a loader decodes from ``q`` at its path
     (the delta decoded against the old reference; an entry stored exact because it held
     NaN/Inf decodes to its own values), on the reference tensor's device and in its
-    dtype. The new tensors are fresh: the old ones may still be read by a pending write,
-    and an exact entry's buffer may go back to the snapshot pool once ``q`` is written.
+    dtype. The keyframe's tensors are never written (its pending write may still read
+    them), and an exact entry's buffer may go back to the snapshot pool once ``q`` is
+    written, so the first advance decodes into fresh tensors; later ones, whose old
+    tensors only this reference holds, decode each delta over its old tensor where the
+    codec can (:meth:`~tw_triton.codecs.Codec.decode_over`; tied tensors excepted), which
+    saves allocating (and page-faulting) a full-size copy per save.
     """
     old, _ = flatten(reference.tree)
     first: dict[str, torch.Tensor] = {}  # entry path -> a reference tensor decoded to it
@@ -181,6 +188,8 @@ def advance(reference: Reference, q: QuantizedState) -> None:
                 f"checkpoint {q.checkpoint_id}: has no entry {path!r} to advance the closed-loop reference"
             )
         first.setdefault(target, r)
+    refs = {t: old[t] if t in old else r for t, r in first.items()}
+    over = disjoint_paths(refs, refs) if reference.owned else set()
 
     def decode(target: str) -> torch.Tensor:
         entry, r = q.entries[target], first[target]
@@ -189,7 +198,9 @@ def advance(reference: Reference, q: QuantizedState) -> None:
         if codec is None:
             raise CheckpointError(f"{context}: unknown codec {entry.codec!r}")
         if codec.uses_reference(entry.params):
-            return codec.decode(entry, old[target] if target in old else r, r.device, context)
+            if target in over:
+                return codec.decode_over(entry, refs[target], r.device, context)
+            return codec.decode(entry, refs[target], r.device, context)
         return codec.decode(entry, None, r.device, context).clone()
 
     # Host tensors decode on the worker threads, as a load does; device ones here.
@@ -202,6 +213,7 @@ def advance(reference: Reference, q: QuantizedState) -> None:
     )))
     # By entry path, so tied tensors stay tied.
     reference.tree = nest({path: decoded[q.aliases.get(path, path)] for path in old})
+    reference.owned = True
 
 
 def chain_of(info: Any, by_id: Mapping[str, Any], directory: str) -> list[Any]:

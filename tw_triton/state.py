@@ -458,7 +458,7 @@ def dequantize_state_dict(
         raise CheckpointError(f"{where}: {e}") from e
 
 
-def _disjoint(tensors: dict[str, torch.Tensor], paths: Iterable[str]) -> set[str]:
+def disjoint_paths(tensors: dict[str, torch.Tensor], paths: Iterable[str]) -> set[str]:
     """The paths whose tensor shares no byte with another path's: those a delta may be
     decoded over without changing what another entry reads (tied tensors are one tensor
     under two paths)."""
@@ -563,7 +563,7 @@ def _decode_entries(
                     "not that reference"
                 )
 
-    reusable = _disjoint(ref_tensors, delta) if owned else set()
+    reusable = disjoint_paths(ref_tensors, delta) if owned else set()
 
     # numpy leaves come back as arrays: decode them on the host, not via the GPU.
     host_paths = set(skeleton_ndarray_paths(qstate.skeleton))

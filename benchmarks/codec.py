@@ -77,6 +77,47 @@ def _time_once(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _timed_row(
+    codec_name: str, x: torch.Tensor, ref_dtype: torch.dtype | None, bits: int, read: int,
+    ops: dict[str, Callable[[], object]], reps: int,
+) -> dict:
+    """Time ``ops`` (``enc``, ``dec``, ``enc_alloc``, ``dec_alloc``) beside ``copy_`` and
+    ``clone`` of ``x``, interleaved over ``reps``; one table row. ``read``: the bytes an
+    encode reads (x, plus the reference when there is one)."""
+    dst = torch.empty_like(x)
+    timers = {"copy": lambda: dst.copy_(x), "clone": lambda: x.clone(), **ops}
+    t: dict[str, list[float]] = {k: [] for k in timers}
+    for _ in range(reps):
+        for key, fn in timers.items():
+            t[key].append(_time_once(fn))
+    med = {k: statistics.median(v) for k, v in t.items()}
+    xbytes = x.numel() * x.element_size()
+
+    def over(base_key: str, key: str) -> float:
+        return statistics.median(c / e for c, e in zip(t[base_key], t[key]))
+
+    return dict(
+        codec=codec_name,
+        dtype=str(x.dtype).replace("torch.", ""),
+        reference=None if ref_dtype is None else str(ref_dtype).replace("torch.", ""),
+        bits=bits,
+        block=128,
+        numel=x.numel(),
+        copy_gbps=xbytes / med["copy"] / 1e9,
+        clone_gbps=xbytes / med["clone"] / 1e9,
+        encode_gbps=read / med["enc"] / 1e9,
+        decode_gbps=read / med["dec"] / 1e9,
+        encode_alloc_gbps=read / med["enc_alloc"] / 1e9,
+        decode_alloc_gbps=read / med["dec_alloc"] / 1e9,
+        # Same tensor x: time(copy_ of x) / time(op). With a reference the codec also reads
+        # it, so the figure is harsher on it than on copy_.
+        encode_over_copy=over("copy", "enc"),
+        decode_over_copy=over("copy", "dec"),
+        encode_alloc_over_clone=over("clone", "enc_alloc"),
+        decode_alloc_over_clone=over("clone", "dec_alloc"),
+    )
+
+
 def cpu_throughput(n: int, reps: int) -> list[dict]:
     """Rows of encode/decode throughput beside ``copy_`` and ``clone``, for fp32 and bf16,
     with and without a reference.
@@ -103,49 +144,14 @@ def cpu_throughput(n: int, reps: int) -> list[dict]:
             codes, scales = codec.quantize_blockwise_torch(x, ref, bits, 128)  # warm-up
             q = tw_triton.quantize(x, bits=bits, block=128, reference=ref)
             tw_triton.dequantize(q, reference=ref)
-            dst = torch.empty_like(x)
             out_x = torch.empty(n, dtype=dtype)
-            t = {k: [] for k in ("copy", "clone", "enc", "enc_alloc", "dec", "dec_alloc")}
-            for _ in range(reps):
-                t["copy"].append(_time_once(lambda: dst.copy_(x)))
-                t["enc"].append(_time_once(
-                    lambda: codec.quantize_blockwise_torch(x, ref, bits, 128, out=(codes, scales))))
-                t["dec"].append(_time_once(lambda: codec.dequantize_blockwise_torch(
-                    codes, scales, n, bits, 128, ref, dtype, out=out_x)))
-                t["clone"].append(_time_once(lambda: x.clone()))
-                t["enc_alloc"].append(_time_once(
-                    lambda: tw_triton.quantize(x, bits=bits, block=128, reference=ref)))
-                t["dec_alloc"].append(_time_once(lambda: tw_triton.dequantize(q, reference=ref)))
-            med = {k: statistics.median(v) for k, v in t.items()}
-            xbytes = x.numel() * x.element_size()
-
-            def over_copy(key: str) -> float:
-                return statistics.median(c / e for c, e in zip(t["copy"], t[key]))
-
-            rows.append(
-                dict(
-                    codec="blockwise",
-                    dtype=str(dtype).replace("torch.", ""),
-                    reference=None if ref_dtype is None else str(ref_dtype).replace("torch.", ""),
-                    bits=bits,
-                    block=128,
-                    numel=n,
-                    copy_gbps=xbytes / med["copy"] / 1e9,
-                    clone_gbps=xbytes / med["clone"] / 1e9,
-                    encode_gbps=read / med["enc"] / 1e9,
-                    decode_gbps=read / med["dec"] / 1e9,
-                    encode_alloc_gbps=read / med["enc_alloc"] / 1e9,
-                    decode_alloc_gbps=read / med["dec_alloc"] / 1e9,
-                    # Same tensor x: time(copy_ of x) / time(op). With a reference the codec
-                    # also reads it, so the figure is harsher on it than on copy_.
-                    encode_over_copy=over_copy("enc"),
-                    decode_over_copy=over_copy("dec"),
-                    encode_alloc_over_clone=statistics.median(
-                        c / e for c, e in zip(t["clone"], t["enc_alloc"])),
-                    decode_alloc_over_clone=statistics.median(
-                        c / e for c, e in zip(t["clone"], t["dec_alloc"])),
-                )
-            )
+            ops = {
+                "enc": lambda: codec.quantize_blockwise_torch(x, ref, bits, 128, out=(codes, scales)),
+                "dec": lambda: codec.dequantize_blockwise_torch(codes, scales, n, bits, 128, ref, dtype, out=out_x),
+                "enc_alloc": lambda: tw_triton.quantize(x, bits=bits, block=128, reference=ref),
+                "dec_alloc": lambda: tw_triton.dequantize(q, reference=ref),
+            }
+            rows.append(_timed_row("blockwise", x, ref_dtype, bits, read, ops, reps))
             print(_row_text(rows[-1]), flush=True)
     rows += log2_throughput(base, reps)
     return rows
@@ -164,40 +170,18 @@ def log2_throughput(base: torch.Tensor, reps: int) -> list[dict]:
     n = v.numel()
     for dtype in (torch.float32, torch.bfloat16):
         x = v.to(dtype)
-        xbytes = x.numel() * x.element_size()
         for bits in BITS:
             enc = log2.quantize_log2_torch(x, bits, 128)  # warm-up, and the outputs reused
             q = log2.quantize_log2(x, bits=bits, block=128)
             log2.dequantize_log2(q)
-            dst = torch.empty_like(x)
             out_x = torch.empty(n, dtype=dtype)
-            t = {k: [] for k in ("copy", "clone", "enc", "enc_alloc", "dec", "dec_alloc")}
-            for _ in range(reps):
-                t["copy"].append(_time_once(lambda: dst.copy_(x)))
-                t["enc"].append(_time_once(lambda: log2.quantize_log2_torch(x, bits, 128, out=enc)))
-                t["dec"].append(_time_once(lambda: log2.dequantize_log2_torch(*enc, n, bits, 128, dtype, out=out_x)))
-                t["clone"].append(_time_once(lambda: x.clone()))
-                t["enc_alloc"].append(_time_once(lambda: log2.quantize_log2(x, bits=bits, block=128)))
-                t["dec_alloc"].append(_time_once(lambda: log2.dequantize_log2(q)))
-            med = {k: statistics.median(vals) for k, vals in t.items()}
-
-            def over(base_key: str, key: str) -> float:
-                return statistics.median(c / e for c, e in zip(t[base_key], t[key]))
-
-            rows.append(dict(
-                codec="log2", dtype=str(dtype).replace("torch.", ""), reference=None, bits=bits, block=128,
-                numel=n,
-                copy_gbps=xbytes / med["copy"] / 1e9,
-                clone_gbps=xbytes / med["clone"] / 1e9,
-                encode_gbps=xbytes / med["enc"] / 1e9,
-                decode_gbps=xbytes / med["dec"] / 1e9,
-                encode_alloc_gbps=xbytes / med["enc_alloc"] / 1e9,
-                decode_alloc_gbps=xbytes / med["dec_alloc"] / 1e9,
-                encode_over_copy=over("copy", "enc"),
-                decode_over_copy=over("copy", "dec"),
-                encode_alloc_over_clone=over("clone", "enc_alloc"),
-                decode_alloc_over_clone=over("clone", "dec_alloc"),
-            ))
+            ops = {
+                "enc": lambda: log2.quantize_log2_torch(x, bits, 128, out=enc),
+                "dec": lambda: log2.dequantize_log2_torch(*enc, n, bits, 128, dtype, out=out_x),
+                "enc_alloc": lambda: log2.quantize_log2(x, bits=bits, block=128),
+                "dec_alloc": lambda: log2.dequantize_log2(q),
+            }
+            rows.append(_timed_row("log2", x, None, bits, x.numel() * x.element_size(), ops, reps))
             print(_row_text(rows[-1]), flush=True)
     return rows
 

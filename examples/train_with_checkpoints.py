@@ -1,6 +1,6 @@
 """Train a small transformer with checkpoints, "crash", restore into fresh objects, continue.
 
-The classic scenario, on the CPU in well under a minute, with no downloads: a character-level
+The classic scenario, on the CPU in about a minute, with no downloads: a character-level
 causal transformer learns the text of this repository's own Python sources.
 
 1. The reference run trains for ``--steps`` steps without interruption (it saves checkpoints
@@ -12,10 +12,10 @@ causal transformer learns the text of this repository's own Python sources.
    ``--steps``. Under the Checkpointer's defaults (preset ``smallest``, closed-loop deltas)
    a keyframe stores the weights exact and the AdamW moments coded (int4, log2 4 bits), and
    a delta the weights as 2-bit deltas from the save before it, so both resumes continue within quantization error.
-4. The noise floor: the uninterrupted run again with another data order (same initial
-   weights). A resume is judged by its final held-out loss (fixed batches of text the runs
-   never train on): its deviation from the uninterrupted run must stay below the noise
-   run's, or the script exits with status 1. The largest per-step training-loss gap after
+4. The noise floor: the uninterrupted run again with other data orders (same initial
+   weights; the median deviation over nine orders). A resume is judged by its final
+   held-out loss (fixed batches of text the runs never train on): its deviation from the
+   uninterrupted run must stay below the noise floor, or the script exits with status 1. The largest per-step training-loss gap after
    the resume is printed too. With ``--rules default`` or ``--rules exact`` the moments are
    exact, and restoring a keyframe must then reproduce the reference losses bit for bit.
 
@@ -67,14 +67,15 @@ class TinyLM(nn.Module):
         return self.head(self.norm(h))
 
 
+# Other data orders whose median deviation is the noise floor (see step 4 of the module doc).
+NOISE_ORDERS = 9
+
+
 def corpus() -> str:
-    """Local text only: the library's own sources and the README."""
+    """Local text only: the library's own top-level sources. Not the README, which quotes
+    this script's results: editing them would change the corpus, and so the results."""
     root = Path(tw_triton.__file__).resolve().parent
-    parts = [p.read_text(encoding="utf-8") for p in sorted(root.glob("*.py"))]
-    readme = root.parent / "README.md"
-    if readme.exists():
-        parts.append(readme.read_text(encoding="utf-8"))
-    return "\n".join(parts)
+    return "\n".join(p.read_text(encoding="utf-8") for p in sorted(root.glob("*.py")))
 
 
 def make_objects(args, vocab: int, seed: int):
@@ -197,20 +198,27 @@ def main(argv: list[str] | None = None) -> int:
         gap = [abs(a - b) for a, b in zip(resumed, reference[state["step"]:])]
         results[label] = (step, infos[step].kind, max(gap), held_out_loss(model, held_out, args) - ref_eval)
 
-    # 4. The noise floor: the same run, another data order.
-    seed_everything(0)
-    model, opt, sched = make_objects(args, len(chars), seed=0)
-    np.random.seed(1)
-    random.seed(1)
-    train_steps(model, opt, sched, data, args, 0, args.steps)
-    noise = held_out_loss(model, held_out, args) - ref_eval
+    # 4. The noise floor: the same run with other data orders. One other order alone is a
+    # poor yardstick: across nine orders the deviation spanned 5.6e-5 to 4.0e-2 here, so the
+    # floor is the median over NOISE_ORDERS (five were still too few: their median moved
+    # 4.5x with the next four).
+    deviations = []
+    for order in range(1, NOISE_ORDERS + 1):
+        seed_everything(0)
+        model, opt, sched = make_objects(args, len(chars), seed=0)
+        np.random.seed(order)
+        random.seed(order)
+        train_steps(model, opt, sched, data, args, 0, args.steps)
+        deviations.append(abs(held_out_loss(model, held_out, args) - ref_eval))
+    noise = float(np.median(deviations))
     elapsed = time.perf_counter() - t_start
 
     n_params = sum(p.numel() for p in make_objects(args, len(chars), seed=0)[0].parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters; {args.steps} steps; saves every {args.every}; "
           f"keyframe every {args.keyframe_every} saves; rules {args.rules}")
     print(f"final loss (uninterrupted): {reference[-1]:.4f} (first {reference[0]:.4f}); "
-          f"held-out loss {ref_eval:.4f}, noise floor (another data order) {abs(noise):.2e}")
+          f"held-out loss {ref_eval:.4f}, noise floor (median over {NOISE_ORDERS} other data orders) "
+          f"{noise:.2e} (range {min(deviations):.2e} to {max(deviations):.2e})")
     print(f"torch.save of model+optimizer+scheduler: {plain / 1e6:.3f} MB")
     for kind in ("keyframe", "delta"):
         if kind in ref_sizes:
@@ -230,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, (_, _, gap, final) in results.items():
         if not math.isfinite(gap) or not abs(final) < abs(noise):
             print(f"ERROR: resuming from the {label} checkpoint moved the held-out loss by {final:+.3g}, "
-                  f"more than another data order does ({abs(noise):.3g})", file=sys.stderr)
+                  f"more than other data orders do (median {noise:.3g})", file=sys.stderr)
             return 1
     return 0
 

@@ -185,13 +185,16 @@ def _levels(t: torch.Tensor, lo_b: torch.Tensor, hi_b: torch.Tensor, n_steps: fl
     torch.round(r, out=r).clamp_(0.0, n_steps)
 
 
-def _general_rows(t: torch.Tensor, n_steps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _general_rows(
+    t: torch.Tensor, n_steps: float, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Bounds and codes of blocks that mix zeros, positives and uncodable elements.
 
-    The slow, plain statement of the spec, on the few rows the fast path cannot take.
+    The slow, plain statement of the spec, on the rows the fast path cannot take.
 
     Returns:
-        ``(lo, hi, u)``: int32 bounds per row and fp32 codes (whole numbers) per element.
+        ``(lo, hi, u)``: int32 bounds per row and fp32 codes (whole numbers) per element,
+        written into ``out`` when given (fp32, ``t``'s shape).
     """
     pos = (t > 0) & (t < _F32_INF_BITS)
     zero = (t == 0) | (t == _NEG_ZERO_BITS)
@@ -204,7 +207,7 @@ def _general_rows(t: torch.Tensor, n_steps: float) -> tuple[torch.Tensor, torch.
     # (hi < 0).any(), read on the device like the blockwise codec's infinite scales.
     lo_b = torch.where(bad_b, -1, lo_b)
     hi_b = torch.where(bad_b, -1, hi_b)
-    u = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+    u = torch.empty(t.shape, dtype=torch.float32, device=t.device) if out is None else out
     _levels(t, lo_b, hi_b, n_steps, u)
     u.add_(1.0).masked_fill_(~pos, 0.0)
     return lo_b, hi_b, u
@@ -217,7 +220,7 @@ def quantize_log2_torch(
 
     Per chunk of ``CHUNK_ELEMENTS``, in per-thread scratch kept between calls (see
     :func:`~tw_triton.codecs.blockwise._scratch`); a contiguous fp32 chunk of whole blocks
-    is read where it lies. One ``aminmax`` pass sorts the blocks: all positive and finite
+    is read where it lies. A min and a max per block sort the blocks: all positive and finite
     (the bounds are the min and max), all ``+0`` (bounds and codes 0), or other. Only the
     other blocks (mixed zeros, ``-0``, negative or non-finite elements: few in a second
     moment, where a zero is a whole row of an unused embedding) take the masked path, about
@@ -268,25 +271,25 @@ def quantize_log2_torch(
         # Two reductions: torch's fused aminmax over rows is ~9x slower on the CPU.
         mn, mx = t.amin(dim=1), t.amax(dim=1)
         positive = (mn > 0) & (mx < _F32_INF_BITS)
-        lo_b = torch.where(positive, mn, 0)
-        hi_b = torch.where(positive, mx, 0)
-        r = r_buf[:padded].view(nb, block)
-        _levels(t, lo_b, hi_b, n_steps, r)
-        # +1 on the positive blocks; an all-+0 block has t = lo = 0, so r = 0 = its code.
-        r.add_(positive.to(torch.float32).unsqueeze(1))
         other = ~(positive | ((mn == 0) & (mx == 0)))
         n_other = int(other.sum())
+        r = r_buf[:padded].view(nb, block)
         if n_other * 4 > nb:
             # Mostly mixed blocks (zeros scattered through the tensor): the masked path on the
             # whole chunk beats gathering and scattering most of its rows.
-            lo_b, hi_b, u_all = _general_rows(t, n_steps)
-            r.copy_(u_all)
-        elif n_other:
-            rows = other.nonzero().squeeze(1)
-            lo_o, hi_o, u_o = _general_rows(t.index_select(0, rows), n_steps)
-            lo_b.index_copy_(0, rows, lo_o)
-            hi_b.index_copy_(0, rows, hi_o)
-            r.index_copy_(0, rows, u_o)
+            lo_b, hi_b, _ = _general_rows(t, n_steps, out=r)
+        else:
+            lo_b = torch.where(positive, mn, 0)
+            hi_b = torch.where(positive, mx, 0)
+            _levels(t, lo_b, hi_b, n_steps, r)
+            # +1 on the positive blocks; an all-+0 block has t = lo = 0, so r = 0 = its code.
+            r.add_(positive.to(torch.float32).unsqueeze(1))
+            if n_other:
+                rows = other.nonzero().squeeze(1)
+                lo_o, hi_o, u_o = _general_rows(t.index_select(0, rows), n_steps)
+                lo_b.index_copy_(0, rows, lo_o)
+                hi_b.index_copy_(0, rows, hi_o)
+                r.index_copy_(0, rows, u_o)
         b0 = start // block
         lo[b0 : b0 + nb] = lo_b
         hi[b0 : b0 + nb] = hi_b

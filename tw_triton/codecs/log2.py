@@ -224,9 +224,9 @@ def quantize_log2_torch(
     (the bounds are the min and max), all ``+0`` (bounds and codes 0), or other. Only the
     other blocks (mixed zeros, ``-0``, negative or non-finite elements: few in a second
     moment, where a zero is a whole row of an unused embedding) take the masked path, about
-    6x slower per element (a tensor whose every block mixes zeros in encodes at about the
-    speed of the all-masked implementation this replaced: 0.11 against 0.09 s for 16M fp32
-    on one core of the 2-core VM, against 0.018 s for the same values without the zeros).
+    6x slower per element (a tensor whose every block mixes zeros in encodes at the speed of
+    the all-masked implementation this replaced, 0.09 s for 16M fp32 on one core of the
+    2-core VM, against 0.016 s for the same values without the zeros).
 
     Args:
         out: optional ``(codes, lo, hi)`` to write into: contiguous, of the sizes below.

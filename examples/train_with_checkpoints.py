@@ -230,13 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"save() paused the loop {1e3 * float(np.median(stall)):.1f} ms (median of {len(stall)} saves)")
     for label, (step, kind, gap, final) in results.items():
         print(f"resume from step {step} ({kind}): loss gap after resume max {gap:.2e}, "
-              f"held-out loss difference {final:+.2e} = {abs(final) / abs(noise):.2f}x the noise floor")
+              f"held-out loss difference {final:+.2e} = {abs(final) / noise:.2f}x the noise floor")
     print(f"total time {elapsed:.1f} s")
     if args.rules in ("default", "exact") and results["keyframe"][2] != 0.0:
         print("ERROR: resuming from an exact keyframe did not reproduce the run exactly", file=sys.stderr)
         return 1
     for label, (_, _, gap, final) in results.items():
-        if not math.isfinite(gap) or not abs(final) < abs(noise):
+        if not math.isfinite(gap) or not abs(final) < noise:
             print(f"ERROR: resuming from the {label} checkpoint moved the held-out loss by {final:+.3g}, "
                   f"more than other data orders do (median {noise:.3g})", file=sys.stderr)
             return 1

@@ -100,7 +100,6 @@ class Codec(ABC):
             CheckpointError: the entry's params or buffers are not what this codec writes.
         """
 
-
     def decode_over(
         self,
         entry: EncodedEntry,

@@ -18,7 +18,9 @@ Reported per kind:
   float buffers (what an order-0 coder after byte grouping would reach);
 * compress and decompress throughput of the policy's stage in MB/s of raw bytes (best of 3
   runs of each kind, one process, a shared machine: noisy);
-* zstd levels 1, 3 and 9 on the policy's stage (the level choice);
+* zstd levels 1, 3 and 9 on the policy's stage, each with the level's own match finder and
+  with ``PLANE_MATCH`` (``min_match`` 7, ``hash_log`` 6: what the policy gives
+  ``zstd-bytegroup`` on buffers of 1 MiB and more), for the level and match choice;
 * whole files: each checkpoint written with ``entropy=None`` and ``"auto"``.
 
 Run: ``python benchmarks/entropy_stage.py`` (about a minute on 2 cores). Writes
@@ -48,6 +50,16 @@ from tw_triton.qstate import QuantizedState
 
 STAGES = ("zstd", "zstd-bytegroup")
 LEVELS = (1, 3, 9)
+# Match settings compared at each level: the level's own, and PLANE_MATCH (what the policy
+# gives zstd-bytegroup).
+MATCHES = {"own": (0, 0), "planes": entropy.PLANE_MATCH}
+
+
+def _settings(level: int, stage: str, nbytes: int, match: str | None = None) -> entropy.ZstdSettings:
+    """zstd settings at ``level``: the policy's for ``stage`` on ``nbytes``, or the
+    ``match`` variant."""
+    min_match, hash_log = entropy.get_stage(stage).match_for(nbytes) if match is None else MATCHES[match]
+    return entropy.ZstdSettings(level=level, min_match=min_match, hash_log=hash_log)
 REPEATS = 3
 
 
@@ -150,10 +162,13 @@ def measure_kind(bufs: list[dict[str, Any]]) -> dict[str, Any]:
     for name in STAGES:
         stage = entropy.get_stage(name)
         for level in LEVELS:
-            total = 0
-            for b in bufs:
-                total += len(stage.encode(_bytes(b["tensor"]), b["tensor"].element_size(), level)[0])
-            out["stored"][f"{name}/{level}"] = total
+            for match in (None, *MATCHES):
+                total = 0
+                for b in bufs:
+                    data = _bytes(b["tensor"])
+                    total += len(stage.encode(data, b["tensor"].element_size(),
+                                              _settings(level, name, len(data), match))[0])
+                out["stored"][f"{name}/{level}" + (f"/{match}" if match else "")] = total
     # What the writer's default policy stores, buffer by buffer.
     auto_total = 0
     chosen = set()
@@ -174,12 +189,15 @@ def measure_kind(bufs: list[dict[str, Any]]) -> dict[str, Any]:
     policy_stage = min(candidates, key=lambda n: out["stored"][f"{n}/{level}"])
     out["policy_stage"] = policy_stage
     stage = entropy.get_stage(policy_stage)
-    frames = [(stage.encode(_bytes(b["tensor"]), b["tensor"].element_size(), entropy.DEFAULT_LEVEL), b["tensor"])
-              for b in bufs]
+    def policy_encode(b: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        data = _bytes(b["tensor"])
+        return stage.encode(data, b["tensor"].element_size(), _settings(level, policy_stage, len(data)))
+
+    frames = [(policy_encode(b), b["tensor"]) for b in bufs]
 
     def compress() -> None:
         for b in bufs:
-            stage.encode(_bytes(b["tensor"]), b["tensor"].element_size(), entropy.DEFAULT_LEVEL)
+            policy_encode(b)
 
     dests = [bytearray(len(_bytes(t))) for _, t in frames]
 
@@ -195,11 +213,12 @@ def measure_kind(bufs: list[dict[str, Any]]) -> dict[str, Any]:
     out["decompress_mb_s"] = raw / _best(decompress) / 1e6
     out["level_speed_mb_s"] = {}
     for level in LEVELS:
-        def comp(level: int = level) -> None:
-            for b in bufs:
-                stage.encode(_bytes(b["tensor"]), b["tensor"].element_size(), level)
+        for match in MATCHES:
+            def comp(zstd: entropy.ZstdSettings = _settings(level, policy_stage, 0, match)) -> None:
+                for b in bufs:
+                    stage.encode(_bytes(b["tensor"]), b["tensor"].element_size(), zstd)
 
-        out["level_speed_mb_s"][str(level)] = raw / _best(comp) / 1e6
+            out["level_speed_mb_s"][f"{level}/{match}"] = raw / _best(comp) / 1e6
     return out
 
 
@@ -228,8 +247,9 @@ def large_buffer_threads(nbytes: int = 64 << 20) -> dict[str, Any]:
     stage = entropy.get_stage("zstd-bytegroup")
     out: dict[str, Any] = {"nbytes": nbytes, "default_threads": entropy.default_threads(nbytes)}
     for threads in (0, 2):
-        seconds = _best(lambda: stage.encode(_bytes(t), 4, entropy.DEFAULT_LEVEL, threads), 2)
-        stored, params = stage.encode(_bytes(t), 4, entropy.DEFAULT_LEVEL, threads)
+        zstd = entropy.ZstdSettings(threads=threads)
+        seconds = _best(lambda: stage.encode(_bytes(t), 4, zstd), 2)
+        stored, params = stage.encode(_bytes(t), 4, zstd)
         dest = bytearray(nbytes)
         d_seconds = _best(lambda: stage.decode(memoryview(stored), params, memoryview(dest), "bench"), 2)
         assert bytes(dest) == bytes(_bytes(t))
@@ -287,7 +307,9 @@ def markdown(result: dict[str, Any]) -> str:
         "the `small` preset codes the moments).",
         "",
         "Bits per element: raw = as the codec stores it; zstd / bytegroup = after that stage at "
-        f"level {entropy.DEFAULT_LEVEL}; auto = what the writer's default policy stores (buffers "
+        f"level {entropy.DEFAULT_LEVEL} with the policy's match settings (bytegroup on buffers of "
+        f"{entropy.PLANE_MATCH_MIN_BYTES >> 20} MiB and more: min_match {entropy.PLANE_MATCH[0]}, hash_log "
+        f"{entropy.PLANE_MATCH[1]}; else the level's own); auto = what the writer's default policy stores (buffers "
         f"under {entropy.MIN_STAGE_BYTES} B or saving under {entropy.MIN_SAVING:.0%} stay raw); "
         "H0 = order-0 empirical entropy (code symbols for codes; sum over byte planes for "
         "floats). Throughput: the policy's stage, MB/s of raw bytes, one thread below 8 MiB.",
@@ -309,14 +331,23 @@ def markdown(result: dict[str, Any]) -> str:
             f"{k['compress_mb_s']:.0f}", f"{k['decompress_mb_s']:.0f}",
         ])
     lines += ["## Bits per element, by buffer kind", "", fmt_table(headers, rows), ""]
-    headers = ["kind", "stage"] + [f"level {lv} bits" for lv in LEVELS] + [f"level {lv} MB/s" for lv in LEVELS]
+    variants = [f"{lv}/{m}" for lv in LEVELS for m in MATCHES]
+    headers = (["kind", "stage"] + [f"level {v} bits" for v in variants] + [f"level {v} MB/s" for v in variants])
     rows = []
     for kind, k in result["kinds"].items():
         n = k["elements"]
         s = k["policy_stage"]
-        rows.append([kind, s] + [_bits(k["stored"][f"{s}/{lv}"], n) for lv in LEVELS]
-                    + [f"{k['level_speed_mb_s'][str(lv)]:.0f}" for lv in LEVELS])
-    lines += ["## zstd level (the policy's stage)", "", fmt_table(headers, rows), ""]
+        rows.append([kind, s] + [_bits(k["stored"][f"{s}/{v}"], n) for v in variants]
+                    + [f"{k['level_speed_mb_s'][v]:.0f}" for v in variants])
+    lines += [
+        "## zstd level and match settings (the policy's stage)",
+        "",
+        f"`level N/own`: the level's own match finder; `level N/planes`: min_match "
+        f"{entropy.PLANE_MATCH[0]}, hash_log {entropy.PLANE_MATCH[1]} (what the policy gives zstd-bytegroup from {entropy.PLANE_MATCH_MIN_BYTES >> 20} MiB up).",
+        "",
+        fmt_table(headers, rows),
+        "",
+    ]
     headers = ["checkpoint", "tensors raw", "file, entropy=None", "file, auto", "auto smaller by",
                "write none / auto s", "read none / auto s"]
     rows = []

@@ -19,7 +19,7 @@ import tw_triton
 from _format_samples import STAGE_EVERYTHING, assert_same_state, sample_state
 from tw_triton import format as fmt
 from tw_triton.codecs import entropy
-from tw_triton.codecs.entropy import EntropyPolicy, candidate_stages, check_zstd_frame, get_stage
+from tw_triton.codecs.entropy import EntropyPolicy, ZstdSettings, candidate_stages, check_zstd_frame, get_stage
 from tw_triton.errors import CheckpointError
 from tw_triton.writer import AsyncWriter
 
@@ -36,7 +36,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 def round_trip(name: str, t: torch.Tensor, level: int = 3, threads: int = 0) -> tuple[bytes, bytes]:
     stage = get_stage(name)
     raw = as_bytes(t)
-    stored, params = stage.encode(raw, t.element_size(), level, threads)
+    stored, params = stage.encode(raw, t.element_size(), ZstdSettings(level=level, threads=threads))
     stage.check_params(params, t.element_size(), "w")
     stage.check(memoryview(stored), params, len(raw), "w")
     out = bytearray(len(raw))
@@ -95,8 +95,8 @@ def test_default_threads(monkeypatch):
         assert entropy.default_threads(big) == expected, cores
         assert entropy.default_threads(big - 1) == 0
     seen = []
-    real = entropy._zstd_compressor
-    monkeypatch.setattr(entropy, "_zstd_compressor", lambda level, threads: seen.append(threads) or real(level, threads))
+    real = ZstdSettings.compressor
+    monkeypatch.setattr(ZstdSettings, "compressor", lambda self, size: seen.append(self.threads) or real(self, size))
     t = torch.zeros(5000)
     entropy.encode_buffer(t, as_bytes(t), EntropyPolicy(threads=2))
     entropy.encode_buffer(t, as_bytes(t), entropy.AUTO)
@@ -105,14 +105,14 @@ def test_default_threads(monkeypatch):
 
 def test_bytegroup_puts_byte_k_of_every_element_together():
     t = torch.tensor([0x04030201, 0x08070605, 0x0C0B0A09], dtype=torch.int32)
-    stored, params = get_stage("zstd-bytegroup").encode(as_bytes(t), 4, 3)
+    stored, params = get_stage("zstd-bytegroup").encode(as_bytes(t), 4, ZstdSettings(level=3))
     assert params == {"level": 3, "width": 4}
     assert zstandard.ZstdDecompressor().decompress(stored) == bytes([1, 5, 9, 2, 6, 10, 3, 7, 11, 4, 8, 12])
 
 
 def test_bytegroup_beats_plain_zstd_on_floats():
     t = torch.randn(1 << 16, generator=torch.Generator().manual_seed(1)) * 1e-3
-    sizes = {n: len(get_stage(n).encode(as_bytes(t), 4, 3)[0]) for n in STAGES}
+    sizes = {n: len(get_stage(n).encode(as_bytes(t), 4, ZstdSettings(level=3))[0]) for n in STAGES}
     assert sizes["zstd-bytegroup"] < 0.97 * sizes["zstd"]
 
 
@@ -120,7 +120,7 @@ def test_decode_writes_into_the_destination_and_nowhere_else():
     t = (torch.arange(5000) % 7).to(torch.int16)
     for name in STAGES:
         stage = get_stage(name)
-        stored, params = stage.encode(as_bytes(t), 2, 3)
+        stored, params = stage.encode(as_bytes(t), 2, ZstdSettings(level=3))
         big = bytearray(b"\xee" * (16 + 10000 + 16))
         out = memoryview(big)[16 : 16 + 10000]
         stage.decode(memoryview(stored), params, out, "w")
@@ -133,14 +133,18 @@ def test_decode_writes_into_the_destination_and_nowhere_else():
 # --------------------------------------------------------------------------------------
 
 
-def reference_bytegroup(raw: bytes, width: int, level: int, threads: int = 0) -> bytes:
+def reference_bytegroup(raw: bytes, width: int, level: int, threads: int = 0, **match: int) -> bytes:
     """A zstd-bytegroup frame written the plain way: byte k of every element (numpy's
     column ``[:, k]``), the planes concatenated, one zstd frame with content size and
-    checksum. Streamed with the size pledged, like the stage: for inputs of tens of MiB a
-    one-shot ``ZstdCompressor.compress`` finds other (valid) matches, so other bytes."""
+    checksum (``match``: zstd's min_match / hash_log). Streamed with the size pledged, like
+    the stage: for inputs of tens of MiB a one-shot ``ZstdCompressor.compress`` finds other
+    (valid) matches, so other bytes."""
     elements = np.frombuffer(raw, dtype=np.uint8).reshape(-1, width)
     planes = b"".join(elements[:, k].tobytes() for k in range(width))
-    cctx = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True, write_content_size=True)
+    params = zstandard.ZstdCompressionParameters.from_level(
+        level, source_size=len(raw), threads=threads, write_checksum=True, write_content_size=True, **match
+    )
+    cctx = zstandard.ZstdCompressor(compression_params=params)
     obj = cctx.compressobj(size=len(raw))
     return obj.compress(planes) + obj.flush()
 
@@ -171,10 +175,11 @@ def _unaligned(raw: bytes, offset: int, fill: int = 0) -> memoryview:
     kind=st.sampled_from(["bytes", "zeros", "values"]),
     seed=st.integers(0, 2**16),
     level=st.sampled_from([1, 3]),
+    match=st.sampled_from([{}, {"min_match": 7, "hash_log": 6}, {"min_match": 5}]),
     little=st.booleans(),
     offset=st.sampled_from([0, 1, 3]),
 )
-def test_bytegroup_writes_the_reference_bytes_and_reads_them(data, width, chunk, kind, seed, level, little, offset):
+def test_bytegroup_writes_the_reference_bytes_and_reads_them(data, width, chunk, kind, seed, level, match, little, offset):
     """Every width (2, 4, 8, complex's 16 and odd ones), counts on and off the chunk size,
     empty and tiny buffers, the big-endian path (single bytes) on this machine too, buffers
     not aligned to their words, and a destination full of garbage."""
@@ -183,9 +188,10 @@ def test_bytegroup_writes_the_reference_bytes_and_reads_them(data, width, chunk,
     raw = _elements(kind, width, n, seed)
     stage = get_stage("zstd-bytegroup")
     with mock.patch.object(entropy, "CHUNK_BYTES", chunk), mock.patch.object(entropy, "_LITTLE_ENDIAN", little):
-        stored, params = stage.encode(_unaligned(raw, offset), width, level)
-        assert params == {"level": level, "width": width}
-        assert stored == reference_bytegroup(raw, width, level)
+        zstd = ZstdSettings(level=level, min_match=match.get("min_match", 0), hash_log=match.get("hash_log", 0))
+        stored, params = stage.encode(_unaligned(raw, offset), width, zstd)
+        assert params == {"level": level, **match, "width": width}
+        assert stored == reference_bytegroup(raw, width, level, **match)
         stage.check(memoryview(stored), params, len(raw), "w")
         out = _unaligned(b"\xa5" * len(raw), offset, fill=0xEE)
         stage.decode(memoryview(stored), params, out, "w")
@@ -200,8 +206,11 @@ def test_bytegroup_bytes_at_the_real_chunk_size(threads):
     n = entropy.CHUNK_BYTES + 3
     raw = _elements("values", 4, n, 0)
     stage = get_stage("zstd-bytegroup")
-    stored, params = stage.encode(memoryview(raw), 4, entropy.DEFAULT_LEVEL, threads)
-    assert stored == reference_bytegroup(raw, 4, entropy.DEFAULT_LEVEL, threads)
+    min_match, hash_log = get_stage("zstd-bytegroup").match_for(len(raw))
+    assert (min_match, hash_log) == entropy.PLANE_MATCH
+    stored, params = stage.encode(memoryview(raw), 4, ZstdSettings(min_match=min_match, hash_log=hash_log, threads=threads))
+    match = {"min_match": min_match, "hash_log": hash_log}
+    assert stored == reference_bytegroup(raw, 4, entropy.DEFAULT_LEVEL, threads, **match)
     out = bytearray(b"\xff" * len(raw))
     stage.decode(memoryview(stored), params, memoryview(out), "w")
     assert out == raw
@@ -304,11 +313,39 @@ def test_corrupted_content_is_caught_by_the_zstd_checksum():
         ("zstd-bytegroup", {"level": 3, "width": 2}, 4, "'width' must be the element size 4"),
         ("zstd-bytegroup", {"level": 3, "width": 0}, 4, "'width'"),
         ("zstd-bytegroup", {"level": True, "width": 4}, 4, "'level'"),
+        ("zstd", {"level": 1, "min_match": "7"}, 1, "'min_match' must be an int"),
+        ("zstd-bytegroup", {"level": 1, "hash_log": 6.0, "width": 4}, 4, "'hash_log' must be an int"),
     ],
 )
 def test_stage_params_are_checked(name, params, itemsize, match):
     with pytest.raises(CheckpointError, match=match):
         get_stage(name).check_params(params, itemsize, "w")
+
+
+@pytest.mark.parametrize("match", [{}, {"min_match": 7}, {"min_match": 7, "hash_log": 6}])
+def test_stage_params_with_and_without_match_settings_are_accepted(match):
+    """Files before 0.2 record the level alone; later ones add the match settings."""
+    get_stage("zstd").check_params({"level": 1, **match}, 1, "w")
+    get_stage("zstd-bytegroup").check_params({"level": 1, **match, "width": 4}, 4, "w")
+
+
+def test_match_settings_reach_zstd():
+    """Byte planes get PLANE_MATCH by default from PLANE_MATCH_MIN_BYTES up, smaller ones
+    and 1-byte codes the level's own; a policy's settings override both; other settings make
+    other bytes, and the record says which were used."""
+    g = torch.Generator().manual_seed(3)
+    floats = torch.randn(entropy.PLANE_MATCH_MIN_BYTES // 4, generator=g) * 1e-3
+    small = floats[: entropy.PLANE_MATCH_MIN_BYTES // 4 - 1]
+    assert entropy.encode_buffer(small, as_bytes(small), entropy.AUTO).record["params"] == {"level": 1, "width": 4}
+    codes = (128 + torch.randn(1 << 16, generator=g).mul(6).round()).to(torch.uint8)
+    tuned = entropy.encode_buffer(floats, as_bytes(floats), entropy.AUTO)
+    plain = entropy.encode_buffer(floats, as_bytes(floats), EntropyPolicy(min_match=0, hash_log=0))
+    assert tuned.data != plain.data
+    assert tuned.record["params"] == {"level": 1, "min_match": 7, "hash_log": 6, "width": 4}
+    assert plain.record["params"] == {"level": 1, "width": 4}
+    assert entropy.encode_buffer(codes, as_bytes(codes), entropy.AUTO).record["params"] == {"level": 1}
+    forced = entropy.encode_buffer(codes, as_bytes(codes), EntropyPolicy(min_match=5, hash_log=8))
+    assert forced.record["params"] == {"level": 1, "min_match": 5, "hash_log": 8}
 
 
 # --------------------------------------------------------------------------------------
@@ -332,9 +369,11 @@ def test_policy_picks_the_stage_by_dtype_and_size():
 def test_integers_get_the_smaller_of_both_stages():
     g = torch.Generator().manual_seed(0)
     counters = torch.randint(-9, 9, (4096,), generator=g)  # int64: zstd wins
-    float_bits = (torch.randn(4096, generator=g) * 1e-3).view(torch.int32)  # grouping wins
+    # Grouping wins (at 4096 elements zstd codes neither one's literals: a tie).
+    float_bits = (torch.randn(1 << 16, generator=g) * 1e-3).view(torch.int32)
     for t, winner in ((counters, "zstd"), (float_bits, "zstd-bytegroup")):
-        sizes = {n: len(get_stage(n).encode(as_bytes(t), t.element_size(), entropy.DEFAULT_LEVEL)[0]) for n in STAGES}
+        sizes = {n: len(get_stage(n).encode(as_bytes(t), t.element_size(), ZstdSettings(1, *get_stage(n).match_for(t.numel() * t.element_size())))[0])
+                 for n in STAGES}
         assert min(sizes, key=sizes.get) == winner
         staged = entropy.encode_buffer(t, as_bytes(t), entropy.AUTO)
         assert staged.record["name"] == winner and len(staged.data) == sizes[winner]
@@ -462,7 +501,7 @@ def test_register_stage():
     class Identity(entropy.Stage):
         name = "identity-test"
 
-        def encode(self, data, itemsize, level, threads=0):
+        def encode(self, data, itemsize, zstd):
             return bytes(data), {}
 
         def check_params(self, params, itemsize, where):

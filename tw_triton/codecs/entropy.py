@@ -16,7 +16,9 @@ Built in:
     together (plane ``k``), the planes are concatenated in order and the whole goes through
     zstd. The high bytes of floats (sign and exponent) repeat a few values and compress
     well once they are together; the low mantissa bytes are near random either way.
-    Parameter ``width`` is the element size; decoding undoes the grouping.
+    Parameter ``width`` is the element size; decoding undoes the grouping. zstd runs with
+    :data:`PLANE_MATCH` (long minimum matches, a small hash table) on buffers of
+    :data:`PLANE_MATCH_MIN_BYTES` and more, unless the policy says otherwise; a file records the settings it was written with, and decoding needs none.
 
 :func:`candidate_stages` and :func:`encode_buffer` are the policy: which stage a buffer
 gets (by dtype), buffers under :data:`MIN_STAGE_BYTES` stay raw, and a stage is kept only
@@ -51,6 +53,19 @@ from ..errors import CheckpointError
 # 12.1 vs 12.4 MiB) in 0.7x the time: its coarser matching suits byte planes and 2-bit
 # codes; level 9 gained < 1 % on quantized codes (benchmarks/entropy_stage.py).
 DEFAULT_LEVEL = 1
+# zstd's match finder for float byte planes (zstd-bytegroup): (min_match, hash_log). The
+# sign-and-exponent plane repeats a few symbols in no long pattern, so level 1's 4-byte
+# matches cost more bits than Huffman literals, and a 64-entry hash table stays in the L1
+# cache. On the exact weights of the MiniLM keyframe (87 MiB of fp32): 0.829 vs 0.835 of
+# the raw size in 0.6x the time; that plane alone: 0.342 vs 0.370, at levels 1, 3 and 9
+# alike; on its exact moments (134 MiB of 2 MiB+ buffers) 0.2802 vs 0.2827 in 0.8x. Buffers
+# under PLANE_MATCH_MIN_BYTES keep the level's own: on the tiny GPT's and the README
+# example's (<= 256 KiB each, a sparse embedding among them) the small table wrote 0.6-2.6 %
+# more bytes, and their time is small either way. 1-byte codes keep the level's own too: on
+# that sparse embedding's moment codes the small table lost 25 %
+# (benchmarks/entropy_stage.py). Decoders need neither value.
+PLANE_MATCH = (7, 6)
+PLANE_MATCH_MIN_BYTES = 1 << 20
 # Buffers under this many bytes stay raw: the manifest record of a stage costs ~80 bytes
 # and a zstd frame ~20, so a small buffer saves little and costs a decoder call.
 MIN_STAGE_BYTES = 4096
@@ -85,12 +100,17 @@ class Stage(ABC):
 
     name: str = ""
 
+    def match_for(self, nbytes: int) -> tuple[int, int]:
+        """The ``(min_match, hash_log)`` zstd runs with on a buffer of ``nbytes`` unless the
+        policy sets them (0: the level's own, the default)."""
+        return (0, 0)
+
     @abstractmethod
     def encode(
-        self, data: memoryview, itemsize: int, level: int, threads: int = 0
+        self, data: memoryview, itemsize: int, zstd: ZstdSettings
     ) -> tuple[bytes, dict[str, Any]]:
-        """Encode the raw bytes of a buffer of ``itemsize``-byte elements, at zstd ``level``
-        with ``threads`` compression threads (0: the calling thread only).
+        """Encode the raw bytes of a buffer of ``itemsize``-byte elements with the zstd
+        settings ``zstd``.
 
         Returns the stored bytes and the JSON params to record (decoding needs them).
         """
@@ -138,19 +158,60 @@ def default_threads(nbytes: int) -> int:
     return threads if nbytes >= MT_MIN_BYTES and threads >= 2 else 0
 
 
-def _zstd_compressor(level: int, threads: int) -> zstandard.ZstdCompressor:
-    # A compressor is not thread-safe and costs microseconds to make: one per call.
-    return zstandard.ZstdCompressor(
-        level=level, threads=threads, write_checksum=True, write_content_size=True
-    )
+@dataclass(frozen=True)
+class ZstdSettings:
+    """How a stage runs zstd: the level, match-finder overrides and threads.
+
+    Attributes:
+        level: zstd compression level.
+        min_match: shortest match zstd looks for (3-7); 0: the level's own (as in zstd).
+        hash_log: log2 of the match finder's hash table entries (6 and up); 0: the level's
+            own.
+        threads: compression threads (0: the calling thread alone).
+    """
+
+    level: int = DEFAULT_LEVEL
+    min_match: int = 0
+    hash_log: int = 0
+    threads: int = 0
+
+    def compressor(self, size: int) -> zstandard.ZstdCompressor:
+        """A new compressor for ``size`` bytes (one per call: they are not thread-safe, and
+        cost microseconds). zstd fits the level's tables to the size, as it does when it
+        is given the level alone."""
+        overrides = {k: v for k, v in (("min_match", self.min_match), ("hash_log", self.hash_log)) if v}
+        params = zstandard.ZstdCompressionParameters.from_level(
+            self.level, source_size=size, threads=self.threads, write_checksum=True,
+            write_content_size=True, **overrides,
+        )
+        return zstandard.ZstdCompressor(compression_params=params)
+
+    def record(self) -> dict[str, int]:
+        """What a file records of these settings; decoding needs none of it, and the
+        threads do not change the bytes."""
+        out = {"level": self.level}
+        if self.min_match:
+            out["min_match"] = self.min_match
+        if self.hash_log:
+            out["hash_log"] = self.hash_log
+        return out
+
+
+# Settings a file may record besides "level" (files before 0.2 recorded the level alone).
+_OPTIONAL_SETTINGS = ("min_match", "hash_log")
 
 
 def _check_level(params: Any, keys: tuple[str, ...], where: str) -> None:
-    if not isinstance(params, dict) or sorted(params) != sorted(keys):
-        raise CheckpointError(f"{where}: stage params must be an object with keys {list(keys)}, found {params!r}")
-    level = params["level"]
-    if not isinstance(level, int) or isinstance(level, bool):
-        raise CheckpointError(f"{where}: stage param 'level' must be an int, found {level!r}")
+    allowed = set(keys) | set(_OPTIONAL_SETTINGS)
+    if not isinstance(params, dict) or not set(keys) <= set(params) or not set(params) <= allowed:
+        raise CheckpointError(
+            f"{where}: stage params must be an object with keys {list(keys)} "
+            f"(optionally {list(_OPTIONAL_SETTINGS)}), found {params!r}"
+        )
+    for key in ("level", *_OPTIONAL_SETTINGS):
+        value = params.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise CheckpointError(f"{where}: stage param {key!r} must be an int, found {value!r}")
 
 
 def check_zstd_frame(stored: memoryview, raw_nbytes: int, where: str) -> None:
@@ -271,9 +332,9 @@ class ZstdStage(_ZstdFrameStage):
     name = "zstd"
 
     def encode(
-        self, data: memoryview, itemsize: int, level: int, threads: int = 0
+        self, data: memoryview, itemsize: int, zstd: ZstdSettings
     ) -> tuple[bytes, dict[str, Any]]:
-        return _zstd_compressor(level, threads).compress(data), {"level": level}
+        return zstd.compressor(len(data)).compress(data), zstd.record()
 
     def check_params(self, params: Any, itemsize: int, where: str) -> None:
         _check_level(params, ("level",), where)
@@ -306,8 +367,11 @@ class ByteGroupZstdStage(_ZstdFrameStage):
 
     name = "zstd-bytegroup"
 
+    def match_for(self, nbytes: int) -> tuple[int, int]:
+        return PLANE_MATCH if nbytes >= PLANE_MATCH_MIN_BYTES else (0, 0)
+
     def encode(
-        self, data: memoryview, itemsize: int, level: int, threads: int = 0
+        self, data: memoryview, itemsize: int, zstd: ZstdSettings
     ) -> tuple[bytes, dict[str, Any]]:
         if itemsize < 1 or len(data) % itemsize:
             raise CheckpointError(f"{self.name}: {len(data)} bytes are not whole {itemsize}-byte elements")
@@ -321,7 +385,7 @@ class ByteGroupZstdStage(_ZstdFrameStage):
         # without a copy; joining per-chunk bytes copied the whole output once more (~17 ms
         # of ~165 on 87 MiB of float32). Same zstd stream calls, so the same bytes.
         sink = io.BytesIO()
-        with _zstd_compressor(level, threads).stream_writer(sink, size=len(data), closefd=False) as writer:
+        with zstd.compressor(len(data)).stream_writer(sink, size=len(data), closefd=False) as writer:
             for plane in range(itemsize):
                 column, shift = words[:, plane // size], 8 * (plane % size)
                 for start in range(0, count, rows):
@@ -329,7 +393,7 @@ class ByteGroupZstdStage(_ZstdFrameStage):
                     # The unsafe cast to uint8 keeps the low byte: byte ``plane`` of each element.
                     np.right_shift(column[start : start + len(chunk)], shift, out=chunk, casting="unsafe")
                     writer.write(chunk)
-        return sink.getvalue(), {"level": level, "width": itemsize}
+        return sink.getvalue(), {**zstd.record(), "width": itemsize}
 
     def check_params(self, params: Any, itemsize: int, where: str) -> None:
         _check_level(params, ("level", "width"), where)
@@ -404,6 +468,10 @@ class EntropyPolicy:
 
     Attributes:
         level: zstd level for every stage.
+        min_match, hash_log: zstd match-finder settings for every stage (see
+            :class:`ZstdSettings`; 0: the level's own); ``None``: each stage's
+            :meth:`Stage.match_for` (``zstd-bytegroup``: :data:`PLANE_MATCH` from
+            :data:`PLANE_MATCH_MIN_BYTES` up).
         min_bytes: buffers smaller than this stay raw.
         min_saving: a stage is kept only where it saves at least this fraction of the raw
             bytes; ``None`` keeps it whatever it gives (for tests of the format).
@@ -414,6 +482,8 @@ class EntropyPolicy:
     """
 
     level: int = DEFAULT_LEVEL
+    min_match: int | None = None
+    hash_log: int | None = None
     min_bytes: int = MIN_STAGE_BYTES
     min_saving: float | None = MIN_SAVING
     stage: str | None = None
@@ -478,7 +548,12 @@ def encode_buffer(tensor: torch.Tensor, data: memoryview, policy: EntropyPolicy)
     best: tuple[bytes, str, dict[str, Any]] | None = None
     threads = default_threads(len(data)) if policy.threads is None else policy.threads
     for name in candidate_stages(tensor.dtype, len(data), policy):
-        stored, params = _STAGES[name].encode(data, tensor.element_size(), policy.level, threads)
+        stage = _STAGES[name]
+        match = stage.match_for(len(data))
+        min_match = match[0] if policy.min_match is None else policy.min_match
+        hash_log = match[1] if policy.hash_log is None else policy.hash_log
+        zstd = ZstdSettings(policy.level, min_match, hash_log, threads)
+        stored, params = stage.encode(data, tensor.element_size(), zstd)
         if best is None or len(stored) < len(best[0]):
             best = (stored, name, params)
     if best is None:
@@ -491,6 +566,9 @@ def encode_buffer(tensor: torch.Tensor, data: memoryview, policy: EntropyPolicy)
 
 __all__ = [
     "DEFAULT_LEVEL",
+    "PLANE_MATCH",
+    "PLANE_MATCH_MIN_BYTES",
+    "ZstdSettings",
     "MIN_STAGE_BYTES",
     "MIN_SAVING",
     "Stage",

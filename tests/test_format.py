@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _format_samples import assert_same_state, blockwise_entry, exact_entry, sample_state, unstage
+from _format_samples import STAGE_EVERYTHING, assert_same_state, blockwise_entry, exact_entry, sample_state, unstage
 import tw_triton
 from tw_triton import format as fmt
 from tw_triton.codecs.blockwise import QuantizedTensor, dequantize
@@ -231,6 +231,67 @@ def test_safetensors_load_file_matches_read_file(tmp_path, entropy):
         got = _unstage(manifest, key, loaded[key])
         assert got.dtype == t.dtype and got.shape == t.shape
         assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("entropy", ["auto", None, STAGE_EVERYTHING])
+def test_open_checkpoint_reads_entries_like_read_file(tmp_path, entropy):
+    """Entry by entry, from the memory map (staged) or with reads (raw), in any order and
+    from several threads: the same buffers as read_file, each a writable tensor of its own;
+    the map and the file are closed on exit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "ckpt.tw"
+    state = sample_state(5, scale=8)
+    fmt.write_file(state, path, entropy=entropy)
+    whole = fmt.read_file(path)
+    with fmt.OpenCheckpoint(path) as ck:
+        assert ck.qstate.checkpoint_id == whole.checkpoint_id
+        assert all(not e.buffers for e in ck.qstate.entries.values())
+        paths = list(reversed(ck.qstate.entries))
+        with ThreadPoolExecutor(3) as pool:
+            got = dict(zip(paths, pool.map(ck.read_entry, paths)))
+        mapped = ck._map
+    for p, e in whole.entries.items():
+        assert got[p].keys() == e.buffers.keys()
+        for name, t in e.buffers.items():
+            assert got[p][name].dtype == t.dtype and torch.equal(got[p][name], t)
+            got[p][name].view(-1).view(torch.uint8)[:1].add_(1)  # writable: not the read-only map
+    assert ck.file.closed and (mapped is None or mapped.closed)
+    assert (mapped is None) == (entropy is None)
+    with fmt.OpenCheckpoint(path, entries=["model/embed.weight"]) as ck:
+        assert list(ck.qstate.entries) == ["model/embed.weight"]
+    with pytest.raises(CheckpointError, match="has no entry 'nope'"):
+        with fmt.OpenCheckpoint(path, entries=["nope"]):
+            pass
+
+
+def _mapped_rss_kib(path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = len(fields) >= 6 and fields[-1] == str(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
+def test_open_checkpoint_lets_go_of_a_buffers_pages_once_decoded(tmp_path):
+    """A staged buffer is decoded from the memory map; its pages then leave the process,
+    so a load does not hold the file resident next to the state."""
+    path = tmp_path / "big.tw"
+    t = torch.randn(4 << 20, generator=torch.Generator().manual_seed(0))  # 16 MiB; the stage saves ~1/8
+    state = QuantizedState(entries={"x": exact_entry(t)}, skeleton={"x": "x"}, checkpoint_id="c")
+    fmt.write_file(state, path)
+    assert "stage" in fmt.read_manifest(path)["entries"]["x"]["buffers"]["data"]
+    with fmt.OpenCheckpoint(path) as ck:
+        assert path.stat().st_size > 8 << 20
+        got = ck.read_entry("x")["data"]
+        assert _mapped_rss_kib(path) < 256  # of a 14 MiB map: a page or two at the ends
+    assert torch.equal(got, t)
 
 
 def test_a_plain_safetensors_file_is_rejected_by_name(tmp_path):

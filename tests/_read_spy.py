@@ -1,6 +1,4 @@
-"""Which files a load reads, and which of their entries: a spy on
-``tw_triton.format.OpenCheckpoint``, which every read of a checkpoint's buffers opens
-(``read_file`` and ``load`` alike)."""
+"""Which files a load reads, and which of their entries: a spy on ``tw_triton.format.read_file``."""
 
 from __future__ import annotations
 
@@ -10,13 +8,13 @@ import tw_triton.format as fmt
 
 
 def spy_on_reads(monkeypatch) -> list[tuple[str, list[str] | None]]:
-    """Record ``(file name, entries asked for)`` of every checkpoint opened from now on."""
+    """Record ``(file name, entries asked for)`` of every ``read_file`` call from now on."""
     asked: list[tuple[str, list[str] | None]] = []
-    real = fmt.OpenCheckpoint.__init__
+    real = fmt.read_file
 
-    def spy(self, path, **kwargs):
+    def spy(path, **kwargs):
         asked.append((os.path.basename(path), kwargs.get("entries")))
-        real(self, path, **kwargs)
+        return real(path, **kwargs)
 
-    monkeypatch.setattr(fmt.OpenCheckpoint, "__init__", spy)
+    monkeypatch.setattr(fmt, "read_file", spy)
     return asked

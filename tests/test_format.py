@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _format_samples import STAGE_EVERYTHING, assert_same_state, blockwise_entry, exact_entry, sample_state, unstage
+from _format_samples import assert_same_state, blockwise_entry, exact_entry, sample_state, unstage
 import tw_triton
 from tw_triton import format as fmt
 from tw_triton.codecs.blockwise import QuantizedTensor, dequantize
@@ -233,38 +233,6 @@ def test_safetensors_load_file_matches_read_file(tmp_path, entropy):
         assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("entropy", ["auto", None, STAGE_EVERYTHING])
-def test_open_checkpoint_reads_entries_like_read_file(tmp_path, entropy):
-    """Entry by entry, from the memory map (staged) or with reads (raw), in any order and
-    from several threads: the same buffers as read_file, each a writable tensor of its own;
-    the map and the file are closed on exit."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    path = tmp_path / "ckpt.tw"
-    state = sample_state(5, scale=8)
-    fmt.write_file(state, path, entropy=entropy)
-    whole = fmt.read_file(path)
-    with fmt.OpenCheckpoint(path) as ck:
-        assert ck.qstate.checkpoint_id == whole.checkpoint_id
-        assert all(not e.buffers for e in ck.qstate.entries.values())
-        paths = list(reversed(ck.qstate.entries))
-        with ThreadPoolExecutor(3) as pool:
-            got = dict(zip(paths, pool.map(ck.read_entry, paths)))
-        mapped = ck._map
-    for p, e in whole.entries.items():
-        assert got[p].keys() == e.buffers.keys()
-        for name, t in e.buffers.items():
-            assert got[p][name].dtype == t.dtype and torch.equal(got[p][name], t)
-            got[p][name].view(-1).view(torch.uint8)[:1].add_(1)  # writable: not the read-only map
-    assert ck.file.closed and (mapped is None or mapped.closed)
-    assert (mapped is None) == (entropy is None)
-    with fmt.OpenCheckpoint(path, entries=["model/embed.weight"]) as ck:
-        assert list(ck.qstate.entries) == ["model/embed.weight"]
-    with pytest.raises(CheckpointError, match="has no entry 'nope'"):
-        with fmt.OpenCheckpoint(path, entries=["nope"]):
-            pass
-
-
 def _mapped_rss_kib(path) -> int:
     """Resident KiB of this process's mappings of ``path`` (from /proc/self/smaps)."""
     total, inside = 0, False
@@ -279,7 +247,7 @@ def _mapped_rss_kib(path) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
-def test_open_checkpoint_lets_go_of_a_buffers_pages_once_decoded(tmp_path):
+def test_read_file_lets_go_of_a_buffers_pages_once_decoded(tmp_path):
     """A staged buffer is decoded from the memory map; its pages then leave the process,
     so a load does not hold the file resident next to the state."""
     path = tmp_path / "big.tw"
@@ -287,11 +255,15 @@ def test_open_checkpoint_lets_go_of_a_buffers_pages_once_decoded(tmp_path):
     state = QuantizedState(entries={"x": exact_entry(t)}, skeleton={"x": "x"}, checkpoint_id="c")
     fmt.write_file(state, path)
     assert "stage" in fmt.read_manifest(path)["entries"]["x"]["buffers"]["data"]
-    with fmt.OpenCheckpoint(path) as ck:
-        assert path.stat().st_size > 8 << 20
-        got = ck.read_entry("x")["data"]
+    assert path.stat().st_size > 8 << 20
+    with fmt._MappedCheckpoint(str(path), verify=True, pin=False, entries=None) as ck:
+        (spec,) = ck.layout.buffers
+        got = ck.read_buffer(spec)
         assert _mapped_rss_kib(path) < 256  # of a 14 MiB map: a page or two at the ends
+        mapped = ck._map
     assert torch.equal(got, t)
+    got.add_(1)  # a tensor of its own, writable: not the read-only map
+    assert mapped.closed and ck.file.closed
 
 
 def test_a_plain_safetensors_file_is_rejected_by_name(tmp_path):

@@ -317,7 +317,7 @@ def read_file(
     The header is validated completely before anything is allocated; then each buffer is
     read into a freshly allocated tensor of its dtype and shape, on several threads
     (:mod:`tw_triton.parallel`): a raw one with positional reads straight into the tensor, a
-    staged one decoded into it from a memory map of the file (see :class:`OpenCheckpoint`).
+    staged one decoded into it from a memory map of the file (see :class:`_MappedCheckpoint`).
 
     Args:
         path: the checkpoint file.
@@ -338,7 +338,8 @@ def read_file(
             entry asked for that the file does not hold;
         CheckpointIOError: the operating system failed.
     """
-    with OpenCheckpoint(path, verify=verify, pin_memory=pin_memory, entries=entries) as ck:
+    path = os.fspath(path)
+    with _MappedCheckpoint(path, verify=verify, pin=pin_memory and _can_pin(path), entries=entries) as ck:
         specs = [s for s in ck.layout.buffers if ck.wanted is None or s.entry in ck.wanted]
         tensors = parallel_map(
             ck.read_buffer, specs, sizes=[s.raw_nbytes or s.nbytes for s in specs],
@@ -347,48 +348,32 @@ def read_file(
     return _to_qstate(ck.layout.manifest, {(s.entry, s.name): t for s, t in zip(specs, tensors)}, only=ck.wanted)
 
 
-class OpenCheckpoint:
-    """A checkpoint file held open, its header validated, whose entries are read one at a
-    time, when asked for (a context manager; the file closes on exit).
-
-    What a load to the CPU uses: one piece of work reads an entry's buffers and decodes
-    them at once, on a worker thread, so reading, zstd and decoding of different entries
-    overlap, and no decode waits for the slowest read of the whole file (as it does after
-    :func:`read_file`). Reads are positional, so threads may read one file at once.
+class _MappedCheckpoint:
+    """A checkpoint file held open for reading its buffers (a context manager: the file and
+    its map close on exit), its header validated.
 
     Buffers with an entropy stage are decoded from a read-only memory map of the file:
     the checksum and zstd read the page cache directly, where a read would first zero
     fresh memory and copy into it (on the MiniLM keyframe: 0.014 instead of 0.05
     CPU-seconds for reading and checking 81 MiB). Each buffer's pages leave the process
     once it is decoded (:func:`_unmap_pages`), so the resident size never holds the whole
-    file next to the decoded state. As with any memory-mapped load, a file
-    truncated by another process *while* it is read can end the process with SIGBUS; the
-    Checkpointer never rewrites a file in place (it writes a new one and renames it).
-    Raw buffers are read with positional reads straight into their tensors.
-
-    Attributes:
-        qstate: the state as written, every entry with empty ``buffers`` (fill them with
-            :meth:`read_entry`); holds only ``entries``' entries when they are given.
-        path: the file.
+    file next to the decoded state. As with any memory-mapped load, a file truncated by
+    another process *while* it is read can end the process with SIGBUS; the Checkpointer
+    never rewrites a file in place (it writes a new one and renames it). Raw buffers are
+    read with positional reads straight into their tensors, so threads may read one file
+    at once.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        verify: bool = True,
-        pin_memory: bool = False,
-        entries: Iterable[str] | None = None,
-    ) -> None:
-        """Args as for :func:`read_file`; nothing is read until the ``with`` block."""
-        self.path = os.fspath(path)
+    def __init__(self, path: str, *, verify: bool, pin: bool, entries: Iterable[str] | None) -> None:
+        self.path = path
         self.verify = verify
-        self.pin = pin_memory and _can_pin(self.path)
+        self.pin = pin
         self._entries = entries
-        self._opener = _open_for_reading(self.path)
+        self._opener = _open_for_reading(path)
         self.wanted: set[str] | None = None
+        self._map: mmap.mmap | None = None
 
-    def __enter__(self) -> OpenCheckpoint:
+    def __enter__(self) -> _MappedCheckpoint:
         self.file = self._opener.__enter__()
         try:
             self.layout = _read_layout(self.file, self.path)
@@ -398,11 +383,6 @@ class OpenCheckpoint:
                 missing = sorted(self.wanted - set(self.layout.manifest["entries"]))
                 if missing:
                     raise CheckpointError(f"checkpoint {self.path}: has no entry {missing[0]!r}")
-            self._specs: dict[str, list[_BufferSpec]] = {}
-            for spec in self.layout.buffers:
-                self._specs.setdefault(spec.entry, []).append(spec)
-            self.qstate = _to_qstate(self.layout.manifest, None, only=self.wanted)
-            self._map: mmap.mmap | None = None
             if any(spec.stage is not None for spec in self.layout.buffers):
                 # The layout was validated against the file's size: every buffer is inside.
                 self._map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ)
@@ -434,16 +414,6 @@ class OpenCheckpoint:
             _unmap_pages(self._map, offset, spec.nbytes)
             return tensor
         return _read_raw(self.file, spec, offset, self.path, verify=self.verify, pin=self.pin)
-
-    def read_entry(self, entry: str) -> dict[str, torch.Tensor]:
-        """Read (check, and decode the stage of) the buffers of ``entry``; thread-safe.
-
-        Raises:
-            CheckpointError: a corrupted or truncated buffer, naming the file, the entry and
-                the buffer.
-        """
-        # An OS error becomes a CheckpointIOError as it leaves the ``with`` block.
-        return {spec.name: self.read_buffer(spec) for spec in self._specs.get(entry, [])}
 
 
 def verify_file(path: str | os.PathLike) -> None:
@@ -1291,10 +1261,8 @@ def _check_crc(path: str, spec: _BufferSpec, crc: int) -> None:
 
 
 def _to_qstate(
-    manifest: dict[str, Any], tensors: dict[tuple[str, str], torch.Tensor] | None, only: set[str] | None = None
+    manifest: dict[str, Any], tensors: dict[tuple[str, str], torch.Tensor], only: set[str] | None = None
 ) -> QuantizedState:
-    """The state of ``manifest`` with ``tensors`` as its buffers (``None``: every entry's
-    buffers empty, to be read later)."""
     entries: dict[str, EncodedEntry] = {}
     for entry_path, entry in manifest["entries"].items():
         if only is not None and entry_path not in only:
@@ -1304,7 +1272,7 @@ def _to_qstate(
             params=entry["params"],
             shape=tuple(entry["shape"]),
             dtype=ENTRY_DTYPES[entry["dtype"]],
-            buffers={} if tensors is None else {name: tensors[(entry_path, name)] for name in entry["buffers"]},
+            buffers={name: tensors[(entry_path, name)] for name in entry["buffers"]},
         )
     return QuantizedState(
         entries=entries,

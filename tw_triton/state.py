@@ -452,12 +452,8 @@ def dequantize_state_dict(
     where = source or MEMORY_SOURCE
     dev = torch.device(device) if device is not None else None
     out = _decode_entries(qstate, None, reference, dev, where, progress, verify, reuse_reference, release_buffers)
-    return _unflatten_or_raise(qstate, out, where)
-
-
-def _unflatten_or_raise(qstate: QuantizedState, flat: dict[str, torch.Tensor], where: str) -> Any:
     try:
-        return unflatten(qstate.skeleton, flat)
+        return unflatten(qstate.skeleton, out)
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from e
 
@@ -521,16 +517,12 @@ def _decode_entries(
     verify: bool,
     reuse_reference: bool = False,
     release_buffers: bool = False,
-    fetch: Callable[[str], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decode the entries of ``qstate`` (those in ``only``, or all) and resolve aliases.
 
     A delta entry is decoded over its reference tensor (:meth:`Codec.decode_over`) when the
     reference is owned (read from a file here, or ``reuse_reference``) and no other delta
     entry reads the same memory (tied tensors).
-
-    ``fetch(path)``: the entries' buffers are not in ``qstate`` yet; each piece of work
-    reads its entry's buffers with it (on the host, from a file) and then decodes them.
     """
     delta = set(delta_paths(qstate, where))
     owned = False
@@ -586,8 +578,6 @@ def _decode_entries(
         context = f"{where}: entry {path!r} (codec {entry.codec!r})"
         target = host if path in host_paths and dev is not None else dev
         ref = ref_tensors.get(path) if path in delta else None
-        if fetch is not None:
-            entry.buffers = fetch(path)
         try:
             if path in reusable:
                 decoded = codec.decode_over(entry, ref, target, context)
@@ -606,12 +596,10 @@ def _decode_entries(
         b.device.type == "cpu" for e in qstate.entries.values() for b in e.buffers.values()
     )
     # An exact entry decodes to a view of its buffer on the host: no work for a worker
-    # (the snapshot that save() decodes is all exact, and it blocks the loop), unless it is
-    # read first. The stored size is not known before the read: the raw size stands in.
+    # (the snapshot that save() decodes is all exact, and it blocks the loop).
     decoded = parallel_map(
         decode_one, indexed,
-        sizes=[0 if qstate.entries[p].codec == "exact" and fetch is None else qstate.entries[p].raw_nbytes
-               for _, p in indexed],
+        sizes=[0 if qstate.entries[p].codec == "exact" else qstate.entries[p].raw_nbytes for _, p in indexed],
         threads=None if on_host else 1,
         done=None if progress is None else (lambda k: progress(indexed[k][0] + 1, total)),
     )
@@ -668,20 +656,11 @@ def load(
         CheckpointError: the file is malformed, corrupted or uses an unknown codec.
         ReferenceMismatchError: a delta checkpoint with a missing or different reference.
     """
-    from .format import OpenCheckpoint, read_file
+    from .format import read_file
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise TwTritonError(f"cannot load {os.fspath(path)} to {dev}: CUDA is not available")
-    where = os.fspath(path)
-    if dev.type == "cpu":
-        # Each entry is read and decoded in one piece of work: reads, zstd and decodes of
-        # different entries overlap on the worker threads, and only the stored bytes of
-        # the entries in flight are held (not the whole file's before the first decode).
-        with OpenCheckpoint(path, verify=verify) as ck:
-            flat = _decode_entries(ck.qstate, None, reference, dev, where, progress, verify,
-                                   release_buffers=True, fetch=ck.read_entry)
-        return _unflatten_or_raise(ck.qstate, flat, where)
     qstate = read_file(path, verify=verify, pin_memory=_wants_pinned(dev))
     return dequantize_state_dict(
         qstate,

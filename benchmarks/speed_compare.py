@@ -10,8 +10,8 @@ several-fold from run to run and only ever adds):
 
 * **blocks the loop**: seconds until the save call returns control to the training loop;
 * **total save**: seconds until the file is durable (every method fsyncs: ``torch.save``
-  and ``save_file`` are followed by an fsync of the file, DCP's writer and tw_triton fsync
-  themselves);
+  and ``save_file`` are followed by an fsync of the file and of its directory, as
+  tw_triton's writer does; DCP's writer fsyncs its files itself);
 * **load to CPU**: seconds from the file(s) to a state on the CPU whose every tensor has been
   read once (so a memory-mapped load pays for its page faults too; warm page cache);
 * **peak extra RSS**: high-water resident memory during the save (or load) above the
@@ -147,12 +147,15 @@ def _status_kib(field: str) -> int:
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
-    """fsync a file, so that a plain save is as durable as the methods that fsync."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync a file and then its directory, so that a plain save is as durable as
+    tw_triton's writer, which does both (a new file survives a crash only once the
+    directory entry that names it is on disk too)."""
+    for target in (path, os.path.dirname(os.path.abspath(path))):
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 # ----------------------------------------------------------------------------- state

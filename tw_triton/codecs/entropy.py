@@ -18,7 +18,8 @@ Built in:
     well once they are together; the low mantissa bytes are near random either way.
     Parameter ``width`` is the element size; decoding undoes the grouping. zstd runs with
     :data:`PLANE_MATCH` (long minimum matches, a small hash table) on buffers of
-    :data:`PLANE_MATCH_MIN_BYTES` and more, unless the policy says otherwise; a file records the settings it was written with, and decoding needs none.
+    :data:`PLANE_MATCH_MIN_BYTES` and more, unless the policy says otherwise. Decoding needs
+    none of the zstd settings: a file records the level and the width.
 
 :func:`candidate_stages` and :func:`encode_buffer` are the policy: which stage a buffer
 gets (by dtype), buffers under :data:`MIN_STAGE_BYTES` stay raw, and a stage is kept only
@@ -187,31 +188,19 @@ class ZstdSettings:
         return zstandard.ZstdCompressor(compression_params=params)
 
     def record(self) -> dict[str, int]:
-        """What a file records of these settings; decoding needs none of it, and the
-        threads do not change the bytes."""
-        out = {"level": self.level}
-        if self.min_match:
-            out["min_match"] = self.min_match
-        if self.hash_log:
-            out["hash_log"] = self.hash_log
-        return out
-
-
-# Settings a file may record besides "level" (files before 0.2 recorded the level alone).
-_OPTIONAL_SETTINGS = ("min_match", "hash_log")
+        """What a file records of these settings: the level alone. The match settings and
+        the threads are the writer's choice and decoding needs none of them; leaving them
+        out keeps the files readable by every reader of format version 2 (which accepts
+        exactly these params)."""
+        return {"level": self.level}
 
 
 def _check_level(params: Any, keys: tuple[str, ...], where: str) -> None:
-    allowed = set(keys) | set(_OPTIONAL_SETTINGS)
-    if not isinstance(params, dict) or not set(keys) <= set(params) or not set(params) <= allowed:
-        raise CheckpointError(
-            f"{where}: stage params must be an object with keys {list(keys)} "
-            f"(optionally {list(_OPTIONAL_SETTINGS)}), found {params!r}"
-        )
-    for key in ("level", *_OPTIONAL_SETTINGS):
-        value = params.get(key, 0)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise CheckpointError(f"{where}: stage param {key!r} must be an int, found {value!r}")
+    if not isinstance(params, dict) or sorted(params) != sorted(keys):
+        raise CheckpointError(f"{where}: stage params must be an object with keys {list(keys)}, found {params!r}")
+    level = params["level"]
+    if not isinstance(level, int) or isinstance(level, bool):
+        raise CheckpointError(f"{where}: stage param 'level' must be an int, found {level!r}")
 
 
 def check_zstd_frame(stored: memoryview, raw_nbytes: int, where: str) -> None:

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _format_samples import assert_same_state, blockwise_entry, exact_entry, sample_state, unstage
+from _format_samples import STAGE_EVERYTHING, assert_same_state, blockwise_entry, exact_entry, sample_state, unstage
 import tw_triton
 from tw_triton import format as fmt
 from tw_triton.codecs.blockwise import QuantizedTensor, dequantize
@@ -264,6 +264,28 @@ def test_read_file_lets_go_of_a_buffers_pages_once_decoded(tmp_path):
     assert torch.equal(got, t)
     got.add_(1)  # a tensor of its own, writable: not the read-only map
     assert mapped.closed and ck.file.closed
+
+
+def test_read_file_reads_staged_buffers_where_files_cannot_be_mapped(tmp_path, monkeypatch):
+    """A file system without mmap: the staged buffers are read instead, to the same bytes,
+    and a corrupted one still fails its checksum."""
+    path = tmp_path / "ckpt.tw"
+    fmt.write_file(sample_state(6, scale=8), path, entropy=STAGE_EVERYTHING)
+    mapped = fmt.read_file(path)
+
+    def no_mmap(*args, **kwargs):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(fmt.mmap, "mmap", no_mmap)
+    assert_same_state(fmt.read_file(path), mapped)
+    manifest = fmt.read_manifest(path)
+    buf = next(b for e in manifest["entries"].values() for b in e["buffers"].values() if "stage" in b)
+    blob = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", blob[:8])[0]
+    blob[8 + n + buf["data_offsets"][0] + 5] ^= 0x40
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        fmt.read_file(path)
 
 
 def test_a_plain_safetensors_file_is_rejected_by_name(tmp_path):

@@ -359,9 +359,10 @@ class _MappedCheckpoint:
     once it is decoded (:func:`_unmap_pages`), so the resident size never holds the whole
     file next to the decoded state. As with any memory-mapped load, a file truncated by
     another process *while* it is read can end the process with SIGBUS; the Checkpointer
-    never rewrites a file in place (it writes a new one and renames it). Raw buffers are
-    read with positional reads straight into their tensors, so threads may read one file
-    at once.
+    never rewrites a file in place (it writes a new one and renames it). Where the file
+    system cannot map the file, staged buffers are read into memory instead (same bytes).
+    Raw buffers are read with positional reads straight into their tensors, so threads may
+    read one file at once.
     """
 
     def __init__(self, path: str, *, verify: bool, pin: bool, entries: Iterable[str] | None) -> None:
@@ -385,7 +386,11 @@ class _MappedCheckpoint:
                     raise CheckpointError(f"checkpoint {self.path}: has no entry {missing[0]!r}")
             if any(spec.stage is not None for spec in self.layout.buffers):
                 # The layout was validated against the file's size: every buffer is inside.
-                self._map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ)
+                try:
+                    self._map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ)
+                except (OSError, ValueError) as exc:
+                    # A file system that cannot map files: the same bytes, read instead.
+                    logger.debug("checkpoint %s: cannot memory-map it (%s); reading it", self.path, exc)
         except BaseException as exc:
             self._opener.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -406,8 +411,11 @@ class _MappedCheckpoint:
     def read_buffer(self, spec: _BufferSpec) -> torch.Tensor:
         """Read one buffer into a new tensor: straight in, or through its stage; thread-safe."""
         offset = self.layout.data_start + spec.begin
+        if spec.stage is not None and self._map is None:
+            stored = memoryview(bytearray(spec.nbytes))
+            _read_exact_into(self.file, stored, offset, self.path, spec)
+            return _decode_staged(stored, spec, self.path, verify=self.verify, pin=self.pin)
         if spec.stage is not None:
-            assert self._map is not None
             # Not released explicitly: a decoder's error may still hold the view.
             stored = memoryview(self._map)[offset : offset + spec.nbytes]
             tensor = _decode_staged(stored, spec, self.path, verify=self.verify, pin=self.pin)

@@ -110,6 +110,68 @@ def test_quantize_state_dict_with_a_lease_gives_the_same_entries():
     assert pool.reused >= 3  # w, t and m came from the pool the second time
 
 
+def test_quantized_entries_take_their_codes_from_the_lease():
+    """blockwise (a delta and not) and log2 write their buffers into the lease's memory, and
+    those are the very bytes a plain encode makes."""
+    g = torch.Generator().manual_seed(1)
+    state = {"w": torch.randn(512, 256, generator=g), "d": torch.randn(BIG, generator=g),
+             "v": torch.rand(BIG, generator=g) * 1e-6}
+    ref = {"w": state["w"] + 0.01, "d": torch.zeros(BIG), "v": torch.zeros(BIG)}
+    rules = [("w", "int8"), ("d", {"codec": "blockwise", "bits": 4, "delta": False}),
+             ("v", {"codec": "log2", "bits": 8})]
+    plain = quantize_state_dict(state, reference=ref, rules=rules, checkpoint_id="x")
+    pool = SnapshotPool()
+    lease = pool.lease()
+    pooled = quantize_state_dict(state, reference=ref, rules=rules, checkpoint_id="x", allocate=lease)
+    leased = {b.data_ptr() for b in lease._bufs}
+    assert {e.codec for e in pooled.entries.values()} == {"blockwise", "log2"}
+    for path, entry in plain.entries.items():
+        got = pooled.entries[path]
+        assert got.params == entry.params and got.buffers.keys() == entry.buffers.keys()
+        for name, t in entry.buffers.items():
+            assert torch.equal(got.buffers[name], t), (path, name)
+            if t.numel() * t.element_size() >= MIN_POOLED_BYTES:
+                assert storage_ptr(got.buffers[name]) in leased, (path, name)
+    assert len(leased) == 2  # w's and v's codes; d's (4-bit: 32 KiB) and the per-block ones are small
+    lease.release()
+
+
+def test_the_writer_threads_codes_come_from_the_saves_lease(tmp_path, monkeypatch):
+    """With the async writer, the codecs that encode a snapshot on the writer's threads take
+    their codes from the save's lease (pooled memory, given back after the write), and
+    every file is still what it should be."""
+    from tw_triton.snapshot_pool import SnapshotLease
+
+    taken = []
+    real = SnapshotLease.__call__
+
+    def spy(self, shape, dtype, device):
+        taken.append((dtype, threading.current_thread() is threading.main_thread()))
+        return real(self, shape, dtype, device)
+
+    monkeypatch.setattr(SnapshotLease, "__call__", spy)
+    torch.manual_seed(3)
+    # 256 x 512 weights: their 4-bit codes (64 KiB) are large enough to be pooled.
+    model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Linear(256, 512))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(tmp_path, keyframe_every=4, keep_last=None, fsync=False)
+    wants = {}
+    for step in range(6):
+        opt.zero_grad()
+        model(torch.full((4, 512), float(step))).square().mean().backward()
+        opt.step()
+        ckpt.save(step, model=model, optimizer=opt)
+        wants[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.close()
+    assert (torch.uint8, False) in taken  # codes, asked for on a writer thread
+    assert (torch.int32, False) in taken  # log2 bounds too
+    reader = Checkpointer(tmp_path)
+    for step, want in wants.items():
+        got = reader.load(step)["model"]
+        for name, t in want.items():
+            assert (got[name] - t).abs().max() <= 1e-2, (step, name)
+
+
 def state_leaf(state, path):
     node = state
     for part in path.split("/"):

@@ -73,9 +73,9 @@ Host memory of snapshots
     plus the pooled part of the reference, that it would otherwise give back to the OS,
     the largest snapshot so far being the measure; ``snapshot_pool_bytes`` sets another cap, ``0``
     turns reuse off. Buffers under 64 KiB and device buffers are not pooled (the heap and
-    the CUDA caching allocator recycle those already), nor, for now, the codes and scales
-    of quantized tensors (their codec allocates them). :attr:`Checkpointer.pool_bytes`
-    reports what the pool holds.
+    the CUDA caching allocator recycle those already). On the host the codes and scales
+    that the writer thread's codecs produce come from the same save's lease (they go back
+    with its snapshot). :attr:`Checkpointer.pool_bytes` reports what the pool holds.
 
 Crash safety
     Files appear under their final name only when complete (``format.write_file``: temp
@@ -308,7 +308,8 @@ class Checkpointer:
         self._pool_saves = (max_pending + 1) if async_write else 1
         self._largest_snapshot = 0  # pooled bytes of the largest save so far
         # Each save's pooled buffers, until its write is done (then back to the pool).
-        self._leases: list[tuple[Future, SnapshotLease]] = []
+        # The flag: the lease is a save's own (its size counts towards the pool's cap).
+        self._leases: list[tuple[Future, SnapshotLease, bool]] = []
         self._closed = False
         self._warned_coarse = False
 
@@ -386,9 +387,11 @@ class Checkpointer:
                 snap_q = quantize_state_dict(tree, rules="exact", checkpoint_id=q_id, allocate=lease)
                 snapshot = dequantize_state_dict(snap_q)  # a tree over snap_q's buffers, no copy
                 del snap_q
+                # The writer thread's codecs write their codes and scales into this save's
+                # lease as well: pooled, they do not page-fault fresh memory every save.
                 if keyframe:
                     job = functools.partial(
-                        _encode_keyframe, snapshot, kf_rules, self.bits, self.block, meta, q_id
+                        _encode_keyframe, snapshot, kf_rules, self.bits, self.block, meta, q_id, allocate=lease
                     )
                     # Chosen before the writer thread starts: rule matching is Python, and
                     # once that thread runs it would wait on the GIL (seen as 30% of the pause).
@@ -397,7 +400,7 @@ class Checkpointer:
                 else:
                     job = functools.partial(
                         _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block,
-                        meta, q_id, ref_at=_ref_at(reference),
+                        meta, q_id, allocate=lease, ref_at=_ref_at(reference),
                     )
                 future = self._write(job, path)
                 if reference is not None and not keyframe:
@@ -423,7 +426,7 @@ class Checkpointer:
             raise
         if lease is not None:
             # Back to the pool only once the writer is done with them (_release_written).
-            self._leases.append((future, lease))
+            self._leases.append((future, lease, True))
             self._largest_snapshot = max(self._largest_snapshot, lease.nbytes)
 
         self._inflight[step] = (future, q_id, q_ref_id)
@@ -701,7 +704,7 @@ class Checkpointer:
         reference.checkpoint_id, reference.step = checkpoint_id, step
         reference.links.append(future)
         if reference.lease is not None:
-            self._leases.append((future, reference.lease))
+            self._leases.append((future, reference.lease, False))
             reference.lease = None
 
     def _new_lease(self) -> SnapshotLease | None:
@@ -722,7 +725,7 @@ class Checkpointer:
         if ref is not None and ref.lease is not None:
             # The writer runs saves in order: when the last one that reads the reference is
             # done, so are the keyframe and every other one.
-            self._leases.append((ref.last_use or ref.future, ref.lease))
+            self._leases.append((ref.last_use or ref.future, ref.lease, False))
 
     def _release_written(self) -> None:
         """Give the buffers of every save whose write is over (done or failed) back to the pool.
@@ -731,11 +734,15 @@ class Checkpointer:
         buffers, and the next save would overwrite them.
         """
         still = []
-        for future, lease in self._leases:
+        for future, lease, own in self._leases:
             if future.done():
+                if own:
+                    # The writer thread's codes and scales came from the lease too, after
+                    # save() had measured it: the cap must make room for them next time.
+                    self._largest_snapshot = max(self._largest_snapshot, lease.nbytes)
                 lease.release()
             else:
-                still.append((future, lease))
+                still.append((future, lease, own))
         self._leases = still
 
     def _collect_finished(self) -> None:

@@ -157,6 +157,9 @@ class SnapshotLease:
         self._pool = pool
         self._bufs: list[torch.Tensor] = []
         self._released = False
+        # A save's codecs take buffers on the writer's threads while save() may split off
+        # the reference's: the list changes under this lock only.
+        self._lock = threading.Lock()
 
     def __call__(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialized contiguous tensor of ``shape`` and ``dtype`` on ``device``."""
@@ -170,13 +173,18 @@ class SnapshotLease:
         buf = self._pool._take(nbytes)
         if buf is None:
             return torch.empty(shape, dtype=dtype)
-        self._bufs.append(buf)
+        with self._lock:
+            if self._released:
+                self._pool._give_back([buf])
+                raise CheckpointError("a released snapshot lease cannot hand out buffers")
+            self._bufs.append(buf)
         return buf.view(dtype).view(shape)
 
     @property
     def nbytes(self) -> int:
         """Pooled bytes this lease holds."""
-        return sum(b.numel() for b in self._bufs)
+        with self._lock:
+            return sum(b.numel() for b in self._bufs)
 
     def split(self, tensors: Sequence[torch.Tensor]) -> "SnapshotLease":
         """Move the buffers under ``tensors`` into a new lease of the same pool.
@@ -187,8 +195,9 @@ class SnapshotLease:
         """
         ptrs = {t.untyped_storage().data_ptr() for t in tensors}
         other = SnapshotLease(self._pool)
-        other._bufs = [b for b in self._bufs if b.data_ptr() in ptrs]
-        self._bufs = [b for b in self._bufs if b.data_ptr() not in ptrs]
+        with self._lock:
+            other._bufs = [b for b in self._bufs if b.data_ptr() in ptrs]
+            self._bufs = [b for b in self._bufs if b.data_ptr() not in ptrs]
         return other
 
     def release(self) -> None:
@@ -196,10 +205,11 @@ class SnapshotLease:
 
         Releasing twice is harmless; a released lease hands out nothing more.
         """
-        if self._released:
-            return
-        self._released = True
-        bufs, self._bufs = self._bufs, []
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            bufs, self._bufs = self._bufs, []
         self._pool._give_back(bufs)
 
 

@@ -43,6 +43,7 @@ import torch
 
 from ..errors import CheckpointError, QuantizationError
 from ..qstate import EncodedEntry
+from ..snapshot_pool import Allocator
 from .base import Codec, Encoded, entry_buffer, move_to
 
 PACKING = "lsb-first"
@@ -715,6 +716,7 @@ def quantize(
     block: int = 128,
     reference: torch.Tensor | None = None,
     qmax: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` (optionally as a delta from ``reference``) blockwise.
 
@@ -732,6 +734,8 @@ def quantize(
         reference: optional tensor of the same shape and device, any float dtype.
         qmax: largest code magnitude, default ``2**(bits-1) - 1``; fewer levels in the same
             container (``bits=4, qmax=3``) decode the same way (:func:`check_qmax`).
+        out: ``(codes, scales)`` to write into, for a CPU ``x`` (see
+            :func:`quantize_blockwise_torch`); the kernels allocate their own.
 
     Returns:
         A :class:`QuantizedTensor` on ``x``'s device.
@@ -749,7 +753,7 @@ def quantize(
         codes, scales = quantize_blockwise(x.contiguous(), rc, bits, block, qmax)
     else:
         # The torch path reads strided tensors chunk by chunk: no full-size copy.
-        codes, scales = quantize_blockwise_torch(x, reference, bits, block, qmax=qmax)
+        codes, scales = quantize_blockwise_torch(x, reference, bits, block, qmax=qmax, out=out)
     # A block is unquantizable exactly when its scale is infinite (NaN/Inf in it). A block
     # whose qmax * scale overflows fp32 is not: the decode saturates the product, and x is
     # finite, so that only moves the value towards x. The flag stays on the device.
@@ -901,7 +905,36 @@ class BlockwiseCodec(Codec):
     def encode(
         self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
     ) -> Encoded:
-        q = quantize(x, bits=params["bits"], block=params["block"], reference=reference, qmax=params.get("qmax"))
+        return self._encoded(x, params, reference, None)
+
+    def encode_with(
+        self,
+        x: torch.Tensor,
+        params: Mapping[str, Any],
+        reference: torch.Tensor | None,
+        allocate: Allocator,
+    ) -> Encoded:
+        # On the host the codes and scales go into ``allocate``'s memory (a snapshot pool:
+        # no page faults for fresh memory on every save); the kernels allocate their own.
+        out = None
+        if not _use_kernels(x.device):
+            n, bits = x.numel(), params["bits"]
+            out = (
+                allocate((packed_nbytes(n, bits),), torch.uint8, x.device),
+                allocate((num_blocks(n, params["block"]),), torch.float32, x.device),
+            )
+        return self._encoded(x, params, reference, out)
+
+    def _encoded(
+        self,
+        x: torch.Tensor,
+        params: Mapping[str, Any],
+        reference: torch.Tensor | None,
+        out: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> Encoded:
+        q = quantize(
+            x, bits=params["bits"], block=params["block"], reference=reference, qmax=params.get("qmax"), out=out
+        )
         stored = {
             "bits": q.bits,
             "block": q.block,

@@ -47,6 +47,7 @@ import torch
 
 from ..errors import QuantizationError
 from ..qstate import EncodedEntry
+from ..snapshot_pool import Allocator
 from .base import Codec, Encoded, move_to
 from .blockwise import (
     FLOAT_DTYPES,
@@ -378,11 +379,14 @@ def dequantize_log2_torch(
 # --------------------------------------------------------------------------------------
 
 
-def quantize_log2(x: torch.Tensor, *, bits: int = 4, block: int = 128) -> Log2Tensor:
+def quantize_log2(
+    x: torch.Tensor, *, bits: int = 4, block: int = 128, out: tuple[torch.Tensor, ...] | None = None
+) -> Log2Tensor:
     """Encode a non-negative tensor with the ``log2`` codec (see the module doc).
 
     On a CUDA tensor one fused Triton kernel does it; on a CPU tensor the torch path gives
-    the same bytes. Nothing here synchronizes with the device.
+    the same bytes, written into ``out`` (``(codes, lo, hi)``) when given. Nothing here
+    synchronizes with the device.
 
     Raises:
         QuantizationError: an unsupported dtype, bits or block.
@@ -394,7 +398,7 @@ def quantize_log2(x: torch.Tensor, *, bits: int = 4, block: int = 128) -> Log2Te
 
         codes, lo, hi = kernel(x.contiguous(), bits, block)
     else:
-        codes, lo, hi = quantize_log2_torch(x, bits, block)
+        codes, lo, hi = quantize_log2_torch(x, bits, block, out=out)
     # The flag stays on the device: no sync here.
     unusable = (hi < 0).any()
     return Log2Tensor(codes, lo, hi, tuple(x.shape), x.dtype, bits, block, unusable)
@@ -445,7 +449,28 @@ class Log2Codec(Codec):
     def encode(
         self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
     ) -> Encoded:
-        q = quantize_log2(x, bits=params["bits"], block=params["block"])
+        return self._encoded(x, params, None)
+
+    def encode_with(
+        self,
+        x: torch.Tensor,
+        params: Mapping[str, Any],
+        reference: torch.Tensor | None,
+        allocate: Allocator,
+    ) -> Encoded:
+        # As the blockwise codec: the host path writes into ``allocate``'s memory.
+        out = None
+        if x.device.type != "cuda":
+            nblocks = num_blocks(x.numel(), params["block"])
+            out = (
+                allocate((packed_nbytes(x.numel(), params["bits"]),), torch.uint8, x.device),
+                allocate((nblocks,), torch.int32, x.device),
+                allocate((nblocks,), torch.int32, x.device),
+            )
+        return self._encoded(x, params, out)
+
+    def _encoded(self, x: torch.Tensor, params: Mapping[str, Any], out: tuple[torch.Tensor, ...] | None) -> Encoded:
+        q = quantize_log2(x, bits=params["bits"], block=params["block"], out=out)
         entry = EncodedEntry(
             codec=self.name,
             params={"bits": q.bits, "block": q.block, "packing": PACKING},

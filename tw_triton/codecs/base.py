@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -115,6 +115,17 @@ class Codec(ABC):
         the default allocates, as :meth:`decode` does.
         """
         return self.decode(entry, reference, device, context)
+
+
+def host_outputs(
+    x: torch.Tensor, allocate: Allocator, sizes: Sequence[tuple[int, torch.dtype]]
+) -> tuple[torch.Tensor, ...] | None:
+    """Flat output buffers of ``(numel, dtype)`` from ``allocate`` for an encode of ``x`` on
+    the host (a snapshot pool's memory: no fresh pages to fault in on every save); ``None``
+    on a GPU, where the kernels allocate their own."""
+    if x.device.type == "cuda":
+        return None
+    return tuple(allocate((n,), dtype, x.device) for n, dtype in sizes)
 
 
 def move_to(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch
 from ..errors import CheckpointError, QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
-from .base import Codec, Encoded, entry_buffer, move_to
+from .base import Codec, Encoded, entry_buffer, host_outputs, move_to
 
 PACKING = "lsb-first"
 
@@ -914,16 +914,11 @@ class BlockwiseCodec(Codec):
         reference: torch.Tensor | None,
         allocate: Allocator,
     ) -> Encoded:
-        # On the host the codes and scales go into ``allocate``'s memory (a snapshot pool:
-        # no page faults for fresh memory on every save); the kernels allocate their own.
-        out = None
-        if not _use_kernels(x.device):
-            n, bits = x.numel(), params["bits"]
-            out = (
-                allocate((packed_nbytes(n, bits),), torch.uint8, x.device),
-                allocate((num_blocks(n, params["block"]),), torch.float32, x.device),
-            )
-        return self._encoded(x, params, reference, out)
+        n = x.numel()
+        out = host_outputs(
+            x, allocate, [(packed_nbytes(n, params["bits"]), torch.uint8), (num_blocks(n, params["block"]), torch.float32)]
+        )
+        return self._encoded(x, params, reference, out)  # type: ignore[arg-type]
 
     def _encoded(
         self,

@@ -48,7 +48,7 @@ import torch
 from ..errors import QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
-from .base import Codec, Encoded, move_to
+from .base import Codec, Encoded, host_outputs, move_to
 from .blockwise import (
     FLOAT_DTYPES,
     PACKING,
@@ -458,16 +458,9 @@ class Log2Codec(Codec):
         reference: torch.Tensor | None,
         allocate: Allocator,
     ) -> Encoded:
-        # As the blockwise codec: the host path writes into ``allocate``'s memory.
-        out = None
-        if x.device.type != "cuda":
-            nblocks = num_blocks(x.numel(), params["block"])
-            out = (
-                allocate((packed_nbytes(x.numel(), params["bits"]),), torch.uint8, x.device),
-                allocate((nblocks,), torch.int32, x.device),
-                allocate((nblocks,), torch.int32, x.device),
-            )
-        return self._encoded(x, params, out)
+        nblocks = num_blocks(x.numel(), params["block"])
+        sizes = [(packed_nbytes(x.numel(), params["bits"]), torch.uint8), (nblocks, torch.int32), (nblocks, torch.int32)]
+        return self._encoded(x, params, host_outputs(x, allocate, sizes))
 
     def _encoded(self, x: torch.Tensor, params: Mapping[str, Any], out: tuple[torch.Tensor, ...] | None) -> Encoded:
         q = quantize_log2(x, bits=params["bits"], block=params["block"], out=out)

@@ -410,54 +410,62 @@ class _MappedCheckpoint:
 
     def read_buffer(self, spec: _BufferSpec) -> torch.Tensor:
         """Read one buffer into a new tensor: straight in, or through its stage; thread-safe."""
-        offset = self.layout.data_start + spec.begin
-        if spec.stage is not None and self._map is None:
-            stored = memoryview(bytearray(spec.nbytes))
-            _read_exact_into(self.file, stored, offset, self.path, spec)
-            return _decode_staged(stored, spec, self.path, verify=self.verify, pin=self.pin)
         if spec.stage is not None:
-            # Not released explicitly: a decoder's error may still hold the view.
-            stored = memoryview(self._map)[offset : offset + spec.nbytes]
-            tensor = _decode_staged(stored, spec, self.path, verify=self.verify, pin=self.pin)
-            _unmap_pages(self._map, offset, spec.nbytes)
+            tensor = _decode_staged(self.stored(spec), spec, self.path, verify=self.verify, pin=self.pin)
+            self.done_with(spec)
             return tensor
-        return _read_raw(self.file, spec, offset, self.path, verify=self.verify, pin=self.pin)
+        return _read_raw(self.file, spec, self.layout.data_start + spec.begin, self.path, verify=self.verify,
+                         pin=self.pin)
+
+    def stored(self, spec: _BufferSpec) -> memoryview:
+        """A buffer's stored bytes: a view of the map, or a copy read from the file where it
+        cannot be mapped. Not released explicitly: a decoder's error may still hold it."""
+        offset = self.layout.data_start + spec.begin
+        if self._map is None:
+            view = memoryview(bytearray(spec.nbytes))
+            _read_exact_into(self.file, view, offset, self.path, spec)
+            return view
+        return memoryview(self._map)[offset : offset + spec.nbytes]
+
+    def done_with(self, spec: _BufferSpec) -> None:
+        """The buffer's stored bytes are not needed any more: its pages leave the process."""
+        if self._map is not None:
+            _unmap_pages(self._map, self.layout.data_start + spec.begin, spec.nbytes)
 
 
 def verify_file(path: str | os.PathLike) -> None:
     """Validate a checkpoint completely and check every buffer's CRC-32.
 
-    Streams each buffer through a chunk-sized scratch, so memory stays small whatever the
-    file size (plus, for a staged buffer, its stored bytes: the stage's frame is checked and
-    decoded in chunks that are thrown away, so the decoded content is checked too).
-    Buffers are checked on several threads (:mod:`tw_triton.parallel`).
+    Streams each raw buffer through a chunk-sized scratch, so memory stays small whatever
+    the file size. A staged buffer is checked from the file's memory map (as a load reads
+    it): its frame is checked and decoded in chunks that are thrown away, so the decoded
+    content is checked too. Buffers are checked on several threads (:mod:`tw_triton.parallel`).
 
     Raises:
         CheckpointError: naming the file, the entry and the buffer that failed.
     """
     path = os.fspath(path)
-    with _open_for_reading(path) as f:
-        layout = _read_layout(f, path)
+    with _MappedCheckpoint(path, verify=True, pin=False, entries=None) as ck:
 
         def verify_one(spec: _BufferSpec) -> None:
-            offset = layout.data_start + spec.begin
             if spec.stage is not None:
-                stored = memoryview(bytearray(spec.nbytes))
-                _read_exact_into(f, stored, offset, path, spec)
+                stored = ck.stored(spec)
                 _check_crc(path, spec, zlib.crc32(stored))
                 spec.stage.verify(stored, spec.stage_params, spec.raw_nbytes, _where(path, spec))
+                ck.done_with(spec)
                 return
+            offset = ck.layout.data_start + spec.begin
             scratch = memoryview(bytearray(min(IO_CHUNK_BYTES, max(spec.nbytes, 1))))
             crc = 0
             done = 0
             while done < spec.nbytes:
                 n = min(spec.nbytes - done, len(scratch))
-                _read_exact_into(f, scratch[:n], offset + done, path, spec)
+                _read_exact_into(ck.file, scratch[:n], offset + done, path, spec)
                 crc = zlib.crc32(scratch[:n], crc)
                 done += n
             _check_crc(path, spec, crc)
 
-        parallel_map(verify_one, layout.buffers, sizes=[s.raw_nbytes or s.nbytes for s in layout.buffers],
+        parallel_map(verify_one, ck.layout.buffers, sizes=[s.raw_nbytes or s.nbytes for s in ck.layout.buffers],
                      threads=None if _POSITIONAL_READS else 1)
 
 

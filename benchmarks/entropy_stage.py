@@ -21,7 +21,12 @@ Reported per kind:
 * zstd levels 1, 3 and 9 on the policy's stage, each with the level's own match finder and
   with ``PLANE_MATCH`` (``min_match`` 7, ``hash_log`` 6: what the policy gives
   ``zstd-bytegroup`` on buffers of 1 MiB and more), for the level and match choice;
-* whole files: each checkpoint written with ``entropy=None`` and ``"auto"``.
+* whole files: each checkpoint written with ``entropy=None`` and ``"auto"``;
+* the match settings on large buffers: the exact fp32 weights and AdamW moments of
+  all-MiniLM-L6-v2 after one step (the ``speed_compare.py`` state; buffers of 1 MiB and
+  more, where the policy uses ``PLANE_MATCH``), through ``zstd-bytegroup`` at level 1 with
+  the level's own match finder and with ``PLANE_MATCH``: stored fraction and seconds (best
+  of 3, one thread). Skipped, with a note, without the ``bench`` extra.
 
 Run: ``python benchmarks/entropy_stage.py`` (about a minute on 2 cores). Writes
 ``benchmarks/results/entropy_stage.json`` and ``benchmarks/results/entropy_stage.md``.
@@ -30,6 +35,7 @@ Run: ``python benchmarks/entropy_stage.py`` (about a minute on 2 cores). Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import tempfile
 import time
@@ -258,6 +264,52 @@ def large_buffer_threads(nbytes: int = 64 << 20) -> dict[str, Any]:
     return out
 
 
+def minilm_planes() -> dict[str, Any] | None:
+    """``zstd-bytegroup`` at level 1, the level's own match finder against ``PLANE_MATCH``,
+    on the MiniLM + AdamW exact tensors of 1 MiB and more, by kind; ``None`` without the
+    model package."""
+    try:
+        from speed_compare import build_fixture
+    except ImportError:
+        return None
+    stage = entropy.get_stage("zstd-bytegroup")
+    with tempfile.TemporaryDirectory() as tmp:
+        fixture = Path(tmp) / "minilm.pt"
+        try:
+            build_fixture(fixture)
+        except ImportError:
+            return None
+        state = torch.load(fixture, weights_only=True)
+    moments = list(state["optimizer"]["state"].values())
+    kinds = {
+        "weights": list(state["model"].values()),
+        "exp_avg": [m["exp_avg"] for m in moments],
+        "exp_avg_sq": [m["exp_avg_sq"] for m in moments],
+    }
+    out: dict[str, Any] = {}
+    with _one_torch_thread():
+        for kind, tensors in kinds.items():
+            bufs = [_bytes(t) for t in tensors
+                    if t.dtype == torch.float32 and t.numel() * 4 >= entropy.PLANE_MATCH_MIN_BYTES]
+            row: dict[str, Any] = {"buffers": len(bufs), "raw_bytes": sum(len(b) for b in bufs)}
+            for match, (min_match, hash_log) in MATCHES.items():
+                zstd = entropy.ZstdSettings(min_match=min_match, hash_log=hash_log)
+                row[f"{match}_bytes"] = sum(len(stage.encode(b, 4, zstd)[0]) for b in bufs)
+                row[f"{match}_s"] = _best(lambda zstd=zstd: [stage.encode(b, 4, zstd) for b in bufs])
+            out[kind] = row
+    return out
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _training_state(trainer: Trainer) -> dict[str, Any]:
     """Model and AdamW state of the GPT (what the restart benchmarks' checkpoints hold)."""
     return {"model": trainer.model.state_dict(), "optimizer": trainer.opt.state_dict()}
@@ -371,6 +423,24 @@ def markdown(result: dict[str, Any]) -> str:
         fmt_table(["compress", "bits/elem", "compress MB/s", "decompress MB/s"], rows),
         "",
     ]
+    planes = result.get("minilm_planes")
+    lines += ["## Match settings on large buffers: MiniLM + AdamW (zstd-bytegroup, level 1)", ""]
+    if planes is None:
+        lines += ["Not measured: the `bench` extra (all-MiniLM-L6-v2) is not installed.", ""]
+    else:
+        rows = [[kind, r["buffers"], f"{r['raw_bytes'] / 2**20:.1f} MiB",
+                 f"{r['own_bytes'] / r['raw_bytes']:.4f}", f"{r['planes_bytes'] / r['raw_bytes']:.4f}",
+                 f"{r['own_s']:.3f}", f"{r['planes_s']:.3f}", f"{r['planes_s'] / r['own_s']:.2f}x"]
+                for kind, r in planes.items()]
+        lines += [
+            f"The exact fp32 tensors of 1 MiB and more (where the policy uses min_match "
+            f"{entropy.PLANE_MATCH[0]}, hash_log {entropy.PLANE_MATCH[1]}); stored fraction of the raw "
+            "bytes, and seconds to encode them all (best of 3, one thread, one process).",
+            "",
+            fmt_table(["kind", "buffers", "raw", "stored, level's own", "stored, PLANE_MATCH",
+                       "s, level's own", "s, PLANE_MATCH", "time ratio"], rows),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -392,6 +462,7 @@ def main() -> None:
         measured = {kind: measure_kind(bufs) for kind, bufs in sorted(kinds.items())}
         files = file_sizes(states, Path(tmp))
     large = large_buffer_threads()
+    planes = minilm_planes()
     params = sum(e.raw_nbytes // e.dtype.itemsize for p, e in states["keyframe (exact)"].entries.items()
                  if p.startswith("model/"))
     result = {
@@ -402,6 +473,7 @@ def main() -> None:
         "kinds": measured,
         "files": files,
         "large_buffer": large,
+        "minilm_planes": planes,
     }
     if args.no_write:
         print(markdown({"environment": environment(), **result}))

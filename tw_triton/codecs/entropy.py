@@ -57,9 +57,10 @@ DEFAULT_LEVEL = 1
 # zstd's match finder for float byte planes (zstd-bytegroup): (min_match, hash_log). The
 # sign-and-exponent plane repeats a few symbols in no long pattern, so level 1's 4-byte
 # matches cost more bits than Huffman literals, and a 64-entry hash table stays in the L1
-# cache. On the exact weights of the MiniLM keyframe (87 MiB of fp32): 0.829 vs 0.835 of
-# the raw size in 0.6x the time; that plane alone: 0.342 vs 0.370, at levels 1, 3 and 9
-# alike; on its exact moments (134 MiB of 2 MiB+ buffers) 0.2802 vs 0.2827 in 0.8x. Buffers
+# cache. On the MiniLM exact weights of 1 MiB and more: 0.829 vs 0.836 of the raw size in
+# 0.63x the time; on its exact moments 0.320 / 0.325 vs 0.322 / 0.326 in 0.97x / 0.70x
+# (benchmarks/entropy_stage.py). The sign-and-exponent plane alone, in a one-off check:
+# 0.342 vs 0.370, at levels 1, 3 and 9 alike. Buffers
 # under PLANE_MATCH_MIN_BYTES keep the level's own: on the tiny GPT's and the README
 # example's (<= 256 KiB each, a sparse embedding among them) the small table wrote 0.6-2.6 %
 # more bytes, and their time is small either way. 1-byte codes keep the level's own too: on

@@ -22,7 +22,10 @@ state flattened, non-tensor leaves in the header metadata); ``torch.distributed.
 ``save`` and ``async_save``, single process (``no_dist=True``: no process group needed);
 tw_triton through its ``Checkpointer`` (async writer): an exact keyframe, an int8 delta save
 (default rules), and an int8 delta save with the ``int8-exp-avg`` preset (AdamW's
-``exp_avg`` at int8 delta too, ``exp_avg_sq`` exact).
+``exp_avg`` at int8 delta too, ``exp_avg_sq`` exact); and the Checkpointer with its
+defaults: a keyframe (the first save of a process), the same keyframe after
+``Checkpointer.prepare`` (its snapshot buffers faulted in before the timed save, and
+before the peak's baseline), and a delta.
 
 Run: ``python benchmarks/speed_compare.py`` (about 5 minutes on 2 cores). Writes
 ``benchmarks/results/speed_compare.json``.
@@ -86,6 +89,7 @@ SAVE_METHODS = (
     "tw int8 delta",
     "tw int8 delta + exp_avg int8",
     "tw default keyframe",
+    "tw default keyframe, prepared",
     "tw default delta",
 )
 # Which save method's files each load method reads.
@@ -114,9 +118,13 @@ TW_RULES = {
     "tw int8 delta": {"rules": None},
     "tw int8 delta + exp_avg int8": {"rules": "int8-exp-avg"},
     "tw default keyframe": {},
+    "tw default keyframe, prepared": {},
     "tw default delta": {},
 }
-TW_KEYFRAMES = ("tw keyframe (exact)", "tw default keyframe")
+TW_KEYFRAMES = ("tw keyframe (exact)", "tw default keyframe", "tw default keyframe, prepared")
+# Methods that call Checkpointer.prepare before the measured save: its snapshot buffers are
+# faulted in outside the timed region (and outside the peak, which the pool then holds).
+TW_PREPARED = ("tw default keyframe, prepared",)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -237,6 +245,8 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
             # The keyframe first (not measured); the measured save is the delta after it.
             ckpt.save(0, model=state["model"], optimizer=state["optimizer"]).result()
             _perturb(state)
+        if method in TW_PREPARED:
+            ckpt.prepare(model=state["model"], optimizer=state["optimizer"])
     _sync()
     # The fixture's load left garbage behind; a full collection inside the timed region
     # (80 ms on this state) would be charged to whichever method happened to trigger it.

@@ -122,6 +122,10 @@ def train_steps(model, opt, sched, data: torch.Tensor, args, first: int, last: i
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if ckpt is not None and step == first:
+            # AdamW has its moments now: fault in the first snapshot's host memory here,
+            # so that the first save() pauses no longer than the later ones.
+            ckpt.prepare(model=model, optimizer=opt, scheduler=sched)
         if ckpt is not None and (step + 1) % args.every == 0:
             ckpt.save(step + 1, model=model, optimizer=opt, scheduler=sched)
     return losses

@@ -4,6 +4,9 @@ reads."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 import threading
 
 import pytest
@@ -348,3 +351,80 @@ def test_a_delta_that_cannot_be_encoded_fails_in_save_not_later(tmp_path):
     ckpt.save(2, model=torch.nn.Linear(256, 256))
     ckpt.close()
     assert [i.kind for i in Checkpointer(tmp_path).infos()] == ["keyframe", "delta"]
+
+
+# ------------------------------------------------------------------ reserving ahead
+
+
+def _resident_fraction(t: torch.Tensor) -> float:
+    """Share of the whole pages under ``t`` that are resident (``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-t.data_ptr() // page) * page
+    pages = (t.data_ptr() + t.nbytes - start) // page
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_reserve_adds_what_is_missing_within_the_cap_and_leases_reuse_it():
+    pool = SnapshotPool(cap_bytes=5 * BIG * 4)
+    small = MIN_POOLED_BYTES - 1
+    assert pool.reserve([BIG * 4, BIG * 4, 2 * BIG * 4, small]) == 4 * BIG * 4
+    assert pool.free_bytes == pool.held_bytes == 4 * BIG * 4 and pool.allocated == 3
+    assert pool.reserve([BIG * 4, 2 * BIG * 4]) == 0  # already there
+    # One more BIG fits under the cap, a second 2*BIG does not: skipped, not an error.
+    assert pool.reserve([BIG * 4] * 3 + [2 * BIG * 4] * 2) == BIG * 4
+    assert pool.held_bytes == 5 * BIG * 4 <= pool.cap_bytes
+    lease = pool.lease()
+    got = [lease((BIG,), torch.float32, CPU) for _ in range(3)] + [lease((2 * BIG,), torch.float32, CPU)]
+    assert (pool.reused, pool.allocated, pool.free_bytes) == (4, 4, 0)
+    assert len({storage_ptr(t) for t in got}) == 4
+    lease.release()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore through ctypes")
+def test_reserved_buffers_are_resident_before_any_save_touches_them():
+    nbytes = 40 << 20  # above glibc's largest mmap threshold: fresh pages, not yet touched
+    assert _resident_fraction(torch.empty(nbytes, dtype=torch.uint8)) < 0.5
+    pool = SnapshotPool()
+    assert pool.reserve([nbytes]) == nbytes
+    assert _resident_fraction(pool._free[nbytes][0]) == 1.0
+
+
+def test_prepare_lets_the_first_save_copy_into_reserved_buffers(tmp_path):
+    model, opt = make_run()
+    ckpt = Checkpointer(tmp_path / "a", fsync=False, rules="default")
+    reserved = ckpt.prepare(model=model, optimizer=opt)
+    pooled = [t for t in [*model.state_dict().values(), *(
+        m for s in opt.state_dict()["state"].values() for m in s.values())] if t.nbytes >= MIN_POOLED_BYTES]
+    assert reserved == sum(t.nbytes for t in pooled) > 0
+    assert ckpt.prepare(model=model, optimizer=opt) == 0  # nothing missing
+    assert ckpt.pool_bytes == reserved
+    allocated = ckpt._pool.allocated
+    ckpt.save(0, model=model, optimizer=opt).result()
+    # Every pooled tensor of the snapshot took a reserved buffer; only the writer thread's
+    # outputs (none here: the keyframe is exact) could have needed new ones.
+    assert ckpt._pool.reused == len(pooled) and ckpt._pool.allocated == allocated
+    ckpt.close()
+    plain = Checkpointer(tmp_path / "b", fsync=False, rules="default")
+    plain.save(0, model=model, optimizer=opt).result()
+    plain.close()
+    a = Checkpointer(tmp_path / "a").load(0)
+    b = Checkpointer(tmp_path / "b").load(0)
+    for name, t in b["model"].items():
+        assert torch.equal(a["model"][name], t), name
+
+
+def test_prepare_reserves_nothing_where_saves_do_not_copy_into_the_pool(tmp_path):
+    model, opt = make_run()
+    assert Checkpointer(tmp_path / "s", async_write=False).prepare(model=model) == 0
+    assert Checkpointer(tmp_path / "o", snapshot_pool_bytes=0).prepare(model=model) == 0
+    capped = Checkpointer(tmp_path / "c", snapshot_pool_bytes=BIG * 4)
+    assert capped.prepare(model=model) == BIG * 4  # one of the two weights fits
+    with pytest.raises(CheckpointError, match="reserved name"):
+        capped.prepare(step=3, model=model)
+    capped.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        capped.prepare(model=model)

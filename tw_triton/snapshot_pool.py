@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -105,6 +106,39 @@ class SnapshotPool:
             for size, bufs in self._free.items():
                 self._held -= size * len(bufs)
             self._free.clear()
+
+    def reserve(self, sizes: Iterable[int]) -> int:
+        """Add free buffers of these byte sizes, with their pages faulted in, now.
+
+        The first save of a process otherwise copies into fresh memory and pays for every
+        page fault inside ``save()``. A size is reserved as many times as it appears, less
+        the free buffers of that size already here (reserving twice adds nothing). Sizes
+        under ``min_bytes`` are skipped (they are not pooled), and a size that would take
+        the pool over its cap is skipped too: what could not be reserved is allocated by
+        the save that needs it, as without a reservation.
+
+        Returns:
+            The bytes added.
+        """
+        wanted = Counter(int(n) for n in sizes if int(n) >= self.min_bytes)
+        added = 0
+        for nbytes, count in sorted(wanted.items(), reverse=True):
+            with self._lock:
+                count -= len(self._free.get(nbytes, ()))
+                cap = self.cap_bytes
+                if cap is not None:
+                    count = min(count, (cap - self._held) // nbytes)
+                if count <= 0:
+                    continue
+                self._held += nbytes * count
+                self.allocated += count
+            bufs = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+            for buf in bufs:
+                buf.zero_()  # the page faults happen here, not in the save that reuses it
+            with self._lock:
+                self._free.setdefault(nbytes, []).extend(bufs)
+            added += nbytes * count
+        return added
 
     def _take(self, nbytes: int) -> torch.Tensor | None:
         """A pooled ``uint8`` buffer of exactly ``nbytes``, or ``None`` if the cap forbids it."""

@@ -53,14 +53,14 @@ def dataset(n: int = 64) -> list[dict[str, torch.Tensor]]:
             for i in range(n)]
 
 
-def make_trainer(out, *, tw_options=None, cls=TwTrainer, max_steps=STEPS, **args):
+def make_trainer(out, *, tw_options=None, cls=TwTrainer, max_steps=STEPS, model=None, **args):
     targs = transformers.TrainingArguments(
         output_dir=str(out), max_steps=max_steps, save_steps=SAVE_EVERY, save_strategy="steps",
         per_device_train_batch_size=8, learning_rate=1e-3, logging_steps=1, report_to=[],
         use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, **args,
     )
     kw = {} if cls is transformers.Trainer else {"tw_options": tw_options}
-    return cls(model=tiny_bert(), args=targs, train_dataset=dataset(), **kw)
+    return cls(model=tiny_bert() if model is None else model, args=targs, train_dataset=dataset(), **kw)
 
 
 class StopAt(transformers.TrainerCallback):
@@ -239,3 +239,38 @@ def test_readme_example_runs_and_its_listing_is_what_it_writes(tmp_path, monkeyp
     assert scope["trainer"].state.global_step == 30
     assert sorted(d for d in os.listdir(tmp_path / "hf-run") if d.startswith("checkpoint-")) == [
         "checkpoint-25", "checkpoint-30"]
+
+
+def test_the_first_save_copies_into_memory_prepared_after_the_first_step(tmp_path, monkeypatch):
+    from tw_triton.checkpointer import Checkpointer
+
+    calls, first_save = [], {}
+    real_prepare, real_save = Checkpointer.prepare, Checkpointer.save
+
+    def prepare(self, **state):
+        n = real_prepare(self, **state)
+        # AdamW's moments exist by now: the optimizer's state is part of the reservation.
+        calls.append((n, bool(state["optimizer"].state)))
+        return n
+
+    def save(self, step, **state):
+        fut = real_save(self, step, **state)
+        first_save.setdefault("reused", self._pool.reused)
+        return fut
+
+    monkeypatch.setattr(Checkpointer, "prepare", prepare)
+    monkeypatch.setattr(Checkpointer, "save", save)
+    # FFN matrices of 128 x 256 fp32 (128 KiB): large enough for the snapshot pool.
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=256, max_position_embeddings=SEQ, num_labels=2,
+    )
+    model = transformers.BertForSequenceClassification(config)
+    trainer = make_trainer(tmp_path, max_steps=4, tw_options={"fsync": False}, model=model)
+    trainer.train()
+    assert len(calls) == 1 and calls[0][0] > 0 and calls[0][1], calls
+    # The model's large matrices and both AdamW moments of each took a reserved buffer.
+    pooled = [p for p in trainer.model.parameters() if p.nbytes >= 1 << 16]
+    assert first_save["reused"] >= 3 * len(pooled) > 0
+    state = load_checkpoint_state(tmp_path / "checkpoint-2")
+    assert state["step"] == 2

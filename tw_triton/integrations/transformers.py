@@ -29,6 +29,12 @@ Retention
     whose folder is gone are deleted, except those that a kept checkpoint, or the next
     delta, needs (its keyframe and, with closed-loop deltas, the deltas between).
 
+First save
+    After the first optimizer step of ``train`` (when AdamW has created its moments) the
+    Checkpointer's :meth:`~tw_triton.Checkpointer.prepare` faults in the host memory that
+    the first save copies the state into, so that save pauses training no longer than the
+    later ones.
+
 Resume
     ``train(resume_from_checkpoint=...)`` reads the tw_triton file once and puts back the
     model, optimizer, scheduler, scaler and RNG states where ``Trainer`` would. A folder
@@ -46,6 +52,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -57,7 +64,7 @@ from . import require
 
 require("transformers", "hf")
 require("accelerate", "hf")  # Trainer cannot run without it
-from transformers import Trainer  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -164,6 +171,7 @@ class TwCheckpointMixin:
         self._tw_in_save = False
         self._tw_resume: tuple[str, dict[str, Any]] | None = None
         super().__init__(*args, **kwargs)
+        self.add_callback(_PrepareFirstSave(self))
 
     # ------------------------------------------------------------------ saving
 
@@ -177,14 +185,7 @@ class TwCheckpointMixin:
             # Files of folders Trainer deleted at the last save go now: every earlier save
             # is complete by here (a listing waits), so each file's keyframe is known.
             self._tw_prune(run_dir, keep_reference=True)
-            objects: dict[str, Any] = {"model": self.model}
-            if not self.args.save_only_model:
-                objects["optimizer"] = self.optimizer
-                objects["scheduler"] = self.lr_scheduler
-                scaler = getattr(self.accelerator, "scaler", None)
-                if scaler is not None:
-                    objects["scaler"] = scaler
-            ckpt.save(step, **objects)
+            ckpt.save(step, **self._tw_objects())
             self._tw_saved_steps.add(step)
             _write_pointer(folder, ckpt.directory, step)
         # Trainer writes trainer_state.json, keeps the callbacks' states and rotates the
@@ -275,14 +276,38 @@ class TwCheckpointMixin:
 
     # --------------------------------------------------------------- internals
 
-    def _tw_check_supported(self) -> None:
-        what = None
+    def _tw_objects(self) -> dict[str, Any]:
+        """What a save stores, by name: the model, and unless ``save_only_model`` the
+        optimizer, the LR scheduler and the grad scaler."""
+        objects: dict[str, Any] = {"model": self.model}
+        if not self.args.save_only_model:
+            objects["optimizer"] = self.optimizer
+            objects["scheduler"] = self.lr_scheduler
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                objects["scaler"] = scaler
+        return objects
+
+    def _tw_prepare(self) -> None:
+        """Fault in the first save's snapshot memory (see "First save" in the module doc)."""
+        if self._tw_unsupported() is not None or not self.args.should_save or self.args.save_strategy == "no":
+            return  # an unsupported run is refused at its first save, as before
+        run_dir = self._get_output_dir(trial=getattr(self, "_trial", None))
+        reserved = self._tw_checkpointer(run_dir).prepare(**self._tw_objects())
+        logger.debug("tw_triton: %d bytes of snapshot memory reserved before the first save", reserved)
+
+    def _tw_unsupported(self) -> str | None:
+        """What in this run a single-process checkpoint cannot hold, or ``None``."""
         if getattr(self, "is_deepspeed_enabled", False):
-            what = "DeepSpeed"
-        elif getattr(self, "is_fsdp_enabled", False):
-            what = "FSDP"
-        elif self.args.world_size > 1:
-            what = f"{self.args.world_size} processes"
+            return "DeepSpeed"
+        if getattr(self, "is_fsdp_enabled", False):
+            return "FSDP"
+        if self.args.world_size > 1:
+            return f"{self.args.world_size} processes"
+        return None
+
+    def _tw_check_supported(self) -> None:
+        what = self._tw_unsupported()
         if what is not None:
             raise TwTritonError(
                 f"TwTrainer writes single-process checkpoints; this run uses {what}, whose "
@@ -378,6 +403,24 @@ class TwCheckpointMixin:
             self._tw_check_supported()
             self._tw_resume = (key, load_checkpoint_state(checkpoint_dir))
         return self._tw_resume[1]
+
+
+class _PrepareFirstSave(TrainerCallback):
+    """Calls the trainer's ``_tw_prepare`` at the end of the first optimizer step of each
+    ``train`` (AdamW creates its moments in that step)."""
+
+    def __init__(self, trainer: TwCheckpointMixin) -> None:
+        self._trainer = weakref.ref(trainer)  # the trainer holds its callbacks: no cycle
+        self._pending = True
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._pending = True
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if self._pending and trainer is not None:
+            self._pending = False
+            trainer._tw_prepare()
 
 
 class TwTrainer(TwCheckpointMixin, Trainer):

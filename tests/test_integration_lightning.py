@@ -202,6 +202,47 @@ def test_a_failed_background_write_is_raised_naming_the_file(tmp_path):
     assert io.load_checkpoint(tmp_path / "ok.ckpt") == {"a": 1}
 
 
+def test_copies_reuse_pooled_buffers_only_after_their_write(tmp_path, monkeypatch):
+    """Every save's copy goes into the pool; a buffer comes back only once its write is
+    done, so files written late still hold their own values."""
+    import threading
+
+    from tw_triton import format as fmt
+
+    real = fmt.write_file
+    permits = threading.Semaphore(0)
+
+    def held_write(qstate, path, **kw):
+        assert permits.acquire(timeout=20), "the test never let a write go"
+        return real(qstate, path, **kw)
+
+    monkeypatch.setattr(fmt, "write_file", held_write)
+    io = TwCheckpointIO(fsync=False, rules="default", max_pending=2)
+    big = 1 << 15  # fp32 elements: 128 KiB tensors, pooled
+    for k in range(6):
+        io.save_checkpoint({"state_dict": OrderedDict(w=torch.full((big,), float(k)), v=torch.arange(big) + k)},
+                           tmp_path / f"{k}.ckpt")
+        if k:
+            permits.release()  # the previous save may be written now; this one waits
+    permits.release()
+    io.flush()
+    pool = io._pool
+    assert pool.reused > 0, "nothing was reused: the test could not see an early release"
+    assert pool.held_bytes <= 3 * io._largest_snapshot
+    for k in range(6):
+        got = io.load_checkpoint(tmp_path / f"{k}.ckpt")["state_dict"]
+        assert torch.equal(got["w"], torch.full((big,), float(k))) and torch.equal(got["v"], torch.arange(big) + k)
+    io.teardown()
+    assert pool.held_bytes == 0
+    monkeypatch.undo()
+    off = TwCheckpointIO(fsync=False, snapshot_pool_bytes=0)
+    off.save_checkpoint({"w": torch.ones(big)}, tmp_path / "off.ckpt")
+    off.teardown()
+    assert off._pool is None and torch.equal(off.load_checkpoint(tmp_path / "off.ckpt")["w"], torch.ones(big))
+    with pytest.raises(CheckpointError, match="snapshot_pool_bytes"):
+        TwCheckpointIO(snapshot_pool_bytes=-1)
+
+
 from _readme import readme_example  # noqa: E402
 
 

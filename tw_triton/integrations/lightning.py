@@ -36,7 +36,11 @@ Writing in the background
     With ``async_write`` (default) ``save_checkpoint`` returns once the state is copied
     (CPU tensors) or encoded (CUDA tensors, by the Triton kernels); a writer thread encodes
     (CPU) and writes. ``load_checkpoint``, ``remove_checkpoint`` and ``teardown`` wait for
-    pending writes first; a failed write is raised at the next call.
+    pending writes first; a failed write is raised at the next call. The copies go into
+    a :class:`~tw_triton.snapshot_pool.SnapshotPool`, as the Checkpointer's do: a save's
+    buffers come back when its write is done and the next save copies into them instead of
+    page-faulting fresh memory (``snapshot_pool_bytes`` caps what is kept between saves,
+    ``0`` turns reuse off).
 
 Loading
     ``map_location``: ``None`` loads to the CPU, a device or device string loads there (CUDA
@@ -64,6 +68,7 @@ import torch
 from ..checkpointer import DEFAULT_RULES
 from ..errors import CheckpointError, QuantizationError
 from ..rules import keyframe_rules, resolve_rules, rules_as_specs
+from ..snapshot_pool import SnapshotLease, SnapshotPool
 from ..state import dequantize_state_dict, load, quantize_state_dict
 from ..tree import flatten
 from ..writer import AsyncWriter
@@ -83,8 +88,12 @@ def _local_path(path: Any) -> str:
     return text
 
 
-def _encode(tree: Any, rules: Any, bits: int, block: int, meta: dict[str, Any], copy: bool) -> Any:
-    q = quantize_state_dict(tree, rules=rules, bits=bits, block=block, metadata=meta, copy=copy)
+def _encode(
+    tree: Any, rules: Any, bits: int, block: int, meta: dict[str, Any], copy: bool,
+    allocate: SnapshotLease | None = None,
+) -> Any:
+    q = quantize_state_dict(tree, rules=rules, bits=bits, block=block, metadata=meta, copy=copy,
+                            allocate=allocate)
     q.metadata["kind"] = "keyframe"
     return q
 
@@ -100,6 +109,9 @@ class TwCheckpointIO(CheckpointIO):
         max_pending: saves in flight before ``save_checkpoint`` waits.
         fsync: fsync files and their directory (leave on outside of tests).
         verify: check checksums when loading.
+        snapshot_pool_bytes: cap on the host memory kept between saves for their CPU
+            copies (async only); ``None``: ``max_pending + 1`` times the largest save so
+            far; ``0``: every copy in fresh memory.
     """
 
     def __init__(
@@ -112,8 +124,11 @@ class TwCheckpointIO(CheckpointIO):
         max_pending: int = 1,
         fsync: bool = True,
         verify: bool = True,
+        snapshot_pool_bytes: int | None = None,
     ) -> None:
         super().__init__()
+        if snapshot_pool_bytes is not None and snapshot_pool_bytes < 0:
+            raise CheckpointError(f"snapshot_pool_bytes must be >= 0 or None, got {snapshot_pool_bytes}")
         self.rules = rules
         self.bits = bits
         self.block = block
@@ -123,6 +138,11 @@ class TwCheckpointIO(CheckpointIO):
         self.verify = verify
         self._writer: AsyncWriter | None = None
         self._pending: dict[str, Future] = {}
+        self._pool = SnapshotPool(snapshot_pool_bytes) if snapshot_pool_bytes != 0 else None
+        self._pool_auto = snapshot_pool_bytes is None
+        self._largest_snapshot = 0
+        # Each save's pooled buffers, until its write is done (the writer reads them).
+        self._leases: list[tuple[Future, SnapshotLease]] = []
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Encode ``checkpoint`` and write it to ``path`` (see the module doc).
@@ -138,6 +158,8 @@ class TwCheckpointIO(CheckpointIO):
                 f"{storage_options!r}"
             )
         path = _local_path(path)
+        self._release_written()
+        lease = None
         try:
             rule_list = resolve_rules(self.rules, checkpoint, bits=self.bits, block=self.block)
             specs = rules_as_specs(keyframe_rules(rule_list))
@@ -145,26 +167,44 @@ class TwCheckpointIO(CheckpointIO):
             tensors, _ = flatten(checkpoint)
             on_cpu = all(t.device.type == "cpu" for t in tensors.values())
             if self.async_write and on_cpu:
-                # Only this copy holds up training; the writer thread encodes the copy.
-                snapshot = dequantize_state_dict(quantize_state_dict(checkpoint, rules="exact"))
-                job: Any = functools.partial(_encode, snapshot, specs, self.bits, self.block, meta, False)
+                # Only this copy holds up training; the writer thread encodes the copy, its
+                # codes going into the same lease.
+                lease = self._new_lease()
+                snapshot = dequantize_state_dict(quantize_state_dict(checkpoint, rules="exact", allocate=lease))
+                job: Any = functools.partial(
+                    _encode, snapshot, specs, self.bits, self.block, meta, False, allocate=lease
+                )
             else:
                 job = _encode(checkpoint, specs, self.bits, self.block, meta, True)
-        except QuantizationError as e:
+        except BaseException as e:
+            if lease is not None:
+                lease.release()  # nothing was queued: no one reads these buffers
+            if not isinstance(e, QuantizationError):
+                raise
             raise QuantizationError(
                 f"{path}: cannot store this Lightning checkpoint: {e}. Turn such values into "
                 "plain ones in on_save_checkpoint (and back in on_load_checkpoint), or leave "
                 "them out of save_hyperparameters(ignore=[...])"
             ) from e
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if not self.async_write:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             write_file(job, path, fsync=self.fsync)
             return
-        self._wait_for(path)  # two saves to one path (last.ckpt) land in order anyway
-        self._pending = {p: f for p, f in self._pending.items() if not f.done()}
-        if self._writer is None:
-            self._writer = AsyncWriter(max_pending=self.max_pending, fsync=self.fsync)
-        self._pending[path] = self._writer.submit(job, path)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._wait_for(path)  # two saves to one path (last.ckpt) land in order anyway
+            self._pending = {p: f for p, f in self._pending.items() if not f.done()}
+            if self._writer is None:
+                self._writer = AsyncWriter(max_pending=self.max_pending, fsync=self.fsync)
+            future = self._writer.submit(job, path)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        self._pending[path] = future
+        if lease is not None:
+            self._leases.append((future, lease))
+            self._largest_snapshot = max(self._largest_snapshot, lease.nbytes)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -198,16 +238,46 @@ class TwCheckpointIO(CheckpointIO):
 
     def flush(self) -> None:
         """Wait for every pending write; raise a failed one's error."""
-        if self._writer is not None:
-            self._writer.flush()
-        self._pending.clear()
+        try:
+            if self._writer is not None:
+                self._writer.flush()
+        finally:
+            self._pending.clear()
+            self._release_written()
 
     def teardown(self) -> None:
-        """Flush and stop the writer thread (a later save starts a new one)."""
+        """Flush, stop the writer thread (a later save starts a new one) and give the
+        snapshot memory back."""
         writer, self._writer = self._writer, None
         self._pending.clear()
-        if writer is not None:
-            writer.close()
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            self._release_written()
+            if self._pool is not None:
+                self._pool.clear()
+
+    def _new_lease(self) -> SnapshotLease | None:
+        """The allocator of the next save's copy, with the pool's cap brought up to date."""
+        if self._pool is None:
+            return None
+        if self._pool_auto and self._largest_snapshot:
+            self._pool.cap_bytes = (self.max_pending + 1) * self._largest_snapshot
+        return self._pool.lease()
+
+    def _release_written(self) -> None:
+        """Give the buffers of every save whose write is over back to the pool; never
+        earlier, or the next save would overwrite bytes the writer still reads."""
+        still = []
+        for future, lease in self._leases:
+            if future.done():
+                # The writer thread's codes came from the lease after the save measured it.
+                self._largest_snapshot = max(self._largest_snapshot, lease.nbytes)
+                lease.release()
+            else:
+                still.append((future, lease))
+        self._leases = still
 
     def _wait_for(self, path: str) -> None:
         future = self._pending.pop(path, None)

@@ -320,3 +320,40 @@ def test_minilm_restarts_keep_dropout_rng_and_data_order() -> None:
     assert [x["kind"] for x in r["restarts"]] == ["delta", "keyframe"]
     assert 0 < r["dev"]["final"] < 0.2 and r["negative_exp_avg_sq"] == 0
     assert result["rows"][0]["bytes_per_param"]["x_cycle"] > 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs the 'lightning' extra")
+def test_lightning_stall_children_time_every_save_of_each_plugin() -> None:
+    import lightning_stall as ls
+
+    results = {m: ls.child(m, 128, 512, 2, 3) for m in ls.METHODS}
+    for method, got in results.items():
+        assert len(got["pauses_s"]) == 3 and all(p > 0 for p in got["pauses_s"]), method
+        assert got["state_bytes"] == 3 * 2 * 128 * 512 * 4
+    result = {"rows": [{"method": m, "first_s": r["pauses_s"][0], "later_s": 0.001,
+                        "first_vs_stock": 1.0, "later_vs_stock": 1.0} for m, r in results.items()]}
+    assert ls.table(result).count("\n") == len(ls.METHODS) + 1
+
+
+def test_prepared_keyframe_save_reserves_before_the_timed_save(tmp_path: Path, monkeypatch) -> None:
+    import speed_compare as sc
+    from tw_triton import Checkpointer
+
+    reserved = []
+    real = Checkpointer.prepare
+    monkeypatch.setattr(Checkpointer, "prepare", lambda self, **s: reserved.append(real(self, **s)) or reserved[-1])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    fixture = tmp_path / "fixture.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, fixture)
+    out = tmp_path / "out"
+    out.mkdir()
+    saved = sc.child_save("tw default keyframe, prepared", fixture, out)
+    assert len(reserved) == 1 and reserved[0] >= 3 * 256 * 256 * 4
+    assert saved["file_bytes"] > 0 and 0 < saved["blocked_s"] <= saved["total_s"]
+    back = sc.load_with("tw default keyframe", out)
+    for key, value in model.state_dict().items():
+        assert torch.equal(back[f"model/{key}"], value), key  # a keyframe stores weights exact

@@ -268,7 +268,7 @@ def test_read_file_lets_go_of_a_buffers_pages_once_decoded(tmp_path):
 
 def test_read_file_reads_staged_buffers_where_files_cannot_be_mapped(tmp_path, monkeypatch):
     """A file system without mmap: the staged buffers are read instead, to the same bytes,
-    and a corrupted one still fails its checksum."""
+    and a corrupted one is still caught, naming its entry."""
     path = tmp_path / "ckpt.tw"
     fmt.write_file(sample_state(6, scale=8), path, entropy=STAGE_EVERYTHING)
     mapped = fmt.read_file(path)
@@ -279,12 +279,13 @@ def test_read_file_reads_staged_buffers_where_files_cannot_be_mapped(tmp_path, m
     monkeypatch.setattr(fmt.mmap, "mmap", no_mmap)
     assert_same_state(fmt.read_file(path), mapped)
     manifest = fmt.read_manifest(path)
-    buf = next(b for e in manifest["entries"].values() for b in e["buffers"].values() if "stage" in b)
+    entry, name, buf = next((p, k, b) for p, e in manifest["entries"].items() for k, b in e["buffers"].items()
+                            if "stage" in b)
     blob = bytearray(path.read_bytes())
     n = struct.unpack("<Q", blob[:8])[0]
-    blob[8 + n + buf["data_offsets"][0] + 5] ^= 0x40
+    blob[8 + n + buf["data_offsets"][1] - 7] ^= 0x40  # in the last block, or the content checksum
     path.write_bytes(bytes(blob))
-    with pytest.raises(CheckpointError, match="checksum mismatch"):
+    with pytest.raises(CheckpointError, match=f"entry '{entry}' buffer '{name}'"):
         fmt.read_file(path)
 
 

@@ -385,11 +385,22 @@ def test_reserve_adds_what_is_missing_within_the_cap_and_leases_reuse_it():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore through ctypes")
-def test_reserved_buffers_are_resident_before_any_save_touches_them():
-    nbytes = 40 << 20  # above glibc's largest mmap threshold: fresh pages, not yet touched
-    assert _resident_fraction(torch.empty(nbytes, dtype=torch.uint8)) < 0.5
+def test_reserved_buffers_are_resident_before_any_save_touches_them(monkeypatch):
+    import mmap
+
+    # Fresh anonymous pages whatever malloc would do (the heap may hold resident memory).
+    maps = []
+
+    def fresh_empty(nbytes, dtype):
+        maps.append(mmap.mmap(-1, nbytes))
+        return torch.frombuffer(maps[-1], dtype=dtype)
+
+    monkeypatch.setattr(torch, "empty", fresh_empty)
+    nbytes = 4 << 20
     pool = SnapshotPool()
+    assert _resident_fraction(torch.empty(nbytes, dtype=torch.uint8)) < 0.5
     assert pool.reserve([nbytes]) == nbytes
+    monkeypatch.undo()
     assert _resident_fraction(pool._free[nbytes][0]) == 1.0
 
 

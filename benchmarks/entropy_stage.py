@@ -20,11 +20,11 @@ Reported per kind:
   runs of each kind, one process, a shared machine: noisy);
 * zstd levels 1, 3 and 9 on the policy's stage, each with the level's own match finder and
   with ``PLANE_MATCH`` (``min_match`` 7, ``hash_log`` 6: what the policy gives
-  ``zstd-bytegroup`` on buffers of 1 MiB and more), for the level and match choice;
+  ``zstd-bytegroup`` on buffers of ``PLANE_MATCH_MIN_BYTES`` and more), for the level and match choice;
 * whole files: each checkpoint written with ``entropy=None`` and ``"auto"``;
 * the match settings on large buffers: the exact fp32 weights and AdamW moments of
-  all-MiniLM-L6-v2 after one step (the ``speed_compare.py`` state; buffers of 1 MiB and
-  more, where the policy uses ``PLANE_MATCH``), through ``zstd-bytegroup`` at level 1 with
+  all-MiniLM-L6-v2 after one step (the ``speed_compare.py`` state; buffers of
+  ``PLANE_MATCH_MIN_BYTES`` and more, where the policy uses ``PLANE_MATCH``), through ``zstd-bytegroup`` at level 1 with
   the level's own match finder and with ``PLANE_MATCH``: stored fraction and seconds (best
   of 3, one thread). Skipped, with a note, without the ``bench`` extra.
 
@@ -59,6 +59,11 @@ LEVELS = (1, 3, 9)
 # Match settings compared at each level: the level's own, and PLANE_MATCH (what the policy
 # gives zstd-bytegroup).
 MATCHES = {"own": (0, 0), "planes": entropy.PLANE_MATCH}
+
+
+def _size(nbytes: int) -> str:
+    """``1 MiB``, ``512 KiB``: a power-of-two size as the pages write it."""
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def _settings(level: int, stage: str, nbytes: int, match: str | None = None) -> entropy.ZstdSettings:
@@ -266,7 +271,7 @@ def large_buffer_threads(nbytes: int = 64 << 20) -> dict[str, Any]:
 
 def minilm_planes() -> dict[str, Any] | None:
     """``zstd-bytegroup`` at level 1, the level's own match finder against ``PLANE_MATCH``,
-    on the MiniLM + AdamW exact tensors of 1 MiB and more, by kind; ``None`` without the
+    on the MiniLM + AdamW exact tensors of ``PLANE_MATCH_MIN_BYTES`` and more, by kind; ``None`` without the
     model package."""
     try:
         from speed_compare import build_fixture
@@ -360,7 +365,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "Bits per element: raw = as the codec stores it; zstd / bytegroup = after that stage at "
         f"level {entropy.DEFAULT_LEVEL} with the policy's match settings (bytegroup on buffers of "
-        f"{entropy.PLANE_MATCH_MIN_BYTES >> 20} MiB and more: min_match {entropy.PLANE_MATCH[0]}, hash_log "
+        f"{_size(entropy.PLANE_MATCH_MIN_BYTES)} and more: min_match {entropy.PLANE_MATCH[0]}, hash_log "
         f"{entropy.PLANE_MATCH[1]}; else the level's own); auto = what the writer's default policy stores (buffers "
         f"under {entropy.MIN_STAGE_BYTES} B or saving under {entropy.MIN_SAVING:.0%} stay raw); "
         "H0 = order-0 empirical entropy (code symbols for codes; sum over byte planes for "
@@ -395,7 +400,7 @@ def markdown(result: dict[str, Any]) -> str:
         "## zstd level and match settings (the policy's stage)",
         "",
         f"`level N/own`: the level's own match finder; `level N/planes`: min_match "
-        f"{entropy.PLANE_MATCH[0]}, hash_log {entropy.PLANE_MATCH[1]} (what the policy gives zstd-bytegroup from {entropy.PLANE_MATCH_MIN_BYTES >> 20} MiB up).",
+        f"{entropy.PLANE_MATCH[0]}, hash_log {entropy.PLANE_MATCH[1]} (what the policy gives zstd-bytegroup from {_size(entropy.PLANE_MATCH_MIN_BYTES)} up).",
         "",
         fmt_table(headers, rows),
         "",
@@ -433,7 +438,7 @@ def markdown(result: dict[str, Any]) -> str:
                  f"{r['own_s']:.3f}", f"{r['planes_s']:.3f}", f"{r['planes_s'] / r['own_s']:.2f}x"]
                 for kind, r in planes.items()]
         lines += [
-            f"The exact fp32 tensors of 1 MiB and more (where the policy uses min_match "
+            f"The exact fp32 tensors of {_size(entropy.PLANE_MATCH_MIN_BYTES)} and more (where the policy uses min_match "
             f"{entropy.PLANE_MATCH[0]}, hash_log {entropy.PLANE_MATCH[1]}); stored fraction of the raw "
             "bytes, and seconds to encode them all (best of 3, one thread, one process).",
             "",

@@ -57,17 +57,16 @@ DEFAULT_LEVEL = 1
 # zstd's match finder for float byte planes (zstd-bytegroup): (min_match, hash_log). The
 # sign-and-exponent plane repeats a few symbols in no long pattern, so level 1's 4-byte
 # matches cost more bits than Huffman literals, and a 64-entry hash table stays in the L1
-# cache. On the MiniLM exact weights of 1 MiB and more: 0.829 vs 0.836 of the raw size in
-# 0.63x the time; on its exact moments 0.320 / 0.325 vs 0.322 / 0.326 in 0.97x / 0.70x
-# (benchmarks/entropy_stage.py). The sign-and-exponent plane alone, in a one-off check:
-# 0.342 vs 0.370, at levels 1, 3 and 9 alike. Buffers
-# under PLANE_MATCH_MIN_BYTES keep the level's own: on the tiny GPT's and the README
-# example's (<= 256 KiB each, a sparse embedding among them) the small table wrote 0.6-2.6 %
-# more bytes, and their time is small either way. 1-byte codes keep the level's own too: on
+# cache. On the MiniLM exact tensors of 512 KiB and more (its 576 KiB attention matrices
+# included) it stores less in less time (benchmarks/entropy_stage.py, last table). The
+# sign-and-exponent plane alone, in a one-off check: 0.342 vs 0.370, at levels 1, 3 and 9
+# alike. Buffers under PLANE_MATCH_MIN_BYTES keep the level's own: on the tiny GPT's and
+# the README example's (<= 256 KiB each, a sparse embedding among them) the small table
+# wrote 0.6-2.6 % more bytes, and their time is small either way. 1-byte codes keep the level's own too: on
 # that sparse embedding's moment codes the small table lost 25 %
 # (benchmarks/entropy_stage.py). Decoders need neither value.
 PLANE_MATCH = (7, 6)
-PLANE_MATCH_MIN_BYTES = 1 << 20
+PLANE_MATCH_MIN_BYTES = 1 << 19
 # Buffers under this many bytes stay raw: the manifest record of a stage costs ~80 bytes
 # and a zstd frame ~20, so a small buffer saves little and costs a decoder call.
 MIN_STAGE_BYTES = 4096

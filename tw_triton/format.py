@@ -38,8 +38,9 @@ stored in the file. ``"stage"`` is optional (version 2 only): the buffer went th
 lossless entropy stage ``name`` of :mod:`tw_triton.codecs.entropy` with ``params``, and
 ``raw_nbytes`` (equal to shape x dtype size) is its size before the stage. A staged buffer
 is, in the safetensors tensor table, a 1-D ``U8`` tensor of its stored bytes, so stock
-``safe_open`` opens every file and returns those bytes. The CRC-32 covers the stored bytes,
-so corruption is caught before the decoder runs; the decoder then checks the decoded size
+``safe_open`` opens every file and returns those bytes. The CRC-32 covers the stored bytes
+(a load checks a zstd frame with a content checksum by that checksum instead, see below);
+the decoder checks the decoded size
 (see the entropy module: the stored frame must state ``raw_nbytes`` and be able to make
 that many bytes before the destination is allocated, and never writes past it).
 ``stats.stored_bytes`` is the data section (stored bytes), ``raw_bytes`` the original

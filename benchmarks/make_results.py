@@ -376,7 +376,7 @@ def speed_section(speed: dict[str, Any]) -> str:
         "async writer; the delta rows are the save after a keyframe (weights moved slightly in "
         "between). Each measured save is the first of its kind in a fresh process, so buffers the "
         "Checkpointer reuses across saves are not warm yet (`benchmarks/save_stall.py` measures "
-        "the steady state of a training loop), except the `prepared` keyframe: the same first save after "
+        "the steady state of a training loop), except the keyframe `after prepare`: the same first save after "
         "`Checkpointer.prepare`, which faulted its snapshot buffers in before the timed region (and "
         "before the peak's baseline: the pool holds that memory from then on). Loads read every tensor once, from a warm page cache; tw delta loads read the "
         "keyframe file too. DCP runs single-process with `no_dist=True` (no process group).",
@@ -499,7 +499,7 @@ def gpu_section(root: Path = RESULTS_DIR / "gpu") -> str:
 # The Checkpointer as users get it: its default rules and delta mode.
 SPEED_HEADLINES = ("tw default keyframe", "tw default delta")
 # The same keyframe save after Checkpointer.prepare: its pause goes beside the keyframe's.
-PREPARED = {"tw default keyframe": "tw default keyframe, prepared"}
+PREPARED = {"tw default keyframe": "tw default keyframe after prepare"}
 
 
 def other_pages() -> str:

@@ -89,7 +89,7 @@ SAVE_METHODS = (
     "tw int8 delta",
     "tw int8 delta + exp_avg int8",
     "tw default keyframe",
-    "tw default keyframe, prepared",
+    "tw default keyframe after prepare",
     "tw default delta",
 )
 # Which save method's files each load method reads.
@@ -118,13 +118,13 @@ TW_RULES = {
     "tw int8 delta": {"rules": None},
     "tw int8 delta + exp_avg int8": {"rules": "int8-exp-avg"},
     "tw default keyframe": {},
-    "tw default keyframe, prepared": {},
+    "tw default keyframe after prepare": {},
     "tw default delta": {},
 }
-TW_KEYFRAMES = ("tw keyframe (exact)", "tw default keyframe", "tw default keyframe, prepared")
+TW_KEYFRAMES = ("tw keyframe (exact)", "tw default keyframe", "tw default keyframe after prepare")
 # Methods that call Checkpointer.prepare before the measured save: its snapshot buffers are
 # faulted in outside the timed region (and outside the peak, which the pool then holds).
-TW_PREPARED = ("tw default keyframe, prepared",)
+TW_PREPARED = ("tw default keyframe after prepare",)
 
 
 # ----------------------------------------------------------------------------- memory

@@ -351,7 +351,7 @@ def test_prepared_keyframe_save_reserves_before_the_timed_save(tmp_path: Path, m
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, fixture)
     out = tmp_path / "out"
     out.mkdir()
-    saved = sc.child_save("tw default keyframe, prepared", fixture, out)
+    saved = sc.child_save("tw default keyframe after prepare", fixture, out)
     assert len(reserved) == 1 and reserved[0] >= 3 * 256 * 256 * 4
     assert saved["file_bytes"] > 0 and 0 < saved["blocked_s"] <= saved["total_s"]
     back = sc.load_with("tw default keyframe", out)

@@ -224,6 +224,19 @@ def test_rules_for_settings_quantize_what_they_name(tmp_path: Path) -> None:
     assert codecs["model/b"][0] == "exact"
 
 
+def _trained_fixture(tmp_path: Path, width: int, hidden: int) -> tuple[torch.nn.Module, dict, Path]:
+    """A two-layer model after one AdamW step, its state, and that state saved as a fixture."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, 64))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, width)).sum().backward()
+    opt.step()
+    fixture = tmp_path / "fixture.pt"
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    torch.save(state, fixture)
+    return model, state, fixture
+
+
 @pytest.mark.parametrize(
     "method",
     ["torch.save", "safetensors", "dcp.save", "dcp.async_save", "tw keyframe (exact)", "tw int8 delta",
@@ -232,14 +245,7 @@ def test_rules_for_settings_quantize_what_they_name(tmp_path: Path) -> None:
 def test_speed_methods_round_trip_the_state(tmp_path: Path, method: str) -> None:
     import speed_compare as sc
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(4, 64)).sum().backward()
-    opt.step()
-    fixture = tmp_path / "fixture.pt"
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    torch.save(state, fixture)
+    _, state, fixture = _trained_fixture(tmp_path, 64, 128)
     out = tmp_path / "out"
     out.mkdir()
     saved = sc.child_save(method, fixture, out)
@@ -342,13 +348,7 @@ def test_prepared_keyframe_save_reserves_before_the_timed_save(tmp_path: Path, m
     reserved = []
     real = Checkpointer.prepare
     monkeypatch.setattr(Checkpointer, "prepare", lambda self, **s: reserved.append(real(self, **s)) or reserved[-1])
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(4, 256)).sum().backward()
-    opt.step()
-    fixture = tmp_path / "fixture.pt"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, fixture)
+    model, _, fixture = _trained_fixture(tmp_path, 256, 256)
     out = tmp_path / "out"
     out.mkdir()
     saved = sc.child_save("tw default keyframe after prepare", fixture, out)

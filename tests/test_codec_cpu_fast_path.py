@@ -176,6 +176,16 @@ def test_word_packing_is_lsb_first(bits):
     assert torch.equal(q.to(torch.int16), u.to(torch.int16) - (1 << (bits - 1)))
 
 
+def test_the_2_bit_lookup_gives_every_byte_the_codes_of_the_word_ops():
+    every = torch.arange(256, dtype=torch.uint8)
+    x, w, t, e = (torch.empty(1024, dtype=torch.uint8) for _ in range(4))
+    by_ops = codec._signed_codes(every, 2, x, w, t, e).clone()
+    want = torch.stack([((every.int() >> (2 * j)) & 3) - 2 for j in range(4)], 1).reshape(-1)
+    assert torch.equal(by_ops.to(torch.int32), want)
+    by_table = codec._signed_codes(every, 2, x, w, t, None, codec.crumb_table(torch.device("cpu")))
+    assert torch.equal(by_table, by_ops)
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("bits", (8, 4, 2))
 def test_decode_in_place_into_its_own_reference(dtype, bits):

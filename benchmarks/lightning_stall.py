@@ -12,6 +12,8 @@ Methods:
 * ``stock``: Lightning's ``TorchCheckpointIO`` (``torch.save`` inline, no fsync);
 * ``tw``: :class:`~tw_triton.integrations.lightning.TwCheckpointIO` as constructed by
   default (async writer, snapshot pool);
+* ``tw after prepare``: the same, :meth:`~tw_triton.integrations.lightning.TwCheckpointIO.prepare`
+  called before the first save (what ``TwPrepareFirstSave`` does after the first batch);
 * ``tw, no pool``: the same with ``snapshot_pool_bytes=0``, every copy in fresh memory.
 
     python benchmarks/lightning_stall.py               # 3 x (2048 x 4096) weights: 288 MiB with AdamW
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("stock", "tw", "tw, no pool")
+METHODS = ("stock", "tw", "tw after prepare", "tw, no pool")
 
 
 def checkpoint_dict(rows: int, cols: int, count: int) -> dict[str, Any]:
@@ -58,13 +60,15 @@ def make_io(method: str) -> Any:
         return TorchCheckpointIO()
     from tw_triton.integrations.lightning import TwCheckpointIO
 
-    return TwCheckpointIO(snapshot_pool_bytes=0 if method == "tw, no pool" else None)
+    return TwCheckpointIO(snapshot_pool_bytes=0 if method == "tw, no pool" else None)  # "tw", "tw after prepare"
 
 
 def child(method: str, rows: int, cols: int, count: int, saves: int) -> dict[str, Any]:
     """Run one method's saves in this process; return its pauses in seconds."""
     ckpt = checkpoint_dict(rows, cols, count)
     io = make_io(method)
+    if method == "tw after prepare":
+        io.prepare(ckpt)
     pauses = []
     with tempfile.TemporaryDirectory() as out:
         for k in range(saves):
@@ -150,7 +154,7 @@ def main() -> None:
         "",
         "`stock` writes inline without fsync; the tw rows copy the state and write (with fsync) "
         "on a background thread. The first save of a process copies into fresh memory either "
-        "way; later ones reuse the pool's buffers unless `snapshot_pool_bytes=0`.",
+        "way unless `prepare` reserved it; later ones reuse the pool's buffers unless `snapshot_pool_bytes=0`.",
         "",
     ])
     (HERE / "results" / "lightning_stall.md").write_text(page, encoding="utf-8")

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from tw_triton.errors import CheckpointError, QuantizationError  # noqa: E402
 from tw_triton.format import read_manifest  # noqa: E402
-from tw_triton.integrations.lightning import TwCheckpointIO  # noqa: E402
+from tw_triton.integrations.lightning import TwCheckpointIO, TwPrepareFirstSave  # noqa: E402
 
 BATCHES_PER_EPOCH = 2
 EPOCHS = 4
@@ -241,6 +241,35 @@ def test_copies_reuse_pooled_buffers_only_after_their_write(tmp_path, monkeypatc
     assert off._pool is None and torch.equal(off.load_checkpoint(tmp_path / "off.ckpt")["w"], torch.ones(big))
     with pytest.raises(CheckpointError, match="snapshot_pool_bytes"):
         TwCheckpointIO(snapshot_pool_bytes=-1)
+
+
+def test_the_callback_prepares_the_first_save_after_the_first_batch(tmp_path, monkeypatch):
+    calls, first = [], {}
+    real_prepare, real_save = TwCheckpointIO.prepare, TwCheckpointIO.save_checkpoint
+
+    def prepare(self, checkpoint):
+        n = real_prepare(self, checkpoint)
+        calls.append((n, bool(checkpoint["optimizer_states"][0]["state"])))  # AdamW's moments exist
+        return n
+
+    def save(self, checkpoint, path, storage_options=None):
+        real_save(self, checkpoint, path, storage_options)
+        first.setdefault("reused", self._pool.reused)
+
+    monkeypatch.setattr(TwCheckpointIO, "prepare", prepare)
+    monkeypatch.setattr(TwCheckpointIO, "save_checkpoint", save)
+    io = TwCheckpointIO(fsync=False)
+    trainer, _ = make_trainer(tmp_path, io, max_epochs=2)
+    trainer.callbacks.append(TwPrepareFirstSave())
+    module = TinyModule(hidden=512)  # 512 x 64 fp32: 128 KiB, pooled
+    trainer.fit(module, loader())
+    assert len(calls) == 1 and calls[0][0] > 0 and calls[0][1], calls
+    # The big weight and its two moments took reserved buffers in the first save.
+    assert first["reused"] >= 3
+    monkeypatch.undo()
+    assert io.prepare({"w": torch.ones(4)}) == 0  # too small to pool: nothing to reserve
+    off = TwCheckpointIO(snapshot_pool_bytes=0)
+    assert off.prepare({"w": torch.ones(1 << 16)}) == 0
 
 
 from _readme import readme_example  # noqa: E402

@@ -40,7 +40,9 @@ Writing in the background
     a :class:`~tw_triton.snapshot_pool.SnapshotPool`, as the Checkpointer's do: a save's
     buffers come back when its write is done and the next save copies into them instead of
     page-faulting fresh memory (``snapshot_pool_bytes`` caps what is kept between saves,
-    ``0`` turns reuse off).
+    ``0`` turns reuse off). The first save finds the pool empty; the callback
+    :class:`TwPrepareFirstSave` (``callbacks=[TwPrepareFirstSave()]``) fills it after the
+    first training batch, when the optimizer has its state (:meth:`TwCheckpointIO.prepare`).
 
 Loading
     ``map_location``: ``None`` loads to the CPU, a device or device string loads there (CUDA
@@ -77,6 +79,7 @@ from . import require
 
 require("lightning", "lightning")
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 WRITER = "tw_triton.integrations.lightning"
 
@@ -258,13 +261,36 @@ class TwCheckpointIO(CheckpointIO):
             if self._pool is not None:
                 self._pool.clear()
 
+    def prepare(self, checkpoint: dict[str, Any]) -> int:
+        """Fault in the host memory the next save will copy ``checkpoint``'s tensors into.
+
+        Any nested dict whose tensors have the sizes of the checkpoint's will do: the
+        module's state dict and the optimizers' states are all but a few bytes of it
+        (:class:`TwPrepareFirstSave` passes those). Reserving again adds only what is missing.
+
+        Returns:
+            Bytes reserved: 0 without a pool, with ``async_write=False`` or for tensors off
+            the CPU (whose saves copy nothing into the pool).
+        """
+        tensors = flatten(checkpoint)[0].values()
+        if self._pool is None or not self.async_write or any(t.device.type != "cpu" for t in tensors):
+            return 0
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        if self._pool_auto:
+            self._largest_snapshot = max(self._largest_snapshot, sum(sizes))
+            self._update_pool_cap()
+        return self._pool.reserve(sizes)
+
     def _new_lease(self) -> SnapshotLease | None:
         """The allocator of the next save's copy, with the pool's cap brought up to date."""
         if self._pool is None:
             return None
-        if self._pool_auto and self._largest_snapshot:
-            self._pool.cap_bytes = (self.max_pending + 1) * self._largest_snapshot
+        self._update_pool_cap()
         return self._pool.lease()
+
+    def _update_pool_cap(self) -> None:
+        if self._pool is not None and self._pool_auto and self._largest_snapshot:
+            self._pool.cap_bytes = (self.max_pending + 1) * self._largest_snapshot
 
     def _release_written(self) -> None:
         """Give the buffers of every save whose write is over back to the pool; never
@@ -287,4 +313,25 @@ class TwCheckpointIO(CheckpointIO):
                 self._writer.check()
 
 
-__all__ = ["TwCheckpointIO"]
+class TwPrepareFirstSave(Callback):
+    """Fills a :class:`TwCheckpointIO`'s snapshot pool after the first training batch of a
+    fit (the optimizer creates its state in that batch's step), so the first checkpoint
+    pauses training no longer than the later ones. Does nothing with another plugin."""
+
+    def __init__(self) -> None:
+        self._pending = True
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._pending = True
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, TwCheckpointIO):
+            io.prepare({"state_dict": pl_module.state_dict(),
+                        "optimizer_states": [opt.state_dict() for opt in trainer.optimizers]})
+
+
+__all__ = ["TwCheckpointIO", "TwPrepareFirstSave"]

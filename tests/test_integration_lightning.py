@@ -226,9 +226,9 @@ def test_copies_reuse_pooled_buffers_only_after_their_write(tmp_path, monkeypatc
             permits.release()  # the previous save may be written now; this one waits
     permits.release()
     io.flush()
-    pool = io._pool
+    pool = io._saves.pool
     assert pool.reused > 0, "nothing was reused: the test could not see an early release"
-    assert pool.held_bytes <= 3 * io._largest_snapshot
+    assert pool.held_bytes <= 3 * io._saves.largest
     for k in range(6):
         got = io.load_checkpoint(tmp_path / f"{k}.ckpt")["state_dict"]
         assert torch.equal(got["w"], torch.full((big,), float(k))) and torch.equal(got["v"], torch.arange(big) + k)
@@ -238,7 +238,7 @@ def test_copies_reuse_pooled_buffers_only_after_their_write(tmp_path, monkeypatc
     off = TwCheckpointIO(fsync=False, snapshot_pool_bytes=0)
     off.save_checkpoint({"w": torch.ones(big)}, tmp_path / "off.ckpt")
     off.teardown()
-    assert off._pool is None and torch.equal(off.load_checkpoint(tmp_path / "off.ckpt")["w"], torch.ones(big))
+    assert off._saves.pool is None and torch.equal(off.load_checkpoint(tmp_path / "off.ckpt")["w"], torch.ones(big))
     with pytest.raises(CheckpointError, match="snapshot_pool_bytes"):
         TwCheckpointIO(snapshot_pool_bytes=-1)
 
@@ -254,7 +254,7 @@ def test_the_callback_prepares_the_first_save_after_the_first_batch(tmp_path, mo
 
     def save(self, checkpoint, path, storage_options=None):
         real_save(self, checkpoint, path, storage_options)
-        first.setdefault("reused", self._pool.reused)
+        first.setdefault("reused", self._saves.pool.reused)
 
     monkeypatch.setattr(TwCheckpointIO, "prepare", prepare)
     monkeypatch.setattr(TwCheckpointIO, "save_checkpoint", save)

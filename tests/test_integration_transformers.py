@@ -255,7 +255,7 @@ def test_the_first_save_copies_into_memory_prepared_after_the_first_step(tmp_pat
 
     def save(self, step, **state):
         fut = real_save(self, step, **state)
-        first_save.setdefault("reused", self._pool.reused)
+        first_save.setdefault("reused", self._saves.pool.reused)
         return fut
 
     monkeypatch.setattr(Checkpointer, "prepare", prepare)

@@ -257,7 +257,7 @@ def test_buffers_come_back_only_after_the_write_with_a_slow_writer(tmp_path, mon
         kinds[step] = "keyframe" if step % 3 == 0 else "delta"
     permits.release()
     ckpt.close()
-    pool = ckpt._pool
+    pool = ckpt._saves.pool
     assert pool.reused > 0, "nothing was reused: the test would not see an early release"
     if async_write:
         assert overlapped == 6  # every later snapshot was taken while a save was unwritten
@@ -276,9 +276,9 @@ def test_pool_stays_within_its_bound_and_close_gives_it_back(tmp_path):
         # In closed loop the keyframe's buffers leave the reference after the first delta.
         lease = ckpt._reference.lease
         ref = lease.nbytes if lease is not None else 0
-        assert ckpt.pool_bytes <= 2 * ckpt._largest_snapshot + ref
-    assert ckpt._largest_snapshot >= 4 * 256 * 256 * 4  # keyframe: 2 weights + 4 moments pooled
-    assert ckpt._pool.reused > 0
+        assert ckpt.pool_bytes <= 2 * ckpt._saves.largest + ref
+    assert ckpt._saves.largest >= 4 * 256 * 256 * 4  # keyframe: 2 weights + 4 moments pooled
+    assert ckpt._saves.pool.reused > 0
     ckpt.close()
     assert ckpt.pool_bytes == 0
     off = Checkpointer(tmp_path / "off", fsync=False, snapshot_pool_bytes=0)
@@ -297,7 +297,7 @@ def test_a_failed_snapshot_gives_its_buffers_back(tmp_path):
     with pytest.raises(QuantizationError, match="complex"):
         ckpt.save(1, model=model, optimizer=opt, extra=torch.zeros(BIG, dtype=torch.complex64))
     # Nothing leaked: everything the pool holds is either the reference or free.
-    assert ckpt._pool.free_bytes + ckpt._reference.lease.nbytes == ckpt.pool_bytes == held
+    assert ckpt._saves.pool.free_bytes + ckpt._reference.lease.nbytes == ckpt.pool_bytes == held
     ckpt.save(1, model=model, optimizer=opt)
     ckpt.close()
 
@@ -331,7 +331,7 @@ def test_reference_buffers_outlive_a_delta_still_encoding_on_the_writer(tmp_path
     wants[2] = expected_of(model, opt, 2)
     go.set()
     ckpt.close()
-    assert ckpt._pool.reused > 0
+    assert ckpt._saves.pool.reused > 0
     reader = Checkpointer(tmp_path)
     for step, kind in ((0, "keyframe"), (1, "delta"), (2, "keyframe")):
         check_file(reader, step, wants[step], kind)
@@ -413,11 +413,11 @@ def test_prepare_lets_the_first_save_copy_into_reserved_buffers(tmp_path):
     assert reserved == sum(t.nbytes for t in pooled) > 0
     assert ckpt.prepare(model=model, optimizer=opt) == 0  # nothing missing
     assert ckpt.pool_bytes == reserved
-    allocated = ckpt._pool.allocated
+    allocated = ckpt._saves.pool.allocated
     ckpt.save(0, model=model, optimizer=opt).result()
     # Every pooled tensor of the snapshot took a reserved buffer; only the writer thread's
     # outputs (none here: the keyframe is exact) could have needed new ones.
-    assert ckpt._pool.reused == len(pooled) and ckpt._pool.allocated == allocated
+    assert ckpt._saves.pool.reused == len(pooled) and ckpt._saves.pool.allocated == allocated
     ckpt.close()
     plain = Checkpointer(tmp_path / "b", fsync=False, rules="default")
     plain.save(0, model=model, optimizer=opt).result()
@@ -439,3 +439,29 @@ def test_prepare_reserves_nothing_where_saves_do_not_copy_into_the_pool(tmp_path
     capped.close()
     with pytest.raises(CheckpointError, match="closed"):
         capped.prepare(model=model)
+
+
+def test_save_pool_gives_a_lease_back_only_when_its_future_is_done_and_caps_by_the_largest_own():
+    from concurrent.futures import Future
+
+    from tw_triton.snapshot_pool import SavePool
+
+    saves = SavePool(None, 2)
+    first, kept_lease = saves.lease(), saves.lease()
+    first((BIG,), torch.float32, CPU)
+    kept_lease((2 * BIG,), torch.float32, CPU)
+    done, pending = Future(), Future()
+    saves.track(pending, first)
+    saves.track(done, kept_lease, own=False)  # not a save's own: the cap does not follow it
+    assert saves.largest == BIG * 4
+    done.set_result(0)
+    saves.release_written()
+    assert saves.pool.free_bytes == 2 * BIG * 4  # only the done one came back
+    assert saves.lease(kept=100) is not None and saves.pool.cap_bytes == 2 * BIG * 4 + 100
+    pending.set_result(0)
+    saves.close()
+    assert saves.held_bytes == 0
+    off = SavePool(0, 2)
+    assert off.lease() is None and off.reserve([BIG * 4]) == 0 and off.held_bytes == 0
+    with pytest.raises(CheckpointError, match="snapshot_pool_bytes"):
+        SavePool(-1, 2)

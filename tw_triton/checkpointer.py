@@ -128,7 +128,7 @@ from .deltas import (
     with_references,
 )
 from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
-from .snapshot_pool import SnapshotLease, SnapshotPool
+from .snapshot_pool import SavePool, SnapshotLease
 from .state import dequantize_state_dict, quantize_state_dict
 from .tree import flatten
 from .writer import AsyncWriter
@@ -314,15 +314,8 @@ class Checkpointer:
         self._since_keyframe: int | None = None  # None: the next save is a keyframe
         self._inflight: dict[int, tuple[Future, str, str | None]] = {}  # step -> (future, id, ref id)
         self._manifest_cache: dict[str, tuple[tuple[int, int], CheckpointInfo | None]] = {}
-        if snapshot_pool_bytes is not None and snapshot_pool_bytes < 0:
-            raise CheckpointError(f"snapshot_pool_bytes must be >= 0 or None, got {snapshot_pool_bytes}")
-        self._pool = SnapshotPool(snapshot_pool_bytes) if snapshot_pool_bytes != 0 else None
-        self._pool_auto = snapshot_pool_bytes is None
-        self._pool_saves = (max_pending + 1) if async_write else 1
-        self._largest_snapshot = 0  # pooled bytes of the largest save so far
         # Each save's pooled buffers, until its write is done (then back to the pool).
-        # The flag: the lease is a save's own (its size counts towards the pool's cap).
-        self._leases: list[tuple[Future, SnapshotLease, bool]] = []
+        self._saves = SavePool(snapshot_pool_bytes, (max_pending + 1) if async_write else 1)
         self._closed = False
         self._warned_coarse = False
 
@@ -371,10 +364,10 @@ class Checkpointer:
         if keyframe and self._reference is not None:
             # A keyframe needs no reference, and the old one's buffers can hold the new one.
             self._retire_reference()
-            self._release_written()
+            self._saves.release_written()
         path = os.path.join(self.directory, checkpoint_name(step))
         meta: dict[str, Any] = {"step": step, "saved_at": time.time()}
-        lease = self._new_lease()
+        lease = self._saves.lease(self._kept_bytes())
         reference = self._reference if self.delta else None
         # What the writer thread could fail on is checked here, so it reaches the loop now.
         rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
@@ -430,9 +423,8 @@ class Checkpointer:
                 lease.release()  # nothing was queued: no one reads these buffers
             raise
         if lease is not None:
-            # Back to the pool only once the writer is done with them (_release_written).
-            self._leases.append((future, lease, True))
-            self._largest_snapshot = max(self._largest_snapshot, lease.nbytes)
+            # Back to the pool only once the writer is done with them.
+            self._saves.track(future, lease)
 
         self._inflight[step] = (future, q_id, q_ref_id)
         if keyframe:
@@ -482,14 +474,10 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError(f"cannot prepare: the Checkpointer of {self.directory!r} is closed")
         tree = _named_state(state)
-        if self._pool is None or self._writer is None or not _all_on_cpu(tree):
+        if self._writer is None or not _all_on_cpu(tree):
             return 0
         sizes = [t.numel() * t.element_size() for t in flatten(tree)[0].values()]
-        if self._pool_auto:
-            # The cap the first save sets from this size makes room for the reservation.
-            self._largest_snapshot = max(self._largest_snapshot, sum(sizes))
-            self._update_pool_cap()
-        return self._pool.reserve(sizes)
+        return self._saves.reserve(sizes, self._kept_bytes())
 
     def flush(self) -> None:
         """Wait for every pending save, apply retention, and raise a failed save's error."""
@@ -514,9 +502,7 @@ class Checkpointer:
                 if self._writer is not None:
                     self._writer.close()
             finally:
-                self._release_written()
-                if self._pool is not None:
-                    self._pool.clear()
+                self._saves.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -545,7 +531,7 @@ class Checkpointer:
     def pool_bytes(self) -> int:
         """Host bytes the snapshot pool holds now: in saves not yet written, in the
         reference, and free for the next save (0 with ``snapshot_pool_bytes=0``)."""
-        return self._pool.held_bytes if self._pool is not None else 0
+        return self._saves.held_bytes
 
     # ------------------------------------------------------------------ listing
 
@@ -747,23 +733,14 @@ class Checkpointer:
         reference.checkpoint_id, reference.step = checkpoint_id, step
         reference.links.append(future)
         if reference.lease is not None:
-            self._leases.append((future, reference.lease, False))
+            self._saves.track(future, reference.lease, own=False)
             reference.lease = None
 
-    def _new_lease(self) -> SnapshotLease | None:
-        """The allocator of the next save's snapshot, with the pool's cap brought up to date."""
-        if self._pool is None:
-            return None
-        self._update_pool_cap()
-        return self._pool.lease()
-
-    def _update_pool_cap(self) -> None:
-        if self._pool is not None and self._pool_auto and self._largest_snapshot:
-            # One snapshot per save that can be in flight, plus the one being taken, plus
-            # the reference (a delta copies the whole state while the reference is held).
-            ref = self._reference
-            kept = ref.lease.nbytes if ref is not None and ref.lease is not None else 0
-            self._pool.cap_bytes = self._pool_saves * self._largest_snapshot + kept
+    def _kept_bytes(self) -> int:
+        """Pooled bytes the reference keeps beyond the saves' own (a delta copies the whole
+        state while the reference is held)."""
+        ref = self._reference
+        return ref.lease.nbytes if ref is not None and ref.lease is not None else 0
 
     def _retire_reference(self) -> None:
         """Drop the reference; its buffers go back to the pool once its keyframe is written."""
@@ -771,32 +748,14 @@ class Checkpointer:
         if ref is not None and ref.lease is not None:
             # The writer runs saves in order: when the last one that reads the reference is
             # done, so are the keyframe and every other one.
-            self._leases.append((ref.last_use or ref.future, ref.lease, False))
-
-    def _release_written(self) -> None:
-        """Give the buffers of every save whose write is over (done or failed) back to the pool.
-
-        Never earlier: until its Future is done the writer may still read a snapshot's
-        buffers, and the next save would overwrite them.
-        """
-        still = []
-        for future, lease, own in self._leases:
-            if future.done():
-                if own:
-                    # The writer thread's codes and scales came from the lease too, after
-                    # save() had measured it: the cap must make room for them next time.
-                    self._largest_snapshot = max(self._largest_snapshot, lease.nbytes)
-                lease.release()
-            else:
-                still.append((future, lease, own))
-        self._leases = still
+            self._saves.track(ref.last_use or ref.future, ref.lease, own=False)
 
     def _collect_finished(self) -> None:
         for step, (future, _, _) in list(self._inflight.items()):
             if future.done():
                 del self._inflight[step]
         self._drop_reference_if_lost()
-        self._release_written()
+        self._saves.release_written()
 
     def _wait_inflight(self) -> None:
         wait_futures([f for f, _, _ in self._inflight.values()])

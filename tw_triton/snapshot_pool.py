@@ -38,6 +38,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 
 import torch
 
@@ -247,4 +248,88 @@ class SnapshotLease:
         self._pool._give_back(bufs)
 
 
-__all__ = ["Allocator", "SnapshotPool", "SnapshotLease", "MIN_POOLED_BYTES"]
+class SavePool:
+    """The snapshot memory of a saver that writes in the background (the
+    :class:`~tw_triton.Checkpointer`, Lightning's ``TwCheckpointIO``).
+
+    One :class:`SnapshotLease` per save, tracked with that save's Future and given back to
+    the pool only once the Future is done: until then the writer may still read its
+    buffers. The pool's cap follows the largest save so far unless one is given.
+
+    Args:
+        cap_bytes: ``None``: ``saves_in_flight`` times the largest save so far, plus what
+            the caller keeps (see :meth:`lease`); ``0``: no pool (every lease is ``None``
+            and a save allocates fresh memory); otherwise a fixed cap.
+        saves_in_flight: snapshots that can exist at once (pending writes plus the one
+            being taken).
+
+    Raises:
+        CheckpointError: a negative ``cap_bytes``.
+    """
+
+    def __init__(self, cap_bytes: int | None, saves_in_flight: int) -> None:
+        if cap_bytes is not None and cap_bytes < 0:
+            raise CheckpointError(f"snapshot_pool_bytes must be >= 0 or None, got {cap_bytes}")
+        self.pool = SnapshotPool(cap_bytes) if cap_bytes != 0 else None
+        self._auto = cap_bytes is None
+        self._saves = saves_in_flight
+        self.largest = 0  # pooled bytes of the largest save so far
+        # (Future, lease, own): ``own`` when the lease is a save's own snapshot, whose size
+        # the cap follows (not one moved here from a kept reference).
+        self._pending: list[tuple[Future, SnapshotLease, bool]] = []
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the pool holds: in saves not yet written, kept, and free (0 without one)."""
+        return self.pool.held_bytes if self.pool is not None else 0
+
+    def lease(self, kept: int = 0) -> SnapshotLease | None:
+        """The allocator of the next save (``None`` without a pool), with the cap brought up
+        to date; ``kept``: pooled bytes the caller holds beyond the saves (a reference)."""
+        if self.pool is None:
+            return None
+        self._update_cap(kept)
+        return self.pool.lease()
+
+    def track(self, future: Future, lease: SnapshotLease, *, own: bool = True) -> None:
+        """Give ``lease`` back to the pool once ``future`` is done (see :meth:`release_written`)."""
+        self._pending.append((future, lease, own))
+        if own:
+            self.largest = max(self.largest, lease.nbytes)
+
+    def release_written(self) -> None:
+        """Give the leases of every save whose Future is done (written or failed) back."""
+        still = []
+        for future, lease, own in self._pending:
+            if future.done():
+                if own:
+                    # The writer thread's codes and scales came from the lease too, after
+                    # the save had measured it: the cap makes room for them next time.
+                    self.largest = max(self.largest, lease.nbytes)
+                lease.release()
+            else:
+                still.append((future, lease, own))
+        self._pending = still
+
+    def reserve(self, sizes: Sequence[int], kept: int = 0) -> int:
+        """:meth:`SnapshotPool.reserve` for a save of buffers of ``sizes`` bytes, the cap
+        first made room for it; returns the bytes added (0 without a pool)."""
+        if self.pool is None:
+            return 0
+        if self._auto:
+            self.largest = max(self.largest, sum(sizes))
+            self._update_cap(kept)
+        return self.pool.reserve(sizes)
+
+    def close(self) -> None:
+        """Give back what is written and drop the free buffers (call once nothing is pending)."""
+        self.release_written()
+        if self.pool is not None:
+            self.pool.clear()
+
+    def _update_cap(self, kept: int) -> None:
+        if self.pool is not None and self._auto and self.largest:
+            self.pool.cap_bytes = self._saves * self.largest + kept
+
+
+__all__ = ["Allocator", "SnapshotPool", "SnapshotLease", "SavePool", "MIN_POOLED_BYTES"]

@@ -70,7 +70,7 @@ import torch
 from ..checkpointer import DEFAULT_RULES
 from ..errors import CheckpointError, QuantizationError
 from ..rules import keyframe_rules, resolve_rules, rules_as_specs
-from ..snapshot_pool import SnapshotLease, SnapshotPool
+from ..snapshot_pool import SavePool, SnapshotLease
 from ..state import dequantize_state_dict, load, quantize_state_dict
 from ..tree import flatten
 from ..writer import AsyncWriter
@@ -130,8 +130,6 @@ class TwCheckpointIO(CheckpointIO):
         snapshot_pool_bytes: int | None = None,
     ) -> None:
         super().__init__()
-        if snapshot_pool_bytes is not None and snapshot_pool_bytes < 0:
-            raise CheckpointError(f"snapshot_pool_bytes must be >= 0 or None, got {snapshot_pool_bytes}")
         self.rules = rules
         self.bits = bits
         self.block = block
@@ -141,11 +139,8 @@ class TwCheckpointIO(CheckpointIO):
         self.verify = verify
         self._writer: AsyncWriter | None = None
         self._pending: dict[str, Future] = {}
-        self._pool = SnapshotPool(snapshot_pool_bytes) if snapshot_pool_bytes != 0 else None
-        self._pool_auto = snapshot_pool_bytes is None
-        self._largest_snapshot = 0
         # Each save's pooled buffers, until its write is done (the writer reads them).
-        self._leases: list[tuple[Future, SnapshotLease]] = []
+        self._saves = SavePool(snapshot_pool_bytes, max_pending + 1)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Encode ``checkpoint`` and write it to ``path`` (see the module doc).
@@ -161,7 +156,7 @@ class TwCheckpointIO(CheckpointIO):
                 f"{storage_options!r}"
             )
         path = _local_path(path)
-        self._release_written()
+        self._saves.release_written()
         lease = None
         try:
             rule_list = resolve_rules(self.rules, checkpoint, bits=self.bits, block=self.block)
@@ -172,7 +167,7 @@ class TwCheckpointIO(CheckpointIO):
             if self.async_write and on_cpu:
                 # Only this copy holds up training; the writer thread encodes the copy, its
                 # codes going into the same lease.
-                lease = self._new_lease()
+                lease = self._saves.lease()
                 snapshot = dequantize_state_dict(quantize_state_dict(checkpoint, rules="exact", allocate=lease))
                 job: Any = functools.partial(
                     _encode, snapshot, specs, self.bits, self.block, meta, False, allocate=lease
@@ -206,8 +201,7 @@ class TwCheckpointIO(CheckpointIO):
             raise
         self._pending[path] = future
         if lease is not None:
-            self._leases.append((future, lease))
-            self._largest_snapshot = max(self._largest_snapshot, lease.nbytes)
+            self._saves.track(future, lease)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -246,7 +240,7 @@ class TwCheckpointIO(CheckpointIO):
                 self._writer.flush()
         finally:
             self._pending.clear()
-            self._release_written()
+            self._saves.release_written()
 
     def teardown(self) -> None:
         """Flush, stop the writer thread (a later save starts a new one) and give the
@@ -257,9 +251,7 @@ class TwCheckpointIO(CheckpointIO):
             if writer is not None:
                 writer.close()
         finally:
-            self._release_written()
-            if self._pool is not None:
-                self._pool.clear()
+            self._saves.close()
 
     def prepare(self, checkpoint: dict[str, Any]) -> int:
         """Fault in the host memory the next save will copy ``checkpoint``'s tensors into.
@@ -273,37 +265,9 @@ class TwCheckpointIO(CheckpointIO):
             the CPU (whose saves copy nothing into the pool).
         """
         tensors = flatten(checkpoint)[0].values()
-        if self._pool is None or not self.async_write or any(t.device.type != "cpu" for t in tensors):
+        if not self.async_write or any(t.device.type != "cpu" for t in tensors):
             return 0
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        if self._pool_auto:
-            self._largest_snapshot = max(self._largest_snapshot, sum(sizes))
-            self._update_pool_cap()
-        return self._pool.reserve(sizes)
-
-    def _new_lease(self) -> SnapshotLease | None:
-        """The allocator of the next save's copy, with the pool's cap brought up to date."""
-        if self._pool is None:
-            return None
-        self._update_pool_cap()
-        return self._pool.lease()
-
-    def _update_pool_cap(self) -> None:
-        if self._pool is not None and self._pool_auto and self._largest_snapshot:
-            self._pool.cap_bytes = (self.max_pending + 1) * self._largest_snapshot
-
-    def _release_written(self) -> None:
-        """Give the buffers of every save whose write is over back to the pool; never
-        earlier, or the next save would overwrite bytes the writer still reads."""
-        still = []
-        for future, lease in self._leases:
-            if future.done():
-                # The writer thread's codes came from the lease after the save measured it.
-                self._largest_snapshot = max(self._largest_snapshot, lease.nbytes)
-                lease.release()
-            else:
-                still.append((future, lease))
-        self._leases = still
+        return self._saves.reserve([t.numel() * t.element_size() for t in tensors])
 
     def _wait_for(self, path: str) -> None:
         future = self._pending.pop(path, None)

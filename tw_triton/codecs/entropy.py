@@ -62,8 +62,8 @@ DEFAULT_LEVEL = 1
 # sign-and-exponent plane alone, in a one-off check: 0.342 vs 0.370, at levels 1, 3 and 9
 # alike. Buffers under PLANE_MATCH_MIN_BYTES keep the level's own: on the tiny GPT's and
 # the README example's (<= 256 KiB each, a sparse embedding among them) the small table
-# wrote 0.6-2.6 % more bytes, and their time is small either way. 1-byte codes keep the level's own too: on
-# that sparse embedding's moment codes the small table lost 25 %
+# wrote 0.6-2.6 % more bytes, and their time is small either way. 1-byte codes keep the
+# level's own too: on that sparse embedding's moment codes the small table lost 25 %
 # (benchmarks/entropy_stage.py). Decoders need neither value.
 PLANE_MATCH = (7, 6)
 PLANE_MATCH_MIN_BYTES = 1 << 19

@@ -272,11 +272,17 @@ def test_pool_stays_within_its_bound_and_close_gives_it_back(tmp_path):
     ckpt = Checkpointer(tmp_path, keyframe_every=4, keep_last=2, fsync=False, max_pending=1)
     for step in range(10):
         train_step(model, opt, step)
+        kept = ckpt._kept_bytes()  # what the cap made room for when this save leased
         ckpt.save(step, model=model, optimizer=opt)
         # In closed loop the keyframe's buffers leave the reference after the first delta.
         lease = ckpt._reference.lease
         ref = lease.nbytes if lease is not None else 0
-        assert ckpt.pool_bytes <= 2 * ckpt._saves.largest + ref
+        # The writer thread takes a save's codes from its lease after save() measured it,
+        # so `largest` counts them from the next save on: within the first cycle (a
+        # keyframe, then deltas, each a new layout) the pool may run ahead of it by one
+        # save's codes. From the second cycle on every layout has been measured.
+        slack = ckpt._saves.largest if step < 4 else 0
+        assert ckpt.pool_bytes <= 2 * ckpt._saves.largest + max(kept, ref) + slack
     assert ckpt._saves.largest >= 4 * 256 * 256 * 4  # keyframe: 2 weights + 4 moments pooled
     assert ckpt._saves.pool.reused > 0
     ckpt.close()

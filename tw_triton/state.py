@@ -59,6 +59,7 @@ from .codecs.blockwise import FLOAT_DTYPES, check_params
 from .codecs import Codec, Encoded, ExactCodec, get_codec
 from .codecs.entropy import EntropyPolicy
 from .errors import CheckpointError, QuantizationError, ReferenceMismatchError, TwTritonError
+from .batching import group_batches
 from .parallel import parallel_map
 from .qstate import EncodedEntry, QuantizedState
 from .rules import resolve_rules, select_rule
@@ -222,6 +223,21 @@ def _reference_tensor(
     return r
 
 
+def _batch_key(x: torch.Tensor, rule: Any, codec: Codec, ref: torch.Tensor | None) -> Any:
+    """The key under which an entry's encode may share a call with others
+    (:func:`tw_triton.batching.group_batches`), or ``None``: same codec, params and
+    :meth:`Codec.batch_key`."""
+    key = codec.batch_key(x, rule.params, ref)
+    if key is None:
+        return None
+    try:
+        frozen = tuple(sorted(rule.params.items()))
+        hash(frozen)
+    except TypeError:  # params holding lists or dicts: not worth a deep freeze
+        return None
+    return (rule.codec, frozen, key)
+
+
 def _codec_or_raise(name: str, error: type[Exception], where: str) -> Codec:
     codec = get_codec(name)
     if codec is None:
@@ -301,7 +317,7 @@ def quantize_state_dict(
             first_by_storage[key] = path
         canonical.append(path)
 
-    def encode_one(path: str) -> tuple[Encoded, torch.Tensor | None]:
+    def plan_one(path: str) -> tuple[torch.Tensor, Any, Codec, torch.Tensor | None]:
         x = tensors[path]
         rule = select_rule(rule_list, path, x)
         codec = _codec_or_raise(rule.codec, QuantizationError, f"entry {path!r}")
@@ -310,6 +326,17 @@ def quantize_state_dict(
             ref = _reference_tensor(ref_tensors, path, tuple(x.shape), "quantize_state_dict", ref_what)
             if ref.device != x.device:
                 ref = ref.to(x.device, non_blocking=ref.is_pinned())
+        return x, rule, codec, ref
+
+    jobs = [plan_one(path) for path in canonical]
+
+    def finish(i: int, enc: Encoded) -> tuple[Encoded, torch.Tensor | None]:
+        _, rule, codec, ref = jobs[i]
+        enc.entry.codec = rule.codec
+        return enc, ref if ref is not None and codec.uses_reference(enc.entry.params) else None
+
+    def encode_alone(i: int) -> tuple[Encoded, torch.Tensor | None]:
+        x, rule, codec, ref = jobs[i]
         try:
             if not copy and isinstance(codec, ExactCodec) and x.is_contiguous():
                 enc: Encoded = codec.wrap(x)
@@ -318,18 +345,44 @@ def quantize_state_dict(
             else:
                 enc = codec.encode_with(x, rule.params, ref, allocate)
         except QuantizationError as e:
-            raise QuantizationError(f"entry {path!r} (codec {rule.codec!r}): {e}") from e
-        enc.entry.codec = rule.codec
-        return enc, ref if ref is not None and codec.uses_reference(enc.entry.params) else None
+            raise QuantizationError(f"entry {canonical[i]!r} (codec {rule.codec!r}): {e}") from e
+        return finish(i, enc)
 
-    # On the CPU the entries are encoded on several threads (each alone: the bytes do not
-    # depend on it); device tensors are encoded here, where their launches are queued.
+    def encode_item(item: list[int]) -> list[tuple[Encoded, torch.Tensor | None]]:
+        if len(item) == 1:
+            return [encode_alone(item[0])]
+        _, rule, codec, ref = jobs[item[0]]
+        refs = None if ref is None else [jobs[i][3] for i in item]
+        try:
+            encs = codec.encode_many([jobs[i][0] for i in item], rule.params, refs, allocate)
+        except QuantizationError:
+            # One at a time, so that the error names the entry it is about.
+            return [encode_alone(i) for i in item]
+        return [finish(i, enc) for i, enc in zip(item, encs)]
+
+    # On the CPU the entries are encoded on several threads (each alone, or small ones of
+    # one kind together: the bytes do not depend on it, see tw_triton.batching); device
+    # tensors are encoded here, where their launches are queued.
     on_host = all(t.device.type == "cpu" for t in tensors.values())
-    encoded = parallel_map(
-        encode_one, canonical, sizes=[tensors[p].numel() * tensors[p].element_size() for p in canonical],
+    keys = [_batch_key(*job) if on_host else None for job in jobs]
+    work = group_batches(keys, [job[0].numel() for job in jobs])
+    counted = [0]
+
+    def report(k: int) -> None:
+        for _ in work[k]:
+            counted[0] += 1
+            progress(counted[0], len(canonical))  # type: ignore[misc]
+
+    results = parallel_map(
+        encode_item, work,
+        sizes=[sum(jobs[i][0].numel() * jobs[i][0].element_size() for i in item) for item in work],
         threads=None if on_host else 1,
-        done=None if progress is None else (lambda i: progress(i + 1, len(canonical))),
+        done=None if progress is None else report,
     )
+    encoded: list[tuple[Encoded, torch.Tensor | None]] = [None] * len(canonical)  # type: ignore[list-item]
+    for item, result in zip(work, results):
+        for i, r in zip(item, result):
+            encoded[i] = r
 
     entries: dict[str, EncodedEntry] = {}
     flagged: list[tuple[str, torch.Tensor]] = []

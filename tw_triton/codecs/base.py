@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -84,6 +84,30 @@ class Codec(ABC):
         """
         return self.encode(x, params, reference)
 
+    def batch_key(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Hashable | None:
+        """A key under which the encode of ``x`` may run in one call with other tensors of
+        the same codec, params and key (:meth:`encode_many`); ``None``: encode it alone
+        (the default)."""
+        return None
+
+    def encode_many(
+        self,
+        xs: Sequence[torch.Tensor],
+        params: Mapping[str, Any],
+        references: Sequence[torch.Tensor] | None,
+        allocate: Allocator | None,
+    ) -> list[Encoded]:
+        """Encode tensors that share params and a :meth:`batch_key`, with the references
+        at the same positions (``None``: no reference for any). Each result must be what
+        :meth:`encode` (``allocate`` ``None``) or :meth:`encode_with` gives for that tensor
+        alone. The default encodes them one at a time."""
+        refs = [None] * len(xs) if references is None else references
+        if allocate is None:
+            return [self.encode(x, params, r) for x, r in zip(xs, refs)]
+        return [self.encode_with(x, params, r, allocate) for x, r in zip(xs, refs)]
+
     @abstractmethod
     def decode(
         self,
@@ -126,6 +150,34 @@ def host_outputs(
     if x.device.type == "cuda":
         return None
     return tuple(allocate((n,), dtype, x.device) for n, dtype in sizes)
+
+
+def split_encoded(
+    whole: Encoded,
+    xs: Sequence[torch.Tensor],
+    sizes: Callable[[int], Mapping[str, int]],
+    unusable: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
+) -> list[Encoded]:
+    """The entries of ``xs`` from ``whole``, the encode of their flat concatenation, for a
+    codec whose every buffer is laid out in element order: ``sizes(numel)`` gives the
+    length of each buffer for ``numel`` elements (every ``x`` a whole number of blocks and
+    of code bytes). The buffers are views of ``whole``'s, with the params as they are;
+    ``unusable(buffers)`` gives each entry's own flag from its buffers, as the codec
+    computes it for a tensor alone (a device flag: nothing is read here).
+    """
+    starts = dict.fromkeys(whole.entry.buffers, 0)
+    out = []
+    for x in xs:
+        buffers = {}
+        for name, length in sizes(x.numel()).items():
+            buffers[name] = whole.entry.buffers[name][starts[name] : starts[name] + length]
+            starts[name] += length
+        entry = EncodedEntry(
+            codec=whole.entry.codec, params=dict(whole.entry.params), shape=tuple(x.shape),
+            dtype=x.dtype, buffers=buffers,
+        )
+        out.append(Encoded(entry, unusable=unusable(buffers)))
+    return out
 
 
 def move_to(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:

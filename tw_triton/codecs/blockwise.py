@@ -37,14 +37,14 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping, Sequence
 
 import torch
 
 from ..errors import CheckpointError, QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
-from .base import Codec, Encoded, entry_buffer, host_outputs, move_to
+from .base import Codec, Encoded, entry_buffer, host_outputs, move_to, split_encoded
 
 PACKING = "lsb-first"
 
@@ -276,6 +276,27 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
     if buf is None or buf.numel() < nbytes:
         buf = bufs[name] = torch.empty(nbytes, dtype=torch.uint8)
     return buf[:nbytes].view(dtype)
+
+
+def concat_scratch(tensors: Sequence[torch.Tensor], name: str) -> torch.Tensor:
+    """The flat concatenation of contiguous host tensors of one dtype, in a per-thread
+    scratch buffer (:func:`_scratch`) that the next call with ``name`` overwrites."""
+    flat = [t.view(-1) for t in tensors]
+    out = _scratch(name, sum(t.numel() for t in flat), flat[0].dtype, flat[0].device)
+    return torch.cat(flat, out=out)
+
+
+def batchable(x: torch.Tensor, block: int, reference: torch.Tensor | None) -> bool:
+    """Whether the torch path may encode ``x`` as part of a concatenation of tensors: a
+    contiguous host tensor of whole blocks (so no block spans two tensors, and its codes
+    end on a byte), with a contiguous reference on the same device if any."""
+    return (
+        x.device.type == "cpu"
+        and x.is_contiguous()
+        and x.numel() > 0
+        and x.numel() % block == 0
+        and (reference is None or (reference.device == x.device and reference.is_contiguous()))
+    )
 
 
 def release_scratch() -> None:
@@ -723,6 +744,11 @@ def dequantize_blockwise_torch(
 # --------------------------------------------------------------------------------------
 
 
+def _nonfinite(scales: torch.Tensor) -> torch.Tensor:
+    """The device flag of blocks that held NaN or Inf: their scale is infinite."""
+    return torch.isinf(scales).any()
+
+
 def _use_kernels(device: torch.device) -> bool:
     return device.type == "cuda"
 
@@ -775,7 +801,7 @@ def quantize(
     # A block is unquantizable exactly when its scale is infinite (NaN/Inf in it). A block
     # whose qmax * scale overflows fp32 is not: the decode saturates the product, and x is
     # finite, so that only moves the value towards x. The flag stays on the device.
-    nonfinite = torch.isinf(scales).any()
+    nonfinite = _nonfinite(scales)
     return QuantizedTensor(
         codes=codes,
         scales=scales,
@@ -937,6 +963,34 @@ class BlockwiseCodec(Codec):
             x, allocate, [(packed_nbytes(n, params["bits"]), torch.uint8), (num_blocks(n, params["block"]), torch.float32)]
         )
         return self._encoded(x, params, reference, out)  # type: ignore[arg-type]
+
+    def batch_key(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Hashable | None:
+        if not batchable(x, params["block"], reference):
+            return None
+        return (x.dtype, None if reference is None else reference.dtype)
+
+    def encode_many(
+        self,
+        xs: Sequence[torch.Tensor],
+        params: Mapping[str, Any],
+        references: Sequence[torch.Tensor] | None,
+        allocate: Allocator | None,
+    ) -> list[Encoded]:
+        """One encode of the concatenation: blocks never span two tensors (each is whole
+        blocks), so every block's scale and codes are what the tensor alone gives, at an
+        offset; a tensor's entry holds views of the batch's buffers."""
+        if len(xs) < 2:
+            return super().encode_many(xs, params, references, allocate)
+        x = concat_scratch(xs, "batch_x")
+        ref = None if references is None else concat_scratch(references, "batch_ref")
+        whole = self.encode(x, params, ref) if allocate is None else self.encode_with(x, params, ref, allocate)
+        bits, block = params["bits"], params["block"]
+        return split_encoded(
+            whole, xs, lambda n: {"codes": n * bits // 8, "scales": n // block},
+            lambda b: _nonfinite(b["scales"]),
+        )
 
     def _encoded(
         self,

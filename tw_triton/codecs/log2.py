@@ -41,20 +41,22 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping, Sequence
 
 import torch
 
 from ..errors import QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
-from .base import Codec, Encoded, host_outputs, move_to
+from .base import Codec, Encoded, host_outputs, move_to, split_encoded
 from .blockwise import (
     FLOAT_DTYPES,
     PACKING,
     _checked_out,
     _scratch,
+    batchable,
     check_params,
+    concat_scratch,
     num_blocks,
     packed_nbytes,
     per_block_buffer,
@@ -400,8 +402,14 @@ def quantize_log2(
     else:
         codes, lo, hi = quantize_log2_torch(x, bits, block, out=out)
     # The flag stays on the device: no sync here.
-    unusable = (hi < 0).any()
+    unusable = _unusable(hi)
     return Log2Tensor(codes, lo, hi, tuple(x.shape), x.dtype, bits, block, unusable)
+
+
+def _unusable(hi: torch.Tensor) -> torch.Tensor:
+    """The device flag of a tensor with a negative, NaN or infinite element: some block's
+    bounds are ``-1``."""
+    return (hi < 0).any()
 
 
 def dequantize_log2(q: Log2Tensor, *, device: torch.device | str | None = None) -> torch.Tensor:
@@ -461,6 +469,30 @@ class Log2Codec(Codec):
         nblocks = num_blocks(x.numel(), params["block"])
         sizes = [(packed_nbytes(x.numel(), params["bits"]), torch.uint8), (nblocks, torch.int32), (nblocks, torch.int32)]
         return self._encoded(x, params, host_outputs(x, allocate, sizes))
+
+    def batch_key(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Hashable | None:
+        return x.dtype if batchable(x, params["block"], None) else None
+
+    def encode_many(
+        self,
+        xs: Sequence[torch.Tensor],
+        params: Mapping[str, Any],
+        references: Sequence[torch.Tensor] | None,
+        allocate: Allocator | None,
+    ) -> list[Encoded]:
+        """One encode of the concatenation (blocks are coded alone, and each tensor is whole
+        blocks); a tensor's entry holds views of the batch's buffers."""
+        if len(xs) < 2:
+            return super().encode_many(xs, params, references, allocate)
+        x = concat_scratch(xs, "batch_x")
+        whole = self.encode(x, params, None) if allocate is None else self.encode_with(x, params, None, allocate)
+        bits, block = params["bits"], params["block"]
+        return split_encoded(
+            whole, xs, lambda n: {"codes": n * bits // 8, "lo": n // block, "hi": n // block},
+            lambda b: _unusable(b["hi"]),
+        )
 
     def _encoded(self, x: torch.Tensor, params: Mapping[str, Any], out: tuple[torch.Tensor, ...] | None) -> Encoded:
         q = quantize_log2(x, bits=params["bits"], block=params["block"], out=out)

@@ -357,3 +357,14 @@ def test_prepared_keyframe_save_reserves_before_the_timed_save(tmp_path: Path, m
     back = sc.load_with("tw default keyframe", out)
     for key, value in model.state_dict().items():
         assert torch.equal(back[f"model/{key}"], value), key  # a keyframe stores weights exact
+
+
+def test_host_pages_times_a_first_touch_and_the_touches_after(capsys, monkeypatch) -> None:
+    import host_pages
+
+    assert host_pages.touch_seconds(1 << 20) > 0
+    monkeypatch.setattr(sys, "argv", ["host_pages.py", "--gib", "0.01", "--rounds", "2"])
+    host_pages.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0].strip() for line in lines] == ["first touch", "again (1)", "again (2)"]
+    assert all("us/page" in line for line in lines)

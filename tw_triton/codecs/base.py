@@ -92,6 +92,12 @@ class Codec(ABC):
         (the default)."""
         return None
 
+    def batch_layout(self, params: Mapping[str, Any]) -> BatchLayout | None:
+        """How a batch's buffers split into its tensors' (:func:`split_encoded`), for a
+        codec that can encode tensors of a :meth:`batch_key` as their flat concatenation;
+        ``None`` (the default): encode them one at a time."""
+        return None
+
     def encode_many(
         self,
         xs: Sequence[torch.Tensor],
@@ -100,13 +106,20 @@ class Codec(ABC):
         allocate: Allocator | None,
     ) -> list[Encoded]:
         """Encode tensors that share params and a :meth:`batch_key`, with the references
-        at the same positions (``None``: no reference for any). Each result must be what
+        at the same positions (``None``: no reference for any). Each result is what
         :meth:`encode` (``allocate`` ``None``) or :meth:`encode_with` gives for that tensor
-        alone. The default encodes them one at a time."""
-        refs = [None] * len(xs) if references is None else references
-        if allocate is None:
-            return [self.encode(x, params, r) for x, r in zip(xs, refs)]
-        return [self.encode_with(x, params, r, allocate) for x, r in zip(xs, refs)]
+        alone: one encode of the concatenation where :meth:`batch_layout` says how to split
+        it, else one encode each."""
+        layout = self.batch_layout(params) if len(xs) > 1 else None
+        if layout is None:
+            refs = [None] * len(xs) if references is None else references
+            if allocate is None:
+                return [self.encode(x, params, r) for x, r in zip(xs, refs)]
+            return [self.encode_with(x, params, r, allocate) for x, r in zip(xs, refs)]
+        x = torch.cat([t.view(-1) for t in xs])
+        ref = None if references is None else torch.cat([t.view(-1) for t in references])
+        whole = self.encode(x, params, ref) if allocate is None else self.encode_with(x, params, ref, allocate)
+        return split_encoded(whole, xs, layout)
 
     @abstractmethod
     def decode(
@@ -152,31 +165,36 @@ def host_outputs(
     return tuple(allocate((n,), dtype, x.device) for n, dtype in sizes)
 
 
-def split_encoded(
-    whole: Encoded,
-    xs: Sequence[torch.Tensor],
-    sizes: Callable[[int], Mapping[str, int]],
-    unusable: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
-) -> list[Encoded]:
-    """The entries of ``xs`` from ``whole``, the encode of their flat concatenation, for a
-    codec whose every buffer is laid out in element order: ``sizes(numel)`` gives the
-    length of each buffer for ``numel`` elements (every ``x`` a whole number of blocks and
-    of code bytes). The buffers are views of ``whole``'s, with the params as they are;
-    ``unusable(buffers)`` gives each entry's own flag from its buffers, as the codec
-    computes it for a tensor alone (a device flag: nothing is read here).
+@dataclass(frozen=True)
+class BatchLayout:
+    """How the buffers of a batch encode split into its tensors' entries.
+
+    Attributes:
+        sizes: ``sizes(numel)``: each buffer's length for a tensor of ``numel`` elements
+            (every buffer laid out in element order, each tensor whole blocks and bytes).
+        unusable: ``unusable(buffers)``: a tensor's flag from its own buffers, as the codec
+            computes it for the tensor alone (a device flag: nothing is read).
     """
+
+    sizes: Callable[[int], Mapping[str, int]]
+    unusable: Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+def split_encoded(whole: Encoded, xs: Sequence[torch.Tensor], layout: BatchLayout) -> list[Encoded]:
+    """The entries of ``xs`` from ``whole``, the encode of their flat concatenation: views
+    of ``whole``'s buffers, with its params."""
     starts = dict.fromkeys(whole.entry.buffers, 0)
     out = []
     for x in xs:
         buffers = {}
-        for name, length in sizes(x.numel()).items():
+        for name, length in layout.sizes(x.numel()).items():
             buffers[name] = whole.entry.buffers[name][starts[name] : starts[name] + length]
             starts[name] += length
         entry = EncodedEntry(
             codec=whole.entry.codec, params=dict(whole.entry.params), shape=tuple(x.shape),
             dtype=x.dtype, buffers=buffers,
         )
-        out.append(Encoded(entry, unusable=unusable(buffers)))
+        out.append(Encoded(entry, unusable=layout.unusable(buffers)))
     return out
 
 

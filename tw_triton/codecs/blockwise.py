@@ -37,14 +37,14 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Hashable, Mapping
 
 import torch
 
 from ..errors import CheckpointError, QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
-from .base import Codec, Encoded, entry_buffer, host_outputs, move_to, split_encoded
+from .base import BatchLayout, Codec, Encoded, entry_buffer, host_outputs, move_to
 
 PACKING = "lsb-first"
 
@@ -276,14 +276,6 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
     if buf is None or buf.numel() < nbytes:
         buf = bufs[name] = torch.empty(nbytes, dtype=torch.uint8)
     return buf[:nbytes].view(dtype)
-
-
-def concat_scratch(tensors: Sequence[torch.Tensor], name: str) -> torch.Tensor:
-    """The flat concatenation of contiguous host tensors of one dtype, in a per-thread
-    scratch buffer (:func:`_scratch`) that the next call with ``name`` overwrites."""
-    flat = [t.view(-1) for t in tensors]
-    out = _scratch(name, sum(t.numel() for t in flat), flat[0].dtype, flat[0].device)
-    return torch.cat(flat, out=out)
 
 
 def batchable(x: torch.Tensor, block: int, reference: torch.Tensor | None) -> bool:
@@ -971,26 +963,11 @@ class BlockwiseCodec(Codec):
             return None
         return (x.dtype, None if reference is None else reference.dtype)
 
-    def encode_many(
-        self,
-        xs: Sequence[torch.Tensor],
-        params: Mapping[str, Any],
-        references: Sequence[torch.Tensor] | None,
-        allocate: Allocator | None,
-    ) -> list[Encoded]:
-        """One encode of the concatenation: blocks never span two tensors (each is whole
-        blocks), so every block's scale and codes are what the tensor alone gives, at an
-        offset; a tensor's entry holds views of the batch's buffers."""
-        if len(xs) < 2:
-            return super().encode_many(xs, params, references, allocate)
-        x = concat_scratch(xs, "batch_x")
-        ref = None if references is None else concat_scratch(references, "batch_ref")
-        whole = self.encode(x, params, ref) if allocate is None else self.encode_with(x, params, ref, allocate)
+    def batch_layout(self, params: Mapping[str, Any]) -> BatchLayout:
+        # Blocks never span two tensors (each is whole blocks): every block's scale and
+        # codes are what the tensor alone gives, at an offset.
         bits, block = params["bits"], params["block"]
-        return split_encoded(
-            whole, xs, lambda n: {"codes": n * bits // 8, "scales": n // block},
-            lambda b: _nonfinite(b["scales"]),
-        )
+        return BatchLayout(lambda n: {"codes": n * bits // 8, "scales": n // block}, lambda b: _nonfinite(b["scales"]))
 
     def _encoded(
         self,

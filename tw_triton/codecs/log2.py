@@ -41,14 +41,14 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Hashable, Mapping
 
 import torch
 
 from ..errors import QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
-from .base import Codec, Encoded, host_outputs, move_to, split_encoded
+from .base import BatchLayout, Codec, Encoded, host_outputs, move_to
 from .blockwise import (
     FLOAT_DTYPES,
     PACKING,
@@ -56,7 +56,6 @@ from .blockwise import (
     _scratch,
     batchable,
     check_params,
-    concat_scratch,
     num_blocks,
     packed_nbytes,
     per_block_buffer,
@@ -475,23 +474,11 @@ class Log2Codec(Codec):
     ) -> Hashable | None:
         return x.dtype if batchable(x, params["block"], None) else None
 
-    def encode_many(
-        self,
-        xs: Sequence[torch.Tensor],
-        params: Mapping[str, Any],
-        references: Sequence[torch.Tensor] | None,
-        allocate: Allocator | None,
-    ) -> list[Encoded]:
-        """One encode of the concatenation (blocks are coded alone, and each tensor is whole
-        blocks); a tensor's entry holds views of the batch's buffers."""
-        if len(xs) < 2:
-            return super().encode_many(xs, params, references, allocate)
-        x = concat_scratch(xs, "batch_x")
-        whole = self.encode(x, params, None) if allocate is None else self.encode_with(x, params, None, allocate)
+    def batch_layout(self, params: Mapping[str, Any]) -> BatchLayout:
+        # Blocks are coded alone, and each tensor is whole blocks.
         bits, block = params["bits"], params["block"]
-        return split_encoded(
-            whole, xs, lambda n: {"codes": n * bits // 8, "lo": n // block, "hi": n // block},
-            lambda b: _unusable(b["hi"]),
+        return BatchLayout(
+            lambda n: {"codes": n * bits // 8, "lo": n // block, "hi": n // block}, lambda b: _unusable(b["hi"])
         )
 
     def _encoded(self, x: torch.Tensor, params: Mapping[str, Any], out: tuple[torch.Tensor, ...] | None) -> Encoded:

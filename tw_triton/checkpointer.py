@@ -314,6 +314,8 @@ class Checkpointer:
         self._since_keyframe: int | None = None  # None: the next save is a keyframe
         self._inflight: dict[int, tuple[Future, str, str | None]] = {}  # step -> (future, id, ref id)
         self._manifest_cache: dict[str, tuple[tuple[int, int], CheckpointInfo | None]] = {}
+        # The headers the listing parsed, for the reads of a load that follow it.
+        self._headers = _format.HeaderCache()
         # Each save's pooled buffers, until its write is done (then back to the pool).
         self._saves = SavePool(snapshot_pool_bytes, (max_pending + 1) if async_write else 1)
         self._closed = False
@@ -648,7 +650,7 @@ class Checkpointer:
         else:
             found, info = self._find(step, verify=verify)
             reads = {}
-        state = _decode_read(info, found, reads, dev, verify=verify)
+        state = _decode_read(info, found, reads, dev, verify=verify, headers=self._headers)
         if not isinstance(state, dict) or "step" not in state:
             raise CheckpointError(
                 f"{info.path}: not a Checkpointer checkpoint (expected a dict with 'step' at the top)"
@@ -780,26 +782,27 @@ class Checkpointer:
             if cached is not None and cached[0] == key:
                 info = cached[1]
             else:
-                info = self._read_info(path, step, st.st_size)
+                info = self._read_info(path, step, st.st_size, self._headers)
                 self._manifest_cache[path] = (key, info)
             if info is not None:
                 found[step] = info
         for path in set(self._manifest_cache) - seen:
             del self._manifest_cache[path]
+        self._headers.retain(seen)
         return found
 
     @staticmethod
-    def _read_info(path: str, step: int, size: int) -> CheckpointInfo | None:
+    def _read_info(path: str, step: int, size: int, headers: _format.HeaderCache) -> CheckpointInfo | None:
         try:
-            manifest = _format.read_manifest(path)
+            manifest = _format.read_manifest(path, headers=headers)
         except (CheckpointError, OSError) as e:
             logger.warning("ignoring %s: its header cannot be read: %s", path, e)
             return None
         kind = (manifest.get("metadata") or {}).get("kind", "unknown")
         return CheckpointInfo(step, path, manifest["checkpoint_id"], manifest.get("reference_id"), kind, size)
 
-    @staticmethod
     def _problem(
+        self,
         info: CheckpointInfo,
         by_id: dict[str, CheckpointInfo],
         verified: dict[str, bool],
@@ -823,9 +826,11 @@ class Checkpointer:
             if item.path not in verified:
                 try:
                     if reads is None:
-                        _format.verify_file(item.path)
+                        _format.verify_file(item.path, headers=self._headers)
                     else:
-                        reads[item.path] = _format.read_file(item.path, verify=True, pin_memory=pin)
+                        reads[item.path] = _format.read_file(
+                            item.path, verify=True, pin_memory=pin, headers=self._headers
+                        )
                     verified[item.path] = True
                 except (CheckpointError, OSError) as e:
                     logger.warning("checkpoint %s fails verification: %s", item.path, e)
@@ -880,6 +885,7 @@ def _decode_read(
     device: torch.device,
     *,
     verify: bool = True,
+    headers: _format.HeaderCache | None = None,
 ) -> Any:
     """Decode ``info`` on ``device``, with the chain of checkpoints it is a delta of.
 
@@ -895,7 +901,7 @@ def _decode_read(
         q = reads.pop(item.path, None)
         if q is not None:
             return q
-        return _format.read_file(item.path, verify=verify, pin_memory=pin, entries=entries)
+        return _format.read_file(item.path, verify=verify, pin_memory=pin, entries=entries, headers=headers)
 
     return decode_chain(chain, read, device)
 

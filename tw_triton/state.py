@@ -141,10 +141,11 @@ def _flat_reference(
     report.
     """
     if isinstance(reference, (str, os.PathLike)):
-        from .format import read_file, read_manifest
+        from .format import HeaderCache, read_file, read_manifest
 
         source = os.fspath(reference)
-        manifest = read_manifest(reference)
+        headers = HeaderCache()  # the manifest read first is the read's header too
+        manifest = read_manifest(reference, headers=headers)
         if expect_id is not None and not expect_id.startswith(FINGERPRINT_PREFIX):
             found = manifest.get("checkpoint_id")
             if found != expect_id:
@@ -156,7 +157,7 @@ def _flat_reference(
         if paths is not None:
             held = set(manifest["entries"]) | set(manifest["aliases"])
             wanted = sorted(p for p in set(paths) if p in held)
-        rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device), entries=wanted)
+        rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device), entries=wanted, headers=headers)
         prev = None
         if delta_paths(rq, source):
             # A link of a closed-loop chain: it decodes against its own reference, found by

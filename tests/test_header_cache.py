@@ -1,0 +1,123 @@
+"""HeaderCache: a file's header is parsed once per cache while the file stays the same, and
+a changed file is parsed again (a stale header must never be used)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tw_triton
+from tw_triton import Checkpointer
+from tw_triton import format as fmt
+from tw_triton.errors import CheckpointError
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(64, 128, generator=g), "b": torch.randn(64, generator=g)}}
+
+
+@pytest.fixture
+def parses(monkeypatch) -> list[str]:
+    """The paths whose header is parsed, in order."""
+    seen: list[str] = []
+    real = fmt._read_layout
+
+    def counted(f, path):
+        seen.append(os.path.basename(path))
+        return real(f, path)
+
+    monkeypatch.setattr(fmt, "_read_layout", counted)
+    return seen
+
+
+def test_a_file_is_parsed_once_per_cache(tmp_path, parses):
+    path = tmp_path / "a.tw"
+    tw_triton.save(tw_triton.quantize_state_dict(_state(), rules="int8-delta"), path)
+    cache = fmt.HeaderCache()
+    manifest = fmt.read_manifest(path, headers=cache)
+    q = fmt.read_file(path, headers=cache)
+    fmt.verify_file(path, headers=cache)
+    assert parses == ["a.tw"] and len(cache) == 1
+    assert q.checkpoint_id == manifest["checkpoint_id"]
+    # Without a cache every call parses.
+    fmt.read_manifest(path)
+    fmt.read_file(path)
+    assert parses == ["a.tw"] * 3
+
+
+def test_a_replaced_file_is_parsed_again(tmp_path, parses):
+    path = tmp_path / "a.tw"
+    tw_triton.save(tw_triton.quantize_state_dict(_state(0), rules="exact", checkpoint_id="first"), path)
+    cache = fmt.HeaderCache()
+    assert fmt.read_manifest(path, headers=cache)["checkpoint_id"] == "first"
+    tw_triton.save(tw_triton.quantize_state_dict(_state(1), rules="exact", checkpoint_id="second"), path)  # temp + rename
+    assert fmt.read_manifest(path, headers=cache)["checkpoint_id"] == "second"
+    got = fmt.read_file(path, headers=cache)
+    assert torch.equal(got.entries["model/w"].buffers["data"], _state(1)["model"]["w"])
+    assert len(parses) == 2
+
+
+def test_a_header_corrupted_in_place_is_not_served_from_the_cache(tmp_path):
+    path = tmp_path / "a.tw"
+    tw_triton.save(tw_triton.quantize_state_dict(_state()), path)
+    cache = fmt.HeaderCache()
+    fmt.read_manifest(path, headers=cache)
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # flip a byte of the manifest, in place
+        f.seek(200)
+        byte = f.read(1)
+        f.seek(200)
+        f.write(bytes([byte[0] ^ 0x01]))
+    # Keep the size; let the clock move the modification time on (ns resolution).
+    assert os.stat(path).st_size == st.st_size
+    if os.stat(path).st_mtime_ns == st.st_mtime_ns:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    with pytest.raises(CheckpointError):
+        fmt.read_file(path, headers=cache)
+
+
+def test_retain_forgets_files_no_longer_listed(tmp_path):
+    cache = fmt.HeaderCache()
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"{i}.tw"
+        tw_triton.save(tw_triton.quantize_state_dict(_state(i)), p)
+        fmt.read_manifest(p, headers=cache)
+        paths.append(str(p))
+    assert len(cache) == 3
+    cache.retain(paths[1:])
+    assert len(cache) == 2
+
+
+def test_loaded_params_are_not_the_cached_manifest(tmp_path):
+    path = tmp_path / "a.tw"
+    tw_triton.save(tw_triton.quantize_state_dict(_state(), rules=[("model/w", "int8")]), path)
+    cache = fmt.HeaderCache()
+    q = fmt.read_file(path, headers=cache)
+    q.entries["model/w"].params["bits"] = 2
+    q.metadata["changed"] = True
+    manifest = fmt.read_manifest(path, headers=cache)
+    assert manifest["entries"]["model/w"]["params"]["bits"] == 8
+    assert "changed" not in manifest["metadata"]
+
+
+def test_checkpointer_load_parses_each_header_once(tmp_path, parses):
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    with Checkpointer(tmp_path, keyframe_every=10, fsync=False) as ckpt:
+        for step in range(3):
+            ckpt.save(step, model=model, optimizer=opt)
+    parses.clear()
+    reader = Checkpointer(tmp_path)
+    state = reader.load(2)  # a delta: its chain is steps 0, 1, 2
+    assert sorted(parses) == sorted(f"step-{s:08d}.tw.safetensors" for s in range(3))
+    parses.clear()
+    reader.restore(model=torch.nn.Linear(64, 64), optimizer=torch.optim.AdamW(model.parameters()))
+    reader.load(0)
+    assert parses == []  # nothing changed on disk: every header came from the cache
+    assert state["step"] == 2

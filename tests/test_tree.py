@@ -223,3 +223,22 @@ def test_tensor_objects_are_shared_between_paths():
 def test_malformed_skeleton_raises_checkpoint_error(skeleton):
     with pytest.raises(CheckpointError):
         unflatten(skeleton, {})
+
+
+def test_leaf_tensors_are_flattens_tensors_in_order():
+    from tw_triton.tree import flatten, leaf_tensors
+
+    a, b, c, d = (torch.full((2,), float(i)) for i in range(4))
+    state = {
+        "model": OrderedDict(w=a, nested={"b": b}),
+        "opt": [{"state": (c, 3, "x")}, np.zeros(2)],  # the array is not a tensor leaf
+        "step": 7,
+        "last": d,
+    }
+    got = list(leaf_tensors(state))
+    flat, _ = flatten(state)
+    want = [t for p, t in flat.items() if p != "opt/1"]
+    assert len(got) == 4 and all(x is y or x.data_ptr() == y.data_ptr() for x, y in zip(got, want))
+    assert [float(t[0]) for t in got] == [0.0, 1.0, 2.0, 3.0]
+    assert list(leaf_tensors(torch.ones(1)))[0].shape == (1,)
+    assert list(leaf_tensors({"x": 1, "y": []})) == []

@@ -130,7 +130,7 @@ from .deltas import (
 from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
 from .snapshot_pool import SavePool, SnapshotLease
 from .state import dequantize_state_dict, quantize_state_dict
-from .tree import flatten
+from .tree import flatten, leaf_tensors
 from .writer import AsyncWriter
 
 logger = logging.getLogger(__name__)
@@ -911,7 +911,7 @@ def _wants_pinned(device: torch.device) -> bool:
 
 
 def _all_on_cpu(tree: Any) -> bool:
-    return all(t.device.type == "cpu" for t in flatten(tree)[0].values())
+    return all(t.device.type == "cpu" for t in leaf_tensors(tree))
 
 
 def _ref_at(reference: Reference | None) -> tuple[str, int] | None:

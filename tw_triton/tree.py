@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -201,6 +201,21 @@ def _flatten_node(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any
         kids = [_flatten_node(v, join_path(path, str(i)), tensors) for i, v in enumerate(node)]
         return {"tuple" if type(node) is tuple else "list": kids}
     return _encode_scalar(node, path)
+
+
+def leaf_tensors(state: Any) -> Iterator[torch.Tensor]:
+    """The tensor leaves of a nested state, in :func:`flatten`'s order, without building
+    paths or a skeleton and without checking the rest (a few times cheaper: for a question
+    about the tensors alone, such as which device they are on)."""
+    stack = [state]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            yield node
+        elif isinstance(node, dict):
+            stack.extend(reversed(list(node.values())))
+        elif isinstance(node, (list, tuple)):
+            stack.extend(reversed(node))
 
 
 def _flatten_plain(node: Any, path: str) -> Any:

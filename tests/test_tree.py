@@ -242,3 +242,56 @@ def test_leaf_tensors_are_flattens_tensors_in_order():
     assert [float(t[0]) for t in got] == [0.0, 1.0, 2.0, 3.0]
     assert list(leaf_tensors(torch.ones(1)))[0].shape == (1,)
     assert list(leaf_tensors({"x": 1, "y": []})) == []
+
+
+def test_flattened_top_level_names_the_kind_of_each_value():
+    from tw_triton.tree import Flattened
+
+    state = {
+        "model": OrderedDict(w=torch.ones(2)),
+        "opt": {"state": {}},
+        "hist": [1, 2],
+        "pair": (torch.ones(1), 2),
+        "step": 3,
+        "t": torch.zeros(1),
+        7: "seven",
+    }
+    top = Flattened.of(state).top_level()
+    assert top == {
+        "model": "dict", "opt": "dict", "hist": "container", "pair": "container",
+        "step": "leaf", "t": "leaf", 7: "leaf",
+    }
+    assert Flattened.of([torch.ones(1)]).top_level() is None
+    flat = Flattened.of(state)
+    assert Flattened.of(flat) is flat
+
+
+@pytest.mark.parametrize("rules", [None, "default", "smallest", "int8-exp-avg", [("hist/*", "int8")]])
+@pytest.mark.parametrize("shape", ["model", "flat", "list", "no-model"])
+def test_quantize_state_dict_of_a_flattened_state_is_the_same(rules, shape):
+    from tw_triton import quantize_state_dict
+    from tw_triton.rules import resolve_rules
+    from tw_triton.tree import Flattened
+
+    g = torch.Generator().manual_seed(0)
+    big = lambda: torch.randn(64, 96, generator=g)  # noqa: E731 (>= 4096 elements: quantized by rules)
+    states = {
+        "model": {"model": {"w": big(), "b": torch.ones(3)}, "optimizer": {"state": {0: {"exp_avg": big()}}}},
+        "flat": {"w": big(), "v": big(), "step": 4},
+        "list": [big(), {"x": big()}],
+        "no-model": {"net": {"w": big()}, "hist": [big()]},
+    }
+    state = states[shape]
+    flat = Flattened.of(state)
+    assert [r.to_json() for r in resolve_rules(rules, flat, bits=8, block=64)] == [
+        r.to_json() for r in resolve_rules(rules, state, bits=8, block=64)
+    ]
+    a = quantize_state_dict(state, rules=rules, checkpoint_id="c")
+    b = quantize_state_dict(flat, rules=rules, checkpoint_id="c")
+    assert a.skeleton == b.skeleton and a.rules == b.rules and a.aliases == b.aliases
+    assert list(a.entries) == list(b.entries)
+    for path in a.entries:
+        ea, eb = a.entries[path], b.entries[path]
+        assert (ea.codec, ea.params, ea.shape, ea.dtype) == (eb.codec, eb.params, eb.shape, eb.dtype)
+        for name in ea.buffers:
+            assert torch.equal(ea.buffers[name], eb.buffers[name])

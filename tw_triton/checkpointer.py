@@ -129,8 +129,8 @@ from .deltas import (
 )
 from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
 from .snapshot_pool import SavePool, SnapshotLease
-from .state import dequantize_state_dict, quantize_state_dict
-from .tree import flatten, leaf_tensors
+from .state import quantize_state_dict
+from .tree import Flattened, flatten, leaf_tensors
 from .writer import AsyncWriter
 
 logger = logging.getLogger(__name__)
@@ -382,11 +382,18 @@ class Checkpointer:
                 # Only the copy blocks the loop; the writer thread encodes the copy.
                 q_id = uuid.uuid4().hex
                 q_ref_id = reference.checkpoint_id if reference is not None and not keyframe else None
+                # Flattened once: the check, the copy and the writer's encode all take it.
+                flat = Flattened.of(tree)
                 if reference is not None and not keyframe:
-                    check_reference(tree, rule_list, reference, path)
-                snap_q = quantize_state_dict(tree, rules="exact", checkpoint_id=q_id, allocate=lease)
-                snapshot = dequantize_state_dict(snap_q)  # a tree over snap_q's buffers, no copy
-                del snap_q
+                    check_reference(flat, rule_list, reference, path)
+                snap_q = quantize_state_dict(flat, rules="exact", checkpoint_id=q_id, allocate=lease)
+                # The copy's tensors by path, in the state's order (tied ones shared): the
+                # exact entries' buffers, allocated in the tensors' shapes.
+                copies = snap_q.entries
+                snapshot = Flattened(
+                    {p: copies[snap_q.aliases.get(p, p)].buffers["data"] for p in flat.tensors}, flat.skeleton
+                )
+                del snap_q, copies
                 # The writer thread's codecs write their codes and scales into this save's
                 # lease as well: pooled, they do not page-fault fresh memory every save.
                 if keyframe:
@@ -396,7 +403,7 @@ class Checkpointer:
                     # Chosen before the writer thread starts: rule matching is Python, and
                     # once that thread runs it would wait on the GIL (seen as 30% of the pause).
                     if self.delta:
-                        ref_values = delta_coded(flatten(snapshot)[0], rule_list)
+                        ref_values = delta_coded(snapshot.tensors, rule_list)
                 else:
                     job = functools.partial(
                         _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block,

@@ -41,7 +41,7 @@ from .qstate import QuantizedState
 from .rules import select_rule
 from .snapshot_pool import SnapshotLease
 from .state import delta_paths, dequantize_entries, dequantize_state_dict, disjoint_paths
-from .tree import flatten
+from .tree import Flattened, flatten
 
 DELTA_MODES = ("open", "closed", "none")
 _UNESCAPE_RE = re.compile(r"%(25|2F)")
@@ -144,14 +144,15 @@ def make_reference(
 
 
 def check_reference(tree: Any, rule_list: Any, reference: Reference, path: str) -> None:
-    """Raise now what encoding ``tree`` against ``reference`` would raise on the writer thread.
+    """Raise now what encoding ``tree`` (nested, or :class:`~tw_triton.tree.Flattened`)
+    against ``reference`` would raise on the writer thread.
 
     Raises:
         ReferenceMismatchError: a tensor the rules delta-code has no tensor of its shape in
             the reference (e.g. the model changed shape since the keyframe).
     """
     ref_flat, _ = flatten(reference.tree)
-    for entry, x in flatten(tree)[0].items():
+    for entry, x in Flattened.of(tree).tensors.items():
         rule = select_rule(rule_list, entry, x)
         codec = get_codec(rule.codec)
         if codec is None or not codec.uses_reference(rule.params):

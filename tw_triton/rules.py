@@ -79,6 +79,7 @@ import torch
 
 from .codecs import Codec, codec_names, get_codec
 from .errors import QuantizationError
+from .tree import Flattened
 
 DEFAULT_MIN_NUMEL = 4096
 MODEL_KEYS = ("model", "model_state_dict", "state_dict")
@@ -136,7 +137,16 @@ class Rule:
 
 
 def model_patterns(state: Any) -> list[str]:
-    """Globs of the paths that are "under the model" for this state (see module doc)."""
+    """Globs of the paths that are "under the model" for this state (see module doc); the
+    state nested, or :class:`~tw_triton.tree.Flattened`."""
+    if isinstance(state, Flattened):
+        top = state.top_level()
+        if top is None:
+            return []
+        keys = [k for k in MODEL_KEYS if top.get(k) == "dict"]
+        if keys:
+            return [f"{k}/*" for k in keys]
+        return ["*"] if all(kind == "leaf" for kind in top.values()) else []
     if not isinstance(state, dict):
         return []
     keys = [k for k in MODEL_KEYS if isinstance(state.get(k), dict)]

@@ -64,7 +64,7 @@ from .parallel import parallel_map
 from .qstate import EncodedEntry, QuantizedState
 from .rules import resolve_rules, select_rule
 from .snapshot_pool import Allocator
-from .tree import flatten, skeleton_ndarray_paths, unflatten
+from .tree import Flattened, flatten, skeleton_ndarray_paths, unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +265,8 @@ def quantize_state_dict(
     """Encode a nested training state into a consistent, writable snapshot.
 
     Args:
-        state: nested dict / list / tuple of tensors, numpy arrays and plain values.
+        state: nested dict / list / tuple of tensors, numpy arrays and plain values, or
+            that state already flattened (:class:`~tw_triton.tree.Flattened`).
         reference: ``None``, a state of the same structure, or the path of a saved
             checkpoint (read with :func:`load`); quantized entries become deltas from the
             reference tensor at the same path.
@@ -295,7 +296,8 @@ def quantize_state_dict(
         ReferenceMismatchError: a reference misses a quantized path, or has another shape.
     """
     check_params(bits, block)
-    tensors, skeleton = flatten(state)
+    flat = Flattened.of(state)
+    tensors, skeleton = flat.tensors, flat.skeleton
     rule_list = resolve_rules(rules, state, bits=bits, block=block)
 
     ref_tensors: dict[str, torch.Tensor] | None = None

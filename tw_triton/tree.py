@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
@@ -120,6 +121,38 @@ def _key_component(key: Any, path: str) -> str:
         f"unsupported dict key {key!r} of type {type(key).__name__} at {_describe(path)}: "
         "keys may be str, int, bool, None or finite float"
     )
+
+
+@dataclass(frozen=True)
+class Flattened:
+    """A state already split by :func:`flatten`, which
+    :func:`~tw_triton.state.quantize_state_dict` takes in place of the nested state (it is
+    not flattened again: a save that has flattened its state once passes it on)."""
+
+    tensors: dict[str, torch.Tensor]
+    skeleton: Any
+
+    @classmethod
+    def of(cls, state: Any) -> "Flattened":
+        """``flatten(state)`` as a :class:`Flattened` (one that is already, as it is)."""
+        return state if isinstance(state, Flattened) else cls(*flatten(state))
+
+    def top_level(self) -> dict[Any, str] | None:
+        """The top-level keys of the state and the kind of each value (``"dict"`` for a dict
+        or OrderedDict, ``"container"`` for a list or tuple, ``"leaf"`` otherwise); ``None``
+        when the state is not a dict. What the default rules look at."""
+        node = self.skeleton
+        if not isinstance(node, dict) or not ({"dict", "odict"} & node.keys()):
+            return None
+        out = {}
+        for key, value in node.get("dict", node.get("odict")):
+            kind = "leaf"
+            if isinstance(value, dict) and ("dict" in value or "odict" in value):
+                kind = "dict"
+            elif isinstance(value, dict) and ("list" in value or "tuple" in value):
+                kind = "container"
+            out[_decode_scalar(key)] = kind
+        return out
 
 
 def flatten(state: Any) -> tuple[dict[str, torch.Tensor], Any]:

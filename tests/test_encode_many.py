@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tw_triton
 import tw_triton.codecs as codecs_mod
 import tw_triton.state as state_mod
 from tw_triton import QuantizationError, quantize_state_dict
@@ -228,3 +229,17 @@ def test_a_failing_batch_is_retried_alone_so_the_error_names_the_entry(monkeypat
     del state["w2"]
     q = quantize_state_dict(state, rules=[("*", {"codec": "picky-test"})])
     assert {e.codec for e in q.entries.values()} == {"picky-test"}
+
+
+def test_files_are_byte_identical_batched_or_not(tmp_path, monkeypatch):
+    state = _state(1)
+    ref = {"model": {k: v + 0.01 for k, v in state["model"].items()}, "optimizer": state["optimizer"]}
+
+    def write(name: str) -> bytes:
+        q = quantize_state_dict(state, reference=ref, rules="smallest", checkpoint_id="c", reference_id="r")
+        tw_triton.save(q, tmp_path / name, fsync=False)
+        return (tmp_path / name).read_bytes()
+
+    batched = write("a.tw")
+    monkeypatch.setattr(state_mod, "group_batches", lambda keys, numels: group_batches(keys, numels, cap=0))
+    assert write("b.tw") == batched

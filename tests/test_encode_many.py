@@ -243,3 +243,12 @@ def test_files_are_byte_identical_batched_or_not(tmp_path, monkeypatch):
     batched = write("a.tw")
     monkeypatch.setattr(state_mod, "group_batches", lambda keys, numels: group_batches(keys, numels, cap=0))
     assert write("b.tw") == batched
+
+
+def test_encode_many_of_tensors_that_do_not_share_a_key_encodes_each_alone():
+    codec = BlockwiseCodec()
+    params = codec.resolve_params({}, bits=4, block=64)
+    xs = [torch.randn(128), torch.randn(100), torch.randn(64).bfloat16()]  # whole blocks; not; other dtype
+    got = codec.encode_many(xs, params, None, None)
+    for x, enc in zip(xs, got):
+        _same_entry(enc.entry, codec.encode(x, params, None).entry)

@@ -61,6 +61,52 @@ def test_the_first_failing_item_in_order_is_raised():
         parallel_map(fn, [0, 1, 2, 3], sizes=[MIN_PARALLEL_SIZE] * 4, threads=3)
 
 
+def test_small_items_do_not_wait_for_a_large_item_before_them():
+    # The large item 0 finishes only once the small item 2 has run. A caller that waits for
+    # item 0 before running the small items after it would time out here.
+    small_ran = threading.Event()
+
+    def fn(i: int) -> int:
+        if i == 0:
+            assert small_ran.wait(timeout=5), "the small item waited for the large one"
+        if i == 2:
+            small_ran.set()
+        return i
+
+    sizes = [MIN_PARALLEL_SIZE, MIN_PARALLEL_SIZE, 0, MIN_PARALLEL_SIZE]
+    assert parallel_map(fn, [0, 1, 2, 3], sizes=sizes, threads=2) == [0, 1, 2, 3]
+
+
+def test_a_failing_small_item_stops_the_small_ones_after_it_and_is_raised_in_order():
+    ran: list[int] = []
+    done: list[int] = []
+
+    def fn(i: int) -> int:
+        ran.append(i)
+        if i == 2:
+            raise KeyError("small item 2")
+        return i
+
+    sizes = [MIN_PARALLEL_SIZE, 0, 0, 0, MIN_PARALLEL_SIZE]
+    with pytest.raises(KeyError, match="small item 2"):
+        parallel_map(fn, list(range(5)), sizes=sizes, threads=2, done=done.append)
+    assert 3 not in ran  # the small item after the failure never started
+    assert done == [0, 1]  # progress up to the failing item, in order
+
+
+def test_a_large_item_failing_before_a_failing_small_one_is_the_one_raised():
+    def fn(i: int) -> int:
+        if i == 0:
+            time.sleep(0.05)  # fails after the small item has failed, but comes first
+            raise ValueError("large item 0")
+        if i == 1:
+            raise KeyError("small item 1")
+        return i
+
+    with pytest.raises(ValueError, match="large item 0"):
+        parallel_map(fn, [0, 1, 2], sizes=[MIN_PARALLEL_SIZE, 0, MIN_PARALLEL_SIZE], threads=2)
+
+
 def test_done_is_called_on_the_caller_in_order():
     calls: list[tuple[int, str]] = []
     parallel_map(

@@ -91,20 +91,43 @@ def test_a_failing_small_item_stops_the_small_ones_after_it_and_is_raised_in_ord
     with pytest.raises(KeyError, match="small item 2"):
         parallel_map(fn, list(range(5)), sizes=sizes, threads=2, done=done.append)
     assert 3 not in ran  # the small item after the failure never started
-    assert done == [0, 1]  # progress up to the failing item, in order
+    # Progress up to the failing item, in order; the large item 0 counts if it had started
+    # before the failure cancelled it.
+    assert done == [i for i in (0, 1) if i in ran]
 
 
 def test_a_large_item_failing_before_a_failing_small_one_is_the_one_raised():
+    started = threading.Event()
+
     def fn(i: int) -> int:
         if i == 0:
+            started.set()
             time.sleep(0.05)  # fails after the small item has failed, but comes first
             raise ValueError("large item 0")
         if i == 1:
+            assert started.wait(timeout=5)  # item 0 runs: the failure cannot cancel it
             raise KeyError("small item 1")
         return i
 
     with pytest.raises(ValueError, match="large item 0"):
         parallel_map(fn, [0, 1, 2], sizes=[MIN_PARALLEL_SIZE, 0, MIN_PARALLEL_SIZE], threads=2)
+
+
+def test_no_item_is_still_running_when_a_call_raises():
+    finished: list[int] = []
+
+    def fn(i: int) -> int:
+        if i == 0:
+            raise ValueError("item 0")
+        time.sleep(0.05)
+        finished.append(i)
+        return i
+
+    with pytest.raises(ValueError, match="item 0"):
+        parallel_map(fn, [0, 1, 2], sizes=[MIN_PARALLEL_SIZE] * 3, threads=3)
+    seen = list(finished)
+    time.sleep(0.1)
+    assert finished == seen  # nothing finished after the call had raised
 
 
 def test_done_is_called_on_the_caller_in_order():

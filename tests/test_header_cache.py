@@ -121,3 +121,41 @@ def test_checkpointer_load_parses_each_header_once(tmp_path, parses):
     reader.load(0)
     assert parses == []  # nothing changed on disk: every header came from the cache
     assert state["step"] == 2
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+@pytest.mark.parametrize("delta", [True, False])
+def test_a_checkpointer_lists_its_own_files_without_parsing_them(tmp_path, parses, async_write, delta):
+    """A save lists the directory (retention) on the loop's thread; the files this
+    Checkpointer wrote are listed from what it noted when it encoded them, and the listing
+    is the one a fresh Checkpointer gets by parsing every header."""
+    state = _state()
+    with Checkpointer(tmp_path, keyframe_every=3, keep_last=2, async_write=async_write, delta=delta,
+                      fsync=False) as ckpt:
+        for step in range(7):
+            state["model"]["w"].add_(0.01)
+            ckpt.save(step, **state)
+        ckpt.flush()
+        assert parses == []
+        assert ckpt._headers._layouts == {}  # no header held for the saves' sake
+        own = ckpt._scan()
+    fresh = Checkpointer(tmp_path)._scan()
+    assert own == fresh and len(fresh) >= 2
+    kinds = {info.kind for info in fresh.values()}
+    assert ("delta" in kinds) == delta and ("standalone" in kinds) == (not delta)
+
+
+def test_a_file_replaced_behind_the_checkpointer_is_parsed_again(tmp_path, parses):
+    with Checkpointer(tmp_path, keyframe_every=10, keep_last=None, fsync=False) as ckpt:
+        ckpt.save(0, **_state())
+        ckpt.save(1, **_state(1))
+        ckpt.flush()
+        assert parses == []
+        # Another writer puts a different checkpoint at step 1's path.
+        other = tmp_path / "other"
+        with Checkpointer(other, fsync=False) as writer:
+            writer.save(1, model={"w": torch.zeros(3)})
+        os.replace(other / "step-00000001.tw.safetensors", tmp_path / "step-00000001.tw.safetensors")
+        listed = ckpt._scan()
+        assert parses == ["step-00000001.tw.safetensors"]
+        assert listed[1] == Checkpointer(tmp_path)._scan()[1]

@@ -374,3 +374,16 @@ def test_host_pages_times_a_first_touch_and_the_touches_after(capsys, monkeypatc
         huge = host_pages._huge(5 << 20)
         assert huge.numel() == 5 << 20 and huge.untyped_storage().nbytes() == 5 << 20
         assert huge.data_ptr() % host_pages.HUGE_PAGE == 0
+
+
+def test_gc_pauses_times_the_saves_of_both_modes(capsys) -> None:
+    import gc_pauses
+
+    assert gc_pauses.main(["--quick", "--saves", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in lines if line.startswith("| ")}
+    assert set(rows) >= {"default", "frozen"}
+    for mode in ("default", "frozen"):
+        first_pause, median_pause, max_pause, median_total, max_total, count, each = rows[mode]
+        assert 0 < float(median_pause) <= float(max_pause) <= float(max_total)
+        assert float(median_total) <= float(max_total) and int(count) >= 0 and float(each) >= 0

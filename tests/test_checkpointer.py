@@ -362,3 +362,43 @@ def test_default_keyframe_keeps_weights_exact_and_codes_the_moments(tmp_path, as
         for i, s in opt.state_dict()["state"].items():
             v, v_hat = s["exp_avg_sq"], state["optimizer"]["state"][i]["exp_avg_sq"]
             assert bool(((v == 0) == (v_hat == 0)).all()) and bool((v_hat >= 0).all())
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_retention_unlinks_on_the_writer_thread_and_leaves_no_temp_files(tmp_path, monkeypatch, async_write):
+    """A file retention drops leaves the listing at once (renamed); its unlink, slow for a
+    large file, runs on the writer thread, not in the loop's save()."""
+    import threading
+
+    unlinked: dict[str, str] = {}
+    real_unlink = os.unlink
+
+    def spy(path, *args, **kwargs):
+        unlinked[os.path.basename(os.fspath(path))] = threading.current_thread().name
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", spy)
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(tmp_path, keyframe_every=3, keep_last=2, async_write=async_write, fsync=False) as ckpt:
+        for step in range(8):
+            ckpt.save(step, model=model)
+        ckpt.flush()
+        kept = ckpt.steps()
+    assert unlinked, "retention deleted nothing: the test proves nothing"
+    assert all(fmt.is_temp_file(name) for name in unlinked)  # renamed before the unlink
+    threads = set(unlinked.values())
+    assert threads == ({"tw_triton-writer"} if async_write else {threading.current_thread().name})
+    # After flush() every dropped file is gone: only the kept checkpoints remain.
+    assert sorted(os.listdir(tmp_path)) == [f"step-{s:08d}.tw.safetensors" for s in kept]
+    assert len(kept) < 8
+
+
+def test_a_discarded_file_already_gone_is_not_an_error(tmp_path):
+    from tw_triton.writer import AsyncWriter
+
+    with AsyncWriter() as writer:
+        writer.discard(tmp_path / "never-written")
+        (tmp_path / "there").write_bytes(b"x")
+        writer.discard(tmp_path / "there")
+        writer.flush()
+        assert not (tmp_path / "there").exists()

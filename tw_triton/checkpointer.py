@@ -611,6 +611,9 @@ class Checkpointer:
     def remove_temp_files(self) -> list[str]:
         """Delete the temp files that interrupted writes left here; return their paths.
 
+        Retention renames a checkpoint it drops to such a name before the writer thread
+        unlinks it, so a crash in between leaves one too.
+
         Call it only when nothing else is writing to this directory.
         """
         removed = []
@@ -902,11 +905,19 @@ class Checkpointer:
         for step, info in found.items():
             if step in keep or info.checkpoint_id in needed:
                 continue
+            # Renamed out of the listing here (a metadata update), unlinked on the writer
+            # thread: the unlink of a large file is slow (see AsyncWriter.discard). A crash
+            # in between leaves a temp file that remove_temp_files() deletes.
+            doomed = _format.temp_path_for(info.path)
             try:
-                os.unlink(info.path)
+                os.replace(info.path, doomed)
             except FileNotFoundError:
                 continue
             self._manifest_cache.pop(info.path, None)
+            if self._writer is not None:
+                self._writer.discard(doomed)
+            else:
+                os.unlink(doomed)
             logger.debug("retention removed %s", info.path)
 
 

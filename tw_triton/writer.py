@@ -171,6 +171,14 @@ class _Job:
     pinned: torch.Tensor | None = None  # pool buffer to give back after the write
 
 
+@dataclass
+class _Discard:
+    """A file to delete on the writer thread (see :meth:`AsyncWriter.discard`)."""
+
+    path: str
+    future: Future
+
+
 class AsyncWriter:
     """Writes :class:`QuantizedState` snapshots to disk on a background thread.
 
@@ -215,6 +223,7 @@ class AsyncWriter:
         self._slots = threading.BoundedSemaphore(max_pending)
         self._lock = threading.Lock()
         self._pending: dict[Future, str] = {}
+        self._discards: set[Future] = set()
         self._errors: list[tuple[str, BaseException]] = []
         self._side_streams: dict[int, torch.cuda.Stream] = {}
         self._closed = False
@@ -279,6 +288,24 @@ class AsyncWriter:
         self._queue.put(job)
         return future
 
+    def discard(self, path: str | os.PathLike) -> None:
+        """Delete ``path`` on the writer thread, after the saves queued before it.
+
+        Why: unlinking a large file frees its page cache, which takes time (16 ms for an
+        81 MiB keyframe on the 2-core VM, 2 ms for each 9 MiB delta), and retention deletes a
+        whole keyframe cycle at once; on the loop's thread that was one pause of 0.06 s in
+        ten. A file already gone is fine; another failure is logged. :meth:`flush` and
+        :meth:`close` wait for it. A closed writer deletes it here and now.
+        """
+        path = os.fspath(path)
+        if self._closed:
+            _unlink_quietly(path)
+            return
+        future: Future = Future()
+        with self._lock:
+            self._discards.add(future)
+        self._queue.put(_Discard(path, future))
+
     def check(self) -> None:
         """Raise a failed save's error not yet raised, without waiting for anything.
 
@@ -294,7 +321,7 @@ class AsyncWriter:
             CheckpointError: a save failed since the last error was raised (chained).
         """
         with self._lock:
-            pending = list(self._pending)
+            pending = list(self._pending) + list(self._discards)
         wait_futures(pending)
         self._raise_pending_errors()
 
@@ -441,6 +468,12 @@ class AsyncWriter:
             job = self._queue.get()
             if job is None:
                 return
+            if isinstance(job, _Discard):
+                _unlink_quietly(job.path)
+                with self._lock:
+                    self._discards.discard(job.future)
+                job.future.set_result(None)
+                continue
             self._write(job)
 
     def _write(self, job: _Job) -> None:
@@ -472,6 +505,16 @@ class AsyncWriter:
             job.future.set_exception(error)
         else:
             job.future.set_result(nbytes)
+
+
+def _unlink_quietly(path: str) -> None:
+    """Delete ``path``; a file already gone is fine, another failure is logged."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("could not delete '%s': %s", path, exc)
 
 
 def _drain_at_exit(ref: "weakref.ReferenceType[AsyncWriter]") -> None:

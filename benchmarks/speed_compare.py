@@ -91,6 +91,7 @@ SAVE_METHODS = (
     "tw default keyframe",
     "tw default keyframe after prepare",
     "tw default delta",
+    "tw default delta, steady state",
 )
 # Which save method's files each load method reads.
 LOAD_METHODS = (
@@ -120,11 +121,18 @@ TW_RULES = {
     "tw default keyframe": {},
     "tw default keyframe after prepare": {},
     "tw default delta": {},
+    "tw default delta, steady state": {},
 }
 TW_KEYFRAMES = ("tw keyframe (exact)", "tw default keyframe", "tw default keyframe after prepare")
 # Methods that call Checkpointer.prepare before the measured save: its snapshot buffers are
 # faulted in outside the timed region (and outside the peak, which the pool then holds).
 TW_PREPARED = ("tw default keyframe after prepare",)
+# Deltas saved (untimed, each after a perturbation) between the keyframe and the measured
+# delta: a training loop saves many deltas per keyframe, and from the second on a delta
+# reuses pooled buffers and warm threads; "tw default delta" is the first after the
+# keyframe. Save only: loading the steady delta needs its whole closed-loop chain
+# (benchmarks/chain_load.py measures that).
+TW_WARMUP_DELTAS = {"tw default delta, steady state": 3}
 
 
 # ----------------------------------------------------------------------------- memory
@@ -245,6 +253,9 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
             # The keyframe first (not measured); the measured save is the delta after it.
             ckpt.save(0, model=state["model"], optimizer=state["optimizer"]).result()
             _perturb(state)
+            for warm in range(1, 1 + TW_WARMUP_DELTAS.get(method, 0)):
+                ckpt.save(warm, model=state["model"], optimizer=state["optimizer"]).result()
+                _perturb(state)
         if method in TW_PREPARED:
             ckpt.prepare(model=state["model"], optimizer=state["optimizer"])
     _sync()
@@ -280,7 +291,7 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
             fut.result()
             total = time.perf_counter() - t0
     else:
-        step = 0 if method in TW_KEYFRAMES else 1
+        step = 0 if method in TW_KEYFRAMES else 1 + TW_WARMUP_DELTAS.get(method, 0)
         fut = ckpt.save(step, model=state["model"], optimizer=state["optimizer"])
         blocked = time.perf_counter() - t0
         fut.result()
@@ -289,7 +300,12 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
     dev_peak = _device_peak_since(dev_base)
     if ckpt is not None:
         ckpt.close()
-        if method not in TW_KEYFRAMES:
+        if method in TW_WARMUP_DELTAS:
+            from tw_triton.checkpointer import checkpoint_name
+
+            step_file = out / checkpoint_name(1 + TW_WARMUP_DELTAS[method])
+            os.replace(step_file, out / "state.tw.safetensors")  # for its size
+        elif method not in TW_KEYFRAMES:
             # Keep only what a load of the delta needs, named for the load child.
             os.replace(out / "step-00000000.tw.safetensors", out / "reference.tw.safetensors")
             os.replace(out / "step-00000001.tw.safetensors", out / "state.tw.safetensors")

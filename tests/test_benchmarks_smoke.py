@@ -387,3 +387,18 @@ def test_gc_pauses_times_the_saves_of_both_modes(capsys) -> None:
         first_pause, median_pause, max_pause, median_total, max_total, count, each = rows[mode]
         assert 0 < float(median_pause) <= float(max_pause) <= float(max_total)
         assert float(median_total) <= float(max_total) and int(count) >= 0 and float(each) >= 0
+
+
+def test_steady_state_delta_is_the_fourth_delta_after_its_keyframe(tmp_path: Path) -> None:
+    import speed_compare as sc
+
+    from tw_triton.format import read_manifest
+
+    _, _, fixture = _trained_fixture(tmp_path, 64, 128)
+    out = tmp_path / "out"
+    out.mkdir()
+    saved = sc.child_save("tw default delta, steady state", fixture, out)
+    assert saved["file_bytes"] > 0 and 0 < saved["blocked_s"] <= saved["total_s"]
+    meta = read_manifest(out / "state.tw.safetensors")["metadata"]
+    assert meta["step"] == 4 and meta["kind"] == "delta"
+    assert "tw default delta, steady state" not in sc.LOAD_METHODS  # save only

@@ -384,6 +384,8 @@ def test_retention_unlinks_on_the_writer_thread_and_leaves_no_temp_files(tmp_pat
             ckpt.save(step, model=model)
         ckpt.flush()
         kept = ckpt.steps()
+        # Once flush() returns, every dropped file is gone (not only renamed).
+        assert sorted(os.listdir(tmp_path)) == [f"step-{s:08d}.tw.safetensors" for s in kept]
     assert unlinked, "retention deleted nothing: the test proves nothing"
     assert all(fmt.is_temp_file(name) for name in unlinked)  # renamed before the unlink
     threads = set(unlinked.values())

@@ -492,7 +492,10 @@ class Checkpointer:
         return self._saves.reserve(sizes, self._kept_bytes())
 
     def flush(self) -> None:
-        """Wait for every pending save, apply retention, and raise a failed save's error."""
+        """Wait for every pending save, apply retention, and raise a failed save's error.
+
+        When it returns, the files retention dropped are deleted, not only out of the listing.
+        """
         if self._writer is not None:
             try:
                 self._writer.flush()
@@ -500,6 +503,8 @@ class Checkpointer:
                 self._collect_finished()
                 self._drop_reference_if_lost()
         self._retain()
+        if self._writer is not None:
+            self._writer.flush()  # the deletions that retention just queued
 
     def close(self) -> None:
         """Flush, stop the writer thread, and drop the reference. Closing twice is harmless."""

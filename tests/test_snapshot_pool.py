@@ -416,7 +416,11 @@ def test_prepare_lets_the_first_save_copy_into_reserved_buffers(tmp_path):
     reserved = ckpt.prepare(model=model, optimizer=opt)
     pooled = [t for t in [*model.state_dict().values(), *(
         m for s in opt.state_dict()["state"].values() for m in s.values())] if t.nbytes >= MIN_POOLED_BYTES]
-    assert reserved == sum(t.nbytes for t in pooled) > 0
+    # The two weights (the tensors "default" delta-codes) twice: the first delta copies
+    # them again while the keyframe's copies stay held as its reference.
+    weights = [t for t in model.state_dict().values() if t.nbytes >= MIN_POOLED_BYTES]
+    assert len(weights) == 2
+    assert reserved == sum(t.nbytes for t in pooled) + sum(t.nbytes for t in weights)
     assert ckpt.prepare(model=model, optimizer=opt) == 0  # nothing missing
     assert ckpt.pool_bytes == reserved
     allocated = ckpt._saves.pool.allocated
@@ -424,14 +428,31 @@ def test_prepare_lets_the_first_save_copy_into_reserved_buffers(tmp_path):
     # Every pooled tensor of the snapshot took a reserved buffer; only the writer thread's
     # outputs (none here: the keyframe is exact) could have needed new ones.
     assert ckpt._saves.pool.reused == len(pooled) and ckpt._saves.pool.allocated == allocated
-    ckpt.close()
     plain = Checkpointer(tmp_path / "b", fsync=False, rules="default")
     plain.save(0, model=model, optimizer=opt).result()
     plain.close()
+    # With the reference holding the keyframe's weights, a prepare adds nothing.
+    assert ckpt.prepare(model=model, optimizer=opt) == 0
+    train_step(model, opt, 1)
+    ckpt.save(1, model=model, optimizer=opt).result()
+    # The first delta's snapshot found reserved buffers too: no new memory in save(). The
+    # writer thread's int8 codes of the two weights (64 KiB each) are pooled new buffers.
+    assert ckpt._saves.pool.reused == 2 * len(pooled)
+    assert ckpt._saves.pool.allocated - allocated <= len(weights)
+    ckpt.close()
     a = Checkpointer(tmp_path / "a").load(0)
     b = Checkpointer(tmp_path / "b").load(0)
     for name, t in b["model"].items():
         assert torch.equal(a["model"][name], t), name
+
+
+def test_prepare_without_deltas_reserves_one_snapshot(tmp_path):
+    model, opt = make_run()
+    ckpt = Checkpointer(tmp_path, fsync=False, rules="default", delta=False)
+    pooled = [t for t in [*model.state_dict().values(), *(
+        m for s in opt.state_dict()["state"].values() for m in s.values())] if t.nbytes >= MIN_POOLED_BYTES]
+    assert ckpt.prepare(model=model, optimizer=opt) == sum(t.nbytes for t in pooled)
+    ckpt.close()
 
 
 def test_prepare_reserves_nothing_where_saves_do_not_copy_into_the_pool(tmp_path):

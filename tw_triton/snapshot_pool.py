@@ -311,15 +311,20 @@ class SavePool:
                 still.append((future, lease, own))
         self._pending = still
 
-    def reserve(self, sizes: Sequence[int], kept: int = 0) -> int:
+    def reserve(self, sizes: Sequence[int], kept: int = 0, extra: Sequence[int] = ()) -> int:
         """:meth:`SnapshotPool.reserve` for a save of buffers of ``sizes`` bytes, the cap
-        first made room for it; returns the bytes added (0 without a pool)."""
+        first made room for it; returns the bytes added (0 without a pool).
+
+        ``extra``: more buffers to reserve beside the save's, for memory the caller will
+        keep (a delta reference holds its keyframe's copies while the next save copies the
+        state again); the cap makes room for them as it does for ``kept``.
+        """
         if self.pool is None:
             return 0
         if self._auto:
             self.largest = max(self.largest, sum(sizes))
-            self._update_cap(kept)
-        return self.pool.reserve(sizes)
+            self._update_cap(kept + sum(extra))
+        return self.pool.reserve([*sizes, *extra])
 
     def close(self) -> None:
         """Give back what is written and drop the free buffers (call once nothing is pending)."""

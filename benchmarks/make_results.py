@@ -499,7 +499,8 @@ def gpu_section(root: Path = RESULTS_DIR / "gpu") -> str:
 # The Checkpointer as users get it: its default rules and delta mode.
 SPEED_HEADLINES = ("tw default keyframe", "tw default delta", "tw default delta, steady state")
 # The same keyframe save after Checkpointer.prepare: its pause goes beside the keyframe's.
-PREPARED = {"tw default keyframe": "tw default keyframe after prepare"}
+PREPARED = {"tw default keyframe": "tw default keyframe after prepare",
+            "tw default delta": "tw default delta after prepare"}
 
 
 def other_pages() -> str:

@@ -91,6 +91,7 @@ SAVE_METHODS = (
     "tw default keyframe",
     "tw default keyframe after prepare",
     "tw default delta",
+    "tw default delta after prepare",
     "tw default delta, steady state",
 )
 # Which save method's files each load method reads.
@@ -121,12 +122,13 @@ TW_RULES = {
     "tw default keyframe": {},
     "tw default keyframe after prepare": {},
     "tw default delta": {},
+    "tw default delta after prepare": {},
     "tw default delta, steady state": {},
 }
 TW_KEYFRAMES = ("tw keyframe (exact)", "tw default keyframe", "tw default keyframe after prepare")
 # Methods that call Checkpointer.prepare before the measured save: its snapshot buffers are
 # faulted in outside the timed region (and outside the peak, which the pool then holds).
-TW_PREPARED = ("tw default keyframe after prepare",)
+TW_PREPARED = ("tw default keyframe after prepare", "tw default delta after prepare")
 # Deltas saved (untimed, each after a perturbation) between the keyframe and the measured
 # delta: a training loop saves many deltas per keyframe, and from the second on a delta
 # reuses pooled buffers and warm threads; "tw default delta" is the first after the
@@ -249,6 +251,9 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
         from tw_triton import Checkpointer
 
         ckpt = Checkpointer(out, keyframe_every=1_000_000, keep_last=None, **TW_RULES[method])
+        if method in TW_PREPARED:
+            # Before the keyframe, as a training loop calls it (after its first step).
+            ckpt.prepare(model=state["model"], optimizer=state["optimizer"])
         if method not in TW_KEYFRAMES:
             # The keyframe first (not measured); the measured save is the delta after it.
             ckpt.save(0, model=state["model"], optimizer=state["optimizer"]).result()
@@ -256,8 +261,6 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
             for warm in range(1, 1 + TW_WARMUP_DELTAS.get(method, 0)):
                 ckpt.save(warm, model=state["model"], optimizer=state["optimizer"]).result()
                 _perturb(state)
-        if method in TW_PREPARED:
-            ckpt.prepare(model=state["model"], optimizer=state["optimizer"])
     _sync()
     # The fixture's load left garbage behind; a full collection inside the timed region
     # (80 ms on this state) would be charged to whichever method happened to trigger it.

@@ -402,3 +402,20 @@ def test_steady_state_delta_is_the_fourth_delta_after_its_keyframe(tmp_path: Pat
     meta = read_manifest(out / "state.tw.safetensors")["metadata"]
     assert meta["step"] == 4 and meta["kind"] == "delta"
     assert "tw default delta, steady state" not in sc.LOAD_METHODS  # save only
+
+
+def test_prepared_delta_is_the_first_after_a_prepared_keyframe(tmp_path: Path, monkeypatch) -> None:
+    import speed_compare as sc
+    from tw_triton import Checkpointer
+    from tw_triton.format import read_manifest
+
+    calls = []
+    real = Checkpointer.prepare
+    monkeypatch.setattr(Checkpointer, "prepare", lambda self, **s: calls.append(self.steps()) or real(self, **s))
+    _, _, fixture = _trained_fixture(tmp_path, 256, 256)
+    out = tmp_path / "out"
+    out.mkdir()
+    saved = sc.child_save("tw default delta after prepare", fixture, out)
+    assert calls == [[]]  # once, before the keyframe
+    assert saved["file_bytes"] > 0 and 0 < saved["blocked_s"] <= saved["total_s"]
+    assert read_manifest(out / "state.tw.safetensors")["metadata"]["step"] == 1

@@ -404,3 +404,22 @@ def test_a_discarded_file_already_gone_is_not_an_error(tmp_path):
         writer.discard(tmp_path / "there")
         writer.flush()
         assert not (tmp_path / "there").exists()
+
+
+def test_a_writer_task_runs_on_the_writer_thread_and_its_error_is_only_logged(tmp_path, caplog):
+    import threading
+
+    from tw_triton.writer import AsyncWriter
+
+    ran: list[str] = []
+
+    def fail() -> None:
+        raise RuntimeError("task broke")
+
+    with AsyncWriter() as writer:
+        writer.call(lambda: ran.append(threading.current_thread().name))
+        with caplog.at_level("WARNING", logger="tw_triton.writer"):
+            writer.call(fail)
+            writer.flush()  # waits for both, raises nothing
+        assert ran == ["tw_triton-writer"]
+        assert "task broke" in caplog.text

@@ -492,3 +492,32 @@ def test_save_pool_gives_a_lease_back_only_when_its_future_is_done_and_caps_by_t
     assert off.lease() is None and off.reserve([BIG * 4]) == 0 and off.held_bytes == 0
     with pytest.raises(CheckpointError, match="snapshot_pool_bytes"):
         SavePool(-1, 2)
+
+
+def test_the_first_delta_finds_its_buffers_without_prepare(tmp_path):
+    """After the first keyframe the writer thread faults in room for the copy the first
+    delta makes while the keyframe's weights stay held as its reference."""
+    model, opt = make_run()
+    ckpt = Checkpointer(tmp_path, fsync=False, rules="default")
+    pooled = [t for t in [*model.state_dict().values(), *(
+        m for s in opt.state_dict()["state"].values() for m in s.values())] if t.nbytes >= MIN_POOLED_BYTES]
+    weights = [t for t in model.state_dict().values() if t.nbytes >= MIN_POOLED_BYTES]
+    ckpt.save(0, model=model, optimizer=opt).result()
+    ckpt._writer.flush()  # the reservation runs on the writer thread after the keyframe
+    assert ckpt.pool_bytes == sum(t.nbytes for t in pooled) + sum(t.nbytes for t in weights)
+    allocated = ckpt._saves.pool.allocated
+    train_step(model, opt, 1)
+    ckpt.save(1, model=model, optimizer=opt).result()
+    assert ckpt._saves.pool.reused == len(pooled)  # the delta's whole snapshot
+    assert ckpt._saves.pool.allocated - allocated <= len(weights)  # the writer's int8 codes
+    ckpt.close()
+
+
+def test_prepare_and_the_first_keyframe_reserve_the_reference_share_once(tmp_path):
+    model, opt = make_run()
+    ckpt = Checkpointer(tmp_path, fsync=False, rules="default")
+    reserved = ckpt.prepare(model=model, optimizer=opt)
+    ckpt.save(0, model=model, optimizer=opt).result()
+    ckpt._writer.flush()
+    assert ckpt.pool_bytes == reserved  # nothing reserved again after the keyframe
+    ckpt.close()

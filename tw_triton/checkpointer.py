@@ -312,6 +312,9 @@ class Checkpointer:
         )
         self._reference: Reference | None = None
         self._since_keyframe: int | None = None  # None: the next save is a keyframe
+        # Whether the pool got (or is getting) room for the first delta's copy of what the
+        # reference holds: once per Checkpointer, by prepare() or after the first keyframe.
+        self._ref_share_reserved = False
         # step -> (future, id, ref id, what its file says of itself once encoded)
         self._inflight: dict[int, tuple[Future, str, str | None, _Noted]] = {}
         self._manifest_cache: dict[str, tuple[tuple[int, int], CheckpointInfo | None]] = {}
@@ -378,6 +381,7 @@ class Checkpointer:
             self._warned_coarse = warn_if_too_coarse(rule_list, self.delta_mode, self.directory)
         kf_rules = rules_as_specs(keyframe_rules(rule_list))
         ref_values: dict[str, torch.Tensor] = {}
+        ref_share: list[int] = []
         noted = _Noted(path)
         try:
             if self._writer is not None and _all_on_cpu(tree):
@@ -406,6 +410,7 @@ class Checkpointer:
                     # once that thread runs it would wait on the GIL (seen as 30% of the pause).
                     if self.delta:
                         ref_values = delta_coded(snapshot.tensors, rule_list)
+                        ref_share = [t.numel() * t.element_size() for t in ref_values.values()]
                 else:
                     job = functools.partial(
                         _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block,
@@ -414,6 +419,13 @@ class Checkpointer:
                 future = self._write(noted.noting(job), path)
                 if reference is not None and not keyframe:
                     reference.last_use = future
+                if ref_share and not self._ref_share_reserved:
+                    # The first delta copies the state while this keyframe's copies of what
+                    # it is coded against stay held as the reference: fault that much memory
+                    # in on the writer thread once the keyframe is written, not in that
+                    # delta's save() (see prepare()).
+                    self._ref_share_reserved = True
+                    self._writer.call(functools.partial(self._saves.reserve_beside, ref_share))
             else:
                 if keyframe:
                     q = _encode_keyframe(tree, kf_rules, self.bits, self.block, meta, None,
@@ -498,9 +510,10 @@ class Checkpointer:
         # its own. Without it that delta paused 0.21x torch.save instead of ~0.16x (default
         # rules), 0.33x with "int8-exp-avg", whose reference also holds exp_avg.
         extra: list[int] = []
-        if self.delta and self._reference is None:
+        if self.delta and self._reference is None and not self._ref_share_reserved:
             rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
             extra = [t.numel() * t.element_size() for t in delta_coded(flat, rule_list).values()]
+            self._ref_share_reserved = bool(extra)
         return self._saves.reserve(sizes, self._kept_bytes(), extra)
 
     def flush(self) -> None:

@@ -108,12 +108,14 @@ class SnapshotPool:
                 self._held -= size * len(bufs)
             self._free.clear()
 
-    def reserve(self, sizes: Iterable[int]) -> int:
+    def reserve(self, sizes: Iterable[int], *, beside_free: bool = False) -> int:
         """Add free buffers of these byte sizes, with their pages faulted in, now.
 
         The first save of a process otherwise copies into fresh memory and pays for every
         page fault inside ``save()``. A size is reserved as many times as it appears, less
-        the free buffers of that size already here (reserving twice adds nothing). Sizes
+        the free buffers of that size already here (reserving twice adds nothing), or
+        beside them with ``beside_free`` (for buffers the next save needs on top of the
+        free ones). Sizes
         under ``min_bytes`` are skipped (they are not pooled), and a size that would take
         the pool over its cap is skipped too: what could not be reserved is allocated by
         the save that needs it, as without a reservation.
@@ -125,7 +127,8 @@ class SnapshotPool:
         added = 0
         for nbytes, count in sorted(wanted.items(), reverse=True):
             with self._lock:
-                count -= len(self._free.get(nbytes, ()))
+                if not beside_free:
+                    count -= len(self._free.get(nbytes, ()))
                 cap = self.cap_bytes
                 if cap is not None:
                     count = min(count, (cap - self._held) // nbytes)
@@ -325,6 +328,13 @@ class SavePool:
             self.largest = max(self.largest, sum(sizes))
             self._update_cap(kept + sum(extra))
         return self.pool.reserve([*sizes, *extra])
+
+    def reserve_beside(self, sizes: Sequence[int]) -> int:
+        """Add free buffers of ``sizes`` beside those free already, within the cap; returns
+        the bytes added (0 without a pool). Thread-safe: the writer thread calls it."""
+        if self.pool is None:
+            return 0
+        return self.pool.reserve(sizes, beside_free=True)
 
     def close(self) -> None:
         """Give back what is written and drop the free buffers (call once nothing is pending)."""

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -172,10 +173,10 @@ class _Job:
 
 
 @dataclass
-class _Discard:
-    """A file to delete on the writer thread (see :meth:`AsyncWriter.discard`)."""
+class _Task:
+    """Work for the writer thread between saves (see :meth:`AsyncWriter.call`)."""
 
-    path: str
+    fn: Callable[[], Any]
     future: Future
 
 
@@ -223,7 +224,7 @@ class AsyncWriter:
         self._slots = threading.BoundedSemaphore(max_pending)
         self._lock = threading.Lock()
         self._pending: dict[Future, str] = {}
-        self._discards: set[Future] = set()
+        self._tasks: set[Future] = set()
         self._errors: list[tuple[str, BaseException]] = []
         self._side_streams: dict[int, torch.cuda.Stream] = {}
         self._closed = False
@@ -297,14 +298,22 @@ class AsyncWriter:
         ten. A file already gone is fine; another failure is logged. :meth:`flush` and
         :meth:`close` wait for it. A closed writer deletes it here and now.
         """
-        path = os.fspath(path)
+        self.call(functools.partial(_unlink_quietly, os.fspath(path)))
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on the writer thread, after the saves queued before it.
+
+        For work the loop should not wait for (deleting files, faulting in memory a later
+        save will use). :meth:`flush` and :meth:`close` wait for it; an exception it raises
+        is logged, not raised. A closed writer runs it here and now.
+        """
         if self._closed:
-            _unlink_quietly(path)
+            _run_logged(fn)
             return
         future: Future = Future()
         with self._lock:
-            self._discards.add(future)
-        self._queue.put(_Discard(path, future))
+            self._tasks.add(future)
+        self._queue.put(_Task(fn, future))
 
     def check(self) -> None:
         """Raise a failed save's error not yet raised, without waiting for anything.
@@ -321,7 +330,7 @@ class AsyncWriter:
             CheckpointError: a save failed since the last error was raised (chained).
         """
         with self._lock:
-            pending = list(self._pending) + list(self._discards)
+            pending = list(self._pending) + list(self._tasks)
         wait_futures(pending)
         self._raise_pending_errors()
 
@@ -468,10 +477,10 @@ class AsyncWriter:
             job = self._queue.get()
             if job is None:
                 return
-            if isinstance(job, _Discard):
-                _unlink_quietly(job.path)
+            if isinstance(job, _Task):
+                _run_logged(job.fn)
                 with self._lock:
-                    self._discards.discard(job.future)
+                    self._tasks.discard(job.future)
                 job.future.set_result(None)
                 continue
             self._write(job)
@@ -505,6 +514,14 @@ class AsyncWriter:
             job.future.set_exception(error)
         else:
             job.future.set_result(nbytes)
+
+
+def _run_logged(fn: Callable[[], Any]) -> None:
+    """Run ``fn()``; log what it raises (a task between saves has no caller to raise to)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - logged: nothing waits for this task's result
+        logger.warning("writer task %r failed: %s: %s", fn, type(exc).__name__, exc)
 
 
 def _unlink_quietly(path: str) -> None:

@@ -61,22 +61,6 @@ def test_the_first_failing_item_in_order_is_raised():
         parallel_map(fn, [0, 1, 2, 3], sizes=[MIN_PARALLEL_SIZE] * 4, threads=3)
 
 
-def test_small_items_do_not_wait_for_a_large_item_before_them():
-    # The large item 0 finishes only once the small item 2 has run. A caller that waits for
-    # item 0 before running the small items after it would time out here.
-    small_ran = threading.Event()
-
-    def fn(i: int) -> int:
-        if i == 0:
-            assert small_ran.wait(timeout=5), "the small item waited for the large one"
-        if i == 2:
-            small_ran.set()
-        return i
-
-    sizes = [MIN_PARALLEL_SIZE, MIN_PARALLEL_SIZE, 0, MIN_PARALLEL_SIZE]
-    assert parallel_map(fn, [0, 1, 2, 3], sizes=sizes, threads=2) == [0, 1, 2, 3]
-
-
 def test_a_failing_small_item_stops_the_small_ones_after_it_and_is_raised_in_order():
     ran: list[int] = []
     done: list[int] = []

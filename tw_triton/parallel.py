@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -103,30 +103,10 @@ def parallel_map(
         ) as pool:
             futures = {i: pool.submit(fn, items[i]) for i in order}
             try:
-                # Small items run here first, in order, while the workers take the large
-                # ones: waiting on a large item before the small ones after it left this
-                # thread idle with work queued behind it. After a failure no further item
-                # starts here. Progress (``done``) is reported once they are all done.
-                here: dict[int, Any] = {}
-                for i in range(n):
-                    if i not in futures:
-                        try:
-                            here[i] = fn(items[i])
-                        except BaseException as exc:
-                            here[i] = _Raised(exc)
-                            for f in futures.values():
-                                f.cancel()
-                            break
                 results = []
                 for i in range(n):
-                    if i in futures:
-                        if futures[i].cancelled():
-                            continue  # never ran: an item after it (here) failed
-                        results.append(futures[i].result())
-                    elif isinstance(here[i], _Raised):
-                        raise here[i].exc
-                    else:
-                        results.append(here[i])
+                    # Small items run here meanwhile, in order.
+                    results.append(futures[i].result() if i in futures else fn(items[i]))
                     if done is not None:
                         done(i)
                 return results
@@ -139,13 +119,6 @@ def parallel_map(
         # run a torch op; the workers set it to 1, so it is put back (this thread's own
         # count is the same value: nothing changes for it).
         torch.set_num_threads(intraop)
-
-
-class _Raised:
-    """An exception raised by an item run on the calling thread, kept until its turn."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
 
 
 def _one_intraop_thread() -> None:

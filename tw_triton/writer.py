@@ -478,10 +478,13 @@ class AsyncWriter:
             if job is None:
                 return
             if isinstance(job, _Task):
-                _run_logged(job.fn)
-                with self._lock:
-                    self._tasks.discard(job.future)
-                job.future.set_result(None)
+                try:
+                    _run_logged(job.fn)
+                finally:
+                    # Even past a KeyboardInterrupt-like escape: flush() must not wait forever.
+                    with self._lock:
+                        self._tasks.discard(job.future)
+                    job.future.set_result(None)
                 continue
             self._write(job)
 

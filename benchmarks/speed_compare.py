@@ -131,7 +131,7 @@ TW_KEYFRAMES = ("tw keyframe (exact)", "tw default keyframe", "tw default keyfra
 TW_PREPARED = ("tw default keyframe after prepare", "tw default delta after prepare")
 # Deltas saved (untimed, each after a perturbation) between the keyframe and the measured
 # delta: a training loop saves many deltas per keyframe, and from the second on a delta
-# reuses pooled buffers and warm threads; "tw default delta" is the first after the
+# reuses the buffers of the one before; "tw default delta" is the first after the
 # keyframe. Save only: loading the steady delta needs its whole closed-loop chain
 # (benchmarks/chain_load.py measures that).
 TW_WARMUP_DELTAS = {"tw default delta, steady state": 3}

@@ -108,7 +108,7 @@ import uuid
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -410,7 +410,7 @@ class Checkpointer:
                     # once that thread runs it would wait on the GIL (seen as 30% of the pause).
                     if self.delta:
                         ref_values = delta_coded(snapshot.tensors, rule_list)
-                        ref_share = [t.numel() * t.element_size() for t in ref_values.values()]
+                        ref_share = _nbytes_each(ref_values.values())
                 else:
                     job = functools.partial(
                         _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block,
@@ -504,7 +504,7 @@ class Checkpointer:
             return 0
         self._collect_finished()  # written saves' buffers are free again: count them
         flat = flatten(tree)[0]
-        sizes = [t.numel() * t.element_size() for t in flat.values()]
+        sizes = _nbytes_each(flat.values())
         # The first delta copies the state while the keyframe's copies of what it is coded
         # against stay held as the reference: room for those too, until a reference holds
         # its own. Without it that delta paused 0.21x torch.save instead of ~0.16x (default
@@ -512,7 +512,7 @@ class Checkpointer:
         extra: list[int] = []
         if self.delta and self._reference is None and not self._ref_share_reserved:
             rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
-            extra = [t.numel() * t.element_size() for t in delta_coded(flat, rule_list).values()]
+            extra = _nbytes_each(delta_coded(flat, rule_list).values())
             self._ref_share_reserved = bool(extra)
         return self._saves.reserve(sizes, self._kept_bytes(), extra)
 
@@ -981,6 +981,10 @@ def _decode_read(
 
 def _wants_pinned(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
+
+
+def _nbytes_each(tensors: Iterable[torch.Tensor]) -> list[int]:
+    return [t.numel() * t.element_size() for t in tensors]
 
 
 def _all_on_cpu(tree: Any) -> bool:

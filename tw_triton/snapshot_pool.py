@@ -115,10 +115,9 @@ class SnapshotPool:
         page fault inside ``save()``. A size is reserved as many times as it appears, less
         the free buffers of that size already here (reserving twice adds nothing), or
         beside them with ``beside_free`` (for buffers the next save needs on top of the
-        free ones). Sizes
-        under ``min_bytes`` are skipped (they are not pooled), and a size that would take
-        the pool over its cap is skipped too: what could not be reserved is allocated by
-        the save that needs it, as without a reservation.
+        free ones). Sizes under ``min_bytes`` are skipped (they are not pooled), and a size
+        that would take the pool over its cap is skipped too: what could not be reserved is
+        allocated by the save that needs it, as without a reservation.
 
         Returns:
             The bytes added.

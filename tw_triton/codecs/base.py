@@ -110,15 +110,14 @@ class Codec(ABC):
         :meth:`encode` (``allocate`` ``None``) or :meth:`encode_with` gives for that tensor
         alone: one encode of the concatenation where :meth:`batch_layout` says how to split
         it, else one encode each."""
+        refs = [None] * len(xs) if references is None else references
         layout = self.batch_layout(params) if len(xs) > 1 else None
         if layout is not None:
             # Only tensors that share one key concatenate to what each gives alone.
-            refs_or_none = [None] * len(xs) if references is None else references
-            keys = {self.batch_key(x, params, r) for x, r in zip(xs, refs_or_none)}
+            keys = {self.batch_key(x, params, r) for x, r in zip(xs, refs)}
             if len(keys) != 1 or None in keys:
                 layout = None
         if layout is None:
-            refs = [None] * len(xs) if references is None else references
             if allocate is None:
                 return [self.encode(x, params, r) for x, r in zip(xs, refs)]
             return [self.encode_with(x, params, r, allocate) for x, r in zip(xs, refs)]

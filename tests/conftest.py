@@ -74,3 +74,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type
             f"{item.nodeid}: a 'cuda' test was skipped although a CUDA device is present "
             f"({reason}); the GPU half of the suite must run in full"
         )
+
+
+@pytest.fixture
+def parses(monkeypatch) -> list[str]:
+    """The base names of the files whose header is parsed, in order."""
+    from tw_triton import format as fmt
+
+    seen: list[str] = []
+    real = fmt._read_layout
+
+    def counted(f, path):
+        seen.append(os.path.basename(path))
+        return real(f, path)
+
+    monkeypatch.setattr(fmt, "_read_layout", counted)
+    return seen

@@ -19,20 +19,6 @@ def _state(seed: int = 0) -> dict:
     return {"model": {"w": torch.randn(64, 128, generator=g), "b": torch.randn(64, generator=g)}}
 
 
-@pytest.fixture
-def parses(monkeypatch) -> list[str]:
-    """The paths whose header is parsed, in order."""
-    seen: list[str] = []
-    real = fmt._read_layout
-
-    def counted(f, path):
-        seen.append(os.path.basename(path))
-        return real(f, path)
-
-    monkeypatch.setattr(fmt, "_read_layout", counted)
-    return seen
-
-
 def test_a_file_is_parsed_once_per_cache(tmp_path, parses):
     path = tmp_path / "a.tw"
     tw_triton.save(tw_triton.quantize_state_dict(_state(), rules="int8-delta"), path)
@@ -137,9 +123,9 @@ def test_a_checkpointer_lists_its_own_files_without_parsing_them(tmp_path, parse
             ckpt.save(step, **state)
         ckpt.flush()
         assert parses == []
-        assert ckpt._headers._layouts == {}  # no header held for the saves' sake
-        own = ckpt._scan()
-    fresh = Checkpointer(tmp_path)._scan()
+        assert ckpt._dir.headers._layouts == {}  # no header held for the saves' sake
+        own = ckpt._dir.scan()
+    fresh = Checkpointer(tmp_path)._dir.scan()
     assert own == fresh and len(fresh) >= 2
     kinds = {info.kind for info in fresh.values()}
     assert ("delta" in kinds) == delta and ("standalone" in kinds) == (not delta)
@@ -156,6 +142,6 @@ def test_a_file_replaced_behind_the_checkpointer_is_parsed_again(tmp_path, parse
         with Checkpointer(other, fsync=False) as writer:
             writer.save(1, model={"w": torch.zeros(3)})
         os.replace(other / "step-00000001.tw.safetensors", tmp_path / "step-00000001.tw.safetensors")
-        listed = ckpt._scan()
+        listed = ckpt._dir.scan()
         assert parses == ["step-00000001.tw.safetensors"]
-        assert listed[1] == Checkpointer(tmp_path)._scan()[1]
+        assert listed[1] == Checkpointer(tmp_path)._dir.scan()[1]

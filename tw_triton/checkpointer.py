@@ -101,32 +101,34 @@ import functools
 import logging
 import operator
 import os
-import random
-import re
 import time
 import uuid
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-import numpy as np
 import torch
 
 from . import format as _format
-from .errors import CheckpointError, ReferenceMismatchError, TwTritonError
+from .checkpoint_dir import (
+    CheckpointDirectory,
+    CheckpointInfo,
+    checkpoint_name,
+    parse_checkpoint_name,
+    wants_pinned,
+)
+from .errors import CheckpointError, TwTritonError
 from .qstate import QuantizedState
 from .deltas import (
     Reference,
     advance,
-    chain_of,
     check_reference,
-    decode_chain,
     delta_mode,
     delta_coded,
     make_reference,
     with_references,
 )
+from .rng import capture_rng_state, restore_rng_state
 from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
 from .snapshot_pool import SavePool, SnapshotLease
 from .state import quantize_state_dict
@@ -135,10 +137,7 @@ from .writer import AsyncWriter
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_SUFFIX = ".tw.safetensors"
-STEP_DIGITS = 8
 RESERVED_NAMES = ("step", "rng")
-_NAME_RE = re.compile(r"step-(\d+)\.tw\.safetensors")
 
 # The smallest preset the resume benchmarks measured within the noise floor (README).
 DEFAULT_RULES = "smallest"
@@ -147,77 +146,6 @@ DEFAULT_DELTA = "closed"
 KIND_KEYFRAME = "keyframe"  # everything exact, no reference
 KIND_DELTA = "delta"  # quantized entries are deltas from a keyframe
 KIND_STANDALONE = "standalone"  # quantized without a reference (delta=False mode)
-
-
-def checkpoint_name(step: int) -> str:
-    """File name of the checkpoint of ``step``, e.g. ``step-00000100.tw.safetensors``."""
-    return f"step-{step:0{STEP_DIGITS}d}{CHECKPOINT_SUFFIX}"
-
-
-def parse_checkpoint_name(name: str) -> int | None:
-    """The step of a checkpoint file name, or ``None`` if it is not one (temp files too)."""
-    m = _NAME_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What the directory listing knows of one complete checkpoint file (from its header).
-
-    Attributes:
-        step: training step (from the file name).
-        path: the file.
-        checkpoint_id: its id.
-        reference_id: id of the keyframe it is a delta from, or ``None``.
-        kind: ``"keyframe"``, ``"delta"`` or ``"standalone"`` (from the manifest metadata;
-            ``"unknown"`` for a file not written by a Checkpointer).
-        nbytes: file size.
-    """
-
-    step: int
-    path: str
-    checkpoint_id: str
-    reference_id: str | None
-    kind: str
-    nbytes: int
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """The RNG states of torch (CPU; CUDA if initialized), numpy and Python ``random``."""
-    rng: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    # Asking for CUDA RNG states would initialize CUDA in a CPU-only run; a run that uses
-    # CUDA has initialized it by the time it saves.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    return rng
-
-
-def restore_rng_state(rng: dict[str, Any], *, source: str = "checkpoint") -> None:
-    """Put back RNG states recorded by :func:`capture_rng_state`.
-
-    Raises:
-        CheckpointError: the recorded states are missing or malformed (names ``source``).
-    """
-    try:
-        torch.set_rng_state(rng["torch"].detach().to("cpu", torch.uint8))
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{source}: cannot restore the RNG states: {type(e).__name__}: {e}") from e
-    cuda = rng.get("cuda")
-    if cuda is not None:
-        if torch.cuda.is_available() and torch.cuda.device_count() >= len(cuda):
-            torch.cuda.set_rng_state_all([t.detach().to("cpu", torch.uint8) for t in cuda])
-        else:
-            logger.warning(
-                "%s: recorded CUDA RNG states for %d device(s) but %d are available; "
-                "CUDA RNG states not restored", source, len(cuda),
-                torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            )
 
 
 def _state_of(value: Any) -> Any:
@@ -297,8 +225,8 @@ class Checkpointer:
             raise CheckpointError(f"keyframe_every must be at least 1, got {keyframe_every}")
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be at least 1 or None, got {keep_last}")
-        self.directory = os.fspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        self._dir = CheckpointDirectory(directory)
+        self.directory = self._dir.path
         self.keyframe_every = keyframe_every
         self.keep_last = keep_last
         self.rules = rules
@@ -317,9 +245,6 @@ class Checkpointer:
         self._ref_share_reserved = False
         # step -> (future, id, ref id, what its file says of itself once encoded)
         self._inflight: dict[int, tuple[Future, str, str | None, _Noted]] = {}
-        self._manifest_cache: dict[str, tuple[tuple[int, int], CheckpointInfo | None]] = {}
-        # The headers the listing parsed, for the reads of a load that follow it.
-        self._headers = _format.HeaderCache()
         # Each save's pooled buffers, until its write is done (then back to the pool).
         self._saves = SavePool(snapshot_pool_bytes, (max_pending + 1) if async_write else 1)
         self._closed = False
@@ -371,7 +296,7 @@ class Checkpointer:
             # A keyframe needs no reference, and the old one's buffers can hold the new one.
             self._retire_reference()
             self._saves.release_written()
-        path = os.path.join(self.directory, checkpoint_name(step))
+        path = self._dir.path_for(step)
         meta: dict[str, Any] = {"step": step, "saved_at": time.time()}
         lease = self._saves.lease(self._kept_bytes())
         reference = self._reference if self.delta else None
@@ -584,12 +509,12 @@ class Checkpointer:
         this Checkpointer's pending saves first (without raising their errors).
         """
         self._wait_inflight()
-        return sorted(self._scan())
+        return sorted(self._dir.scan())
 
     def infos(self) -> list[CheckpointInfo]:
         """:class:`CheckpointInfo` of every complete checkpoint file, oldest first."""
         self._wait_inflight()
-        found = self._scan()
+        found = self._dir.scan()
         return [found[s] for s in sorted(found)]
 
     def latest(self, *, verify: bool = True) -> int | None:
@@ -600,43 +525,11 @@ class Checkpointer:
         warning, and the next older one is tried. Waits for pending saves first.
         """
         self._wait_inflight()
-        found = self._scan()
-        by_id = {info.checkpoint_id: info for info in found.values()}
-        verified: dict[str, bool] = {}
-        for step in sorted(found, reverse=True):
-            info = found[step]
-            problem = self._problem(info, by_id, verified, verify)
-            if problem is None:
-                return step
-            logger.warning("skipping checkpoint %s: %s", info.path, problem)
-        return None
-
-    def _latest_read(
-        self, *, pin: bool
-    ) -> tuple[dict[int, CheckpointInfo], CheckpointInfo, dict[str, QuantizedState]]:
-        """:meth:`latest` with ``verify``, keeping the verified reads of the files it chose.
-
-        Each candidate is verified by reading it whole (checksums checked while reading)
-        instead of streaming it, and the reads of the newest good one and its keyframe are
-        returned to be decoded. Same choice, same warnings as :meth:`latest`.
-        """
-        self._wait_inflight()
-        found = self._scan()
-        by_id = {info.checkpoint_id: info for info in found.values()}
-        verified: dict[str, bool] = {}
-        reads: dict[str, QuantizedState] = {}
-        for step in sorted(found, reverse=True):
-            info = found[step]
-            problem = self._problem(info, by_id, verified, True, reads=reads, pin=pin)
-            if problem is None:
-                return found, info, reads
-            reads.pop(info.path, None)  # good, but its keyframe is not: keep no memory for it
-            logger.warning("skipping checkpoint %s: %s", info.path, problem)
-        raise CheckpointError(f"no complete, verified checkpoint in {self.directory!r}")
+        return self._dir.latest(verify=verify)
 
     def path_for(self, step: int) -> str:
         """Path of the checkpoint file of ``step`` (whether or not it exists)."""
-        return os.path.join(self.directory, checkpoint_name(step))
+        return self._dir.path_for(step)
 
     def remove_temp_files(self) -> list[str]:
         """Delete the temp files that interrupted writes left here; return their paths.
@@ -646,18 +539,7 @@ class Checkpointer:
 
         Call it only when nothing else is writing to this directory.
         """
-        removed = []
-        for name in os.listdir(self.directory):
-            if _format.is_temp_file(name) and name.startswith(".step-"):
-                path = os.path.join(self.directory, name)
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    continue
-                removed.append(path)
-        if removed:
-            logger.info("removed %d temp file(s) of interrupted saves in %s", len(removed), self.directory)
-        return removed
+        return self._dir.remove_temp_files()
 
     # ------------------------------------------------------------------ loading
 
@@ -686,14 +568,15 @@ class Checkpointer:
         verified them (checksums checked as they come in) are the ones decoded.
         """
         dev = torch.device(device)
+        self._wait_inflight()
         if step is None and verify:
             if dev.type == "cuda" and not torch.cuda.is_available():
                 raise TwTritonError(f"cannot load from {self.directory!r} to {dev}: CUDA is not available")
-            found, info, reads = self._latest_read(pin=_wants_pinned(dev))
+            found, info, reads = self._dir.latest_read(pin=wants_pinned(dev))
         else:
-            found, info = self._find(step, verify=verify)
+            found, info = self._dir.find(step, verify=verify)
             reads = {}
-        state = _decode_read(info, found, reads, dev, verify=verify, headers=self._headers)
+        state = self._dir.decode(info, found, reads, dev, verify=verify)
         if not isinstance(state, dict) or "step" not in state:
             raise CheckpointError(
                 f"{info.path}: not a Checkpointer checkpoint (expected a dict with 'step' at the top)"
@@ -804,127 +687,21 @@ class Checkpointer:
         self._saves.release_written()
 
     def _note_written(self, step: int, future: Future, noted: _Noted) -> None:
-        """List a file this Checkpointer has just written from what it knows of it, so that
-        the next listing (one per ``save``, on the loop's thread) need not parse its header.
-
-        Parsing it took ~7 ms of a ~33 ms pause on the MiniLM + AdamW state, and the parsed
-        header (~5,000 Python objects) stayed in the header cache while the file existed,
-        which made Python's full garbage collections slower. A file whose size is not what
-        the write returned, or that cannot be stat'ed, is left to the listing to parse.
-        """
+        """List a file this Checkpointer has just written without parsing its header
+        (:meth:`CheckpointDirectory.note`): retention lists the directory on every save."""
         if noted.info is None or future.cancelled() or future.exception() is not None:
             return
-        try:
-            st = os.stat(noted.path)
-        except OSError:
-            return
-        if st.st_size != future.result():
-            return
-        checkpoint_id, reference_id, kind = noted.info
-        info = CheckpointInfo(step, noted.path, checkpoint_id, reference_id, kind, st.st_size)
-        self._manifest_cache[noted.path] = ((st.st_mtime_ns, st.st_size), info)
+        self._dir.note(step, noted.path, future.result(), noted.info)
 
     def _wait_inflight(self) -> None:
         wait_futures([f for f, _, _, _ in self._inflight.values()])
         self._collect_finished()
 
-    def _scan(self) -> dict[int, CheckpointInfo]:
-        """Complete checkpoint files by step (headers read once per file version)."""
-        found: dict[int, CheckpointInfo] = {}
-        seen = set()
-        for name in os.listdir(self.directory):
-            step = parse_checkpoint_name(name)
-            if step is None:
-                continue
-            path = os.path.join(self.directory, name)
-            seen.add(path)
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                continue
-            key = (st.st_mtime_ns, st.st_size)
-            cached = self._manifest_cache.get(path)
-            if cached is not None and cached[0] == key:
-                info = cached[1]
-            else:
-                info = self._read_info(path, step, st.st_size, self._headers)
-                self._manifest_cache[path] = (key, info)
-            if info is not None:
-                found[step] = info
-        for path in set(self._manifest_cache) - seen:
-            del self._manifest_cache[path]
-        self._headers.retain(seen)
-        return found
-
-    @staticmethod
-    def _read_info(path: str, step: int, size: int, headers: _format.HeaderCache) -> CheckpointInfo | None:
-        try:
-            manifest = _format.read_manifest(path, headers=headers)
-        except (CheckpointError, OSError) as e:
-            logger.warning("ignoring %s: its header cannot be read: %s", path, e)
-            return None
-        kind = (manifest.get("metadata") or {}).get("kind", "unknown")
-        return CheckpointInfo(step, path, manifest["checkpoint_id"], manifest.get("reference_id"), kind, size)
-
-    def _problem(
-        self,
-        info: CheckpointInfo,
-        by_id: dict[str, CheckpointInfo],
-        verified: dict[str, bool],
-        verify: bool,
-        *,
-        reads: dict[str, QuantizedState] | None = None,
-        pin: bool = False,
-    ) -> str | None:
-        """Why ``info`` cannot be loaded, or ``None`` if it (and its keyframe) verify.
-
-        With ``reads``, files are verified by reading them whole, and each good read is
-        kept there by path (for :meth:`_latest_read`): each file is read once.
-        """
-        try:
-            chain = chain_of(info, by_id, os.path.dirname(info.path))
-        except ReferenceMismatchError as e:  # a missing link, or a cycle
-            return str(e)
-        if not verify:
-            return None
-        for item in chain:
-            if item.path not in verified:
-                try:
-                    if reads is None:
-                        _format.verify_file(item.path, headers=self._headers)
-                    else:
-                        reads[item.path] = _format.read_file(
-                            item.path, verify=True, pin_memory=pin, headers=self._headers
-                        )
-                    verified[item.path] = True
-                except (CheckpointError, OSError) as e:
-                    logger.warning("checkpoint %s fails verification: %s", item.path, e)
-                    verified[item.path] = False
-            if not verified[item.path]:
-                return "it fails verification" if item is info else f"its reference {item.path} fails verification"
-        return None
-
-    def _find(self, step: int | None, *, verify: bool) -> tuple[dict[int, CheckpointInfo], CheckpointInfo]:
-        if step is None:
-            step = self.latest(verify=verify)
-            if step is None:
-                raise CheckpointError(f"no complete, verified checkpoint in {self.directory!r}")
-        self._wait_inflight()
-        found = self._scan()
-        if step not in found:
-            path = self.path_for(step)
-            if os.path.exists(path):
-                _format.read_manifest(path)  # raises the reason, naming the file
-            raise CheckpointError(
-                f"no checkpoint for step {step} in {self.directory!r}; steps: {sorted(found)}"
-            )
-        return found, found[step]
-
     def _retain(self) -> None:
         """Delete checkpoints that are neither among the newest nor needed by a kept one."""
         if self.keep_last is None:
             return
-        found = self._scan()
+        found = self._dir.scan()
         complete = [s for s in sorted(found, reverse=True) if s not in self._inflight]
         keep = set(complete[: self.keep_last]) | set(self._inflight)
         needed = {ref for _, _, ref, _ in self._inflight.values() if ref is not None}
@@ -938,49 +715,14 @@ class Checkpointer:
             # Renamed out of the listing here (a metadata update), unlinked on the writer
             # thread: the unlink of a large file is slow (see AsyncWriter.discard). A crash
             # in between leaves a temp file that remove_temp_files() deletes.
-            doomed = _format.temp_path_for(info.path)
-            try:
-                os.replace(info.path, doomed)
-            except FileNotFoundError:
+            doomed = self._dir.discard(info)
+            if doomed is None:
                 continue
-            self._manifest_cache.pop(info.path, None)
             if self._writer is not None:
                 self._writer.discard(doomed)
             else:
                 os.unlink(doomed)
             logger.debug("retention removed %s", info.path)
-
-
-def _decode_read(
-    info: CheckpointInfo,
-    found: dict[int, CheckpointInfo],
-    reads: dict[str, QuantizedState],
-    device: torch.device,
-    *,
-    verify: bool = True,
-    headers: _format.HeaderCache | None = None,
-) -> Any:
-    """Decode ``info`` on ``device``, with the chain of checkpoints it is a delta of.
-
-    Files already read (and verified) are taken from ``reads``; the others are read now.
-    Each link is checked to be the checkpoint its successor names; the per-entry
-    fingerprints are checked by the decode.
-    """
-    by_id = {i.checkpoint_id: i for i in found.values()}
-    chain = chain_of(info, by_id, os.path.dirname(info.path))
-    pin = _wants_pinned(device)
-
-    def read(item: CheckpointInfo, entries: list[str] | None) -> QuantizedState:
-        q = reads.pop(item.path, None)
-        if q is not None:
-            return q
-        return _format.read_file(item.path, verify=verify, pin_memory=pin, entries=entries, headers=headers)
-
-    return decode_chain(chain, read, device)
-
-
-def _wants_pinned(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_available()
 
 
 def _nbytes_each(tensors: Iterable[torch.Tensor]) -> list[int]:

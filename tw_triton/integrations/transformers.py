@@ -57,7 +57,9 @@ from typing import Any
 
 import torch
 
-from ..checkpointer import Checkpointer, checkpoint_name, parse_checkpoint_name, restore_rng_state
+from ..checkpoint_dir import checkpoint_name, parse_checkpoint_name
+from ..checkpointer import Checkpointer
+from ..rng import restore_rng_state
 from ..deltas import with_references
 from ..errors import CheckpointError, TwTritonError
 from . import require

@@ -1,0 +1,85 @@
+"""CheckpointDirectory: listing, noting written files, discarding, finding."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import tw_triton
+from tw_triton import format as fmt
+from tw_triton.checkpoint_dir import CheckpointDirectory, checkpoint_name, parse_checkpoint_name
+from tw_triton.errors import CheckpointError
+
+
+def _write(directory: CheckpointDirectory, step: int, *, kind: str = "keyframe", ref: str | None = None) -> str:
+    q = tw_triton.quantize_state_dict(
+        {"w": torch.full((8,), float(step))}, rules="exact", checkpoint_id=f"id{step}",
+        metadata={"kind": kind},
+    )
+    q.reference_id = ref
+    path = directory.path_for(step)
+    tw_triton.save(q, path)
+    return path
+
+
+def test_names_round_trip():
+    assert checkpoint_name(42) == "step-00000042.tw.safetensors"
+    assert parse_checkpoint_name(checkpoint_name(42)) == 42
+    assert parse_checkpoint_name(".step-00000042.tw.safetensors.0123456789abcdef.tmp") is None
+    assert parse_checkpoint_name("step-42.pt") is None
+
+
+def test_scan_lists_complete_files_only(tmp_path, caplog):
+    d = CheckpointDirectory(tmp_path / "new")  # created if missing
+    assert os.path.isdir(d.path) and d.scan() == {}
+    _write(d, 1)
+    _write(d, 3)
+    (tmp_path / "new" / ".step-00000005.tw.safetensors.0123456789abcdef.tmp").write_bytes(b"partial")
+    (tmp_path / "new" / "notes.txt").write_text("hello")
+    (tmp_path / "new" / checkpoint_name(7)).write_bytes(b"not a checkpoint")
+    with caplog.at_level(logging.WARNING):
+        found = d.scan()
+    assert sorted(found) == [1, 3]
+    assert found[3].checkpoint_id == "id3" and found[3].kind == "keyframe"
+    assert "step-00000007" in caplog.text and "cannot be read" in caplog.text
+
+
+def test_a_noted_file_is_not_parsed_unless_its_size_differs(tmp_path, parses):
+    d = CheckpointDirectory(tmp_path)
+    path = _write(d, 2)
+    size = os.path.getsize(path)
+    d.note(2, path, size, ("noted-id", None, "keyframe"))
+    assert d.scan()[2].checkpoint_id == "noted-id" and parses == []
+    # A size that is not the file's: the note is not trusted, the header is read.
+    d.note(2, path, size + 1, ("wrong", None, "keyframe"))
+    other = CheckpointDirectory(tmp_path)
+    other.note(2, path, size + 1, ("wrong", None, "keyframe"))
+    assert other.scan()[2].checkpoint_id == "id2" and parses == [checkpoint_name(2)]
+
+
+def test_discard_takes_a_file_out_and_leaves_a_temp_file_for_cleanup(tmp_path):
+    d = CheckpointDirectory(tmp_path)
+    _write(d, 1)
+    _write(d, 2)
+    found = d.scan()
+    doomed = d.discard(found[1])
+    assert doomed is not None and fmt.is_temp_file(doomed) and os.path.exists(doomed)
+    assert sorted(d.scan()) == [2]
+    assert d.discard(found[1]) is None  # already gone: nothing to do
+    assert d.remove_temp_files() == [doomed] and not os.path.exists(doomed)
+
+
+def test_find_names_the_steps_there_are_and_latest_skips_a_broken_chain(tmp_path, caplog):
+    d = CheckpointDirectory(tmp_path)
+    _write(d, 1)
+    _write(d, 2, kind="delta", ref="missing-keyframe")
+    with pytest.raises(CheckpointError, match=r"no checkpoint for step 5 .*steps: \[1, 2\]"):
+        d.find(5, verify=False)
+    with caplog.at_level(logging.WARNING):
+        assert d.latest(verify=True) == 1
+    assert "missing-keyframe" in caplog.text
+    found, info = d.find(None, verify=True)
+    assert info.step == 1 and sorted(found) == [1, 2]

@@ -21,14 +21,14 @@ from _read_spy import spy_on_reads
 BITS, BLOCK = 2, 64
 
 
-def _drift(steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+def _drift(steps: int, seed: int = 0, shape: tuple[int, int] = (96, 64)) -> list[dict[str, torch.Tensor]]:
     """Weights that move steadily (a random walk plus a trend), as training moves them."""
     gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(96, 64, generator=gen)
-    trend = torch.randn(96, 64, generator=gen) * 1e-3
+    w = torch.randn(*shape, generator=gen)
+    trend = torch.randn(*shape, generator=gen) * 1e-3
     out = []
     for _ in range(steps):
-        w = w + trend + torch.randn(96, 64, generator=gen) * 2e-4
+        w = w + trend + torch.randn(*shape, generator=gen) * 2e-4
         out.append({"w": w.clone(), "b": torch.randn(8, generator=gen)})
     return out
 
@@ -312,9 +312,52 @@ def test_closed_loop_reference_advances_in_place_after_the_keyframe(tmp_path, as
             seen.append(w.data_ptr())
             # The reference is the reconstruction a loader decodes, save after save.
             assert torch.equal(w, want[step])
-    # The keyframe's snapshot buffer is left alone (its write may read it), the first
-    # advance allocates, and every later one decodes over its own previous tensor.
-    assert seen[1] != seen[0]
-    assert seen[2:] == [seen[1]] * (len(states) - 2)
+    # Each save waited for its write, so the keyframe's snapshot buffer was free to be
+    # decoded over by the first advance, and every later one decodes over its own
+    # previous tensor: one buffer for the whole cycle.
+    assert seen == [seen[0]] * len(states)
     got = Checkpointer(tmp_path, keep_last=None).load(5)["model"]["w"]
     assert torch.equal(got, want[5])
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_a_pooled_closed_loop_reference_is_never_lent_to_a_snapshot(tmp_path, async_write):
+    """The keyframe's pooled buffers become the reference's own (the first advance decodes
+    over them): a later save's snapshot must never be copied into them."""
+    states = _drift(7, shape=(256, 128))  # 128 KiB: pooled
+    want = _expected_closed(states)
+    with Checkpointer(tmp_path, keyframe_every=100, keep_last=None, rules="default", bits=BITS, block=BLOCK,
+                      delta="closed", async_write=async_write, fsync=False) as ck:
+        for step, s in enumerate(states):
+            ck.save(step, model=s)
+            if step % 2:  # half the saves queue behind the next one
+                ck.flush()
+                assert torch.equal(ck._reference.tree["model"]["w"], want[step])
+        ck.flush()
+        assert ck._reference.lease is not None  # still the reference's, not the pool's
+    assert torch.equal(Checkpointer(tmp_path).load(6)["model"]["w"], want[6])
+
+
+def test_the_first_advance_leaves_a_keyframe_that_is_still_being_written_alone():
+    from concurrent.futures import Future
+
+    from tw_triton.deltas import advance, make_reference
+
+    states = _drift(2)
+    keyframe_w = states[0]["w"].clone()
+    for done in (False, True):
+        pending: Future = Future()
+        if done:
+            pending.set_result(0)
+        ref = make_reference("k", {"model/w": keyframe_w}, 0, pending, closed=True)
+        q = tw_triton.quantize_state_dict({"model": {"w": states[1]["w"]}}, reference=ref.tree,
+                                          reference_id="k", rules="default", bits=BITS, block=BLOCK)
+        before = keyframe_w.clone()
+        advance(ref, q)
+        w = ref.tree["model"]["w"]
+        assert torch.equal(w, _expected_closed(states)[1])
+        # Decoded over the keyframe's tensor only once its write is done.
+        assert (w.data_ptr() == keyframe_w.data_ptr()) == done
+        if not done:
+            assert torch.equal(keyframe_w, before)
+        keyframe_w = before

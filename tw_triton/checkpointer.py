@@ -655,14 +655,14 @@ class Checkpointer:
         """Closed loop: the delta just saved is what the next delta is coded against.
 
         Its encode (now, or on the writer thread before the next save's) advances the
-        reference's tensors; the keyframe's pooled buffers are no longer the reference once
-        that encode is done.
+        reference's tensors, decoding over the keyframe's pooled buffers once the
+        keyframe is written (:func:`~tw_triton.deltas.advance`): those stay with the
+        reference (``reference.lease``) until it is retired, as in open loop. Handing them
+        back after the first delta made that delta's advance decode into fresh memory:
+        the model's weights' size of page faults on every cycle.
         """
         reference.checkpoint_id, reference.step = checkpoint_id, step
         reference.links.append(future)
-        if reference.lease is not None:
-            self._saves.track(future, reference.lease, own=False)
-            reference.lease = None
 
     def _kept_bytes(self) -> int:
         """Pooled bytes the reference keeps beyond the saves' own (a delta copies the whole

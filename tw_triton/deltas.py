@@ -105,7 +105,8 @@ class Reference:
     closed: bool = False
     links: list[Future] = field(default_factory=list)  # closed loop: the writes of its deltas
     # Closed loop: ``tree``'s tensors were decoded by :func:`advance`, so nothing else holds
-    # them (the keyframe's are its snapshot buffers, which its write may still be reading).
+    # them (the keyframe's are its snapshot buffers, which its write reads until ``future``
+    # is done).
     owned: bool = False
 
     def lost(self) -> bool:
@@ -173,12 +174,15 @@ def advance(reference: Reference, q: QuantizedState) -> None:
     Every tensor of the reference becomes what a loader decodes from ``q`` at its path
     (the delta decoded against the old reference; an entry stored exact because it held
     NaN/Inf decodes to its own values), on the reference tensor's device and in its
-    dtype. The keyframe's tensors are never written (its pending write may still read
-    them), and an exact entry's buffer may go back to the snapshot pool once ``q`` is
-    written, so the first advance decodes into fresh tensors; later ones, whose old
-    tensors only this reference holds, decode each delta over its old tensor where the
-    codec can (:meth:`~tw_triton.codecs.Codec.decode_over`; tied tensors excepted), which
-    saves allocating (and page-faulting) a full-size copy per save.
+    dtype. Each delta is decoded over the old tensor where the codec can
+    (:meth:`~tw_triton.codecs.Codec.decode_over`; tied tensors excepted), which saves
+    allocating (and page-faulting) a full-size copy per save, once nothing else can read
+    the old tensors: after the first advance only this reference holds them, and before
+    it they are the keyframe's snapshot, which its write reads until ``reference.future``
+    is done (the writer thread runs saves in order, so on the CPU with an async writer it
+    always is by now; a save encoded on the caller's thread may find it still writing,
+    and then decodes into fresh tensors). The caller keeps the keyframe's pooled buffers
+    with the reference for as long as it lives (``reference.lease``).
     """
     old, _ = flatten(reference.tree)
     first: dict[str, torch.Tensor] = {}  # entry path -> a reference tensor decoded to it
@@ -190,7 +194,8 @@ def advance(reference: Reference, q: QuantizedState) -> None:
             )
         first.setdefault(target, r)
     refs = {t: old[t] if t in old else r for t, r in first.items()}
-    over = disjoint_paths(refs, refs) if reference.owned else set()
+    owned = reference.owned or reference.future.done()
+    over = disjoint_paths(refs, refs) if owned else set()
 
     def decode(target: str) -> torch.Tensor:
         entry, r = q.entries[target], first[target]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -117,6 +119,12 @@ def main_sharded(rank: int, world: int, port: int, root: str) -> None:
                 f"{root}/rank0.pt",
             )
         dist.barrier()
+    except BaseException:
+        # Printed here: tearing the process group down under a failure can abort the
+        # process (gloo's threads), and then Python never prints the traceback.
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
     finally:
         dist.destroy_process_group()
 

@@ -503,14 +503,25 @@ PREPARED = {"tw default keyframe": "tw default keyframe after prepare",
             "tw default delta": "tw default delta after prepare"}
 
 
+# Pages in this folder written by hand, not by a script: analysis and one-off checks.
+HAND_WRITTEN_PAGES = {"cpu_speed.md": "what bounds the CPU speed goals, and what was tried and not kept"}
+
+
 def other_pages() -> str:
-    """Links to the pages other benchmark scripts write into this folder."""
-    pages = sorted(p.name for p in RESULTS_DIR.glob("*.md") if p.name != "README.md")
-    if not pages:
+    """Links to the pages other benchmark scripts write into this folder, then to the
+    pages written by hand."""
+    pages = sorted(p.name for p in RESULTS_DIR.glob("*.md")
+                   if p.name != "README.md" and p.name not in HAND_WRITTEN_PAGES)
+    notes = sorted(name for name in HAND_WRITTEN_PAGES if (RESULTS_DIR / name).exists())
+    if not pages and not notes:
         return ""
-    return "\n".join(["## Other results in this folder", "",
-                      "Written by the other scripts in `benchmarks/`:", ""]
-                     + [f"- [{name}]({name})" for name in pages])
+    lines = ["## Other results in this folder", ""]
+    if pages:
+        lines += ["Written by the other scripts in `benchmarks/`:", ""] + [f"- [{name}]({name})" for name in pages]
+    if notes:
+        lines += ["", "Written by hand (analysis and one-off checks):", ""]
+        lines += [f"- [{name}]({name}): {HAND_WRITTEN_PAGES[name]}" for name in notes]
+    return "\n".join(lines)
 
 
 def summary_table(fid: dict[str, Any], results: dict[str, dict[str, Any]], speed: dict[str, Any],

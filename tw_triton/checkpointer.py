@@ -105,6 +105,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -304,82 +305,27 @@ class Checkpointer:
         rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
         if not self._warned_coarse:
             self._warned_coarse = warn_if_too_coarse(rule_list, self.delta_mode, self.directory)
-        kf_rules = rules_as_specs(keyframe_rules(rule_list))
-        ref_values: dict[str, torch.Tensor] = {}
-        ref_share: list[int] = []
-        noted = _Noted(path)
+        job = _SaveJob(path, tree, rule_list, keyframe, reference, meta, lease, _Noted(path))
         try:
             if self._writer is not None and _all_on_cpu(tree):
-                # Only the copy blocks the loop; the writer thread encodes the copy.
-                q_id = uuid.uuid4().hex
-                q_ref_id = reference.checkpoint_id if reference is not None and not keyframe else None
-                # Flattened once: the check, the copy and the writer's encode all take it.
-                flat = Flattened.of(tree)
-                if reference is not None and not keyframe:
-                    check_reference(flat, rule_list, reference, path)
-                snap_q = quantize_state_dict(flat, rules="exact", checkpoint_id=q_id, allocate=lease)
-                # The copy's tensors by path, in the state's order (tied ones shared): the
-                # exact entries' buffers, allocated in the tensors' shapes.
-                copies = snap_q.entries
-                snapshot = Flattened(
-                    {p: copies[snap_q.aliases.get(p, p)].buffers["data"] for p in flat.tensors}, flat.skeleton
-                )
-                del snap_q, copies
-                # The writer thread's codecs write their codes and scales into this save's
-                # lease as well: pooled, they do not page-fault fresh memory every save.
-                if keyframe:
-                    job = functools.partial(
-                        _encode_keyframe, snapshot, kf_rules, self.bits, self.block, meta, q_id, allocate=lease
-                    )
-                    # Chosen before the writer thread starts: rule matching is Python, and
-                    # once that thread runs it would wait on the GIL (seen as 30% of the pause).
-                    if self.delta:
-                        ref_values = delta_coded(snapshot.tensors, rule_list)
-                        ref_share = _nbytes_each(ref_values.values())
-                else:
-                    job = functools.partial(
-                        _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block,
-                        meta, q_id, allocate=lease, ref_at=_ref_at(reference),
-                    )
-                future = self._write(noted.noting(job), path)
-                if reference is not None and not keyframe:
-                    reference.last_use = future
-                if ref_share and not self._ref_share_reserved:
-                    # The first delta copies the state while this keyframe's copies of what
-                    # it is coded against stay held as the reference: fault that much memory
-                    # in on the writer thread once the keyframe is written, not in that
-                    # delta's save() (see prepare()).
-                    self._ref_share_reserved = True
-                    self._writer.call(functools.partial(self._saves.reserve_beside, ref_share))
+                queued = self._queue_snapshot(job)
             else:
-                if keyframe:
-                    q = _encode_keyframe(tree, kf_rules, self.bits, self.block, meta, None,
-                                         allocate=lease)
-                    # The tensors deltas are coded against are exact entries of the keyframe.
-                    if self.delta:
-                        ref_values = delta_coded(
-                            {p: e.buffers["data"] for p, e in q.entries.items() if e.codec == "exact"},
-                            rule_list,
-                        )
-                else:
-                    q = _encode_snapshot(tree, reference, self.rules, self.bits, self.block, meta, None,
-                                         allocate=lease, ref_at=_ref_at(reference))
-                q_id, q_ref_id = q.checkpoint_id, q.reference_id
-                noted.note(q)
-                future = self._write(q, path)
+                queued = self._encode_here(job)
         except BaseException:
             if lease is not None:
                 lease.release()  # nothing was queued: no one reads these buffers
             raise
+        future = queued.future
         if lease is not None:
             # Back to the pool only once the writer is done with them.
             self._saves.track(future, lease)
 
-        self._inflight[step] = (future, q_id, q_ref_id, noted)
+        self._inflight[step] = (future, queued.checkpoint_id, queued.reference_id, job.noted)
         if keyframe:
             self._since_keyframe = 0
             self._reference = (
-                make_reference(q_id, ref_values, step, future, closed=self.delta_mode == "closed")
+                make_reference(queued.checkpoint_id, queued.ref_values, step, future,
+                               closed=self.delta_mode == "closed")
                 if self.delta else None
             )
             if self._reference is not None and lease is not None:
@@ -387,12 +333,75 @@ class Checkpointer:
                 self._reference.lease = lease.split(list(_leaves(self._reference.tree)))
         else:
             self._since_keyframe = (self._since_keyframe or 0) + 1
-            if reference is not None and reference.closed and q_ref_id is not None:
-                self._link(reference, q_id, step, future)
+            if reference is not None and reference.closed and queued.reference_id is not None:
+                self._link(reference, queued.checkpoint_id, step, future)
         if self._writer is None:
             self._collect_finished()
             self._retain()
         return future
+
+    def _queue_snapshot(self, job: _SaveJob) -> _Queued:
+        """CPU with an async writer: copy the state into the save's lease here (the only
+        part that blocks the loop) and queue its encode and write on the writer thread."""
+        reference = job.reference if not job.keyframe else None
+        q_id = uuid.uuid4().hex
+        # Flattened once: the check, the copy and the writer's encode all take it.
+        flat = Flattened.of(job.tree)
+        if reference is not None:
+            check_reference(flat, job.rule_list, reference, job.path)
+        snap_q = quantize_state_dict(flat, rules="exact", checkpoint_id=q_id, allocate=job.lease)
+        # The copy's tensors by path, in the state's order (tied ones shared): the exact
+        # entries' buffers, allocated in the tensors' shapes.
+        copies = snap_q.entries
+        snapshot = Flattened({p: copies[snap_q.aliases.get(p, p)].buffers["data"] for p in flat.tensors},
+                             flat.skeleton)
+        del snap_q, copies
+        ref_values: dict[str, torch.Tensor] = {}
+        # The writer thread's codecs write their codes and scales into this save's lease as
+        # well: pooled, they do not page-fault fresh memory every save.
+        if job.keyframe:
+            encode = functools.partial(
+                _encode_keyframe, snapshot, rules_as_specs(keyframe_rules(job.rule_list)), self.bits,
+                self.block, job.meta, q_id, allocate=job.lease,
+            )
+            # Chosen before the writer thread starts: rule matching is Python, and once that
+            # thread runs it would wait on the GIL (seen as 30% of the pause).
+            if self.delta:
+                ref_values = delta_coded(snapshot.tensors, job.rule_list)
+        else:
+            encode = functools.partial(
+                _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block,
+                job.meta, q_id, allocate=job.lease, ref_at=_ref_at(reference),
+            )
+        future = self._write(job.noted.noting(encode), job.path)
+        if reference is not None:
+            reference.last_use = future
+        if ref_values and not self._ref_share_reserved:
+            # The first delta copies the state while this keyframe's copies of what it is
+            # coded against stay held as the reference: fault that much memory in on the
+            # writer thread once the keyframe is written, not in that delta's save() (see
+            # prepare()).
+            self._ref_share_reserved = True
+            self._writer.call(functools.partial(self._saves.reserve_beside, _nbytes_each(ref_values.values())))
+        return _Queued(future, q_id, reference.checkpoint_id if reference is not None else None, ref_values)
+
+    def _encode_here(self, job: _SaveJob) -> _Queued:
+        """Encode the live state on this thread (a device state, or ``async_write=False``)
+        and hand the encoded state to the writer (or write it now)."""
+        ref_values: dict[str, torch.Tensor] = {}
+        if job.keyframe:
+            q = _encode_keyframe(job.tree, rules_as_specs(keyframe_rules(job.rule_list)), self.bits,
+                                 self.block, job.meta, None, allocate=job.lease)
+            # The tensors deltas are coded against are exact entries of the keyframe.
+            if self.delta:
+                ref_values = delta_coded(
+                    {p: e.buffers["data"] for p, e in q.entries.items() if e.codec == "exact"}, job.rule_list
+                )
+        else:
+            q = _encode_snapshot(job.tree, job.reference, self.rules, self.bits, self.block, job.meta, None,
+                                 allocate=job.lease, ref_at=_ref_at(job.reference))
+        job.noted.note(q)
+        return _Queued(self._write(q, job.path), q.checkpoint_id, q.reference_id, ref_values)
 
     def prepare(self, **state: Any) -> int:
         """Fault in the host memory the first save will copy ``state`` into, now.
@@ -736,6 +745,31 @@ def _all_on_cpu(tree: Any) -> bool:
 def _ref_at(reference: Reference | None) -> tuple[str, int] | None:
     """The id and step of the checkpoint a delta saved now is coded against."""
     return None if reference is None else (reference.checkpoint_id, reference.step)
+
+
+@dataclass
+class _SaveJob:
+    """What one ``save`` call decided, for the branch that encodes it."""
+
+    path: str
+    tree: dict[str, Any]
+    rule_list: Any
+    keyframe: bool
+    reference: Reference | None
+    meta: dict[str, Any]
+    lease: SnapshotLease | None
+    noted: _Noted
+
+
+@dataclass
+class _Queued:
+    """A save handed to the writer: its future, ids, and (a keyframe) the tensors the next
+    deltas are coded against."""
+
+    future: Future
+    checkpoint_id: str
+    reference_id: str | None
+    ref_values: dict[str, torch.Tensor]
 
 
 class _Noted:

@@ -419,3 +419,21 @@ def test_prepared_delta_is_the_first_after_a_prepared_keyframe(tmp_path: Path, m
     assert calls == [[]]  # once, before the keyframe
     assert saved["file_bytes"] > 0 and 0 < saved["blocked_s"] <= saved["total_s"]
     assert read_manifest(out / "state.tw.safetensors")["metadata"]["step"] == 1
+
+
+def test_ab_versions_runs_the_save_child_of_a_source_tree(tmp_path: Path) -> None:
+    import ab_versions
+
+    _, _, fixture = _trained_fixture(tmp_path, 64, 128)
+    out = tmp_path / "out"
+    r = ab_versions.save_child("tw default delta", ab_versions.REPO, fixture, out, threads=1)
+    assert r["file_bytes"] > 0 and 0 < r["blocked_s"] <= r["total_s"] and r["peak_extra_bytes"] >= 0
+    assert not out.exists()  # each child's files are removed before the next
+
+
+def test_ab_versions_refuses_an_unknown_method(monkeypatch) -> None:
+    import ab_versions
+
+    monkeypatch.setattr(sys, "argv", ["ab_versions.py", "--base", "HEAD", "--methods", "tw nothing"])
+    with pytest.raises(SystemExit):
+        ab_versions.main()

@@ -1,0 +1,98 @@
+"""Two versions of tw_triton side by side: the same save methods of ``speed_compare.py``,
+each in a fresh process, alternating old, new, old, new.
+
+A change to the CPU path is judged against the code before it, not against last week's
+run: the 2-core VM's timings drift between runs by more than most changes move them. This
+script checks out ``--base`` (a git revision) into a temporary worktree and runs
+``speed_compare.py``'s own save child (``--child-save``) for each method, once per round
+with the base on ``PYTHONPATH`` and once with this checkout, plus ``torch.save`` of the
+same state in every round as the yardstick. It prints each round and the medians of the
+time the save blocks, its total time and its peak extra RSS.
+
+    python benchmarks/ab_versions.py --base 4477262 --methods "tw default delta" --rounds 5
+
+Needs git (for the worktree) and the MiniLM fixture of ``speed_compare.py`` (built once,
+about 20 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def save_child(method: str, source: Path, fixture: Path, out: Path, threads: int) -> dict[str, Any]:
+    """One ``speed_compare.py --child-save`` run with tw_triton imported from ``source``."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(source))
+    proc = subprocess.run(
+        [sys.executable, str(source / "benchmarks" / "speed_compare.py"), "--child-save", method,
+         "--fixture", str(fixture), "--out", str(out), "--threads", str(threads), "--device", "cpu"],
+        capture_output=True, text=True, env=env, cwd=source / "benchmarks", check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{method} from {source} failed:\n{proc.stderr[-3000:]}")
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="git revision to compare this checkout with")
+    parser.add_argument("--methods", required=True, help="comma-separated save methods of speed_compare.py")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+
+    sys.path.insert(0, str(HERE))
+    import speed_compare
+
+    unknown = [m for m in methods if m not in speed_compare.SAVE_METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; known: {list(speed_compare.SAVE_METHODS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmpdir = Path(tmp)
+        base = tmpdir / "base"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(base), args.base],
+                       check=True)
+        try:
+            fixture = tmpdir / "fixture.pt"
+            speed_compare.build_fixture(fixture)
+            sides = {"base": base, "new": REPO}
+            rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
+            for rnd in range(args.rounds):
+                for method in methods:
+                    for side, source in sides.items():
+                        r = save_child(method, source, fixture, tmpdir / "out", args.threads)
+                        ts = save_child("torch.save", base, fixture, tmpdir / "out", args.threads)
+                        r["torch_save_s"] = ts["total_s"]
+                        rows.setdefault((method, side), []).append(r)
+                        print(f"round {rnd} {side:4s} {method}: blocks {r['blocked_s']:.3f} s, total "
+                              f"{r['total_s']:.3f} s, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB "
+                              f"(torch.save {ts['total_s']:.3f} s)", flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
+
+    print(f"\nmedians of {args.rounds} alternating rounds, {args.threads} torch thread(s); base {args.base}")
+    print("| method | side | blocks (s) | total (s) | peak extra RSS (MiB) | torch.save (s) |")
+    print("|---|---|---|---|---|---|")
+    for (method, side), rs in rows.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("blocked_s", "total_s", "peak_extra_bytes",
+                                                                 "torch_save_s")}
+        print(f"| {method} | {side} | {med['blocked_s']:.3f} | {med['total_s']:.3f} | "
+              f"{med['peak_extra_bytes'] / 2**20:.0f} | {med['torch_save_s']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -175,6 +175,59 @@ def test_usage_errors_exit_2(tmp_path):
     assert run(["convert", tmp_path / "in.pt", tmp_path / "o.tw", "--rules", "nope"])[0] == EXIT_USAGE
 
 
+def _run_dir(directory, saves: int = 5):
+    """A Checkpointer directory: keyframes at steps 0 and 3, deltas between."""
+    from tw_triton import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(96, 96)
+    opt = torch.optim.AdamW(model.parameters())
+    with Checkpointer(directory, keyframe_every=3, keep_last=None, fsync=False) as ck:
+        for step in range(saves):
+            model(torch.randn(4, 96)).sum().backward()
+            opt.step()
+            ck.save(step, model=model, optimizer=opt)
+    return directory
+
+
+def test_ls_lists_a_checkpointer_directory_and_its_chains(tmp_path):
+    from tw_triton.checkpointer import checkpoint_name
+
+    d = _run_dir(tmp_path / "run")
+    code, text = run(["ls", d])
+    assert code == EXIT_OK
+    lines = text.splitlines()
+    assert lines[0].split() == ["step", "kind", "size", "reference"]
+    rows = [line.split() for line in lines[1:6]]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert [r[1] for r in rows] == ["keyframe", "delta", "delta", "keyframe", "delta"]
+    # closed loop: each delta names the save before it; a keyframe names none
+    assert [" ".join(r[4:]) for r in rows] == ["-", "step 0", "step 1", "-", "step 3"]
+    assert "5 checkpoints" in text and "newest: step 4 (not verified" in text
+
+    # A corrupted delta: it and the delta after it (its chain) cannot be loaded.
+    path = d / checkpoint_name(1)
+    data = bytearray(path.read_bytes())
+    data[-64] ^= 0xFF
+    path.write_bytes(bytes(data))
+    (d / ".step-00000005.tw.safetensors.0123456789abcdef.tmp").write_bytes(b"partial")
+    code, text = run(["ls", d, "--verify"])
+    assert code == EXIT_CHECKPOINT
+    status = {line.split()[0]: line for line in text.splitlines()[1:6]}
+    assert status["0"].endswith("ok") and status["3"].endswith("ok") and status["4"].endswith("ok")
+    assert "it fails verification" in status["1"] and "checksum mismatch" in status["1"]
+    assert f"its reference {path} fails verification" in status["2"]
+    assert "latest loadable: step 4" in text
+    assert "1 temp file of interrupted saves" in text and ".step-00000005" in text
+
+
+def test_ls_of_an_empty_or_missing_directory(tmp_path):
+    code, text = run(["ls", tmp_path, "--verify"])
+    assert code == EXIT_OK and "0 checkpoints" in text and "latest loadable: none" in text
+    assert run(["ls", tmp_path / "missing"])[0] == EXIT_USAGE
+    assert not (tmp_path / "missing").exists()  # listing never creates the directory
+
+
 def test_help_documents_exit_codes_and_pickle_policy(capsys):
     assert main(["--help"]) == EXIT_OK
     text = capsys.readouterr().out

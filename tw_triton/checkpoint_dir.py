@@ -144,7 +144,7 @@ class CheckpointDirectory:
         """
         found = self.scan()
         by_id = _by_id(found)
-        verified: dict[str, bool] = {}
+        verified: dict[str, str | None] = {}
         for step in sorted(found, reverse=True):
             info = found[step]
             problem = self._problem(info, by_id, verified, verify)
@@ -152,6 +152,25 @@ class CheckpointDirectory:
                 return step
             logger.warning("skipping checkpoint %s: %s", info.path, problem)
         return None
+
+    def problems(self, *, verify: bool = True) -> dict[int, str | None]:
+        """Every checkpoint here by step, with why it cannot be loaded (``None``: it can).
+
+        A delta needs its chain back to a keyframe; with ``verify`` every file is read and
+        its checksums checked, each file once however many chains it is in. Failures are
+        logged as :meth:`latest` logs them.
+        """
+        found = self.scan()
+        by_id = _by_id(found)
+        verified: dict[str, str | None] = {}
+        return {step: self._problem(found[step], by_id, verified, verify) for step in sorted(found)}
+
+    def temp_files(self) -> list[str]:
+        """Paths of the temp files that interrupted writes (and discards) left here."""
+        return sorted(
+            os.path.join(self.path, name) for name in os.listdir(self.path)
+            if _format.is_temp_file(name) and name.startswith(".step-")
+        )
 
     def latest_read(
         self, *, pin: bool
@@ -167,7 +186,7 @@ class CheckpointDirectory:
         """
         found = self.scan()
         by_id = _by_id(found)
-        verified: dict[str, bool] = {}
+        verified: dict[str, str | None] = {}
         reads: dict[str, QuantizedState] = {}
         for step in sorted(found, reverse=True):
             info = found[step]
@@ -243,14 +262,12 @@ class CheckpointDirectory:
         """Delete the temp files that interrupted writes (and discards) left here; return
         their paths. Call it only when nothing else is writing to this directory."""
         removed = []
-        for name in os.listdir(self.path):
-            if _format.is_temp_file(name) and name.startswith(".step-"):
-                path = os.path.join(self.path, name)
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    continue
-                removed.append(path)
+        for path in self.temp_files():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            removed.append(path)
         if removed:
             logger.info("removed %d temp file(s) of interrupted saves in %s", len(removed), self.path)
         return removed
@@ -259,7 +276,7 @@ class CheckpointDirectory:
         self,
         info: CheckpointInfo,
         by_id: dict[str, CheckpointInfo],
-        verified: dict[str, bool],
+        verified: dict[str, str | None],
         verify: bool,
         *,
         reads: dict[str, QuantizedState] | None = None,
@@ -267,8 +284,10 @@ class CheckpointDirectory:
     ) -> str | None:
         """Why ``info`` cannot be loaded, or ``None`` if it (and its keyframe) verify.
 
-        With ``reads``, files are verified by reading them whole, and each good read is
-        kept there by path (for :meth:`latest_read`): each file is read once.
+        ``verified`` keeps, by path, what verifying each file found (``None``: good; else
+        the error), so each file is verified once. With ``reads``, files are verified by
+        reading them whole, and each good read is kept there by path (for
+        :meth:`latest_read`).
         """
         try:
             chain = chain_of(info, by_id, os.path.dirname(info.path))
@@ -285,12 +304,14 @@ class CheckpointDirectory:
                         reads[item.path] = _format.read_file(
                             item.path, verify=True, pin_memory=pin, headers=self.headers
                         )
-                    verified[item.path] = True
+                    verified[item.path] = None
                 except (CheckpointError, OSError) as e:
-                    logger.warning("checkpoint %s fails verification: %s", item.path, e)
-                    verified[item.path] = False
-            if not verified[item.path]:
-                return "it fails verification" if item is info else f"its reference {item.path} fails verification"
+                    verified[item.path] = str(e)
+            error = verified[item.path]
+            if error is not None:
+                return f"it fails verification: {error}" if item is info else (
+                    f"its reference {item.path} fails verification: {error}"
+                )
         return None
 
 

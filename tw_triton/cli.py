@@ -1,4 +1,5 @@
-"""The ``tw`` command: inspect, verify, export and convert tw_triton checkpoints.
+"""The ``tw`` command: list a Checkpointer directory; inspect, verify, export and convert
+tw_triton checkpoints.
 
 Run ``tw --help`` or ``tw COMMAND --help``. Also runnable as ``python -m tw_triton`` (or
 ``python -m tw_triton.cli``); ``tw --version`` prints the version.
@@ -162,6 +163,53 @@ def _is_delta(manifest: dict[str, Any]) -> bool:
     return False
 
 
+def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
+    """The ``tw ls`` report of a Checkpointer directory, as lines, and whether every
+    checkpoint in it can be loaded (checked only with ``verify``; else ``True``)."""
+    from .checkpoint_dir import CheckpointDirectory
+
+    d = CheckpointDirectory(directory)
+    found = d.scan()
+    step_of = {info.checkpoint_id: step for step, info in found.items()}
+    problems = d.problems(verify=verify) if verify else {}
+    rows = [("step", "kind", "size", "reference") + (("status",) if verify else ())]
+    for step in sorted(found):
+        info = found[step]
+        ref = "-" if info.reference_id is None else (
+            f"step {step_of[info.reference_id]}" if info.reference_id in step_of else f"missing {info.reference_id}"
+        )
+        row = (str(step), info.kind, _human(info.nbytes), ref)
+        if verify:
+            row += ("ok" if problems[step] is None else f"cannot load: {problems[step]}",)
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+    def fmt(r: Sequence[str]) -> str:
+        cells = [c.rjust(w) if i in (0, 2) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        return "  ".join(cells).rstrip()
+
+    lines = [fmt(r) for r in rows] if found else []
+    total = sum(info.nbytes for info in found.values())
+    lines.append(f"{_plural(len(found), 'checkpoint', 'checkpoints')}, {_human(total)} in {directory}")
+    temps = d.temp_files()
+    if temps:
+        lines.append(f"{_plural(len(temps), 'temp file', 'temp files')} of interrupted saves (Checkpointer."
+                     f"remove_temp_files() deletes them): " + ", ".join(os.path.basename(t) for t in temps))
+    loadable = [s for s in sorted(found) if not verify or problems[s] is None]
+    if verify:
+        lines.append(f"latest loadable: step {loadable[-1]}" if loadable else "latest loadable: none")
+    elif found:
+        lines.append(f"newest: step {max(found)} (not verified; --verify checks every file and chain)")
+    return lines, all(p is None for p in problems.values())
+
+
+def _cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
+    lines, ok = list_lines(args.directory, verify=args.verify)
+    for line in lines:
+        print(line, file=out)
+    return EXIT_OK if ok else EXIT_CHECKPOINT
+
+
 def _cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     for line in inspect_lines(args.path):
         print(line, file=out)
@@ -289,12 +337,18 @@ def _block_arg(text: str) -> int:
     return block
 
 
+def _command(sub: Any, name: str, *, help: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand of ``tw``: its help line, its description, and the exit codes."""
+    return sub.add_parser(name, help=help, description=description, epilog=_EPILOG,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``tw``."""
     parser = argparse.ArgumentParser(
         prog="tw",
-        description="Inspect, verify, export and convert tw_triton checkpoints "
-        "(one safetensors file each, with a JSON manifest).",
+        description="List Checkpointer directories; inspect, verify, export and convert tw_triton "
+        "checkpoints (one safetensors file each, with a JSON manifest).",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -303,46 +357,59 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
+        "ls",
+        help="the checkpoints of a Checkpointer directory: step, kind, size, reference",
+        description="List the complete checkpoint files of a Checkpointer directory, oldest "
+        "first: step, kind (keyframe, delta, standalone), size, and the step of the checkpoint "
+        "a delta is coded against; then the temp files that interrupted saves left. With "
+        "--verify every file is read and its checksums checked, each delta's chain back to its "
+        "keyframe too, and the newest checkpoint that can be loaded is named (what "
+        "Checkpointer.restore() picks); the exit code is 1 if any checkpoint cannot be loaded.",
+    )
+    p.add_argument("directory", help="a directory that a Checkpointer writes")
+    p.add_argument("--verify", action="store_true", help="read every file and check its checksums and chain")
+    p.set_defaults(func=_cmd_ls)
+
+    p = _command(
+        sub,
         "inspect",
         help="table of entries: shape, dtype, codec, stored bytes, ratio; totals; reference",
         description="Print the table of a checkpoint's entries from its header (the data is "
         "not read): entry, shape, dtype, codec, stored bytes and compression ratio, the totals, "
         "and the id of the reference checkpoint a delta needs.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("path", help="tw_triton checkpoint file")
     p.set_defaults(func=_cmd_inspect)
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "verify",
         help="check checksums, decode every entry, and check the reference",
         description="Check every buffer's checksum and decode every entry. For a delta "
         "checkpoint, --reference also checks that REF is the checkpoint it was encoded "
         "against (id and per-tensor fingerprints); without it the reference is not checked.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("path", help="tw_triton checkpoint file")
     p.add_argument("--reference", metavar="REF", help="the reference checkpoint of a delta")
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "export",
         help="write a dequantized, plain safetensors file",
         description="Decode a checkpoint and write its tensors (keys: flattened paths such as "
         "model/encoder.0.weight) to a plain safetensors file that any tool reads. The nested "
         "structure is kept as JSON in the metadata key tw_triton.skeleton.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("path", help="tw_triton checkpoint file")
     p.add_argument("out", metavar="OUT.safetensors", help="output file")
     p.add_argument("--reference", metavar="REF", help="the reference checkpoint (needed for a delta)")
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "convert",
         help="make a tw_triton checkpoint from .safetensors or a weights-only torch file",
         description="Read IN, a .safetensors file or a torch checkpoint, and write a "
@@ -350,8 +417,6 @@ def build_parser() -> argparse.ArgumentParser:
         "quantized). A torch checkpoint is read with torch.load(weights_only=True) - torch's "
         "restricted unpickler that builds only tensors and plain containers; files that need "
         "anything else are refused. This is the only place tw reads a pickle.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("input", metavar="IN", help=".safetensors file or weights-only torch checkpoint")
     p.add_argument("output", metavar="OUT", help="tw_triton checkpoint to write")
@@ -382,6 +447,10 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
         if value is not None and not os.path.isfile(value):
             print(f"tw {args.command}: error: {value}: no such file", file=sys.stderr)
             return EXIT_USAGE
+    directory = getattr(args, "directory", None)
+    if directory is not None and not os.path.isdir(directory):
+        print(f"tw {args.command}: error: {directory}: no such directory", file=sys.stderr)
+        return EXIT_USAGE
     func: Callable[[argparse.Namespace, TextIO], int] = args.func
     try:
         return func(args, out)

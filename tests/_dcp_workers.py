@@ -127,6 +127,13 @@ def main_sharded(rank: int, world: int, port: int, root: str) -> None:
         raise
     finally:
         dist.destroy_process_group()
+    # Done, and the results are on disk: skip the interpreter's teardown. A rare SIGABRT
+    # ("terminate called without an active exception") was seen in this worker; where is
+    # not known, and torch's and gloo's threads are torn down there. A failure during the
+    # work above still raises, with its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main_checkpointer(rank: int, world: int, port: int, root: str) -> None:

@@ -226,6 +226,11 @@ def test_ls_of_an_empty_or_missing_directory(tmp_path):
     assert code == EXIT_OK and "0 checkpoints" in text and "latest loadable: none" in text
     assert run(["ls", tmp_path / "missing"])[0] == EXIT_USAGE
     assert not (tmp_path / "missing").exists()  # listing never creates the directory
+    # A DistributedCheckpointer's directory is not a Checkpointer's: say so.
+    (tmp_path / "step_00000003").mkdir()
+    (tmp_path / "step_00000003" / "tw_dcp.json").write_text("{}")
+    code, text = run(["ls", tmp_path])
+    assert code == EXIT_OK and "DistributedCheckpointer directory" in text
 
 
 def test_help_documents_exit_codes_and_pickle_policy(capsys):

@@ -191,6 +191,9 @@ def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
     lines = [fmt(r) for r in rows] if found else []
     total = sum(info.nbytes for info in found.values())
     lines.append(f"{_plural(len(found), 'checkpoint', 'checkpoints')}, {_human(total)} in {directory}")
+    if not found and _looks_distributed(directory):
+        lines.append("this looks like a DistributedCheckpointer directory (step_*/ folders with "
+                     "tw_dcp.json): tw ls lists the files of a Checkpointer")
     temps = d.temp_files()
     if temps:
         lines.append(f"{_plural(len(temps), 'temp file', 'temp files')} of interrupted saves (Checkpointer."
@@ -201,6 +204,16 @@ def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
     elif found:
         lines.append(f"newest: step {max(found)} (not verified; --verify checks every file and chain)")
     return lines, all(p is None for p in problems.values())
+
+
+def _looks_distributed(directory: str) -> bool:
+    """Whether ``directory`` holds a DistributedCheckpointer's step folders."""
+    steps = [name for name in os.listdir(directory) if name.startswith("step_")]
+    if not steps:
+        return False
+    from .dcp._meta import METADATA_NAME  # imports torch.distributed.checkpoint: only here
+
+    return any(os.path.isfile(os.path.join(directory, name, METADATA_NAME)) for name in steps)
 
 
 def _cmd_ls(args: argparse.Namespace, out: TextIO) -> int:

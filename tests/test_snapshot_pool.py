@@ -521,3 +521,35 @@ def test_prepare_and_the_first_keyframe_reserve_the_reference_share_once(tmp_pat
     ckpt._writer.flush()
     assert ckpt.pool_bytes == reserved  # nothing reserved again after the keyframe
     ckpt.close()
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_prepare_runs_a_full_garbage_collection_unless_the_collector_is_off(tmp_path, async_write):
+    """Setup's objects bring Python's next full collection close; prepare() runs it then,
+    not inside an early save. A process that turned the collector off keeps control."""
+    import gc
+
+    generations: list[int] = []
+
+    def seen(phase, info):
+        if phase == "start":
+            generations.append(info["generation"])
+
+    gc.callbacks.append(seen)
+    try:
+        with Checkpointer(tmp_path / "on", async_write=async_write, fsync=False) as ckpt:
+            generations.clear()
+            ckpt.prepare(model={"w": torch.zeros(128, 128)})
+            assert 2 in generations
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with Checkpointer(tmp_path / "off", async_write=async_write, fsync=False) as ckpt:
+                generations.clear()
+                ckpt.prepare(model={"w": torch.zeros(128, 128)})
+                assert generations == []
+        finally:
+            if was_enabled:
+                gc.enable()
+    finally:
+        gc.callbacks.remove(seen)

@@ -98,6 +98,7 @@ One ``Checkpointer`` writes a directory at a time (several readers are fine).
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import operator
 import os
@@ -422,6 +423,12 @@ class Checkpointer:
         the state while the keyframe's copies of those stay held as its reference. The codes
         and scales that the writer thread makes are not reserved: they do not pause the loop.
 
+        It also runs Python's full garbage collection now (unless the garbage collector is
+        disabled): the objects that setup made (imports, model, optimizer) bring the next
+        full collection close, and it stops every thread for as long as the process has
+        objects to scan (0.16-0.17 s in a MiniLM training process), inside whichever save
+        comes next otherwise. See the README's section on the garbage collector.
+
         Returns:
             Bytes reserved now: 0 when there is nothing to reserve (``snapshot_pool_bytes=0``,
             ``async_write=False``, which copies only what it stores exact, or a state with
@@ -434,6 +441,7 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError(f"cannot prepare: the Checkpointer of {self.directory!r} is closed")
         tree = _named_state(state)
+        _collect_setup_garbage()
         if self._writer is None or not _all_on_cpu(tree):
             return 0
         self._collect_finished()  # written saves' buffers are free again: count them
@@ -732,6 +740,18 @@ class Checkpointer:
             else:
                 os.unlink(doomed)
             logger.debug("retention removed %s", info.path)
+
+
+def _collect_setup_garbage() -> None:
+    """One full garbage collection, unless the caller turned the collector off.
+
+    Setup makes many long-lived objects, and Python runs a full collection once enough of
+    them have piled up: at a moment set by allocation counts, which in a one-off MiniLM
+    training loop was inside the second save in 4 of 5 runs (pause 0.19-0.23 s instead of
+    0.02 s). Run now, it resets that count; none ran in 3 runs of the loop after it.
+    """
+    if gc.isenabled():
+        gc.collect()
 
 
 def _nbytes_each(tensors: Iterable[torch.Tensor]) -> list[int]:

@@ -437,3 +437,30 @@ def test_ab_versions_refuses_an_unknown_method(monkeypatch) -> None:
     monkeypatch.setattr(sys, "argv", ["ab_versions.py", "--base", "HEAD", "--methods", "tw nothing"])
     with pytest.raises(SystemExit):
         ab_versions.main()
+
+
+def test_loop_pauses_summary_counts_the_collections_inside_saves() -> None:
+    import loop_pauses as lp
+
+    def run(mode, pauses, gcs):
+        return {"mode": mode, "median_step_s": 0.5, "full_gcs_s": [g for g in gcs if g],
+                "saves": [{"step": s, "pause_s": p, "full_gc_s": g} for s, p, g in zip(lp.SAVE_AT, pauses, gcs)]}
+
+    runs = [run(m, [0.3, 0.2, 0.2, 0.2], [0, 0, 0, 0]) for m in lp.MODES]
+    runs[1] = run("tw", [0.06, 0.2, 0.02, 0.02], [0, 0.18, 0, 0])
+    summary = lp.summarize(runs)
+    assert summary["tw"]["saves_with_a_full_gc"] == 1 and summary["tw"]["saves"] == 4
+    assert summary["tw"]["first_pause_median_s"] == 0.06 and summary["tw"]["later_pause_max_s"] == 0.2
+    assert summary["torch.save"]["full_gcs_in_runs"] == 0
+    assert "| tw | 0.060 / 0.060 | 0.020 / 0.200 | 1 of 4 | 1 |" in lp.table(summary)
+
+
+@needs_bench
+def test_loop_pauses_child_times_every_save_of_a_training_loop(tmp_path: Path) -> None:
+    import loop_pauses as lp
+
+    out = lp.child("tw + prepare", tmp_path, threads=1)
+    assert [s["step"] for s in out["saves"]] == list(lp.SAVE_AT)
+    assert all(s["pause_s"] > 0 for s in out["saves"]) and out["median_step_s"] > 0
+    # prepare ran the full collection that setup's objects bring close: none inside a save
+    assert len(out["full_gcs_s"]) >= 1 and all(s["full_gc_s"] == 0 for s in out["saves"])

@@ -746,9 +746,9 @@ def _collect_setup_garbage() -> None:
     """One full garbage collection, unless the caller turned the collector off.
 
     Setup makes many long-lived objects, and Python runs a full collection once enough of
-    them have piled up: at a moment set by allocation counts, which in a one-off MiniLM
-    training loop was inside the second save in 4 of 5 runs (pause 0.19-0.23 s instead of
-    0.02 s). Run now, it resets that count; none ran in 3 runs of the loop after it.
+    them have piled up, at a moment set by allocation counts: in ``benchmarks/loop_pauses.py``
+    it ran inside the second save of every run without ``prepare`` (0.17-0.18 s), and
+    inside none with it. Run here, it resets that count.
     """
     if gc.isenabled():
         gc.collect()

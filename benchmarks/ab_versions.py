@@ -9,7 +9,7 @@ with the base on ``PYTHONPATH`` and once with this checkout, plus ``torch.save``
 same state in every round as the yardstick. It prints each round and the medians of the
 time the save blocks, its total time and its peak extra RSS.
 
-    python benchmarks/ab_versions.py --base 4477262 --methods "tw default delta" --rounds 5
+    python benchmarks/ab_versions.py --base 4477262 --method "tw default delta" --rounds 5
 
 Needs git (for the worktree) and the MiniLM fixture of ``speed_compare.py`` (built once,
 about 20 s).
@@ -49,11 +49,12 @@ def save_child(method: str, source: Path, fixture: Path, out: Path, threads: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision to compare this checkout with")
-    parser.add_argument("--methods", required=True, help="comma-separated save methods of speed_compare.py")
+    parser.add_argument("--method", action="append", required=True, dest="methods",
+                        help="a save method of speed_compare.py (repeat for more; names may hold commas)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = args.methods
 
     sys.path.insert(0, str(HERE))
     import speed_compare

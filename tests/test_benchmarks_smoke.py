@@ -434,7 +434,7 @@ def test_ab_versions_runs_the_save_child_of_a_source_tree(tmp_path: Path) -> Non
 def test_ab_versions_refuses_an_unknown_method(monkeypatch) -> None:
     import ab_versions
 
-    monkeypatch.setattr(sys, "argv", ["ab_versions.py", "--base", "HEAD", "--methods", "tw nothing"])
+    monkeypatch.setattr(sys, "argv", ["ab_versions.py", "--base", "HEAD", "--method", "tw nothing"])
     with pytest.raises(SystemExit):
         ab_versions.main()
 

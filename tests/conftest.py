@@ -90,3 +90,21 @@ def parses(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(fmt, "_read_layout", counted)
     return seen
+
+
+@pytest.fixture
+def gc_generations():
+    """The generations of the garbage collections that start while the test runs, in order."""
+    import gc
+
+    seen: list[int] = []
+
+    def record(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(record)

@@ -272,6 +272,11 @@ def test_the_callback_prepares_the_first_save_after_the_first_batch(tmp_path, mo
     assert off.prepare({"w": torch.ones(1 << 16)}) == 0
 
 
+def test_prepare_runs_the_full_collection_that_setup_brings_close(gc_generations):
+    TwCheckpointIO(fsync=False).prepare({"w": torch.ones(1 << 16)})
+    assert 2 in gc_generations
+
+
 from _readme import readme_example  # noqa: E402
 
 

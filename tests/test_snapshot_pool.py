@@ -524,32 +524,22 @@ def test_prepare_and_the_first_keyframe_reserve_the_reference_share_once(tmp_pat
 
 
 @pytest.mark.parametrize("async_write", [True, False])
-def test_prepare_runs_a_full_garbage_collection_unless_the_collector_is_off(tmp_path, async_write):
+def test_prepare_runs_a_full_garbage_collection_unless_the_collector_is_off(tmp_path, async_write, gc_generations):
     """Setup's objects bring Python's next full collection close; prepare() runs it then,
     not inside an early save. A process that turned the collector off keeps control."""
     import gc
 
-    generations: list[int] = []
-
-    def seen(phase, info):
-        if phase == "start":
-            generations.append(info["generation"])
-
-    gc.callbacks.append(seen)
+    with Checkpointer(tmp_path / "on", async_write=async_write, fsync=False) as ckpt:
+        gc_generations.clear()
+        ckpt.prepare(model={"w": torch.zeros(128, 128)})
+        assert 2 in gc_generations
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
-        with Checkpointer(tmp_path / "on", async_write=async_write, fsync=False) as ckpt:
-            generations.clear()
+        with Checkpointer(tmp_path / "off", async_write=async_write, fsync=False) as ckpt:
+            gc_generations.clear()
             ckpt.prepare(model={"w": torch.zeros(128, 128)})
-            assert 2 in generations
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            with Checkpointer(tmp_path / "off", async_write=async_write, fsync=False) as ckpt:
-                generations.clear()
-                ckpt.prepare(model={"w": torch.zeros(128, 128)})
-                assert generations == []
-        finally:
-            if was_enabled:
-                gc.enable()
+            assert gc_generations == []
     finally:
-        gc.callbacks.remove(seen)
+        if was_enabled:
+            gc.enable()

@@ -441,7 +441,7 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError(f"cannot prepare: the Checkpointer of {self.directory!r} is closed")
         tree = _named_state(state)
-        _collect_setup_garbage()
+        collect_setup_garbage()
         if self._writer is None or not _all_on_cpu(tree):
             return 0
         self._collect_finished()  # written saves' buffers are free again: count them
@@ -742,7 +742,7 @@ class Checkpointer:
             logger.debug("retention removed %s", info.path)
 
 
-def _collect_setup_garbage() -> None:
+def collect_setup_garbage() -> None:
     """One full garbage collection, unless the caller turned the collector off.
 
     Setup makes many long-lived objects, and Python runs a full collection once enough of

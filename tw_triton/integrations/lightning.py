@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from ..checkpointer import DEFAULT_RULES
+from ..checkpointer import DEFAULT_RULES, collect_setup_garbage
 from ..errors import CheckpointError, QuantizationError
 from ..rules import keyframe_rules, resolve_rules, rules_as_specs
 from ..snapshot_pool import SavePool, SnapshotLease
@@ -260,10 +260,14 @@ class TwCheckpointIO(CheckpointIO):
         module's state dict and the optimizers' states are all but a few bytes of it
         (:class:`TwPrepareFirstSave` passes those). Reserving again adds only what is missing.
 
+        Like :meth:`tw_triton.Checkpointer.prepare` it also runs Python's full garbage
+        collection, unless the collector is off.
+
         Returns:
             Bytes reserved: 0 without a pool, with ``async_write=False`` or for tensors off
             the CPU (whose saves copy nothing into the pool).
         """
+        collect_setup_garbage()  # as Checkpointer.prepare: setup's full collection, now
         tensors = flatten(checkpoint)[0].values()
         if not self.async_write or any(t.device.type != "cpu" for t in tensors):
             return 0

@@ -290,7 +290,7 @@ class CheckpointDirectory:
         :meth:`latest_read`).
         """
         try:
-            chain = chain_of(info, by_id, os.path.dirname(info.path))
+            chain = chain_of(info, by_id, self.path)
         except ReferenceMismatchError as e:  # a missing link, or a cycle
             return str(e)
         if not verify:

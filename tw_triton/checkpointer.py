@@ -344,7 +344,7 @@ class Checkpointer:
     def _queue_snapshot(self, job: _SaveJob) -> _Queued:
         """CPU with an async writer: copy the state into the save's lease here (the only
         part that blocks the loop) and queue its encode and write on the writer thread."""
-        reference = job.reference if not job.keyframe else None
+        reference = job.reference  # None for a keyframe: save() retired it
         q_id = uuid.uuid4().hex
         # Flattened once: the check, the copy and the writer's encode all take it.
         flat = Flattened.of(job.tree)
@@ -738,7 +738,7 @@ class Checkpointer:
             if self._writer is not None:
                 self._writer.discard(doomed)
             else:
-                os.unlink(doomed)
+                _format.remove_quietly(doomed)
             logger.debug("retention removed %s", info.path)
 
 

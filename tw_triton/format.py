@@ -56,8 +56,8 @@ is checked by the codec registry when the entry is decoded (``tw_triton.load``).
 
 Reading validates everything before it allocates (:mod:`tw_triton.file_header` parses and
 checks the header; this module reads and writes the buffers): header length against the
-file size, the JSON, every offset (in range, contiguous, covering the data exactly), shape x dtype size
-against each byte span (against ``raw_nbytes`` for a staged buffer), dtypes against a
+file size, the JSON, every offset (in range, contiguous, covering the data exactly), shape
+x dtype size against each byte span (against ``raw_nbytes`` for a staged buffer), dtypes against a
 whitelist, stage names and params, the manifest schema and version, and that the manifest
 and the tensor table agree key by key. Every allocation of a raw buffer is bounded by the
 file size; a staged buffer's allocation is bounded by what its stored zstd blocks can
@@ -222,7 +222,7 @@ def write_file(
             size = f.seek(0, os.SEEK_END)
         os.replace(tmp, path)
     except BaseException as exc:
-        _remove_quietly(tmp)
+        remove_quietly(tmp)
         if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
             raise _io_error(exc, f"cannot write checkpoint {path}") from exc
         raise
@@ -787,13 +787,16 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def _remove_quietly(path: str) -> None:
+def remove_quietly(path: str) -> None:
+    """Delete ``path``: a file already gone is fine, another failure is logged, not raised
+    (a failed write's own error matters more; a retired checkpoint has no caller to raise
+    to)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
-    except OSError as exc:  # the original error matters more; say what was left behind
-        logger.warning("could not remove temporary file %s: %s", path, exc)
+    except OSError as exc:
+        logger.warning("could not delete %s: %s", path, exc)
 
 
 def _require_little_endian(path: str) -> None:

@@ -298,7 +298,7 @@ class AsyncWriter:
         ten. A file already gone is fine; another failure is logged. :meth:`flush` and
         :meth:`close` wait for it. A closed writer deletes it here and now.
         """
-        self.call(functools.partial(_unlink_quietly, os.fspath(path)))
+        self.call(functools.partial(_format.remove_quietly, os.fspath(path)))
 
     def call(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on the writer thread, after the saves queued before it.
@@ -525,16 +525,6 @@ def _run_logged(fn: Callable[[], Any]) -> None:
         fn()
     except Exception as exc:  # noqa: BLE001 - logged: nothing waits for this task's result
         logger.warning("writer task %r failed: %s: %s", fn, type(exc).__name__, exc)
-
-
-def _unlink_quietly(path: str) -> None:
-    """Delete ``path``; a file already gone is fine, another failure is logged."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        logger.warning("could not delete '%s': %s", path, exc)
 
 
 def _drain_at_exit(ref: "weakref.ReferenceType[AsyncWriter]") -> None:

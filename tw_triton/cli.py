@@ -198,8 +198,8 @@ def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
     if temps:
         lines.append(f"{_plural(len(temps), 'temp file', 'temp files')} of interrupted saves (Checkpointer."
                      f"remove_temp_files() deletes them): " + ", ".join(os.path.basename(t) for t in temps))
-    loadable = [s for s in sorted(found) if not verify or problems[s] is None]
     if verify:
+        loadable = [s for s in sorted(found) if problems[s] is None]
         lines.append(f"latest loadable: step {loadable[-1]}" if loadable else "latest loadable: none")
     elif found:
         lines.append(f"newest: step {max(found)} (not verified; --verify checks every file and chain)")

@@ -10,8 +10,10 @@ import torch
 
 import tw_triton
 from tw_triton import format as fmt
-from tw_triton.checkpoint_dir import CheckpointDirectory, checkpoint_name, parse_checkpoint_name
+from tw_triton.checkpoint_dir import CheckpointDirectory, _Read, checkpoint_name, parse_checkpoint_name
+from tw_triton.checkpointer import Checkpointer
 from tw_triton.errors import CheckpointError
+from _read_spy import spy_on_reads
 
 
 def _write(directory: CheckpointDirectory, step: int, *, kind: str = "keyframe", ref: str | None = None) -> str:
@@ -83,3 +85,62 @@ def test_find_names_the_steps_there_are_and_latest_skips_a_broken_chain(tmp_path
     assert "missing-keyframe" in caplog.text
     found, info = d.find(None, verify=True)
     assert info.step == 1 and sorted(found) == [1, 2]
+
+
+def _training_chain(directory, steps: int, keyframe_every: int):
+    """A Checkpointer directory of a model and an optimizer-like state; the weights move."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=gen)
+    saved = []
+    with Checkpointer(directory, keyframe_every=keyframe_every, keep_last=None, fsync=False) as ck:
+        for step in range(steps):
+            w = w + torch.randn(64, 128, generator=gen) * 1e-3
+            state = {"model": {"w": w.clone()},
+                     "optimizer": {"state": {0: {"exp_avg": torch.randn(64, 128, generator=gen)}}}}
+            ck.save(step, **state)
+            saved.append(state)
+    return Checkpointer(directory, keep_last=None), saved
+
+
+def _flip_buffer_byte(path: str, entry: str, buffer: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    begin = fmt.read_manifest(path)["entries"][entry]["buffers"][buffer]["data_offsets"][0]
+    data[8 + int.from_bytes(data[:8], "little") + begin + 1] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def test_latest_read_keeps_of_a_keyframe_only_what_its_delta_needs(tmp_path, monkeypatch):
+    ck, _ = _training_chain(tmp_path, 2, keyframe_every=10)
+    asked = spy_on_reads(monkeypatch)
+    found, info, reads = ck._dir.latest_read(pin=False)
+    keyframe = ck.path_for(0)
+    assert info.step == 1 and reads[info.path].entries is None  # the delta itself: whole
+    assert reads[keyframe].entries == {"model/w"}  # of its keyframe: the weights alone
+    assert set(reads[keyframe].state.entries) == {"model/w"}
+    assert asked == [(checkpoint_name(1), None), (checkpoint_name(0), ["model/w"])]
+    # Those reads are the ones decoded: nothing is read again.
+    state = ck._dir.decode(info, found, reads, torch.device("cpu"))
+    assert len(asked) == 2 and torch.equal(state["model"]["w"], ck.load(1)["model"]["w"])
+
+
+def test_latest_skips_a_delta_whose_keyframe_is_corrupt_where_the_delta_does_not_read(tmp_path, caplog):
+    ck, _ = _training_chain(tmp_path, 4, keyframe_every=2)  # keyframes 0 and 2, deltas 1 and 3
+    # The keyframe's optimizer state: a load of delta 3 never decodes it, but the file is
+    # not intact, so neither it nor the delta that needs it is the latest good checkpoint.
+    _flip_buffer_byte(ck.path_for(2), "optimizer/state/0/exp_avg", "codes")
+    with caplog.at_level(logging.WARNING):
+        assert ck.load()["step"] == 1
+    assert "step-00000002" in caplog.text and "checksum mismatch" in caplog.text
+    assert ck.latest() == 1  # the streaming verification agrees
+
+
+def test_a_partial_read_is_read_whole_when_its_file_is_the_one_loaded(tmp_path, monkeypatch):
+    ck, _ = _training_chain(tmp_path, 2, keyframe_every=10)
+    found = ck._dir.scan()
+    whole = ck.load(0)
+    partial = fmt.read_file(ck.path_for(0), entries=["model/w"])
+    asked = spy_on_reads(monkeypatch)
+    reads = {ck.path_for(0): _Read(partial, frozenset({"model/w"}))}
+    state = ck._dir.decode(found[0], found, reads, torch.device("cpu"))
+    assert asked == [(checkpoint_name(0), None)]
+    assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], whole["optimizer"]["state"][0]["exp_avg"])

@@ -390,6 +390,26 @@ def test_verify_false_skips_only_the_data_checksums(tmp_path):
         assert str(path) in msg and "'model/encoder.0.bias'" in msg and "'data'" in msg
 
 
+@pytest.mark.parametrize("policy", [None, STAGE_EVERYTHING], ids=["raw", "staged"])
+def test_check_others_checks_the_buffers_of_entries_not_read(tmp_path, policy):
+    path = tmp_path / "ckpt.safetensors"
+    state = sample_state(9)
+    fmt.write_file(state, path, entropy=policy)
+    n, header = header_of(path)
+    other = "model/encoder.0.bias"
+    wanted = [p for p in state.entries if p != other][:1]
+    blob = bytearray(path.read_bytes())
+    blob[8 + n + header[f"{other}:data"]["data_offsets"][0]] ^= 0x01
+    path.write_bytes(bytes(blob))
+    # Without check_others, a corrupt entry that is not read goes unnoticed.
+    back = fmt.read_file(path, entries=wanted)
+    assert list(back.entries) == wanted
+    with pytest.raises(CheckpointError, match=rf"{other}.*checksum mismatch"):
+        fmt.read_file(path, entries=wanted, check_others=True)
+    # check_others goes with verify: a read that checks no checksum checks none of them.
+    assert list(fmt.read_file(path, entries=wanted, verify=False, check_others=True).entries) == wanted
+
+
 def test_verify_file_passes_on_a_good_file(tmp_path):
     path = tmp_path / "ckpt.safetensors"
     fmt.write_file(sample_state(10), path)

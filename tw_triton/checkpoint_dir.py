@@ -9,8 +9,9 @@ listed.
 Listing reads each file's header once per file version (keyed by mtime and size); a file
 the Checkpointer has just written is listed from what it noted at encode time
 (:meth:`CheckpointDirectory.note`), so a save's retention parses no header on the loop's
-thread. Verification reads whole files and checks their checksums, with the keyframe a
-delta needs (:func:`~tw_triton.deltas.chain_of`).
+thread. Verification checks every checksum of a file and of the keyframe a delta needs
+(:func:`~tw_triton.deltas.chain_of`); a load's verification reads the files it decodes,
+and of a delta's keyframe only the entries the delta is coded against.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from . import format as _format
 from .deltas import chain_of, decode_chain
+from .state import delta_paths
 from .errors import CheckpointError, ReferenceMismatchError
 from .qstate import QuantizedState
 
@@ -66,6 +68,19 @@ class CheckpointInfo:
     reference_id: str | None
     kind: str
     nbytes: int
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A file read (and verified) while choosing the checkpoint to load.
+
+    Attributes:
+        state: what was read.
+        entries: the entries read (the rest was checked, not kept); ``None``: all.
+    """
+
+    state: QuantizedState
+    entries: frozenset[str] | None
 
 
 class CheckpointDirectory:
@@ -174,12 +189,15 @@ class CheckpointDirectory:
 
     def latest_read(
         self, *, pin: bool
-    ) -> tuple[dict[int, CheckpointInfo], CheckpointInfo, dict[str, QuantizedState]]:
+    ) -> tuple[dict[int, CheckpointInfo], CheckpointInfo, dict[str, _Read]]:
         """:meth:`latest` with ``verify``, keeping the verified reads of the files it chose.
 
-        Each candidate is verified by reading it whole (checksums checked while reading)
-        instead of streaming it, and the reads of the newest good one and its keyframe are
-        returned to be decoded. Same choice, same warnings as :meth:`latest`.
+        Each candidate is verified by reading it (checksums checked while reading) instead
+        of streaming it, and the reads of the newest good one and its keyframe are returned
+        to be decoded. A delta's keyframe (and each earlier link of a closed-loop chain) is
+        read only at the entries the next link is a delta of; the CRC-32 of its other
+        buffers is checked without decoding them, so the whole file is still known intact.
+        Same choice, same warnings as :meth:`latest`.
 
         Raises:
             CheckpointError: no checkpoint here verifies.
@@ -187,7 +205,7 @@ class CheckpointDirectory:
         found = self.scan()
         by_id = _by_id(found)
         verified: dict[str, str | None] = {}
-        reads: dict[str, QuantizedState] = {}
+        reads: dict[str, _Read] = {}
         for step in sorted(found, reverse=True):
             info = found[step]
             problem = self._problem(info, by_id, verified, True, reads=reads, pin=pin)
@@ -220,7 +238,7 @@ class CheckpointDirectory:
         self,
         info: CheckpointInfo,
         found: dict[int, CheckpointInfo],
-        reads: dict[str, QuantizedState],
+        reads: dict[str, _Read],
         device: torch.device,
         *,
         verify: bool = True,
@@ -235,9 +253,9 @@ class CheckpointDirectory:
         pin = wants_pinned(device)
 
         def read(item: CheckpointInfo, entries: list[str] | None) -> QuantizedState:
-            q = reads.pop(item.path, None)
-            if q is not None:
-                return q
+            held = reads.pop(item.path, None)
+            if held is not None and (held.entries is None or (entries is not None and held.entries >= set(entries))):
+                return held.state
             return _format.read_file(item.path, verify=verify, pin_memory=pin, entries=entries, headers=self.headers)
 
         return decode_chain(chain, read, device)
@@ -279,7 +297,7 @@ class CheckpointDirectory:
         verified: dict[str, str | None],
         verify: bool,
         *,
-        reads: dict[str, QuantizedState] | None = None,
+        reads: dict[str, _Read] | None = None,
         pin: bool = False,
     ) -> str | None:
         """Why ``info`` cannot be loaded, or ``None`` if it (and its keyframe) verify.
@@ -295,15 +313,22 @@ class CheckpointDirectory:
             return str(e)
         if not verify:
             return None
-        for item in chain:
+        # With reads, newest first: each link before the last is read only at the entries
+        # its successor is a delta of (the tensors a load decodes), and the rest of its
+        # buffers are checked against their CRC-32 without being decoded or kept (a
+        # keyframe's optimizer state is never needed to load a delta).
+        needs: list[str] | None = None
+        for item in chain if reads is None else reversed(chain):
             if item.path not in verified:
                 try:
                     if reads is None:
                         _format.verify_file(item.path, headers=self.headers)
                     else:
-                        reads[item.path] = _format.read_file(
-                            item.path, verify=True, pin_memory=pin, headers=self.headers
+                        q = _format.read_file(
+                            item.path, verify=True, pin_memory=pin, headers=self.headers, entries=needs,
+                            check_others=True,
                         )
+                        reads[item.path] = _Read(q, None if needs is None else frozenset(needs))
                     verified[item.path] = None
                 except (CheckpointError, OSError) as e:
                     verified[item.path] = str(e)
@@ -312,6 +337,11 @@ class CheckpointDirectory:
                 return f"it fails verification: {error}" if item is info else (
                     f"its reference {item.path} fails verification: {error}"
                 )
+            if reads is not None and item is not chain[0]:
+                # What the next older link must provide; a file verified for another chain
+                # and not read again is read whole when it is decoded.
+                held = reads.get(item.path)
+                needs = delta_paths(held.state, item.path) if held is not None else None
         return None
 
 

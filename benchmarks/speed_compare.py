@@ -110,6 +110,18 @@ LOAD_FILES = {
     "safetensors": "safetensors",
     "dcp.load": "dcp.save",
 }
+# A resume: the files back into a freshly built MiniLM and AdamW (no optimizer state yet), as
+# a restarted job does, against torch.load followed by the objects' load_state_dict.
+RESUME_METHODS = (
+    "torch.load + load_state_dict",
+    "tw restore default keyframe",
+    "tw restore default delta",
+)
+RESUME_FILES = {
+    "torch.load + load_state_dict": "torch.save",
+    "tw restore default keyframe": "tw default keyframe",
+    "tw restore default delta": "tw default delta",
+}
 
 # The Checkpointer rules of each tw method (the library defaults apply to what is left out):
 # None = the rule defaults (int8 weight deltas, optimizer exact); "int8-exp-avg" adds AdamW's
@@ -384,6 +396,39 @@ def child_load(method: str, fixture: Path, files: Path) -> dict[str, Any]:
     return {"load_s": elapsed, "peak_extra_bytes": peak, "tensors": len(flat)}
 
 
+def child_resume(method: str, files: Path) -> dict[str, Any]:
+    """Resume from the files in ``files`` into a fresh MiniLM and AdamW with ``method``."""
+    from _minilm import load_minilm
+
+    model, _ = load_minilm()
+    model.to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    directory = files / "resume"
+    if method.startswith("tw"):
+        from tw_triton import Checkpointer
+        from tw_triton.checkpointer import checkpoint_name
+
+        # A Checkpointer directory of the saved files (links: the load children read them too).
+        directory.mkdir(exist_ok=True)
+        names = ["reference", "state"] if (files / "reference.tw.safetensors").exists() else ["state"]
+        for step, name in enumerate(names):
+            os.link(files / f"{name}.tw.safetensors", directory / checkpoint_name(step))
+    gc.collect()
+    base = rss_bytes()
+    reset_peak()
+    t0 = time.perf_counter()
+    if method == "torch.load + load_state_dict":
+        state = torch.load(files / "state.pt", weights_only=True, map_location=DEVICE)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    else:
+        Checkpointer(directory, keep_last=None).restore(model=model, optimizer=opt, rng=False)
+    _sync()
+    elapsed = time.perf_counter() - t0
+    peak = peak_bytes() - base
+    return {"load_s": elapsed, "peak_extra_bytes": peak, "moments": len(opt.state)}
+
+
 def run_child(args: list[str], threads: int) -> dict[str, Any]:
     """Run this script as a child and parse the JSON line it prints."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -411,6 +456,8 @@ def run(
 
     save_methods = [m for m in SAVE_METHODS if only is None or m in only or m == "torch.save"]
     load_methods = [m for m in LOAD_METHODS if only is None or m in only or m == "torch.load"]
+    # A resume is measured where the save method that writes its files is.
+    resume_methods = [m for m in RESUME_METHODS if RESUME_FILES[m] in save_methods]
 
     with tempfile.TemporaryDirectory() as tmp:
         tmpdir = Path(tmp)
@@ -419,6 +466,7 @@ def run(
         log(f"state: {info['state_tensors']} tensors, {info['state_bytes'] / 2**20:.1f} MiB")
         saves: dict[str, list[dict[str, Any]]] = {m: [] for m in save_methods}
         loads: dict[str, list[dict[str, Any]]] = {m: [] for m in load_methods}
+        resumes: dict[str, list[dict[str, Any]]] = {m: [] for m in resume_methods}
         for rep in range(repeats):
             for method in save_methods:
                 out = tmpdir / f"save-{rep}-{method.replace(' ', '_')}"
@@ -436,6 +484,11 @@ def run(
                 r = run_child(["--child-load", method, "--fixture", str(fixture), "--out", str(src)], threads)
                 loads[method].append(r)
                 log(f"rep {rep} load {method}: {r['load_s']:.3f} s, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB")
+            for method in resume_methods:
+                src = tmpdir / f"save-{rep}-{RESUME_FILES[method].replace(' ', '_')}"
+                r = run_child(["--child-resume", method, "--out", str(src)], threads)
+                resumes[method].append(r)
+                log(f"rep {rep} resume {method}: {r['load_s']:.3f} s, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB")
             # Free the disk space of this round before the next.
             for p in sorted(tmpdir.glob(f"save-{rep}-*")):
                 subprocess.run(["rm", "-rf", str(p)], check=True)
@@ -475,10 +528,21 @@ def run(
     for r in load_rows:
         r["load_vs_torch_load"] = r["load_s"] / lbase["load_s"]
         r["load_best_vs_torch_load"] = r["load_best_s"] / lbase["load_best_s"]
+    resume_rows = [{
+        "method": method,
+        "resume_s": median([r["load_s"] for r in resumes[method]]),
+        "resume_best_s": min(r["load_s"] for r in resumes[method]),
+        "resume_peak_extra_bytes": median([r["peak_extra_bytes"] for r in resumes[method]]),
+    } for method in resume_methods if resumes[method]]
+    rbase = resume_rows[0]
+    for r in resume_rows:
+        r["resume_vs_torch"] = r["resume_s"] / rbase["resume_s"]
+        r["resume_best_vs_torch"] = r["resume_best_s"] / rbase["resume_best_s"]
     from tw_triton.parallel import cpu_threads
 
     return {"state": info, "repeats": repeats, "threads": threads, "tw_threads": cpu_threads(), "save_rows": rows,
-            "load_rows": load_rows, "raw_saves": saves, "raw_loads": loads}
+            "load_rows": load_rows, "resume_rows": resume_rows, "raw_saves": saves, "raw_loads": loads,
+            "raw_resumes": resumes}
 
 
 def tables(result: dict[str, Any]) -> str:
@@ -501,7 +565,13 @@ def tables(result: dict[str, Any]) -> str:
           *_best(r, "load_best_s", "load_best_vs_torch_load"), f"{mib(r['load_peak_extra_bytes']):.0f}"]
          for r in result["load_rows"]],
     )
-    return save + "\n\n" + load
+    resume = fmt_table(
+        ["method", "resume (s)", "vs torch.load + load_state_dict", "best (s)", "vs best", "peak extra RSS (MiB)"],
+        [[r["method"], f"{r['resume_s']:.3f}", f"{r['resume_vs_torch']:.2f}", f"{r['resume_best_s']:.3f}",
+          f"{r['resume_best_vs_torch']:.2f}", f"{mib(r['resume_peak_extra_bytes']):.0f}"]
+         for r in result.get("resume_rows", [])],
+    )
+    return save + "\n\n" + load + ("\n\n" + resume if result.get("resume_rows") else "")
 
 
 def _best(row: dict[str, Any], seconds: str, ratio: str) -> list[str]:
@@ -520,6 +590,7 @@ def main() -> None:
                         help="comma-separated subset of methods to measure (printed, not written)")
     parser.add_argument("--child-save", metavar="METHOD", help=argparse.SUPPRESS)
     parser.add_argument("--child-load", metavar="METHOD", help=argparse.SUPPRESS)
+    parser.add_argument("--child-resume", metavar="METHOD", help=argparse.SUPPRESS)
     parser.add_argument("--fixture", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -533,6 +604,9 @@ def main() -> None:
         return
     if args.child_load:
         print(json.dumps(child_load(args.child_load, args.fixture, args.out)))
+        return
+    if args.child_resume:
+        print(json.dumps(child_resume(args.child_resume, args.out)))
         return
 
     from _common import gpu_results_dir, log, write_result

@@ -103,6 +103,74 @@ def test_restore_from_delta_is_close(tmp_path, delta):
     assert sched2.state_dict() == sched.state_dict()
 
 
+@pytest.mark.parametrize("delta", ["open", "closed"])
+@pytest.mark.parametrize("latest", [True, False])
+def test_restore_decodes_into_the_models_own_tensors(tmp_path, delta, latest):
+    seed_all(3)
+    model, opt, sched, _ = make_run(3)
+    with Checkpointer(tmp_path, keyframe_every=10, fsync=False, delta=delta) as ckpt:
+        for step in range(3):  # a keyframe, then deltas of the large weights
+            ckpt.save(step, model=model, optimizer=opt)
+            train(model, opt, sched, 2)
+    want = Checkpointer(tmp_path).load(2)
+    model2, opt2, _, _ = make_run(8)
+    # With state in the optimizer too: its exact tensors ("step") are read in place as well.
+    train(model2, opt2, torch.optim.lr_scheduler.StepLR(opt2, step_size=3), 1)
+    before = {k: v.data_ptr() for k, v in model2.state_dict().items()}
+    steps_before = [s["step"].data_ptr() for s in opt2.state.values()]
+    state = Checkpointer(tmp_path).restore(None if latest else 2, model=model2, optimizer=opt2)
+    live = model2.state_dict()
+    for name, t in want["model"].items():
+        assert torch.equal(live[name], t), name
+        assert live[name].data_ptr() == before[name]  # still the model's own memory
+        # The loaded state is that memory: nothing was decoded elsewhere and copied.
+        assert state["model"][name].data_ptr() == before[name], name
+    assert [s["step"] for s in opt2.state.values()] == [s["step"] for s in want["optimizer"]["state"].values()]
+    assert steps_before == [s["step"].data_ptr() for s in opt2.state.values()]
+    for got, exp in zip(opt2.state.values(), want["optimizer"]["state"].values()):
+        assert torch.equal(got["exp_avg"], exp["exp_avg"]) and torch.equal(got["exp_avg_sq"], exp["exp_avg_sq"])
+
+
+def test_restore_into_tied_or_mismatched_tensors_still_loads_exactly(tmp_path):
+    seed_all(4)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))
+    model[1].weight = model[0].weight  # tied: one tensor under two names
+    with Checkpointer(tmp_path, fsync=False, rules="default") as ckpt:
+        ckpt.save(0, model=model)
+    fresh = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))
+    fresh[1].weight = fresh[0].weight
+    state = Checkpointer(tmp_path).restore(model=fresh, rng=False)
+    assert torch.equal(fresh[0].weight, model[0].weight) and fresh[1].weight is fresh[0].weight
+    assert state["model"]["0.weight"].data_ptr() != fresh[0].weight.data_ptr()  # copied by load_state_dict
+    # A model in another dtype: the checkpoint's float32 is not read into bfloat16 memory.
+    half = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False)).bfloat16()
+    half[1].weight = half[0].weight
+    Checkpointer(tmp_path).restore(model=half, rng=False)
+    assert torch.equal(half[0].weight, model[0].weight.bfloat16())
+
+
+def test_restore_falls_back_whole_when_the_newest_file_fails_after_reading_into_the_model(tmp_path, caplog):
+    seed_all(6)
+    model, opt, sched, _ = make_run(6)
+    with Checkpointer(tmp_path, keyframe_every=1, fsync=False, rules="default") as ckpt:
+        ckpt.save(0, model=model)
+        older = {k: v.clone() for k, v in model.state_dict().items()}
+        train(model, opt, sched, 3)
+        ckpt.save(1, model=model)
+    path = ckpt.path_for(1)
+    # The last byte of the first layer's weight: the whole buffer is read into the model
+    # before its checksum fails.
+    blob = bytearray(open(path, "rb").read())
+    end = read_manifest(path)["entries"]["model/0.weight"]["buffers"]["data"]["data_offsets"][1]
+    blob[8 + int.from_bytes(blob[:8], "little") + end - 1] ^= 0x01
+    open(path, "wb").write(bytes(blob))
+    fresh, _, _, _ = make_run(9)
+    state = Checkpointer(tmp_path).restore(model=fresh, rng=False)
+    assert state["step"] == 0 and "step-00000001" in caplog.text
+    for name, t in fresh.state_dict().items():
+        assert torch.equal(t, older[name]), name
+
+
 def test_restore_of_the_latest_reads_each_file_once(tmp_path, monkeypatch):
     seed_all(2)
     model, opt, sched, _ = make_run(2)

@@ -410,6 +410,30 @@ def test_check_others_checks_the_buffers_of_entries_not_read(tmp_path, policy):
     assert list(fmt.read_file(path, entries=wanted, verify=False, check_others=True).entries) == wanted
 
 
+@pytest.mark.parametrize("policy", [None, STAGE_EVERYTHING], ids=["raw", "staged"])
+def test_read_into_given_tensors_where_they_fit(tmp_path, policy):
+    path = tmp_path / "ckpt.safetensors"
+    state = sample_state(11)
+    fmt.write_file(state, path, entropy=policy)
+    exact = [p for p, e in state.entries.items() if e.codec == "exact" and e.buffers["data"].numel() > 1]
+    quantized = next(p for p, e in state.entries.items() if e.codec != "exact")
+    fits, wrong_dtype, strided = exact[0], exact[1], exact[2]
+    dest = {
+        fits: torch.empty(state.entries[fits].buffers["data"].numel(), dtype=state.entries[fits].dtype),
+        wrong_dtype: torch.full((state.entries[wrong_dtype].buffers["data"].numel(),), 7.0, dtype=torch.float64),
+        strided: torch.full((state.entries[strided].buffers["data"].numel() * 2,), 7.0)[::2],
+        quantized: torch.full((64,), 7.0),
+    }
+    before = {p: t.clone() for p, t in dest.items()}
+    back = fmt.read_file(path, into=dest)
+    assert_same_state(back, state)
+    got = back.entries[fits].buffers["data"]
+    assert got.data_ptr() == dest[fits].data_ptr() and got.shape == state.entries[fits].buffers["data"].shape
+    for p in (wrong_dtype, strided, quantized):  # left alone; the entry got its own memory
+        assert torch.equal(dest[p], before[p])
+        assert all(b.data_ptr() != dest[p].data_ptr() for b in back.entries[p].buffers.values())
+
+
 def test_verify_file_passes_on_a_good_file(tmp_path):
     path = tmp_path / "ckpt.safetensors"
     fmt.write_file(sample_state(10), path)

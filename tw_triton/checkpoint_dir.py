@@ -20,7 +20,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -188,7 +188,7 @@ class CheckpointDirectory:
         )
 
     def latest_read(
-        self, *, pin: bool
+        self, *, pin: bool, into: Mapping[str, torch.Tensor] | None = None
     ) -> tuple[dict[int, CheckpointInfo], CheckpointInfo, dict[str, _Read]]:
         """:meth:`latest` with ``verify``, keeping the verified reads of the files it chose.
 
@@ -197,7 +197,9 @@ class CheckpointDirectory:
         to be decoded. A delta's keyframe (and each earlier link of a closed-loop chain) is
         read only at the entries the next link is a delta of; the CRC-32 of its other
         buffers is checked without decoding them, so the whole file is still known intact.
-        Same choice, same warnings as :meth:`latest`.
+        Same choice, same warnings as :meth:`latest`. ``into``: as for
+        :func:`~tw_triton.format.read_file` (the reads of the chosen checkpoint come last,
+        so what its files hold is what is left in those tensors).
 
         Raises:
             CheckpointError: no checkpoint here verifies.
@@ -208,7 +210,7 @@ class CheckpointDirectory:
         reads: dict[str, _Read] = {}
         for step in sorted(found, reverse=True):
             info = found[step]
-            problem = self._problem(info, by_id, verified, True, reads=reads, pin=pin)
+            problem = self._problem(info, by_id, verified, True, reads=reads, pin=pin, into=into)
             if problem is None:
                 return found, info, reads
             reads.pop(info.path, None)  # good, but its keyframe is not: keep no memory for it
@@ -242,12 +244,14 @@ class CheckpointDirectory:
         device: torch.device,
         *,
         verify: bool = True,
+        into: Mapping[str, torch.Tensor] | None = None,
     ) -> Any:
         """Decode ``info`` on ``device``, with the chain of checkpoints it is a delta of.
 
-        Files already read (and verified) are taken from ``reads``; the others are read now.
-        Each link is checked to be the checkpoint its successor names; the per-entry
-        fingerprints are checked by the decode.
+        Files already read (and verified) are taken from ``reads``; the others are read now,
+        exact entries into the tensors of ``into`` where they fit (see
+        :func:`~tw_triton.format.read_file`). Each link is checked to be the checkpoint its
+        successor names; the per-entry fingerprints are checked by the decode.
         """
         chain = chain_of(info, _by_id(found), self.path)
         pin = wants_pinned(device)
@@ -256,7 +260,9 @@ class CheckpointDirectory:
             held = reads.pop(item.path, None)
             if held is not None and (held.entries is None or (entries is not None and held.entries >= set(entries))):
                 return held.state
-            return _format.read_file(item.path, verify=verify, pin_memory=pin, entries=entries, headers=self.headers)
+            return _format.read_file(
+                item.path, verify=verify, pin_memory=pin, entries=entries, headers=self.headers, into=into
+            )
 
         return decode_chain(chain, read, device)
 
@@ -299,6 +305,7 @@ class CheckpointDirectory:
         *,
         reads: dict[str, _Read] | None = None,
         pin: bool = False,
+        into: Mapping[str, torch.Tensor] | None = None,
     ) -> str | None:
         """Why ``info`` cannot be loaded, or ``None`` if it (and its keyframe) verify.
 
@@ -326,7 +333,7 @@ class CheckpointDirectory:
                     else:
                         q = _format.read_file(
                             item.path, verify=True, pin_memory=pin, headers=self.headers, entries=needs,
-                            check_others=True,
+                            check_others=True, into=into,
                         )
                         reads[item.path] = _Read(q, None if needs is None else frozenset(needs))
                     verified[item.path] = None

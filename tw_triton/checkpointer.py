@@ -119,7 +119,7 @@ from .checkpoint_dir import (
     parse_checkpoint_name,
     wants_pinned,
 )
-from .errors import CheckpointError, TwTritonError
+from .errors import CheckpointError, QuantizationError, TwTritonError
 from .qstate import QuantizedState
 from .deltas import (
     Reference,
@@ -133,7 +133,7 @@ from .deltas import (
 from .rng import capture_rng_state, restore_rng_state
 from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
 from .snapshot_pool import SavePool, SnapshotLease
-from .state import quantize_state_dict
+from .state import disjoint_paths, quantize_state_dict
 from .tree import Flattened, flatten, leaf_tensors
 from .writer import AsyncWriter
 
@@ -577,23 +577,25 @@ class Checkpointer:
         return self._load(step, device=device, verify=verify)[0]
 
     def _load(
-        self, step: int | None, *, device: torch.device | str, verify: bool
+        self, step: int | None, *, device: torch.device | str, verify: bool,
+        into: dict[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, Any], CheckpointInfo]:
         """:meth:`load`, and the info of the file it loaded.
 
         For the latest checkpoint with ``verify``, the files are read once: the reads that
-        verified them (checksums checked as they come in) are the ones decoded.
+        verified them (checksums checked as they come in) are the ones decoded. ``into``:
+        tensors to read exact entries into, by path (see :meth:`restore`).
         """
         dev = torch.device(device)
         self._wait_inflight()
         if step is None and verify:
             if dev.type == "cuda" and not torch.cuda.is_available():
                 raise TwTritonError(f"cannot load from {self.directory!r} to {dev}: CUDA is not available")
-            found, info, reads = self._dir.latest_read(pin=wants_pinned(dev))
+            found, info, reads = self._dir.latest_read(pin=wants_pinned(dev), into=into)
         else:
             found, info = self._dir.find(step, verify=verify)
             reads = {}
-        state = self._dir.decode(info, found, reads, dev, verify=verify)
+        state = self._dir.decode(info, found, reads, dev, verify=verify, into=into)
         if not isinstance(state, dict) or "step" not in state:
             raise CheckpointError(
                 f"{info.path}: not a Checkpointer checkpoint (expected a dict with 'step' at the top)"
@@ -614,6 +616,14 @@ class Checkpointer:
         each object's ``load_state_dict`` with the state saved under the same name, and
         (with ``rng``) puts back the RNG states, so that the run continues as the saved one
         would have: bit for bit from a keyframe, within quantization error from a delta.
+
+        On the CPU, tensors are decoded into the objects' own where they can be: each
+        tensor of an object's ``state_dict()`` that is contiguous, shares no memory with
+        another one, and is stored exact in the checkpoint (a keyframe's weights, which a
+        delta is then decoded over) is read straight into, so the model is not held
+        twice and ``load_state_dict`` has nothing left to copy. The returned state then
+        shares those tensors. If restoring fails, the objects may hold part of what was
+        read: restore again, or rebuild them.
 
         Args:
             step: which checkpoint; ``None`` for the latest good one.
@@ -638,7 +648,8 @@ class Checkpointer:
                 )
         if device is None:
             device = _default_device(objects)
-        state, info = self._load(step, device=device, verify=True)
+        into = _restore_targets(objects) if torch.device(device).type == "cpu" else None
+        state, info = self._load(step, device=device, verify=True, into=into)
         for name, obj in objects.items():
             if name not in state:
                 saved = sorted(k for k in state if k not in RESERVED_NAMES)
@@ -752,6 +763,18 @@ def collect_setup_garbage() -> None:
     """
     if gc.isenabled():
         gc.collect()
+
+
+def _restore_targets(objects: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The live tensors a restore may read into, by checkpoint path: those of the objects'
+    ``state_dict()`` (named as ``save`` names them) that are contiguous CPU tensors sharing
+    no memory with another (tied weights are left to ``load_state_dict``)."""
+    try:
+        tensors, _ = flatten(_named_state(objects))
+    except QuantizationError:
+        return {}  # a state that save() could not have written either: load_state_dict says why
+    fit = {p: t for p, t in tensors.items() if t.device.type == "cpu" and t.is_contiguous() and t.numel()}
+    return {p: fit[p] for p in disjoint_paths(fit, fit)}
 
 
 def _nbytes_each(tensors: Iterable[torch.Tensor]) -> list[int]:

@@ -80,6 +80,7 @@ No pickle anywhere: the file holds JSON and raw little-endian bytes only.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import mmap
 import os
@@ -90,7 +91,7 @@ import sys
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO, Iterable, Mapping
 
 import torch
 
@@ -316,6 +317,7 @@ def read_file(
     entries: Iterable[str] | None = None,
     headers: HeaderCache | None = None,
     check_others: bool = False,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> QuantizedState:
     """Read a checkpoint into a :class:`QuantizedState` whose buffers are CPU tensors.
 
@@ -339,6 +341,14 @@ def read_file(
             other buffer against its CRC-32 too, without decoding or keeping them: the
             whole file is then known intact at a fraction of the cost of reading it all
             (what choosing the latest good checkpoint needs of a delta's keyframe).
+        into: tensors to read exact entries into, by entry path (say, a live model's
+            ``state_dict()``, so that a restore decodes into the parameters and needs no
+            second copy of them). An exact entry is read into its tensor when that is a
+            contiguous CPU tensor of the entry's dtype and element count and without
+            ``pin_memory``; the entry's buffer is then that tensor (reshaped to the
+            entry's shape), and any other entry gets a new tensor. A read that fails may
+            have written part of these tensors. Tensors that share memory must not both
+            be given (:func:`tw_triton.state.disjoint_paths` picks those that do not).
 
     Returns:
         The state as written: entries in their original order with codec, params, shape,
@@ -351,7 +361,7 @@ def read_file(
     """
     path = os.fspath(path)
     pin = pin_memory and _can_pin(path)
-    with _MappedCheckpoint(path, verify=verify, pin=pin, entries=entries, headers=headers) as ck:
+    with _MappedCheckpoint(path, verify=verify, pin=pin, entries=entries, headers=headers, into=into) as ck:
         specs = [s for s in ck.layout.buffers if ck.wanted is None or s.entry in ck.wanted]
         others = [] if not (check_others and verify) or ck.wanted is None else [
             s for s in ck.layout.buffers if s.entry not in ck.wanted
@@ -384,13 +394,14 @@ class _MappedCheckpoint:
 
     def __init__(
         self, path: str, *, verify: bool, pin: bool, entries: Iterable[str] | None,
-        headers: HeaderCache | None = None,
+        headers: HeaderCache | None = None, into: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.path = path
         self._headers = headers
         self.verify = verify
         self.pin = pin
         self._entries = entries
+        self._into = into or {}
         self._opener = _open_for_reading(path)
         self.wanted: set[str] | None = None
         self._map: mmap.mmap | None = None
@@ -430,13 +441,27 @@ class _MappedCheckpoint:
             self._opener.__exit__(exc_type, exc, tb)
 
     def read_buffer(self, spec: _BufferSpec) -> torch.Tensor:
-        """Read one buffer into a new tensor: straight in, or through its stage; thread-safe."""
+        """Read one buffer into a new tensor, or into its destination (see :func:`read_file`'s
+        ``into``): straight in, or through its stage; thread-safe."""
+        out = self._destination(spec)
         if spec.stage is not None:
-            tensor = _decode_staged(self.stored(spec), spec, self.path, verify=self.verify, pin=self.pin)
+            tensor = _decode_staged(self.stored(spec), spec, self.path, verify=self.verify, pin=self.pin, out=out)
             self.done_with(spec)
             return tensor
         return _read_raw(self.file, spec, self.layout.data_start + spec.begin, self.path, verify=self.verify,
-                         pin=self.pin)
+                         pin=self.pin, out=out)
+
+    def _destination(self, spec: _BufferSpec) -> torch.Tensor | None:
+        """The tensor given for this buffer's entry, shaped as the buffer, if it can take it."""
+        dest = self._into.get(spec.entry)
+        if dest is None or self.pin or spec.name != "data":
+            return None
+        if self.layout.manifest["entries"][spec.entry]["codec"] != "exact":
+            return None
+        if (dest.device.type != "cpu" or dest.dtype != spec.dtype or not dest.is_contiguous()
+                or dest.numel() != math.prod(spec.shape) or dest.layout != torch.strided):
+            return None
+        return dest.view(spec.shape)
 
     def check_crc(self, spec: _BufferSpec) -> None:
         """Check a buffer's stored bytes against its CRC-32, keeping nothing: from the map
@@ -891,10 +916,13 @@ def _unmap_pages(mapped: mmap.mmap, offset: int, nbytes: int) -> None:
     mapped.madvise(mmap.MADV_DONTNEED, start, min(offset + nbytes, len(mapped)) - start)
 
 
-def _read_raw(f: BinaryIO, spec: _BufferSpec, offset: int, path: str, *, verify: bool, pin: bool) -> torch.Tensor:
-    """Read a raw buffer straight into a new tensor, checking its CRC as it goes."""
+def _read_raw(
+    f: BinaryIO, spec: _BufferSpec, offset: int, path: str, *, verify: bool, pin: bool,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Read a raw buffer straight into a new tensor (or ``out``), checking its CRC as it goes."""
     # Bounded: validation proved that all buffers together fit in the file.
-    tensor = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin)
+    tensor = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin) if out is None else out
     view = _byte_view(tensor)
     crc = 0
     for start in range(0, len(view), IO_CHUNK_BYTES):
@@ -907,8 +935,10 @@ def _read_raw(f: BinaryIO, spec: _BufferSpec, offset: int, path: str, *, verify:
     return tensor
 
 
-def _decode_staged(stored: memoryview, spec: _BufferSpec, path: str, *, verify: bool, pin: bool) -> torch.Tensor:
-    """Check a staged buffer's stored bytes and decode them into a new tensor.
+def _decode_staged(
+    stored: memoryview, spec: _BufferSpec, path: str, *, verify: bool, pin: bool, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Check a staged buffer's stored bytes and decode them into a new tensor (or ``out``).
 
     The stage checks its frame against the raw size before the tensor is allocated, so a
     manifest that promises more than the stored bytes can make allocates nothing. With
@@ -921,7 +951,7 @@ def _decode_staged(stored: memoryview, spec: _BufferSpec, path: str, *, verify: 
     if verify and not spec.stage.checks_content(stored):
         _check_crc(path, spec, zlib.crc32(stored))
     spec.stage.check(stored, spec.stage_params, spec.raw_nbytes, where)
-    tensor = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin)
+    tensor = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin) if out is None else out
     spec.stage.decode(stored, spec.stage_params, _byte_view(tensor), where)
     return tensor
 

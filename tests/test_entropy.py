@@ -83,6 +83,7 @@ def test_chunked_and_multithreaded_paths_give_the_bytes_back(name, monkeypatch):
     """Small chunks and 2 zstd threads, so that a 1 MiB buffer takes the paths that only
     buffers of many MiB take by default."""
     monkeypatch.setattr(entropy, "CHUNK_BYTES", 4099)
+    monkeypatch.setattr(entropy, "ONE_SHOT_MAX_BYTES", 0)  # decoding streams too
     t = (torch.randn(1 << 18, generator=torch.Generator().manual_seed(0)) * 1e-2).to(torch.float32)
     raw, back = round_trip(name, t, threads=2)
     assert back == raw
@@ -178,16 +179,21 @@ def _unaligned(raw: bytes, offset: int, fill: int = 0) -> memoryview:
     match=st.sampled_from([{}, {"min_match": 7, "hash_log": 6}, {"min_match": 5}]),
     little=st.booleans(),
     offset=st.sampled_from([0, 1, 3]),
+    one_shot=st.booleans(),
 )
-def test_bytegroup_writes_the_reference_bytes_and_reads_them(data, width, chunk, kind, seed, level, match, little, offset):
+def test_bytegroup_writes_the_reference_bytes_and_reads_them(
+    data, width, chunk, kind, seed, level, match, little, offset, one_shot
+):
     """Every width (2, 4, 8, complex's 16 and odd ones), counts on and off the chunk size,
     empty and tiny buffers, the big-endian path (single bytes) on this machine too, buffers
-    not aligned to their words, and a destination full of garbage."""
+    not aligned to their words, a destination full of garbage, and both decodes: the
+    one-shot one of small buffers and the streaming one in chunks."""
     on_chunks = st.builds(lambda m, e: max(m * chunk + e, 0), st.integers(0, 3), st.integers(-1, 1))
     n = data.draw(st.integers(0, 700) | on_chunks)
     raw = _elements(kind, width, n, seed)
     stage = get_stage("zstd-bytegroup")
-    with mock.patch.object(entropy, "CHUNK_BYTES", chunk), mock.patch.object(entropy, "_LITTLE_ENDIAN", little):
+    with (mock.patch.object(entropy, "CHUNK_BYTES", chunk), mock.patch.object(entropy, "_LITTLE_ENDIAN", little),
+          mock.patch.object(entropy, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0)):
         zstd = ZstdSettings(level=level, min_match=match.get("min_match", 0), hash_log=match.get("hash_log", 0))
         stored, params = stage.encode(_unaligned(raw, offset), width, zstd)
         assert params == {"level": level, "width": width}
@@ -277,9 +283,11 @@ def test_frame_check_refuses(stored, raw, match):
     assert "entry 'e' buffer 'b'" in str(info.value)
 
 
-def test_a_frame_that_decodes_to_more_than_it_states_is_an_error():
+@pytest.mark.parametrize("one_shot", [True, False], ids=["one-shot", "streaming"])
+def test_a_frame_that_decodes_to_more_than_it_states_is_an_error(one_shot, monkeypatch):
     """Header and blocks agree with 1 byte of content, the blocks make 2: zstd stops it,
     and the decoder never writes past the 1-byte destination."""
+    monkeypatch.setattr(entropy, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0)
     stored = memoryview(hand_frame(1, [(0, 2, b"ab")], window=True))
     check_zstd_frame(stored, 1, "w")
     for name in STAGES:
@@ -290,7 +298,9 @@ def test_a_frame_that_decodes_to_more_than_it_states_is_an_error():
         assert big[1:] == b"\xee\xee"
 
 
-def test_corrupted_content_is_caught_by_the_zstd_checksum():
+@pytest.mark.parametrize("one_shot", [True, False], ids=["one-shot", "streaming"])
+def test_corrupted_content_is_caught_by_the_zstd_checksum(one_shot, monkeypatch):
+    monkeypatch.setattr(entropy, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0)
     content = bytes(range(256)) * 64
     stored = bytearray(frame(content))
     stored[-1] ^= 0x40  # the frame's content checksum

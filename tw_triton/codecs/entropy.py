@@ -39,6 +39,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -284,6 +285,29 @@ def _decode_error(where: str, exc: zstandard.ZstdError) -> CheckpointError:
     return CheckpointError(f"{where}: zstd could not decode the stored bytes: {exc}")
 
 
+# Frames that decode to at most this many bytes are decoded in one call, by a decompressor
+# kept per thread, into a bytes object that is then copied: a checkpoint holds hundreds of
+# small buffers (scales, bounds, small tensors' codes), and a new streaming reader with its
+# own context costs more than decoding one of them.
+ONE_SHOT_MAX_BYTES = 1 << 20
+_DECOMPRESSORS = threading.local()
+
+
+def _decode_small(stored: memoryview, raw_nbytes: int, where: str) -> bytes:
+    """Decode a whole frame (already checked against ``raw_nbytes`` by
+    :func:`check_zstd_frame`) in one call; zstd checks its content checksum."""
+    dctx = getattr(_DECOMPRESSORS, "dctx", None)
+    if dctx is None:
+        dctx = _DECOMPRESSORS.dctx = zstandard.ZstdDecompressor()
+    try:
+        data = dctx.decompress(stored, max_output_size=raw_nbytes)
+    except zstandard.ZstdError as exc:
+        raise _decode_error(where, exc) from exc
+    if len(data) != raw_nbytes:
+        raise CheckpointError(f"{where}: zstd decoded {len(data)} bytes, expected {raw_nbytes} (corrupted)")
+    return data
+
+
 class _Reader:
     """Reads exactly the decoded bytes of one zstd frame, into given buffers."""
 
@@ -356,6 +380,9 @@ class ZstdStage(_ZstdFrameStage):
         _check_level(params, ("level",), where)
 
     def decode(self, stored: memoryview, params: Mapping[str, Any], out: memoryview, where: str) -> None:
+        if len(out) <= ONE_SHOT_MAX_BYTES:
+            out[:] = _decode_small(stored, len(out), where)
+            return
         # Straight into the destination: the stream reader decodes into ``out`` itself.
         reader = _Reader(stored, where)
         reader.fill(out)
@@ -426,6 +453,10 @@ class ByteGroupZstdStage(_ZstdFrameStage):
     def decode(self, stored: memoryview, params: Mapping[str, Any], out: memoryview, where: str) -> None:
         words = _words(out, params["width"])
         size, count = words.itemsize, words.shape[0]
+        if len(out) <= ONE_SHOT_MAX_BYTES:
+            planes = np.frombuffer(_decode_small(stored, len(out), where), dtype=np.uint8).reshape(params["width"], -1)
+            _merge_planes(words, planes, size)
+            return
         # Chunks of CHUNK_BYTES of widened plane bytes: the scratch stays ~1.25 CHUNK_BYTES.
         rows = max(CHUNK_BYTES // size, 1)
         scratch = np.empty(min(rows, count), dtype=np.uint8)
@@ -449,6 +480,17 @@ class ByteGroupZstdStage(_ZstdFrameStage):
                     np.left_shift(spread, shift, out=spread)
                     np.bitwise_or(dest, spread, out=dest)
         reader.finish()
+
+
+def _merge_planes(words: np.ndarray, planes: np.ndarray, size: int) -> None:
+    """Put whole byte planes (``planes[k]``: byte ``k`` of every element) back into the
+    element words, as the streaming decode does chunk by chunk."""
+    for plane in range(planes.shape[0]):
+        column, shift = words[:, plane // size], 8 * (plane % size)
+        if shift == 0:
+            column[...] = planes[plane]
+        else:
+            column |= planes[plane].astype(words.dtype) << shift
 
 
 # The stage registry, like the codec registry: a file names its stage, the reader looks it up.

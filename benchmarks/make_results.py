@@ -379,7 +379,11 @@ def speed_section(speed: dict[str, Any]) -> str:
         "the steady state of a training loop), except the keyframe `after prepare`: the same first save after "
         "`Checkpointer.prepare`, which faulted its snapshot buffers in before the timed region (and "
         "before the peak's baseline: the pool holds that memory from then on). Loads read every tensor once, from a warm page cache; tw delta loads read the "
-        "keyframe file too. DCP runs single-process with `no_dist=True` (no process group).",
+        "keyframe file too. DCP runs single-process with `no_dist=True` (no process group). "
+        "The resume table restores the files into a freshly built MiniLM and AdamW, as a restarted "
+        "job does: `torch.load` then each object's `load_state_dict`, against `Checkpointer.restore` "
+        "of the latest checkpoint (which verifies the files and decodes the model's tensors into its "
+        "own memory).",
         "",
         "Command: `python benchmarks/speed_compare.py`",
         "",
@@ -550,6 +554,7 @@ def summary_table(fid: dict[str, Any], results: dict[str, dict[str, Any]], speed
             ])
     srows = {r["method"]: r for r in speed["save_rows"]}
     lrows = {r["method"]: r for r in speed["load_rows"]}
+    rrows = {r["method"]: r for r in speed.get("resume_rows", [])}
     for method in SPEED_HEADLINES:
         tw = srows.get(method)
         if tw is None:
@@ -560,6 +565,9 @@ def summary_table(fid: dict[str, Any], results: dict[str, dict[str, Any]], speed
         # The steady-state delta is measured for saving only (its load needs a whole chain).
         load = (f", load {lrows[method]['load_vs_torch_load']:.2f}x" if method in lrows
                 else " (the 4th delta after its keyframe, as a training loop saves them)")
+        resume = rrows.get(method.replace("tw ", "tw restore ", 1))
+        if resume is not None:
+            load += f", restore {resume['resume_vs_torch']:.2f}x torch.load + load_state_dict"
         rows.append([f"MiniLM + AdamW save, Checkpointer {method.removeprefix('tw ')} (its defaults)",
                      f"{tw['size_vs_torch_save']:.2f}x smaller than torch.save",
                      f"time vs torch.save / torch.load: blocks the loop {tw['blocked_vs_torch_save']:.2f}x{after}, "

@@ -11,6 +11,13 @@ time the save blocks, its total time and its peak extra RSS.
 
     python benchmarks/ab_versions.py --base 4477262 --method "tw default delta" --rounds 5
 
+With ``--resume`` the methods are ``speed_compare.py``'s resume methods instead (a restore
+into a freshly built MiniLM and AdamW): this checkout writes the files once, and *this*
+checkout's resume child runs with either version of tw_triton on ``PYTHONPATH`` (a base
+from before the resume rows existed has no such child of its own).
+
+    python benchmarks/ab_versions.py --base f22bf4d --resume --method "tw restore default delta" --rounds 5
+
 Needs git (for the worktree) and the MiniLM fixture of ``speed_compare.py`` (built once,
 about 20 s).
 """
@@ -46,6 +53,22 @@ def save_child(method: str, source: Path, fixture: Path, out: Path, threads: int
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def resume_child(method: str, source: Path, files: Path, threads: int) -> dict[str, Any]:
+    """One resume (``speed_compare.py --child-resume`` of this checkout) with tw_triton
+    imported from ``source``; the Checkpointer directory it links is removed after."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(source))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "speed_compare.py"), "--child-resume", method, "--out", str(files),
+         "--threads", str(threads), "--device", "cpu"],
+        capture_output=True, text=True, env=env, cwd=source.parent, check=False,
+    )
+    subprocess.run(["rm", "-rf", str(files / "resume")], check=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{method} from {source} failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"blocked_s": out["load_s"], "total_s": out["load_s"], "peak_extra_bytes": out["peak_extra_bytes"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision to compare this checkout with")
@@ -53,15 +76,18 @@ def main() -> None:
                         help="a save method of speed_compare.py (repeat for more; names may hold commas)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--resume", action="store_true",
+                        help="compare resume methods (restores) instead of saves")
     args = parser.parse_args()
     methods = args.methods
 
     sys.path.insert(0, str(HERE))
     import speed_compare
 
-    unknown = [m for m in methods if m not in speed_compare.SAVE_METHODS]
+    known = speed_compare.RESUME_METHODS if args.resume else speed_compare.SAVE_METHODS
+    unknown = [m for m in methods if m not in known]
     if unknown:
-        parser.error(f"unknown methods {unknown}; known: {list(speed_compare.SAVE_METHODS)}")
+        parser.error(f"unknown methods {unknown}; known: {list(known)}")
     with tempfile.TemporaryDirectory() as tmp:
         tmpdir = Path(tmp)
         base = tmpdir / "base"
@@ -72,11 +98,25 @@ def main() -> None:
             speed_compare.build_fixture(fixture)
             sides = {"base": base, "new": REPO}
             rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
+            files: dict[str, Path] = {}
+            if args.resume:
+                # The files each resume reads, written once by this checkout (kept: not save_child).
+                for method in {*methods, speed_compare.RESUME_METHODS[0]}:
+                    saved = speed_compare.RESUME_FILES[method]
+                    files[method] = tmpdir / saved.replace(" ", "_")
+                    files[method].mkdir(exist_ok=True)
+                    speed_compare.run_child(["--child-save", saved, "--fixture", str(fixture), "--out",
+                                             str(files[method])], args.threads)
             for rnd in range(args.rounds):
                 for method in methods:
                     for side, source in sides.items():
-                        r = save_child(method, source, fixture, tmpdir / "out", args.threads)
-                        ts = save_child("torch.save", base, fixture, tmpdir / "out", args.threads)
+                        if args.resume:
+                            r = resume_child(method, source, files[method], args.threads)
+                            yard = speed_compare.RESUME_METHODS[0]
+                            ts = resume_child(yard, source, files[yard], args.threads)
+                        else:
+                            r = save_child(method, source, fixture, tmpdir / "out", args.threads)
+                            ts = save_child("torch.save", base, fixture, tmpdir / "out", args.threads)
                         r["torch_save_s"] = ts["total_s"]
                         rows.setdefault((method, side), []).append(r)
                         print(f"round {rnd} {side:4s} {method}: blocks {r['blocked_s']:.3f} s, total "
@@ -86,7 +126,10 @@ def main() -> None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
 
     print(f"\nmedians of {args.rounds} alternating rounds, {args.threads} torch thread(s); base {args.base}")
-    print("| method | side | blocks (s) | total (s) | peak extra RSS (MiB) | torch.save (s) |")
+    yard = "torch.load + load_state_dict (s)" if args.resume else "torch.save (s)"
+    if args.resume:
+        print("(resumes: 'blocks' and 'total' are both the restore's time)")
+    print(f"| method | side | blocks (s) | total (s) | peak extra RSS (MiB) | {yard} |")
     print("|---|---|---|---|---|---|")
     for (method, side), rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("blocked_s", "total_s", "peak_extra_bytes",

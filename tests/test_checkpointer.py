@@ -131,6 +131,23 @@ def test_restore_decodes_into_the_models_own_tensors(tmp_path, delta, latest):
         assert torch.equal(got["exp_avg"], exp["exp_avg"]) and torch.equal(got["exp_avg_sq"], exp["exp_avg_sq"])
 
 
+def test_load_into_objects_fills_their_tensors_without_load_state_dict(tmp_path):
+    seed_all(5)
+    model, opt, sched, _ = make_run(5)
+    with Checkpointer(tmp_path, fsync=False, rules="default") as ckpt:
+        ckpt.save(0, model=model, optimizer=opt)
+    fresh, _, _, _ = make_run(6)
+    calls = []
+    fresh.load_state_dict = lambda *a, **k: calls.append(a)  # must not be needed
+    state = Checkpointer(tmp_path).load(into={"model": fresh})
+    assert calls == []
+    for name, t in fresh.state_dict().items():
+        assert torch.equal(t, model.state_dict()[name]) and state["model"][name].data_ptr() == t.data_ptr()
+    # Without into, nothing is shared.
+    other = Checkpointer(tmp_path).load()
+    assert all(other["model"][n].data_ptr() != t.data_ptr() for n, t in fresh.state_dict().items())
+
+
 def test_restore_into_tied_or_mismatched_tensors_still_loads_exactly(tmp_path):
     seed_all(4)
     model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False))

@@ -128,6 +128,28 @@ def test_resume_from_keyframe_is_bit_identical(uninterrupted, tmp_path):
     assert {s: v for s, v in losses(trainer).items() if s > 6} == {s: v for s, v in full_losses.items() if s > 6}
 
 
+def test_resume_decodes_the_weights_into_the_models_own_memory(uninterrupted, tmp_path, monkeypatch):
+    import tw_triton.integrations.transformers as hf
+
+    src, _, full_params = uninterrupted
+    seen = []
+    real = hf.load_checkpoint_state
+
+    def spy(checkpoint_dir, **kwargs):
+        state = real(checkpoint_dir, **kwargs)
+        live = kwargs["into"]["model"].state_dict()
+        seen.append({k: (state["model"][k].data_ptr(), live[k].data_ptr()) for k in state["model"]})
+        return state
+
+    monkeypatch.setattr(hf, "load_checkpoint_state", spy)
+    trainer = make_trainer(tmp_path, tw_options={"keyframe_every": 2, "rules": "default", "fsync": False})
+    trainer.train(resume_from_checkpoint=str(src / "checkpoint-4"))  # a delta: decoded over its keyframe
+    assert len(seen) == 1
+    shared = [k for k, (loaded, live) in seen[0].items() if loaded == live]
+    # Every tensor of the model was read, or decoded over its keyframe, in place.
+    assert sorted(shared) == sorted(full_params)
+
+
 def test_resume_from_delta_is_close(uninterrupted, tmp_path):
     src, full_losses, full_params = uninterrupted
     trainer = make_trainer(tmp_path, tw_options={"keyframe_every": 2, "rules": "default", "fsync": False})

@@ -561,9 +561,22 @@ class Checkpointer:
     # ------------------------------------------------------------------ loading
 
     def load(
-        self, step: int | None = None, *, device: torch.device | str = "cpu", verify: bool = True
+        self, step: int | None = None, *, device: torch.device | str = "cpu", verify: bool = True,
+        into: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Load a checkpoint (default: :meth:`latest`) as the nested state that was saved.
+
+        Args:
+            step: which checkpoint; ``None`` for the latest good one.
+            device: where the tensors are loaded.
+            verify: check the checksums (and, for the latest, skip checkpoints that fail).
+            into: objects by the names used in ``save`` (``{"model": model}``), to decode
+                into on the CPU: a tensor of an object's ``state_dict()`` that is
+                contiguous, of the stored dtype and size, sharing no memory with another
+                one, and stored exact (or decoded over such a one) is filled in place, and
+                the returned state holds it (see :meth:`restore`, which does this for the
+                objects it restores). ``load_state_dict`` is not called. If the load fails
+                part way, they may hold part of what was read.
 
         Returns:
             ``{"step": int, <names given to save>: their state dicts or values,
@@ -574,7 +587,8 @@ class Checkpointer:
                 (the message names the file and the entry).
             ReferenceMismatchError: the keyframe a delta needs is missing or different.
         """
-        return self._load(step, device=device, verify=verify)[0]
+        targets = _restore_targets(into) if into and torch.device(device).type == "cpu" else None
+        return self._load(step, device=device, verify=verify, into=targets)[0]
 
     def _load(
         self, step: int | None, *, device: torch.device | str, verify: bool,

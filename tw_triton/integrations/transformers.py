@@ -118,8 +118,13 @@ def _write_pointer(checkpoint_dir: str, tw_dir: str, step: int) -> None:
     os.replace(tmp, final)
 
 
-def load_checkpoint_state(checkpoint_dir: str | os.PathLike, *, device: torch.device | str = "cpu") -> dict[str, Any]:
+def load_checkpoint_state(
+    checkpoint_dir: str | os.PathLike, *, device: torch.device | str = "cpu", into: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Load the state a :class:`TwTrainer` checkpoint folder points to.
+
+    ``into``: objects to decode into where they can take it (``{"model": model}``), as
+    :meth:`~tw_triton.checkpointer.Checkpointer.load` does.
 
     Returns:
         ``{"step", "model", "optimizer", "scheduler", ["scaler"], "rng"}`` as saved
@@ -144,7 +149,7 @@ def load_checkpoint_state(checkpoint_dir: str | os.PathLike, *, device: torch.de
         )
     reader = Checkpointer(os.path.dirname(path), keep_last=None, async_write=False)
     try:
-        return reader.load(pointer["step"], device=device)
+        return reader.load(pointer["step"], device=device, into=into)
     finally:
         reader.close()
 
@@ -231,11 +236,12 @@ class TwCheckpointMixin:
     # ----------------------------------------------------------------- loading
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        state = self._tw_state(resume_from_checkpoint)
+        target = self.model if model is None else model
+        # The model's own CPU tensors take what the file stores exact (no second copy).
+        state = self._tw_state(resume_from_checkpoint, into={"model": target})
         if state is None:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
-        target = self.model if model is None else model
         target.load_state_dict(state["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -396,14 +402,15 @@ class TwCheckpointMixin:
             self._tw_ckpt = None
             ckpt.close()
 
-    def _tw_state(self, checkpoint_dir: str) -> dict[str, Any] | None:
-        """The state a tw checkpoint folder points to (read once per resume), or ``None``."""
+    def _tw_state(self, checkpoint_dir: str, into: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The state a tw checkpoint folder points to (read once per resume, into the objects
+        of ``into`` where they can take it), or ``None``."""
         if read_pointer(checkpoint_dir) is None:
             return None
         key = os.path.abspath(checkpoint_dir)
         if self._tw_resume is None or self._tw_resume[0] != key:
             self._tw_check_supported()
-            self._tw_resume = (key, load_checkpoint_state(checkpoint_dir))
+            self._tw_resume = (key, load_checkpoint_state(checkpoint_dir, into=into))
         return self._tw_resume[1]
 
 

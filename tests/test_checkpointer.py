@@ -166,6 +166,17 @@ def test_restore_into_tied_or_mismatched_tensors_still_loads_exactly(tmp_path):
     assert torch.equal(half[0].weight, model[0].weight.bfloat16())
 
 
+def test_restore_never_writes_into_a_tensor_of_another_shape(tmp_path):
+    saved = torch.nn.Linear(4, 8)  # weight (8, 4)
+    with Checkpointer(tmp_path, fsync=False, rules="default") as ckpt:
+        ckpt.save(0, model=saved)
+    changed = torch.nn.Linear(8, 4)  # weight (4, 8): the same size, another shape
+    before = changed.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        Checkpointer(tmp_path).restore(model=changed, rng=False)
+    assert torch.equal(changed.weight.detach(), before)
+
+
 def test_restore_falls_back_whole_when_the_newest_file_fails_after_reading_into_the_model(tmp_path, caplog):
     seed_all(6)
     model, opt, sched, _ = make_run(6)

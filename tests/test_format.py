@@ -415,11 +415,13 @@ def test_read_into_given_tensors_where_they_fit(tmp_path, policy):
     path = tmp_path / "ckpt.safetensors"
     state = sample_state(11)
     fmt.write_file(state, path, entropy=policy)
-    exact = [p for p, e in state.entries.items() if e.codec == "exact" and e.buffers["data"].numel() > 1]
     quantized = next(p for p, e in state.entries.items() if e.codec != "exact")
-    fits, wrong_dtype, strided = exact[0], exact[1], exact[2]
+    fits, two_d, wrong_dtype, strided = "rng/torch", "optimizer/state/0/exp_avg", "model/positions", "model/encoder.0.bias"
+    assert state.entries[two_d].codec == "exact" and len(state.entries[two_d].shape) == 2
     dest = {
-        fits: torch.empty(state.entries[fits].buffers["data"].numel(), dtype=state.entries[fits].dtype),
+        fits: torch.empty(tuple(state.entries[fits].shape), dtype=state.entries[fits].dtype),
+        # The same size in another shape: a model changed since the save is not overwritten.
+        two_d: torch.full((state.entries[two_d].buffers["data"].numel(),), 7.0, dtype=state.entries[two_d].dtype),
         wrong_dtype: torch.full((state.entries[wrong_dtype].buffers["data"].numel(),), 7.0, dtype=torch.float64),
         strided: torch.full((state.entries[strided].buffers["data"].numel() * 2,), 7.0)[::2],
         quantized: torch.full((64,), 7.0),
@@ -429,7 +431,7 @@ def test_read_into_given_tensors_where_they_fit(tmp_path, policy):
     assert_same_state(back, state)
     got = back.entries[fits].buffers["data"]
     assert got.data_ptr() == dest[fits].data_ptr() and got.shape == state.entries[fits].buffers["data"].shape
-    for p in (wrong_dtype, strided, quantized):  # left alone; the entry got its own memory
+    for p in (two_d, wrong_dtype, strided, quantized):  # left alone; the entry got its own memory
         assert torch.equal(dest[p], before[p])
         assert all(b.data_ptr() != dest[p].data_ptr() for b in back.entries[p].buffers.values())
 

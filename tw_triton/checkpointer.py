@@ -572,7 +572,7 @@ class Checkpointer:
             verify: check the checksums (and, for the latest, skip checkpoints that fail).
             into: objects by the names used in ``save`` (``{"model": model}``), to decode
                 into on the CPU: a tensor of an object's ``state_dict()`` that is
-                contiguous, of the stored dtype and size, sharing no memory with another
+                contiguous, of the stored dtype and shape, sharing no memory with another
                 one, and stored exact (or decoded over such a one) is filled in place, and
                 the returned state holds it (see :meth:`restore`, which does this for the
                 objects it restores). ``load_state_dict`` is not called. If the load fails

@@ -80,7 +80,6 @@ No pickle anywhere: the file holds JSON and raw little-endian bytes only.
 from __future__ import annotations
 
 import json
-import math
 import logging
 import mmap
 import os
@@ -344,9 +343,9 @@ def read_file(
         into: tensors to read exact entries into, by entry path (say, a live model's
             ``state_dict()``, so that a restore decodes into the parameters and needs no
             second copy of them). An exact entry is read into its tensor when that is a
-            contiguous CPU tensor of the entry's dtype and element count and without
-            ``pin_memory``; the entry's buffer is then that tensor (reshaped to the
-            entry's shape), and any other entry gets a new tensor. A read that fails may
+            contiguous CPU tensor of the entry's dtype and shape and without
+            ``pin_memory``; the entry's buffer is then that tensor, and any other entry
+            gets a new tensor. A read that fails may
             have written part of these tensors. Tensors that share memory must not both
             be given (:func:`tw_triton.state.disjoint_paths` picks those that do not).
 
@@ -458,10 +457,12 @@ class _MappedCheckpoint:
             return None
         if self.layout.manifest["entries"][spec.entry]["codec"] != "exact":
             return None
+        # The same shape, not only the same size: a tensor that load_state_dict would refuse
+        # (a model changed since the save) must not be overwritten on the way.
         if (dest.device.type != "cpu" or dest.dtype != spec.dtype or not dest.is_contiguous()
-                or dest.numel() != math.prod(spec.shape) or dest.layout != torch.strided):
+                or tuple(dest.shape) != tuple(spec.shape) or dest.layout != torch.strided):
             return None
-        return dest.view(spec.shape)
+        return dest
 
     def check_crc(self, spec: _BufferSpec) -> None:
         """Check a buffer's stored bytes against its CRC-32, keeping nothing: from the map

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import struct
+import zlib
 
 import pytest
 import safetensors
@@ -434,6 +435,51 @@ def test_read_into_given_tensors_where_they_fit(tmp_path, policy):
     for p in (two_d, wrong_dtype, strided, quantized):  # left alone; the entry got its own memory
         assert torch.equal(dest[p], before[p])
         assert all(b.data_ptr() != dest[p].data_ptr() for b in back.entries[p].buffers.values())
+
+
+def _reference_header(plan) -> bytes:
+    """The header as json.dumps of nested dicts writes it: the spec of format._encode_header,
+    which writes the same JSON text piece by piece."""
+    q = plan.qstate
+    dumps = lambda v: json.dumps(v, separators=(",", ":"), ensure_ascii=True)  # noqa: E731
+    entries = {}
+    for entry_path, entry in q.entries.items():
+        bufs = {}
+        for name, b in plan.by_entry[entry_path].items():
+            bufs[name] = {"key": b.key, "dtype": b.st_dtype, "shape": list(b.tensor.shape),
+                          "data_offsets": [b.begin, b.end], "crc32": f"{b.crc32:08x}"}
+            if b.stage is not None:
+                bufs[name]["stage"] = b.stage
+        entries[entry_path] = {"codec": entry.codec, "params": entry.params,
+                               "dtype": fmt._ENTRY_DTYPE_NAMES[entry.dtype], "shape": list(entry.shape),
+                               "buffers": bufs}
+    manifest = dumps({
+        "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "checkpoint_id": q.checkpoint_id,
+        "reference_id": q.reference_id, "checksum": fmt.CHECKSUM_NAME, "entries": entries,
+        "aliases": dict(q.aliases), "skeleton": q.skeleton, "rules": q.rules, "metadata": q.metadata,
+        "stats": {"raw_bytes": sum(e.raw_nbytes for e in q.entries.values()), "stored_bytes": plan.data_size,
+                  "entries": len(q.entries), "buffers": len(plan.buffers)},
+    })
+    header = {"__metadata__": {fmt.MANIFEST_KEY: manifest,
+                               fmt.MANIFEST_CRC_KEY: f"{zlib.crc32(manifest.encode('utf-8')):08x}"}}
+    for b in plan.buffers:
+        header[b.key] = {"dtype": b.table_dtype, "shape": b.table_shape, "data_offsets": [b.begin, b.end]}
+    raw = dumps(header).encode("ascii")
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("policy", [None, "auto", STAGE_EVERYTHING], ids=["raw", "auto", "staged"])
+def test_header_text_is_json_dumps_of_the_header(seed, policy):
+    state = sample_state(seed)
+    # Keys and values that JSON must escape, an alias, metadata of every JSON kind.
+    state.entries["mödel/w\u2603 \"q\""] = exact_entry(torch.arange(6.0).reshape(2, 3))
+    state.entries["mödel/w\u2603 \"q\""].params = {"note": "é\n", "n": [1, 2.5, None, True]}
+    state.aliases = {"alias/é": "mödel/w\u2603 \"q\""}
+    state.metadata = {"k": [1.5, None, False, {"x": "ü"}]}
+    plan = fmt._plan(state, "x", entropy.resolve_policy(policy))
+    assert fmt._encode_header(plan, "x") == _reference_header(plan)
 
 
 def test_verify_file_passes_on_a_good_file(tmp_path):

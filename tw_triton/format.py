@@ -731,83 +731,74 @@ def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=True)
 
 
-def _manifest_json(manifest: dict[str, Any], path: str) -> str:
+def _ints(values: Iterable[int]) -> str:
+    """A JSON array of ints, as :func:`_json` writes it."""
+    return "[" + ",".join(str(int(v)) for v in values) + "]"
+
+
+def _checked_json(value: Any, what: str, path: str) -> str:
+    """:func:`_json` of one part of the manifest; a failure names that part."""
     try:
-        return _json(manifest)
+        return _json(value)
     except (TypeError, ValueError, RecursionError) as exc:
-        # Only on failure: find the part to blame, so the message names the entry.
-        parts = [(f"entry {p!r} params", e["params"]) for p, e in manifest["entries"].items()]
-        parts += [(k, manifest[k]) for k in ("skeleton", "rules", "metadata", "checkpoint_id")]
-        culprit = "the manifest"
-        for what, value in parts:
-            try:
-                _json(value)
-            except (TypeError, ValueError, RecursionError):
-                culprit = what
-                break
-        raise CheckpointError(
-            f"checkpoint {path}: {culprit} is not JSON-serializable: {exc}"
-        ) from exc
+        raise CheckpointError(f"checkpoint {path}: {what} is not JSON-serializable: {exc}") from exc
 
 
-def _build_manifest(plan: _Plan) -> dict[str, Any]:
+# The header is written as JSON text piece by piece, the same bytes as json.dumps of the
+# nested dicts would give (tests/test_format.py checks it): a dict and two lists per buffer
+# and per entry, built all at once, would be a few thousand objects alive together while the
+# writer thread runs, which Python's collector then promotes towards a full collection
+# (benchmarks/gc_pauses.py). Strings are not tracked by the collector.
+def _manifest_json(plan: _Plan, path: str) -> str:
+    """The manifest's JSON text (see the module docstring for its fields)."""
     q = plan.qstate
-    entries: dict[str, Any] = {}
-    for entry_path, entry in q.entries.items():
-        bufs = {}
-        for name, b in plan.by_entry[entry_path].items():
-            bufs[name] = {
-                "key": b.key,
-                "dtype": b.st_dtype,
-                "shape": list(b.tensor.shape),
-                "data_offsets": [b.begin, b.end],
-                "crc32": f"{b.crc32:08x}",
-            }
-            if b.stage is not None:
-                bufs[name]["stage"] = b.stage
-        entries[entry_path] = {
-            "codec": entry.codec,
-            "params": entry.params,
-            "dtype": _ENTRY_DTYPE_NAMES[entry.dtype],
-            "shape": [int(s) for s in entry.shape],
-            "buffers": bufs,
-        }
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "checkpoint_id": q.checkpoint_id,
-        "reference_id": q.reference_id,
-        "checksum": CHECKSUM_NAME,
-        "entries": entries,
-        "aliases": dict(q.aliases),
-        "skeleton": q.skeleton,
-        "rules": q.rules,
-        "metadata": q.metadata,
-        "stats": {
-            "raw_bytes": sum(e.raw_nbytes for e in q.entries.values()),
-            "stored_bytes": plan.data_size,
-            "entries": len(q.entries),
-            "buffers": len(plan.buffers),
-        },
+    parts = [
+        '{"format":', _json(FORMAT_NAME), ',"version":', _json(FORMAT_VERSION),
+        ',"checkpoint_id":', _json(q.checkpoint_id), ',"reference_id":', _json(q.reference_id),
+        ',"checksum":', _json(CHECKSUM_NAME), ',"entries":{',
+    ]
+    for i, (entry_path, entry) in enumerate(q.entries.items()):
+        params = _checked_json(entry.params, f"entry {entry_path!r} params", path)
+        parts.append(
+            f'{"," if i else ""}{_json(entry_path)}:{{"codec":{_json(entry.codec)},"params":{params},'
+            f'"dtype":{_json(_ENTRY_DTYPE_NAMES[entry.dtype])},"shape":{_ints(entry.shape)},"buffers":{{'
+        )
+        for j, (name, b) in enumerate(plan.by_entry[entry_path].items()):
+            stage = "" if b.stage is None else ',"stage":' + _json(b.stage)
+            parts.append(
+                f'{"," if j else ""}{_json(name)}:{{"key":{_json(b.key)},"dtype":{_json(b.st_dtype)},'
+                f'"shape":{_ints(b.tensor.shape)},"data_offsets":[{b.begin},{b.end}],'
+                f'"crc32":"{b.crc32:08x}"{stage}}}'
+            )
+        parts.append("}}")
+    stats = {
+        "raw_bytes": sum(e.raw_nbytes for e in q.entries.values()),
+        "stored_bytes": plan.data_size,
+        "entries": len(q.entries),
+        "buffers": len(plan.buffers),
     }
+    parts += [
+        '},"aliases":', _json(dict(q.aliases)),
+        ',"skeleton":', _checked_json(q.skeleton, "skeleton", path),
+        ',"rules":', _checked_json(q.rules, "rules", path),
+        ',"metadata":', _checked_json(q.metadata, "metadata", path),
+        ',"stats":', _json(stats), "}",
+    ]
+    return "".join(parts)
 
 
 def _encode_header(plan: _Plan, path: str) -> bytes:
-    """The length prefix and the padded JSON header."""
-    manifest = _manifest_json(_build_manifest(plan), path)
-    header: dict[str, Any] = {
-        "__metadata__": {
-            MANIFEST_KEY: manifest,
-            MANIFEST_CRC_KEY: f"{zlib.crc32(manifest.encode('utf-8')):08x}",
-        }
-    }
+    """The length prefix and the padded JSON header (written as text: see _manifest_json)."""
+    manifest = _manifest_json(plan, path)
+    metadata = {MANIFEST_KEY: manifest, MANIFEST_CRC_KEY: f"{zlib.crc32(manifest.encode('utf-8')):08x}"}
+    parts = ['{"__metadata__":', _json(metadata)]
     for b in plan.buffers:
-        header[b.key] = {
-            "dtype": b.table_dtype,
-            "shape": b.table_shape,
-            "data_offsets": [b.begin, b.end],
-        }
-    raw = _json(header).encode("ascii")
+        parts.append(
+            f',{_json(b.key)}:{{"dtype":{_json(b.table_dtype)},"shape":{_ints(b.table_shape)},'
+            f'"data_offsets":[{b.begin},{b.end}]}}'
+        )
+    parts.append("}")
+    raw = "".join(parts).encode("ascii")
     raw += b" " * (-(8 + len(raw)) % 8)
     if len(raw) > MAX_HEADER_BYTES:
         raise CheckpointError(

@@ -351,7 +351,7 @@ def quantize_state_dict(
             raise QuantizationError(f"entry {canonical[i]!r} (codec {rule.codec!r}): {e}") from e
         return finish(i, enc)
 
-    def encode_item(item: list[int]) -> list[tuple[Encoded, torch.Tensor | None]]:
+    def encode_item(item: tuple[int, ...]) -> list[tuple[Encoded, torch.Tensor | None]]:
         if len(item) == 1:
             return [encode_alone(item[0])]
         _, rule, codec, ref = jobs[item[0]]
@@ -368,7 +368,9 @@ def quantize_state_dict(
     # tensors are encoded here, where their launches are queued.
     on_host = all(t.device.type == "cpu" for t in tensors.values())
     keys = [_batch_key(*job) if on_host else None for job in jobs]
-    work = group_batches(keys, [job[0].numel() for job in jobs])
+    # Tuples of ints: the collector stops tracking them, so a save's few hundred work items
+    # are not promoted towards a full collection while the encode runs.
+    work = [tuple(item) for item in group_batches(keys, [job[0].numel() for job in jobs])]
     counted = [0]
 
     def report(k: int) -> None:

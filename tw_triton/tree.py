@@ -26,6 +26,7 @@ Skeleton nodes (JSON)
         {"list": [node, ...]}                   a list
         {"tuple": [node, ...]}                  a tuple (stays a tuple)
         {"dict": [[key, node], ...]}            a dict; keys are scalar nodes, order kept
+                                                (in memory each pair is a tuple)
         {"odict": [[key, node], ...], "meta": ...}
                                                 an OrderedDict, with the ``_metadata``
                                                 attribute ``nn.Module.state_dict()`` attaches
@@ -217,7 +218,10 @@ def _flatten_node(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any
                     f"component {comp!r}"
                 )
             seen[comp] = key
-            items.append([_encode_scalar(key, path), _flatten_node(value, join_path(path, comp), tensors)])
+            # A tuple, written as a JSON array like a list: the collector stops tracking a pair
+            # of a key and a leaf node, so a state's hundreds of pairs are not promoted
+            # towards a full collection while a save that holds them runs.
+            items.append((_encode_scalar(key, path), _flatten_node(value, join_path(path, comp), tensors)))
         if type(node) is OrderedDict:
             meta = getattr(node, "_metadata", None)
             out: dict[str, Any] = {"odict": items}
@@ -306,7 +310,7 @@ def _unflatten_node(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
         pairs = _as_list(node["odict" if ordered else "dict"])
         out: dict[Any, Any] = OrderedDict() if ordered else {}
         for pair in pairs:
-            if not isinstance(pair, list) or len(pair) != 2:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise CheckpointError(f"malformed skeleton dict item {pair!r}")
             out[_decode_scalar(pair[0])] = _unflatten_node(pair[1], tensors)
         if ordered and "meta" in node:
@@ -352,6 +356,6 @@ def _collect_paths(node: Any, out: list[str], kinds: tuple[str, ...]) -> None:
     for key in ("dict", "odict"):
         if isinstance(node.get(key), list):
             for pair in node[key]:
-                if isinstance(pair, list) and len(pair) == 2:
+                if isinstance(pair, (list, tuple)) and len(pair) == 2:
                     _collect_paths(pair[1], out, kinds)
             return

@@ -345,9 +345,9 @@ def read_file(
             second copy of them). An exact entry is read into its tensor when that is a
             contiguous CPU tensor of the entry's dtype and shape and without
             ``pin_memory``; the entry's buffer is then that tensor, and any other entry
-            gets a new tensor. A read that fails may
-            have written part of these tensors. Tensors that share memory must not both
-            be given (:func:`tw_triton.state.disjoint_paths` picks those that do not).
+            gets a new tensor. A read that fails may have written part of these tensors.
+            Tensors that share memory must not both be given
+            (:func:`tw_triton.state.disjoint_paths` picks those that do not).
 
     Returns:
         The state as written: entries in their original order with codec, params, shape,
@@ -451,7 +451,7 @@ class _MappedCheckpoint:
                          pin=self.pin, out=out)
 
     def _destination(self, spec: _BufferSpec) -> torch.Tensor | None:
-        """The tensor given for this buffer's entry, shaped as the buffer, if it can take it."""
+        """The tensor given for this buffer's entry, if it can take the buffer as it is."""
         dest = self._into.get(spec.entry)
         if dest is None or self.pin or spec.name != "data":
             return None

@@ -123,6 +123,37 @@ def test_ckpt_path_resume_matches_the_uninterrupted_run(full_run, tmp_path):
         assert torch.equal(got[k], v), k  # exact rules: bit for bit
 
 
+def test_a_resume_with_the_callback_decodes_into_the_module(full_run, tmp_path, monkeypatch):
+    import tw_triton.integrations.lightning as plmod
+
+    src, want = full_run
+    seen = []
+    real = plmod.load
+
+    def spy(path, **kwargs):
+        state = real(path, **kwargs)
+        live = kwargs["into"]["state_dict"].state_dict() if kwargs.get("into") else {}
+        seen.append({k: live[k].data_ptr() == t.data_ptr() for k, t in state["state_dict"].items() if k in live})
+        return state
+
+    monkeypatch.setattr(plmod, "load", spy)
+    io = TwCheckpointIO(rules="default", fsync=False)
+    trainer, _ = make_trainer(tmp_path, io)
+    trainer.callbacks.append(TwPrepareFirstSave())
+    module = TinyModule()
+    for p in module.parameters():
+        p.data.normal_()
+    trainer.fit(module, loader(), ckpt_path=str(src / "epoch=1-step=4.ckpt"))
+    assert len(seen) == 1 and seen[0] and all(seen[0].values()), seen  # every tensor in place
+    got = params(module)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k  # and the run still ends bit for bit
+    # The hand-over was for that load only: a later load touches no module.
+    assert io._load_into is None
+    other = io.load_checkpoint(str(src / "last.ckpt"))
+    assert all(other["state_dict"][k].data_ptr() != t.data_ptr() for k, t in module.state_dict().items())
+
+
 def test_checkpoint_dict_comes_back_exactly(tmp_path):
     trainer, _ = make_trainer(tmp_path / "run", TwCheckpointIO(rules="default", fsync=False), max_epochs=1)
     module = TinyModule()

@@ -522,3 +522,42 @@ def test_a_reference_file_is_read_only_where_the_delta_needs_it(tmp_path, monkey
     # The delta whole; of the keyframe only the tensors the delta is a delta of (the large
     # model weights), not its exact optimizer state.
     assert asked == [("d.tw", None), ("k.tw", ["model/w1", "model/w2"])]
+
+
+def _model_state(seed: int) -> tuple[torch.nn.Module, dict]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 8))
+    return model, {"model": model.state_dict(), "note": "x"}
+
+
+def test_load_into_fills_the_objects_tensors_keyframe_and_delta(tmp_path):
+    model, state = _model_state(0)
+    key = tw_triton.quantize_state_dict(state, rules="exact", checkpoint_id="kf")
+    tw_triton.save(key, tmp_path / "kf.tw")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    delta = tw_triton.quantize_state_dict({"model": model.state_dict(), "note": "x"}, reference=str(tmp_path / "kf.tw"))
+    tw_triton.save(delta, tmp_path / "d.tw")
+    for name, reference in (("kf.tw", None), ("d.tw", str(tmp_path / "kf.tw"))):
+        want = tw_triton.load(tmp_path / name, reference=reference)
+        fresh, _ = _model_state(1)
+        got = tw_triton.load(tmp_path / name, reference=reference, into={"model": fresh})
+        for k, t in fresh.state_dict().items():
+            assert torch.equal(t, want["model"][k]), (name, k)
+            # The delta's weights were decoded over the keyframe's, read into the model.
+            assert got["model"][k].data_ptr() == t.data_ptr(), (name, k)
+        assert got["note"] == "x"
+
+
+def test_decode_targets_take_objects_state_dicts_and_leave_shared_memory_out():
+    model, _ = _model_state(0)
+    tied = torch.nn.Linear(4, 4, bias=False)
+    other = torch.nn.Linear(4, 4, bias=False)
+    other.weight = tied.weight
+    targets = tw_triton.decode_targets({"model": model, "a": tied, "b": other, "plain": {"t": torch.ones(3)}})
+    assert sorted(targets) == ["model/0.bias", "model/0.weight", "model/1.bias", "model/1.weight", "plain/t"]
+    assert targets["model/0.weight"].data_ptr() == model[0].weight.data_ptr()
+    # A module alone stands for its state dict at the top.
+    assert sorted(tw_triton.decode_targets(model)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert tw_triton.decode_targets({"x": {1, 2}}) == {}  # nothing the format could hold

@@ -2,7 +2,7 @@
 
 from .codecs.blockwise import QuantizedTensor, dequantize, quantize
 from .codecs import Codec, register_codec
-from .state import dequantize_state_dict, load, quantize_state_dict, save
+from .state import decode_targets, dequantize_state_dict, load, quantize_state_dict, save
 from .writer import AsyncWriter
 from .snapshot_pool import SnapshotPool
 from .checkpointer import Checkpointer
@@ -29,6 +29,7 @@ __all__ = [
     "dequantize_state_dict",
     "save",
     "load",
+    "decode_targets",
     "Codec",
     "register_codec",
     "AsyncWriter",

@@ -119,7 +119,7 @@ from .checkpoint_dir import (
     parse_checkpoint_name,
     wants_pinned,
 )
-from .errors import CheckpointError, QuantizationError, TwTritonError
+from .errors import CheckpointError, TwTritonError
 from .qstate import QuantizedState
 from .deltas import (
     Reference,
@@ -133,7 +133,7 @@ from .deltas import (
 from .rng import capture_rng_state, restore_rng_state
 from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
 from .snapshot_pool import SavePool, SnapshotLease
-from .state import disjoint_paths, quantize_state_dict
+from .state import decode_targets, quantize_state_dict
 from .tree import Flattened, flatten, leaf_tensors
 from .writer import AsyncWriter
 
@@ -587,7 +587,7 @@ class Checkpointer:
                 (the message names the file and the entry).
             ReferenceMismatchError: the keyframe a delta needs is missing or different.
         """
-        targets = _restore_targets(into) if into and torch.device(device).type == "cpu" else None
+        targets = decode_targets(into) if into and torch.device(device).type == "cpu" else None
         return self._load(step, device=device, verify=verify, into=targets)[0]
 
     def _load(
@@ -662,7 +662,7 @@ class Checkpointer:
                 )
         if device is None:
             device = _default_device(objects)
-        into = _restore_targets(objects) if torch.device(device).type == "cpu" else None
+        into = decode_targets(objects) if torch.device(device).type == "cpu" else None
         state, info = self._load(step, device=device, verify=True, into=into)
         for name, obj in objects.items():
             if name not in state:
@@ -777,18 +777,6 @@ def collect_setup_garbage() -> None:
     """
     if gc.isenabled():
         gc.collect()
-
-
-def _restore_targets(objects: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The live tensors a restore may read into, by checkpoint path: those of the objects'
-    ``state_dict()`` (named as ``save`` names them) that are contiguous CPU tensors sharing
-    no memory with another (tied weights are left to ``load_state_dict``)."""
-    try:
-        tensors, _ = flatten(_named_state(objects))
-    except QuantizationError:
-        return {}  # a state that save() could not have written either: load_state_dict says why
-    fit = {p: t for p, t in tensors.items() if t.device.type == "cpu" and t.is_contiguous() and t.numel()}
-    return {p: fit[p] for p in disjoint_paths(fit, fit)}
 
 
 def _nbytes_each(tensors: Iterable[torch.Tensor]) -> list[int]:

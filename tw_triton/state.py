@@ -128,6 +128,7 @@ def _flat_reference(
     expect_id: str | None = None,
     where: str = "",
     paths: Iterable[str] | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], str | None, str, bool]:
     """``(tensors by path, checkpoint id or None, description, owned)`` of a reference.
 
@@ -138,7 +139,8 @@ def _flat_reference(
     reference's manifest before its data is read, and with ``paths`` only those of its
     entries are read and decoded (a delta needs the tensors it is a delta of, not the
     reference's optimizer state); paths the file lacks are left out, for the caller to
-    report.
+    report. ``into``: tensors to read the reference file's exact entries into (see
+    :func:`~tw_triton.format.read_file`).
     """
     if isinstance(reference, (str, os.PathLike)):
         from .format import HeaderCache, read_file, read_manifest
@@ -157,7 +159,8 @@ def _flat_reference(
         if paths is not None:
             held = set(manifest["entries"]) | set(manifest["aliases"])
             wanted = sorted(p for p in set(paths) if p in held)
-        rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device), entries=wanted, headers=headers)
+        rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device), entries=wanted, headers=headers,
+                       into=into)
         prev = None
         if delta_paths(rq, source):
             # A link of a closed-loop chain: it decodes against its own reference, found by
@@ -696,6 +699,7 @@ def load(
     reference: Any = None,
     verify: bool = True,
     progress: Progress | None = None,
+    into: Any = None,
 ) -> Any:
     """Load a checkpoint written by :func:`save` and decode it on ``device``.
 
@@ -709,6 +713,10 @@ def load(
         reference: for a delta checkpoint, its reference: a path or a decoded state.
         verify: check per-buffer checksums while reading.
         progress: called as ``progress(done, total)`` after each entry is decoded.
+        into: live objects laid out as the saved state (see :func:`decode_targets`):
+            on the CPU, their tensors that the file (or, for a delta, its reference file)
+            stores exact are filled in place, and the returned state holds them. If the
+            load fails part way, they may hold part of what was read.
 
     Raises:
         CheckpointError: the file is malformed, corrupted or uses an unknown codec.
@@ -719,16 +727,55 @@ def load(
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise TwTritonError(f"cannot load {os.fspath(path)} to {dev}: CUDA is not available")
-    qstate = read_file(path, verify=verify, pin_memory=_wants_pinned(dev))
+    source = os.fspath(path)
+    targets = decode_targets(into) if into is not None and dev.type == "cpu" else None
+    qstate = read_file(path, verify=verify, pin_memory=_wants_pinned(dev), into=targets)
+    reuse = False
+    if targets and isinstance(reference, (str, os.PathLike)) and (delta := delta_paths(qstate, source)):
+        from .deltas import nest
+
+        # The reference's exact tensors go into the targets too; the delta is then decoded
+        # over them in place.
+        tensors, _, _, _ = _flat_reference(
+            reference, device=dev, verify=verify, expect_id=qstate.reference_id,
+            where=f"{source}: entry {sorted(delta)[0]!r}", paths=delta, into=targets,
+        )
+        reference, reuse = nest(tensors), True
     return dequantize_state_dict(
         qstate,
         reference=reference,
         device=dev,
-        source=os.fspath(path),
+        source=source,
         progress=progress,
         verify=verify,
+        reuse_reference=reuse,
         release_buffers=True,
     )
 
 
-__all__ = ["quantize_state_dict", "dequantize_state_dict", "dequantize_entries", "save", "load"]
+def decode_targets(into: Any) -> dict[str, torch.Tensor]:
+    """The tensors a load may decode into, by the paths of the saved state.
+
+    ``into`` is laid out as the state that was saved: an object with ``state_dict()`` (a
+    module, an optimizer) stands for its state dict, at the top or as a value of a dict
+    (``{"model": model, "optimizer": opt}`` for ``{"model": model.state_dict(), ...}``);
+    plain dicts, lists and tensors stand for themselves. Kept: contiguous CPU tensors
+    that share no memory with another (tied weights are left out). A structure the
+    format cannot hold gives none.
+    """
+    def state_of(value: Any) -> Any:
+        state_dict = getattr(value, "state_dict", None)
+        return state_dict() if callable(state_dict) and not isinstance(value, torch.Tensor) else value
+
+    top = state_of(into)
+    if isinstance(top, dict):
+        top = {k: state_of(v) for k, v in top.items()}
+    try:
+        tensors, _ = flatten(top)
+    except QuantizationError:
+        return {}
+    fit = {p: t for p, t in tensors.items() if t.device.type == "cpu" and t.is_contiguous() and t.numel()}
+    return {p: fit[p] for p in disjoint_paths(fit, fit)}
+
+
+__all__ = ["quantize_state_dict", "dequantize_state_dict", "dequantize_entries", "decode_targets", "save", "load"]

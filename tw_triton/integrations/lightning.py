@@ -50,7 +50,9 @@ Loading
     where Lightning moves the state anyway. ``weights_only`` is accepted and has nothing to
     restrict: loading never runs code. ``LightningModule.load_from_checkpoint`` calls
     ``torch.load`` itself and cannot read these files; use ``trainer.fit/validate/test(...,
-    ckpt_path=...)``, or ``TwCheckpointIO().load_checkpoint(path)["state_dict"]``.
+    ckpt_path=...)``, or ``TwCheckpointIO().load_checkpoint(path)["state_dict"]``. With the
+    callback :class:`TwPrepareFirstSave`, a resume reads the weights straight into the
+    module's own CPU tensors (:meth:`TwCheckpointIO.load_into`).
 
 Paths are local files; a remote URL (``s3://...``) is refused.
 """
@@ -61,6 +63,7 @@ import functools
 import os
 import shutil
 import time
+import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -139,6 +142,8 @@ class TwCheckpointIO(CheckpointIO):
         self.verify = verify
         self._writer: AsyncWriter | None = None
         self._pending: dict[str, Future] = {}
+        # The module the next load may decode into (see load_into), held weakly.
+        self._load_into: weakref.ref | None = None
         # Each save's pooled buffers, until its write is done (the writer reads them).
         self._saves = SavePool(snapshot_pool_bytes, max_pending + 1)
 
@@ -219,10 +224,21 @@ class TwCheckpointIO(CheckpointIO):
         device: Any = "cpu"
         if isinstance(map_location, (str, torch.device)):
             device = map_location
-        state = load(path, device=device, verify=self.verify)
+        module = self._load_into() if self._load_into is not None else None
+        self._load_into = None  # for this load only
+        into = {"state_dict": module} if module is not None else None
+        state = load(path, device=device, verify=self.verify, into=into)
         if not isinstance(state, dict):
             raise CheckpointError(f"{path}: not a Lightning checkpoint (expected a dict at the top)")
         return state
+
+    def load_into(self, module: Any | None) -> None:
+        """Let the next :meth:`load_checkpoint` decode the checkpoint's ``state_dict`` into
+        ``module``'s own CPU tensors where they fit (as
+        :meth:`~tw_triton.checkpointer.Checkpointer.restore` does), for that one load;
+        ``None`` cancels. :class:`TwPrepareFirstSave` calls it in ``setup``, just before
+        Lightning restores a checkpoint into the module, which then copies nothing."""
+        self._load_into = weakref.ref(module) if module is not None else None
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (after its pending write, if any)."""
@@ -284,10 +300,38 @@ class TwCheckpointIO(CheckpointIO):
 class TwPrepareFirstSave(Callback):
     """Fills a :class:`TwCheckpointIO`'s snapshot pool after the first training batch of a
     fit (the optimizer creates its state in that batch's step), so the first checkpoint
-    pauses training no longer than the later ones. Does nothing with another plugin."""
+    pauses training no longer than the later ones. Does nothing with another plugin.
+
+    It also lets a resume decode into the module: in ``setup``, which Lightning runs just
+    before it restores ``ckpt_path``, it hands the module to
+    :meth:`TwCheckpointIO.load_into`; the hand-over ends with that load, or at the stage's
+    start if there was none (strategies that restore after their setup, such as FSDP, then
+    load as before)."""
 
     def __init__(self) -> None:
         self._pending = True
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, TwCheckpointIO):
+            io.load_into(pl_module)
+
+    def _end_hand_over(self, trainer: Any) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, TwCheckpointIO):
+            io.load_into(None)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._end_hand_over(trainer)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._end_hand_over(trainer)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._end_hand_over(trainer)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self._end_hand_over(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._pending = True

@@ -561,3 +561,9 @@ def test_decode_targets_take_objects_state_dicts_and_leave_shared_memory_out():
     # A module alone stands for its state dict at the top.
     assert sorted(tw_triton.decode_targets(model)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
     assert tw_triton.decode_targets({"x": {1, 2}}) == {}  # nothing the format could hold
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    # A tensor subclass may not own the memory it shows: left to load_state_dict.
+    assert tw_triton.decode_targets({"w": torch.ones(3).as_subclass(Wrapped), "v": torch.ones(3)}).keys() == {"v"}

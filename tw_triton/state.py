@@ -759,9 +759,9 @@ def decode_targets(into: Any) -> dict[str, torch.Tensor]:
     ``into`` is laid out as the state that was saved: an object with ``state_dict()`` (a
     module, an optimizer) stands for its state dict, at the top or as a value of a dict
     (``{"model": model, "optimizer": opt}`` for ``{"model": model.state_dict(), ...}``);
-    plain dicts, lists and tensors stand for themselves. Kept: contiguous CPU tensors
-    that share no memory with another (tied weights are left out). A structure the
-    format cannot hold gives none.
+    plain dicts, lists and tensors stand for themselves. Kept: contiguous CPU tensors of
+    the plain ``torch.Tensor`` type (no subclass) that share no memory with another (tied
+    weights are left out). A structure the format cannot hold gives none.
     """
     def state_of(value: Any) -> Any:
         state_dict = getattr(value, "state_dict", None)
@@ -774,7 +774,12 @@ def decode_targets(into: Any) -> dict[str, torch.Tensor]:
         tensors, _ = flatten(top)
     except QuantizationError:
         return {}
-    fit = {p: t for p, t in tensors.items() if t.device.type == "cpu" and t.is_contiguous() and t.numel()}
+    # Plain tensors only: a subclass (a DTensor's shard, a wrapper) may not own the memory
+    # its data pointer shows; load_state_dict knows how to fill it.
+    fit = {
+        p: t for p, t in tensors.items()
+        if type(t) is torch.Tensor and t.device.type == "cpu" and t.is_contiguous() and t.numel()
+    }
     return {p: fit[p] for p in disjoint_paths(fit, fit)}
 
 

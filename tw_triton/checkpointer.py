@@ -133,7 +133,7 @@ from .deltas import (
 from .rng import capture_rng_state, restore_rng_state
 from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
 from .snapshot_pool import SavePool, SnapshotLease
-from .state import decode_targets, quantize_state_dict
+from .state import decode_targets, quantize_state_dict, state_of
 from .tree import Flattened, flatten, leaf_tensors
 from .writer import AsyncWriter
 
@@ -150,14 +150,6 @@ KIND_DELTA = "delta"  # quantized entries are deltas from a keyframe
 KIND_STANDALONE = "standalone"  # quantized without a reference (delta=False mode)
 
 
-def _state_of(value: Any) -> Any:
-    """An object's ``state_dict()``, or a plain value as it is."""
-    state_dict = getattr(value, "state_dict", None)
-    if callable(state_dict) and not isinstance(value, torch.Tensor):
-        return state_dict()
-    return value
-
-
 def _named_state(state: dict[str, Any]) -> dict[str, Any]:
     """What ``save(**state)`` stores under each name, after checking the reserved names."""
     for name in RESERVED_NAMES:
@@ -166,7 +158,7 @@ def _named_state(state: dict[str, Any]) -> dict[str, Any]:
                 f"'{name}' is a reserved name in a checkpoint (it holds the "
                 f"{'step number' if name == 'step' else 'RNG states'}); use another name"
             )
-    return {name: _state_of(value) for name, value in state.items()}
+    return {name: state_of(value) for name, value in state.items()}
 
 
 def _done_future(result: Any = None) -> Future:

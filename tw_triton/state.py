@@ -753,6 +753,14 @@ def load(
     )
 
 
+def state_of(value: Any) -> Any:
+    """An object's ``state_dict()``, or a plain value (a tensor too) as it is."""
+    state_dict = getattr(value, "state_dict", None)
+    if callable(state_dict) and not isinstance(value, torch.Tensor):
+        return state_dict()
+    return value
+
+
 def decode_targets(into: Any) -> dict[str, torch.Tensor]:
     """The tensors a load may decode into, by the paths of the saved state.
 
@@ -763,10 +771,6 @@ def decode_targets(into: Any) -> dict[str, torch.Tensor]:
     the plain ``torch.Tensor`` type (no subclass) that share no memory with another (tied
     weights are left out). A structure the format cannot hold gives none.
     """
-    def state_of(value: Any) -> Any:
-        state_dict = getattr(value, "state_dict", None)
-        return state_dict() if callable(state_dict) and not isinstance(value, torch.Tensor) else value
-
     top = state_of(into)
     if isinstance(top, dict):
         top = {k: state_of(v) for k, v in top.items()}

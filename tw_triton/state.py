@@ -510,9 +510,27 @@ def dequantize_state_dict(
         CheckpointError: an unknown codec, or an entry whose params or buffers do not
             match its codec; the message names the file and the entry.
     """
+    return _dequantize(qstate, reference, device, source, progress, verify, reuse_reference, release_buffers)
+
+
+def _dequantize(
+    qstate: QuantizedState,
+    reference: Any,
+    device: torch.device | str | None,
+    source: str | None,
+    progress: Progress | None,
+    verify: bool,
+    reuse_reference: bool,
+    release_buffers: bool,
+    ref_into: Mapping[str, torch.Tensor] | None = None,
+) -> Any:
+    """:func:`dequantize_state_dict`; ``ref_into``: tensors to read a reference given as a
+    path into (its exact entries, see :func:`~tw_triton.format.read_file`)."""
     where = source or MEMORY_SOURCE
     dev = torch.device(device) if device is not None else None
-    out = _decode_entries(qstate, None, reference, dev, where, progress, verify, reuse_reference, release_buffers)
+    out = _decode_entries(
+        qstate, None, reference, dev, where, progress, verify, reuse_reference, release_buffers, ref_into
+    )
     try:
         return unflatten(qstate.skeleton, out)
     except CheckpointError as e:
@@ -578,6 +596,7 @@ def _decode_entries(
     verify: bool,
     reuse_reference: bool = False,
     release_buffers: bool = False,
+    ref_into: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decode the entries of ``qstate`` (those in ``only``, or all) and resolve aliases.
 
@@ -602,7 +621,8 @@ def _decode_entries(
             )
         rid = qstate.reference_id
         ref_tensors, _, ref_what, owned = _flat_reference(
-            reference, device=dev, verify=verify, expect_id=rid, where=f"{where}: entry {first!r}", paths=delta
+            reference, device=dev, verify=verify, expect_id=rid, where=f"{where}: entry {first!r}", paths=delta,
+            into=ref_into,
         )
         owned = owned or reuse_reference
         checks: list[tuple[str, torch.Tensor]] = []
@@ -730,27 +750,8 @@ def load(
     source = os.fspath(path)
     targets = decode_targets(into) if into is not None and dev.type == "cpu" else None
     qstate = read_file(path, verify=verify, pin_memory=_wants_pinned(dev), into=targets)
-    reuse = False
-    if targets and isinstance(reference, (str, os.PathLike)) and (delta := delta_paths(qstate, source)):
-        from .deltas import nest
-
-        # The reference's exact tensors go into the targets too; the delta is then decoded
-        # over them in place.
-        tensors, _, _, _ = _flat_reference(
-            reference, device=dev, verify=verify, expect_id=qstate.reference_id,
-            where=f"{source}: entry {sorted(delta)[0]!r}", paths=delta, into=targets,
-        )
-        reference, reuse = nest(tensors), True
-    return dequantize_state_dict(
-        qstate,
-        reference=reference,
-        device=dev,
-        source=source,
-        progress=progress,
-        verify=verify,
-        reuse_reference=reuse,
-        release_buffers=True,
-    )
+    # A reference read from a path takes the targets too: the delta is decoded over them.
+    return _dequantize(qstate, reference, dev, source, progress, verify, False, True, ref_into=targets)
 
 
 def state_of(value: Any) -> Any:

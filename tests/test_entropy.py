@@ -23,7 +23,17 @@ from tw_triton.codecs.entropy import EntropyPolicy, ZstdSettings, candidate_stag
 from tw_triton.errors import CheckpointError
 from tw_triton.writer import AsyncWriter
 
-STAGES = ["zstd", "zstd-bytegroup"]
+STAGES = ["zstd", "zstd-bytegroup", "zstd-planes"]
+
+
+def one_frame_params(name: str, stored: bytes) -> dict:
+    """The params under which ``stored``, one zstd frame of 1-byte elements, is what the
+    stage ``name`` stored (zstd-planes: that frame as its one plane)."""
+    if name == "zstd":
+        return {"level": 3}
+    if name == "zstd-bytegroup":
+        return {"level": 3, "width": 1}
+    return {"level": 3, "width": 1, "frames": [len(stored)]}
 DTYPES = [torch.uint8, torch.int8, torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64,
           torch.int32, torch.int64]
 
@@ -223,6 +233,145 @@ def test_bytegroup_bytes_at_the_real_chunk_size(threads):
 
 
 # --------------------------------------------------------------------------------------
+# zstd-planes: a frame per plane, or the plane raw
+# --------------------------------------------------------------------------------------
+
+
+def reference_plane_choice(elements: np.ndarray) -> list[bool]:
+    """The stage's rule written the plain way: the order-0 entropy of every plane over
+    ``PLANE_SAMPLE`` elements at an even stride; zstd where it is at most
+    ``8 * (1 - PLANE_MIN_SAVING)`` bits per byte."""
+    n = elements.shape[0]
+    sample = elements[:: max(n // entropy.PLANE_SAMPLE, 1)][: entropy.PLANE_SAMPLE]
+    chosen = []
+    for k in range(elements.shape[1]):
+        _, counts = np.unique(sample[:, k], return_counts=True)
+        freq = counts / max(sample.shape[0], 1)
+        bits = float(-(freq * np.log2(freq)).sum()) if len(freq) else 0.0
+        chosen.append(bits <= 8 * (1 - entropy.PLANE_MIN_SAVING))
+    return chosen
+
+
+def reference_planes(raw: bytes, width: int, level: int, threads: int = 0, **match: int) -> tuple[bytes, list[int]]:
+    """zstd-planes written the plain way: each plane numpy's column ``[:, k]``, through its
+    own streamed zstd frame (content size and checksum) where the rule picks it, else as it
+    is; returns the stored bytes and the ``frames`` param."""
+    elements = np.frombuffer(raw, dtype=np.uint8).reshape(-1, width)
+    out, frames = b"", []
+    for k, coded in enumerate(reference_plane_choice(elements)):
+        plane = elements[:, k].tobytes()
+        if coded:
+            params = zstandard.ZstdCompressionParameters.from_level(
+                level, source_size=len(plane), threads=threads, write_checksum=True, write_content_size=True, **match
+            )
+            obj = zstandard.ZstdCompressor(compression_params=params).compressobj(size=len(plane))
+            plane = obj.compress(plane) + obj.flush()
+        frames.append(len(plane) if coded else 0)
+        out += plane
+    return out, frames
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    data=st.data(),
+    width=st.sampled_from([2, 4, 8, 16, 1, 3, 6, 12]),
+    chunk=st.sampled_from([1, 5, 64, 4096]),
+    kind=st.sampled_from(["bytes", "zeros", "values"]),
+    seed=st.integers(0, 2**16),
+    match=st.sampled_from([{}, {"min_match": 7, "hash_log": 6}]),
+    little=st.booleans(),
+    offset=st.sampled_from([0, 1, 3]),
+    one_shot=st.booleans(),
+    sample=st.sampled_from([4096, 7]),
+)
+def test_planes_writes_the_reference_bytes_and_reads_them(
+    data, width, chunk, kind, seed, match, little, offset, one_shot, sample
+):
+    """As for zstd-bytegroup, and a sample smaller than the buffer (an uneven stride)."""
+    on_chunks = st.builds(lambda m, e: max(m * chunk + e, 0), st.integers(0, 3), st.integers(-1, 1))
+    n = data.draw(st.integers(0, 700) | on_chunks)
+    raw = _elements(kind, width, n, seed)
+    stage = get_stage("zstd-planes")
+    with (mock.patch.object(entropy, "CHUNK_BYTES", chunk), mock.patch.object(entropy, "_LITTLE_ENDIAN", little),
+          mock.patch.object(entropy, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0),
+          mock.patch.object(entropy, "PLANE_SAMPLE", sample)):
+        zstd = ZstdSettings(level=1, min_match=match.get("min_match", 0), hash_log=match.get("hash_log", 0))
+        stored, params = stage.encode(_unaligned(raw, offset), width, zstd)
+        expected, frames = reference_planes(raw, width, 1, **match)
+        assert params == {"level": 1, "width": width, "frames": frames}
+        assert stored == expected
+        stage.check_params(params, width, "w")
+        stage.check(memoryview(stored), params, len(raw), "w")
+        out = _unaligned(b"\xa5" * len(raw), offset, fill=0xEE)
+        stage.decode(memoryview(stored), params, out, "w")
+    assert bytes(out) == raw
+    assert bytes(out.obj[:offset]) == b"\xee" * offset and bytes(out.obj[offset + len(raw) :]) == b"\xee" * 3
+
+
+def test_planes_codes_only_the_planes_that_compress():
+    """Float weights: the three mantissa planes raw, sign and exponent through zstd;
+    zeros: every plane; a float buffer whose low bytes are all zero (values from bf16):
+    those planes too; random bytes: none (and the policy then keeps the buffer raw)."""
+    g = torch.Generator().manual_seed(5)
+    weights = torch.randn(1 << 17, generator=g) * 0.02
+    from_bf16 = weights.to(torch.bfloat16).to(torch.float32)
+    noise = torch.randint(0, 256, (1 << 19,), dtype=torch.uint8, generator=g).view(torch.float32)
+    stage = get_stage("zstd-planes")
+    for t, coded in ((weights, [False, False, False, True]), (torch.zeros(1 << 17), [True] * 4),
+                     (from_bf16, [True, True, False, True]), (noise, [False] * 4)):
+        stored, params = stage.encode(as_bytes(t), 4, ZstdSettings())
+        assert [bool(n) for n in params["frames"]] == coded
+        assert len(stored) == sum(n or t.numel() for n in params["frames"])
+    assert entropy.encode_buffer(noise, as_bytes(noise), entropy.AUTO) is None
+    staged = entropy.encode_buffer(weights, as_bytes(weights), entropy.AUTO)
+    assert staged.record["name"] == "zstd-planes"
+    # The sign-and-exponent plane alone saves more than MIN_SAVING of the buffer.
+    assert len(staged.data) < (1 - entropy.MIN_SAVING) * weights.numel() * 4
+
+
+def test_planes_stored_raw_carry_no_checksum_so_a_load_takes_the_crc():
+    t = torch.randn(1 << 17, generator=torch.Generator().manual_seed(6)) * 0.02
+    stage = get_stage("zstd-planes")
+    stored, params = stage.encode(as_bytes(t), 4, ZstdSettings())
+    assert params["frames"][0] == 0 and not stage.checks_content(memoryview(stored))
+
+
+@pytest.mark.parametrize(
+    "frames, match",
+    [
+        ([0, 0, 0], "the planes take 300 bytes"),
+        ([0, 0, 0, 0, 5], "the planes take 405 bytes"),
+        ([0, 0, 0, 9], "the planes take 309 bytes"),
+        ([0, 0, 0, 1000], "the planes take 1300 bytes"),
+    ],
+)
+def test_planes_check_refuses_planes_that_do_not_fill_the_stored_bytes(frames, match):
+    """100 float32 elements stored as three raw planes and one 10-byte zstd frame."""
+    body = frame(b"\0" * 100)
+    stored = memoryview(b"\1" * 300 + body)
+    params = {"level": 3, "width": 4, "frames": [0, 0, 0, len(body)]}
+    get_stage("zstd-planes").check(stored, params, 400, "w")
+    bad = {**params, "width": len(frames), "frames": frames}
+    raw = 100 * len(frames) if len(frames) != 4 else 400
+    with pytest.raises(CheckpointError, match=match) as info:
+        get_stage("zstd-planes").check(stored, bad, raw, "checkpoint f: entry 'e' buffer 'b'")
+    assert "entry 'e' buffer 'b'" in str(info.value)
+
+
+def test_planes_check_names_the_plane_of_a_bad_frame():
+    body = frame(b"\0" * 100)
+    stored = memoryview(b"\1" * 100 + body[:-1] + b"\1" * 100)
+    params = {"level": 3, "width": 3, "frames": [0, len(body) - 1, 0]}
+    with pytest.raises(CheckpointError, match=r"w plane 1: the zstd frame is \d+ bytes but \d+ are stored \(truncated\)"):
+        get_stage("zstd-planes").check(stored, params, 300, "w")
+    # A frame that states another size than a plane holds.
+    other = frame(b"\0" * 99)
+    stored = memoryview(other + b"\1" * 100)
+    with pytest.raises(CheckpointError, match="w plane 0: the zstd frame holds 99 bytes"):
+        get_stage("zstd-planes").check(stored, {"level": 3, "width": 2, "frames": [len(other), 0]}, 200, "w")
+
+
+# --------------------------------------------------------------------------------------
 # The frame check: what it refuses before anything is allocated
 # --------------------------------------------------------------------------------------
 
@@ -292,8 +441,8 @@ def test_a_frame_that_decodes_to_more_than_it_states_is_an_error(one_shot, monke
     check_zstd_frame(stored, 1, "w")
     for name in STAGES:
         big = bytearray(b"\xee" * 3)
-        params = {"level": 3} if name == "zstd" else {"level": 3, "width": 1}
-        with pytest.raises(CheckpointError, match="w: zstd"):
+        params = one_frame_params(name, stored)
+        with pytest.raises(CheckpointError, match="w( plane 0)?: zstd"):
             get_stage(name).decode(stored, params, memoryview(big)[:1], "w")
         assert big[1:] == b"\xee\xee"
 
@@ -305,7 +454,7 @@ def test_corrupted_content_is_caught_by_the_zstd_checksum(one_shot, monkeypatch)
     stored = bytearray(frame(content))
     stored[-1] ^= 0x40  # the frame's content checksum
     for name in STAGES:
-        params = {"level": 3} if name == "zstd" else {"level": 3, "width": 1}
+        params = one_frame_params(name, stored)
         with pytest.raises(CheckpointError, match="checksum mismatch .zstd.s content checksum"):
             get_stage(name).decode(memoryview(stored), params, memoryview(bytearray(len(content))), "w")
         with pytest.raises(CheckpointError, match="checksum mismatch .zstd.s content checksum"):
@@ -323,6 +472,13 @@ def test_corrupted_content_is_caught_by_the_zstd_checksum(one_shot, monkeypatch)
         ("zstd-bytegroup", {"level": 3, "width": 2}, 4, "'width' must be the element size 4"),
         ("zstd-bytegroup", {"level": 3, "width": 0}, 4, "'width'"),
         ("zstd-bytegroup", {"level": True, "width": 4}, 4, "'level'"),
+        ("zstd-planes", {"level": 3, "width": 4}, 4, "keys"),
+        ("zstd-planes", {"level": 3, "width": 2, "frames": [0, 0]}, 4, "'width' must be the element size 4"),
+        ("zstd-planes", {"level": 3, "width": 2, "frames": [0]}, 2, "'frames' must be 2 sizes"),
+        ("zstd-planes", {"level": 3, "width": 2, "frames": [0, -1]}, 2, "'frames'"),
+        ("zstd-planes", {"level": 3, "width": 2, "frames": [0, True]}, 2, "'frames'"),
+        ("zstd-planes", {"level": 3, "width": 2, "frames": "00"}, 2, "'frames'"),
+        ("zstd-planes", {"level": 3, "width": 2, "frames": [0, 1.5]}, 2, "'frames'"),
     ],
 )
 def test_stage_params_are_checked(name, params, itemsize, match):
@@ -331,7 +487,8 @@ def test_stage_params_are_checked(name, params, itemsize, match):
 
 
 def test_match_settings_reach_zstd():
-    """Byte planes get PLANE_MATCH by default from PLANE_MATCH_MIN_BYTES up, smaller ones
+    """Byte planes get PLANE_MATCH by default from PLANE_MATCH_MIN_BYTES up (zstd-planes),
+    smaller ones (zstd-bytegroup)
     and 1-byte codes the level's own, and a policy's settings override both: each choice
     makes the bytes a plain zstd compressor with those settings makes. Files record the
     level alone (readers of format version 2 accept exactly that)."""
@@ -357,11 +514,16 @@ def test_match_settings_reach_zstd():
     stored = []
     for t, policy, match in cases:
         staged = entropy.encode_buffer(t, as_bytes(t), policy)
-        assert staged.record["params"] == ({"level": 1} if t.dtype == torch.uint8 else {"level": 1, "width": 4})
         if t.dtype == torch.uint8:
+            assert staged.record["params"] == {"level": 1}
             assert staged.data == plain(as_bytes(t), **match)
-        else:
+        elif t is small:
+            assert staged.record["params"] == {"level": 1, "width": 4}
             assert staged.data == reference_bytegroup(bytes(as_bytes(t)), 4, 1, **match)
+        else:
+            expected, frames = reference_planes(bytes(as_bytes(t)), 4, 1, **match)
+            assert staged.record["params"] == {"level": 1, "width": 4, "frames": frames}
+            assert staged.data == expected
         stored.append(staged.data)
     assert stored[0] != stored[1] and stored[3] != stored[4]  # the settings change the bytes
 
@@ -376,9 +538,13 @@ def test_policy_picks_the_stage_by_dtype_and_size():
     big = entropy.MIN_STAGE_BYTES
     assert candidate_stages(torch.uint8, big, auto) == ("zstd",)
     assert candidate_stages(torch.bool, big, auto) == ("zstd",)
-    assert set(candidate_stages(torch.int64, big, auto)) == set(STAGES)
+    planes = entropy.PLANES_MIN_BYTES
+    assert candidate_stages(torch.int64, big, auto) == ("zstd-bytegroup", "zstd")
+    assert candidate_stages(torch.int32, planes, auto) == ("zstd-planes", "zstd")
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         assert candidate_stages(dt, big, auto) == ("zstd-bytegroup",)
+        assert candidate_stages(dt, planes - 1, auto) == ("zstd-bytegroup",)
+        assert candidate_stages(dt, planes, auto) == ("zstd-planes",)
     assert candidate_stages(torch.float32, big - 1, auto) == ()
     assert candidate_stages(torch.uint8, 0, EntropyPolicy(min_bytes=0)) == ()
     assert candidate_stages(torch.float32, big, EntropyPolicy(stage="zstd")) == ("zstd",)
@@ -390,8 +556,9 @@ def test_integers_get_the_smaller_of_both_stages():
     # Grouping wins (at 4096 elements zstd codes neither one's literals: a tie).
     float_bits = (torch.randn(1 << 16, generator=g) * 1e-3).view(torch.int32)
     for t, winner in ((counters, "zstd"), (float_bits, "zstd-bytegroup")):
-        sizes = {n: len(get_stage(n).encode(as_bytes(t), t.element_size(), ZstdSettings(1, *get_stage(n).match_for(t.numel() * t.element_size())))[0])
-                 for n in STAGES}
+        nbytes = t.numel() * t.element_size()
+        sizes = {n: len(get_stage(n).encode(as_bytes(t), t.element_size(), ZstdSettings(1, *get_stage(n).match_for(nbytes)))[0])
+                 for n in candidate_stages(t.dtype, nbytes, entropy.AUTO)}
         assert min(sizes, key=sizes.get) == winner
         staged = entropy.encode_buffer(t, as_bytes(t), entropy.AUTO)
         assert staged.record["name"] == winner and len(staged.data) == sizes[winner]

@@ -12,9 +12,10 @@ time the save blocks, its total time and its peak extra RSS.
     python benchmarks/ab_versions.py --base 4477262 --method "tw default delta" --rounds 5
 
 With ``--resume`` the methods are ``speed_compare.py``'s resume methods instead (a restore
-into a freshly built MiniLM and AdamW): this checkout writes the files once, and *this*
-checkout's resume child runs with either version of tw_triton on ``PYTHONPATH`` (a base
-from before the resume rows existed has no such child of its own).
+into a freshly built MiniLM and AdamW): each version writes its own files once, and
+*this* checkout's save and resume children run with either version of tw_triton on
+``PYTHONPATH`` (a base from before the resume rows existed has no such child of its own;
+a version may not read the other's files).
 
     python benchmarks/ab_versions.py --base f22bf4d --resume --method "tw restore default delta" --rounds 5
 
@@ -51,6 +52,19 @@ def save_child(method: str, source: Path, fixture: Path, out: Path, threads: int
         raise RuntimeError(f"{method} from {source} failed:\n{proc.stderr[-3000:]}")
     subprocess.run(["rm", "-rf", str(out)], check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def write_resume_files(method: str, source: Path, fixture: Path, out: Path, threads: int) -> None:
+    """The files of save method ``method`` (kept in ``out``), written by this checkout's
+    ``speed_compare.py --child-save`` with tw_triton imported from ``source``."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(source))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "speed_compare.py"), "--child-save", method, "--fixture", str(fixture),
+         "--out", str(out), "--threads", str(threads), "--device", "cpu"],
+        capture_output=True, text=True, env=env, cwd=source.parent, check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"writing {method} with {source} failed:\n{proc.stderr[-3000:]}")
 
 
 def resume_child(method: str, source: Path, files: Path, threads: int) -> dict[str, Any]:
@@ -98,22 +112,24 @@ def main() -> None:
             speed_compare.build_fixture(fixture)
             sides = {"base": base, "new": REPO}
             rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
-            files: dict[str, Path] = {}
+            files: dict[tuple[str, str], Path] = {}
             if args.resume:
-                # The files each resume reads, written once by this checkout (kept: not save_child).
+                # The files each resume reads, written once per side by that side's tw_triton
+                # (this checkout's save child), so a change of the stored bytes is measured
+                # with the files each version writes.
                 for method in {*methods, speed_compare.RESUME_METHODS[0]}:
-                    saved = speed_compare.RESUME_FILES[method]
-                    files[method] = tmpdir / saved.replace(" ", "_")
-                    files[method].mkdir(exist_ok=True)
-                    speed_compare.run_child(["--child-save", saved, "--fixture", str(fixture), "--out",
-                                             str(files[method])], args.threads)
+                    for side, source in sides.items():
+                        saved = speed_compare.RESUME_FILES[method]
+                        files[method, side] = tmpdir / side / saved.replace(" ", "_")
+                        files[method, side].mkdir(parents=True, exist_ok=True)
+                        write_resume_files(saved, source, fixture, files[method, side], args.threads)
             for rnd in range(args.rounds):
                 for method in methods:
                     for side, source in sides.items():
                         if args.resume:
-                            r = resume_child(method, source, files[method], args.threads)
+                            r = resume_child(method, source, files[method, side], args.threads)
                             yard = speed_compare.RESUME_METHODS[0]
-                            ts = resume_child(yard, source, files[yard], args.threads)
+                            ts = resume_child(yard, source, files[yard, side], args.threads)
                         else:
                             r = save_child(method, source, fixture, tmpdir / "out", args.threads)
                             ts = save_child("torch.save", base, fixture, tmpdir / "out", args.threads)

@@ -48,3 +48,17 @@ def test_measure_kind_is_lossless_and_counts_bits():
     level = es.entropy.DEFAULT_LEVEL
     assert out["auto_bytes"] == out["stored"][f"zstd-bytegroup/{level}"] < out["raw_bytes"]
     assert out["compress_mb_s"] > 0 and out["decompress_mb_s"] > 0
+
+
+def test_plane_stages_compares_both_stages_on_the_same_buffers():
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(1 << 15, generator=g) * 0.02
+    zeros = torch.zeros(1 << 14)
+    bufs = [es._bytes(weights), es._bytes(zeros)]
+    out = es.plane_stages(bufs)
+    assert set(out) == {"zstd-bytegroup", "zstd-planes"}
+    # Weights: sign and exponent through zstd; zeros: all four planes.
+    assert out["zstd-planes"]["coded_planes"] == 1 + 4 and out["zstd-planes"]["planes"] == 8
+    for row in out.values():
+        assert 0 < row["bytes"] < len(bufs[0]) + len(bufs[1])
+        assert row["encode_s"] > 0 and row["decode_s"] > 0

@@ -682,6 +682,26 @@ def test_staged_buffer_crc_covers_the_stored_bytes(tmp_path):
     assert f"{zlib.crc32(blob[8 + n + begin : 8 + n + end]):08x}" == buf["crc32"]
 
 
+def test_a_planes_buffer_round_trips_and_a_flipped_raw_plane_byte_is_caught(tmp_path):
+    """An exact float buffer of 1 MiB is written as zstd-planes (mantissa planes raw); a
+    byte flipped in a raw plane, which no zstd checksum covers, fails the CRC-32 on load
+    and in verify_file, naming the entry and buffer."""
+    w = torch.randn(1 << 18, generator=torch.Generator().manual_seed(8)) * 0.02
+    path = tmp_path / "a.tw"
+    tw_triton.save(tw_triton.quantize_state_dict({"w": w}, rules="exact"), path, fsync=False)
+    buf = fmt.read_manifest(path)["entries"]["w"]["buffers"]["data"]
+    assert buf["stage"]["name"] == "zstd-planes" and buf["stage"]["params"]["frames"][:3] == [0, 0, 0]
+    assert torch.equal(tw_triton.load(path)["w"], w)
+    blob = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", blob[:8])[0]
+    blob[8 + n + buf["data_offsets"][0] + 1000] ^= 0x10  # in plane 0, stored raw
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match="entry 'w' buffer 'data': checksum mismatch .expected crc32"):
+        tw_triton.load(path)
+    with pytest.raises(CheckpointError, match="entry 'w' buffer 'data'"):
+        fmt.verify_file(path)
+
+
 def test_register_stage():
     class Identity(entropy.Stage):
         name = "identity-test"

@@ -67,7 +67,9 @@ checksum is always verified (it costs nothing). A staged buffer whose zstd frame
 zstd's content checksum (every frame this library writes does) is verified by that
 checksum as it decodes (an XXH64 of every decoded byte, which zstd computes anyway), not by
 a second pass of CRC-32 over its stored bytes: on the MiniLM keyframe that pass was about
-0.02 of the load's 0.2 CPU-seconds. :func:`verify_file` checks both.
+0.02 of the load's 0.2 CPU-seconds. A ``zstd-planes`` buffer with a plane stored raw has
+no such checksum over that plane, so its CRC-32 is checked first. :func:`verify_file`
+checks both.
 
 Errors: every malformed file raises :class:`~tw_triton.errors.CheckpointError` naming the
 file and, where it applies, the entry and buffer and what was expected. Failures of the

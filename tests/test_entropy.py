@@ -172,6 +172,17 @@ def _elements(kind: str, width: int, n: int, seed: int) -> bytes:
     return bytes(torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g).numpy())
 
 
+# What the byte-plane stages' property tests share: element widths (2, 4, 8, complex's 16
+# and odd ones), chunk sizes, kinds of content and seeds (``data`` draws the length).
+PLANE_CASES = dict(
+    data=st.data(),
+    width=st.sampled_from([2, 4, 8, 16, 1, 3, 6, 12]),
+    chunk=st.sampled_from([1, 5, 64, 4096]),
+    kind=st.sampled_from(["bytes", "zeros", "values"]),
+    seed=st.integers(0, 2**16),
+)
+
+
 def _unaligned(raw: bytes, offset: int, fill: int = 0) -> memoryview:
     """``raw`` in a buffer that starts ``offset`` bytes into its allocation, with 3 more
     ``fill`` bytes after it."""
@@ -180,11 +191,7 @@ def _unaligned(raw: bytes, offset: int, fill: int = 0) -> memoryview:
 
 @settings(max_examples=80, deadline=None)
 @given(
-    data=st.data(),
-    width=st.sampled_from([2, 4, 8, 16, 1, 3, 6, 12]),
-    chunk=st.sampled_from([1, 5, 64, 4096]),
-    kind=st.sampled_from(["bytes", "zeros", "values"]),
-    seed=st.integers(0, 2**16),
+    **PLANE_CASES,
     level=st.sampled_from([1, 3]),
     match=st.sampled_from([{}, {"min_match": 7, "hash_log": 6}, {"min_match": 5}]),
     little=st.booleans(),
@@ -273,11 +280,7 @@ def reference_planes(raw: bytes, width: int, level: int, threads: int = 0, **mat
 
 @settings(max_examples=80, deadline=None)
 @given(
-    data=st.data(),
-    width=st.sampled_from([2, 4, 8, 16, 1, 3, 6, 12]),
-    chunk=st.sampled_from([1, 5, 64, 4096]),
-    kind=st.sampled_from(["bytes", "zeros", "values"]),
-    seed=st.integers(0, 2**16),
+    **PLANE_CASES,
     match=st.sampled_from([{}, {"min_match": 7, "hash_log": 6}]),
     little=st.booleans(),
     offset=st.sampled_from([0, 1, 3]),

@@ -469,20 +469,28 @@ class _PlanePutter:
             np.bitwise_or(dest, spread, out=dest)
 
 
-class ByteGroupZstdStage(_ZstdFrameStage):
-    """Byte planes (byte k of every element together), then zstd."""
-
-    name = "zstd-bytegroup"
+class _PlaneStage(Stage):
+    """What the byte-plane stages share: zstd's match finder for planes, and the buffer as
+    element words (:func:`_words`)."""
 
     def match_for(self, nbytes: int) -> tuple[int, int]:
         return PLANE_MATCH if nbytes >= PLANE_MATCH_MIN_BYTES else (0, 0)
 
+    def _element_words(self, data: memoryview, itemsize: int) -> np.ndarray:
+        if itemsize < 1 or len(data) % itemsize:
+            raise CheckpointError(f"{self.name}: {len(data)} bytes are not whole {itemsize}-byte elements")
+        return _words(data, itemsize)
+
+
+class ByteGroupZstdStage(_PlaneStage, _ZstdFrameStage):
+    """Byte planes (byte k of every element together), then zstd."""
+
+    name = "zstd-bytegroup"
+
     def encode(
         self, data: memoryview, itemsize: int, zstd: ZstdSettings
     ) -> tuple[bytes, dict[str, Any]]:
-        if itemsize < 1 or len(data) % itemsize:
-            raise CheckpointError(f"{self.name}: {len(data)} bytes are not whole {itemsize}-byte elements")
-        words = _words(data, itemsize)
+        words = self._element_words(data, itemsize)
         scratch = np.empty(min(CHUNK_BYTES, words.shape[0]), dtype=np.uint8)
         # The frame goes straight into a BytesIO, whose getvalue() hands over its buffer
         # without a copy; joining per-chunk bytes copied the whole output once more (~17 ms
@@ -519,7 +527,7 @@ class ByteGroupZstdStage(_ZstdFrameStage):
         reader.finish()
 
 
-class PlanesZstdStage(Stage):
+class PlanesZstdStage(_PlaneStage):
     """Byte planes, each its own zstd frame or stored as it is.
 
     The low mantissa bytes of trained float weights are close to random: on the MiniLM
@@ -536,15 +544,10 @@ class PlanesZstdStage(Stage):
 
     name = "zstd-planes"
 
-    def match_for(self, nbytes: int) -> tuple[int, int]:
-        return PLANE_MATCH if nbytes >= PLANE_MATCH_MIN_BYTES else (0, 0)
-
     def encode(
         self, data: memoryview, itemsize: int, zstd: ZstdSettings
     ) -> tuple[bytes, dict[str, Any]]:
-        if itemsize < 1 or len(data) % itemsize:
-            raise CheckpointError(f"{self.name}: {len(data)} bytes are not whole {itemsize}-byte elements")
-        words = _words(data, itemsize)
+        words = self._element_words(data, itemsize)
         count = words.shape[0]
         scratch = np.empty(min(CHUNK_BYTES, count), dtype=np.uint8)
         sink = io.BytesIO()

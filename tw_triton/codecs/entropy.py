@@ -21,6 +21,12 @@ Built in:
     :data:`PLANE_MATCH_MIN_BYTES` and more, unless the policy says otherwise. Decoding needs
     none of the zstd settings: a file records the level and the width.
 
+``zstd-planes``
+    The same planes, each its own zstd frame or stored raw where its sampled order-0
+    entropy promises less than :data:`PLANE_MIN_SAVING` (the near-random low mantissa
+    bytes of trained weights). Parameter ``frames`` gives each plane's frame size (0: raw).
+    The policy's stage for wide buffers from :data:`PLANES_MIN_BYTES` up.
+
 :func:`candidate_stages` and :func:`encode_buffer` are the policy: which stage a buffer
 gets (by dtype), buffers under :data:`MIN_STAGE_BYTES` stay raw, and a stage is kept only
 where it saves at least :data:`MIN_SAVING` of the bytes. ``benchmarks/entropy_stage.py`` measures the stages on a

@@ -54,15 +54,19 @@ def save_child(method: str, source: Path, fixture: Path, out: Path, threads: int
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _this_child(args: list[str], source: Path, threads: int) -> subprocess.CompletedProcess:
+    """This checkout's ``speed_compare.py`` with ``args``, tw_triton imported from ``source``."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(source))
+    return subprocess.run(
+        [sys.executable, str(HERE / "speed_compare.py"), *args, "--threads", str(threads), "--device", "cpu"],
+        capture_output=True, text=True, env=env, cwd=source.parent, check=False,
+    )
+
+
 def write_resume_files(method: str, source: Path, fixture: Path, out: Path, threads: int) -> None:
     """The files of save method ``method`` (kept in ``out``), written by this checkout's
     ``speed_compare.py --child-save`` with tw_triton imported from ``source``."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(source))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "speed_compare.py"), "--child-save", method, "--fixture", str(fixture),
-         "--out", str(out), "--threads", str(threads), "--device", "cpu"],
-        capture_output=True, text=True, env=env, cwd=source.parent, check=False,
-    )
+    proc = _this_child(["--child-save", method, "--fixture", str(fixture), "--out", str(out)], source, threads)
     if proc.returncode != 0:
         raise RuntimeError(f"writing {method} with {source} failed:\n{proc.stderr[-3000:]}")
 
@@ -70,12 +74,7 @@ def write_resume_files(method: str, source: Path, fixture: Path, out: Path, thre
 def resume_child(method: str, source: Path, files: Path, threads: int) -> dict[str, Any]:
     """One resume (``speed_compare.py --child-resume`` of this checkout) with tw_triton
     imported from ``source``; the Checkpointer directory it links is removed after."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(source))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "speed_compare.py"), "--child-resume", method, "--out", str(files),
-         "--threads", str(threads), "--device", "cpu"],
-        capture_output=True, text=True, env=env, cwd=source.parent, check=False,
-    )
+    proc = _this_child(["--child-resume", method, "--out", str(files)], source, threads)
     subprocess.run(["rm", "-rf", str(files / "resume")], check=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{method} from {source} failed:\n{proc.stderr[-3000:]}")

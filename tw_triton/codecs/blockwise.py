@@ -44,6 +44,7 @@ import torch
 from ..errors import CheckpointError, QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
+from . import native
 from .base import BatchLayout, Codec, Encoded, entry_buffer, host_outputs, move_to
 
 PACKING = "lsb-first"
@@ -731,6 +732,66 @@ def dequantize_blockwise_torch(
     return out
 
 
+def quantize_blockwise_cpu(
+    x: torch.Tensor,
+    reference: torch.Tensor | None,
+    bits: int,
+    block: int,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qmax: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU encode: the compiled codec (:mod:`~tw_triton.codecs.native`) where it takes
+    the tensors, else :func:`quantize_blockwise_torch`. Same signature, same bytes."""
+    n = x.numel()
+    dev = x.device
+    if out is None:
+        out = (
+            torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev),
+            torch.empty(num_blocks(n, block), dtype=torch.float32, device=dev),
+        )
+    codes = _checked_out(out[0], packed_nbytes(n, bits), torch.uint8, dev, "codes")
+    scales = _checked_out(out[1], num_blocks(n, block), torch.float32, dev, "scales")
+    flat = x.reshape(-1) if x.is_contiguous() else x
+    ref = reference.reshape(-1) if reference is not None and reference.is_contiguous() else reference
+    if native.encode_blockwise(flat, ref, bits, block, check_qmax(bits, qmax), codes, scales):
+        return out
+    return quantize_blockwise_torch(x, reference, bits, block, out=out, qmax=qmax)
+
+
+def dequantize_blockwise_cpu(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    reference: torch.Tensor | None,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The CPU decode: the compiled codec where it takes the tensors, else
+    :func:`dequantize_blockwise_torch` (which also finishes any blocks the compiled one
+    leaves, see :func:`~tw_triton.codecs.native.decode_blockwise`). Same signature, same
+    values; ``out`` may be ``reference`` itself."""
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=codes.device)
+    flat_out = _checked_out(out, numel, dtype, codes.device, "out")
+    ref = reference.reshape(-1) if reference is not None and reference.is_contiguous() else reference
+    left = native.decode_blockwise(codes, scales, numel, bits, block, ref, flat_out)
+    if left is None:
+        return dequantize_blockwise_torch(codes, scales, numel, bits, block, reference, dtype, out=out)
+    for start, stop in left:
+        m = stop - start
+        b0 = start // block
+        dequantize_blockwise_torch(
+            codes[start * bits // 8 : start * bits // 8 + packed_nbytes(m, bits)],
+            scales[b0 : b0 + num_blocks(m, block)], m, bits, block,
+            None if ref is None else ref[start:stop], dtype, out=flat_out[start:stop],
+        )
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # Public tensor-level API
 # --------------------------------------------------------------------------------------
@@ -789,7 +850,7 @@ def quantize(
         codes, scales = quantize_blockwise(x.contiguous(), rc, bits, block, qmax)
     else:
         # The torch path reads strided tensors chunk by chunk: no full-size copy.
-        codes, scales = quantize_blockwise_torch(x, reference, bits, block, qmax=qmax, out=out)
+        codes, scales = quantize_blockwise_cpu(x, reference, bits, block, qmax=qmax, out=out)
     # A block is unquantizable exactly when its scale is infinite (NaN/Inf in it). A block
     # whose qmax * scale overflows fp32 is not: the decode saturates the product, and x is
     # finite, so that only moves the value towards x. The flag stays on the device.
@@ -848,7 +909,7 @@ def dequantize(
 
         flat = dequantize_blockwise(q.codes, q.scales, q.numel, q.bits, q.block, rc, out_dtype)
     else:
-        flat = dequantize_blockwise_torch(q.codes, q.scales, q.numel, q.bits, q.block, rc, out_dtype)
+        flat = dequantize_blockwise_cpu(q.codes, q.scales, q.numel, q.bits, q.block, rc, out_dtype)
     return flat.view(q.shape)
 
 
@@ -1054,7 +1115,7 @@ class BlockwiseCodec(Codec):
         ):
             return self.decode(entry, reference, device, context)
         bits, block, codes, scales = self._stored(entry, context)
-        dequantize_blockwise_torch(
+        dequantize_blockwise_cpu(
             move_to(codes.reshape(-1), dev), move_to(scales.reshape(-1), dev), reference.numel(), bits,
             block, reference, entry.dtype, out=reference,
         )

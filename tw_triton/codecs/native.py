@@ -1,0 +1,208 @@
+"""The compiled CPU codec: C twins of the torch paths, called through ctypes.
+
+The plain-torch functions of :mod:`~tw_triton.codecs.blockwise` and
+:mod:`~tw_triton.codecs.log2` are the spec of the CPU path. Each runs as a dozen torch ops
+over chunks of a few MiB, every op a pass over memory. The C functions in
+``tw_triton/csrc`` do the same arithmetic one block at a time in buffers that stay in the
+L1 cache, so a tensor is read once and its codes written once. They give the same bytes
+and the same decoded values (the tests compare them on every dtype, width and special
+value), so which one ran never shows in a file.
+
+The library is built by ``pip install`` when a C compiler is present (``setup.py``). Without
+it, or with ``TW_TRITON_NATIVE=0`` in the environment, every call here answers "not done"
+and the caller runs the torch path: slower, never different. So do inputs the C code does
+not take: float16, a non-contiguous tensor, a tensor on another device.
+
+A tensor of at least :data:`SPLIT_MIN_ELEMENTS` is split into ranges of whole blocks that
+run on ``torch.get_num_threads()`` threads (ctypes lets go of the GIL during each call).
+Inside the save and load workers of :mod:`tw_triton.parallel`, which set that count to 1,
+each tensor runs on its worker alone: the workers are the parallelism.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from ..errors import TwTritonError
+from ..parallel import parallel_map
+
+logger = logging.getLogger(__name__)
+
+ENV_NATIVE = "TW_TRITON_NATIVE"
+# Below this many elements a tensor is not split between threads: a hand-over costs tens
+# of microseconds, about what the C code spends on 2**20 elements.
+SPLIT_MIN_ELEMENTS = 1 << 20
+# The dtype codes of tw_triton/csrc/native.h.
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int32
+_SIGNATURES = {
+    # x, x_dtype, ref, ref_dtype, n, block, bits, qmax, codes, scales
+    "tw_blockwise_encode": [_P, _I32, _P, _I32, _I64, _I32, _I32, _I32, _P, _P],
+    # codes, scales, n, bits, block, ref, ref_dtype, out, out_dtype
+    "tw_blockwise_decode": [_P, _P, _I64, _I32, _I32, _P, _I32, _P, _I32],
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    """The compiled library, or ``None`` when it was not built (logged once)."""
+    try:
+        from .. import _native  # type: ignore[attr-defined]
+    except ImportError:
+        logger.info(
+            "tw_triton's compiled CPU codec is not built (no C compiler at install time?): "
+            "the CPU path runs the plain-torch codec, which writes the same bytes, slower"
+        )
+        return None
+    lib = ctypes.CDLL(_native.__file__)
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = _I64
+    return lib
+
+
+def enabled() -> bool:
+    """Whether the compiled codec will run: built, and not turned off by ``TW_TRITON_NATIVE=0``.
+
+    Raises:
+        TwTritonError: ``TW_TRITON_NATIVE`` is set to something other than ``0`` or ``1``.
+    """
+    raw = os.environ.get(ENV_NATIVE, "").strip()
+    if raw not in ("", "0", "1"):
+        raise TwTritonError(f"{ENV_NATIVE} must be 0 or 1, found {raw!r}")
+    return raw != "0" and _library() is not None
+
+
+def _takes(t: torch.Tensor | None) -> bool:
+    """A tensor the C code reads or writes: contiguous, on the CPU, fp32 or bf16."""
+    return t is None or (t.device.type == "cpu" and t.dtype in _DTYPE_CODES and t.is_contiguous())
+
+
+def _sized(t: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
+    """A contiguous CPU buffer of ``numel`` elements of ``dtype``: the C code reads and
+    writes exactly that much, so nothing else may reach it."""
+    return t.device.type == "cpu" and t.dtype == dtype and t.numel() == numel and t.is_contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _block_ranges(numel: int, block: int) -> list[tuple[int, int]]:
+    """Element ranges ``[start, stop)`` of whole blocks, one per thread of this caller."""
+    threads = torch.get_num_threads() if numel >= SPLIT_MIN_ELEMENTS else 1
+    nblocks = -(-numel // block)
+    per = -(-nblocks // max(1, threads)) * block
+    return [(s, min(s + per, numel)) for s in range(0, numel, per)]
+
+
+def _run(fn: Callable[[tuple[int, int]], int], ranges: list[tuple[int, int]]) -> list[int]:
+    if len(ranges) == 1:
+        return [fn(ranges[0])]
+    return parallel_map(fn, ranges, threads=len(ranges))
+
+
+def encode_blockwise(
+    x: torch.Tensor,
+    reference: torch.Tensor | None,
+    bits: int,
+    block: int,
+    qmax: int,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+) -> bool:
+    """Encode ``x`` (minus ``reference``) into ``codes`` and ``scales`` as
+    :func:`~tw_triton.codecs.blockwise.quantize_blockwise_torch` does, if the C codec takes
+    these tensors; ``False`` (nothing written) if not. The outputs are contiguous and of
+    the right sizes (the caller checks them)."""
+    n = x.numel()
+    if not (
+        _takes(x)
+        and _takes(reference)
+        and (reference is None or reference.numel() == n)
+        and _sized(codes, torch.uint8, -(-n * bits // 8))
+        and _sized(scales, torch.float32, -(-n // block))
+        and n > 0
+        and enabled()
+    ):
+        return False
+    lib = _library()
+    x_code = _DTYPE_CODES[x.dtype]
+    ref_code = _DTYPE_CODES[reference.dtype] if reference is not None else 0
+    x_ptr, ref_ptr, codes_ptr, scales_ptr = x.data_ptr(), _ptr(reference), codes.data_ptr(), scales.data_ptr()
+    x_size = x.element_size()
+    ref_size = reference.element_size() if reference is not None else 0
+
+    def one(r: tuple[int, int]) -> int:
+        start, stop = r
+        return lib.tw_blockwise_encode(
+            x_ptr + start * x_size, x_code, None if ref_ptr is None else ref_ptr + start * ref_size, ref_code,
+            stop - start, block, bits, qmax, codes_ptr + start * bits // 8, scales_ptr + start // block * 4,
+        )
+
+    done = _run(one, _block_ranges(n, block))
+    if min(done) < 0:
+        raise TwTritonError(f"the compiled blockwise encode refused bits={bits}, block={block}, qmax={qmax}")
+    return True
+
+
+def decode_blockwise(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    reference: torch.Tensor | None,
+    out: torch.Tensor,
+) -> list[tuple[int, int]] | None:
+    """Decode as :func:`~tw_triton.codecs.blockwise.dequantize_blockwise_torch` does, into
+    ``out`` (which may be ``reference`` itself), if the C codec takes these tensors.
+
+    Returns:
+        ``None`` when it does not (nothing written); else the element ranges it left for
+        the torch path: from a block whose result holds a NaN (whose payload torch's own
+        conversions do not agree on) to the end of that thread's range. Usually none.
+    """
+    if not (
+        _takes(reference)
+        and _takes(out)
+        and (reference is None or reference.numel() == numel)
+        and out.numel() == numel
+        and _sized(codes, torch.uint8, -(-numel * bits // 8))
+        and _sized(scales, torch.float32, -(-numel // block))
+        and numel > 0
+        and enabled()
+    ):
+        return None
+    lib = _library()
+    ref_code = _DTYPE_CODES[reference.dtype] if reference is not None else 0
+    out_code = _DTYPE_CODES[out.dtype]
+    codes_ptr, scales_ptr, ref_ptr, out_ptr = codes.data_ptr(), scales.data_ptr(), _ptr(reference), out.data_ptr()
+    ref_size = reference.element_size() if reference is not None else 0
+    out_size = out.element_size()
+
+    def one(r: tuple[int, int]) -> int:
+        start, stop = r
+        return lib.tw_blockwise_decode(
+            codes_ptr + start * bits // 8, scales_ptr + start // block * 4, stop - start, bits, block,
+            None if ref_ptr is None else ref_ptr + start * ref_size, ref_code, out_ptr + start * out_size, out_code,
+        )
+
+    ranges = _block_ranges(numel, block)
+    done = _run(one, ranges)
+    if min(done) < 0:
+        raise TwTritonError(f"the compiled blockwise decode refused bits={bits}, block={block}")
+    return [(start + d * block, stop) for (start, stop), d in zip(ranges, done) if start + d * block < stop]
+
+
+__all__ = ["ENV_NATIVE", "SPLIT_MIN_ELEMENTS", "enabled", "encode_blockwise", "decode_blockwise"]

@@ -22,7 +22,7 @@ setup(
     ext_modules=[
         Extension(
             "tw_triton._native",
-            sources=["tw_triton/csrc/module.c", "tw_triton/csrc/blockwise.c"],
+            sources=["tw_triton/csrc/module.c", "tw_triton/csrc/blockwise.c", "tw_triton/csrc/log2.c"],
             depends=["tw_triton/csrc/native.h"],
             extra_compile_args=CFLAGS,
             optional=True,

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tw_triton  # noqa: E402
 from tw_triton.codecs import blockwise as codec  # noqa: E402
+from tw_triton.codecs import native  # noqa: E402
 from _common import machine_description, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -81,7 +82,8 @@ def _timed_row(
     codec_name: str, x: torch.Tensor, ref_dtype: torch.dtype | None, bits: int, read: int,
     ops: dict[str, Callable[[], object]], reps: int,
 ) -> dict:
-    """Time ``ops`` (``enc``, ``dec``, ``enc_alloc``, ``dec_alloc``) beside ``copy_`` and
+    """Time ``ops`` (``enc``, ``dec``: the CPU path as callers get it, compiled where built;
+    ``enc_torch``, ``dec_torch``: the torch reference; ``enc_alloc``, ``dec_alloc``) beside ``copy_`` and
     ``clone`` of ``x``, interleaved over ``reps``; one table row. ``read``: the bytes an
     encode reads (x, plus the reference when there is one)."""
     dst = torch.empty_like(x)
@@ -113,6 +115,9 @@ def _timed_row(
         # it, so the figure is harsher on it than on copy_.
         encode_over_copy=over("copy", "enc"),
         decode_over_copy=over("copy", "dec"),
+        # The plain-torch reference (the spec), which runs where the compiled codec is not built.
+        torch_encode_over_copy=over("copy", "enc_torch"),
+        torch_decode_over_copy=over("copy", "dec_torch"),
         encode_alloc_over_clone=over("clone", "enc_alloc"),
         decode_alloc_over_clone=over("clone", "dec_alloc"),
     )
@@ -146,8 +151,10 @@ def cpu_throughput(n: int, reps: int) -> list[dict]:
             tw_triton.dequantize(q, reference=ref)
             out_x = torch.empty(n, dtype=dtype)
             ops = {
-                "enc": lambda: codec.quantize_blockwise_torch(x, ref, bits, 128, out=(codes, scales)),
-                "dec": lambda: codec.dequantize_blockwise_torch(codes, scales, n, bits, 128, ref, dtype, out=out_x),
+                "enc": lambda: codec.quantize_blockwise_cpu(x, ref, bits, 128, out=(codes, scales)),
+                "dec": lambda: codec.dequantize_blockwise_cpu(codes, scales, n, bits, 128, ref, dtype, out=out_x),
+                "enc_torch": lambda: codec.quantize_blockwise_torch(x, ref, bits, 128, out=(codes, scales)),
+                "dec_torch": lambda: codec.dequantize_blockwise_torch(codes, scales, n, bits, 128, ref, dtype, out=out_x),
                 "enc_alloc": lambda: tw_triton.quantize(x, bits=bits, block=128, reference=ref),
                 "dec_alloc": lambda: tw_triton.dequantize(q, reference=ref),
             }
@@ -176,8 +183,10 @@ def log2_throughput(base: torch.Tensor, reps: int) -> list[dict]:
             log2.dequantize_log2(q)
             out_x = torch.empty(n, dtype=dtype)
             ops = {
-                "enc": lambda: log2.quantize_log2_torch(x, bits, 128, out=enc),
-                "dec": lambda: log2.dequantize_log2_torch(*enc, n, bits, 128, dtype, out=out_x),
+                "enc": lambda: log2.quantize_log2_cpu(x, bits, 128, out=enc),
+                "dec": lambda: log2.dequantize_log2_cpu(*enc, n, bits, 128, dtype, out=out_x),
+                "enc_torch": lambda: log2.quantize_log2_torch(x, bits, 128, out=enc),
+                "dec_torch": lambda: log2.dequantize_log2_torch(*enc, n, bits, 128, dtype, out=out_x),
                 "enc_alloc": lambda: log2.quantize_log2(x, bits=bits, block=128),
                 "dec_alloc": lambda: log2.dequantize_log2(q),
             }
@@ -402,6 +411,11 @@ def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[
         " timing runs: other processes shared the cores, so single timings are noisy.",
         f"CPU chunk: {codec.CHUNK_ELEMENTS:,} elements ({4 * codec.CHUNK_ELEMENTS / 2**20:.0f} MiB of fp32).",
         "",
+        f"Compiled CPU codec (tw_triton.codecs.native): {'on' if native.enabled() else 'OFF (not built, or TW_TRITON_NATIVE=0)'}."
+        " `encode`/`decode` run the CPU path as callers get it (the compiled codec where it is on);"
+        " `torch enc/copy_` and `torch dec/copy_` run the plain-torch reference, the spec, on the same"
+        " tensors in the same reps.",
+        "",
         "Throughput is GB/s of input read (x, plus the reference when there is one). `copy_`",
         "copies x into a buffer allocated once (the memory-bandwidth yardstick); `encode` and",
         "`decode` write into outputs allocated once too (`out=`), so the three compare like with",
@@ -410,15 +424,16 @@ def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[
         "which allocate their outputs, beside `x.clone()`: fresh pages fault in on first touch,",
         "which on this VM costs more than the codec itself (see the note below the table).",
         "",
-        "| codec | dtype | reference | bits | copy_ GB/s | encode GB/s | decode GB/s | enc/copy_ | dec/copy_ | clone GB/s | encode alloc GB/s | decode alloc GB/s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| codec | dtype | reference | bits | copy_ GB/s | encode GB/s | decode GB/s | enc/copy_ | dec/copy_ | torch enc/copy_ | torch dec/copy_ | clone GB/s | encode alloc GB/s | decode alloc GB/s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in cpu:
         out.append(
             f"| {r.get('codec', 'blockwise')} | {r['dtype']} | {r['reference'] or '-'} | {r['bits']} |"
             f" {r['copy_gbps']:.2f} |"
             f" {r['encode_gbps']:.2f} | {r['decode_gbps']:.2f} | {r['encode_over_copy']:.2f} |"
-            f" {r['decode_over_copy']:.2f} | {r['clone_gbps']:.2f} | {r['encode_alloc_gbps']:.2f} |"
+            f" {r['decode_over_copy']:.2f} | {r['torch_encode_over_copy']:.2f} | {r['torch_decode_over_copy']:.2f} |"
+            f" {r['clone_gbps']:.2f} | {r['encode_alloc_gbps']:.2f} |"
             f" {r['decode_alloc_gbps']:.2f} |"
         )
     if mem:

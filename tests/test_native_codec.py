@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tw_triton import TwTritonError
 from tw_triton.codecs import blockwise as bw
+from tw_triton.codecs import log2 as lg
 from tw_triton.codecs import native
 from _codec_oracle import near_tie_blocks
 
@@ -148,3 +149,73 @@ def test_inputs_it_does_not_take_go_to_the_torch_path():
     # ... and the public functions still give the torch path's bytes for them.
     x = torch.randn(64, 48).t()
     assert torch.equal(bw.quantize_blockwise_cpu(x, None, 8, 32)[0], bw.quantize_blockwise_torch(x, None, 8, 32)[0])
+
+
+def _second_moment(kind: str, n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Non-negative inputs over many octaves; with zeros and -0 mixed in, or with an
+    uncodable element (negative, NaN, Inf) in some blocks."""
+    x = torch.randn(n, generator=g) ** 2 * torch.exp2(torch.randint(-120, 100, (n,), generator=g).float())
+    if kind != "positive":
+        pick = torch.randint(0, 10, (n,), generator=g)
+        x = torch.where(pick == 0, 0.0, torch.where(pick == 1, -0.0, x))
+    if kind == "uncodable":
+        pick = torch.randint(0, 500, (n,), generator=g)
+        specials = torch.tensor([float("nan"), float("inf"), -1.0, 1e-45])
+        x = torch.where(pick < 4, specials[pick.clamp(max=3)], x)
+    return x.to(dtype)
+
+
+@needs_native
+@settings(max_examples=120, deadline=None)
+@given(
+    n=st.integers(1, 5000),
+    bits=st.sampled_from((8, 4, 2)),
+    block=st.sampled_from((32, 128, 1024, 4096)),
+    dtype=st.sampled_from((torch.float32, torch.bfloat16)),
+    kind=st.sampled_from(("positive", "zeros", "uncodable")),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_log2_encode_and_decode_match_the_torch_path(n, bits, block, dtype, kind, seed):
+    x = _second_moment(kind, n, dtype, torch.Generator().manual_seed(seed))
+    got = lg.quantize_log2_cpu(x, bits, block)
+    want = lg.quantize_log2_torch(x, bits, block)
+    for a, b, name in zip(got, want, ("codes", "lo", "hi")):
+        assert torch.equal(a, b), name
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        dec = lg.dequantize_log2_cpu(*want, n, bits, block, out_dtype)
+        ref = lg.dequantize_log2_torch(*want, n, bits, block, out_dtype)
+        assert torch.equal(_bits(dec), _bits(ref)), out_dtype
+
+
+@needs_native
+def test_log2_bounds_the_encoder_cannot_write_are_left_to_the_torch_path():
+    """Bounds outside ``0 <= lo <= hi < bits(+inf)`` (a crafted file, or the -1 of an
+    uncodable block) stop the C decode at that block; the torch path decodes the rest as
+    the spec says, NaN patterns included."""
+    n, block = 128 * 3, 128
+    codes = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    lo = torch.tensor([1 << 23, -1, 0x7F7FFF00], dtype=torch.int32)
+    hi = torch.tensor([1 << 30, -1, 0x7FC00000], dtype=torch.int32)
+    out = torch.full((n,), 7.0)
+    assert native.decode_log2(codes, lo, hi, n, 8, block, out) == [(128, n)]
+    assert (out[128:] == 7.0).all()
+    for dtype in (torch.float32, torch.bfloat16):
+        got = lg.dequantize_log2_cpu(codes, lo, hi, n, 8, block, dtype)
+        assert torch.equal(_bits(got), _bits(lg.dequantize_log2_torch(codes, lo, hi, n, 8, block, dtype)))
+
+
+@needs_native
+def test_log2_split_between_threads_gives_the_same_bytes(monkeypatch):
+    monkeypatch.setattr(native, "SPLIT_MIN_ELEMENTS", 1)
+    n, block = 256 * 41 + 3, 256
+    x = _second_moment("zeros", n, torch.float32, torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = lg.quantize_log2_cpu(x, 4, block)
+        dec = lg.dequantize_log2_cpu(*got, n, 4, block, torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    want = lg.quantize_log2_torch(x, 4, block)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(_bits(dec), _bits(lg.dequantize_log2_torch(*want, n, 4, block, torch.float32)))

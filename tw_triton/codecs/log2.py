@@ -48,6 +48,7 @@ import torch
 from ..errors import QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
+from . import native
 from .base import BatchLayout, Codec, Encoded, host_outputs, move_to
 from .blockwise import (
     FLOAT_DTYPES,
@@ -375,6 +376,58 @@ def dequantize_log2_torch(
     return out
 
 
+def quantize_log2_cpu(
+    x: torch.Tensor, bits: int, block: int, *, out: tuple[torch.Tensor, ...] | None = None
+) -> tuple[torch.Tensor, ...]:
+    """The CPU encode: the compiled codec (:mod:`~tw_triton.codecs.native`) where it takes
+    the tensor, else :func:`quantize_log2_torch`. Same signature, same bytes."""
+    n, dev = x.numel(), x.device
+    nblocks = num_blocks(n, block)
+    if out is None:
+        out = (
+            torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev),
+            torch.empty(nblocks, dtype=torch.int32, device=dev),
+            torch.empty(nblocks, dtype=torch.int32, device=dev),
+        )
+    codes = _checked_out(out[0], packed_nbytes(n, bits), torch.uint8, dev, "codes")
+    lo = _checked_out(out[1], nblocks, torch.int32, dev, "lo")
+    hi = _checked_out(out[2], nblocks, torch.int32, dev, "hi")
+    if native.encode_log2(x.reshape(-1) if x.is_contiguous() else x, bits, block, codes, lo, hi):
+        return out
+    return quantize_log2_torch(x, bits, block, out=out)
+
+
+def dequantize_log2_cpu(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The CPU decode: the compiled codec where it takes the tensors, else
+    :func:`dequantize_log2_torch` (which also finishes any blocks the compiled one leaves).
+    Same signature, same values."""
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=codes.device)
+    flat_out = _checked_out(out, numel, dtype, codes.device, "out")
+    left = native.decode_log2(codes, lo, hi, numel, bits, block, flat_out)
+    if left is None:
+        return dequantize_log2_torch(codes, lo, hi, numel, bits, block, dtype, out=out)
+    for start, stop in left:
+        m = stop - start
+        b0 = start // block
+        nb = num_blocks(m, block)
+        dequantize_log2_torch(
+            codes[start * bits // 8 : start * bits // 8 + packed_nbytes(m, bits)], lo[b0 : b0 + nb],
+            hi[b0 : b0 + nb], m, bits, block, dtype, out=flat_out[start:stop],
+        )
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # Public tensor-level API
 # --------------------------------------------------------------------------------------
@@ -399,7 +452,7 @@ def quantize_log2(
 
         codes, lo, hi = kernel(x.contiguous(), bits, block)
     else:
-        codes, lo, hi = quantize_log2_torch(x, bits, block, out=out)
+        codes, lo, hi = quantize_log2_cpu(x, bits, block, out=out)
     # The flag stays on the device: no sync here.
     unusable = _unusable(hi)
     return Log2Tensor(codes, lo, hi, tuple(x.shape), x.dtype, bits, block, unusable)
@@ -423,7 +476,7 @@ def dequantize_log2(q: Log2Tensor, *, device: torch.device | str | None = None) 
 
         flat = kernel(codes, lo, hi, q.numel, q.bits, q.block, q.dtype)
     else:
-        flat = dequantize_log2_torch(codes, lo, hi, q.numel, q.bits, q.block, q.dtype)
+        flat = dequantize_log2_cpu(codes, lo, hi, q.numel, q.bits, q.block, q.dtype)
     return flat.view(q.shape)
 
 

@@ -49,6 +49,10 @@ _SIGNATURES = {
     "tw_blockwise_encode": [_P, _I32, _P, _I32, _I64, _I32, _I32, _I32, _P, _P],
     # codes, scales, n, bits, block, ref, ref_dtype, out, out_dtype
     "tw_blockwise_decode": [_P, _P, _I64, _I32, _I32, _P, _I32, _P, _I32],
+    # x, x_dtype, n, block, bits, codes, lo, hi
+    "tw_log2_encode": [_P, _I32, _I64, _I32, _I32, _P, _P, _P],
+    # codes, lo, hi, n, bits, block, out, out_dtype
+    "tw_log2_decode": [_P, _P, _P, _I64, _I32, _I32, _P, _I32],
 }
 
 
@@ -205,4 +209,87 @@ def decode_blockwise(
     return [(start + d * block, stop) for (start, stop), d in zip(ranges, done) if start + d * block < stop]
 
 
-__all__ = ["ENV_NATIVE", "SPLIT_MIN_ELEMENTS", "enabled", "encode_blockwise", "decode_blockwise"]
+def encode_log2(
+    x: torch.Tensor, bits: int, block: int, codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+) -> bool:
+    """Encode ``x`` into ``codes``, ``lo`` and ``hi`` as
+    :func:`~tw_triton.codecs.log2.quantize_log2_torch` does, if the C codec takes these
+    tensors; ``False`` (nothing written) if not."""
+    n = x.numel()
+    nblocks = -(-n // block)
+    if not (
+        _takes(x)
+        and _sized(codes, torch.uint8, -(-n * bits // 8))
+        and _sized(lo, torch.int32, nblocks)
+        and _sized(hi, torch.int32, nblocks)
+        and n > 0
+        and enabled()
+    ):
+        return False
+    lib = _library()
+    x_code, x_ptr, x_size = _DTYPE_CODES[x.dtype], x.data_ptr(), x.element_size()
+    codes_ptr, lo_ptr, hi_ptr = codes.data_ptr(), lo.data_ptr(), hi.data_ptr()
+
+    def one(r: tuple[int, int]) -> int:
+        start, stop = r
+        b0 = start // block
+        return lib.tw_log2_encode(
+            x_ptr + start * x_size, x_code, stop - start, block, bits, codes_ptr + start * bits // 8,
+            lo_ptr + 4 * b0, hi_ptr + 4 * b0,
+        )
+
+    if min(_run(one, _block_ranges(n, block))) < 0:
+        raise TwTritonError(f"the compiled log2 encode refused bits={bits}, block={block}")
+    return True
+
+
+def decode_log2(
+    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, numel: int, bits: int, block: int, out: torch.Tensor
+) -> list[tuple[int, int]] | None:
+    """Decode as :func:`~tw_triton.codecs.log2.dequantize_log2_torch` does, into ``out``, if
+    the C codec takes these tensors.
+
+    Returns:
+        ``None`` when it does not (nothing written); else the element ranges it left for
+        the torch path: from a block whose bounds the encoder cannot have written (not
+        ``0 <= lo <= hi < bits(+inf)``) to the end of that thread's range. Usually none.
+    """
+    nblocks = -(-numel // block)
+    if not (
+        _takes(out)
+        and out.numel() == numel
+        and _sized(codes, torch.uint8, -(-numel * bits // 8))
+        and _sized(lo, torch.int32, nblocks)
+        and _sized(hi, torch.int32, nblocks)
+        and numel > 0
+        and enabled()
+    ):
+        return None
+    lib = _library()
+    out_code, out_ptr, out_size = _DTYPE_CODES[out.dtype], out.data_ptr(), out.element_size()
+    codes_ptr, lo_ptr, hi_ptr = codes.data_ptr(), lo.data_ptr(), hi.data_ptr()
+
+    def one(r: tuple[int, int]) -> int:
+        start, stop = r
+        b0 = start // block
+        return lib.tw_log2_decode(
+            codes_ptr + start * bits // 8, lo_ptr + 4 * b0, hi_ptr + 4 * b0, stop - start, bits, block,
+            out_ptr + start * out_size, out_code,
+        )
+
+    ranges = _block_ranges(numel, block)
+    done = _run(one, ranges)
+    if min(done) < 0:
+        raise TwTritonError(f"the compiled log2 decode refused bits={bits}, block={block}")
+    return [(start + d * block, stop) for (start, stop), d in zip(ranges, done) if start + d * block < stop]
+
+
+__all__ = [
+    "ENV_NATIVE",
+    "SPLIT_MIN_ELEMENTS",
+    "enabled",
+    "encode_blockwise",
+    "decode_blockwise",
+    "encode_log2",
+    "decode_log2",
+]

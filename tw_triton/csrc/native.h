@@ -23,7 +23,11 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define TW_CLONES __attribute__((target_clones("avx2", "default")))
 #else
-#define TW_CLONES
+#define TW_CLONESint64_t tw_log2_encode(const void *x, int x_dtype, int64_t n, int32_t block, int32_t bits, uint8_t *codes,
+                       int32_t *lo_out, int32_t *hi_out);
+int64_t tw_log2_decode(const uint8_t *codes, const int32_t *lo, const int32_t *hi, int64_t n, int32_t bits,
+                       int32_t block, void *out, int out_dtype);
+
 #endif
 
 static inline uint32_t tw_bits(float f) {
@@ -92,5 +96,9 @@ int64_t tw_blockwise_encode(const void *x, int x_dtype, const void *ref, int ref
                             int32_t block, int32_t bits, int32_t qmax, uint8_t *codes, float *scales);
 int64_t tw_blockwise_decode(const uint8_t *codes, const float *scales, int64_t n, int32_t bits,
                             int32_t block, const void *ref, int ref_dtype, void *out, int out_dtype);
+int64_t tw_log2_encode(const void *x, int x_dtype, int64_t n, int32_t block, int32_t bits, uint8_t *codes,
+                       int32_t *lo_out, int32_t *hi_out);
+int64_t tw_log2_decode(const uint8_t *codes, const int32_t *lo, const int32_t *hi, int64_t n, int32_t bits,
+                       int32_t block, void *out, int out_dtype);
 
 #endif

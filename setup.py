@@ -6,6 +6,7 @@ optional: without a C compiler the install still succeeds and the CPU path runs 
 plain-torch codec, which writes the same bytes (only slower).
 """
 
+import platform
 import sys
 
 from setuptools import Extension, setup
@@ -17,15 +18,24 @@ if sys.platform == "win32":
     CFLAGS = ["/O2", "/fp:precise"]
 else:
     CFLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+SOURCES = ["tw_triton/csrc/native.c"]
+DEPENDS = [f"tw_triton/csrc/{name}" for name in ("native.h", "module.c", "blockwise.c", "log2.c")]
 
-setup(
-    ext_modules=[
+extensions = [
+    Extension("tw_triton._native", sources=SOURCES, depends=DEPENDS, extra_compile_args=CFLAGS, optional=True)
+]
+# A second build for AVX2 CPUs (twice the vector width; -mavx2 alone adds no FMA), chosen
+# at run time by tw_triton.codecs.native. Measured 1.3-1.6x faster at 4 bits than the
+# baseline build on the 2-core VM of benchmarks/results (one-off).
+if sys.platform != "win32" and platform.machine().lower() in ("x86_64", "amd64"):
+    extensions.append(
         Extension(
-            "tw_triton._native",
-            sources=["tw_triton/csrc/module.c", "tw_triton/csrc/blockwise.c", "tw_triton/csrc/log2.c"],
-            depends=["tw_triton/csrc/native.h"],
-            extra_compile_args=CFLAGS,
+            "tw_triton._native_avx2",
+            sources=["tw_triton/csrc/native_avx2.c"],
+            depends=DEPENDS + SOURCES,
+            extra_compile_args=CFLAGS + ["-mavx2"],
             optional=True,
         )
-    ]
-)
+    )
+
+setup(ext_modules=extensions)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tw_triton import TwTritonError
@@ -29,10 +29,39 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.dtype])
 
 
+def _builds() -> list[str]:
+    """The library files built here: the baseline one and, on x86-64, the AVX2 one."""
+    import importlib
+
+    found = []
+    for name in ("tw_triton._native", "tw_triton._native_avx2"):
+        try:
+            found.append(importlib.import_module(name).__file__)
+        except ImportError:
+            pass
+    return found
+
+
+@pytest.fixture(params=_builds() or [None], ids=lambda p: "none" if p is None else p.rsplit("/", 1)[-1].split(".")[0])
+def build(request, monkeypatch):
+    """Each build in turn (on an AVX2 machine ``enabled()`` alone would only ever run the
+    AVX2 one): both must give the spec's bytes."""
+    if request.param is None or not native.enabled():
+        pytest.skip("compiled codec not built or turned off")
+    lib = native.load(request.param)
+    monkeypatch.setattr(native, "_library", lambda: lib)
+    return request.param
+
+
 def test_the_compiled_codec_is_built_and_on():
     """CI installs with a C compiler: a silently failed build would leave every test below
     skipped and the CPU path slow. ``TW_TRITON_NATIVE=0`` is the one way to run without."""
     assert native.enabled()
+    builds = _builds()
+    assert builds and builds[0].rsplit("/", 1)[-1].startswith("_native.")
+    if native._library().tw_cpu_has_avx2():
+        assert any("_native_avx2." in b for b in builds), "an AVX2 CPU but no AVX2 build"
+        assert native._library()._name.endswith(builds[-1].rsplit("/", 1)[-1])
 
 
 def test_the_switch_turns_it_off_and_rejects_other_values(monkeypatch):
@@ -73,10 +102,9 @@ CASES = dict(
 )
 
 
-@needs_native
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**CASES)
-def test_blockwise_encode_and_decode_match_the_torch_path(n, bits, block, dtype, ref_dtype, kind, narrow, seed):
+def test_blockwise_encode_and_decode_match_the_torch_path(build, n, bits, block, dtype, ref_dtype, kind, narrow, seed):
     g = torch.Generator().manual_seed(seed)
     qmax = bw.check_qmax(bits, {8: 100, 4: 3, 2: 1}[bits] if narrow else None)
     x = _values(kind, n, dtype, g, bits, block, qmax)
@@ -165,8 +193,7 @@ def _second_moment(kind: str, n: int, dtype: torch.dtype, g: torch.Generator) ->
     return x.to(dtype)
 
 
-@needs_native
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.integers(1, 5000),
     bits=st.sampled_from((8, 4, 2)),
@@ -175,7 +202,7 @@ def _second_moment(kind: str, n: int, dtype: torch.dtype, g: torch.Generator) ->
     kind=st.sampled_from(("positive", "zeros", "uncodable")),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_log2_encode_and_decode_match_the_torch_path(n, bits, block, dtype, kind, seed):
+def test_log2_encode_and_decode_match_the_torch_path(build, n, bits, block, dtype, kind, seed):
     x = _second_moment(kind, n, dtype, torch.Generator().manual_seed(seed))
     got = lg.quantize_log2_cpu(x, bits, block)
     want = lg.quantize_log2_torch(x, bits, block)

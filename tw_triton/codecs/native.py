@@ -58,7 +58,8 @@ _SIGNATURES = {
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    """The compiled library, or ``None`` when it was not built (logged once)."""
+    """The compiled library (its AVX2 build on a CPU that has AVX2), or ``None`` when it
+    was not built (logged once)."""
     try:
         from .. import _native  # type: ignore[attr-defined]
     except ImportError:
@@ -67,7 +68,21 @@ def _library() -> ctypes.CDLL | None:
             "the CPU path runs the plain-torch codec, which writes the same bytes, slower"
         )
         return None
-    lib = ctypes.CDLL(_native.__file__)
+    lib = load(_native.__file__)
+    if lib.tw_cpu_has_avx2():
+        try:
+            from .. import _native_avx2  # type: ignore[attr-defined]
+        except ImportError:
+            pass  # the baseline build runs: the same results
+        else:
+            lib = load(_native_avx2.__file__)
+    return lib
+
+
+def load(path: str) -> ctypes.CDLL:
+    """One build of the library (``tw_triton._native`` or ``_native_avx2``), its functions
+    typed. The tests load each build that exists, to hold both to the spec."""
+    lib = ctypes.CDLL(path)
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes

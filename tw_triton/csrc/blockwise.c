@@ -9,8 +9,7 @@
  * computed exactly in fp32 as the kernel does (nearest_integer_at_ties in blockwise.py:
  * s = s_hi + s_lo with s_hi the top 12 significant bits, so v * s_hi, d - v * s_hi and
  * 2v * s_lo are exact). Elements off a half-integer round as in tw_block_codes. */
-TW_CLONES
-static void tw_block_codes_ties(const float *d, int count, float s, int32_t qmax, int32_t bias, uint8_t *u) {
+TW_INLINE void tw_block_codes_ties(const float *d, int count, float s, int32_t qmax, int32_t bias, uint8_t *u) {
     const float fq = (float)qmax;
     const float off = TW_RNE_MAGIC + (float)bias;
     const float s_hi = tw_float(tw_bits(s) & 0xFFFFF000u);
@@ -36,8 +35,7 @@ static void tw_block_codes_ties(const float *d, int count, float s, int32_t qmax
  * must be redone in fp64. Clamping before rounding is the same as after (qmax is an
  * integer). The sum v + 1.5 * 2**23 + bias lies in [2**23, 2**24), where fp32 steps by 1:
  * its low byte is the code. */
-TW_CLONES
-static int tw_block_codes(const float *d, int count, float s, int32_t qmax, int32_t bias, uint8_t *u) {
+TW_INLINE int tw_block_codes(const float *d, int count, float s, int32_t qmax, int32_t bias, uint8_t *u) {
     const float fq = (float)qmax;
     const float off = TW_RNE_MAGIC + (float)bias;
     int32_t tie = 0;
@@ -55,8 +53,7 @@ static int tw_block_codes(const float *d, int count, float s, int32_t qmax, int3
 
 /* max |d| as a bit pattern: for non-negative floats integer order is float order, and a
  * NaN or an infinity is at or above bits(+inf). */
-TW_CLONES
-static uint32_t tw_block_absmax_bits(const float *d, int count) {
+TW_INLINE uint32_t tw_block_absmax_bits(const float *d, int count) {
     const uint32_t *b = (const uint32_t *)d;
     uint32_t mx = 0;
     for (int i = 0; i < count; i++) {
@@ -66,8 +63,7 @@ static uint32_t tw_block_absmax_bits(const float *d, int count) {
     return mx;
 }
 
-TW_CLONES
-static void tw_sub(float *d, const float *r, int count) {
+TW_INLINE void tw_sub(float *d, const float *r, int count) {
     for (int i = 0; i < count; i++) d[i] = d[i] - r[i];
 }
 
@@ -111,8 +107,7 @@ int64_t tw_blockwise_encode(const void *x, int x_dtype, const void *ref, int ref
 }
 
 /* q * s, saturated to fp32's finite range (NaN stays NaN), for one block. */
-TW_CLONES
-static void tw_block_products(const uint8_t *u, int count, int32_t bias, float s, float *p) {
+TW_INLINE void tw_block_products(const uint8_t *u, int count, int32_t bias, float s, float *p) {
     for (int i = 0; i < count; i++) {
         float v = (float)((int32_t)u[i] - bias) * s;
         v = v > TW_FLT_MAX ? TW_FLT_MAX : v;
@@ -122,8 +117,7 @@ static void tw_block_products(const uint8_t *u, int count, int32_t bias, float s
 }
 
 /* p + r, saturated to +-lim; returns nonzero when a result is NaN. */
-TW_CLONES
-static int tw_block_add_sat(float *p, const float *r, int count, float lim) {
+TW_INLINE int tw_block_add_sat(float *p, const float *r, int count, float lim) {
     int32_t nan = 0;
     for (int i = 0; i < count; i++) {
         float v = p[i] + r[i];
@@ -135,8 +129,7 @@ static int tw_block_add_sat(float *p, const float *r, int count, float lim) {
     return nan;
 }
 
-TW_CLONES
-static int tw_block_sat(float *p, int count, float lim) {
+TW_INLINE int tw_block_sat(float *p, int count, float lim) {
     int32_t nan = 0;
     for (int i = 0; i < count; i++) {
         float v = p[i];
@@ -148,8 +141,12 @@ static int tw_block_sat(float *p, int count, float lim) {
     return nan;
 }
 
-TW_CLONES
-static void tw_store_bf16(uint16_t *dst, const float *src, int count) {
+/* The decode's block buffer is read here as integers after tw_block_products wrote it as
+ * floats; GCC cannot follow that and warns that it may be uninitialized. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+TW_INLINE void tw_store_bf16(uint16_t *dst, const float *src, int count) {
     const uint32_t *b = (const uint32_t *)src;
     for (int i = 0; i < count; i++) dst[i] = (uint16_t)((b[i] + 0x7FFFu + ((b[i] >> 16) & 1u)) >> 16);
 }

@@ -7,8 +7,7 @@
 
 /* Classify a block's fp32 bit patterns: *bad when some element is negative, NaN or
  * infinite; else the smallest and largest positive pattern (INT32_MAX and 0 when none). */
-TW_CLONES
-static void tw_log2_bounds(const int32_t *t, int count, int32_t *lo, int32_t *hi, int32_t *bad) {
+TW_INLINE void tw_log2_bounds(const int32_t *t, int count, int32_t *lo, int32_t *hi, int32_t *bad) {
     int32_t mn = INT32_MAX, mx = 0;
     uint32_t other = 0;
     for (int i = 0; i < count; i++) {
@@ -32,8 +31,7 @@ static void tw_log2_bounds(const int32_t *t, int count, int32_t *lo, int32_t *hi
 /* u = 1 + clamp(rne(fl32(fl32(t - lo) / step)), 0, N) for a positive element, 0 otherwise.
  * t - lo is taken in int32 and rounded to fp32 once, as torch does; masked elements may
  * compute anything (unsigned arithmetic keeps that defined). */
-TW_CLONES
-static void tw_log2_codes(const int32_t *t, int count, int32_t lo, float step, float n_steps, uint8_t *u) {
+TW_INLINE void tw_log2_codes(const int32_t *t, int count, int32_t lo, float step, float n_steps, uint8_t *u) {
     for (int i = 0; i < count; i++) {
         const int32_t v = t[i];
         const int32_t pos = (v > 0) & (v < TW_F32_INF_BITS);
@@ -81,8 +79,7 @@ int64_t tw_log2_encode(const void *x, int x_dtype, int64_t n, int32_t block, int
 }
 
 /* t = min(hi, lo + trunc(fl32(fl32(u - 1) * step) + 0.5)), and +0 where u = 0. */
-TW_CLONES
-static void tw_log2_values(const uint8_t *u, int count, int32_t lo, int32_t hi, float step, int32_t *t) {
+TW_INLINE void tw_log2_values(const uint8_t *u, int count, int32_t lo, int32_t hi, float step, int32_t *t) {
     for (int i = 0; i < count; i++) {
         const float p = (float)((int32_t)u[i] - 1) * step + 0.5f;
         int32_t v = (int32_t)p + lo; /* p < 2**31 and lo <= hi < 2**31 - p: no overflow */
@@ -91,8 +88,7 @@ static void tw_log2_values(const uint8_t *u, int count, int32_t lo, int32_t hi, 
     }
 }
 
-TW_CLONES
-static void tw_log2_store_bf16(uint16_t *dst, const int32_t *t, int count) {
+TW_INLINE void tw_log2_store_bf16(uint16_t *dst, const int32_t *t, int count) {
     const uint32_t *b = (const uint32_t *)t;
     for (int i = 0; i < count; i++) dst[i] = (uint16_t)((b[i] + 0x7FFFu + ((b[i] >> 16) & 1u)) >> 16);
 }

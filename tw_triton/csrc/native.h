@@ -18,32 +18,28 @@
 #define TW_RNE_MAGIC 12582912.0f
 #define TW_FLT_MAX 3.40282346638528859812e+38f
 
-/* Vector-width clones where the compiler and loader support them (GCC ifuncs on x86-64
- * Linux); one portable build elsewhere. The bytes never depend on which clone runs. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
-#define TW_CLONES __attribute__((target_clones("avx2", "default")))
+/* Every helper is inlined into the block loops, whose inner loops the compiler vectorizes
+ * (setup.py builds the library twice on x86-64: for the baseline and for AVX2). */
+#if defined(__GNUC__)
+#define TW_INLINE static inline __attribute__((always_inline))
 #else
-#define TW_CLONESint64_t tw_log2_encode(const void *x, int x_dtype, int64_t n, int32_t block, int32_t bits, uint8_t *codes,
-                       int32_t *lo_out, int32_t *hi_out);
-int64_t tw_log2_decode(const uint8_t *codes, const int32_t *lo, const int32_t *hi, int64_t n, int32_t bits,
-                       int32_t block, void *out, int out_dtype);
-
+#define TW_INLINE static inline
 #endif
 
-static inline uint32_t tw_bits(float f) {
+TW_INLINE uint32_t tw_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
     return u;
 }
 
-static inline float tw_float(uint32_t u) {
+TW_INLINE float tw_float(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);
     return f;
 }
 
 /* Elements [start, start + m) of a TW_F32 or TW_BF16 array as fp32 (exact), into dst. */
-static inline void tw_load_f32(float *dst, const void *src, int dtype, int64_t start, int m) {
+TW_INLINE void tw_load_f32(float *dst, const void *src, int dtype, int64_t start, int m) {
     if (dtype == TW_F32) {
         memcpy(dst, (const float *)src + start, (size_t)m * 4);
     } else {
@@ -55,13 +51,13 @@ static inline void tw_load_f32(float *dst, const void *src, int dtype, int64_t s
 
 /* fp32 to bfloat16, round to nearest even (torch's conversion for every non-NaN value;
  * callers never pass a NaN). */
-static inline uint16_t tw_to_bf16(float f) {
+TW_INLINE uint16_t tw_to_bf16(float f) {
     uint32_t u = tw_bits(f);
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* Pack one code per byte (u[0..count), count a multiple of 8 / bits) LSB-first. */
-static inline void tw_pack(const uint8_t *u, int count, int bits, uint8_t *out, int nbytes) {
+TW_INLINE void tw_pack(const uint8_t *u, int count, int bits, uint8_t *out, int nbytes) {
     if (bits == 8) {
         memcpy(out, u, (size_t)nbytes);
     } else if (bits == 4) {
@@ -74,7 +70,7 @@ static inline void tw_pack(const uint8_t *u, int count, int bits, uint8_t *out, 
 }
 
 /* Unpack nbytes packed bytes into 8 / bits codes each (the inverse of tw_pack). */
-static inline void tw_unpack(const uint8_t *c, int nbytes, int bits, uint8_t *u) {
+TW_INLINE void tw_unpack(const uint8_t *c, int nbytes, int bits, uint8_t *u) {
     if (bits == 8) {
         memcpy(u, c, (size_t)nbytes);
     } else if (bits == 4) {
@@ -92,6 +88,7 @@ static inline void tw_unpack(const uint8_t *c, int nbytes, int bits, uint8_t *u)
     }
 }
 
+int tw_cpu_has_avx2(void);
 int64_t tw_blockwise_encode(const void *x, int x_dtype, const void *ref, int ref_dtype, int64_t n,
                             int32_t block, int32_t bits, int32_t qmax, uint8_t *codes, float *scales);
 int64_t tw_blockwise_decode(const uint8_t *codes, const float *scales, int64_t n, int32_t bits,

@@ -496,6 +496,20 @@ def _checked_out(
     return t.view(-1)
 
 
+def encode_outputs(
+    out: tuple[torch.Tensor, ...] | None, device: torch.device, specs: list[tuple[str, int, torch.dtype]]
+) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    """An encoder's outputs: ``out`` checked against ``specs`` (name, elements, dtype; see
+    :func:`_checked_out`), or new tensors of those sizes; with their flat views."""
+    if out is None:
+        out = tuple(torch.empty(n, dtype=dtype, device=device) for _, n, dtype in specs)
+    return out, [_checked_out(t, n, dtype, device, name) for t, (name, n, dtype) in zip(out, specs)]
+
+
+def _blockwise_specs(n: int, bits: int, block: int) -> list[tuple[str, int, torch.dtype]]:
+    return [("codes", packed_nbytes(n, bits), torch.uint8), ("scales", num_blocks(n, block), torch.float32)]
+
+
 def quantize_blockwise_torch(
     x: torch.Tensor,
     reference: torch.Tensor | None,
@@ -534,13 +548,7 @@ def quantize_blockwise_torch(
     """
     n = x.numel()
     dev = x.device
-    if out is None:
-        out = (
-            torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev),
-            torch.empty(num_blocks(n, block), dtype=torch.float32, device=dev),
-        )
-    codes = _checked_out(out[0], packed_nbytes(n, bits), torch.uint8, dev, "codes")
-    scales = _checked_out(out[1], num_blocks(n, block), torch.float32, dev, "scales")
+    out, (codes, scales) = encode_outputs(out, dev, _blockwise_specs(n, bits, block))
     if n == 0:
         return out
     qmax = float(check_qmax(bits, qmax))
@@ -745,13 +753,7 @@ def quantize_blockwise_cpu(
     the tensors, else :func:`quantize_blockwise_torch`. Same signature, same bytes."""
     n = x.numel()
     dev = x.device
-    if out is None:
-        out = (
-            torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev),
-            torch.empty(num_blocks(n, block), dtype=torch.float32, device=dev),
-        )
-    codes = _checked_out(out[0], packed_nbytes(n, bits), torch.uint8, dev, "codes")
-    scales = _checked_out(out[1], num_blocks(n, block), torch.float32, dev, "scales")
+    out, (codes, scales) = encode_outputs(out, dev, _blockwise_specs(n, bits, block))
     flat = x.reshape(-1) if x.is_contiguous() else x
     ref = reference.reshape(-1) if reference is not None and reference.is_contiguous() else reference
     if native.encode_blockwise(flat, ref, bits, block, check_qmax(bits, qmax), codes, scales):

@@ -55,6 +55,7 @@ from .blockwise import (
     PACKING,
     _checked_out,
     _scratch,
+    encode_outputs,
     batchable,
     check_params,
     num_blocks,
@@ -216,6 +217,11 @@ def _general_rows(
     return lo_b, hi_b, u
 
 
+def _log2_specs(n: int, bits: int, block: int) -> list[tuple[str, int, torch.dtype]]:
+    nblocks = num_blocks(n, block)
+    return [("codes", packed_nbytes(n, bits), torch.uint8), ("lo", nblocks, torch.int32), ("hi", nblocks, torch.int32)]
+
+
 def quantize_log2_torch(
     x: torch.Tensor, bits: int, block: int, *, out: tuple[torch.Tensor, ...] | None = None
 ) -> tuple[torch.Tensor, ...]:
@@ -241,15 +247,7 @@ def quantize_log2_torch(
     n = x.numel()
     dev = x.device
     nblocks = num_blocks(n, block)
-    if out is None:
-        out = (
-            torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev),
-            torch.empty(nblocks, dtype=torch.int32, device=dev),
-            torch.empty(nblocks, dtype=torch.int32, device=dev),
-        )
-    codes = _checked_out(out[0], packed_nbytes(n, bits), torch.uint8, dev, "codes")
-    lo = _checked_out(out[1], nblocks, torch.int32, dev, "lo")
-    hi = _checked_out(out[2], nblocks, torch.int32, dev, "hi")
+    out, (codes, lo, hi) = encode_outputs(out, dev, _log2_specs(n, bits, block))
     if n == 0:
         return out
     flat = x.reshape(-1)
@@ -381,17 +379,7 @@ def quantize_log2_cpu(
 ) -> tuple[torch.Tensor, ...]:
     """The CPU encode: the compiled codec (:mod:`~tw_triton.codecs.native`) where it takes
     the tensor, else :func:`quantize_log2_torch`. Same signature, same bytes."""
-    n, dev = x.numel(), x.device
-    nblocks = num_blocks(n, block)
-    if out is None:
-        out = (
-            torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=dev),
-            torch.empty(nblocks, dtype=torch.int32, device=dev),
-            torch.empty(nblocks, dtype=torch.int32, device=dev),
-        )
-    codes = _checked_out(out[0], packed_nbytes(n, bits), torch.uint8, dev, "codes")
-    lo = _checked_out(out[1], nblocks, torch.int32, dev, "lo")
-    hi = _checked_out(out[2], nblocks, torch.int32, dev, "hi")
+    out, (codes, lo, hi) = encode_outputs(out, x.device, _log2_specs(x.numel(), bits, block))
     if native.encode_log2(x.reshape(-1) if x.is_contiguous() else x, bits, block, codes, lo, hi):
         return out
     return quantize_log2_torch(x, bits, block, out=out)

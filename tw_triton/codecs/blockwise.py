@@ -784,11 +784,9 @@ def dequantize_blockwise_cpu(
     if left is None:
         return dequantize_blockwise_torch(codes, scales, numel, bits, block, reference, dtype, out=out)
     for start, stop in left:
-        m = stop - start
-        b0 = start // block
+        code_bytes, blocks = native.range_slices(start, stop, bits, block)
         dequantize_blockwise_torch(
-            codes[start * bits // 8 : start * bits // 8 + packed_nbytes(m, bits)],
-            scales[b0 : b0 + num_blocks(m, block)], m, bits, block,
+            codes[code_bytes], scales[blocks], stop - start, bits, block,
             None if ref is None else ref[start:stop], dtype, out=flat_out[start:stop],
         )
     return out

@@ -406,12 +406,9 @@ def dequantize_log2_cpu(
     if left is None:
         return dequantize_log2_torch(codes, lo, hi, numel, bits, block, dtype, out=out)
     for start, stop in left:
-        m = stop - start
-        b0 = start // block
-        nb = num_blocks(m, block)
+        code_bytes, blocks = native.range_slices(start, stop, bits, block)
         dequantize_log2_torch(
-            codes[start * bits // 8 : start * bits // 8 + packed_nbytes(m, bits)], lo[b0 : b0 + nb],
-            hi[b0 : b0 + nb], m, bits, block, dtype, out=flat_out[start:stop],
+            codes[code_bytes], lo[blocks], hi[blocks], stop - start, bits, block, dtype, out=flat_out[start:stop]
         )
     return out
 

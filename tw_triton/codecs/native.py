@@ -131,6 +131,15 @@ def _run(fn: Callable[[tuple[int, int]], int], ranges: list[tuple[int, int]]) ->
     return parallel_map(fn, ranges, threads=len(ranges))
 
 
+def range_slices(start: int, stop: int, bits: int, block: int) -> tuple[slice, slice]:
+    """The packed-code bytes and the per-block entries of elements ``[start, stop)``
+    (``start`` a whole number of blocks): how a caller hands a range the C code left to
+    the torch path."""
+    b0 = start // block
+    byte0 = start * bits // 8
+    return slice(byte0, byte0 + -(-(stop - start) * bits // 8)), slice(b0, b0 + -(-(stop - start) // block))
+
+
 def encode_blockwise(
     x: torch.Tensor,
     reference: torch.Tensor | None,
@@ -307,4 +316,5 @@ __all__ = [
     "decode_blockwise",
     "encode_log2",
     "decode_log2",
+    "range_slices",
 ]

@@ -101,7 +101,7 @@ int64_t tw_blockwise_encode(const void *x, int x_dtype, const void *ref, int ref
         }
         const int64_t byte0 = s0 * bits / 8;
         const int nbytes = (int)(((int64_t)m * bits + 7) / 8);
-        tw_pack(u, block, bits, codes + byte0, nbytes);
+        tw_pack(u, bits, codes + byte0, nbytes);
     }
     return nb;
 }
@@ -141,16 +141,6 @@ TW_INLINE int tw_block_sat(float *p, int count, float lim) {
     return nan;
 }
 
-/* The decode's block buffer is read here as integers after tw_block_products wrote it as
- * floats; GCC cannot follow that and warns that it may be uninitialized. */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-TW_INLINE void tw_store_bf16(uint16_t *dst, const float *src, int count) {
-    const uint32_t *b = (const uint32_t *)src;
-    for (int i = 0; i < count; i++) dst[i] = (uint16_t)((b[i] + 0x7FFFu + ((b[i] >> 16) & 1u)) >> 16);
-}
-
 /* Decode n elements into out (TW_F32 or TW_BF16), adding ref (TW_F32 or TW_BF16, or NULL)
  * after the saturated product. out may be ref itself: each block of ref is read before the
  * same block of out is written. Returns the number of blocks decoded: all of them, or the
@@ -184,7 +174,7 @@ int64_t tw_blockwise_decode(const uint8_t *codes, const float *scales, int64_t n
         if (out_dtype == TW_F32)
             memcpy((float *)out + s0, p, (size_t)m * 4);
         else
-            tw_store_bf16((uint16_t *)out + s0, p, m);
+            tw_store_bf16((uint16_t *)out + s0, (const uint32_t *)p, m);
     }
     return nb;
 }

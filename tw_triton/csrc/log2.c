@@ -73,7 +73,7 @@ int64_t tw_log2_encode(const void *x, int x_dtype, int64_t n, int32_t block, int
         }
         lo_out[b] = lo;
         hi_out[b] = hi;
-        tw_pack(u, block, bits, codes + s0 * bits / 8, (int)(((int64_t)m * bits + 7) / 8));
+        tw_pack(u, bits, codes + s0 * bits / 8, (int)(((int64_t)m * bits + 7) / 8));
     }
     return nb;
 }
@@ -86,11 +86,6 @@ TW_INLINE void tw_log2_values(const uint8_t *u, int count, int32_t lo, int32_t h
         v = v < hi ? v : hi;
         t[i] = u[i] ? v : 0;
     }
-}
-
-TW_INLINE void tw_log2_store_bf16(uint16_t *dst, const int32_t *t, int count) {
-    const uint32_t *b = (const uint32_t *)t;
-    for (int i = 0; i < count; i++) dst[i] = (uint16_t)((b[i] + 0x7FFFu + ((b[i] >> 16) & 1u)) >> 16);
 }
 
 /* Decode n elements into out (TW_F32 or TW_BF16). Returns the number of blocks decoded:
@@ -116,7 +111,7 @@ int64_t tw_log2_decode(const uint8_t *codes, const int32_t *lo, const int32_t *h
         if (out_dtype == TW_F32)
             memcpy((int32_t *)out + s0, t, (size_t)m * 4);
         else
-            tw_log2_store_bf16((uint16_t *)out + s0, t, m);
+            tw_store_bf16((uint16_t *)out + s0, (const uint32_t *)t, m);
     }
     return nb;
 }

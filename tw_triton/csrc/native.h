@@ -49,15 +49,19 @@ TW_INLINE void tw_load_f32(float *dst, const void *src, int dtype, int64_t start
     }
 }
 
-/* fp32 to bfloat16, round to nearest even (torch's conversion for every non-NaN value;
- * callers never pass a NaN). */
-TW_INLINE uint16_t tw_to_bf16(float f) {
-    uint32_t u = tw_bits(f);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+/* fp32 bit patterns to bfloat16, round to nearest even: torch's conversion for every
+ * non-NaN value (callers never pass a NaN). Taking the patterns as integers keeps the loop
+ * vectorizable. Callers read their block buffer here as integers after writing it as
+ * floats, which GCC cannot follow: it would warn that the buffer may be uninitialized. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+TW_INLINE void tw_store_bf16(uint16_t *dst, const uint32_t *bits, int count) {
+    for (int i = 0; i < count; i++) dst[i] = (uint16_t)((bits[i] + 0x7FFFu + ((bits[i] >> 16) & 1u)) >> 16);
 }
 
-/* Pack one code per byte (u[0..count), count a multiple of 8 / bits) LSB-first. */
-TW_INLINE void tw_pack(const uint8_t *u, int count, int bits, uint8_t *out, int nbytes) {
+/* Pack one code per byte LSB-first into nbytes bytes (u holds 8 / bits codes per byte). */
+TW_INLINE void tw_pack(const uint8_t *u, int bits, uint8_t *out, int nbytes) {
     if (bits == 8) {
         memcpy(out, u, (size_t)nbytes);
     } else if (bits == 4) {
@@ -66,7 +70,6 @@ TW_INLINE void tw_pack(const uint8_t *u, int count, int bits, uint8_t *out, int 
         for (int j = 0; j < nbytes; j++)
             out[j] = (uint8_t)(u[4 * j] | (u[4 * j + 1] << 2) | (u[4 * j + 2] << 4) | (u[4 * j + 3] << 6));
     }
-    (void)count;
 }
 
 /* Unpack nbytes packed bytes into 8 / bits codes each (the inverse of tw_pack). */

@@ -3,6 +3,7 @@ that run before any allocation, and the write path (write_file, save, AsyncWrite
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import zlib
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 import tw_triton
 from _format_samples import STAGE_EVERYTHING, assert_same_state, sample_state
 from tw_triton import format as fmt
-from tw_triton.codecs import entropy
+from tw_triton.codecs import entropy, native
 from tw_triton.codecs.entropy import EntropyPolicy, ZstdSettings, candidate_stages, check_zstd_frame, get_stage
 from tw_triton.errors import CheckpointError
 from tw_triton.writer import AsyncWriter
@@ -197,20 +198,23 @@ def _unaligned(raw: bytes, offset: int, fill: int = 0) -> memoryview:
     little=st.booleans(),
     offset=st.sampled_from([0, 1, 3]),
     one_shot=st.booleans(),
+    compiled=st.booleans(),
 )
 def test_bytegroup_writes_the_reference_bytes_and_reads_them(
-    data, width, chunk, kind, seed, level, match, little, offset, one_shot
+    data, width, chunk, kind, seed, level, match, little, offset, one_shot, compiled
 ):
     """Every width (2, 4, 8, complex's 16 and odd ones), counts on and off the chunk size,
     empty and tiny buffers, the big-endian path (single bytes) on this machine too, buffers
     not aligned to their words, a destination full of garbage, and both decodes: the
-    one-shot one of small buffers and the streaming one in chunks."""
+    one-shot one of small buffers and the streaming one in chunks; with the compiled plane
+    split and merge and without them."""
     on_chunks = st.builds(lambda m, e: max(m * chunk + e, 0), st.integers(0, 3), st.integers(-1, 1))
     n = data.draw(st.integers(0, 700) | on_chunks)
     raw = _elements(kind, width, n, seed)
     stage = get_stage("zstd-bytegroup")
     with (mock.patch.object(entropy, "CHUNK_BYTES", chunk), mock.patch.object(entropy, "_LITTLE_ENDIAN", little),
-          mock.patch.object(entropy, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0)):
+          mock.patch.object(entropy, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0),
+          mock.patch.dict(os.environ, {native.ENV_NATIVE: "1" if compiled else "0"})):
         zstd = ZstdSettings(level=level, min_match=match.get("min_match", 0), hash_log=match.get("hash_log", 0))
         stored, params = stage.encode(_unaligned(raw, offset), width, zstd)
         assert params == {"level": level, "width": width}
@@ -286,9 +290,10 @@ def reference_planes(raw: bytes, width: int, level: int, threads: int = 0, **mat
     offset=st.sampled_from([0, 1, 3]),
     one_shot=st.booleans(),
     sample=st.sampled_from([4096, 7]),
+    compiled=st.booleans(),
 )
 def test_planes_writes_the_reference_bytes_and_reads_them(
-    data, width, chunk, kind, seed, match, little, offset, one_shot, sample
+    data, width, chunk, kind, seed, match, little, offset, one_shot, sample, compiled
 ):
     """As for zstd-bytegroup, and a sample smaller than the buffer (an uneven stride)."""
     on_chunks = st.builds(lambda m, e: max(m * chunk + e, 0), st.integers(0, 3), st.integers(-1, 1))
@@ -297,7 +302,8 @@ def test_planes_writes_the_reference_bytes_and_reads_them(
     stage = get_stage("zstd-planes")
     with (mock.patch.object(entropy, "CHUNK_BYTES", chunk), mock.patch.object(entropy, "_LITTLE_ENDIAN", little),
           mock.patch.object(entropy, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0),
-          mock.patch.object(entropy, "PLANE_SAMPLE", sample)):
+          mock.patch.object(entropy, "PLANE_SAMPLE", sample),
+          mock.patch.dict(os.environ, {native.ENV_NATIVE: "1" if compiled else "0"})):
         zstd = ZstdSettings(level=1, min_match=match.get("min_match", 0), hash_log=match.get("hash_log", 0))
         stored, params = stage.encode(_unaligned(raw, offset), width, zstd)
         expected, frames = reference_planes(raw, width, 1, **match)

@@ -246,3 +246,43 @@ def test_log2_split_between_threads_gives_the_same_bytes(monkeypatch):
     want = lg.quantize_log2_torch(x, 4, block)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(_bits(dec), _bits(lg.dequantize_log2_torch(*want, n, 4, block, torch.float32)))
+
+
+# Byte planes (the entropy stage's transpose): pure data movement, against numpy slicing.
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(width=st.sampled_from([1, 2, 3, 4, 5, 8, 16]), count=st.integers(1, 5000), seed=st.integers(0, 2**31 - 1))
+def test_split_and_merge_planes_match_numpy(build, width, count, seed):
+    data = np.random.default_rng(seed).integers(0, 256, count * width, dtype=np.uint8)
+    planes = [np.full(count, 7, dtype=np.uint8) for _ in range(width)]
+    assert native.split_planes(data, planes)
+    for k in range(width):
+        np.testing.assert_array_equal(planes[k], data[k::width])
+    out = np.zeros(count * width, dtype=np.uint8)
+    assert native.merge_planes(planes, out)
+    np.testing.assert_array_equal(out, data)
+
+
+@needs_native
+def test_planes_it_does_not_take_are_refused_untouched():
+    data = np.arange(12, dtype=np.uint8)
+    z = lambda n=4, dtype=np.uint8: np.zeros(n, dtype=dtype)  # noqa: E731
+    bad_planes = [
+        [z(), z(5), z()],  # sizes differ
+        [z(), z(8)[::2], z()],  # strided
+        [z(dtype=np.int16)] * 3,  # not bytes
+        [],  # no planes
+    ]
+    out = z(12)
+    for planes in bad_planes:
+        assert not native.split_planes(data, planes)
+        assert not native.merge_planes(planes, out)
+    good = [z(), z(), z()]
+    assert not native.split_planes(data[:11], good)  # not whole elements
+    assert not native.merge_planes(good, z(11))
+    assert not out.any() and not any(p.any() for p in good)
+    frozen = z(12)
+    frozen.flags.writeable = False
+    assert not native.merge_planes(good, frozen)
+    assert not native.split_planes(data, [z(), z(), frozen[:4]])

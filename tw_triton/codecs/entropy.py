@@ -42,19 +42,21 @@ destination buffer and never past it. Every failure is a
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 import zstandard
 
 from ..errors import CheckpointError
+from . import native
 
 # zstd's fastest regular level. On the MiniLM + AdamW checkpoints of the default
 # Checkpointer it wrote *smaller* files than level 3 (keyframe 81.5 vs 82.4 MiB, delta
@@ -419,13 +421,18 @@ def _plane_chunks(words: np.ndarray, plane: int, scratch: np.ndarray) -> Iterato
     """Byte ``plane`` of every element of ``words`` (see :func:`_words`), in chunks of up to
     ``len(scratch)`` bytes written into ``scratch``: bounded memory. Each chunk is valid
     until the next is made, so a consumer must take it in (zstd's write() does) first."""
-    size, count, rows = words.itemsize, words.shape[0], max(len(scratch), 1)
-    column, shift = words[:, plane // size], 8 * (plane % size)
+    count, rows = words.shape[0], max(len(scratch), 1)
     for start in range(0, count, rows):
         chunk = scratch[: min(rows, count - start)]
-        # The unsafe cast to uint8 keeps the low byte: byte ``plane`` of each element.
-        np.right_shift(column[start : start + len(chunk)], shift, out=chunk, casting="unsafe")
+        _gather(words, start, plane, chunk)
         yield chunk
+
+
+def _gather(words: np.ndarray, start: int, plane: int, out: np.ndarray) -> None:
+    """Byte ``plane`` of elements ``start, start + 1, ...`` of ``words`` into ``out``."""
+    size = words.itemsize
+    # The unsafe cast to uint8 keeps the low byte: byte ``plane`` of each element.
+    np.right_shift(words[start : start + len(out), plane // size], 8 * (plane % size), out=out, casting="unsafe")
 
 
 class _PlanePutter:
@@ -448,11 +455,6 @@ class _PlanePutter:
             fill(memoryview(chunk))
             self.put(plane, start, chunk)
 
-    def copy_plane(self, plane: int, stored: np.ndarray) -> None:
-        """Plane ``plane``'s bytes, already whole in ``stored`` (a raw plane in the file)."""
-        for start, stop in self._ranges():
-            self.put(plane, start, stored[start:stop])
-
     def _ranges(self) -> Iterator[tuple[int, int]]:
         count = self.words.shape[0]
         for start in range(0, count, self.rows):
@@ -473,6 +475,58 @@ class _PlanePutter:
             spread[...] = chunk
             np.left_shift(spread, shift, out=spread)
             np.bitwise_or(dest, spread, out=dest)
+
+
+def _chunk_rows(width: int, count: int) -> int:
+    """Elements per chunk when all planes are handled together: a chunk of every plane
+    adds up to :data:`CHUNK_BYTES`."""
+    return max(min(CHUNK_BYTES // width, count), 1)
+
+
+def _split(words: np.ndarray, start: int, stop: int, planes: Sequence[np.ndarray]) -> None:
+    """Byte ``k`` of elements ``[start, stop)`` of ``words`` (see :func:`_words`) into
+    ``planes[k]``: one compiled pass where the library is built, else a numpy pass per
+    plane."""
+    if not native.split_planes(words[start:stop].reshape(-1).view(np.uint8), planes):
+        for plane, out in enumerate(planes):
+            _gather(words, start, plane, out)
+
+
+def _whole_plane(plane: np.ndarray) -> Callable[[int, int], np.ndarray]:
+    """A plane source (see :func:`_merge`) over a plane that is whole in memory."""
+    return lambda start, stop: plane[start:stop]
+
+
+class _StreamedPlane:
+    """A plane source (see :func:`_merge`) that decodes a zstd frame chunk by chunk, into
+    scratch of ``rows`` bytes; chunks must be asked for in order."""
+
+    def __init__(self, reader: _Reader, rows: int) -> None:
+        self.reader = reader
+        self.scratch = np.empty(rows, dtype=np.uint8)
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        chunk = self.scratch[: stop - start]
+        self.reader.fill(memoryview(chunk))
+        return chunk
+
+
+def _merge(words: np.ndarray, width: int, sources: Sequence[Callable[[int, int], np.ndarray]]) -> None:
+    """Put the byte planes back into ``words``, chunk by chunk; ``sources[k](start, stop)``
+    gives plane ``k``'s bytes of elements ``[start, stop)``. One compiled pass per chunk
+    where the library is built, else the numpy putter's passes per plane."""
+    count = words.shape[0]
+    out = words.reshape(-1).view(np.uint8)
+    rows = _chunk_rows(width, count)
+    putter = None
+    for start in range(0, count, rows):
+        stop = min(start + rows, count)
+        chunks = [source(start, stop) for source in sources]
+        if native.merge_planes(chunks, out[start * width : stop * width]):
+            continue
+        putter = putter or _PlanePutter(words)
+        for plane, chunk in enumerate(chunks):
+            putter.put(plane, start, chunk)
 
 
 class _PlaneStage(Stage):
@@ -524,9 +578,7 @@ class ByteGroupZstdStage(_PlaneStage, _ZstdFrameStage):
         words = _words(out, params["width"])
         if len(out) <= ONE_SHOT_MAX_BYTES:
             planes = np.frombuffer(_decode_small(stored, len(out), where), dtype=np.uint8).reshape(params["width"], -1)
-            putter = _PlanePutter(words)
-            for plane in range(params["width"]):
-                putter.copy_plane(plane, planes[plane])
+            _merge(words, params["width"], [_whole_plane(plane) for plane in planes])
             return
         putter = _PlanePutter(words)
         reader = _Reader(stored, where)
@@ -558,21 +610,32 @@ class PlanesZstdStage(_PlaneStage):
     ) -> tuple[bytes, dict[str, Any]]:
         words = self._element_words(data, itemsize)
         count = words.shape[0]
-        scratch = np.empty(min(CHUNK_BYTES, count), dtype=np.uint8)
-        sink = io.BytesIO()
-        frames = []
-        for plane, coded in enumerate(_planes_to_code(words, itemsize)):
-            if coded:
-                start = sink.tell()
-                with zstd.compressor(count).stream_writer(sink, size=count, closefd=False) as writer:
-                    for chunk in _plane_chunks(words, plane, scratch):
+        coded = _planes_to_code(words, itemsize)
+        # One pass splits a chunk of elements into all its planes: a raw plane's bytes go
+        # straight to their place in that plane, a coded plane's to its own zstd frame.
+        raw = [None if c else np.empty(count, dtype=np.uint8) for c in coded]
+        sinks = [io.BytesIO() if c else None for c in coded]
+        with contextlib.ExitStack() as stack:
+            writers = [
+                None if sink is None
+                else stack.enter_context(zstd.compressor(count).stream_writer(sink, size=count, closefd=False))
+                for sink in sinks
+            ]
+            rows = _chunk_rows(itemsize, count)
+            scratch = [np.empty(rows, dtype=np.uint8) if c else None for c in coded]
+            for start in range(0, count, rows):
+                stop = min(start + rows, count)
+                chunks = [
+                    plane[start:stop] if plane is not None else buf[: stop - start]
+                    for plane, buf in zip(raw, scratch)
+                ]
+                _split(words, start, stop, chunks)
+                for writer, chunk in zip(writers, chunks):
+                    if writer is not None:
                         writer.write(chunk)
-                frames.append(sink.tell() - start)
-            else:
-                for chunk in _plane_chunks(words, plane, scratch):
-                    sink.write(chunk)
-                frames.append(0)
-        return sink.getvalue(), {**zstd.record(), "width": itemsize, "frames": frames}
+        parts = [plane if plane is not None else sink.getbuffer() for plane, sink in zip(raw, sinks)]
+        frames = [0 if sink is None else len(part) for part, sink in zip(parts, sinks)]
+        return b"".join(parts), {**zstd.record(), "width": itemsize, "frames": frames}
 
     def check_params(self, params: Any, itemsize: int, where: str) -> None:
         _check_level(params, ("level", "width", "frames"), where)
@@ -614,18 +677,22 @@ class PlanesZstdStage(_PlaneStage):
                 check_zstd_frame(segment, count, pwhere)
 
     def decode(self, stored: memoryview, params: Mapping[str, Any], out: memoryview, where: str) -> None:
-        words = _words(out, params["width"])
+        width = params["width"]
+        words = _words(out, width)
         count = words.shape[0]
-        putter = _PlanePutter(words)
+        sources: list[Callable[[int, int], np.ndarray]] = []
+        readers = []
         for plane, segment, pwhere in self._segments(stored, params, len(out), where):
             if not params["frames"][plane]:
-                putter.copy_plane(plane, np.frombuffer(segment, dtype=np.uint8))
+                sources.append(_whole_plane(np.frombuffer(segment, dtype=np.uint8)))
             elif count <= ONE_SHOT_MAX_BYTES:
-                putter.copy_plane(plane, np.frombuffer(_decode_small(segment, count, pwhere), dtype=np.uint8))
+                sources.append(_whole_plane(np.frombuffer(_decode_small(segment, count, pwhere), dtype=np.uint8)))
             else:
-                reader = _Reader(segment, pwhere)
-                putter.fill_plane(plane, reader.fill)
-                reader.finish()
+                readers.append(_Reader(segment, pwhere))
+                sources.append(_StreamedPlane(readers[-1], _chunk_rows(width, count)))
+        _merge(words, width, sources)
+        for reader in readers:
+            reader.finish()
 
 
 # How a plane is judged before zstd runs on all of it: the order-0 entropy (bits per byte)

@@ -25,8 +25,9 @@ import ctypes
 import functools
 import logging
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import TwTritonError
@@ -53,6 +54,10 @@ _SIGNATURES = {
     "tw_log2_encode": [_P, _I32, _I64, _I32, _I32, _P, _P, _P],
     # codes, lo, hi, n, bits, block, out, out_dtype
     "tw_log2_decode": [_P, _P, _P, _I64, _I32, _I32, _P, _I32],
+    # planes (width pointers), width, count, out
+    "tw_planes_merge": [_P, _I32, _I64, _P],
+    # in, width, count, planes (width pointers)
+    "tw_planes_split": [_P, _I32, _I64, _P],
 }
 
 
@@ -318,3 +323,46 @@ __all__ = [
     "decode_log2",
     "range_slices",
 ]
+
+
+def _byte_array(a: np.ndarray, count: int, writable: bool) -> bool:
+    """A contiguous 1-D ``uint8`` array of ``count`` bytes (writable if asked): the C code
+    reads or writes exactly that much."""
+    return (
+        a.dtype == np.uint8 and a.ndim == 1 and a.size == count and a.flags.c_contiguous
+        and (a.flags.writeable or not writable)
+    )
+
+
+def merge_planes(planes: Sequence[np.ndarray], out: np.ndarray) -> bool:
+    """Fill ``out`` (the bytes of ``count`` elements of ``len(planes)`` bytes each) from its
+    byte planes: byte ``k`` of element ``i`` is ``planes[k][i]``, as the entropy stage's
+    planes are laid out. ``False`` (nothing written) where the compiled library does not
+    run or the arrays are not contiguous ``uint8`` of those sizes."""
+    width = len(planes)
+    count = out.size // width if width else 0
+    if not (
+        width > 0 and count > 0 and out.size == count * width and _byte_array(out, out.size, True)
+        and all(_byte_array(p, count, False) for p in planes) and enabled()
+    ):
+        return False
+    pointers = (ctypes.c_void_p * width)(*(p.ctypes.data for p in planes))
+    if _library().tw_planes_merge(pointers, width, count, out.ctypes.data) < 0:
+        raise TwTritonError(f"the compiled plane merge refused width={width}")
+    return True
+
+
+def split_planes(data: np.ndarray, planes: Sequence[np.ndarray]) -> bool:
+    """Fill ``planes[k]`` with byte ``k`` of every ``len(planes)``-byte element of ``data``:
+    the inverse of :func:`merge_planes`, with the same ``False`` when it does not run."""
+    width = len(planes)
+    count = data.size // width if width else 0
+    if not (
+        width > 0 and count > 0 and data.size == count * width and _byte_array(data, data.size, False)
+        and all(_byte_array(p, count, True) for p in planes) and enabled()
+    ):
+        return False
+    pointers = (ctypes.c_void_p * width)(*(p.ctypes.data for p in planes))
+    if _library().tw_planes_split(data.ctypes.data, width, count, pointers) < 0:
+        raise TwTritonError(f"the compiled plane split refused width={width}")
+    return True

@@ -3,3 +3,4 @@
 #include "module.c"
 #include "blockwise.c"
 #include "log2.c"
+#include "planes.c"

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import tempfile
 import time
 import zlib
@@ -51,7 +52,7 @@ import tw_triton
 from _common import RESULTS_DIR, environment, fmt_table, log, write_result
 from resume_fidelity import Config, Trainer, load_corpus
 from tw_triton import format as fmt
-from tw_triton.codecs import entropy
+from tw_triton.codecs import entropy, native
 from tw_triton.qstate import QuantizedState
 
 STAGES = ("zstd", "zstd-bytegroup")
@@ -306,36 +307,60 @@ def minilm_planes() -> dict[str, Any] | None:
     return out
 
 
+# The variants of plane_stages: (label, stage, compiled plane split and merge on).
+PLANE_VARIANTS = (("zstd-bytegroup", "zstd-bytegroup", True), ("zstd-planes", "zstd-planes", True),
+                  ("zstd-planes, numpy", "zstd-planes", False))
+
+
 def plane_stages(bufs: list[memoryview]) -> dict[str, dict[str, Any]]:
     """``zstd-bytegroup`` against ``zstd-planes`` (level 1, ``PLANE_MATCH``) on the same
-    buffers: stored bytes, encode and decode seconds (best of 3, the two stages by turns),
-    and for zstd-planes how many planes went through zstd."""
+    buffers, and ``zstd-planes`` again with its numpy split and merge
+    (``TW_TRITON_NATIVE=0``) instead of the compiled ones: stored bytes, encode and decode
+    seconds (best of 3, the variants by turns), and for zstd-planes how many planes went
+    through zstd."""
     zstd = entropy.ZstdSettings(min_match=entropy.PLANE_MATCH[0], hash_log=entropy.PLANE_MATCH[1])
     out: dict[str, dict[str, Any]] = {}
     encoded = {}
-    for name in ("zstd-bytegroup", "zstd-planes"):
-        stage = entropy.get_stage(name)
-        encoded[name] = [stage.encode(b, 4, zstd) for b in bufs]
-        out[name] = {"bytes": sum(len(e[0]) for e in encoded[name]), "encode_s": [], "decode_s": []}
+    for label, name, compiled in PLANE_VARIANTS:
+        with _compiled(compiled):
+            encoded[label] = [entropy.get_stage(name).encode(b, 4, zstd) for b in bufs]
+        out[label] = {"bytes": sum(len(e[0]) for e in encoded[label]), "encode_s": [], "decode_s": []}
+    assert [e[0] for e in encoded["zstd-planes"]] == [e[0] for e in encoded["zstd-planes, numpy"]]
     out["zstd-planes"]["coded_planes"] = sum(sum(1 for n in e[1]["frames"] if n) for e in encoded["zstd-planes"])
     out["zstd-planes"]["planes"] = 4 * len(bufs)
     dests = [memoryview(bytearray(len(b))) for b in bufs]  # written once before timing: no first-touch faults
     for _ in range(REPEATS):
-        for name in out:
+        for label, name, compiled in PLANE_VARIANTS:
             stage = entropy.get_stage(name)
-            t0 = time.perf_counter()
-            for b in bufs:
-                stage.encode(b, 4, zstd)
-            out[name]["encode_s"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for (stored, params), dest in zip(encoded[name], dests):
-                stage.decode(memoryview(stored), params, dest, "bench")
-            out[name]["decode_s"].append(time.perf_counter() - t0)
-    for b, dest in zip(bufs, dests):
-        assert bytes(dest) == bytes(b)
+            with _compiled(compiled):
+                t0 = time.perf_counter()
+                for b in bufs:
+                    stage.encode(b, 4, zstd)
+                out[label]["encode_s"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for (stored, params), dest in zip(encoded[label], dests):
+                    stage.decode(memoryview(stored), params, dest, "bench")
+                out[label]["decode_s"].append(time.perf_counter() - t0)
+            for b, dest in zip(bufs, dests):
+                assert bytes(dest) == bytes(b), label
     for row in out.values():
         row["encode_s"], row["decode_s"] = min(row["encode_s"]), min(row["decode_s"])
+    out["compiled_planes"] = native.enabled()
     return out
+
+
+@contextlib.contextmanager
+def _compiled(on: bool) -> Any:
+    """The compiled library on (as installed) or off (``TW_TRITON_NATIVE=0``) inside."""
+    old = os.environ.get(native.ENV_NATIVE)
+    os.environ[native.ENV_NATIVE] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[native.ENV_NATIVE]
+        else:
+            os.environ[native.ENV_NATIVE] = old
 
 
 @contextlib.contextmanager
@@ -482,19 +507,27 @@ def markdown(result: dict[str, Any]) -> str:
         rows = []
         for kind, r in planes.items():
             g, p = r["stages"]["zstd-bytegroup"], r["stages"]["zstd-planes"]
+            n = r["stages"].get("zstd-planes, numpy")
+            numpy_cells = [f"{n['encode_s']:.3f}", f"{n['decode_s']:.3f}"] if n else ["-", "-"]
             rows.append([kind, f"{r['raw_bytes'] / 2**20:.1f} MiB", f"{g['bytes'] / r['raw_bytes']:.4f}",
                          f"{p['bytes'] / r['raw_bytes']:.4f}", f"{p['coded_planes']} of {p['planes']}",
-                         f"{g['encode_s']:.3f} / {p['encode_s']:.3f}", f"{g['decode_s']:.3f} / {p['decode_s']:.3f}"])
+                         f"{g['encode_s']:.3f} / {p['encode_s']:.3f}", f"{g['decode_s']:.3f} / {p['decode_s']:.3f}",
+                         *numpy_cells])
+        compiled = next(iter(planes.values()))["stages"].get("compiled_planes")
         lines += [
             "## zstd-bytegroup against zstd-planes: MiniLM + AdamW (level 1, PLANE_MATCH)",
             "",
             "The same tensors: one frame over all byte planes against a frame per plane where the "
             f"plane's sampled order-0 entropy promises {entropy.PLANE_MIN_SAVING:.0%} or more (the rest "
             "stored raw). Stored fraction of the raw bytes, and seconds to encode and to decode them "
-            "all into memory written before (best of 3, the stages by turns, one thread).",
+            "all into memory written before (best of 3, the variants by turns, one thread). The last "
+            "two columns: zstd-planes again with its numpy plane split and merge "
+            "(`TW_TRITON_NATIVE=0`), same bytes; the other columns ran with the compiled library "
+            f"{'on' if compiled else 'off (not built)'}.",
             "",
             fmt_table(["kind", "raw", "stored, bytegroup", "stored, planes", "planes through zstd",
-                       "encode s, bytegroup / planes", "decode s, bytegroup / planes"], rows),
+                       "encode s, bytegroup / planes", "decode s, bytegroup / planes",
+                       "encode s, planes numpy", "decode s, planes numpy"], rows),
             "",
         ]
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ if str(BENCH) not in sys.path:
     sys.path.append(str(BENCH))
 
 import entropy_stage as es  # noqa: E402
+from tw_triton.codecs import native  # noqa: E402
 
 
 def test_code_symbols_unpack_lsb_first():
@@ -56,7 +58,10 @@ def test_plane_stages_compares_both_stages_on_the_same_buffers():
     zeros = torch.zeros(1 << 14)
     bufs = [es._bytes(weights), es._bytes(zeros)]
     out = es.plane_stages(bufs)
-    assert set(out) == {"zstd-bytegroup", "zstd-planes"}
+    assert out.pop("compiled_planes") is native.enabled()
+    assert set(out) == {"zstd-bytegroup", "zstd-planes", "zstd-planes, numpy"}
+    assert out["zstd-planes"]["bytes"] == out["zstd-planes, numpy"]["bytes"]
+    assert os.environ.get(native.ENV_NATIVE) is None  # put back as it was
     # Weights: sign and exponent through zstd; zeros: all four planes.
     assert out["zstd-planes"]["coded_planes"] == 1 + 4 and out["zstd-planes"]["planes"] == 8
     for row in out.values():

@@ -82,6 +82,18 @@ def resume_child(method: str, source: Path, files: Path, threads: int) -> dict[s
     return {"blocked_s": out["load_s"], "total_s": out["load_s"], "peak_extra_bytes": out["peak_extra_bytes"]}
 
 
+def build_native(tree: Path) -> None:
+    """Build a checkout's compiled CPU codec in place, as ``pip install -e`` does for this
+    one: a base without it would run the slower torch path, and the A/B would measure
+    that. Versions from before the compiled codec have nothing to build."""
+    if not (tree / "tw_triton" / "csrc").is_dir():
+        return
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree,
+                          capture_output=True, text=True)
+    if done.returncode != 0 or not list((tree / "tw_triton").glob("_native*.so")):
+        print(f"warning: the base's compiled codec did not build; it runs the torch path\n{done.stderr[-2000:]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision to compare this checkout with")
@@ -107,6 +119,7 @@ def main() -> None:
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(base), args.base],
                        check=True)
         try:
+            build_native(base)
             fixture = tmpdir / "fixture.pt"
             speed_compare.build_fixture(fixture)
             sides = {"base": base, "new": REPO}

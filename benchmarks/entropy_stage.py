@@ -307,15 +307,15 @@ def minilm_planes() -> dict[str, Any] | None:
     return out
 
 
-# The variants of plane_stages: (label, stage, compiled plane split and merge on).
+# The variants of plane_stages: (label, stage, compiled plane merge on).
 PLANE_VARIANTS = (("zstd-bytegroup", "zstd-bytegroup", True), ("zstd-planes", "zstd-planes", True),
                   ("zstd-planes, numpy", "zstd-planes", False))
 
 
 def plane_stages(bufs: list[memoryview]) -> dict[str, dict[str, Any]]:
     """``zstd-bytegroup`` against ``zstd-planes`` (level 1, ``PLANE_MATCH``) on the same
-    buffers, and ``zstd-planes`` again with its numpy split and merge
-    (``TW_TRITON_NATIVE=0``) instead of the compiled ones: stored bytes, encode and decode
+    buffers, and ``zstd-planes`` again with its numpy plane merge (``TW_TRITON_NATIVE=0``)
+    instead of the compiled one: stored bytes, encode and decode
     seconds (best of 3, the variants by turns), and for zstd-planes how many planes went
     through zstd."""
     zstd = entropy.ZstdSettings(min_match=entropy.PLANE_MATCH[0], hash_log=entropy.PLANE_MATCH[1])
@@ -508,7 +508,7 @@ def markdown(result: dict[str, Any]) -> str:
         for kind, r in planes.items():
             g, p = r["stages"]["zstd-bytegroup"], r["stages"]["zstd-planes"]
             n = r["stages"].get("zstd-planes, numpy")
-            numpy_cells = [f"{n['encode_s']:.3f}", f"{n['decode_s']:.3f}"] if n else ["-", "-"]
+            numpy_cells = [f"{n['decode_s']:.3f}"] if n else ["-"]
             rows.append([kind, f"{r['raw_bytes'] / 2**20:.1f} MiB", f"{g['bytes'] / r['raw_bytes']:.4f}",
                          f"{p['bytes'] / r['raw_bytes']:.4f}", f"{p['coded_planes']} of {p['planes']}",
                          f"{g['encode_s']:.3f} / {p['encode_s']:.3f}", f"{g['decode_s']:.3f} / {p['decode_s']:.3f}",
@@ -521,13 +521,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"plane's sampled order-0 entropy promises {entropy.PLANE_MIN_SAVING:.0%} or more (the rest "
             "stored raw). Stored fraction of the raw bytes, and seconds to encode and to decode them "
             "all into memory written before (best of 3, the variants by turns, one thread). The last "
-            "two columns: zstd-planes again with its numpy plane split and merge "
-            "(`TW_TRITON_NATIVE=0`), same bytes; the other columns ran with the compiled library "
+            "column: zstd-planes decoded again with its numpy plane merge (`TW_TRITON_NATIVE=0`), "
+            "same bytes; the other columns ran with the compiled library "
             f"{'on' if compiled else 'off (not built)'}.",
             "",
             fmt_table(["kind", "raw", "stored, bytegroup", "stored, planes", "planes through zstd",
                        "encode s, bytegroup / planes", "decode s, bytegroup / planes",
-                       "encode s, planes numpy", "decode s, planes numpy"], rows),
+                       "decode s, planes numpy"], rows),
             "",
         ]
     return "\n".join(lines)

@@ -56,8 +56,6 @@ _SIGNATURES = {
     "tw_log2_decode": [_P, _P, _P, _I64, _I32, _I32, _P, _I32],
     # planes (width pointers), width, count, out
     "tw_planes_merge": [_P, _I32, _I64, _P],
-    # in, width, count, planes (width pointers)
-    "tw_planes_split": [_P, _I32, _I64, _P],
 }
 
 
@@ -351,18 +349,3 @@ def merge_planes(planes: Sequence[np.ndarray], out: np.ndarray) -> bool:
         raise TwTritonError(f"the compiled plane merge refused width={width}")
     return True
 
-
-def split_planes(data: np.ndarray, planes: Sequence[np.ndarray]) -> bool:
-    """Fill ``planes[k]`` with byte ``k`` of every ``len(planes)``-byte element of ``data``:
-    the inverse of :func:`merge_planes`, with the same ``False`` when it does not run."""
-    width = len(planes)
-    count = data.size // width if width else 0
-    if not (
-        width > 0 and count > 0 and data.size == count * width and _byte_array(data, data.size, False)
-        and all(_byte_array(p, count, True) for p in planes) and enabled()
-    ):
-        return False
-    pointers = (ctypes.c_void_p * width)(*(p.ctypes.data for p in planes))
-    if _library().tw_planes_split(data.ctypes.data, width, count, pointers) < 0:
-        raise TwTritonError(f"the compiled plane split refused width={width}")
-    return True

@@ -1,7 +1,7 @@
 /* Byte planes of the entropy stage (tw_triton/codecs/entropy.py): plane k holds byte k
- * (in memory order) of every width-byte element. Pure data movement, so any order of the
- * same moves gives the same bytes; the work is one pass over the elements instead of the
- * numpy path's few passes per plane. */
+ * (in memory order) of every width-byte element. Merging them back is pure data movement,
+ * so any order of the same moves gives the same bytes; the work is one pass over the
+ * elements instead of the numpy path's few passes per plane. */
 #include "native.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
@@ -11,10 +11,10 @@
 #endif
 
 /* Widths 2, 4 and 8 on a little-endian machine: byte k of a word is bits 8k..8k+7, so an
- * element is built (or taken apart) with shifts the compiler vectorizes. The plane
+ * element is built with shifts the compiler vectorizes. The plane
  * pointers are copied into restrict locals: stores through uint8_t may alias anything, so
  * without them every store would reload the pointers and nothing would vectorize. */
-#define TW_PLANE_PAIR(T, W)                                                                    \
+#define TW_PLANE_MERGE(T, W)                                                                    \
     static void tw_merge_##W(const uint8_t *const *planes, int64_t count, uint8_t *restrict out) { \
         const uint8_t *restrict p[W];                                                          \
         for (int k = 0; k < W; k++) p[k] = planes[k];                                          \
@@ -23,20 +23,11 @@
             for (int k = 0; k < W; k++) w |= (T)p[k][i] << (8 * k);                            \
             memcpy(out + i * W, &w, W);                                                        \
         }                                                                                      \
-    }                                                                                          \
-    static void tw_split_##W(const uint8_t *restrict in, int64_t count, uint8_t *const *planes) { \
-        uint8_t *restrict p[W];                                                                \
-        for (int k = 0; k < W; k++) p[k] = planes[k];                                          \
-        for (int64_t i = 0; i < count; i++) {                                                  \
-            T w;                                                                               \
-            memcpy(&w, in + i * W, W);                                                         \
-            for (int k = 0; k < W; k++) p[k][i] = (uint8_t)(w >> (8 * k));                     \
-        }                                                                                      \
     }
 
-TW_PLANE_PAIR(uint16_t, 2)
-TW_PLANE_PAIR(uint32_t, 4)
-TW_PLANE_PAIR(uint64_t, 8)
+TW_PLANE_MERGE(uint16_t, 2)
+TW_PLANE_MERGE(uint32_t, 4)
+TW_PLANE_MERGE(uint64_t, 8)
 
 /* out[i * width + k] = planes[k][i] for i < count. Returns 0, or -1 for width < 1. */
 int64_t tw_planes_merge(const uint8_t *const *planes, int32_t width, int64_t count, uint8_t *out) {
@@ -52,25 +43,6 @@ int64_t tw_planes_merge(const uint8_t *const *planes, int32_t width, int64_t cou
             const uint8_t *restrict p = planes[k];
             uint8_t *restrict o = out + k;
             for (int64_t i = 0; i < count; i++) o[i * width] = p[i];
-        }
-    }
-    return 0;
-}
-
-/* planes[k][i] = in[i * width + k] for i < count: the inverse of tw_planes_merge. */
-int64_t tw_planes_split(const uint8_t *in, int32_t width, int64_t count, uint8_t *const *planes) {
-    if (width < 1) return -1;
-    if (TW_LITTLE_ENDIAN && width == 2) {
-        tw_split_2(in, count, planes);
-    } else if (TW_LITTLE_ENDIAN && width == 4) {
-        tw_split_4(in, count, planes);
-    } else if (TW_LITTLE_ENDIAN && width == 8) {
-        tw_split_8(in, count, planes);
-    } else {
-        for (int k = 0; k < width; k++) {
-            uint8_t *restrict p = planes[k];
-            const uint8_t *restrict s = in + k;
-            for (int64_t i = 0; i < count; i++) p[i] = s[i * width];
         }
     }
     return 0;

@@ -17,6 +17,10 @@ A tensor of at least :data:`SPLIT_MIN_ELEMENTS` is split into ranges of whole bl
 run on ``torch.get_num_threads()`` threads (ctypes lets go of the GIL during each call).
 Inside the save and load workers of :mod:`tw_triton.parallel`, which set that count to 1,
 each tensor runs on its worker alone: the workers are the parallelism.
+
+The library also merges the byte planes of the entropy stage back into elements
+(:func:`merge_planes`, for :mod:`~tw_triton.codecs.entropy`): data movement only, with
+numpy as the fallback.
 """
 
 from __future__ import annotations
@@ -311,18 +315,6 @@ def decode_log2(
     return [(start + d * block, stop) for (start, stop), d in zip(ranges, done) if start + d * block < stop]
 
 
-__all__ = [
-    "ENV_NATIVE",
-    "SPLIT_MIN_ELEMENTS",
-    "enabled",
-    "encode_blockwise",
-    "decode_blockwise",
-    "encode_log2",
-    "decode_log2",
-    "range_slices",
-]
-
-
 def _byte_array(a: np.ndarray, count: int, writable: bool) -> bool:
     """A contiguous 1-D ``uint8`` array of ``count`` bytes (writable if asked): the C code
     reads or writes exactly that much."""
@@ -348,4 +340,17 @@ def merge_planes(planes: Sequence[np.ndarray], out: np.ndarray) -> bool:
     if _library().tw_planes_merge(pointers, width, count, out.ctypes.data) < 0:
         raise TwTritonError(f"the compiled plane merge refused width={width}")
     return True
+
+
+__all__ = [
+    "ENV_NATIVE",
+    "SPLIT_MIN_ELEMENTS",
+    "enabled",
+    "encode_blockwise",
+    "decode_blockwise",
+    "encode_log2",
+    "decode_log2",
+    "range_slices",
+    "merge_planes",
+]
 

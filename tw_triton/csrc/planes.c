@@ -11,9 +11,9 @@
 #endif
 
 /* Widths 2, 4 and 8 on a little-endian machine: byte k of a word is bits 8k..8k+7, so an
- * element is built with shifts the compiler vectorizes. The plane
- * pointers are copied into restrict locals: stores through uint8_t may alias anything, so
- * without them every store would reload the pointers and nothing would vectorize. */
+ * element is built with shifts the compiler vectorizes. The plane pointers are copied into
+ * restrict locals: stores through uint8_t may alias anything, so without them every store
+ * would reload the pointers and nothing would vectorize. */
 #define TW_PLANE_MERGE(T, W)                                                                    \
     static void tw_merge_##W(const uint8_t *const *planes, int64_t count, uint8_t *restrict out) { \
         const uint8_t *restrict p[W];                                                          \

@@ -506,6 +506,16 @@ def encode_outputs(
     return out, [_checked_out(t, n, dtype, device, name) for t, (name, n, dtype) in zip(out, specs)]
 
 
+def decode_output(
+    out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder's output: ``out`` checked to hold ``numel`` elements of ``dtype`` on
+    ``device`` (see :func:`_checked_out`), or a new tensor; with its flat view."""
+    if out is None:
+        out = torch.empty(numel, dtype=dtype, device=device)
+    return out, _checked_out(out, numel, dtype, device, "out")
+
+
 def _blockwise_specs(n: int, bits: int, block: int) -> list[tuple[str, int, torch.dtype]]:
     return [("codes", packed_nbytes(n, bits), torch.uint8), ("scales", num_blocks(n, block), torch.float32)]
 
@@ -669,9 +679,7 @@ def dequantize_blockwise_torch(
             memory can decode a delta in place, without a second full-size buffer.
     """
     dev = codes.device
-    if out is None:
-        out = torch.empty(numel, dtype=dtype, device=dev)
-    out_flat = _checked_out(out, numel, dtype, dev, "out")
+    out, out_flat = decode_output(out, numel, dtype, dev)
     if numel == 0:
         return out
     k = 8 // bits
@@ -776,9 +784,7 @@ def dequantize_blockwise_cpu(
     :func:`dequantize_blockwise_torch` (which also finishes any blocks the compiled one
     leaves, see :func:`~tw_triton.codecs.native.decode_blockwise`). Same signature, same
     values; ``out`` may be ``reference`` itself."""
-    if out is None:
-        out = torch.empty(numel, dtype=dtype, device=codes.device)
-    flat_out = _checked_out(out, numel, dtype, codes.device, "out")
+    out, flat_out = decode_output(out, numel, dtype, codes.device)
     ref = reference.reshape(-1) if reference is not None and reference.is_contiguous() else reference
     left = native.decode_blockwise(codes, scales, numel, bits, block, ref, flat_out)
     if left is None:

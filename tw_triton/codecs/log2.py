@@ -53,8 +53,8 @@ from .base import BatchLayout, Codec, Encoded, host_outputs, move_to
 from .blockwise import (
     FLOAT_DTYPES,
     PACKING,
-    _checked_out,
     _scratch,
+    decode_output,
     encode_outputs,
     batchable,
     check_params,
@@ -326,9 +326,7 @@ def dequantize_log2_torch(
     ``numel`` elements of ``dtype`` on the codes' device to decode into; returned.
     """
     dev = codes.device
-    if out is None:
-        out = torch.empty(numel, dtype=dtype, device=dev)
-    flat_out = _checked_out(out, numel, dtype, dev, "out")
+    out, flat_out = decode_output(out, numel, dtype, dev)
     if numel == 0:
         return out
     n_steps = float(levels(bits))
@@ -399,9 +397,7 @@ def dequantize_log2_cpu(
     """The CPU decode: the compiled codec where it takes the tensors, else
     :func:`dequantize_log2_torch` (which also finishes any blocks the compiled one leaves).
     Same signature, same values."""
-    if out is None:
-        out = torch.empty(numel, dtype=dtype, device=codes.device)
-    flat_out = _checked_out(out, numel, dtype, codes.device, "out")
+    out, flat_out = decode_output(out, numel, dtype, codes.device)
     left = native.decode_log2(codes, lo, hi, numel, bits, block, flat_out)
     if left is None:
         return dequantize_log2_torch(codes, lo, hi, numel, bits, block, dtype, out=out)

@@ -138,6 +138,18 @@ def _run(fn: Callable[[tuple[int, int]], int], ranges: list[tuple[int, int]]) ->
     return parallel_map(fn, ranges, threads=len(ranges))
 
 
+def _decode_ranges(
+    one: Callable[[tuple[int, int]], int], numel: int, bits: int, block: int, codec: str
+) -> list[tuple[int, int]]:
+    """Run a decode over this caller's thread ranges; the ranges it left for the torch path
+    (each thread's C call returns how many whole blocks it decoded)."""
+    ranges = _block_ranges(numel, block)
+    done = _run(one, ranges)
+    if min(done) < 0:
+        raise TwTritonError(f"the compiled {codec} decode refused bits={bits}, block={block}")
+    return [(start + d * block, stop) for (start, stop), d in zip(ranges, done) if start + d * block < stop]
+
+
 def range_slices(start: int, stop: int, bits: int, block: int) -> tuple[slice, slice]:
     """The packed-code bytes and the per-block entries of elements ``[start, stop)``
     (``start`` a whole number of blocks): how a caller hands a range the C code left to
@@ -233,11 +245,7 @@ def decode_blockwise(
             None if ref_ptr is None else ref_ptr + start * ref_size, ref_code, out_ptr + start * out_size, out_code,
         )
 
-    ranges = _block_ranges(numel, block)
-    done = _run(one, ranges)
-    if min(done) < 0:
-        raise TwTritonError(f"the compiled blockwise decode refused bits={bits}, block={block}")
-    return [(start + d * block, stop) for (start, stop), d in zip(ranges, done) if start + d * block < stop]
+    return _decode_ranges(one, numel, bits, block, "blockwise")
 
 
 def encode_log2(
@@ -308,11 +316,7 @@ def decode_log2(
             out_ptr + start * out_size, out_code,
         )
 
-    ranges = _block_ranges(numel, block)
-    done = _run(one, ranges)
-    if min(done) < 0:
-        raise TwTritonError(f"the compiled log2 decode refused bits={bits}, block={block}")
-    return [(start + d * block, stop) for (start, stop), d in zip(ranges, done) if start + d * block < stop]
+    return _decode_ranges(one, numel, bits, block, "log2")
 
 
 def _byte_array(a: np.ndarray, count: int, writable: bool) -> bool:

@@ -12,7 +12,7 @@ import torch
 import tw_triton
 from tw_triton import format as fmt
 from tw_triton.errors import TwTritonError
-from tw_triton.parallel import ENV_THREADS, MIN_PARALLEL_SIZE, cpu_threads, parallel_map
+from tw_triton.parallel import ENV_THREADS, MIN_PARALLEL_SIZE, Background, cpu_threads, parallel_map
 
 
 def test_results_come_back_in_item_order_whatever_finishes_first():
@@ -203,5 +203,46 @@ def test_workers_run_torch_ops_on_one_intraop_thread_and_the_default_comes_back(
         with pytest.raises(ValueError):
             parallel_map(lambda _: (_ for _ in ()).throw(ValueError("x")), [0, 1], sizes=[MIN_PARALLEL_SIZE] * 2, threads=2)
         assert intraop_in_a_new_thread() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def _intraop_in_a_new_thread() -> int:
+    box: list[int] = []
+    t = threading.Thread(target=lambda: box.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return box[0]
+
+
+def test_background_runs_on_another_thread_and_returns_its_value():
+    caller = threading.get_ident()
+    job = Background(lambda: (threading.get_ident(), threading.current_thread().name), name="tw_triton-test")
+    ident, name = job.result()
+    assert ident != caller and name == "tw_triton-test"
+
+
+def test_background_raises_its_error_from_result_and_wait_drops_it():
+    def fail() -> None:
+        raise tw_triton.CheckpointError("the reference is bad")
+
+    job = Background(fail)
+    with pytest.raises(tw_triton.CheckpointError, match="the reference is bad"):
+        job.result()
+    waiting = Background(fail)
+    waiting.wait()  # the caller's own error is the one it reports
+    assert not waiting._thread.is_alive()
+
+
+def test_background_puts_back_the_callers_intraop_default():
+    """A background side whose pool finished last leaves the workers' 1 as the default a
+    new thread inherits; result() and wait() put the caller's back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for finish in ("result", "wait"):
+            job = Background(lambda: torch.set_num_threads(1))
+            getattr(job, finish)()
+            assert _intraop_in_a_new_thread() == 3
     finally:
         torch.set_num_threads(before)

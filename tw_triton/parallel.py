@@ -21,8 +21,9 @@ for a training loop that needs every core itself), else the machine's cores, at 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence, TypeVar
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Generic, Sequence, TypeVar
 
 import torch
 
@@ -121,6 +122,48 @@ def parallel_map(
         torch.set_num_threads(intraop)
 
 
+class Background(Generic[R]):
+    """``fn()`` running on a thread of its own while the caller does other work.
+
+    What a load uses to read a delta's reference file while it decodes the entries that
+    need no reference: both sides run :func:`parallel_map`, so for a while there are
+    twice the worker threads; the pieces are large and release the GIL, and the cores are
+    shared rather than left idle at either side's tail.
+
+    :meth:`result` (or :meth:`wait`) must be called: it joins the thread, and puts back
+    the caller's intra-op thread count as the default for new threads (the background
+    side's workers set it to 1, and its :func:`parallel_map` may finish last).
+    """
+
+    def __init__(self, fn: Callable[[], R], name: str = "tw_triton-background") -> None:
+        self._intraop = torch.get_num_threads()
+        self._future: Future[R] = Future()
+        self._future.set_running_or_notify_cancel()
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], R]) -> None:
+        try:
+            self._future.set_result(fn())
+        except BaseException as exc:  # handed to the caller by result()
+            self._future.set_exception(exc)
+
+    def result(self) -> R:
+        """``fn()``'s value, once it is done; raises what ``fn`` raised."""
+        try:
+            return self._future.result()
+        finally:
+            torch.set_num_threads(self._intraop)
+
+    def wait(self) -> None:
+        """Wait for ``fn`` to finish, dropping its value or its exception: what a caller
+        that fails on its side does before it raises, so that no read goes on behind it."""
+        try:
+            self.result()
+        except Exception:  # the caller's own error is the one to report
+            pass
+
+
 def _one_intraop_thread() -> None:
     """Worker start: torch ops of this thread run on one core. The workers are the
     parallelism; with torch's intra-op threads as well, N workers would start N times the
@@ -130,4 +173,4 @@ def _one_intraop_thread() -> None:
     torch.set_num_threads(1)
 
 
-__all__ = ["ENV_THREADS", "MAX_THREADS", "MIN_PARALLEL_SIZE", "cpu_threads", "parallel_map"]
+__all__ = ["Background", "ENV_THREADS", "MAX_THREADS", "MIN_PARALLEL_SIZE", "cpu_threads", "parallel_map"]

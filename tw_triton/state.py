@@ -60,7 +60,7 @@ from .codecs import Codec, Encoded, ExactCodec, get_codec
 from .codecs.entropy import EntropyPolicy
 from .errors import CheckpointError, QuantizationError, ReferenceMismatchError, TwTritonError
 from .batching import group_batches
-from .parallel import parallel_map
+from .parallel import Background, parallel_map
 from .qstate import EncodedEntry, QuantizedState
 from .rules import resolve_rules, select_rule
 from .snapshot_pool import Allocator
@@ -602,55 +602,37 @@ def _decode_entries(
 
     A delta entry is decoded over its reference tensor (:meth:`Codec.decode_over`) when the
     reference is owned (read from a file here, or ``reuse_reference``) and no other delta
-    entry reads the same memory (tied tensors).
+    entry reads the same memory (tied tensors). On the host, a reference file is read on a
+    thread of its own while the entries that need no reference (the optimizer's moments)
+    are decoded; ``reference`` may also be that read already started
+    (:class:`~tw_triton.parallel.Background`, see :func:`load`).
     """
     delta = set(delta_paths(qstate, where))
-    owned = False
     if only is not None:
         delta &= only
-
-    ref_tensors: dict[str, torch.Tensor] = {}
-    if delta:
+    # Decoding on the host runs on several threads, as encoding does; on a device, here.
+    on_host = (dev is None or dev.type == "cpu") and all(
+        b.device.type == "cpu" for e in qstate.entries.values() for b in e.buffers.values()
+    )
+    pending = reference if isinstance(reference, Background) else None
+    if delta and reference is None:
         first = sorted(delta)[0]
-        if reference is None:
-            more = f" (and {len(delta) - 1} more)" if len(delta) > 1 else ""
-            raise ReferenceMismatchError(
-                f"{where}: entry {first!r}{more} is stored as a delta from reference "
-                f"checkpoint {qstate.reference_id!r}, and no reference was given (pass the "
-                "reference checkpoint's path or its decoded state)"
-            )
-        rid = qstate.reference_id
-        ref_tensors, _, ref_what, owned = _flat_reference(
-            reference, device=dev, verify=verify, expect_id=rid, where=f"{where}: entry {first!r}", paths=delta,
-            into=ref_into,
+        more = f" (and {len(delta) - 1} more)" if len(delta) > 1 else ""
+        raise ReferenceMismatchError(
+            f"{where}: entry {first!r}{more} is stored as a delta from reference "
+            f"checkpoint {qstate.reference_id!r}, and no reference was given (pass the "
+            "reference checkpoint's path or its decoded state)"
         )
-        owned = owned or reuse_reference
-        checks: list[tuple[str, torch.Tensor]] = []
-        for path in sorted(delta):
-            entry = qstate.entries[path]
-            r = _reference_tensor(ref_tensors, path, tuple(entry.shape), where, ref_what)
-            if dev is not None and r.device != dev:
-                r = r.to(dev)
-            ref_tensors[path] = r
-            if "ref_fp" in entry.params:
-                checks.append((path, _fingerprint(r)))
-        for (path, _), fp in zip(checks, _read_device_scalars([f for _, f in checks])):
-            want = qstate.entries[path].params["ref_fp"]
-            if _fp_hex(fp) != want:
-                raise ReferenceMismatchError(
-                    f"{where}: entry {path!r} is a delta from reference {rid!r}, but the "
-                    f"reference tensor given for it differs from the one it was encoded "
-                    f"against (fingerprint {_fp_hex(fp)}, expected {want}); {ref_what} is "
-                    "not that reference"
-                )
-
-    reusable = disjoint_paths(ref_tensors, delta) if owned else set()
+    if delta and on_host and pending is None and isinstance(reference, (str, os.PathLike)):
+        pending = _read_reference(reference, qstate.reference_id, delta, dev, verify, where, ref_into)
 
     # numpy leaves come back as arrays: decode them on the host, not via the GPU.
     host_paths = set(skeleton_ndarray_paths(qstate.skeleton))
     host = torch.device("cpu")
     total = len(qstate.entries)
     indexed = [(i, path) for i, path in enumerate(qstate.entries) if only is None or path in only]
+    ref_tensors: dict[str, torch.Tensor] = {}
+    reusable: set[str] = set()
 
     def decode_one(item: tuple[int, str]) -> torch.Tensor:
         path = item[1]
@@ -672,19 +654,32 @@ def _decode_entries(
             entry.buffers = {}
         return decoded
 
-    # Decoding on the host runs on several threads, as encoding does; on a device, here.
-    on_host = (dev is None or dev.type == "cpu") and all(
-        b.device.type == "cpu" for e in qstate.entries.values() for b in e.buffers.values()
-    )
-    # An exact entry decodes to a view of its buffer on the host: no work for a worker
-    # (the snapshot that save() decodes is all exact, and it blocks the loop).
-    decoded = parallel_map(
-        decode_one, indexed,
-        sizes=[0 if qstate.entries[p].codec == "exact" else qstate.entries[p].raw_nbytes for _, p in indexed],
-        threads=None if on_host else 1,
-        done=None if progress is None else (lambda k: progress(indexed[k][0] + 1, total)),
-    )
-    out: dict[str, torch.Tensor] = {path: t for (_, path), t in zip(indexed, decoded)}
+    decoded: dict[str, torch.Tensor] = {}
+
+    def decode(items: list[tuple[int, str]]) -> None:
+        # An exact entry decodes to a view of its buffer on the host: no work for a worker
+        # (the snapshot that save() decodes is all exact, and it blocks the loop).
+        count = len(decoded)
+        results = parallel_map(
+            decode_one, items,
+            sizes=[0 if qstate.entries[p].codec == "exact" else qstate.entries[p].raw_nbytes for _, p in items],
+            threads=None if on_host else 1,
+            done=None if progress is None else (lambda k: progress(count + k + 1, total)),
+        )
+        decoded.update((path, t) for (_, path), t in zip(items, results))
+
+    if pending is not None:
+        try:
+            decode([item for item in indexed if item[1] not in delta])
+        except BaseException:
+            pending.wait()
+            raise
+        reference = pending.result()
+    if delta:
+        ref_tensors, owned = _checked_reference(qstate, delta, reference, dev, verify, where, ref_into)
+        reusable = disjoint_paths(ref_tensors, delta) if owned or reuse_reference else set()
+    decode([item for item in indexed if item[1] not in decoded])
+    out = {path: decoded[path] for _, path in indexed}
     for path, target in qstate.aliases.items():
         if only is not None and target not in only:
             continue
@@ -692,6 +687,69 @@ def _decode_entries(
             raise CheckpointError(f"{where}: alias {path!r} points to {target!r}, which has no entry")
         out[path] = out[target]
     return out
+
+
+def _read_reference(
+    reference: PathLike,
+    reference_id: str | None,
+    delta: set[str],
+    dev: torch.device | None,
+    verify: bool,
+    where: str,
+    into: Mapping[str, torch.Tensor] | None,
+) -> Background[tuple[dict[str, torch.Tensor], str | None, str, bool]]:
+    """Start reading and decoding the tensors of a reference file that ``delta`` needs, on a
+    thread of its own (what :func:`_checked_reference` then takes)."""
+    first = sorted(delta)[0]
+    return Background(
+        lambda: _flat_reference(
+            reference, device=dev, verify=verify, expect_id=reference_id,
+            where=f"{where}: entry {first!r}", paths=delta, into=into,
+        ),
+        name="tw_triton-reference",
+    )
+
+
+def _checked_reference(
+    qstate: QuantizedState,
+    delta: set[str],
+    reference: Any,
+    dev: torch.device | None,
+    verify: bool,
+    where: str,
+    into: Mapping[str, torch.Tensor] | None,
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """The reference tensors of the ``delta`` entries, on ``dev``, each checked against its
+    entry (presence, shape, dtype, fingerprint), and whether they are owned (read from a
+    file). ``reference``: a state, a path, or what :func:`_flat_reference` returned."""
+    first = sorted(delta)[0]
+    if isinstance(reference, tuple):
+        ref_tensors, _, ref_what, owned = reference
+    else:
+        ref_tensors, _, ref_what, owned = _flat_reference(
+            reference, device=dev, verify=verify, expect_id=qstate.reference_id, where=f"{where}: entry {first!r}",
+            paths=delta, into=into,
+        )
+    rid = qstate.reference_id
+    checks: list[tuple[str, torch.Tensor]] = []
+    for path in sorted(delta):
+        entry = qstate.entries[path]
+        r = _reference_tensor(ref_tensors, path, tuple(entry.shape), where, ref_what)
+        if dev is not None and r.device != dev:
+            r = r.to(dev)
+        ref_tensors[path] = r
+        if "ref_fp" in entry.params:
+            checks.append((path, _fingerprint(r)))
+    for (path, _), fp in zip(checks, _read_device_scalars([f for _, f in checks])):
+        want = qstate.entries[path].params["ref_fp"]
+        if _fp_hex(fp) != want:
+            raise ReferenceMismatchError(
+                f"{where}: entry {path!r} is a delta from reference {rid!r}, but the "
+                f"reference tensor given for it differs from the one it was encoded "
+                f"against (fingerprint {_fp_hex(fp)}, expected {want}); {ref_what} is "
+                "not that reference"
+            )
+    return ref_tensors, owned
 
 
 def save(
@@ -742,16 +800,43 @@ def load(
         CheckpointError: the file is malformed, corrupted or uses an unknown codec.
         ReferenceMismatchError: a delta checkpoint with a missing or different reference.
     """
-    from .format import read_file
+    from .format import HeaderCache, read_file, read_manifest
 
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise TwTritonError(f"cannot load {os.fspath(path)} to {dev}: CUDA is not available")
     source = os.fspath(path)
     targets = decode_targets(into) if into is not None and dev.type == "cpu" else None
-    qstate = read_file(path, verify=verify, pin_memory=_wants_pinned(dev), into=targets)
-    # A reference read from a path takes the targets too: the delta is decoded over them.
-    return _dequantize(qstate, reference, dev, source, progress, verify, False, True, ref_into=targets)
+    headers = HeaderCache()  # the manifest read first is the read's header too
+    pending = None
+    if dev.type == "cpu" and isinstance(reference, (str, os.PathLike)):
+        # A reference file is read while this file is: the delta's manifest names the
+        # entries it needs. (Its many small buffers keep one core busy and the other idle.)
+        manifest = read_manifest(source, headers=headers)
+        delta = _manifest_delta_paths(manifest)
+        if delta:
+            # A reference read from a path takes the targets too: the delta is decoded over them.
+            pending = _read_reference(reference, manifest.get("reference_id"), delta, dev, verify, source, targets)
+    try:
+        qstate = read_file(path, verify=verify, pin_memory=_wants_pinned(dev), into=targets, headers=headers)
+    except BaseException:
+        if pending is not None:
+            pending.wait()
+        raise
+    return _dequantize(qstate, pending or reference, dev, source, progress, verify, False, True, ref_into=targets)
+
+
+def _manifest_delta_paths(manifest: Mapping[str, Any]) -> set[str]:
+    """The delta entries of a validated manifest; empty where an entry's codec is unknown
+    (the read that follows reports it)."""
+    paths = set()
+    for path, entry in manifest["entries"].items():
+        codec = get_codec(entry["codec"])
+        if codec is None:
+            return set()
+        if codec.uses_reference(entry["params"]):
+            paths.add(path)
+    return paths
 
 
 def state_of(value: Any) -> Any:

@@ -51,6 +51,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -697,17 +698,28 @@ def _read_reference(
     verify: bool,
     where: str,
     into: Mapping[str, torch.Tensor] | None,
-) -> Background[tuple[dict[str, torch.Tensor], str | None, str, bool]]:
+) -> Background[_ReadReference]:
     """Start reading and decoding the tensors of a reference file that ``delta`` needs, on a
     thread of its own (what :func:`_checked_reference` then takes)."""
     first = sorted(delta)[0]
-    return Background(
-        lambda: _flat_reference(
+
+    def run() -> _ReadReference:
+        tensors, _, what, _ = _flat_reference(
             reference, device=dev, verify=verify, expect_id=reference_id,
             where=f"{where}: entry {first!r}", paths=delta, into=into,
-        ),
-        name="tw_triton-reference",
-    )
+        )
+        return _ReadReference(tensors, what)
+
+    return Background(run, name="tw_triton-reference")
+
+
+@dataclass(frozen=True)
+class _ReadReference:
+    """The tensors of a reference file read by :func:`_read_reference` (owned: read for the
+    one decode that takes them), and how messages name that file."""
+
+    tensors: dict[str, torch.Tensor]
+    what: str
 
 
 def _checked_reference(
@@ -721,10 +733,10 @@ def _checked_reference(
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """The reference tensors of the ``delta`` entries, on ``dev``, each checked against its
     entry (presence, shape, dtype, fingerprint), and whether they are owned (read from a
-    file). ``reference``: a state, a path, or what :func:`_flat_reference` returned."""
+    file). ``reference``: a state, a path, or a :class:`_ReadReference`."""
     first = sorted(delta)[0]
-    if isinstance(reference, tuple):
-        ref_tensors, _, ref_what, owned = reference
+    if isinstance(reference, _ReadReference):
+        ref_tensors, ref_what, owned = reference.tensors, reference.what, True
     else:
         ref_tensors, _, ref_what, owned = _flat_reference(
             reference, device=dev, verify=verify, expect_id=qstate.reference_id, where=f"{where}: entry {first!r}",
@@ -813,7 +825,7 @@ def load(
         # A reference file is read while this file is: the delta's manifest names the
         # entries it needs. (Its many small buffers keep one core busy and the other idle.)
         manifest = read_manifest(source, headers=headers)
-        delta = _manifest_delta_paths(manifest)
+        delta = manifest_delta_paths(manifest)
         if delta:
             # A reference read from a path takes the targets too: the delta is decoded over them.
             pending = _read_reference(reference, manifest.get("reference_id"), delta, dev, verify, source, targets)
@@ -826,9 +838,10 @@ def load(
     return _dequantize(qstate, pending or reference, dev, source, progress, verify, False, True, ref_into=targets)
 
 
-def _manifest_delta_paths(manifest: Mapping[str, Any]) -> set[str]:
-    """The delta entries of a validated manifest; empty where an entry's codec is unknown
-    (the read that follows reports it)."""
+def manifest_delta_paths(manifest: Mapping[str, Any]) -> set[str]:
+    """The delta entries of a validated manifest (:func:`~tw_triton.format.read_manifest`),
+    what :func:`delta_paths` gives once the file is read; empty where an entry's codec is
+    unknown (the read that follows reports it)."""
     paths = set()
     for path, entry in manifest["entries"].items():
         codec = get_codec(entry["codec"])

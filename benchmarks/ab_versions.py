@@ -19,6 +19,12 @@ a version may not read the other's files).
 
     python benchmarks/ab_versions.py --base f22bf4d --resume --method "tw restore default delta" --rounds 5
 
+With ``--load`` they are its load methods (``tw_triton.load`` of the files to the CPU, a
+delta with its keyframe's path as the reference), the files written the same way, against
+``torch.load`` in every round:
+
+    python benchmarks/ab_versions.py --base 84952d9 --load --method "tw default delta" --rounds 7
+
 Needs git (for the worktree) and the MiniLM fixture of ``speed_compare.py`` (built once,
 about 20 s).
 """
@@ -82,6 +88,16 @@ def resume_child(method: str, source: Path, files: Path, threads: int) -> dict[s
     return {"blocked_s": out["load_s"], "total_s": out["load_s"], "peak_extra_bytes": out["peak_extra_bytes"]}
 
 
+def load_child(method: str, source: Path, files: Path, threads: int, fixture: Path) -> dict[str, Any]:
+    """One load (``speed_compare.py --child-load`` of this checkout) with tw_triton
+    imported from ``source`` (``fixture``: the state, which DCP's load takes as its template)."""
+    proc = _this_child(["--child-load", method, "--fixture", str(fixture), "--out", str(files)], source, threads)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{method} from {source} failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"blocked_s": out["load_s"], "total_s": out["load_s"], "peak_extra_bytes": out["peak_extra_bytes"]}
+
+
 def build_native(tree: Path) -> None:
     """Build a checkout's compiled CPU codec in place, as ``pip install -e`` does for this
     one: a base without it would run the slower torch path, and the A/B would measure
@@ -101,15 +117,25 @@ def main() -> None:
                         help="a save method of speed_compare.py (repeat for more; names may hold commas)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--resume", action="store_true",
-                        help="compare resume methods (restores) instead of saves")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--resume", action="store_true",
+                      help="compare resume methods (restores) instead of saves")
+    kind.add_argument("--load", action="store_true", help="compare load methods instead of saves")
     args = parser.parse_args()
     methods = args.methods
+    reads = args.resume or args.load  # the methods read files written once per side
 
     sys.path.insert(0, str(HERE))
     import speed_compare
 
-    known = speed_compare.RESUME_METHODS if args.resume else speed_compare.SAVE_METHODS
+    if args.resume:
+        known, yard, files_of = speed_compare.RESUME_METHODS, speed_compare.RESUME_METHODS[0], speed_compare.RESUME_FILES
+        child = resume_child
+    elif args.load:
+        known, yard = speed_compare.LOAD_METHODS, "torch.load"
+        files_of = {m: speed_compare.LOAD_FILES.get(m, m) for m in known}
+    else:
+        known, yard = speed_compare.SAVE_METHODS, "torch.save"
     unknown = [m for m in methods if m not in known]
     if unknown:
         parser.error(f"unknown methods {unknown}; known: {list(known)}")
@@ -122,26 +148,28 @@ def main() -> None:
             build_native(base)
             fixture = tmpdir / "fixture.pt"
             speed_compare.build_fixture(fixture)
+            if args.load:
+                def child(method: str, source: Path, files: Path, threads: int) -> dict[str, Any]:
+                    return load_child(method, source, files, threads, fixture)
             sides = {"base": base, "new": REPO}
             rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
             files: dict[tuple[str, str], Path] = {}
-            if args.resume:
-                # The files each resume reads, written once per side by that side's tw_triton
-                # (this checkout's save child), so a change of the stored bytes is measured
-                # with the files each version writes.
-                for method in {*methods, speed_compare.RESUME_METHODS[0]}:
+            if reads:
+                # The files each resume or load reads, written once per side by that side's
+                # tw_triton (this checkout's save child), so a change of the stored bytes is
+                # measured with the files each version writes.
+                for method in {*methods, yard}:
                     for side, source in sides.items():
-                        saved = speed_compare.RESUME_FILES[method]
+                        saved = files_of[method]
                         files[method, side] = tmpdir / side / saved.replace(" ", "_")
                         files[method, side].mkdir(parents=True, exist_ok=True)
                         write_resume_files(saved, source, fixture, files[method, side], args.threads)
             for rnd in range(args.rounds):
                 for method in methods:
                     for side, source in sides.items():
-                        if args.resume:
-                            r = resume_child(method, source, files[method, side], args.threads)
-                            yard = speed_compare.RESUME_METHODS[0]
-                            ts = resume_child(yard, source, files[yard, side], args.threads)
+                        if reads:
+                            r = child(method, source, files[method, side], args.threads)
+                            ts = child(yard, source, files[yard, side], args.threads)
                         else:
                             r = save_child(method, source, fixture, tmpdir / "out", args.threads)
                             ts = save_child("torch.save", base, fixture, tmpdir / "out", args.threads)
@@ -149,15 +177,14 @@ def main() -> None:
                         rows.setdefault((method, side), []).append(r)
                         print(f"round {rnd} {side:4s} {method}: blocks {r['blocked_s']:.3f} s, total "
                               f"{r['total_s']:.3f} s, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB "
-                              f"(torch.save {ts['total_s']:.3f} s)", flush=True)
+                              f"({yard} {ts['total_s']:.3f} s)", flush=True)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
 
     print(f"\nmedians of {args.rounds} alternating rounds, {args.threads} torch thread(s); base {args.base}")
-    yard = "torch.load + load_state_dict (s)" if args.resume else "torch.save (s)"
-    if args.resume:
-        print("(resumes: 'blocks' and 'total' are both the restore's time)")
-    print(f"| method | side | blocks (s) | total (s) | peak extra RSS (MiB) | {yard} |")
+    if reads:
+        print(f"({'resumes' if args.resume else 'loads'}: 'blocks' and 'total' are both its time)")
+    print(f"| method | side | blocks (s) | total (s) | peak extra RSS (MiB) | {yard} (s) |")
     print("|---|---|---|---|---|---|")
     for (method, side), rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("blocked_s", "total_s", "peak_extra_bytes",

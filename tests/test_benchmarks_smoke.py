@@ -431,10 +431,26 @@ def test_ab_versions_runs_the_save_child_of_a_source_tree(tmp_path: Path) -> Non
     assert not out.exists()  # each child's files are removed before the next
 
 
+def test_ab_versions_loads_a_delta_with_its_keyframe_from_the_files_a_side_wrote(tmp_path: Path) -> None:
+    import ab_versions
+
+    _, _, fixture = _trained_fixture(tmp_path, 64, 128)
+    files = tmp_path / "files"
+    files.mkdir()
+    ab_versions.write_resume_files("tw default delta", ab_versions.REPO, fixture, files, threads=1)
+    assert {p.name for p in files.iterdir()} == {"reference.tw.safetensors", "state.tw.safetensors"}
+    r = ab_versions.load_child("tw default delta", ab_versions.REPO, files, 1, fixture)
+    assert 0 < r["total_s"] == r["blocked_s"] and r["peak_extra_bytes"] >= 0
+
+
 def test_ab_versions_refuses_an_unknown_method(monkeypatch) -> None:
     import ab_versions
 
     monkeypatch.setattr(sys, "argv", ["ab_versions.py", "--base", "HEAD", "--method", "tw nothing"])
+    with pytest.raises(SystemExit):
+        ab_versions.main()
+    # A save method is not a load method.
+    monkeypatch.setattr(sys, "argv", ["ab_versions.py", "--base", "HEAD", "--load", "--method", "tw default delta after prepare"])
     with pytest.raises(SystemExit):
         ab_versions.main()
 

@@ -795,7 +795,9 @@ def load(
 
     To a CUDA device the file is read into pinned host memory, copied with non-blocking
     H2D copies and decoded there by the Triton kernels. To the CPU, exact tensors are the
-    buffers read from the file (no extra copy).
+    buffers read from the file (no extra copy), and a reference given as a path is read on
+    a thread of its own while this file is read and its entries that need no reference
+    are decoded.
 
     Args:
         path: the checkpoint file.

@@ -4,6 +4,7 @@ errors and the progress calls are those of reading the two one after the other."
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -88,24 +89,22 @@ def test_progress_counts_every_entry_once_in_order(tmp_path):
     assert calls == [(k, total) for k in range(1, total + 1)]
 
 
-def test_a_corrupt_delta_raises_its_own_error_and_leaves_no_read_behind(tmp_path):
-    delta, key = _files(tmp_path)
-    spec = fmt.read_manifest(delta)["entries"]["optimizer/state/0/exp_avg"]["buffers"]["data"]
-    raw = bytearray(delta.read_bytes())
+def _flip_a_byte(path, entry: str, buffer: str) -> None:
+    spec = fmt.read_manifest(path)["entries"][entry]["buffers"][buffer]
+    raw = bytearray(path.read_bytes())
     raw[8 + int.from_bytes(raw[:8], "little") + spec["data_offsets"][0] + 5] ^= 0xFF
-    delta.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"d\.tw: entry 'optimizer/state/0/exp_avg' buffer 'data'"):
-        load(delta, reference=key)
-    assert not _reference_threads()
+    path.write_bytes(bytes(raw))
 
 
-def test_a_corrupt_reference_raises_its_error_naming_the_reference_file(tmp_path):
+@pytest.mark.parametrize(
+    "corrupt, entry, buffer",
+    [("d.tw", "optimizer/state/0/exp_avg", "data"), ("k.tw", "model/w1", "codes")],
+    ids=["the delta", "the reference"],
+)
+def test_a_corrupt_file_raises_its_own_error_and_leaves_no_read_behind(tmp_path, corrupt, entry, buffer):
     delta, key = _files(tmp_path)
-    spec = fmt.read_manifest(key)["entries"]["model/w1"]["buffers"]["codes"]
-    raw = bytearray(key.read_bytes())
-    raw[8 + int.from_bytes(raw[:8], "little") + spec["data_offsets"][0] + 5] ^= 0xFF
-    key.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"k\.tw: entry 'model/w1' buffer 'codes'"):
+    _flip_a_byte(tmp_path / corrupt, entry, buffer)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(corrupt)}: entry '{entry}' buffer '{buffer}'"):
         load(delta, reference=key)
     assert not _reference_threads()
 

@@ -183,26 +183,19 @@ def test_workers_run_torch_ops_on_one_intraop_thread_and_the_default_comes_back(
     """Workers times torch's intra-op threads would oversubscribe the cores; the count a
     thread inherits when it first runs a torch op must be what it was before the call."""
 
-    def intraop_in_a_new_thread() -> int:
-        box: list[int] = []
-        t = threading.Thread(target=lambda: box.append(torch.get_num_threads()))
-        t.start()
-        t.join()
-        return box[0]
-
     before = torch.get_num_threads()
     torch.set_num_threads(3)  # not the machine's default, so a leak of 1 shows either way
     try:
-        inherited = intraop_in_a_new_thread()
+        inherited = _intraop_in_a_new_thread()
         assert inherited == 3
         seen = parallel_map(lambda _: torch.get_num_threads(), [0, 1, 2], sizes=[MIN_PARALLEL_SIZE] * 3, threads=2)
         assert seen == [1, 1, 1]
         assert torch.get_num_threads() == 3
-        assert intraop_in_a_new_thread() == 3
+        assert _intraop_in_a_new_thread() == 3
         # Also when an item raises.
         with pytest.raises(ValueError):
             parallel_map(lambda _: (_ for _ in ()).throw(ValueError("x")), [0, 1], sizes=[MIN_PARALLEL_SIZE] * 2, threads=2)
-        assert intraop_in_a_new_thread() == 3
+        assert _intraop_in_a_new_thread() == 3
     finally:
         torch.set_num_threads(before)
 

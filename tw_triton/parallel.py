@@ -149,8 +149,9 @@ class Background(Generic[R]):
             self._future.set_exception(exc)
 
     def result(self) -> R:
-        """``fn()``'s value, once it is done; raises what ``fn`` raised."""
+        """``fn()``'s value, once its thread has ended; raises what ``fn`` raised."""
         try:
+            self._thread.join()
             return self._future.result()
         finally:
             torch.set_num_threads(self._intraop)

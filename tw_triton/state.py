@@ -825,7 +825,8 @@ def load(
     pending = None
     if dev.type == "cpu" and isinstance(reference, (str, os.PathLike)):
         # A reference file is read while this file is: the delta's manifest names the
-        # entries it needs. (Its many small buffers keep one core busy and the other idle.)
+        # entries it needs. (Alone, the delta file's hundreds of small buffers run on this
+        # thread while a core waits for them.)
         manifest = read_manifest(source, headers=headers)
         delta = manifest_delta_paths(manifest)
         if delta:

@@ -1,5 +1,5 @@
-"""Two versions of tw_triton side by side: the same save methods of ``speed_compare.py``,
-each in a fresh process, alternating old, new, old, new.
+"""Two versions of tw_triton side by side: the same save, resume or load methods of
+``speed_compare.py``, each in a fresh process, alternating old, new, old, new.
 
 A change to the CPU path is judged against the code before it, not against last week's
 run: the 2-core VM's timings drift between runs by more than most changes move them. This
@@ -82,6 +82,11 @@ def resume_child(method: str, source: Path, files: Path, threads: int) -> dict[s
     imported from ``source``; the Checkpointer directory it links is removed after."""
     proc = _this_child(["--child-resume", method, "--out", str(files)], source, threads)
     subprocess.run(["rm", "-rf", str(files / "resume")], check=True)
+    return _read_time(proc, method, source)
+
+
+def _read_time(proc: subprocess.CompletedProcess, method: str, source: Path) -> dict[str, Any]:
+    """A resume or load child's time and peak, as rows of a save (its time in both columns)."""
     if proc.returncode != 0:
         raise RuntimeError(f"{method} from {source} failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -92,10 +97,7 @@ def load_child(method: str, source: Path, files: Path, threads: int, fixture: Pa
     """One load (``speed_compare.py --child-load`` of this checkout) with tw_triton
     imported from ``source`` (``fixture``: the state, which DCP's load takes as its template)."""
     proc = _this_child(["--child-load", method, "--fixture", str(fixture), "--out", str(files)], source, threads)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{method} from {source} failed:\n{proc.stderr[-3000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"blocked_s": out["load_s"], "total_s": out["load_s"], "peak_extra_bytes": out["peak_extra_bytes"]}
+    return _read_time(proc, method, source)
 
 
 def build_native(tree: Path) -> None:
@@ -114,7 +116,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision to compare this checkout with")
     parser.add_argument("--method", action="append", required=True, dest="methods",
-                        help="a save method of speed_compare.py (repeat for more; names may hold commas)")
+                        help="a save method of speed_compare.py, or a resume or load one with --resume or "
+                             "--load (repeat for more; names may hold commas)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     kind = parser.add_mutually_exclusive_group()

@@ -77,7 +77,13 @@ Host memory of snapshots
     that the writer thread's codecs produce come from the same save's lease (they go back
     with its snapshot). :attr:`Checkpointer.pool_bytes` reports what the pool holds. The
     first save of a process finds the pool empty; :meth:`Checkpointer.prepare` fills it
-    ahead of that save (call it after the optimizer's first step).
+    ahead of that save (call it after the optimizer's first step). A keyframe that finds
+    less than half of its copy's bytes in free pooled buffers (no ``prepare``, or
+    ``snapshot_pool_bytes=0``) is encoded in ``save`` instead of copied: it then writes the
+    moments' codes, a fraction of their bytes, into fresh memory instead of a full copy of
+    them, which paused the loop less, finished the save sooner and held less memory (the
+    README's "CPU speed" section). The writer thread then faults in the buffers the next
+    save's copy needs, after that keyframe's write. Deltas always copy.
 
 Crash safety
     Files appear under their final name only when complete (``format.write_file``: temp
@@ -104,6 +110,7 @@ import operator
 import os
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -132,7 +139,7 @@ from .deltas import (
 )
 from .rng import capture_rng_state, restore_rng_state
 from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
-from .snapshot_pool import SavePool, SnapshotLease
+from .snapshot_pool import MIN_POOLED_BYTES, SavePool, SnapshotLease
 from .state import decode_targets, quantize_state_dict, state_of
 from .tree import Flattened, flatten, leaf_tensors
 from .writer import AsyncWriter
@@ -250,9 +257,9 @@ class Checkpointer:
         """Snapshot and encode ``state`` now; write it (in the background if async).
 
         The loop pauses for the snapshot and the encode (on CUDA: the kernel launches and
-        one sync; on the CPU with ``async_write``: a copy, the encode of a delta runs on the
-        writer thread), and for backpressure when ``max_pending`` saves are still being
-        written.
+        one sync; on the CPU with ``async_write``: a copy, whose encode runs on the writer
+        thread, or for a keyframe with no pooled memory to copy into, the encode itself),
+        and for backpressure when ``max_pending`` saves are still being written.
 
         Args:
             step: the training step; names the file (a step saved again is replaced).
@@ -324,6 +331,8 @@ class Checkpointer:
             if self._reference is not None and lease is not None:
                 # The reference outlives this save's write: its buffers leave the lease.
                 self._reference.lease = lease.split(list(_leaves(self._reference.tree)))
+            if queued.warm_up is not None:
+                self._warm_up(queued.warm_up, lease)
         else:
             self._since_keyframe = (self._since_keyframe or 0) + 1
             if reference is not None and reference.closed and queued.reference_id is not None:
@@ -342,6 +351,14 @@ class Checkpointer:
         flat = Flattened.of(job.tree)
         if reference is not None:
             check_reference(flat, job.rule_list, reference, job.path)
+        sizes = _nbytes_each(flat.tensors.values())
+        if job.keyframe and not self._saves.warm_for(sizes):
+            # No faulted-in memory to copy into (the first save of a process, no prepare):
+            # encoding now writes the moments' codes, a fraction of their bytes, instead of
+            # faulting in a copy of them, and so pauses less (see "Host memory of
+            # snapshots"). Deltas always copy: in closed loop each one's encode advances
+            # the reference on the writer thread, in order.
+            return self._encode_here(job, flat, warm_up=sizes)
         snap_q = quantize_state_dict(flat, rules="exact", checkpoint_id=q_id, allocate=job.lease)
         # The copy's tensors by path, in the state's order (tied ones shared): the exact
         # entries' buffers, allocated in the tensors' shapes.
@@ -378,33 +395,54 @@ class Checkpointer:
             self._writer.call(functools.partial(self._saves.reserve_beside, _nbytes_each(ref_values.values())))
         return _Queued(future, q_id, reference.checkpoint_id if reference is not None else None, ref_values)
 
-    def _encode_here(self, job: _SaveJob) -> _Queued:
-        """Encode the live state on this thread (a device state, or ``async_write=False``)
-        and hand the encoded state to the writer (or write it now)."""
+    def _encode_here(self, job: _SaveJob, flat: Flattened | None = None,
+                     warm_up: list[int] | None = None) -> _Queued:
+        """Encode the live state on this thread (a device state, ``async_write=False``, or a
+        keyframe with no pooled memory to copy into) and hand the encoded state to the
+        writer (or write it now). ``flat``: the state already flattened; ``warm_up``: the
+        sizes of the snapshot that found no pooled memory (see :meth:`_warm_up`)."""
         ref_values: dict[str, torch.Tensor] = {}
         if job.keyframe:
-            q = _encode_keyframe(job.tree, rules_as_specs(keyframe_rules(job.rule_list)), self.bits,
-                                 self.block, job.meta, None, allocate=job.lease)
-            # The tensors deltas are coded against are exact entries of the keyframe.
+            q = _encode_keyframe(job.tree if flat is None else flat, rules_as_specs(keyframe_rules(job.rule_list)),
+                                 self.bits, self.block, job.meta, None, allocate=job.lease)
+            # The tensors deltas are coded against are exact entries of the keyframe, under
+            # every path that names them: a tied weight's alias is coded against it too.
             if self.delta:
-                ref_values = delta_coded(
-                    {p: e.buffers["data"] for p, e in q.entries.items() if e.codec == "exact"}, job.rule_list
-                )
+                exact = {p: e.buffers["data"] for p, e in q.entries.items() if e.codec == "exact"}
+                exact.update({alias: exact[target] for alias, target in q.aliases.items() if target in exact})
+                ref_values = delta_coded(exact, job.rule_list)
         else:
             q = _encode_snapshot(job.tree, job.reference, self.rules, self.bits, self.block, job.meta, None,
                                  allocate=job.lease, ref_at=_ref_at(job.reference))
         job.noted.note(q)
-        return _Queued(self._write(q, job.path), q.checkpoint_id, q.reference_id, ref_values)
+        return _Queued(self._write(q, job.path), q.checkpoint_id, q.reference_id, ref_values, warm_up)
+
+    def _warm_up(self, sizes: list[int], lease: SnapshotLease | None) -> None:
+        """After a keyframe encoded in ``save`` for want of pooled memory: fault in buffers
+        for the next save's copy of buffers of ``sizes`` on the writer thread, after that
+        keyframe's write, as :meth:`prepare` would have (the next save is a delta, which
+        copies). The buffers ``lease`` keeps after the reference split off its own come
+        back to the pool with the write (the copies of what the keyframe stores exact, its
+        codes): only the sizes they do not cover are added."""
+        if self._writer is None or lease is None:
+            return
+        # The reference holds the keyframe's own buffers, so this covers the whole copy:
+        # the first delta needs no share reserved for it.
+        self._ref_share_reserved = True
+        missing = Counter(n for n in sizes if n >= MIN_POOLED_BYTES) - Counter(lease.buffer_sizes())
+        if missing:
+            self._saves.make_room(sizes, self._kept_bytes())
+            self._writer.call(functools.partial(self._saves.reserve_beside, list(missing.elements())))
 
     def prepare(self, **state: Any) -> int:
         """Fault in the host memory the first save will copy ``state`` into, now.
 
         On the CPU with ``async_write`` a save copies the state into pooled buffers before
         it returns (see "Host memory of snapshots"). The first save of a process finds the
-        pool empty and copies into fresh memory, whose page faults were most of its pause
-        (0.43x ``torch.save`` on the MiniLM + AdamW state of ``benchmarks/speed_compare.py``,
-        against 0.2x for a save into reused buffers). ``prepare`` allocates those buffers
-        and touches their pages here instead, outside the loop's saves.
+        pool empty: it encodes the keyframe in ``save`` instead, whose codes need less fresh
+        memory than a copy, but its page faults are still most of its pause. ``prepare``
+        allocates the copy's buffers and touches their pages here instead, outside the
+        loop's saves, and the first save then copies as the later ones do.
 
         Call it with the same objects as :meth:`save`, once they have their final shapes:
         AdamW creates its moments at the optimizer's first step, so a ``prepare`` before
@@ -807,6 +845,7 @@ class _Queued:
     checkpoint_id: str
     reference_id: str | None
     ref_values: dict[str, torch.Tensor]
+    warm_up: list[int] | None = None  # sizes to fault in for the next save (see _warm_up)
 
 
 class _Noted:

@@ -143,6 +143,13 @@ class SnapshotPool:
             added += nbytes * count
         return added
 
+    def reusable_bytes(self, sizes: Iterable[int]) -> int:
+        """Bytes of buffers of these byte sizes that free buffers could serve now (each
+        free buffer once; sizes under ``min_bytes`` are not pooled and count nothing)."""
+        wanted = Counter(int(n) for n in sizes if int(n) >= self.min_bytes)
+        with self._lock:
+            return sum(n * min(count, len(self._free.get(n, ()))) for n, count in wanted.items())
+
     def _take(self, nbytes: int) -> torch.Tensor | None:
         """A pooled ``uint8`` buffer of exactly ``nbytes``, or ``None`` if the cap forbids it."""
         with self._lock:
@@ -222,6 +229,11 @@ class SnapshotLease:
         """Pooled bytes this lease holds."""
         with self._lock:
             return sum(b.numel() for b in self._bufs)
+
+    def buffer_sizes(self) -> list[int]:
+        """The byte size of each pooled buffer this lease holds."""
+        with self._lock:
+            return [b.numel() for b in self._bufs]
 
     def split(self, tensors: Sequence[torch.Tensor]) -> "SnapshotLease":
         """Move the buffers under ``tensors`` into a new lease of the same pool.
@@ -323,10 +335,25 @@ class SavePool:
         """
         if self.pool is None:
             return 0
-        if self._auto:
+        self.make_room(sizes, kept, extra)
+        return self.pool.reserve([*sizes, *extra])
+
+    def make_room(self, sizes: Sequence[int], kept: int = 0, extra: Sequence[int] = ()) -> None:
+        """Bring an automatic cap up to a save of buffers of ``sizes`` bytes (plus ``kept``
+        and ``extra`` as in :meth:`reserve`), reserving nothing: the owner's thread calls
+        it before the writer thread adds the buffers with :meth:`reserve_beside`."""
+        if self.pool is not None and self._auto:
             self.largest = max(self.largest, sum(sizes))
             self._update_cap(kept + sum(extra))
-        return self.pool.reserve([*sizes, *extra])
+
+    def warm_for(self, sizes: Sequence[int]) -> bool:
+        """Whether a copy of buffers of ``sizes`` bytes would land mostly (at least half of
+        its pooled bytes) in free buffers, memory already faulted in. ``False`` without a
+        pool; ``True`` when nothing in it is large enough to be pooled."""
+        if self.pool is None:
+            return False
+        pooled = sum(int(n) for n in sizes if int(n) >= self.pool.min_bytes)
+        return pooled == 0 or 2 * self.pool.reusable_bytes(sizes) >= pooled
 
     def reserve_beside(self, sizes: Sequence[int]) -> int:
         """Add free buffers of ``sizes`` beside those free already, within the cap; returns

@@ -193,3 +193,36 @@ def test_a_tied_weight_is_delta_coded_after_a_keyframe_encoded_in_save(tmp_path,
     assert got["model"]["c.weight"].data_ptr() == got["model"]["a.weight"].data_ptr()
     err = (got["model"]["a.weight"] - model.a.weight.detach()).abs().max()
     assert 0 < err < 0.02  # a coarse delta of one AdamW step of 1e-2
+
+
+def test_a_delta_right_after_the_keyframe_waits_for_the_warm_up_not_for_fresh_memory(tmp_path, monkeypatch):
+    """The first delta saved as soon as its cold keyframe is written finds the writer still
+    faulting in its buffers: it waits for them rather than copying into fresh memory."""
+    import threading
+    import time
+
+    from tw_triton.snapshot_pool import SavePool
+
+    started = threading.Event()
+    real = SavePool.reserve_beside
+
+    def slow(self, sizes):
+        started.set()
+        time.sleep(0.3)  # far longer than the rest of the delta's save() takes
+        return real(self, sizes)
+
+    monkeypatch.setattr(SavePool, "reserve_beside", slow)
+    model, opt = _run()
+    ckpt = Checkpointer(tmp_path, fsync=False)
+    ckpt.save(0, model=model, optimizer=opt).result()
+    assert started.wait(10)
+    allocated = ckpt._saves.pool.allocated  # the warm-up's buffers are not counted yet
+    _step(model, opt, 1)
+    ckpt.save(1, model=model, optimizer=opt).result()
+    tensors = [*model.state_dict().values(), *(t for s in opt.state.values() for t in s.values())]
+    pooled = sum(1 for t in {id(t): t for t in tensors}.values() if t.nbytes >= MIN_POOLED_BYTES)
+    # The warm-up's buffers (the tied weight is one tensor, counted once by the copy but
+    # twice by the sizes) and the writer's codes of the two weights, no copy into fresh ones.
+    assert ckpt._saves.pool.allocated - allocated <= (pooled + 1) + 2
+    assert ckpt._saves.pool.reused >= pooled
+    ckpt.close()

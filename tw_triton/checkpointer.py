@@ -244,6 +244,8 @@ class Checkpointer:
         # Whether the pool got (or is getting) room for the first delta's copy of what the
         # reference holds: once per Checkpointer, by prepare() or after the first keyframe.
         self._ref_share_reserved = False
+        # (the keyframe's Future, the Future of the writer's warm-up after it): see _warm_up
+        self._warming: tuple[Future, Future] | None = None
         # step -> (future, id, ref id, what its file says of itself once encoded)
         self._inflight: dict[int, tuple[Future, str, str | None, _Noted]] = {}
         # Each save's pooled buffers, until its write is done (then back to the pool).
@@ -332,7 +334,7 @@ class Checkpointer:
                 # The reference outlives this save's write: its buffers leave the lease.
                 self._reference.lease = lease.split(list(_leaves(self._reference.tree)))
             if queued.warm_up is not None:
-                self._warm_up(queued.warm_up, lease)
+                self._warm_up(queued.warm_up, lease, future)
         else:
             self._since_keyframe = (self._since_keyframe or 0) + 1
             if reference is not None and reference.closed and queued.reference_id is not None:
@@ -352,6 +354,7 @@ class Checkpointer:
         if reference is not None:
             check_reference(flat, job.rule_list, reference, job.path)
         sizes = _nbytes_each(flat.tensors.values())
+        self._wait_for_warm_up()
         if job.keyframe and not self._saves.warm_for(sizes):
             # No faulted-in memory to copy into (the first save of a process, no prepare):
             # encoding now writes the moments' codes, a fraction of their bytes, instead of
@@ -417,13 +420,13 @@ class Checkpointer:
         job.noted.note(q)
         return _Queued(self._write(q, job.path), q.checkpoint_id, q.reference_id, ref_values, warm_up)
 
-    def _warm_up(self, sizes: list[int], lease: SnapshotLease | None) -> None:
+    def _warm_up(self, sizes: list[int], lease: SnapshotLease | None, written: Future) -> None:
         """After a keyframe encoded in ``save`` for want of pooled memory: fault in buffers
         for the next save's copy of buffers of ``sizes`` on the writer thread, after that
-        keyframe's write, as :meth:`prepare` would have (the next save is a delta, which
-        copies). The buffers ``lease`` keeps after the reference split off its own come
-        back to the pool with the write (the copies of what the keyframe stores exact, its
-        codes): only the sizes they do not cover are added."""
+        keyframe's write (``written``, its Future), as :meth:`prepare` would have (the next
+        save is a delta, which copies). The buffers ``lease`` keeps after the reference
+        split off its own come back to the pool with the write (the copies of what the
+        keyframe stores exact, its codes): only the sizes they do not cover are added."""
         if self._writer is None or lease is None:
             return
         # The reference holds the keyframe's own buffers, so this covers the whole copy:
@@ -432,7 +435,21 @@ class Checkpointer:
         missing = Counter(n for n in sizes if n >= MIN_POOLED_BYTES) - Counter(lease.buffer_sizes())
         if missing:
             self._saves.make_room(sizes, self._kept_bytes())
-            self._writer.call(functools.partial(self._saves.reserve_beside, list(missing.elements())))
+            warmed = self._writer.call(functools.partial(self._saves.reserve_beside, list(missing.elements())))
+            self._warming = (written, warmed)
+
+    def _wait_for_warm_up(self) -> None:
+        """Before a copy: if the writer thread is faulting in its buffers (:meth:`_warm_up`)
+        because the keyframe before it is written, wait for the rest. Copying into fresh
+        memory instead would cost the loop the same page faults and hold a second copy
+        (seen in ``speed_compare.py``, whose first delta follows its keyframe at once). A
+        keyframe still being written is not waited for: that is what ``max_pending`` is."""
+        if self._warming is None:
+            return
+        written, warmed = self._warming
+        if written.done() or warmed.done():
+            wait_futures([warmed])
+            self._warming = None
 
     def prepare(self, **state: Any) -> int:
         """Fault in the host memory the first save will copy ``state`` into, now.

@@ -300,20 +300,25 @@ class AsyncWriter:
         """
         self.call(functools.partial(_format.remove_quietly, os.fspath(path)))
 
-    def call(self, fn: Callable[[], Any]) -> None:
+    def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn()`` on the writer thread, after the saves queued before it.
 
         For work the loop should not wait for (deleting files, faulting in memory a later
         save will use). :meth:`flush` and :meth:`close` wait for it; an exception it raises
         is logged, not raised. A closed writer runs it here and now.
+
+        Returns:
+            A Future that is done once ``fn`` has run (its result is not kept).
         """
+        future: Future = Future()
         if self._closed:
             _run_logged(fn)
-            return
-        future: Future = Future()
+            future.set_result(None)
+            return future
         with self._lock:
             self._tasks.add(future)
         self._queue.put(_Task(fn, future))
+        return future
 
     def check(self) -> None:
         """Raise a failed save's error not yet raised, without waiting for anything.

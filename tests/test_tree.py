@@ -295,3 +295,13 @@ def test_quantize_state_dict_of_a_flattened_state_is_the_same(rules, shape):
         assert (ea.codec, ea.params, ea.shape, ea.dtype) == (eb.codec, eb.params, eb.shape, eb.dtype)
         for name in ea.buffers:
             assert torch.equal(ea.buffers[name], eb.buffers[name])
+
+
+def test_an_empty_top_level_key_does_not_share_paths_with_other_keys():
+    """{"": [x]} once gave x the path "0", the path of a top-level key 0 (found by the
+    property test above in CI)."""
+    state = {0: np.array([7], dtype=np.uint32), "": [torch.tensor([15.41]), {"": torch.ones(2)}]}
+    tensors, skeleton = flatten(state)
+    assert len(tensors) == 3
+    out = unflatten(skeleton, tensors)
+    assert_same(state, out)

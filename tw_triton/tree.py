@@ -59,10 +59,18 @@ def escape_component(key: str) -> str:
     return key.replace("%", "%25").replace(PATH_SEPARATOR, "%2F")
 
 
+# The path of an empty key at the top level: '' is the root's own path, whose children's
+# paths have no prefix, so {"": [x]} would give x the path "0" of the key 0. An escaped key
+# never holds "%00" ("%" itself is escaped).
+EMPTY_TOP_LEVEL_KEY = "%00"
+
+
 def join_path(prefix: str, key: str) -> str:
     """Join an already-escaped prefix and an unescaped key into a path."""
     comp = escape_component(key)
-    return comp if not prefix else f"{prefix}{PATH_SEPARATOR}{comp}"
+    if not prefix:
+        return comp or EMPTY_TOP_LEVEL_KEY
+    return f"{prefix}{PATH_SEPARATOR}{comp}"
 
 
 def _describe(path: str) -> str:

@@ -482,6 +482,26 @@ def test_header_text_is_json_dumps_of_the_header(seed, policy):
     assert fmt._encode_header(plan, "x") == _reference_header(plan)
 
 
+def test_header_writes_params_that_compare_equal_as_they_are():
+    """The header writes each distinct params dict once (format._params_json): params that are
+    equal in Python but not in JSON must each keep their own text."""
+    state = sample_state(0)
+    variants = [
+        {"b": 1}, {"b": True}, {"b": 1.0}, {"b": -0.0}, {"b": 0.0}, {"b": 0},
+        {"b": (1,)}, {"b": (True,)}, {"b": [1]}, {"b": None}, {"b": "1"}, {},
+        {"a": 1, "b": 2}, {"b": 2, "a": 1},  # equal dicts, keys in another order
+    ]
+    for i, params in enumerate(variants):
+        state.entries[f"p{i}"] = exact_entry(torch.arange(3.0))
+        state.entries[f"p{i}"].params = params
+    plan = fmt._plan(state, "x", None)
+    header = fmt._encode_header(plan, "x")
+    assert header == _reference_header(plan)
+    manifest = json.loads(json.loads(header[8:])["__metadata__"][fmt.MANIFEST_KEY])
+    written = [json.dumps(manifest["entries"][f"p{i}"]["params"]) for i in range(len(variants))]
+    assert written == [json.dumps(p) for p in variants]
+
+
 def test_verify_file_passes_on_a_good_file(tmp_path):
     path = tmp_path / "ckpt.safetensors"
     fmt.write_file(sample_state(10), path)

@@ -79,6 +79,8 @@ _ENTRY_DTYPE_NAMES: dict[torch.dtype, str] = {dt: n for n, dt in ENTRY_DTYPES.it
 
 # Any tensor torch can hold has fewer bytes than this.
 _MAX_TENSOR_BYTES = 1 << 63
+# Dimensions below this take _check_shape's fast path (two of them multiply to under 2**62).
+_SMALL_DIM = 1 << 31
 
 _MANIFEST_FIELDS = (
     "format",
@@ -100,6 +102,8 @@ _STAGE_FIELDS = ("name", "params", "raw_nbytes")
 _STAGED_DTYPE = "U8"
 _TENSOR_INFO_FIELDS = ("dtype", "shape", "data_offsets")
 _STATS_FIELDS = ("raw_bytes", "stored_bytes", "entries", "buffers")
+_ENTRY_FIELD_SET = frozenset(_ENTRY_FIELDS)
+_BUFFER_FIELD_SET = frozenset(_BUFFER_FIELDS)
 
 
 def tensor_key(entry_path: str, buffer_name: str) -> str:
@@ -114,7 +118,9 @@ def _io_error(exc: OSError, message: str) -> CheckpointIOError:
     return CheckpointIOError(exc.errno, f"{message}: {detail}")
 
 
-@dataclass(frozen=True)
+# Not frozen: a header of hundreds of buffers makes one each, and a frozen dataclass's
+# __init__ costs five times as much. Nothing changes a spec once made.
+@dataclass(slots=True)
 class _BufferSpec:
     entry: str
     name: str
@@ -135,7 +141,23 @@ class _BufferSpec:
 
 
 def _where(path: str, spec: _BufferSpec) -> str:
-    return f"checkpoint {path}: entry {spec.entry!r} buffer {spec.name!r}"
+    return _buffer_where(path, spec.entry, spec.name)
+
+
+def _buffer_where(path: str, entry: str, name: str) -> str:
+    return f"checkpoint {path}: entry {entry!r} buffer {name!r}"
+
+
+class _Where:
+    """A message's "where" made only when a message needs it (str() of it)."""
+
+    __slots__ = ("path", "entry", "name")
+
+    def __init__(self, path: str, entry: str, name: str) -> None:
+        self.path, self.entry, self.name = path, entry, name
+
+    def __str__(self) -> str:
+        return _buffer_where(self.path, self.entry, self.name)
 
 
 @dataclass(frozen=True)
@@ -262,12 +284,22 @@ def _check_fields(obj: Any, fields: tuple[str, ...], where: str) -> None:
         raise CheckpointError(f"{where}: missing field(s) {', '.join(map(repr, missing))}")
 
 
-def _check_shape(shape: Any, itemsize: int, where: str) -> int:
+def _check_shape(shape: Any, itemsize: int, where: str | _Where) -> int:
     """Validate a shape; return its element count.
 
     The bound is on the product of the dimensions counting zeros as ones: torch computes
     strides from it, so ``[0, 2**40, 2**40]`` (no elements) would still overflow them.
     """
+    if type(shape) is list and len(shape) <= 2:
+        # Most buffers and entries: a vector or a matrix of ints read from JSON. With both
+        # dimensions under 2**31 the bound below is the same test on the product itself (a
+        # zero dimension leaves the other, far under it).
+        if all(type(s) is int and 0 <= s < _SMALL_DIM for s in shape):
+            n = 1
+            for s in shape:
+                n *= s
+            if n * itemsize < _MAX_TENSOR_BYTES:
+                return n
     if not isinstance(shape, (list, tuple)) or not all(_is_int(s) and s >= 0 for s in shape):
         raise CheckpointError(
             f"{where}: shape must be a list of non-negative ints, found {shape!r}"
@@ -317,49 +349,59 @@ def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
     if not isinstance(entries, dict):
         raise CheckpointError(f"{where}: entries must be an object")
     specs: list[_BufferSpec] = []
+    # The messages' "where" strings are made only for a buffer that fails: a manifest holds
+    # hundreds of buffers, and this runs before anything of a load can start.
     for entry_path, entry in entries.items():
-        ewhere = f"checkpoint {path}: entry {entry_path!r}"
-        _check_fields(entry, _ENTRY_FIELDS, ewhere)
+        if type(entry) is not dict or not entry.keys() >= _ENTRY_FIELD_SET:
+            _check_fields(entry, _ENTRY_FIELDS, f"checkpoint {path}: entry {entry_path!r}")
         if not isinstance(entry["codec"], str) or not entry["codec"]:
-            raise CheckpointError(f"{ewhere}: codec must be a non-empty string")
+            raise CheckpointError(f"checkpoint {path}: entry {entry_path!r}: codec must be a non-empty string")
         if not isinstance(entry["params"], dict):
-            raise CheckpointError(f"{ewhere}: params must be an object")
+            raise CheckpointError(f"checkpoint {path}: entry {entry_path!r}: params must be an object")
         dtype = ENTRY_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
         if dtype is None:
             raise CheckpointError(
-                f"{ewhere}: unknown dtype {entry['dtype']!r}, "
+                f"checkpoint {path}: entry {entry_path!r}: unknown dtype {entry['dtype']!r}, "
                 f"expected one of {sorted(ENTRY_DTYPES)}"
             )
-        _check_shape(entry["shape"], dtype.itemsize, ewhere)
+        _check_shape(entry["shape"], dtype.itemsize, f"checkpoint {path}: entry {entry_path!r}")
         if not isinstance(entry["buffers"], dict):
-            raise CheckpointError(f"{ewhere}: buffers must be an object")
+            raise CheckpointError(f"checkpoint {path}: entry {entry_path!r}: buffers must be an object")
         for name, buf in entry["buffers"].items():
-            bwhere = f"{ewhere} buffer {name!r}"
             if not BUFFER_NAME_RE.fullmatch(name):
-                raise CheckpointError(f"{bwhere}: buffer names must match [A-Za-z0-9_.-]+")
-            _check_fields(buf, _BUFFER_FIELDS, bwhere)
-            if buf["key"] != tensor_key(entry_path, name):
                 raise CheckpointError(
-                    f"{bwhere}: expected tensor key {tensor_key(entry_path, name)!r}, "
+                    f"{_buffer_where(path, entry_path, name)}: buffer names must match [A-Za-z0-9_.-]+"
+                )
+            if type(buf) is not dict or not buf.keys() >= _BUFFER_FIELD_SET:
+                _check_fields(buf, _BUFFER_FIELDS, _buffer_where(path, entry_path, name))
+            key = tensor_key(entry_path, name)
+            if buf["key"] != key:
+                raise CheckpointError(
+                    f"{_buffer_where(path, entry_path, name)}: expected tensor key {key!r}, "
                     f"found {buf['key']!r}"
                 )
             bdtype = BUFFER_DTYPES.get(buf["dtype"]) if isinstance(buf["dtype"], str) else None
             if bdtype is None:
                 raise CheckpointError(
-                    f"{bwhere}: unknown dtype {buf['dtype']!r}, "
+                    f"{_buffer_where(path, entry_path, name)}: unknown dtype {buf['dtype']!r}, "
                     f"expected one of {sorted(BUFFER_DTYPES)}"
                 )
-            numel = _check_shape(buf["shape"], bdtype.itemsize, bwhere)
+            shape = buf["shape"]
+            numel = _check_shape(shape, bdtype.itemsize, _Where(path, entry_path, name))
             offsets = buf["data_offsets"]
             if not (
-                isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+                type(offsets) is list and len(offsets) == 2
+                and (type(offsets[0]) is int or _is_int(offsets[0]))
+                and (type(offsets[1]) is int or _is_int(offsets[1]))
             ):
                 raise CheckpointError(
-                    f"{bwhere}: data_offsets must be [begin, end], found {offsets!r}"
+                    f"{_buffer_where(path, entry_path, name)}: data_offsets must be [begin, end], "
+                    f"found {offsets!r}"
                 )
             begin, end = offsets
             stage = None
             if "stage" in buf:
+                bwhere = _buffer_where(path, entry_path, name)
                 if version < 2:
                     raise CheckpointError(
                         f"{bwhere}: a stage record needs format version 2, the file says {version}"
@@ -369,18 +411,18 @@ def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
                     raise CheckpointError(f"{bwhere}: data_offsets {offsets} are not [begin, end]")
             elif not 0 <= begin <= end or end - begin != numel * bdtype.itemsize:
                 raise CheckpointError(
-                    f"{bwhere}: data_offsets {offsets} do not span shape {buf['shape']} of "
-                    f"{buf['dtype']} ({numel * bdtype.itemsize} bytes)"
+                    f"{_buffer_where(path, entry_path, name)}: data_offsets {offsets} do not span "
+                    f"shape {buf['shape']} of {buf['dtype']} ({numel * bdtype.itemsize} bytes)"
                 )
             crc = buf["crc32"]
             if not isinstance(crc, str) or not _CRC_RE.fullmatch(crc):
                 raise CheckpointError(
-                    f"{bwhere}: crc32 must be 8 lowercase hex digits, found {crc!r}"
+                    f"{_buffer_where(path, entry_path, name)}: crc32 must be 8 lowercase hex "
+                    f"digits, found {crc!r}"
                 )
-            shape = tuple(buf["shape"])
             specs.append(
                 _BufferSpec(
-                    entry_path, name, buf["key"], bdtype, shape, begin, end, int(crc, 16),
+                    entry_path, name, key, bdtype, tuple(shape), begin, end, int(crc, 16),
                     *(() if stage is None else (stage, buf["stage"]["params"], buf["stage"]["raw_nbytes"])),
                 )
             )

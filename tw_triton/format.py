@@ -92,6 +92,10 @@ import sys
 import threading
 import zlib
 from dataclasses import dataclass
+# What json.dumps does with a str under ensure_ascii (the same C function), without the
+# encoder object each json.dumps call builds: a header quotes thousands of strings. Only
+# for values known to be str; anything else goes through _json.
+from json.encoder import encode_basestring_ascii as _quote
 from typing import Any, BinaryIO, Iterable, Mapping
 
 import torch
@@ -746,6 +750,25 @@ def _checked_json(value: Any, what: str, path: str) -> str:
         raise CheckpointError(f"checkpoint {path}: {what} is not JSON-serializable: {exc}") from exc
 
 
+# Param values that equal each other only when json.dumps writes them alike (not floats:
+# -0.0 == 0.0; not containers: (1,) == (True,)).
+_MEMO_TYPES = frozenset({str, int, bool, type(None)})
+
+
+def _params_json(params: dict[str, Any], memo: dict[Any, str], what: str, path: str) -> str:
+    """:func:`_checked_json` of an entry's params, once per distinct params dict of str keys
+    and plain scalar values (most entries of a state share a handful, and most have none)."""
+    if type(params) is not dict or not all(
+        type(k) is str and type(v) in _MEMO_TYPES for k, v in params.items()
+    ):
+        return _checked_json(params, what, path)
+    key = tuple((k, type(v), v) for k, v in params.items())
+    text = memo.get(key)
+    if text is None:
+        text = memo[key] = _checked_json(params, what, path)
+    return text
+
+
 # The header is written as JSON text piece by piece, the same bytes as json.dumps of the
 # nested dicts would give (tests/test_format.py checks it): a dict and two lists per buffer
 # and per entry, built all at once, would be a few thousand objects alive together while the
@@ -759,16 +782,19 @@ def _manifest_json(plan: _Plan, path: str) -> str:
         ',"checkpoint_id":', _json(q.checkpoint_id), ',"reference_id":', _json(q.reference_id),
         ',"checksum":', _json(CHECKSUM_NAME), ',"entries":{',
     ]
+    memo: dict[Any, str] = {}
+    # _plan checked that entry paths, codecs and buffer names are str; keys and dtype
+    # names are made here.
     for i, (entry_path, entry) in enumerate(q.entries.items()):
-        params = _checked_json(entry.params, f"entry {entry_path!r} params", path)
+        params = _params_json(entry.params, memo, f"entry {entry_path!r} params", path)
         parts.append(
-            f'{"," if i else ""}{_json(entry_path)}:{{"codec":{_json(entry.codec)},"params":{params},'
-            f'"dtype":{_json(_ENTRY_DTYPE_NAMES[entry.dtype])},"shape":{_ints(entry.shape)},"buffers":{{'
+            f'{"," if i else ""}{_quote(entry_path)}:{{"codec":{_quote(entry.codec)},"params":{params},'
+            f'"dtype":{_quote(_ENTRY_DTYPE_NAMES[entry.dtype])},"shape":{_ints(entry.shape)},"buffers":{{'
         )
         for j, (name, b) in enumerate(plan.by_entry[entry_path].items()):
             stage = "" if b.stage is None else ',"stage":' + _json(b.stage)
             parts.append(
-                f'{"," if j else ""}{_json(name)}:{{"key":{_json(b.key)},"dtype":{_json(b.st_dtype)},'
+                f'{"," if j else ""}{_quote(name)}:{{"key":{_quote(b.key)},"dtype":{_quote(b.st_dtype)},'
                 f'"shape":{_ints(b.tensor.shape)},"data_offsets":[{b.begin},{b.end}],'
                 f'"crc32":"{b.crc32:08x}"{stage}}}'
             )
@@ -796,7 +822,7 @@ def _encode_header(plan: _Plan, path: str) -> bytes:
     parts = ['{"__metadata__":', _json(metadata)]
     for b in plan.buffers:
         parts.append(
-            f',{_json(b.key)}:{{"dtype":{_json(b.table_dtype)},"shape":{_ints(b.table_shape)},'
+            f',{_quote(b.key)}:{{"dtype":{_quote(b.table_dtype)},"shape":{_ints(b.table_shape)},'
             f'"data_offsets":[{b.begin},{b.end}]}}'
         )
     parts.append("}")

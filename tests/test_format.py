@@ -653,7 +653,7 @@ def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch, whe
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if where == "data":
-        def partial(f, plan):
+        def partial(f, plan, *args, **kwargs):
             f.write(b"\0" * 100)  # something reached the temp file before the failure
             fail()
 
@@ -673,7 +673,7 @@ def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch, whe
 
 
 def test_interrupted_write_removes_the_temp_and_propagates(tmp_path, monkeypatch):
-    def interrupt(f, plan):
+    def interrupt(f, plan, *args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(fmt, "_write_buffers", interrupt)

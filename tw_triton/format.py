@@ -126,6 +126,7 @@ from .file_header import (  # noqa: F401  (re-exported: part of this module's AP
 )
 from .parallel import parallel_map
 from .qstate import EncodedEntry, QuantizedState
+from .writeback import can_start_writeback, start_writeback
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +221,9 @@ def write_file(
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         with os.fdopen(fd, "wb") as f:
             # The checksums were taken while planning, so the header is final: one pass.
-            f.write(_encode_header(plan, path))
-            _write_buffers(f, plan)
+            header = _encode_header(plan, path)
+            f.write(header)
+            _write_buffers(f, plan, len(header), writeback=fsync)
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
@@ -836,13 +838,24 @@ def _encode_header(plan: _Plan, path: str) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _write_buffers(f: BinaryIO, plan: _Plan) -> None:
+def _write_buffers(f: BinaryIO, plan: _Plan, offset: int, *, writeback: bool) -> None:
+    """Write the buffers in file order, the first at ``offset``. With ``writeback``, the
+    kernel is asked to start putting each ``IO_CHUNK_BYTES`` on the disk as soon as it is
+    written (:mod:`tw_triton.writeback`), so the fsync after waits for less."""
     # File writes release the GIL on large chunks, so a training thread keeps running
     # while the writer thread works.
+    writeback = writeback and can_start_writeback()
+    unsynced = offset  # where the bytes not yet handed to writeback begin
     for b in plan.buffers:
         view = b.data
         for start in range(0, len(view), IO_CHUNK_BYTES):
-            f.write(view[start : start + IO_CHUNK_BYTES])
+            chunk = view[start : start + IO_CHUNK_BYTES]
+            f.write(chunk)
+            offset += len(chunk)
+            if writeback and offset - unsynced >= IO_CHUNK_BYTES:
+                f.flush()  # small buffers wait in the file object's buffer otherwise
+                start_writeback(f.fileno(), unsynced, offset - unsynced)
+                unsynced = offset
 
 
 def _fsync_directory(directory: str) -> None:

@@ -180,7 +180,9 @@ def write_file(
     file is removed and a file already at ``path`` is left untouched.
 
     Buffers are written straight from the tensors (no copy of the whole file in memory),
-    in file order with large sequential writes, after the header. The CRC-32 of each
+    in file order with large sequential writes, after the header. With ``fsync``, Linux is
+    asked to start writing each chunk to the disk as soon as it is written
+    (:mod:`tw_triton.writeback`), so the final fsync waits for less. The CRC-32 of each
     buffer's stored bytes is taken while planning, on the worker threads that stage the
     buffers (:mod:`tw_triton.parallel`), so the header is written once, already final.
     Buffers that are not on the CPU are copied there first (the async writer hands over

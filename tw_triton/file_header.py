@@ -390,7 +390,7 @@ def _validate_manifest(manifest: Any, path: str) -> list[_BufferSpec]:
             numel = _check_shape(shape, bdtype.itemsize, _Where(path, entry_path, name))
             offsets = buf["data_offsets"]
             if not (
-                type(offsets) is list and len(offsets) == 2
+                isinstance(offsets, list) and len(offsets) == 2
                 and (type(offsets[0]) is int or _is_int(offsets[0]))
                 and (type(offsets[1]) is int or _is_int(offsets[1]))
             ):

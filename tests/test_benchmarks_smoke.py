@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import mmap
+import os
 import sys
 from pathlib import Path
 
@@ -374,6 +375,24 @@ def test_host_pages_times_a_first_touch_and_the_touches_after(capsys, monkeypatc
         huge = host_pages._huge(5 << 20)
         assert huge.numel() == 5 << 20 and huge.untyped_storage().nbytes() == 5 << 20
         assert huge.data_ptr() % host_pages.HUGE_PAGE == 0
+
+
+def test_header_writeback_times_both_sides_of_each_change(capsys, monkeypatch) -> None:
+    import header_writeback
+    from tw_triton import format as fmt
+
+    monkeypatch.setattr(sys, "argv", ["header_writeback.py", "--quick", "--saves", "4"])
+    header_writeback.main()
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in lines if line.startswith("| ")}
+    buffers, nbytes, dumps_ms, quote_ms, read_ms = rows["best of 3"]
+    assert int(buffers) > 0 and int(nbytes) > 0 and min(map(float, (dumps_ms, quote_ms, read_ms))) > 0
+    for side in ("hint", "no hint"):
+        saves, med, each = rows[side]
+        assert int(saves) == 2 and float(med) > 0 and len(each.split()) == 2
+    # Everything it swapped in for the run is put back.
+    assert fmt._quote is not fmt._json and fmt.write_file.__name__ == "write_file"
+    assert fmt.can_start_writeback.__module__ == "tw_triton.writeback" and os.replace.__module__ in ("posix", "nt")
 
 
 def test_gc_pauses_times_the_saves_of_both_modes(capsys) -> None:

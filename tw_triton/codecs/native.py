@@ -357,4 +357,3 @@ __all__ = [
     "range_slices",
     "merge_planes",
 ]
-

@@ -76,8 +76,9 @@ def test_inspect_table_and_totals(ckpts):
 def test_verify_ok_corrupt_and_reference(ckpts):
     d, *_ = ckpts
     assert run(["verify", d / "key.tw"])[0] == EXIT_OK
+    # The reference is found beside the delta, by its checkpoint id.
     code, text = run(["verify", d / "delta.tw"])
-    assert code == EXIT_OK and "reference not checked" in text
+    assert code == EXIT_OK and "reference OK" in text and "key.tw" in text
     code, text = run(["verify", d / "delta.tw", "--reference", d / "key.tw"])
     assert code == EXIT_OK and "reference OK" in text
     # The wrong reference: exit 1.
@@ -95,9 +96,11 @@ def test_verify_ok_corrupt_and_reference(ckpts):
 
 def test_errors_go_to_stderr_with_the_file_name(ckpts, capsys):
     d, *_ = ckpts
-    assert run(["export", d / "delta.tw", d / "x.safetensors"])[0] == EXIT_CHECKPOINT
+    (d / "alone").mkdir()
+    os.replace(d / "delta.tw", d / "alone" / "delta.tw")  # its reference is not beside it
+    assert run(["export", d / "alone" / "delta.tw", d / "x.safetensors"])[0] == EXIT_CHECKPOINT
     err = capsys.readouterr().err
-    assert "delta.tw" in err and "model/0.weight" in err and "reference" in err
+    assert "delta.tw" in err and "reference" in err and "--reference" in err
     assert not (d / "x.safetensors").exists()
 
 
@@ -122,7 +125,7 @@ def test_convert_from_safetensors_and_torch_files(tmp_path):
     save_file(sd, str(tmp_path / "in.safetensors"))
     torch.save(sd, tmp_path / "in.pt")
     for src in ("in.safetensors", "in.pt"):
-        code, text = run(["convert", tmp_path / src, tmp_path / f"{src}.tw", "--bits", "4", "--block", "64"])
+        code, text = run(["convert", tmp_path / src, tmp_path / f"{src}.tw", "--lossy", "--bits", "4", "--block", "64"])
         assert code == EXIT_OK and "wrote" in text
         m = tw_triton.format.read_manifest(tmp_path / f"{src}.tw")
         assert m["entries"]["0.weight"]["codec"] == "blockwise"
@@ -132,7 +135,7 @@ def test_convert_from_safetensors_and_torch_files(tmp_path):
         assert torch.equal(out["1.bias"], sd["1.bias"])
         assert (out["0.weight"] - sd["0.weight"]).abs().max() < sd["0.weight"].abs().max() / 7
     # With a reference: a delta recording its id; with a preset.
-    code, _ = run(["convert", tmp_path / "in.pt", tmp_path / "d.tw", "--reference", tmp_path / "in.pt.tw"])
+    code, _ = run(["convert", tmp_path / "in.pt", tmp_path / "d.tw", "--lossy", "--reference", tmp_path / "in.pt.tw"])
     assert code == EXIT_OK
     ref_id = tw_triton.format.read_manifest(tmp_path / "in.pt.tw")["checkpoint_id"]
     assert tw_triton.format.read_manifest(tmp_path / "d.tw")["reference_id"] == ref_id

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence, TextIO
 import torch
 
 from .codecs import get_codec
-from .errors import TwTritonError
+from .errors import TwTritonError, checkpoint_label
 from .codecs.blockwise import check_params
 from .format import read_manifest, verify_file
 from .rules import PRESETS
@@ -61,6 +61,45 @@ class _ProgressBar:
         if self.drawn:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def printable(text: str, encoding: str | None = None) -> str:
+    """``text`` as a terminal can show it: what is not printable escaped.
+
+    A crafted file's entry names, or a path of non-UTF-8 bytes, may hold lone surrogates,
+    control characters or format characters (a terminal escape, a right-to-left override).
+    Each becomes a Python-style escape (``\\udc80``, ``\\x1b``), and so does every
+    character ``encoding`` (a stream's; ``None``: any) cannot encode, so printing never
+    raises ``UnicodeEncodeError`` and never shows a name as something it is not.
+
+    Args:
+        text: what to print.
+        encoding: the encoding of the stream it goes to, or ``None``.
+
+    Returns:
+        The escaped text; ``text`` itself when nothing needs escaping.
+    """
+    if text.isprintable() and _encodes(text, encoding):
+        return text
+    return "".join(c if c.isprintable() and _encodes(c, encoding) else _escape(c) for c in text)
+
+
+def _encodes(text: str, encoding: str | None) -> bool:
+    try:
+        text.encode(encoding or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
+def _escape(c: str) -> str:
+    o = ord(c)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
+def _say(line: str, stream: TextIO) -> None:
+    """Print one line to ``stream``, escaped for it (see :func:`printable`)."""
+    print(printable(line, getattr(stream, "encoding", None)), file=stream)
 
 
 def _human(n: float) -> str:
@@ -165,20 +204,26 @@ def _is_delta(manifest: dict[str, Any]) -> bool:
 
 def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
     """The ``tw ls`` report of a Checkpointer directory, as lines, and whether every
-    checkpoint in it can be loaded (checked only with ``verify``; else ``True``)."""
+    checkpoint in it can be loaded (checked only with ``verify``; else ``True``).
+
+    Every checkpoint file is a row, those whose header cannot be read too (a truncated or
+    damaged file: its row says why, and with ``verify`` it counts as not loadable).
+    """
     from .checkpoint_dir import CheckpointDirectory
 
     d = CheckpointDirectory(directory)
     found = d.scan()
+    unreadable = _unreadable_files(d, found)
     step_of = {info.checkpoint_id: step for step, info in found.items()}
-    problems = d.problems(verify=verify) if verify else {}
+    problems: dict[int, str | None] = d.problems(verify=verify) if verify else {}
+    problems.update({step: f"it cannot be read: {why}" for step, (_, why) in unreadable.items()} if verify else {})
     rows = [("step", "kind", "size", "reference") + (("status",) if verify else ())]
-    for step in sorted(found):
-        info = found[step]
-        ref = "-" if info.reference_id is None else (
-            f"step {step_of[info.reference_id]}" if info.reference_id in step_of else f"missing {info.reference_id}"
-        )
-        row = (str(step), info.kind, _human(info.nbytes), ref)
+    for step in sorted(set(found) | set(unreadable)):
+        if step in found:
+            info = found[step]
+            row = (str(step), info.kind, _human(info.nbytes), _reference_cell(d, info, step_of, unreadable))
+        else:
+            row = (str(step), "unreadable", _human(unreadable[step][0]), "?")
         if verify:
             row += ("ok" if problems[step] is None else f"cannot load: {problems[step]}",)
         rows.append(row)
@@ -188,10 +233,13 @@ def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
         cells = [c.rjust(w) if i in (0, 2) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
         return "  ".join(cells).rstrip()
 
-    lines = [fmt(r) for r in rows] if found else []
-    total = sum(info.nbytes for info in found.values())
-    lines.append(f"{_plural(len(found), 'checkpoint', 'checkpoints')}, {_human(total)} in {directory}")
-    if not found and _looks_distributed(directory):
+    listed = len(rows) - 1
+    lines = [fmt(r) for r in rows] if listed else []
+    total = sum(info.nbytes for info in found.values()) + sum(n for n, _ in unreadable.values())
+    lines.append(f"{_plural(listed, 'checkpoint', 'checkpoints')}, {_human(total)} in {directory}")
+    if not verify:
+        lines += [f"step {step}: its header cannot be read: {why}" for step, (_, why) in sorted(unreadable.items())]
+    if not listed and _looks_distributed(directory):
         lines.append("this looks like a DistributedCheckpointer directory (step_*/ folders with "
                      "tw_dcp.json): tw ls lists the files of a Checkpointer")
     temps = d.temp_files()
@@ -199,11 +247,47 @@ def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
         lines.append(f"{_plural(len(temps), 'temp file', 'temp files')} of interrupted saves (Checkpointer."
                      f"remove_temp_files() deletes them): " + ", ".join(os.path.basename(t) for t in temps))
     if verify:
-        loadable = [s for s in sorted(found) if problems[s] is None]
+        loadable = [s for s in sorted(problems) if problems[s] is None]
         lines.append(f"latest loadable: step {loadable[-1]}" if loadable else "latest loadable: none")
-    elif found:
-        lines.append(f"newest: step {max(found)} (not verified; --verify checks every file and chain)")
+    elif listed:
+        lines.append(f"newest: step {max(set(found) | set(unreadable))} (not verified; --verify checks every "
+                     "file and chain)")
     return lines, all(p is None for p in problems.values())
+
+
+def _unreadable_files(d: Any, found: dict[int, Any]) -> dict[int, tuple[int, str]]:
+    """The checkpoint files of ``d`` that its listing left out because their header cannot
+    be read: by step, their size and why."""
+    from .checkpoint_dir import parse_checkpoint_name
+
+    out: dict[int, tuple[int, str]] = {}
+    for name in sorted(os.listdir(d.path)):
+        step = parse_checkpoint_name(name)
+        path = os.path.join(d.path, name)
+        if step is None or step in found or not os.path.isfile(path):
+            continue
+        try:
+            read_manifest(path)
+            continue  # written since the listing: readable, left to the next ``tw ls``
+        except (TwTritonError, OSError) as e:
+            out[step] = (os.path.getsize(path), str(e))
+    return out
+
+
+def _reference_cell(d: Any, info: Any, step_of: dict[str, int], unreadable: dict[int, Any]) -> str:
+    """The reference column of a row: ``-``, the step it names, or why that step is not
+    listed (its file unreadable, or missing)."""
+    if info.reference_id is None:
+        return "-"
+    if info.reference_id in step_of:
+        return f"step {step_of[info.reference_id]}"
+    try:
+        step = (read_manifest(info.path, headers=d.headers).get("metadata") or {}).get("reference_step")
+    except (TwTritonError, OSError):
+        step = None  # changed since it was listed: its status says what verifying it found
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"missing {info.reference_id}"
+    return f"step {step} (unreadable)" if step in unreadable else f"missing: step {step}"
 
 
 def _looks_distributed(directory: str) -> bool:
@@ -219,46 +303,104 @@ def _looks_distributed(directory: str) -> bool:
 def _cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
     lines, ok = list_lines(args.directory, verify=args.verify)
     for line in lines:
-        print(line, file=out)
+        _say(line, out)
     return EXIT_OK if ok else EXIT_CHECKPOINT
 
 
 def _cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     for line in inspect_lines(args.path):
-        print(line, file=out)
+        _say(line, out)
     return EXIT_OK
 
 
 def _cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     manifest = read_manifest(args.path)
+    count = _plural(len(manifest["entries"]), "entry", "entries")
+    if args.checksums_only:
+        verify_file(args.path)
+        _say(f"{args.path}: checksums OK ({count}; --checksums-only: the entries were not decoded and "
+             "the reference was not checked)", out)
+        return EXIT_OK
+    # The library's verification of every file (each buffer's CRC-32 and, for a staged one,
+    # its frame, as `tw ls --verify` and Checkpointer.latest() check), then a load: every
+    # entry decoded, and a delta against the reference it names.
+    chain = _reference_chain(args.path, manifest, args.reference)
+    for path, _ in [(args.path, manifest), *chain]:
+        verify_file(path)
     bar = _ProgressBar("verify")
     try:
-        if _is_delta(manifest) and args.reference is None:
-            verify_file(args.path)
-            print(f"{args.path}: checksums OK ({len(manifest['entries'])} entries)", file=out)
-            print(
-                f"{args.path}: delta from reference {manifest['reference_id']}; reference not "
-                "checked (pass --reference REF)",
-                file=out,
-            )
-            return EXIT_OK
-        # A full load checks checksums, every codec and entry, and the reference.
-        load(args.path, reference=args.reference, verify=True, progress=bar)
+        load(args.path, reference=chain[0][0] if chain else None, verify=True, progress=bar)
     finally:
         bar.close()
-    print(f"{args.path}: checksums OK, all {len(manifest['entries'])} entries decode", file=out)
-    if args.reference is not None and _is_delta(manifest):
-        print(f"{args.path}: reference OK ({manifest['reference_id']})", file=out)
+    _say(f"{args.path}: checksums OK, all {count} decode", out)
+    for path, m in chain:
+        label = checkpoint_label(m["checkpoint_id"], (m.get("metadata") or {}).get("step"), path)
+        _say(f"{args.path}: reference OK: {label}, checksums OK", out)
     return EXIT_OK
+
+
+def _reference_chain(
+    path: str, manifest: dict[str, Any], reference: str | None
+) -> list[tuple[str, dict[str, Any]]]:
+    """The reference files a load of ``path`` reads, nearest first, with their manifests:
+    ``reference`` (``--reference``) or the file beside ``path`` whose checkpoint id is the
+    one ``path`` names; then, for a reference that is itself a delta (a closed-loop chain),
+    the file beside it that it names, back to a keyframe. ``[]`` for a checkpoint that
+    needs no reference."""
+    chain: list[tuple[str, dict[str, Any]]] = []
+    current, current_manifest = path, manifest
+    while _is_delta(current_manifest):
+        found = reference if not chain and reference is not None else _find_beside(current, current_manifest)
+        if any(os.path.samefile(found, p) for p, _ in chain):
+            break  # a cycle: the load names it
+        found_manifest = read_manifest(found)
+        chain.append((found, found_manifest))
+        if found_manifest["checkpoint_id"] != current_manifest["reference_id"]:
+            break  # a wrong --reference: the load names the mismatch
+        current, current_manifest = found, found_manifest
+    return chain
+
+
+def _find_beside(path: str, manifest: dict[str, Any]) -> str:
+    """The file beside the delta ``path`` that is the checkpoint it names, by checkpoint id
+    (never a file whose id differs): the lookup a load does for each link of a chain.
+
+    Raises:
+        ReferenceMismatchError: no file there is that checkpoint; names its step and the
+            file a Checkpointer gives that step, why that file is not it, and ``--reference``.
+    """
+    from .checkpoint_dir import checkpoint_name
+    from .errors import ReferenceMismatchError
+    from .state import _find_checkpoint
+
+    ref_id = manifest["reference_id"]
+    directory = os.path.dirname(path) or "."
+    step = (manifest.get("metadata") or {}).get("reference_step")
+    try:
+        return _find_checkpoint(directory, ref_id, path, step=step)
+    except ReferenceMismatchError:
+        pass
+    expected = os.path.join(directory, checkpoint_name(step)) if isinstance(step, int) else None
+    why = f"no file in {directory!r} is that checkpoint"
+    if expected is not None and os.path.exists(expected):
+        try:
+            why += f"; {expected!r} is checkpoint {read_manifest(expected)['checkpoint_id']!r}"
+        except (TwTritonError, OSError) as e:
+            why += f"; {expected!r} is there but cannot be read: {e}"
+    raise ReferenceMismatchError(
+        f"{path}: is a delta from reference {checkpoint_label(ref_id, step)}, and {why}. Pass the "
+        "reference file with --reference REF (tw verify --checksums-only checks this file alone)"
+    )
 
 
 def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
     from safetensors.torch import save_file
 
     manifest = read_manifest(args.path)
+    chain = _reference_chain(args.path, manifest, args.reference)
     bar = _ProgressBar("export")
     try:
-        state = load(args.path, reference=args.reference, verify=True, progress=bar)
+        state = load(args.path, reference=chain[0][0] if chain else None, verify=True, progress=bar)
     finally:
         bar.close()
     tensors, _ = flatten(state)
@@ -281,7 +423,7 @@ def _cmd_export(args: argparse.Namespace, out: TextIO) -> int:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    print(f"wrote {args.out}: {len(plain)} tensors, {os.path.getsize(args.out)} bytes", file=out)
+    _say(f"wrote {args.out}: {len(plain)} tensors, {os.path.getsize(args.out)} bytes", out)
     return EXIT_OK
 
 
@@ -317,15 +459,16 @@ class _ConvertError(TwTritonError):
 
 
 def _cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
+    rules = _convert_rules(args)
     state = _read_input(args.input)
     bar = _ProgressBar("convert")
     try:
         qstate = quantize_state_dict(
             state,
             reference=args.reference,
-            rules=args.rules,
-            bits=args.bits,
-            block=args.block,
+            rules=rules,
+            bits=8 if args.bits is None else args.bits,
+            block=128 if args.block is None else args.block,
             progress=bar,
         )
     finally:
@@ -333,12 +476,51 @@ def _cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
     size = save(qstate, args.output)
     raw = sum(e.raw_nbytes for e in qstate.entries.values())
     in_size = os.path.getsize(args.input)
-    print(
+    _say(
         f"wrote {args.output}: {size} bytes ({in_size / size:.2f}x smaller than "
         f"{args.input}); {len(qstate.entries)} entries, {raw} raw tensor bytes",
-        file=out,
+        out,
     )
+    _say(_loss_line(qstate, rules), out)
     return EXIT_OK
+
+
+def _convert_rules(args: argparse.Namespace) -> str:
+    """The rules preset ``tw convert`` encodes with: ``exact`` (lossless) unless quantizing
+    is asked for by name, ``--lossy`` (the default rules) or ``--rules``.
+
+    Raises:
+        _UsageError: an option that only quantizing uses, without asking to quantize.
+    """
+    if args.rules is not None:
+        if args.lossy and args.rules == "exact":
+            raise _UsageError("--lossy and --rules exact contradict each other")
+        return args.rules
+    if args.lossy:
+        return "default"
+    given = [flag for flag, value in (("--bits", args.bits), ("--block", args.block),
+                                      ("--reference", args.reference)) if value is not None]
+    if given:
+        raise _UsageError(
+            f"{' and '.join(given)} only apply when quantizing, which is lossy: add --lossy (or "
+            "--rules PRESET); without them tw convert stores every tensor exactly"
+        )
+    return "exact"
+
+
+def _loss_line(qstate: Any, rules: str) -> str:
+    """What the conversion kept: lossless, or which entries were quantized and how."""
+    lossy = {p: e for p, e in qstate.entries.items() if e.codec != "exact"}
+    if not lossy:
+        return f"lossless: every tensor stored exactly (rules {rules})"
+    codecs = sorted({_codec_label(e.codec, e.params) for e in lossy.values()})
+    return (f"lossy: {len(lossy)} of {_plural(len(qstate.entries), 'entry', 'entries')} quantized "
+            f"({', '.join(codecs)}; rules {rules}), the rest stored exactly; without --lossy and "
+            "--rules, tw convert is lossless")
+
+
+class _UsageError(TwTritonError):
+    """Arguments that parse but do not go together (exit code 2)."""
 
 
 def _block_arg(text: str) -> int:
@@ -400,12 +582,18 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "verify",
         help="check checksums, decode every entry, and check the reference",
-        description="Check every buffer's checksum and decode every entry. For a delta "
-        "checkpoint, --reference also checks that REF is the checkpoint it was encoded "
-        "against (id and per-tensor fingerprints); without it the reference is not checked.",
+        description="Check every buffer's checksum (and each compressed buffer's frame), "
+        "decode every entry, and for a delta check its reference: REF, or else the file beside "
+        "PATH whose checkpoint id is the one the delta names (a closed-loop chain back to its "
+        "keyframe), checksums, id and per-tensor fingerprints. A checkpoint that cannot be "
+        "loaded is not verified: a delta whose reference is missing exits 1. With "
+        "--checksums-only only PATH's checksums are checked (nothing decoded, no reference).",
     )
     p.add_argument("path", help="tw_triton checkpoint file")
-    p.add_argument("--reference", metavar="REF", help="the reference checkpoint of a delta")
+    p.add_argument("--reference", metavar="REF",
+                   help="the reference checkpoint of a delta (default: found beside PATH by id)")
+    p.add_argument("--checksums-only", action="store_true",
+                   help="check PATH's checksums only: entries are not decoded, the reference not checked")
     p.set_defaults(func=_cmd_verify)
 
     p = _command(
@@ -418,7 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path", help="tw_triton checkpoint file")
     p.add_argument("out", metavar="OUT.safetensors", help="output file")
-    p.add_argument("--reference", metavar="REF", help="the reference checkpoint (needed for a delta)")
+    p.add_argument("--reference", metavar="REF",
+                   help="the reference checkpoint of a delta (default: found beside PATH by id)")
     p.set_defaults(func=_cmd_export)
 
     p = _command(
@@ -426,22 +615,31 @@ def build_parser() -> argparse.ArgumentParser:
         "convert",
         help="make a tw_triton checkpoint from .safetensors or a weights-only torch file",
         description="Read IN, a .safetensors file or a torch checkpoint, and write a "
-        "tw_triton checkpoint OUT with the default rules (large float tensors of the model "
-        "quantized). A torch checkpoint is read with torch.load(weights_only=True) - torch's "
+        "tw_triton checkpoint OUT. Lossless by default: every tensor is stored exactly "
+        "(rules exact, compressed by the entropy stage). --lossy quantizes with the default "
+        "rules (large float tensors of the model to int8 blocks; --bits, --block and "
+        "--reference tune it), --rules PRESET with a preset; the output says which entries "
+        "were quantized. A torch checkpoint is read with torch.load(weights_only=True) - torch's "
         "restricted unpickler that builds only tensors and plain containers; files that need "
         "anything else are refused. This is the only place tw reads a pickle.",
     )
     p.add_argument("input", metavar="IN", help=".safetensors file or weights-only torch checkpoint")
     p.add_argument("output", metavar="OUT", help="tw_triton checkpoint to write")
-    p.add_argument("--bits", type=int, default=8, choices=(8, 4, 2), help="code width (default 8)")
-    p.add_argument("--block", type=_block_arg, default=128, help="elements per scale, power of two 32..4096 (default 128)")
-    p.add_argument("--reference", metavar="REF", help="tw_triton checkpoint to store deltas against")
+    p.add_argument("--lossy", action="store_true",
+                   help="quantize with the default rules (lossy; default: lossless, every tensor exact)")
+    p.add_argument("--bits", type=int, default=None, choices=(8, 4, 2),
+                   help="code width when quantizing (default 8; needs --lossy or --rules)")
+    p.add_argument("--block", type=_block_arg, default=None,
+                   help="elements per scale when quantizing, power of two 32..4096 (default 128; needs "
+                   "--lossy or --rules)")
+    p.add_argument("--reference", metavar="REF",
+                   help="tw_triton checkpoint to store quantized deltas against (needs --lossy or --rules)")
     p.add_argument(
         "--rules",
         metavar="PRESET",
         default=None,
         choices=PRESETS,
-        help=f"rules preset: {', '.join(PRESETS)} (default: default)",
+        help=f"rules preset: {', '.join(PRESETS)} (default: exact, lossless; --lossy: default)",
     )
     p.set_defaults(func=_cmd_convert)
     return parser
@@ -458,20 +656,20 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     for name in ("path", "input", "reference"):
         value = getattr(args, name, None)
         if value is not None and not os.path.isfile(value):
-            print(f"tw {args.command}: error: {value}: no such file", file=sys.stderr)
+            _say(f"tw {args.command}: error: {value}: no such file", sys.stderr)
             return EXIT_USAGE
     directory = getattr(args, "directory", None)
     if directory is not None and not os.path.isdir(directory):
-        print(f"tw {args.command}: error: {directory}: no such directory", file=sys.stderr)
+        _say(f"tw {args.command}: error: {directory}: no such directory", sys.stderr)
         return EXIT_USAGE
     func: Callable[[argparse.Namespace, TextIO], int] = args.func
     try:
         return func(args, out)
-    except TwTritonError as e:
-        print(f"tw {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_CHECKPOINT
-    except OSError as e:
-        print(f"tw {args.command}: error: {e}", file=sys.stderr)
+    except _UsageError as e:
+        _say(f"tw {args.command}: error: {e}", sys.stderr)
+        return EXIT_USAGE
+    except (TwTritonError, OSError) as e:
+        _say(f"tw {args.command}: error: {e}", sys.stderr)
         return EXIT_CHECKPOINT
 
 

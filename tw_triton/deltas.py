@@ -27,6 +27,7 @@ decodes it.
 
 from __future__ import annotations
 
+import os
 import re
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from .codecs import get_codec
-from .errors import CheckpointError, ReferenceMismatchError
+from .errors import CheckpointError, ReferenceMismatchError, checkpoint_label
 from .parallel import parallel_map
 from .qstate import QuantizedState
 from .rules import select_rule
@@ -236,16 +237,44 @@ def chain_of(info: Any, by_id: Mapping[str, Any], directory: str) -> list[Any]:
     while chain[-1].reference_id is not None:
         ref = by_id.get(chain[-1].reference_id)
         if ref is None:
-            raise ReferenceMismatchError(
-                f"{chain[-1].path}: is a delta from reference checkpoint {chain[-1].reference_id!r}, "
-                f"which is not in {directory!r}"
-            )
+            raise missing_reference(chain[-1].path, chain[-1].reference_id, directory)
         if ref.checkpoint_id in seen:
             raise ReferenceMismatchError(f"{info.path}: its references form a cycle at {ref.path}")
         seen.add(ref.checkpoint_id)
         chain.append(ref)
     chain.reverse()
     return chain
+
+
+def missing_reference(path: str, reference_id: str | None, directory: str) -> ReferenceMismatchError:
+    """The error for the delta ``path`` whose reference is not among the readable checkpoints
+    of ``directory``: it names the reference's step and file (the delta's metadata records
+    the step), and, when that file is there, why it is not the reference (say, truncated).
+
+    Only the error path reads headers again; a listing's scan already dropped the file.
+    """
+    from .checkpoint_dir import checkpoint_name  # checkpoint_dir imports this module
+    from .format import read_manifest
+
+    try:
+        step = (read_manifest(path).get("metadata") or {}).get("reference_step")
+    except (CheckpointError, OSError):
+        step = None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return ReferenceMismatchError(
+            f"{path}: is a delta from reference {checkpoint_label(reference_id)}, which is not in {directory!r}"
+        )
+    expected = os.path.join(directory, checkpoint_name(step))
+    why = f"which is not in {directory!r}"
+    if os.path.exists(expected):
+        try:
+            found = read_manifest(expected)["checkpoint_id"]
+            why = f"but that file is checkpoint {found!r}" if found != reference_id else why
+        except (CheckpointError, OSError) as e:
+            why = f"whose file is there but cannot be read: {e}"
+    return ReferenceMismatchError(
+        f"{path}: is a delta from reference {checkpoint_label(reference_id, step, expected)}, {why}"
+    )
 
 
 def with_references(ids: Iterable[str], by_id: Mapping[str, Any]) -> set[str]:

@@ -37,7 +37,27 @@ class CheckpointIOError(CheckpointError, OSError):
     """
 
 
+def checkpoint_label(checkpoint_id: str | None, step: int | None = None, path: str | None = None) -> str:
+    """How a message names a checkpoint: its id, and its step and file where known.
+
+    Ids are opaque hex; a reader looking at a directory knows steps and file names.
+
+    Args:
+        checkpoint_id: the checkpoint's id.
+        step: its training step (a Checkpointer records it), or ``None``.
+        path: its file, or ``None``.
+
+    Returns:
+        e.g. ``checkpoint '0a1b...' (step 3, file 'run/step-00000003.tw.safetensors')``.
+    """
+    known = ([f"step {step}"] if isinstance(step, int) and not isinstance(step, bool) else []) + (
+        [f"file {path!r}"] if path is not None else []
+    )
+    return f"checkpoint {checkpoint_id!r}" + (f" ({', '.join(known)})" if known else "")
+
+
 __all__ = [
+    "checkpoint_label",
     "TwTritonError",
     "QuantizationError",
     "CheckpointError",

@@ -59,7 +59,7 @@ import torch
 from .codecs.blockwise import FLOAT_DTYPES, check_params
 from .codecs import Codec, Encoded, ExactCodec, get_codec
 from .codecs.entropy import EntropyPolicy
-from .errors import CheckpointError, QuantizationError, ReferenceMismatchError, TwTritonError
+from .errors import CheckpointError, QuantizationError, ReferenceMismatchError, TwTritonError, checkpoint_label
 from .batching import group_batches
 from .parallel import Background, parallel_map
 from .qstate import EncodedEntry, QuantizedState
@@ -152,9 +152,10 @@ def _flat_reference(
         if expect_id is not None and not expect_id.startswith(FINGERPRINT_PREFIX):
             found = manifest.get("checkpoint_id")
             if found != expect_id:
+                found_step = (manifest.get("metadata") or {}).get("step")
                 raise ReferenceMismatchError(
                     f"{where} is a delta from reference checkpoint {expect_id!r}, but "
-                    f"reference file {source!r} is checkpoint {found!r}"
+                    f"reference file {source!r} is {checkpoint_label(found, found_step)}"
                 )
         wanted = None
         if paths is not None:
@@ -167,7 +168,8 @@ def _flat_reference(
             # A link of a closed-loop chain: it decodes against its own reference, found by
             # checkpoint id among the files beside it (recursively, back to a keyframe).
             prev = _find_checkpoint(os.path.dirname(source), rq.reference_id,
-                                    f"{where or 'quantize_state_dict'}: reference file {source!r}")
+                                    f"{where or 'quantize_state_dict'}: reference file {source!r}",
+                                    step=(rq.metadata or {}).get("reference_step"))
         if wanted is not None:
             tensors = dequantize_entries(
                 rq, wanted, reference=prev, device=device, source=source, verify=verify, release_buffers=True
@@ -182,8 +184,9 @@ def _flat_reference(
     return tensors, None, "the in-memory reference", False
 
 
-def _find_checkpoint(directory: str, checkpoint_id: str | None, where: str) -> str:
-    """The path of the checkpoint file in ``directory`` whose id is ``checkpoint_id``.
+def _find_checkpoint(directory: str, checkpoint_id: str | None, where: str, step: Any = None) -> str:
+    """The path of the checkpoint file in ``directory`` whose id is ``checkpoint_id``
+    (``step``: its step where recorded, for the message).
 
     Raises:
         ReferenceMismatchError: no readable checkpoint file there has that id.
@@ -205,8 +208,8 @@ def _find_checkpoint(directory: str, checkpoint_id: str | None, where: str) -> s
         except (CheckpointError, OSError):
             continue  # not a tw_triton checkpoint, or unreadable: not the one
     raise ReferenceMismatchError(
-        f"{where} is itself a delta from checkpoint {checkpoint_id!r}, and no checkpoint file in "
-        f"{directory!r} is that checkpoint"
+        f"{where} is itself a delta from {checkpoint_label(checkpoint_id, step)}, and no checkpoint "
+        f"file in {directory!r} is that checkpoint"
     )
 
 
@@ -621,8 +624,8 @@ def _decode_entries(
         more = f" (and {len(delta) - 1} more)" if len(delta) > 1 else ""
         raise ReferenceMismatchError(
             f"{where}: entry {first!r}{more} is stored as a delta from reference "
-            f"checkpoint {qstate.reference_id!r}, and no reference was given (pass the "
-            "reference checkpoint's path or its decoded state)"
+            f"{checkpoint_label(qstate.reference_id, (qstate.metadata or {}).get('reference_step'))}, "
+            "and no reference was given (pass the reference checkpoint's path or its decoded state)"
         )
     if delta and on_host and pending is None and isinstance(reference, (str, os.PathLike)):
         pending = _read_reference(reference, qstate.reference_id, delta, dev, verify, where, ref_into)

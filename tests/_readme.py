@@ -1,19 +1,18 @@
-"""The README's code examples, as the integration tests run them."""
+"""The integration examples of docs/integrations.md, as the integration tests run them."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+INTEGRATIONS = Path(__file__).resolve().parent.parent / "docs" / "integrations.md"
 
 
 def readme_example(subsection: str, lang: str = "python", index: int = 0) -> str:
-    """The ``index``-th ```lang block under ``### subsection`` of the README's integrations section."""
-    text = README.read_text()
-    start = text.index("## Framework integrations")
-    start = text.index(f"### {subsection}", start)
-    end = text.find("\n### ", start + 1)
-    blocks = re.findall(rf"```{lang}\n(.*?)```", text[start:end], re.S)
-    assert len(blocks) > index, f"no {lang} block {index} under ### {subsection}"
+    """The ``index``-th ```lang block under ``## subsection`` of docs/integrations.md."""
+    text = INTEGRATIONS.read_text()
+    start = text.index(f"## {subsection}\n")
+    end = text.find("\n## ", start + 1)
+    blocks = re.findall(rf"```{lang}\n(.*?)```", text[start : end if end != -1 else len(text)], re.S)
+    assert len(blocks) > index, f"no {lang} block {index} under ## {subsection} in {INTEGRATIONS}"
     return blocks[index]

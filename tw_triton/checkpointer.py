@@ -308,6 +308,7 @@ class Checkpointer:
         if not self._warned_coarse:
             self._warned_coarse = warn_if_too_coarse(rule_list, self.delta_mode, self.directory)
         job = _SaveJob(path, tree, rule_list, keyframe, reference, meta, lease, _Noted(path))
+        ref_tree = reference.tree if reference is not None else None
         try:
             if self._writer is not None and _all_on_cpu(tree):
                 queued = self._queue_snapshot(job)
@@ -316,6 +317,8 @@ class Checkpointer:
         except BaseException:
             if lease is not None:
                 lease.release()  # nothing was queued: no one reads these buffers
+            if reference is not None and reference.tree is not ref_tree:
+                self._drop_advanced_reference(step)
             raise
         future = queued.future
         if lease is not None:
@@ -386,7 +389,7 @@ class Checkpointer:
                 _encode_snapshot, snapshot, reference, self.rules, self.bits, self.block,
                 job.meta, q_id, allocate=job.lease, ref_at=_ref_at(reference),
             )
-        future = self._write(job.noted.noting(encode), job.path)
+        future = self._write(job.noted.noting(encode), job.path, reference)
         if reference is not None:
             reference.last_use = future
         if ref_values and not self._ref_share_reserved:
@@ -418,7 +421,8 @@ class Checkpointer:
             q = _encode_snapshot(job.tree, job.reference, self.rules, self.bits, self.block, job.meta, None,
                                  allocate=job.lease, ref_at=_ref_at(job.reference))
         job.noted.note(q)
-        return _Queued(self._write(q, job.path), q.checkpoint_id, q.reference_id, ref_values, warm_up)
+        reference = job.reference if q.reference_id is not None else None
+        return _Queued(self._write(q, job.path, reference), q.checkpoint_id, q.reference_id, ref_values, warm_up)
 
     def _warm_up(self, sizes: list[int], lease: SnapshotLease | None, written: Future) -> None:
         """After a keyframe encoded in ``save`` for want of pooled memory: fault in buffers
@@ -724,10 +728,26 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- internals
 
-    def _write(self, q: QuantizedState, path: str) -> Future:
+    def _write(self, q: QuantizedState | Callable[[], QuantizedState], path: str,
+               reference: Reference | None) -> Future:
+        """Write (or queue) ``q``; a delta's write waits for the saves it is coded against
+        and fails if one of them did (:meth:`AsyncWriter.submit`), so that no Future
+        reports success for a file that could never load."""
         if self._writer is not None:
-            return self._writer.submit(q, path)
+            return self._writer.submit(q, path, after=_depends_on(reference))
+        assert not callable(q), "only the async writer encodes on its thread"
         return _done_future(_format.write_file(q, path, fsync=self.fsync))
+
+    def _drop_advanced_reference(self, step: int) -> None:
+        """Closed loop: the save of ``step`` advanced the reference to its reconstruction
+        and then was not written. The next delta would name the link before it while being
+        coded against it, and load wrong: start a new keyframe instead."""
+        logger.warning(
+            "the save of step %d failed after the closed-loop reference moved on to it; "
+            "the next save will be a new keyframe", step,
+        )
+        self._retire_reference()
+        self._since_keyframe = None
 
     def _drop_reference_if_lost(self) -> None:
         """A keyframe whose write failed cannot serve as a reference: start a new one."""
@@ -832,6 +852,12 @@ def _nbytes_each(tensors: Iterable[torch.Tensor]) -> list[int]:
 
 def _all_on_cpu(tree: Any) -> bool:
     return all(t.device.type == "cpu" for t in leaf_tensors(tree))
+
+
+def _depends_on(reference: Reference | None) -> list[Future]:
+    """The writes a delta coded against ``reference`` needs on disk: its keyframe and, in
+    closed loop, every link since."""
+    return [] if reference is None else [reference.future, *reference.links]
 
 
 def _ref_at(reference: Reference | None) -> tuple[str, int] | None:

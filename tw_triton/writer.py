@@ -19,6 +19,13 @@ at its Futures, the failure is also raised again, once, at the next :meth:`submi
 file and chained (``raise ... from``) to the original exception; when that was an
 ``OSError`` the raised error is a :class:`~tw_triton.errors.CheckpointIOError`, which is
 also an ``OSError`` with the same ``errno`` (``ENOSPC``, ``EACCES``, ...).
+
+Dependencies: a save may name earlier saves it needs (``submit(..., after=...)``: a
+delta needs its keyframe and, in closed loop, the deltas before it). If one of them
+failed, the save is not written and its Future fails with a
+:class:`~tw_triton.errors.CheckpointError` naming both files, so no Future reports
+success for a file that cannot load. That failure is logged and not raised again at the
+next call: the error of the save it depends on is, once.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
@@ -170,6 +177,7 @@ class _Job:
     copy_done: list = field(default_factory=list)  # CUDA events the D2H copies record
     device_state: QuantizedState | None = None  # keeps device buffers alive until copied
     pinned: torch.Tensor | None = None  # pool buffer to give back after the write
+    after: tuple[tuple[Future, str], ...] = ()  # earlier saves (Future, path) it depends on
 
 
 @dataclass
@@ -224,6 +232,9 @@ class AsyncWriter:
         self._slots = threading.BoundedSemaphore(max_pending)
         self._lock = threading.Lock()
         self._pending: dict[Future, str] = {}
+        # Paths of submitted saves, for the message of a save whose dependency failed; a
+        # weak map, so a Future forgotten by everyone else is forgotten here too.
+        self._paths: weakref.WeakKeyDictionary[Future, str] = weakref.WeakKeyDictionary()
         self._tasks: set[Future] = set()
         self._errors: list[tuple[str, BaseException]] = []
         self._side_streams: dict[int, torch.cuda.Stream] = {}
@@ -240,7 +251,11 @@ class AsyncWriter:
     # ----------------------------------------------------------------- public API
 
     def submit(
-        self, qstate: QuantizedState | Callable[[], QuantizedState], path: str | os.PathLike
+        self,
+        qstate: QuantizedState | Callable[[], QuantizedState],
+        path: str | os.PathLike,
+        *,
+        after: Iterable[Future] = (),
     ) -> Future:
         """Queue ``qstate`` to be written to ``path``; return a Future of the bytes written.
 
@@ -255,20 +270,35 @@ class AsyncWriter:
         modify ``qstate``'s buffers afterwards; a fresh snapshot per save is what
         ``quantize_state_dict`` returns anyway.
 
+        ``after``: Futures of saves submitted earlier to this writer that this one needs
+        (a delta's keyframe and earlier links). If one of them failed when this one's turn
+        comes, this one is neither encoded nor written, and its Future fails with a
+        :class:`~tw_triton.errors.CheckpointError` naming the file it needed.
+
         Returns:
             A Future that resolves to the number of bytes written, or holds the exception
             that made the save fail.
 
         Raises:
             CheckpointError: an earlier save failed (chained from its original error; the
-                ``qstate`` of this call is then *not* queued), or the writer is closed.
+                ``qstate`` of this call is then *not* queued), also one that failed while
+                this call waited for backpressure, or the writer is closed.
         """
         path = os.fspath(path)
         self._raise_pending_errors()
         if self._closed:
             raise CheckpointError(f"cannot save '{path}': the writer is closed")
+        with self._lock:
+            dependencies = tuple((f, self._paths.get(f, "an earlier save")) for f in after)
         start = time.perf_counter()
         self._slots.acquire()
+        try:
+            # A save that failed while this one waited (the keyframe it is a delta of, say)
+            # reaches the loop now, not one save later.
+            self._raise_pending_errors()
+        except BaseException:
+            self._slots.release()
+            raise
         waited = time.perf_counter() - start
         if waited > WAIT_LOG_THRESHOLD_S:
             logger.info(
@@ -284,8 +314,10 @@ class AsyncWriter:
         except BaseException:
             self._slots.release()
             raise
+        job.after = dependencies
         with self._lock:
             self._pending[future] = path
+            self._paths[future] = path
         self._queue.put(job)
         return future
 
@@ -497,6 +529,9 @@ class AsyncWriter:
         error: BaseException | None = None
         nbytes = 0
         try:
+            # Checked before the encode too: in closed loop it advances the reference,
+            # which must not move past a link that is not on disk.
+            _check_dependencies(job)
             for event in job.copy_done:
                 event.synchronize()
             job.device_state = None  # the copies are done; let the device memory go
@@ -506,6 +541,11 @@ class AsyncWriter:
         except BaseException as err:  # noqa: BLE001 - every failure goes to the Future
             error = err
             logger.error("async save to '%s' failed: %s: %s", job.path, type(err).__name__, err)
+        dependent = isinstance(error, _DependencyFailed)
+        if dependent:
+            # The copies into the pinned buffer may still run: it goes back only after them.
+            for event in job.copy_done:
+                event.synchronize()
         # Free the slot and the pinned buffer before resolving the Future, so that a
         # caller who waits on it can submit again at once without blocking.
         job.qstate = None
@@ -515,13 +555,44 @@ class AsyncWriter:
             job.pinned = None
         with self._lock:
             self._pending.pop(job.future, None)
-            if error is not None:
+            # A save lost for a failed dependency is a consequence of an error that is
+            # raised once already: raising it again would stop the loop a second time.
+            if error is not None and not dependent:
                 self._errors.append((job.path, error))
         self._slots.release()
         if error is not None:
             job.future.set_exception(error)
         else:
             job.future.set_result(nbytes)
+
+
+def _check_dependencies(job: _Job) -> None:
+    """Return when every save ``job`` depends on is written.
+
+    Raises:
+        CheckpointError: one of them failed (named, with its error); ``job`` must then not
+            be written, as its file could never be loaded.
+    """
+    if not job.after:
+        return
+    # Submitted earlier to the same in-order thread, so they are done; waiting costs nothing.
+    wait_futures([f for f, _ in job.after])
+    for future, path in job.after:
+        if future.cancelled():
+            reason = "was cancelled"
+        elif future.exception() is not None:
+            err = future.exception()
+            reason = f"failed ({type(err).__name__}: {err})"
+        else:
+            continue
+        raise _DependencyFailed(
+            f"checkpoint '{job.path}' was not written: it is coded against '{path}', whose "
+            f"save {reason}, so it could never be loaded; the next keyframe starts over"
+        )
+
+
+class _DependencyFailed(CheckpointError):
+    """A save not written because a save it depends on failed (see :meth:`AsyncWriter.submit`)."""
 
 
 def _run_logged(fn: Callable[[], Any]) -> None:

@@ -307,7 +307,7 @@ def test_python_dash_m_tw_triton_is_the_tw_command(ckpts):
 
 
 def readme_section(title: str) -> str:
-    text = README.read_text()
+    text = (README.parent / "docs" / "format.md").read_text()  # moved there from the README
     start = text.index(f"## {title}")
     end = text.find("\n## ", start + 1)
     return text[start : end if end != -1 else len(text)]
@@ -321,10 +321,10 @@ def test_readme_state_example_runs_and_inspect_output_matches(tmp_path, monkeypa
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     shown = re.search(r"\$ tw inspect step200\.tw\n(.*?)```", section, re.S).group(1)
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    exec(compile(code, "docs/format.md", "exec"), {"__name__": "readme_example"})
     rc, actual = run(["inspect", "step200.tw"])
     assert rc == EXIT_OK
     # Checkpoint ids are random; everything else (sizes, header bytes, ratios) is reproducible.
     assert _ID.sub("<id>", actual.strip()) == _ID.sub("<id>", shown.strip()), (
-        "README's `tw inspect` output is stale; paste the current output:\n" + actual
+        "docs/format.md's `tw inspect` output is stale; paste the current output:\n" + actual
     )

@@ -16,6 +16,7 @@ So a rank killed mid-save leaves the previous checkpoint loadable.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -29,9 +30,22 @@ from ..errors import CheckpointError
 from ._meta import read_record
 from .api import load as _load
 from .keyframe import Keyframe
-from .storage import StorageWriter, is_complete
+from .storage import StorageWriter, find_keyframe, is_complete
 
 _STEP_RE = re.compile(r"step_(\d{8,})")
+logger = logging.getLogger(__name__)
+
+
+def chain_problem(path: str) -> str | None:
+    """Why the complete checkpoint in ``path`` cannot be loaded, or ``None`` if it can: a
+    delta needs a complete keyframe with the id it records."""
+    try:
+        ref = read_record(path).reference
+        if ref is not None:
+            find_keyframe(path, ref)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 class DistributedCheckpointer:
@@ -67,6 +81,11 @@ class DistributedCheckpointer:
         self._since_keyframe = 0
         self._pending: Future | None = None
         os.makedirs(self.directory, exist_ok=True)
+        # Temp files of killed saves go, unless another rank or writer holds the directory.
+        from ..checkpoint_dir import DirectoryClaim, dcp_temp_files
+
+        self._claim = DirectoryClaim(self.directory)
+        self._claim.sweep(lambda: dcp_temp_files(self.directory))
 
     # -- queries (any process, no collectives) ---------------------------------------
     def path_for(self, step: int) -> str:
@@ -84,9 +103,19 @@ class DistributedCheckpointer:
         return sorted(out)
 
     def latest(self) -> str | None:
-        """The newest complete checkpoint, or ``None``."""
-        done = self.complete()
-        return done[-1][1] if done else None
+        """The newest checkpoint that loads, or ``None``.
+
+        A checkpoint loads when it is complete and, for a delta, when a complete keyframe
+        with the id it records is found (:func:`~tw_triton.dcp.storage.find_keyframe`). A
+        complete delta whose keyframe lost or truncated a rank file is skipped with a
+        logged warning, and the next older one is tried.
+        """
+        for _, path in reversed(self.complete()):
+            problem = chain_problem(path)
+            if problem is None:
+                return path
+            logger.warning("skipping checkpoint %s: %s", path, problem)
+        return None
 
     # -- saving ----------------------------------------------------------------------
     def _rank(self) -> int:
@@ -142,6 +171,10 @@ class DistributedCheckpointer:
     def _retain(self) -> None:
         done = self.complete()
         kept = [p for _, p in done[-self.keep:]]
+        latest = self.latest()
+        if latest is not None:
+            # Older than the newest complete ones when their keyframe broke: keep it too.
+            kept.append(latest)
         needed = set(kept)
         for p in kept:
             ref = read_record(p).reference

@@ -107,7 +107,7 @@ class Keyframe:
             if any(h <= l for l, h in zip(lo, hi)):
                 continue
             if info.file not in files:
-                _, files[info.file] = decode_file(os.path.join(self.path, info.file), verify=self.verify)
+                files[info.file] = self._decode(info.file)
             src = files[info.file][info.entry]
             dst_sl = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
             src_sl = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, c_off))
@@ -119,6 +119,24 @@ class Keyframe:
                 f"{fqn!r} at {list(offsets)} size {list(sizes)}"
             )
         return out
+
+    def _decode(self, name: str) -> dict[str, torch.Tensor]:
+        """The decoded entries of rank file ``name``, which must be of this checkpoint.
+
+        Raises:
+            ReferenceMismatchError: the file belongs to another checkpoint (copied in, or
+                left by another run), so its values are not the ones the deltas were coded
+                against.
+        """
+        path = os.path.join(self.path, name)
+        qstate = read_file(path, verify=self.verify)
+        if qstate.checkpoint_id != self.checkpoint_id:
+            raise ReferenceMismatchError(
+                f"{path}: a file of checkpoint {qstate.checkpoint_id!r}, but reference "
+                f"{self.path} is checkpoint {self.checkpoint_id!r} (files and metadata do not match)"
+            )
+        tensors, _ = flatten(dequantize_state_dict(qstate, source=path, verify=self.verify))
+        return tensors
 
 
 def open_reference(reference: "str | os.PathLike | Keyframe | None") -> Keyframe | None:

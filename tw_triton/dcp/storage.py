@@ -23,7 +23,7 @@ import os
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -47,7 +47,7 @@ from ..rules import Rule, keyframe_rules, resolve_rules, rules_as_specs, select_
 from ..state import dequantize_state_dict, quantize_state_dict
 from ..tree import escape_component, flatten
 from . import _compat
-from ._meta import METADATA_NAME, StorageInfo, read_record, to_json, write_json
+from ._meta import METADATA_NAME, Record, StorageInfo, read_record, to_json, write_json
 from .keyframe import Keyframe, open_reference
 
 FILE_SUFFIX = ".tw.safetensors"
@@ -381,10 +381,109 @@ def is_complete(path: str | os.PathLike) -> bool:
     save killed on any rank leaves a directory for which this is false.
     """
     try:
-        StorageReader(path)._load_record()
+        complete_record(path)
     except CheckpointError:
         return False
     return True
+
+
+def complete_record(path: str | os.PathLike) -> Record:
+    """The record of the checkpoint in ``path``, once every rank file it lists is there
+    with the size it recorded.
+
+    Raises:
+        CheckpointError: no valid metadata, or a rank file missing, replaced or truncated.
+    """
+    directory = os.fspath(path)
+    rec = read_record(directory)
+    for name, info in rec.files.items():
+        fpath = os.path.join(directory, name)
+        try:
+            size = os.path.getsize(fpath)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{directory}: rank file {name} (written by rank {info['rank']}) is missing"
+            ) from None
+        except OSError as exc:
+            raise CheckpointIOError(exc.errno, f"{directory}: cannot stat rank file {name}: {exc}") from exc
+        if size != info["bytes"]:
+            raise CheckpointError(
+                f"{directory}: rank file {name} has {size} bytes, {METADATA_NAME} "
+                f"recorded {info['bytes']} (replaced or truncated)"
+            )
+    return rec
+
+
+def find_keyframe(path: str | os.PathLike, reference: dict[str, str]) -> str:
+    """The directory of the keyframe that the delta checkpoint in ``path`` records.
+
+    Looked for by checkpoint id beside ``path`` first (the directory with the recorded
+    keyframe's name, then the others), so a copied or moved run reads its own keyframe
+    even where another run now sits at the recorded path; the recorded absolute path is
+    the last resort. A directory with another id, or one that is not complete, is never
+    returned.
+
+    Args:
+        path: the delta checkpoint's directory.
+        reference: its record's ``{"checkpoint_id", "path"}``.
+
+    Returns:
+        The keyframe's directory.
+
+    Raises:
+        ReferenceMismatchError: no complete checkpoint with that id; the message names the
+            candidates looked at and why each was passed over.
+    """
+    want, recorded = reference["checkpoint_id"], reference["path"]
+    here = os.path.abspath(os.fspath(path))
+    named = os.path.join(os.path.dirname(here), os.path.basename(recorded))
+    passed_over: list[str] = []
+    for cand, always_say in _keyframe_candidates(here, named, recorded):
+        if not os.path.exists(cand):
+            passed_over.append(f"{cand} is not there")
+            continue
+        try:
+            found_id = read_record(cand).checkpoint_id
+        except CheckpointError as exc:
+            if always_say:
+                passed_over.append(f"{cand}: {exc}")
+            continue
+        if found_id != want:
+            if always_say:
+                passed_over.append(f"{cand} is checkpoint {found_id!r}")
+            continue
+        try:
+            complete_record(cand)
+        except CheckpointError as exc:
+            passed_over.append(f"{cand} is that checkpoint but incomplete: {exc}")
+            continue
+        return cand
+    raise ReferenceMismatchError(
+        f"{path} is a delta from keyframe checkpoint {want!r} (recorded at {recorded}); no "
+        f"complete checkpoint with that id beside it or at the recorded path"
+        + (f" ({'; '.join(passed_over)})" if passed_over else "") + "; pass reference="
+    )
+
+
+def _keyframe_candidates(here: str, named: str, recorded: str) -> Iterator[tuple[str, bool]]:
+    """Directories that may hold a delta's keyframe, in the order :func:`find_keyframe`
+    tries them, each with whether it is named in the error when passed over (the other
+    siblings of ``here`` are tried only if they hold a record, and named only if their id
+    matches)."""
+    parent = os.path.dirname(here)
+    try:
+        siblings = sorted(os.listdir(parent))
+    except OSError:
+        siblings = []
+    order = [(named, True)] + [(os.path.join(parent, n), False) for n in siblings]
+    order.append((os.path.abspath(recorded), True))
+    seen = {here}
+    for cand, always_say in order:
+        if cand in seen:
+            continue
+        seen.add(cand)
+        if always_say or os.path.isfile(os.path.join(cand, METADATA_NAME)):
+            yield cand, always_say
 
 
 class StorageReader(FileSystemReader):
@@ -397,7 +496,8 @@ class StorageReader(FileSystemReader):
     Args:
         path: the checkpoint directory.
         reference: the keyframe directory (or :class:`Keyframe`) of a delta checkpoint;
-            default: the one it recorded, at its recorded path or beside ``path``.
+            default: the checkpoint with the recorded keyframe id, looked for beside
+            ``path`` first, then at the recorded path (see :func:`find_keyframe`).
         verify: check per-buffer CRC-32 while reading.
 
     Raises (during ``dcp.load``):
@@ -425,21 +525,7 @@ class StorageReader(FileSystemReader):
 
     def _load_record(self):
         if self._record is None:
-            directory = os.fspath(self.path)
-            rec = read_record(directory)
-            for name, info in rec.files.items():
-                fpath = os.path.join(directory, name)
-                if not os.path.exists(fpath):
-                    raise CheckpointError(
-                        f"{directory}: rank file {name} (written by rank {info['rank']}) is missing"
-                    )
-                size = os.path.getsize(fpath)
-                if size != info["bytes"]:
-                    raise CheckpointError(
-                        f"{directory}: rank file {name} has {size} bytes, {METADATA_NAME} "
-                        f"recorded {info['bytes']} (replaced or truncated)"
-                    )
-            self._record = rec
+            self._record = complete_record(self.path)
         return self._record
 
     def preflight(self) -> None:
@@ -468,14 +554,7 @@ class StorageReader(FileSystemReader):
         if self._keyframe is None:
             ref = self._reference_arg
             if ref is None:
-                recorded = rec.reference["path"]
-                beside = os.path.join(os.path.dirname(os.path.abspath(directory)), os.path.basename(recorded))
-                ref = next((p for p in (recorded, beside) if os.path.exists(os.path.join(p, METADATA_NAME))), None)
-                if ref is None:
-                    raise ReferenceMismatchError(
-                        f"{directory} is a delta from keyframe checkpoint {want!r}, recorded at "
-                        f"{recorded}, which is not there (nor beside it); pass reference="
-                    )
+                ref = find_keyframe(directory, rec.reference)
             try:
                 self._keyframe = open_reference(ref)
             except ReferenceMismatchError:
@@ -568,4 +647,4 @@ class StorageReader(FileSystemReader):
         return fut
 
 
-__all__ = ["StorageWriter", "StorageReader", "FILE_SUFFIX", "is_complete"]
+__all__ = ["StorageWriter", "StorageReader", "FILE_SUFFIX", "is_complete", "complete_record", "find_keyframe"]

@@ -366,30 +366,22 @@ def _find_beside(path: str, manifest: dict[str, Any]) -> str:
     (never a file whose id differs): the lookup a load does for each link of a chain.
 
     Raises:
-        ReferenceMismatchError: no file there is that checkpoint; names its step and the
-            file a Checkpointer gives that step, why that file is not it, and ``--reference``.
+        ReferenceMismatchError: no file there is that checkpoint; names its step, the file a
+            Checkpointer gives that step and why that file is not it, and ``--reference``.
     """
-    from .checkpoint_dir import checkpoint_name
+    from .deltas import missing_reference
     from .errors import ReferenceMismatchError
     from .state import _find_checkpoint
 
-    ref_id = manifest["reference_id"]
     directory = os.path.dirname(path) or "."
-    step = (manifest.get("metadata") or {}).get("reference_step")
     try:
-        return _find_checkpoint(directory, ref_id, path, step=step)
+        return _find_checkpoint(directory, manifest["reference_id"], path)
     except ReferenceMismatchError:
         pass
-    expected = os.path.join(directory, checkpoint_name(step)) if isinstance(step, int) else None
-    why = f"no file in {directory!r} is that checkpoint"
-    if expected is not None and os.path.exists(expected):
-        try:
-            why += f"; {expected!r} is checkpoint {read_manifest(expected)['checkpoint_id']!r}"
-        except (TwTritonError, OSError) as e:
-            why += f"; {expected!r} is there but cannot be read: {e}"
+    error = missing_reference(path, manifest["reference_id"], directory)
     raise ReferenceMismatchError(
-        f"{path}: is a delta from reference {checkpoint_label(ref_id, step)}, and {why}. Pass the "
-        "reference file with --reference REF (tw verify --checksums-only checks this file alone)"
+        f"{error}. Pass the reference file with --reference REF (tw verify --checksums-only checks "
+        "this file alone)"
     )
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/codec.py             # full run (16M elements), writes results/codec_cpu.*
     python benchmarks/codec.py --quick     # small sizes, a few seconds (used by a smoke test)
-    python benchmarks/codec.py --ratios    # only the table of stored sizes (for the README)
+    python benchmarks/codec.py --ratios    # only the table of stored sizes (for docs/codecs.md)
 
 CPU: encode and decode throughput (GB/s of input read: x, plus the reference when there is
 one) next to ``copy_`` of the same tensor into a buffer allocated once, all writing into

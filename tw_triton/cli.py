@@ -168,6 +168,7 @@ def inspect_lines(path: str) -> list[str]:
                      _stage_label(entry), _human(coded), _human(stored), ratio))
     for name, target in aliases.items():
         rows.append((name, "", "", f"alias of {target}", "-", "0 B", "0 B", "-"))
+    rows = [tuple(printable(c) for c in r) for r in rows]  # widths of what is shown
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     right = {5, 6, 7}
 
@@ -227,6 +228,7 @@ def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
         if verify:
             row += ("ok" if problems[step] is None else f"cannot load: {problems[step]}",)
         rows.append(row)
+    rows = [tuple(printable(c) for c in r) for r in rows]  # widths of what is shown
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
 
     def fmt(r: Sequence[str]) -> str:

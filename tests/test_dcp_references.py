@@ -221,10 +221,11 @@ def run_copy(chain_run, tmp_path):
     return run, saved
 
 
-def assert_loads_step_1(ckpt: DistributedCheckpointer, saved: dict) -> None:
-    """``load`` of what ``latest()`` returns: step 1, the delta of the intact keyframe 0."""
+def assert_loads_step_1(ckpt: DistributedCheckpointer, saved: dict, path: str | None = None) -> None:
+    """``load`` of ``path`` (default: what ``latest()`` returns): step 1, the delta of the
+    intact keyframe 0."""
     state = fresh_state()
-    assert ckpt.load(state) == 1
+    assert ckpt.load(state, path) == 1
     got = W.full_tensors(state)
     err = (got["model.0.weight"] - saved[1]["model.0.weight"]).abs().max()
     assert 0 < err < 1e-3
@@ -252,6 +253,19 @@ def test_latest_skips_a_delta_whose_keyframe_has_a_truncated_rank_file(run_copy)
     # Loading the broken chain itself is a clear error, not garbage.
     with pytest.raises(ReferenceMismatchError, match="replaced or truncated"):
         tw_dcp.load(fresh_state(), f"{run}/step_00000003", no_dist=True)
+
+
+def test_latest_with_verify_skips_a_corrupted_keyframe(run_copy):
+    """Same sizes, one flipped byte: found by checksums when ``verify`` is asked for."""
+    run, saved = run_copy
+    f = f"{run}/step_00000002/__1_0.tw.safetensors"
+    data = bytearray(open(f, "rb").read())
+    data[-3] ^= 0xFF
+    open(f, "wb").write(bytes(data))
+    ckpt = DistributedCheckpointer(run)
+    assert ckpt.latest() == f"{run}/step_00000003"
+    assert ckpt.latest(verify=True) == f"{run}/step_00000001"
+    assert_loads_step_1(ckpt, saved, ckpt.latest(verify=True))
 
 
 def test_retention_keeps_what_latest_returns(run_copy):

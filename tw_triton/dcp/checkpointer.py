@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
+from ..format import verify_file
 from ._meta import read_record
 from .api import load as _load
 from .keyframe import Keyframe
@@ -36,15 +37,31 @@ _STEP_RE = re.compile(r"step_(\d{8,})")
 logger = logging.getLogger(__name__)
 
 
-def chain_problem(path: str) -> str | None:
-    """Why the complete checkpoint in ``path`` cannot be loaded, or ``None`` if it can: a
-    delta needs a complete keyframe with the id it records."""
+def chain_problem(path: str, *, verify: bool = False) -> str | None:
+    """Why the complete checkpoint in ``path`` cannot be loaded, or ``None`` if it can.
+
+    Args:
+        path: a complete checkpoint directory.
+        verify: also read every rank file of the checkpoint and of its keyframe and check
+            their checksums.
+
+    Returns:
+        ``None``, or the reason: a delta whose keyframe (a complete checkpoint with the id
+        it records) is not found, or with ``verify`` a file that fails its checks.
+    """
     try:
-        ref = read_record(path).reference
-        if ref is not None:
-            find_keyframe(path, ref)
+        rec = read_record(path)
+        chain = [path]
+        if rec.reference is not None:
+            chain.append(find_keyframe(path, rec.reference))
+        if verify:
+            for directory in chain:
+                for name in read_record(directory).files:
+                    verify_file(os.path.join(directory, name))
     except CheckpointError as exc:
         return str(exc)
+    except OSError as exc:  # a file removed or unreadable while it is checked
+        return f"{path}: {exc}"
     return None
 
 
@@ -102,16 +119,21 @@ class DistributedCheckpointer:
                 out.append((int(m.group(1)), path))
         return sorted(out)
 
-    def latest(self) -> str | None:
+    def latest(self, *, verify: bool = False) -> str | None:
         """The newest checkpoint that loads, or ``None``.
 
         A checkpoint loads when it is complete and, for a delta, when a complete keyframe
         with the id it records is found (:func:`~tw_triton.dcp.storage.find_keyframe`). A
         complete delta whose keyframe lost or truncated a rank file is skipped with a
         logged warning, and the next older one is tried.
+
+        Args:
+            verify: also check the checksums of every rank file of the candidate and its
+                keyframe (one process reads every rank's files: off by default, as the
+                load that follows checks them anyway).
         """
         for _, path in reversed(self.complete()):
-            problem = chain_problem(path)
+            problem = chain_problem(path, verify=verify)
             if problem is None:
                 return path
             logger.warning("skipping checkpoint %s: %s", path, problem)
@@ -190,10 +212,10 @@ class DistributedCheckpointer:
 
     # -- loading ---------------------------------------------------------------------
     def load(self, state: dict[str, Any], path: str | None = None) -> int | None:
-        """Load the latest complete checkpoint (or ``path``) into ``state`` in place.
+        """Load the checkpoint :meth:`latest` returns (or ``path``) into ``state`` in place.
 
         Returns:
-            The step loaded, or ``None`` when there is no complete checkpoint.
+            The step loaded, or ``None`` when no checkpoint loads.
         """
         path = path or self.latest()
         if path is None:

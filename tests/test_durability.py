@@ -9,7 +9,11 @@ so which saves are queued behind it is decided by the test, not by timing.
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -187,3 +191,119 @@ def test_a_failed_closed_loop_delta_does_not_move_the_reference(tmp_path, monkey
     assert_loads_as_saved(tmp_path, futures, saved)
     infos = {i.step: i for i in Checkpointer(tmp_path).infos()}
     assert sorted(infos) == [0, 1, 3, 4] and infos[3].kind == "keyframe"
+
+
+# ------------------------------------------------------------ temp files of killed saves
+
+OWN_TEMP = "." + checkpoint_name(7) + ".0123456789abcdef.tmp"
+UNRELATED = [
+    "notes.txt",
+    ".notes.txt.0123456789abcdef.tmp",  # write_file's temp naming, not for a checkpoint
+    "." + checkpoint_name(7) + ".tmp",  # no random part: not write_file's
+    "step-x.tw.safetensors.0123456789abcdef.tmp",  # no leading dot
+]
+
+
+def plant(directory, names, nbytes=100) -> None:
+    for name in names:
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(b"x" * nbytes)
+
+
+def sweep_records(caplog):
+    return [r for r in caplog.records if "temp file" in r.getMessage() and r.name.startswith("tw_triton")]
+
+
+def test_open_removes_temp_files_of_dead_writers_only(tmp_path, caplog):
+    with Checkpointer(tmp_path, async_write=False, fsync=False) as ckpt:
+        ckpt.save(1, **state(1))
+    retired = "." + checkpoint_name(3) + ".fedcba9876543210.tmp"  # retention's rename, then a kill
+    plant(tmp_path, [OWN_TEMP, retired], nbytes=300)
+    plant(tmp_path, UNRELATED)
+    os.mkdir(tmp_path / ("." + checkpoint_name(8) + ".0123456789abcdef.tmp"))  # not a file
+    caplog.set_level(logging.INFO, logger="tw_triton")
+    ckpt = Checkpointer(tmp_path)
+    left = set(os.listdir(tmp_path))
+    assert OWN_TEMP not in left and retired not in left
+    assert set(UNRELATED) <= left and checkpoint_name(1) in left
+    [record] = sweep_records(caplog)
+    assert record.levelno == logging.WARNING
+    assert "2 temp file(s) of 600 bytes" in record.getMessage() and str(tmp_path) in record.getMessage()
+    assert ckpt.load()["extra"].item() == 1
+    ckpt.close()
+
+
+def test_a_temp_file_of_an_open_checkpointer_is_kept(tmp_path, caplog):
+    """A second Checkpointer (in this process) on a directory that another one holds leaves
+    the temp files alone: they may be the other one's write in progress."""
+    caplog.set_level(logging.INFO, logger="tw_triton")
+    writing = Checkpointer(tmp_path, fsync=False)
+    plant(tmp_path, [OWN_TEMP])
+    Checkpointer(tmp_path).close()
+    assert OWN_TEMP in os.listdir(tmp_path) and sweep_records(caplog) == []
+    writing.close()
+    Checkpointer(tmp_path).close()
+    assert OWN_TEMP not in os.listdir(tmp_path)
+    assert len(sweep_records(caplog)) == 1
+
+
+HOLDER = textwrap.dedent("""
+    import os, sys
+    from tw_triton.checkpointer import Checkpointer
+    ckpt = Checkpointer(sys.argv[1], fsync=False)
+    with open(os.path.join(sys.argv[1], sys.argv[2]), "wb") as f:
+        f.write(b"half a keyframe")
+    print("ready", flush=True)
+    sys.stdin.readline()  # held until the test says so, or killed
+""")
+
+
+def test_a_live_writer_in_another_process_keeps_its_temp_file_until_killed(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), OWN_TEMP],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        Checkpointer(tmp_path).close()
+        assert OWN_TEMP in os.listdir(tmp_path), "removed a live writer's temp file"
+    finally:
+        child.kill()  # SIGKILL: no close, no atexit; the kernel drops its lock
+        child.wait()
+    Checkpointer(tmp_path).close()
+    assert OWN_TEMP not in os.listdir(tmp_path)
+
+
+def test_without_a_lock_nothing_is_removed(tmp_path, monkeypatch):
+    """A filesystem that refuses flock: the open works and removes nothing (it cannot know
+    whether a writer is live)."""
+    import tw_triton.checkpoint_dir as cd
+
+    def refused(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(cd._fcntl, "flock", refused)
+    plant(tmp_path, [OWN_TEMP])
+    with Checkpointer(tmp_path, async_write=False, fsync=False) as ckpt:
+        ckpt.save(1, **state(1))
+    assert OWN_TEMP in os.listdir(tmp_path)
+
+
+def test_distributed_checkpointer_removes_temp_files_of_dead_ranks(tmp_path, caplog):
+    from tw_triton.dcp import DistributedCheckpointer
+
+    step = tmp_path / "step_00000004"
+    step.mkdir()
+    own = [".__0_0.tw.safetensors.0123456789abcdef.tmp", ".__1_0.tw.safetensors.fedcba9876543210.tmp",
+           "tw_dcp.json.tmp"]
+    plant(step, own)
+    plant(step, ["__1_0.tw.safetensors", "notes.tmp", ".notes.0123456789abcdef.tmp"])
+    plant(tmp_path, [".__0_0.tw.safetensors.0123456789abcdef.tmp", "tw_dcp.json.tmp"])  # not in a step dir
+    caplog.set_level(logging.INFO, logger="tw_triton")
+    held = DistributedCheckpointer(tmp_path)
+    assert sorted(os.listdir(step)) == sorted(["__1_0.tw.safetensors", "notes.tmp", ".notes.0123456789abcdef.tmp"])
+    assert len(os.listdir(tmp_path)) == 3
+    [record] = sweep_records(caplog)
+    assert "3 temp file(s) of 300 bytes" in record.getMessage()
+    plant(step, own[:1])
+    DistributedCheckpointer(tmp_path)  # another rank, while this one holds the directory
+    assert own[0] in os.listdir(step)
+    del held

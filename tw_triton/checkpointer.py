@@ -88,9 +88,19 @@ Host memory of snapshots
 Crash safety
     Files appear under their final name only when complete (``format.write_file``: temp
     file, fsync, rename, directory fsync). A crash leaves at most temp files
-    (``.step-....tmp``), which every listing ignores and :meth:`remove_temp_files` deletes.
-    :meth:`latest` verifies each candidate (checksums of the file and of its keyframe) and
-    falls back, with a logged warning, to the newest checkpoint that verifies.
+    (``.step-....tmp``), which every listing ignores. A new ``Checkpointer`` removes them
+    when it opens the directory, with one logged warning naming how many files and bytes,
+    unless another writer (another process, or another open ``Checkpointer``) holds the
+    directory: each holds a shared lock on it until :meth:`close`
+    (:class:`~tw_triton.checkpoint_dir.DirectoryClaim`). :meth:`latest` verifies each
+    candidate (checksums of the file and of its keyframe) and falls back, with a logged
+    warning, to the newest checkpoint that verifies.
+
+    A save's Future reports success only when its file and every file it needs (its
+    keyframe and, in closed loop, the deltas before it) are written: a delta whose keyframe
+    or earlier link failed is not written, its Future fails, and the next save is a new
+    keyframe. The failure of the save it needed is raised to the loop once, at the next
+    ``save``, ``flush`` or ``close`` (or by the ``save`` that was waiting for it).
 
 Retention
     After each save completes, the ``keep_last`` newest checkpoints are kept, plus every
@@ -122,6 +132,7 @@ from . import format as _format
 from .checkpoint_dir import (
     CheckpointDirectory,
     CheckpointInfo,
+    DirectoryClaim,
     checkpoint_name,
     parse_checkpoint_name,
     wants_pinned,
@@ -228,6 +239,8 @@ class Checkpointer:
             raise CheckpointError(f"keep_last must be at least 1 or None, got {keep_last}")
         self._dir = CheckpointDirectory(directory)
         self.directory = self._dir.path
+        self._claim = DirectoryClaim(self.directory)
+        self._claim.sweep(self._dir.temp_files)
         self.keyframe_every = keyframe_every
         self.keep_last = keep_last
         self.rules = rules
@@ -538,6 +551,7 @@ class Checkpointer:
                     self._writer.close()
             finally:
                 self._saves.close()
+                self._claim.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -605,7 +619,8 @@ class Checkpointer:
         Retention renames a checkpoint it drops to such a name before the writer thread
         unlinks it, so a crash in between leaves one too.
 
-        Call it only when nothing else is writing to this directory.
+        A new Checkpointer does this when it opens the directory, if no other writer holds
+        it. This method does not look: call it only when nothing else is writing here.
         """
         return self._dir.remove_temp_files()
 

@@ -216,8 +216,10 @@ def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
     found = d.scan()
     unreadable = _unreadable_files(d, found)
     step_of = {info.checkpoint_id: step for step, info in found.items()}
-    problems: dict[int, str | None] = d.problems(verify=verify) if verify else {}
-    problems.update({step: f"it cannot be read: {why}" for step, (_, why) in unreadable.items()} if verify else {})
+    problems: dict[int, str | None] = {}
+    if verify:
+        problems = d.problems(verify=True)
+        problems.update({step: f"it cannot be read: {why}" for step, (_, why) in unreadable.items()})
     rows = [("step", "kind", "size", "reference") + (("status",) if verify else ())]
     for step in sorted(set(found) | set(unreadable)):
         if step in found:
@@ -335,6 +337,8 @@ def _cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     finally:
         bar.close()
     _say(f"{args.path}: checksums OK, all {count} decode", out)
+    if args.reference is not None and not chain:
+        _say(f"{args.path}: needs no reference; --reference was not used", out)
     for path, m in chain:
         label = checkpoint_label(m["checkpoint_id"], (m.get("metadata") or {}).get("step"), path)
         _say(f"{args.path}: reference OK: {label}, checksums OK", out)

@@ -103,11 +103,6 @@ class DistributedCheckpointer:
 
         self._claim = DirectoryClaim(self.directory)
         self._claim.sweep(lambda: dcp_temp_files(self.directory))
-        # Temp files of killed saves go, unless another rank or writer holds the directory.
-        from ..checkpoint_dir import DirectoryClaim, dcp_temp_files
-
-        self._claim = DirectoryClaim(self.directory)
-        self._claim.sweep(lambda: dcp_temp_files(self.directory))
 
     # -- queries (any process, no collectives) ---------------------------------------
     def path_for(self, step: int) -> str:

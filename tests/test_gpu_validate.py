@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ import tw_triton.codecs as tw_codecs
 import tw_triton.format
 from tw_triton.codecs import ExactCodec, get_codec
 from tw_triton.codecs.blockwise import BlockwiseCodec
+from tw_triton.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_DIR = REPO / "benchmarks" / "gpu"
@@ -128,30 +129,90 @@ def test_identity_inputs_hit_the_edges():
     )[0].min() >= 0
 
 
+class _WriteAfterScramble:
+    """Orders the concurrency run's threads: each file is written only once the state has
+    been overwritten after its save(), and the loop goes on only once it is written.
+
+    Which of the two comes first is otherwise a race between the writer thread and the
+    training loop, and with a snapshot that aliases the state it decides what the files
+    hold: written during the next save() they hold that save's values, which the next delta
+    was coded against, and the aliasing shows only as a value difference; written earlier or
+    later, the delta's reference fingerprint differs too, and while the state changes under
+    the write, its checksum. Fixed this way, the run is the same on any machine.
+    """
+
+    def __init__(self, monkeypatch) -> None:
+        self.scrambled = threading.Semaphore(0)
+        self.written = threading.Semaphore(0)
+        real_write_file = tw_triton.format.write_file
+        real_scramble = _end_to_end._scramble
+
+        def write_file_after_scramble(*args, **kwargs):
+            self._take(self.scrambled, "the state was never overwritten after a save()")
+            try:
+                return real_write_file(*args, **kwargs)
+            finally:
+                self.written.release()
+
+        def scramble_then_write(*args, **kwargs):
+            real_scramble(*args, **kwargs)
+            self.scrambled.release()
+            self._take(self.written, "a save() was never written")
+
+        monkeypatch.setattr(tw_triton.format, "write_file", write_file_after_scramble)
+        monkeypatch.setattr(_end_to_end, "_scramble", scramble_then_write)
+
+    @staticmethod
+    def _take(sem: threading.Semaphore, what: str) -> None:
+        # Only a guard against a hang if the harness changes; no outcome depends on it.
+        if not sem.acquire(timeout=120):
+            raise AssertionError(f"concurrency run out of step: {what}")
+
+
+def _aliasing_encode(self, x, params, reference, *rest):
+    """An exact codec that keeps the live tensor instead of a copy: the bug to catch."""
+    return self.wrap(x.detach()) if x.is_contiguous() else ExactCodec.encode(self, x, params, reference)
+
+
 def test_concurrency_check_catches_a_snapshot_that_aliases_the_state(tmp_path, monkeypatch):
     """With exact entries holding the live tensors instead of copies, overwriting the state
-    after save() changes the files: the check must say so."""
-    ok = _end_to_end.run_concurrency(torch.device("cpu"), tmp_path / "ok", size="tiny", saves=3)
+    after save() changes the files: the check must say so, and count what the library
+    refuses to load (the deltas' references) instead of stopping at it."""
+    _WriteAfterScramble(monkeypatch)
+    ok = _end_to_end.run_concurrency(torch.device("cpu"), tmp_path / "ok", size="tiny", saves=3,
+                                     force_device_branch=True)
     assert ok["problem_count"] == 0, ok["problems"]
 
-    def aliasing_encode(self, x, params, reference, *rest):
-        return self.wrap(x.detach()) if x.is_contiguous() else ExactCodec.encode(self, x, params, reference)
-
-    monkeypatch.setattr(ExactCodec, "encode_with", aliasing_encode)
-    monkeypatch.setattr(ExactCodec, "encode", aliasing_encode)
-    # The writer thread must write after the state is scrambled, or the aliasing goes unseen
-    # (on a fast idle CPU it can finish first): hold each write back a little.
-    real_write_file = tw_triton.format.write_file
-
-    def late_write_file(*args, **kwargs):
-        time.sleep(0.2)
-        return real_write_file(*args, **kwargs)
-
-    monkeypatch.setattr(tw_triton.format, "write_file", late_write_file)
+    monkeypatch.setattr(ExactCodec, "encode_with", _aliasing_encode)
+    monkeypatch.setattr(ExactCodec, "encode", _aliasing_encode)
     bad = _end_to_end.run_concurrency(torch.device("cpu"), tmp_path / "bad", size="tiny", saves=3,
                                       force_device_branch=True)
-    assert bad["problem_count"] > 0
-    assert any("differs from the value at save()" in p for p in bad["problems"])
+    steps = bad["problem_steps"]
+    assert bad["problem_count"] == sum(v["count"] for v in steps.values()) > 0
+    assert "step-00000000.tw.safetensors: exact entry" in steps[0]["first"], steps
+    assert "differs from the value at save()" in steps[0]["first"], steps
+    # The second delta's reference is the first delta, coded against the state at its
+    # save(); decoding it starts from the keyframe, which holds the state overwritten after
+    # the keyframe's save(): the fingerprint says it is not that reference.
+    assert steps[2]["count"] == 1, steps
+    assert "does not load (ReferenceMismatchError" in steps[2]["first"], steps
+
+
+def test_concurrency_check_counts_a_file_that_does_not_load(tmp_path, monkeypatch):
+    """A library error while checking a file is one more problem of that file, not the end
+    of the run: the other files are still checked."""
+    real_read_file = _end_to_end.read_file
+
+    def read_file_failing_step_1(path, *args, **kwargs):
+        if path.endswith("step-00000001.tw.safetensors"):
+            raise CheckpointError(f"{path}: checksum mismatch (injected)")
+        return real_read_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(_end_to_end, "read_file", read_file_failing_step_1)
+    out = _end_to_end.run_concurrency(torch.device("cpu"), tmp_path, size="tiny", saves=3)
+    assert out["problem_count"] == 1 and list(out["problem_steps"]) == [1], out["problems"]
+    assert "step-00000001.tw.safetensors: does not load (CheckpointError" in out["problems"][0]
+    assert "checksum mismatch (injected)" in out["problems"][0]
 
 
 def _run_marker_suite(tmp_path: Path, assume_cuda: bool) -> subprocess.CompletedProcess:

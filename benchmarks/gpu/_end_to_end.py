@@ -43,6 +43,7 @@ import torch
 import tw_triton
 from tw_triton import Checkpointer
 from tw_triton.codecs import get_codec
+from tw_triton.errors import TwTritonError
 from tw_triton.format import read_file
 from tw_triton.tree import flatten
 
@@ -299,6 +300,35 @@ def check_file_holds(path: str, expected: dict[str, torch.Tensor], refs: dict[st
     return problems
 
 
+def check_saved_step(ck: Checkpointer, step: int, want: dict[str, torch.Tensor]) -> list[str]:
+    """Differences between the file of ``step`` and ``want`` (its flat state at save()).
+
+    A file or reference the library refuses to read (a checksum, a delta's reference
+    fingerprint) is a difference too: it is how a snapshot that changed while it was being
+    written often shows, and it must be counted, not end the run.
+
+    Args:
+        ck: the Checkpointer that saved ``step`` (flushed).
+        step: the step to check.
+        want: the values at save(), flat by path, on the CPU.
+
+    Returns:
+        One line per difference (empty if the file holds ``want``).
+    """
+    path = ck.path_for(step)
+    try:
+        ref_step = read_file(path).metadata.get("reference_step")
+        refs = None
+        if ref_step is not None:
+            # What the delta was coded against is what a loader decodes for its reference:
+            # the keyframe's exact values (open loop) or the reconstruction of the save
+            # before it (closed loop), itself checked against its own save in this loop.
+            refs = {k: v.cpu() for k, v in flatten(ck.load(ref_step, device="cpu"))[0].items()}
+        return check_file_holds(path, want, refs)
+    except TwTritonError as e:
+        return [f"{path}: does not load ({type(e).__name__}: {e})"]
+
+
 def run_concurrency(
     device: torch.device,
     workdir: Path,
@@ -333,22 +363,17 @@ def run_concurrency(
                 busy = torch.tanh(busy @ busy)
         ck.flush()
         problems: list[str] = []
+        by_step: dict[int, dict[str, Any]] = {}
         for s in range(saves):
-            path = ck.path_for(s)
-            meta = read_file(path).metadata
             want = {k: v.cpu() for k, v in flatten(expected[s])[0].items()}
-            ref_step = meta.get("reference_step")
-            refs = None
-            if ref_step is not None:
-                # What the delta was coded against is what a loader decodes for its reference:
-                # the keyframe's exact values (open loop) or the reconstruction of the save
-                # before it (closed loop), itself checked against its own save in this loop.
-                refs = {k: v.cpu() for k, v in flatten(ck.load(ref_step, device="cpu"))[0].items()}
-            problems += check_file_holds(path, want, refs)
+            found = check_saved_step(ck, s, want)
+            if found:
+                by_step[s] = {"count": len(found), "first": found[0]}
+            problems += found
         ck.close()
     finally:
         ckmod._all_on_cpu = original
     log(f"concurrency ({'device branch' if force_device_branch else 'default branch'}): "
         f"{saves} saves, {len(problems)} problem(s)")
-    return {"saves": saves, "problems": problems[:50], "problem_count": len(problems),
+    return {"saves": saves, "problems": problems[:50], "problem_count": len(problems), "problem_steps": by_step,
             "device_branch_forced": force_device_branch, "tw_triton": tw_triton.__version__}

@@ -32,7 +32,7 @@ except ImportError:  # Windows: no flock, so no sweep (see DirectoryClaim)
 
 from . import format as _format
 from .deltas import chain_of, decode_chain
-from .state import delta_paths
+from .state import check_manifest, delta_paths
 from .errors import CheckpointError, ReferenceMismatchError
 from .qstate import QuantizedState
 
@@ -337,6 +337,9 @@ class CheckpointDirectory:
         for item in chain if reads is None else reversed(chain):
             if item.path not in verified:
                 try:
+                    # Before any data is read (or written into ``into``): a file that
+                    # could not be decoded is passed over like a corrupted one.
+                    check_manifest(_format.read_manifest(item.path, headers=self.headers), item.path)
                     if reads is None:
                         _format.verify_file(item.path, headers=self.headers)
                     else:

@@ -61,7 +61,11 @@ x dtype size against each byte span (against ``raw_nbytes`` for a staged buffer)
 whitelist, stage names and params, the manifest schema and version, and that the manifest
 and the tensor table agree key by key. Every allocation of a raw buffer is bounded by the
 file size; a staged buffer's allocation is bounded by what its stored zstd blocks can
-decode to (at most 32768 times their size, by the zstd format), checked before allocating.
+decode to (at most 32768 times their size, by the zstd format), checked before allocating,
+and all staged buffers of a file together may decode to at most :data:`MAX_EXPANSION`
+times the file's size plus :data:`EXPANSION_SLACK_BYTES` (``max_expansion`` of
+:func:`read_file` and :func:`verify_file` sets the factor, ``None`` lifts the bound), also
+checked from the header, so a small file cannot make a load allocate gigabytes.
 Data checksums are verified on load unless ``verify=False``; the manifest's own
 checksum is always verified (it costs nothing). A staged buffer whose zstd frame carries
 zstd's content checksum (every frame this library writes does) is verified by that
@@ -136,6 +140,16 @@ IO_CHUNK_BYTES = 8 << 20
 # Positional reads let worker threads read one file at once; without them (Windows) the
 # file position is shared and one thread reads.
 _POSITIONAL_READS = hasattr(os, "preadv")
+
+# The bound on what a file's staged buffers may decode to, before anything is decoded:
+# MAX_EXPANSION times the file's size plus EXPANSION_SLACK_BYTES. zstd alone would let a
+# file of a few hundred KB declare gigabytes of zeros. Real checkpoints stay far below: in
+# the Checkpointer files of a transformer, an MLP and a LoRA model with a zero-initialised
+# B matrix and a bool mask buffer (keyframes and open- and closed-loop deltas, moments
+# coded), the decoded buffers were at most 3.3 times the file. The slack leaves room for
+# legitimately constant tensors (a mask, a zero-initialised adapter) in a small file.
+MAX_EXPANSION = 32.0
+EXPANSION_SLACK_BYTES = 64 << 20
 
 _TEMP_RANDOM_BYTES = 8
 _TEMP_NAME_RE = re.compile(r"\..+\.[0-9a-f]{%d}\.tmp" % (2 * _TEMP_RANDOM_BYTES), re.DOTALL)
@@ -327,6 +341,7 @@ def read_file(
     headers: HeaderCache | None = None,
     check_others: bool = False,
     into: Mapping[str, torch.Tensor] | None = None,
+    max_expansion: float | None = MAX_EXPANSION,
 ) -> QuantizedState:
     """Read a checkpoint into a :class:`QuantizedState` whose buffers are CPU tensors.
 
@@ -358,6 +373,12 @@ def read_file(
             gets a new tensor. A read that fails may have written part of these tensors.
             Tensors that share memory must not both be given
             (:func:`tw_triton.state.disjoint_paths` picks those that do not).
+        max_expansion: refuse a file whose staged (compressed) buffers decode to more than
+            ``max_expansion`` times the file's size plus :data:`EXPANSION_SLACK_BYTES`,
+            checked from the header before anything is decoded (a decompression bomb).
+            The default, :data:`MAX_EXPANSION`, is far above what real checkpoints
+            reach; pass a larger value, or ``None`` for no bound, to load a file that
+            stores large constant tensors on purpose.
 
     Returns:
         The state as written: entries in their original order with codec, params, shape,
@@ -370,7 +391,9 @@ def read_file(
     """
     path = os.fspath(path)
     pin = pin_memory and _can_pin(path)
-    with _MappedCheckpoint(path, verify=verify, pin=pin, entries=entries, headers=headers, into=into) as ck:
+    with _MappedCheckpoint(
+        path, verify=verify, pin=pin, entries=entries, headers=headers, into=into, max_expansion=max_expansion,
+    ) as ck:
         specs = [s for s in ck.layout.buffers if ck.wanted is None or s.entry in ck.wanted]
         others = [] if not (check_others and verify) or ck.wanted is None else [
             s for s in ck.layout.buffers if s.entry not in ck.wanted
@@ -404,8 +427,10 @@ class _MappedCheckpoint:
     def __init__(
         self, path: str, *, verify: bool, pin: bool, entries: Iterable[str] | None,
         headers: HeaderCache | None = None, into: Mapping[str, torch.Tensor] | None = None,
+        max_expansion: float | None = MAX_EXPANSION,
     ) -> None:
         self.path = path
+        self._max_expansion = max_expansion
         self._headers = headers
         self.verify = verify
         self.pin = pin
@@ -419,6 +444,7 @@ class _MappedCheckpoint:
         self.file = self._opener.__enter__()
         try:
             self.layout = _layout_of(self.file, self.path, self._headers)
+            _check_expansion(self.layout, self.path, self._max_expansion)
             if self._entries is not None:
                 aliases = self.layout.manifest["aliases"]
                 self.wanted = {aliases.get(p, p) for p in self._entries}
@@ -512,9 +538,30 @@ class _MappedCheckpoint:
             _unmap_pages(self._map, self.layout.data_start + spec.begin, spec.nbytes)
 
 
-def verify_file(path: str | os.PathLike, *, headers: HeaderCache | None = None) -> None:
+def _check_expansion(layout: _Layout, path: str, max_expansion: float | None) -> None:
+    """Refuse a file whose staged buffers decode to more than ``max_expansion`` times its
+    size plus :data:`EXPANSION_SLACK_BYTES` (from the header: nothing is decoded yet)."""
+    if max_expansion is None:
+        return
+    decoded = sum(spec.raw_nbytes for spec in layout.buffers if spec.stage is not None)
+    size = layout.data_start + layout.data_size
+    limit = max_expansion * size + EXPANSION_SLACK_BYTES
+    if decoded > limit:
+        raise CheckpointError(
+            f"checkpoint {path}: its compressed buffers decode to {decoded} bytes, more than "
+            f"{max_expansion:g} times its {size} bytes plus {EXPANSION_SLACK_BYTES} "
+            f"({int(limit)} bytes): refused before decoding (a decompression bomb?); to load a "
+            "file that stores large constant tensors on purpose, pass a larger max_expansion "
+            "(or None)"
+        )
+
+
+def verify_file(
+    path: str | os.PathLike, *, headers: HeaderCache | None = None, max_expansion: float | None = MAX_EXPANSION,
+) -> None:
     """Validate a checkpoint completely and check every buffer's CRC-32 (``headers``: see
-    :class:`HeaderCache`).
+    :class:`HeaderCache`; ``max_expansion``: the bound on what staged buffers decode to, as
+    for :func:`read_file`, so that a file a load would refuse does not verify).
 
     Streams each raw buffer through a chunk-sized scratch, so memory stays small whatever
     the file size. A staged buffer is checked from the file's memory map (as a load reads
@@ -525,7 +572,9 @@ def verify_file(path: str | os.PathLike, *, headers: HeaderCache | None = None) 
         CheckpointError: naming the file, the entry and the buffer that failed.
     """
     path = os.fspath(path)
-    with _MappedCheckpoint(path, verify=True, pin=False, entries=None, headers=headers) as ck:
+    with _MappedCheckpoint(
+        path, verify=True, pin=False, entries=None, headers=headers, max_expansion=max_expansion,
+    ) as ck:
 
         def verify_one(spec: _BufferSpec) -> None:
             if spec.stage is None:

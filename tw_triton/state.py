@@ -65,7 +65,9 @@ from .parallel import Background, parallel_map
 from .qstate import EncodedEntry, QuantizedState
 from .rules import resolve_rules, select_rule
 from .snapshot_pool import Allocator
-from .tree import Flattened, flatten, skeleton_ndarray_paths, unflatten
+from .file_header import ENTRY_DTYPES
+from .format import MAX_EXPANSION
+from .tree import Flattened, check_skeleton, flatten, skeleton_ndarray_paths, unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +132,7 @@ def _flat_reference(
     where: str = "",
     paths: Iterable[str] | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
+    max_expansion: float | None = MAX_EXPANSION,
 ) -> tuple[dict[str, torch.Tensor], str | None, str, bool]:
     """``(tensors by path, checkpoint id or None, description, owned)`` of a reference.
 
@@ -140,7 +143,8 @@ def _flat_reference(
     reference's manifest before its data is read, and with ``paths`` only those of its
     entries are read and decoded (a delta needs the tensors it is a delta of, not the
     reference's optimizer state); paths the file lacks are left out, for the caller to
-    report. ``into``: tensors to read the reference file's exact entries into (see
+    report. ``into``: tensors to read the reference file's exact entries into, and
+    ``max_expansion``: the bound on its compressed buffers (see
     :func:`~tw_triton.format.read_file`).
     """
     if isinstance(reference, (str, os.PathLike)):
@@ -162,7 +166,7 @@ def _flat_reference(
             held = set(manifest["entries"]) | set(manifest["aliases"])
             wanted = sorted(p for p in set(paths) if p in held)
         rq = read_file(reference, verify=verify, pin_memory=_wants_pinned(device), entries=wanted, headers=headers,
-                       into=into)
+                       into=into, max_expansion=max_expansion)
         prev = None
         if delta_paths(rq, source):
             # A link of a closed-loop chain: it decodes against its own reference, found by
@@ -463,9 +467,41 @@ def delta_paths(qstate: QuantizedState, source: str) -> list[str]:
     out = []
     for path, entry in qstate.entries.items():
         codec = _codec_or_raise(entry.codec, CheckpointError, f"{source}: entry {path!r}")
+        # Checked before uses_reference reads them: "delta": 1 is no answer to "is it a delta".
+        codec.check_stored_params(entry.params, _entry_context(source, path, entry.codec))
         if codec.uses_reference(entry.params):
             out.append(path)
     return out
+
+
+def _entry_context(source: str, path: str, codec: str) -> str:
+    return f"{source}: entry {path!r} (codec {codec!r})"
+
+
+def check_manifest(manifest: Mapping[str, Any], source: str) -> None:
+    """Check what decoding a checkpoint needs of its manifest beyond what the format checks
+    (:func:`~tw_triton.format.read_manifest`): every entry's codec is registered and its
+    params are ones that codec records, and the skeleton is one that
+    :func:`~tw_triton.tree.unflatten` rebuilds from the entries and aliases. Reads no data.
+
+    What choosing a checkpoint to restore needs, so that a file that would fail to decode
+    is passed over like a corrupted one.
+
+    Raises:
+        CheckpointError: naming ``source``, the entry (or the skeleton's path) and what was
+            expected.
+    """
+    dtypes: dict[str, torch.dtype] = {}
+    for path, entry in manifest["entries"].items():
+        codec = _codec_or_raise(entry["codec"], CheckpointError, f"{source}: entry {path!r}")
+        codec.check_stored_params(entry["params"], _entry_context(source, path, entry["codec"]))
+        dtypes[path] = ENTRY_DTYPES[entry["dtype"]]
+    for alias, target in manifest["aliases"].items():
+        dtypes[alias] = dtypes[target]
+    try:
+        check_skeleton(manifest["skeleton"], dtypes)
+    except CheckpointError as e:
+        raise CheckpointError(f"{source}: {e}") from e
 
 
 def _wants_pinned(device: torch.device | None) -> bool:
@@ -642,7 +678,7 @@ def _decode_entries(
         path = item[1]
         entry = qstate.entries[path]
         codec = _codec_or_raise(entry.codec, CheckpointError, f"{where}: entry {path!r}")
-        context = f"{where}: entry {path!r} (codec {entry.codec!r})"
+        context = _entry_context(where, path, entry.codec)
         target = host if path in host_paths and dev is not None else dev
         ref = ref_tensors.get(path) if path in delta else None
         try:
@@ -652,6 +688,12 @@ def _decode_entries(
                 decoded = codec.decode(entry, ref, target, context)
         except QuantizationError as e:
             raise CheckpointError(f"{context}: {e}") from e
+        except (TwTritonError, MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:
+            # The codec checked what it knows to check; anything else a crafted entry makes
+            # it raise is still a file that cannot be decoded, and must say which entry.
+            raise CheckpointError(f"{context}: cannot be decoded: {type(e).__name__}: {e}") from e
         if release_buffers:
             # A new dict, not clear(): one attribute store, and a reader of the old dict
             # (none here but this thread) would still see it whole.
@@ -701,6 +743,7 @@ def _read_reference(
     verify: bool,
     where: str,
     into: Mapping[str, torch.Tensor] | None,
+    max_expansion: float | None = MAX_EXPANSION,
 ) -> Background[_ReadReference]:
     """Start reading and decoding the tensors of a reference file that ``delta`` needs, on a
     thread of its own (what :func:`_checked_reference` then takes)."""
@@ -709,7 +752,7 @@ def _read_reference(
     def run() -> _ReadReference:
         tensors, _, what, _ = _flat_reference(
             reference, device=dev, verify=verify, expect_id=reference_id,
-            where=f"{where}: entry {first!r}", paths=delta, into=into,
+            where=f"{where}: entry {first!r}", paths=delta, into=into, max_expansion=max_expansion,
         )
         return _ReadReference(tensors, what)
 
@@ -793,6 +836,7 @@ def load(
     verify: bool = True,
     progress: Progress | None = None,
     into: Any = None,
+    max_expansion: float | None = MAX_EXPANSION,
 ) -> Any:
     """Load a checkpoint written by :func:`save` and decode it on ``device``.
 
@@ -812,9 +856,15 @@ def load(
             on the CPU, their tensors that the file (or, for a delta, its reference file)
             stores exact are filled in place, and the returned state holds them. If the
             load fails part way, they may hold part of what was read.
+        max_expansion: the bound on what the compressed buffers of the file (and of a
+            reference file given as a path) may decode to: ``max_expansion`` times the
+            file's size plus :data:`~tw_triton.format.EXPANSION_SLACK_BYTES`, checked before
+            anything is decoded (see :func:`~tw_triton.format.read_file`). Raise it, or
+            pass ``None``, for a file that stores large constant tensors on purpose.
 
     Raises:
-        CheckpointError: the file is malformed, corrupted or uses an unknown codec.
+        CheckpointError: the file is malformed, corrupted, uses an unknown codec, or its
+            compressed buffers decode to more than ``max_expansion`` allows.
         ReferenceMismatchError: a delta checkpoint with a missing or different reference.
     """
     from .format import HeaderCache, read_file, read_manifest
@@ -834,9 +884,13 @@ def load(
         delta = manifest_delta_paths(manifest)
         if delta:
             # A reference read from a path takes the targets too: the delta is decoded over them.
-            pending = _read_reference(reference, manifest.get("reference_id"), delta, dev, verify, source, targets)
+            pending = _read_reference(
+                reference, manifest.get("reference_id"), delta, dev, verify, source, targets, max_expansion
+            )
     try:
-        qstate = read_file(path, verify=verify, pin_memory=_wants_pinned(dev), into=targets, headers=headers)
+        qstate = read_file(
+            path, verify=verify, pin_memory=_wants_pinned(dev), into=targets, headers=headers, max_expansion=max_expansion
+        )
     except BaseException:
         if pending is not None:
             pending.wait()

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -99,23 +99,92 @@ def _encode_scalar(value: Any, path: str) -> Any:
     )
 
 
-def _decode_scalar(node: Any) -> Any:
-    if node is None or isinstance(node, (bool, str, int, float)):
+# The non-finite floats a skeleton names as {"float": ...}, as _encode_scalar writes them.
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+# Skeleton paths are built only for a message: a walk passes the parent's path and the key.
+_PLAIN_TYPES = (type(None), bool, str, int, float)
+
+
+def _decode_scalar(node: Any, where: str = "the top level") -> Any:
+    """The plain value of a skeleton leaf, checked to be one :func:`_encode_scalar` writes.
+
+    Raises:
+        CheckpointError: anything else, naming ``where`` and what was expected.
+    """
+    if isinstance(node, _PLAIN_TYPES):
         return node
-    if isinstance(node, dict) and len(node) == 1 and "float" in node:
-        return float(node["float"])
-    if isinstance(node, dict) and "bytes" in node:
-        return bytes.fromhex(node["bytes"])
-    if isinstance(node, dict) and "npscalar" in node:
-        return _numpy_dtype(node["npscalar"]).type(_decode_scalar(node["value"]))
-    raise CheckpointError(f"malformed skeleton node {node!r}")
+    if isinstance(node, dict):
+        if node.keys() == {"float"}:
+            value = _NONFINITE.get(node["float"]) if isinstance(node["float"], str) else None
+            if value is None:
+                raise CheckpointError(
+                    f"skeleton at {where}: float {node['float']!r}, expected 'nan', 'inf' or '-inf'"
+                )
+            return value
+        if node.keys() == {"bytes"}:
+            return _decode_bytes(node["bytes"], where)
+        if node.keys() == {"npscalar", "value"}:
+            return _decode_npscalar(node, where)
+    raise CheckpointError(
+        f"skeleton at {where}: malformed node {_short(node)}, expected null, a bool, number or string, "
+        "or a {'float'}, {'bytes'} or {'npscalar', 'value'} object"
+    )
 
 
-def _numpy_dtype(spec: Any) -> np.dtype:
+def _decode_bytes(text: Any, where: str) -> bytes:
+    try:
+        if not isinstance(text, str):
+            raise ValueError
+        return bytes.fromhex(text)
+    except ValueError:
+        raise CheckpointError(f"skeleton at {where}: bytes {_short(text)}, expected a string of hex digit pairs") from None
+
+
+def _decode_npscalar(node: dict[str, Any], where: str) -> np.generic:
+    """A numpy scalar leaf: its dtype, and a value that dtype holds as it was written."""
+    dtype = _numpy_dtype(node["npscalar"], where)
+    value = node["value"]
+    if dtype.kind == "b":
+        ok = isinstance(value, bool)
+        expected = "true or false"
+    elif dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        ok = isinstance(value, int) and not isinstance(value, bool) and info.min <= value <= info.max
+        expected = f"an int from {info.min} to {info.max}"
+    else:
+        value = _decode_scalar(value, where) if isinstance(value, dict) else value
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _fits_float(value, dtype)
+        expected = f"a number within the range of {dtype.name}"
+    if not ok:
+        raise CheckpointError(f"skeleton at {where}: numpy {dtype.name} value {_short(value)}, expected {expected}")
+    return dtype.type(value)
+
+
+def _fits_float(value: float, dtype: np.dtype) -> bool:
+    """Whether ``value`` is a value of the float ``dtype`` could have written: a finite one
+    stays finite (1e20 is no float16, and an int past float64 is no float)."""
+    # Python compares an int with a float exactly, without converting it (no overflow).
+    if isinstance(value, int):
+        return abs(value) <= float(np.finfo(dtype).max)
+    return not math.isfinite(value) or abs(value) <= float(np.finfo(dtype).max)
+
+
+def _short(value: Any) -> str:
+    """repr of a value from a file, cut short: a message must not quote a megabyte."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _numpy_dtype(spec: Any, where: str = "the top level") -> np.dtype:
     """A numpy dtype named in a skeleton; only the kinds :func:`flatten` writes."""
-    dtype = np.dtype(spec) if isinstance(spec, str) else None
-    if dtype is None or dtype.kind not in _NDARRAY_KINDS:
-        raise CheckpointError(f"skeleton names numpy dtype {spec!r}, expected a bool, int or float dtype")
+    try:
+        dtype = np.dtype(spec) if isinstance(spec, str) else None
+    except (TypeError, ValueError, SyntaxError):
+        dtype = None
+    if dtype is None or dtype.kind not in _NDARRAY_KINDS or dtype.fields is not None or dtype.shape:
+        raise CheckpointError(
+            f"skeleton at {where}: numpy dtype {_short(spec)}, expected a bool, int or float dtype"
+        )
     return dtype
 
 
@@ -272,64 +341,128 @@ def _flatten_plain(node: Any, path: str) -> Any:
     return out
 
 
-def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Rebuild the nested state from its skeleton and tensors by path.
 
     ``ndarray`` leaves come back as numpy arrays of their original dtype (copied to the
     host if their tensor is elsewhere); the same tensor object may appear under several
     paths (tied weights stay tied).
 
+    The skeleton comes from a file, so it is checked as it is read: it must be one that
+    :func:`flatten` writes (node shapes, leaf values in range for their numpy dtype, dict
+    keys that give distinct path components).
+
     Raises:
-        CheckpointError: the skeleton is malformed or names a path missing from ``tensors``.
+        CheckpointError: the skeleton is malformed or names a path missing from ``tensors``;
+            the message names the node's path in the state and what was expected. Nothing
+            else escapes (a skeleton that breaks a check in an unforeseen way is reported
+            as malformed too).
     """
     try:
-        return _unflatten_node(skeleton, tensors)
+        return _unflatten_node(skeleton, tensors, "")
     except CheckpointError:
         raise
-    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:
-        # A skeleton comes from a file: whatever is wrong with it is a malformed checkpoint.
+    except MemoryError:
+        raise
+    except Exception as e:
+        # A skeleton comes from a file: whatever else is wrong with it is a malformed file.
         raise CheckpointError(f"malformed skeleton: {type(e).__name__}: {e}") from e
 
 
-def _lookup(tensors: dict[str, torch.Tensor], path: Any) -> torch.Tensor:
-    if not isinstance(path, str) or path not in tensors:
-        raise CheckpointError(f"skeleton names tensor {path!r}, which has no entry")
-    return tensors[path]
+def check_skeleton(skeleton: Any, dtypes: Mapping[str, torch.dtype]) -> None:
+    """Check that :func:`unflatten` accepts ``skeleton`` given tensors of these dtypes by
+    path (a manifest's entries and aliases), without any tensor data: what choosing a
+    checkpoint to restore needs to know before it picks a file.
+
+    Raises:
+        CheckpointError: as :func:`unflatten`.
+    """
+    empty = {d: torch.empty(0, dtype=d) for d in set(dtypes.values())}
+    placeholders = {p: empty[d] for p, d in dtypes.items()}
+    unflatten(skeleton, placeholders)
 
 
-def _unflatten_node(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if not isinstance(node, dict):
-        if isinstance(node, list):
-            raise CheckpointError(f"malformed skeleton node {node!r}")
-        return _decode_scalar(node)
-    if "tensor" in node:
-        return _lookup(tensors, node["tensor"])
-    if "ndarray" in node:
-        t = _lookup(tensors, node["ndarray"])
-        arr = t.detach().cpu().numpy()
-        want = _numpy_dtype(node.get("dtype", arr.dtype.str))
-        return arr if arr.dtype == want else arr.astype(want)
-    if "list" in node:
-        return [_unflatten_node(v, tensors) for v in _as_list(node["list"])]
-    if "tuple" in node:
-        return tuple(_unflatten_node(v, tensors) for v in _as_list(node["tuple"]))
-    if "dict" in node or "odict" in node:
-        ordered = "odict" in node
-        pairs = _as_list(node["odict" if ordered else "dict"])
-        out: dict[Any, Any] = OrderedDict() if ordered else {}
-        for pair in pairs:
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise CheckpointError(f"malformed skeleton dict item {pair!r}")
-            out[_decode_scalar(pair[0])] = _unflatten_node(pair[1], tensors)
-        if ordered and "meta" in node:
-            out._metadata = _unflatten_node(node["meta"], tensors)  # type: ignore[attr-defined]
-        return out
-    return _decode_scalar(node)
+def _lookup(tensors: Mapping[str, torch.Tensor], node: dict[str, Any], key: str, path: str) -> torch.Tensor:
+    name = node[key]
+    if not isinstance(name, str) or name not in tensors:
+        raise CheckpointError(f"skeleton at {_describe(path)}: names {key} {_short(name)}, which has no entry")
+    return tensors[name]
 
 
-def _as_list(value: Any) -> list[Any]:
+# The keys each container or tensor node has, as flatten writes them.
+_NODE_KEYS = {
+    "tensor": ({"tensor"},),
+    "ndarray": ({"ndarray", "dtype"}, {"ndarray"}),
+    "list": ({"list"},),
+    "tuple": ({"tuple"},),
+    "dict": ({"dict"},),
+    "odict": ({"odict"}, {"odict", "meta"}),
+}
+
+
+def _node_kind(node: dict[str, Any], path: str) -> str | None:
+    """Which container or tensor node ``node`` is (``None``: a scalar leaf), checked to
+    have exactly the keys of its kind."""
+    for kind, shapes in _NODE_KEYS.items():
+        if kind in node:
+            if node.keys() not in shapes:
+                raise CheckpointError(
+                    f"skeleton at {_describe(path)}: a {kind!r} node with keys {sorted(node)}, expected "
+                    + " or ".join(str(sorted(k)) for k in shapes)
+                )
+            return kind
+    return None
+
+
+def _unflatten_node(node: Any, tensors: Mapping[str, torch.Tensor], path: str) -> Any:
+    kind = _node_kind(node, path) if isinstance(node, dict) else None
+    if kind is None:
+        return _decode_scalar(node, _describe(path))
+    if kind == "tensor":
+        return _lookup(tensors, node, "tensor", path)
+    if kind == "ndarray":
+        t = _lookup(tensors, node, "ndarray", path)
+        want = _numpy_dtype(node["dtype"], _describe(path)) if "dtype" in node else None
+        try:
+            arr = t.detach().cpu().numpy()
+        except TypeError:
+            raise CheckpointError(
+                f"skeleton at {_describe(path)}: a numpy array of entry {node['ndarray']!r}, which is "
+                f"{t.dtype}: numpy has no such dtype"
+            ) from None
+        return arr if want is None or arr.dtype == want else arr.astype(want)
+    if kind in ("list", "tuple"):
+        kids = [_unflatten_node(v, tensors, join_path(path, str(i))) for i, v in enumerate(_as_list(node[kind], path))]
+        return kids if kind == "list" else tuple(kids)
+    out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
+    seen: set[str] = set()
+    for pair in _as_list(node[kind], path):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise CheckpointError(f"skeleton at {_describe(path)}: dict item {_short(pair)}, expected [key, node]")
+        key = _decode_key(pair[0], path)
+        comp = _key_component(key, path)
+        if comp in seen or key in out:
+            raise CheckpointError(f"skeleton at {_describe(path)}: key {key!r} appears twice")
+        seen.add(comp)
+        out[key] = _unflatten_node(pair[1], tensors, join_path(path, comp))
+    if "meta" in node:
+        out._metadata = _unflatten_node(node["meta"], tensors, join_path(path, "_metadata"))  # type: ignore[attr-defined]
+    return out
+
+
+def _decode_key(node: Any, path: str) -> Any:
+    """A dict key of a skeleton: a scalar that flatten accepts as a key."""
+    key = _decode_scalar(node, f"{_describe(path)} (a dict key)")
+    try:
+        _key_component(key, path)
+    except QuantizationError as e:
+        raise CheckpointError(f"skeleton at {_describe(path)}: {e}") from None
+    return key
+
+
+def _as_list(value: Any, path: str) -> list[Any]:
     if not isinstance(value, list):
-        raise CheckpointError(f"malformed skeleton: expected a list, got {type(value).__name__}")
+        raise CheckpointError(f"skeleton at {_describe(path)}: expected a list, found {type(value).__name__}")
     return value
 
 

@@ -7,6 +7,7 @@ and decodes such an entry back. See :mod:`tw_triton.codecs` for the registry.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Sequence
@@ -126,6 +127,19 @@ class Codec(ABC):
         whole = self.encode(x, params, ref) if allocate is None else self.encode_with(x, params, ref, allocate)
         return split_encoded(whole, xs, layout)
 
+    def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:
+        """Check the params an entry of this codec records in a file: every name known, each
+        value of its type and in its range, so that a file edited to hold another value
+        (``"delta": 1``, ``"bits": 3``) is refused instead of decoded some other way.
+
+        Called before an entry is decoded and when a checkpoint is checked for loading. The
+        default checks nothing: a plug-in codec that predates this method checks its params
+        in :meth:`decode`.
+
+        Raises:
+            CheckpointError: naming ``context``, the param and what was expected.
+        """
+
     @abstractmethod
     def decode(
         self,
@@ -218,3 +232,53 @@ def entry_buffer(entry: EncodedEntry, name: str, context: str) -> torch.Tensor:
             f"{sorted(entry.buffers)}"
         )
     return buf
+
+
+# A reference fingerprint as the state API records it (tw_triton.state): 16 hex digits.
+_REF_FP_RE = re.compile(r"[0-9a-f]{16}")
+
+
+def check_param_names(
+    params: Any, codec: str, required: frozenset[str], optional: frozenset[str], context: str
+) -> None:
+    """Check that stored ``params`` are an object holding every ``required`` name and no
+    name outside ``required | optional``.
+
+    Raises:
+        CheckpointError: naming ``context`` and the names expected.
+    """
+    if not isinstance(params, Mapping):
+        raise CheckpointError(f"{context}: params are {type(params).__name__}, expected an object")
+    missing = sorted(required - params.keys())
+    if missing:
+        raise CheckpointError(f"{context}: codec {codec!r} params lack {missing}, expected {sorted(required)}")
+    unknown = sorted(params.keys() - required - optional)
+    if unknown:
+        raise CheckpointError(
+            f"{context}: codec {codec!r} has no param(s) {unknown}; it records "
+            f"{sorted(required)} and optionally {sorted(optional)}"
+        )
+
+
+def param_error(context: str, name: str, value: Any, expected: str) -> CheckpointError:
+    """The error for a stored param ``name`` that holds ``value`` instead of ``expected``."""
+    text = repr(value)
+    return CheckpointError(
+        f"{context}: param {name!r} is {text if len(text) <= 80 else text[:77] + '...'}, expected {expected}"
+    )
+
+
+def check_ref_fp(params: Mapping[str, Any], context: str) -> None:
+    """A recorded reference fingerprint (``ref_fp``), if any: only on a delta entry, as the
+    16 hex digits the state API writes.
+
+    Raises:
+        CheckpointError: naming ``context`` and what was expected.
+    """
+    if "ref_fp" not in params:
+        return
+    value = params["ref_fp"]
+    if not isinstance(value, str) or not _REF_FP_RE.fullmatch(value):
+        raise param_error(context, "ref_fp", value, "16 lowercase hex digits")
+    if params.get("delta") is not True:
+        raise param_error(context, "ref_fp", value, "none on an entry that is not a delta")

@@ -45,7 +45,9 @@ from ..errors import CheckpointError, QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
 from . import native
-from .base import BatchLayout, Codec, Encoded, entry_buffer, host_outputs, move_to
+from .base import (
+    BatchLayout, Codec, Encoded, check_param_names, check_ref_fp, entry_buffer, host_outputs, move_to, param_error,
+)
 
 PACKING = "lsb-first"
 
@@ -929,15 +931,8 @@ def stored_codes(entry: EncodedEntry, context: str) -> tuple[int, int, torch.Ten
         CheckpointError: naming ``context`` and what was expected.
     """
     params = entry.params
-    bits, block = params.get("bits"), params.get("block")
-    try:
-        check_params(bits, block)  # type: ignore[arg-type]
-    except QuantizationError as e:
-        raise CheckpointError(f"{context}: {e}") from e
-    if params.get("packing") != PACKING:
-        raise CheckpointError(
-            f"{context}: packing {params.get('packing')!r} is not supported, expected {PACKING!r}"
-        )
+    check_packed_params(params, context)
+    bits, block = params["bits"], params["block"]
     if entry.dtype not in FLOAT_DTYPES:
         raise CheckpointError(
             f"{context}: {entry.codec} entry has dtype {entry.dtype}, expected one of "
@@ -952,6 +947,23 @@ def stored_codes(entry: EncodedEntry, context: str) -> tuple[int, int, torch.Ten
             f"{want} for shape {shape} at {bits} bits"
         )
     return bits, block, codes  # type: ignore[return-value]
+
+
+def check_packed_params(params: Mapping[str, Any], context: str) -> None:
+    """The stored params every packed-code codec shares: ``bits``, ``block``, ``packing``.
+
+    Raises:
+        CheckpointError: naming ``context``, the param and what was expected.
+    """
+    bits, block = params.get("bits"), params.get("block")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise param_error(context, "bits", bits, f"one of {list(SUPPORTED_BITS)}")
+    try:
+        check_params(bits, block)
+    except QuantizationError:
+        raise param_error(context, "block", block, f"a power of two from {MIN_BLOCK} to {MAX_BLOCK}") from None
+    if params.get("packing") != PACKING or not isinstance(params.get("packing"), str):
+        raise param_error(context, "packing", params.get("packing"), repr(PACKING))
 
 
 def per_block_buffer(
@@ -979,6 +991,10 @@ class BlockwiseCodec(Codec):
     name = "blockwise"
     has_kernel = True
     _KEYS = frozenset({"bits", "block", "packing", "delta", "qmax"})
+    # The params a file records: ``qmax`` only where it narrows the container, ``ref_fp``
+    # (the state API's fingerprint of the reference) only on a delta.
+    _STORED = frozenset({"bits", "block", "packing", "delta"})
+    _STORED_OPTIONAL = frozenset({"qmax", "ref_fp"})
 
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:
         unknown = set(params) - self._KEYS
@@ -1063,17 +1079,27 @@ class BlockwiseCodec(Codec):
         )
         return Encoded(entry, unusable=q.nonfinite)
 
-    def _stored(self, entry: EncodedEntry, context: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-        """``(bits, block, codes, scales)`` of a stored entry, checked."""
-        bits, block, codes = stored_codes(entry, context)
-        scales = per_block_buffer(entry, "scales", torch.float32, block, context)
-        if "qmax" in entry.params:
+    def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:
+        check_param_names(params, self.name, self._STORED, self._STORED_OPTIONAL, context)
+        check_packed_params(params, context)
+        if not isinstance(params["delta"], bool):
+            raise param_error(context, "delta", params["delta"], "true or false")
+        if "qmax" in params:
             # The decode does not need it, but a value the encoder cannot have written
             # means the manifest is not what was written.
             try:
-                check_qmax(bits, entry.params["qmax"])
-            except QuantizationError as e:
-                raise CheckpointError(f"{context}: {e}") from e
+                check_qmax(params["bits"], params["qmax"])
+            except QuantizationError:
+                raise param_error(
+                    context, "qmax", params["qmax"], f"an int from 1 to {qmax_for(params['bits'])}"
+                ) from None
+        check_ref_fp(params, context)
+
+    def _stored(self, entry: EncodedEntry, context: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """``(bits, block, codes, scales)`` of a stored entry, checked."""
+        self.check_stored_params(entry.params, context)
+        bits, block, codes = stored_codes(entry, context)
+        scales = per_block_buffer(entry, "scales", torch.float32, block, context)
         return bits, block, codes, scales
 
     def decode(

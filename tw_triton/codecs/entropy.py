@@ -62,6 +62,9 @@ from . import native
 # 12.1 vs 12.4 MiB) in 0.7x the time: its coarser matching suits byte planes and 2-bit
 # codes; level 9 gained < 1 % on quantized codes (benchmarks/entropy_stage.py).
 DEFAULT_LEVEL = 1
+# zstd's fastest level (ZSTD_minCLevel: -ZSTD_TARGETLENGTH_MAX); the python binding exports
+# only the largest. A recorded level outside zstd's range was not written by zstd.
+MIN_LEVEL = -(1 << 17)
 # zstd's match finder for float byte planes (zstd-bytegroup): (min_match, hash_log). The
 # sign-and-exponent plane repeats a few symbols in no long pattern, so level 1's 4-byte
 # matches cost more bits than Huffman literals, and a 64-entry hash table stays in the L1
@@ -218,8 +221,11 @@ def _check_level(params: Any, keys: tuple[str, ...], where: str) -> None:
     if not isinstance(params, dict) or sorted(params) != sorted(keys):
         raise CheckpointError(f"{where}: stage params must be an object with keys {list(keys)}, found {params!r}")
     level = params["level"]
-    if not isinstance(level, int) or isinstance(level, bool):
-        raise CheckpointError(f"{where}: stage param 'level' must be an int, found {level!r}")
+    if not isinstance(level, int) or isinstance(level, bool) or not MIN_LEVEL <= level <= zstandard.MAX_COMPRESSION_LEVEL:
+        raise CheckpointError(
+            f"{where}: stage param 'level' must be an int from {MIN_LEVEL} to "
+            f"{zstandard.MAX_COMPRESSION_LEVEL} (zstd's levels), found {level!r}"
+        )
 
 
 def check_zstd_frame(stored: memoryview, raw_nbytes: int, where: str) -> None:

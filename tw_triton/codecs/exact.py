@@ -10,7 +10,7 @@ import torch
 from ..errors import CheckpointError, QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
-from .base import Codec, Encoded, entry_buffer, move_to
+from .base import Codec, Encoded, check_param_names, entry_buffer, move_to
 
 # Dtypes the exact codec stores: those safetensors has a name for.
 EXACT_DTYPES = (
@@ -45,6 +45,12 @@ class ExactCodec(Codec):
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         return tensor.dtype in EXACT_DTYPES
+
+    def uses_reference(self, params: Mapping[str, Any]) -> bool:
+        return False
+
+    def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:
+        check_param_names(params, self.name, frozenset(), frozenset(), context)
 
     def encode(
         self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
@@ -96,6 +102,7 @@ class ExactCodec(Codec):
         device: torch.device | None,
         context: str,
     ) -> torch.Tensor:
+        self.check_stored_params(entry.params, context)
         data = entry_buffer(entry, "data", context)
         shape = tuple(entry.shape)
         if data.dtype != entry.dtype or data.numel() != math.prod(shape):

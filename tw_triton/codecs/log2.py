@@ -49,7 +49,7 @@ from ..errors import QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
 from . import native
-from .base import BatchLayout, Codec, Encoded, host_outputs, move_to
+from .base import BatchLayout, Codec, Encoded, check_param_names, host_outputs, move_to
 from .blockwise import (
     FLOAT_DTYPES,
     PACKING,
@@ -57,6 +57,7 @@ from .blockwise import (
     decode_output,
     encode_outputs,
     batchable,
+    check_packed_params,
     check_params,
     num_blocks,
     packed_nbytes,
@@ -487,6 +488,13 @@ class Log2Codec(Codec):
     def accepts(self, tensor: torch.Tensor) -> bool:
         return tensor.dtype in FLOAT_DTYPES and tensor.numel() > 0
 
+    def uses_reference(self, params: Mapping[str, Any]) -> bool:
+        return False
+
+    def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:
+        check_param_names(params, self.name, self._KEYS, frozenset(), context)
+        check_packed_params(params, context)
+
     def encode(
         self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
     ) -> Encoded:
@@ -533,6 +541,7 @@ class Log2Codec(Codec):
         device: torch.device | None,
         context: str,
     ) -> torch.Tensor:
+        self.check_stored_params(entry.params, context)
         bits, block, codes = stored_codes(entry, context)
         lo, hi = (per_block_buffer(entry, n, torch.int32, block, context) for n in ("lo", "hi"))
         shape = tuple(entry.shape)

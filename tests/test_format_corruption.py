@@ -949,3 +949,127 @@ def test_staged_fuzz_mutations_of_compressed_data_without_verify(tmp_path, stage
             assert f"entry {entry!r} buffer {name!r}" in str(exc) and str(path) in str(exc)
             return
     assert_same_state(state, back)
+
+
+# --------------------------------------------------------------------------------------
+# Codec params (issue 28, item 5): every recorded param checked for its type and range on
+# load, by the codec, naming the file, the entry, the param and what was expected
+# --------------------------------------------------------------------------------------
+
+_PARAM_RULES = [
+    ("w", {"codec": "blockwise", "bits": 4, "block": 64, "min_numel": 0}),
+    ("v", {"codec": "log2", "bits": 4, "block": 64, "min_numel": 0}),
+    ("*", "exact"),
+]
+
+
+@pytest.fixture(scope="module")
+def coded(tmp_path_factory) -> tuple[Path, Path, bytes]:
+    """A delta file of the state API with a blockwise delta (with its reference
+    fingerprint), a log2 entry and an exact one, its reference file, and its bytes."""
+    g = torch.Generator().manual_seed(5)
+    ref = {"w": torch.randn(64, 64, generator=g), "v": torch.rand(64, 64, generator=g), "e": torch.arange(5)}
+    state = {"w": ref["w"] + 0.01, "v": torch.rand(64, 64, generator=g), "e": torch.arange(5)}
+    d = tmp_path_factory.mktemp("coded")
+    tw_triton.save(tw_triton.quantize_state_dict(ref, rules="exact"), d / "ref.safetensors", fsync=False)
+    delta = d / "delta.safetensors"
+    q = tw_triton.quantize_state_dict(state, rules=_PARAM_RULES, reference=str(d / "ref.safetensors"))
+    tw_triton.save(q, delta, fsync=False)
+    return delta, d / "ref.safetensors", delta.read_bytes()
+
+
+_BAD_PARAMS = [
+    # entry, param, value (None: remove it), expected text in the message
+    ("w", "delta", 1, "param 'delta' is 1, expected true or false"),
+    ("w", "delta", "yes", "param 'delta' is 'yes', expected true or false"),
+    ("w", "delta", None, "params lack \\['delta'\\]"),
+    ("w", "bits", 3, "param 'bits' is 3, expected one of \\[8, 4, 2\\]"),
+    ("w", "bits", 4.0, "param 'bits' is 4.0"),
+    ("w", "bits", True, "param 'bits' is True"),
+    ("w", "bits", "4", "param 'bits' is '4'"),
+    ("w", "block", 48, "param 'block' is 48, expected a power of two from 32 to 4096"),
+    ("w", "block", 8192, "param 'block' is 8192"),
+    ("w", "block", 64.0, "param 'block' is 64.0"),
+    ("w", "packing", "msb-first", "param 'packing' is 'msb-first', expected 'lsb-first'"),
+    ("w", "packing", None, "params lack \\['packing'\\]"),
+    ("w", "qmax", 8, "param 'qmax' is 8, expected an int from 1 to 7"),
+    ("w", "qmax", 0, "param 'qmax' is 0"),
+    ("w", "qmax", 3.0, "param 'qmax' is 3.0"),
+    ("w", "ref_fp", 12, "param 'ref_fp' is 12, expected 16 lowercase hex digits"),
+    ("w", "ref_fp", "XYZ", "param 'ref_fp' is 'XYZ'"),
+    ("w", "scale", 2, "has no param\\(s\\) \\['scale'\\]"),
+    ("v", "bits", 16, "param 'bits' is 16"),
+    ("v", "block", 0, "param 'block' is 0"),
+    ("v", "packing", 7, "param 'packing' is 7"),
+    ("v", "delta", True, "codec 'log2' has no param\\(s\\) \\['delta'\\]"),
+    ("e", "delta", True, "codec 'exact' has no param\\(s\\) \\['delta'\\]"),
+    ("e", "bits", 8, "codec 'exact' has no param\\(s\\) \\['bits'\\]"),
+]
+
+
+@pytest.mark.parametrize("entry, param, value, match", _BAD_PARAMS, ids=[f"{e}-{p}-{v!r}" for e, p, v, _ in _BAD_PARAMS])
+def test_codec_params_are_checked_on_load(tmp_path, coded, entry, param, value, match):
+    delta, ref, blob = coded
+
+    def edit(h, m):
+        params = m["entries"][entry]["params"]
+        if value is None:
+            del params[param]
+        else:
+            params[param] = value
+
+    path = tmp_path / "params.safetensors"
+    put(path, craft(blob, edit))
+    with pytest.raises(CheckpointError, match=match) as info:
+        tw_triton.load(path, reference=str(ref))
+    assert str(path) in str(info.value) and f"entry {entry!r}" in str(info.value)
+    # What choosing a checkpoint checks (the header alone) refuses it the same way.
+    with pytest.raises(CheckpointError, match=match):
+        tw_triton.state.check_manifest(fmt.read_manifest(path), str(path))
+
+
+def test_a_delta_flag_edited_to_false_is_caught_by_the_reference_checks(tmp_path, coded):
+    """``"delta": false`` is a valid value; a delta decoded without its reference would be
+    garbage, but its fingerprint says it is a delta: refused, naming the param."""
+    delta, ref, blob = coded
+
+    def edit(h, m):
+        m["entries"]["w"]["params"]["delta"] = False
+
+    path = tmp_path / "nodelta.safetensors"
+    put(path, craft(blob, edit))
+    with pytest.raises(CheckpointError, match="param 'ref_fp'.*expected none on an entry that is not a delta"):
+        tw_triton.load(path, reference=str(ref))
+    assert tw_triton.load(delta, reference=str(ref))["w"].shape == (64, 64)
+
+
+@pytest.mark.parametrize("level", [23, -(2**17) - 1, 3.0, "3", None])
+def test_stage_level_is_checked_for_zstd_range(tmp_path, staged, level):
+    def edit(h, m):
+        _buf(m, "model/w", "codes")["stage"]["params"]["level"] = level
+
+    expect_error(tmp_path, craft(staged[1], edit), "stage param 'level' must be an int from -131072 to 22")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_codec_params_raise_only_checkpoint_error(tmp_path, coded, data):
+    """Any JSON in place of any param (or as the whole params) of any entry: a load
+    returns or raises CheckpointError, never another exception."""
+    delta, ref, blob = coded
+    entry = data.draw(st.sampled_from(["w", "v", "e"]))
+    key = data.draw(st.sampled_from([None, "bits", "block", "packing", "delta", "qmax", "ref_fp", "x"]))
+    value = data.draw(_JSON_VALUES)
+
+    def edit(h, m):
+        if key is None:
+            m["entries"][entry]["params"] = value
+        else:
+            m["entries"][entry]["params"][key] = value
+
+    path = tmp_path / "fuzzparams.safetensors"
+    put(path, craft(blob, edit))
+    try:
+        tw_triton.load(path, reference=str(ref))
+    except CheckpointError as e:
+        assert str(path) in str(e)

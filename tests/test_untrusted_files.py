@@ -195,7 +195,7 @@ _JSON = st.recursive(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(leaf=_JSON)
 def test_property_any_skeleton_raises_only_checkpoint_error(leaf):
     """unflatten of any JSON returns or raises CheckpointError, and check_skeleton (what
@@ -215,7 +215,7 @@ def test_property_any_skeleton_raises_only_checkpoint_error(leaf):
 # Item 8: decompression bombs
 # --------------------------------------------------------------------------------------
 
-BOMB_BYTES = 256 << 20  # declared zeros; the file itself is a few KB
+BOMB_BYTES = 96 << 20  # declared zeros (above the 64 MiB slack); the file itself is a few KB
 
 
 @pytest.fixture(scope="module")

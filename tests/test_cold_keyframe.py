@@ -199,26 +199,41 @@ def test_a_delta_right_after_the_keyframe_waits_for_the_warm_up_not_for_fresh_me
     """The first delta saved as soon as its cold keyframe is written finds the writer still
     faulting in its buffers: it waits for them rather than copying into fresh memory."""
     import threading
-    import time
 
     from tw_triton.snapshot_pool import SavePool
 
-    started = threading.Event()
-    real = SavePool.reserve_beside
+    started, waited, release = threading.Event(), threading.Event(), threading.Event()
+    real_reserve, real_wait = SavePool.reserve_beside, ckmod.wait_futures
+    ckpt: Checkpointer | None = None
 
-    def slow(self, sizes):
+    def held(self, sizes):
+        # The warm-up is held until the delta's save() waits for it (or gives up on it): a
+        # sleep here would leave it to the machine's speed whether it still runs by then.
         started.set()
-        time.sleep(0.3)  # far longer than the rest of the delta's save() takes
-        return real(self, sizes)
+        assert release.wait(120), "the warm-up was never released"
+        return real_reserve(self, sizes)
 
-    monkeypatch.setattr(SavePool, "reserve_beside", slow)
+    def wait(fs, *args, **kwargs):
+        warming = ckpt._warming if ckpt is not None else None
+        if warming is not None and warming[1] in fs:
+            waited.set()
+            release.set()
+        return real_wait(fs, *args, **kwargs)
+
+    monkeypatch.setattr(SavePool, "reserve_beside", held)
+    monkeypatch.setattr(ckmod, "wait_futures", wait)
     model, opt = _run()
     ckpt = Checkpointer(tmp_path, fsync=False)
     ckpt.save(0, model=model, optimizer=opt).result()
     assert started.wait(10)
     allocated = ckpt._saves.pool.allocated  # the warm-up's buffers are not counted yet
     _step(model, opt, 1)
-    ckpt.save(1, model=model, optimizer=opt).result()
+    try:
+        delta = ckpt.save(1, model=model, optimizer=opt)
+    finally:
+        release.set()  # never leave the writer thread held
+    assert waited.is_set(), "the delta's save() copied without waiting for the warm-up"
+    delta.result()
     tensors = [*model.state_dict().values(), *(t for s in opt.state.values() for t in s.values())]
     pooled = sum(1 for t in {id(t): t for t in tensors}.values() if t.nbytes >= MIN_POOLED_BYTES)
     # The warm-up's buffers (the tied weight is one tensor, counted once by the copy but

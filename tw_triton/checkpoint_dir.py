@@ -100,10 +100,15 @@ class CheckpointDirectory:
 
     Args:
         path: the directory.
+        max_expansion: the bound on what each file's compressed buffers may decode to,
+            for every read and verification of a file here (a delta's keyframe and
+            earlier links included): see :func:`~tw_triton.format.read_file`. ``None``
+            lifts it.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, max_expansion: float | None = _format.MAX_EXPANSION) -> None:
         self.path = os.fspath(path)
+        self.max_expansion = max_expansion
         os.makedirs(self.path, exist_ok=True)
         # file -> ((mtime_ns, size), its info or None when its header cannot be read)
         self._listed: dict[str, tuple[tuple[int, int], CheckpointInfo | None]] = {}
@@ -169,16 +174,23 @@ class CheckpointDirectory:
         fails, or a delta whose keyframe is missing or fails, is skipped with a logged
         warning, and the next older one is tried.
         """
+        return self._newest_good(verify)[0]
+
+    def _newest_good(self, verify: bool) -> tuple[int | None, str]:
+        """:meth:`latest`, and why the newest file was passed over (``""``: it was not),
+        for the error when none is good."""
         found = self.scan()
         by_id = _by_id(found)
         verified: dict[str, str | None] = {}
+        newest = ""
         for step in sorted(found, reverse=True):
             info = found[step]
             problem = self._problem(info, by_id, verified, verify)
             if problem is None:
-                return step
+                return step, newest
+            newest = newest or _passed_over(info, problem)
             logger.warning("skipping checkpoint %s: %s", info.path, problem)
-        return None
+        return None, newest
 
     def problems(self, *, verify: bool = True) -> dict[int, str | None]:
         """Every checkpoint here by step, with why it cannot be loaded (``None``: it can).
@@ -217,14 +229,16 @@ class CheckpointDirectory:
         by_id = _by_id(found)
         verified: dict[str, str | None] = {}
         reads: dict[str, _Read] = {}
+        newest = ""
         for step in sorted(found, reverse=True):
             info = found[step]
             problem = self._problem(info, by_id, verified, True, reads=reads, pin=pin, into=into)
             if problem is None:
                 return found, info, reads
             reads.pop(info.path, None)  # good, but its keyframe is not: keep no memory for it
+            newest = newest or _passed_over(info, problem)
             logger.warning("skipping checkpoint %s: %s", info.path, problem)
-        raise CheckpointError(f"no complete, verified checkpoint in {self.path!r}")
+        raise CheckpointError(f"no complete, verified checkpoint in {self.path!r}{newest}")
 
     def find(self, step: int | None, *, verify: bool) -> tuple[dict[int, CheckpointInfo], CheckpointInfo]:
         """The listing and the info of ``step`` (``None``: the :meth:`latest` good one).
@@ -234,9 +248,9 @@ class CheckpointDirectory:
                 there are, or why the file of ``step`` cannot be read).
         """
         if step is None:
-            step = self.latest(verify=verify)
+            step, newest = self._newest_good(verify)
             if step is None:
-                raise CheckpointError(f"no complete, verified checkpoint in {self.path!r}")
+                raise CheckpointError(f"no complete, verified checkpoint in {self.path!r}{newest}")
         found = self.scan()
         if step not in found:
             path = self.path_for(step)
@@ -270,7 +284,8 @@ class CheckpointDirectory:
             if held is not None and (held.entries is None or (entries is not None and held.entries >= set(entries))):
                 return held.state
             return _format.read_file(
-                item.path, verify=verify, pin_memory=pin, entries=entries, headers=self.headers, into=into
+                item.path, verify=verify, pin_memory=pin, entries=entries, headers=self.headers, into=into,
+                max_expansion=self.max_expansion,
             )
 
         return decode_chain(chain, read, device)
@@ -341,11 +356,11 @@ class CheckpointDirectory:
                     # could not be decoded is passed over like a corrupted one.
                     check_manifest(_format.read_manifest(item.path, headers=self.headers), item.path)
                     if reads is None:
-                        _format.verify_file(item.path, headers=self.headers)
+                        _format.verify_file(item.path, headers=self.headers, max_expansion=self.max_expansion)
                     else:
                         q = _format.read_file(
                             item.path, verify=True, pin_memory=pin, headers=self.headers, entries=needs,
-                            check_others=True, into=into,
+                            check_others=True, into=into, max_expansion=self.max_expansion,
                         )
                         reads[item.path] = _Read(q, None if needs is None else frozenset(needs))
                     verified[item.path] = None
@@ -488,6 +503,12 @@ def _remove_files(paths: Iterable[str]) -> tuple[list[str], int]:
         removed.append(path)
         nbytes += st.st_size
     return removed, nbytes
+
+
+def _passed_over(info: CheckpointInfo, problem: str) -> str:
+    """What the error for a directory with no good checkpoint says of the newest one: the
+    reason is often one the caller can act on (a bound to raise, a missing keyframe)."""
+    return f"; the newest, {info.path}: {problem}"
 
 
 def wants_pinned(device: torch.device) -> bool:

@@ -214,6 +214,15 @@ class Checkpointer:
             + 1`` times the largest snapshot so far (1 time with ``async_write=False``),
             plus the reference;
             ``0``: no reuse, every snapshot in fresh memory.
+        max_expansion: the directory's bound on what a checkpoint file's compressed
+            buffers may decode to (``max_expansion`` times the file's size plus
+            :data:`~tw_triton.format.EXPANSION_SLACK_BYTES`, checked from the header before
+            anything is decoded: see :func:`~tw_triton.format.read_file`). It holds for
+            every file :meth:`latest`, :meth:`load` and :meth:`restore` read, a delta's
+            keyframe and earlier links included, so that the checkpoint ``latest()``
+            picks is the one ``restore()`` loads. A state that holds a large constant
+            tensor on purpose (a zero-initialised buffer) compresses far beyond the
+            default: restore it with a larger value, or ``None`` for no bound.
     """
 
     def __init__(
@@ -231,14 +240,16 @@ class Checkpointer:
         pinned_bytes: int | None = None,
         fsync: bool = True,
         snapshot_pool_bytes: int | None = None,
+        max_expansion: float | None = _format.MAX_EXPANSION,
     ) -> None:
         self.delta_mode = delta_mode(delta)
         if keyframe_every < 1:
             raise CheckpointError(f"keyframe_every must be at least 1, got {keyframe_every}")
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be at least 1 or None, got {keep_last}")
-        self._dir = CheckpointDirectory(directory)
+        self._dir = CheckpointDirectory(directory, max_expansion=max_expansion)
         self.directory = self._dir.path
+        self.max_expansion = max_expansion
         self._claim = DirectoryClaim(self.directory)
         self._claim.sweep(self._dir.temp_files)
         self.keyframe_every = keyframe_every
@@ -603,8 +614,9 @@ class Checkpointer:
         """The newest step whose checkpoint (and the keyframe it needs) is good, or ``None``.
 
         With ``verify`` every candidate file is read and its checksums checked; a file that
-        fails, or a delta whose keyframe is missing or fails, is skipped with a logged
-        warning, and the next older one is tried. Waits for pending saves first.
+        fails (corrupted, or over the Checkpointer's ``max_expansion``), or a delta whose
+        keyframe is missing or fails, is skipped with a logged warning, and the next older
+        one is tried. Waits for pending saves first.
         """
         self._wait_inflight()
         return self._dir.latest(verify=verify)
@@ -649,8 +661,9 @@ class Checkpointer:
             "rng": {...}}``, tensors on ``device``.
 
         Raises:
-            CheckpointError: no good checkpoint, no checkpoint for ``step``, or a bad file
-                (the message names the file and the entry).
+            CheckpointError: no good checkpoint (the message says why the newest was
+                passed over), no checkpoint for ``step``, or a bad file (naming the file
+                and the entry), a file over the Checkpointer's ``max_expansion`` included.
             ReferenceMismatchError: the keyframe a delta needs is missing or different.
         """
         targets = decode_targets(into) if into and torch.device(device).type == "cpu" else None

@@ -144,8 +144,8 @@ def _flat_reference(
     entries are read and decoded (a delta needs the tensors it is a delta of, not the
     reference's optimizer state); paths the file lacks are left out, for the caller to
     report. ``into``: tensors to read the reference file's exact entries into, and
-    ``max_expansion``: the bound on its compressed buffers (see
-    :func:`~tw_triton.format.read_file`).
+    ``max_expansion``: the bound on its compressed buffers and on those of every earlier
+    link it is decoded against (see :func:`~tw_triton.format.read_file`).
     """
     if isinstance(reference, (str, os.PathLike)):
         from .format import HeaderCache, read_file, read_manifest
@@ -176,11 +176,13 @@ def _flat_reference(
                                     step=(rq.metadata or {}).get("reference_step"))
         if wanted is not None:
             tensors = dequantize_entries(
-                rq, wanted, reference=prev, device=device, source=source, verify=verify, release_buffers=True
+                rq, wanted, reference=prev, device=device, source=source, verify=verify, release_buffers=True,
+                max_expansion=max_expansion,
             )
         else:
             state = dequantize_state_dict(
-                rq, reference=prev, device=device, source=source, verify=verify, release_buffers=True
+                rq, reference=prev, device=device, source=source, verify=verify, release_buffers=True,
+                max_expansion=max_expansion,
             )
             tensors, _ = flatten(state)
         return tensors, rq.checkpoint_id, f"reference file {source!r}", True
@@ -272,6 +274,7 @@ def quantize_state_dict(
     progress: Progress | None = None,
     allocate: Allocator | None = None,
     copy: bool = True,
+    max_expansion: float | None = MAX_EXPANSION,
 ) -> QuantizedState:
     """Encode a nested training state into a consistent, writable snapshot.
 
@@ -298,6 +301,8 @@ def quantize_state_dict(
         copy: ``False`` when ``state`` is already a private snapshot that nothing changes
             until the result is written: exact entries of contiguous tensors then hold
             those tensors instead of copies.
+        max_expansion: for a ``reference`` given as a path, the bound on that file's
+            compressed buffers and those of its chain, as for :func:`load`.
 
     Returns:
         A :class:`QuantizedState`; its buffers live where the source tensors did.
@@ -317,7 +322,9 @@ def quantize_state_dict(
     if reference is not None:
         # A reference read from a file goes straight to the device the state lives on.
         ref_device = next((t.device for t in tensors.values() if t.device.type != "cpu"), None)
-        ref_tensors, ref_file_id, ref_what, _ = _flat_reference(reference, device=ref_device, verify=True)
+        ref_tensors, ref_file_id, ref_what, _ = _flat_reference(
+            reference, device=ref_device, verify=True, max_expansion=max_expansion
+        )
 
     aliases: dict[str, str] = {}
     first_by_storage: dict[tuple[Any, ...], str] = {}
@@ -518,6 +525,7 @@ def dequantize_state_dict(
     verify: bool = True,
     reuse_reference: bool = False,
     release_buffers: bool = False,
+    max_expansion: float | None = MAX_EXPANSION,
 ) -> Any:
     """Decode a :class:`QuantizedState` back into its nested state.
 
@@ -538,6 +546,9 @@ def dequantize_state_dict(
             dropped from it as soon as the entry is decoded, so the stored and the decoded
             bytes of the whole state are never held together (what :func:`load` does with
             the state it read). ``qstate``'s entries have no buffers afterwards.
+        max_expansion: for a ``reference`` given as a path, the bound on what the
+            compressed buffers of that file (and of each earlier link of its chain) may
+            decode to, as for :func:`load`.
 
     Returns:
         The nested state with its original container, key and leaf types. Exact entries
@@ -550,7 +561,10 @@ def dequantize_state_dict(
         CheckpointError: an unknown codec, or an entry whose params or buffers do not
             match its codec; the message names the file and the entry.
     """
-    return _dequantize(qstate, reference, device, source, progress, verify, reuse_reference, release_buffers)
+    return _dequantize(
+        qstate, reference, device, source, progress, verify, reuse_reference, release_buffers,
+        max_expansion=max_expansion,
+    )
 
 
 def _dequantize(
@@ -563,13 +577,16 @@ def _dequantize(
     reuse_reference: bool,
     release_buffers: bool,
     ref_into: Mapping[str, torch.Tensor] | None = None,
+    *,
+    max_expansion: float | None = MAX_EXPANSION,
 ) -> Any:
     """:func:`dequantize_state_dict`; ``ref_into``: tensors to read a reference given as a
     path into (its exact entries, see :func:`~tw_triton.format.read_file`)."""
     where = source or MEMORY_SOURCE
     dev = torch.device(device) if device is not None else None
     out = _decode_entries(
-        qstate, None, reference, dev, where, progress, verify, reuse_reference, release_buffers, ref_into
+        qstate, None, reference, dev, where, progress, verify, reuse_reference, release_buffers, ref_into,
+        max_expansion=max_expansion,
     )
     try:
         return unflatten(qstate.skeleton, out)
@@ -603,13 +620,14 @@ def dequantize_entries(
     verify: bool = True,
     reuse_reference: bool = False,
     release_buffers: bool = False,
+    max_expansion: float | None = MAX_EXPANSION,
 ) -> dict[str, torch.Tensor]:
     """Decode only the entries at ``paths`` (aliases included) into ``{path: tensor}``.
 
     What a chain of deltas needs from each link but the last: the tensors the next link
-    is a delta of, not the whole state. ``reference``, ``reuse_reference`` and
-    ``release_buffers`` are as for :func:`dequantize_state_dict`; a reference is needed only
-    if one of ``paths`` is a delta entry.
+    is a delta of, not the whole state. ``reference``, ``reuse_reference``,
+    ``release_buffers`` and ``max_expansion`` are as for :func:`dequantize_state_dict`; a
+    reference is needed only if one of ``paths`` is a delta entry.
 
     Raises:
         CheckpointError: a path with no entry, or anything :func:`dequantize_state_dict`
@@ -622,7 +640,10 @@ def dequantize_entries(
     if missing:
         raise CheckpointError(f"{where}: has no entry {missing[0]!r} (needed to decode the next delta)")
     targets = {qstate.aliases.get(p, p) for p in wanted}
-    out = _decode_entries(qstate, targets, reference, dev, where, None, verify, reuse_reference, release_buffers)
+    out = _decode_entries(
+        qstate, targets, reference, dev, where, None, verify, reuse_reference, release_buffers,
+        max_expansion=max_expansion,
+    )
     return {p: out[qstate.aliases.get(p, p)] for p in wanted}
 
 
@@ -637,8 +658,11 @@ def _decode_entries(
     reuse_reference: bool = False,
     release_buffers: bool = False,
     ref_into: Mapping[str, torch.Tensor] | None = None,
+    *,
+    max_expansion: float | None = MAX_EXPANSION,
 ) -> dict[str, torch.Tensor]:
-    """Decode the entries of ``qstate`` (those in ``only``, or all) and resolve aliases.
+    """Decode the entries of ``qstate`` (those in ``only``, or all) and resolve aliases
+    (``max_expansion``: the bound on a reference file, see :func:`load`).
 
     A delta entry is decoded over its reference tensor (:meth:`Codec.decode_over`) when the
     reference is owned (read from a file here, or ``reuse_reference``) and no other delta
@@ -664,7 +688,7 @@ def _decode_entries(
             "and no reference was given (pass the reference checkpoint's path or its decoded state)"
         )
     if delta and on_host and pending is None and isinstance(reference, (str, os.PathLike)):
-        pending = _read_reference(reference, qstate.reference_id, delta, dev, verify, where, ref_into)
+        pending = _read_reference(reference, qstate.reference_id, delta, dev, verify, where, ref_into, max_expansion)
 
     # numpy leaves come back as arrays: decode them on the host, not via the GPU.
     host_paths = set(skeleton_ndarray_paths(qstate.skeleton))
@@ -722,7 +746,7 @@ def _decode_entries(
             raise
         reference = pending.result()
     if delta:
-        ref_tensors, owned = _checked_reference(qstate, delta, reference, dev, verify, where, ref_into)
+        ref_tensors, owned = _checked_reference(qstate, delta, reference, dev, verify, where, ref_into, max_expansion)
         reusable = disjoint_paths(ref_tensors, delta) if owned or reuse_reference else set()
     decode([item for item in indexed if item[1] not in decoded])
     out = {path: decoded[path] for _, path in indexed}
@@ -776,6 +800,7 @@ def _checked_reference(
     verify: bool,
     where: str,
     into: Mapping[str, torch.Tensor] | None,
+    max_expansion: float | None = MAX_EXPANSION,
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """The reference tensors of the ``delta`` entries, on ``dev``, each checked against its
     entry (presence, shape, dtype, fingerprint), and whether they are owned (read from a
@@ -786,7 +811,7 @@ def _checked_reference(
     else:
         ref_tensors, _, ref_what, owned = _flat_reference(
             reference, device=dev, verify=verify, expect_id=qstate.reference_id, where=f"{where}: entry {first!r}",
-            paths=delta, into=into,
+            paths=delta, into=into, max_expansion=max_expansion,
         )
     rid = qstate.reference_id
     checks: list[tuple[str, torch.Tensor]] = []
@@ -857,7 +882,8 @@ def load(
             stores exact are filled in place, and the returned state holds them. If the
             load fails part way, they may hold part of what was read.
         max_expansion: the bound on what the compressed buffers of the file (and of a
-            reference file given as a path) may decode to: ``max_expansion`` times the
+            reference file given as a path, and of each earlier link of a closed-loop
+            chain found beside it) may decode to: ``max_expansion`` times the
             file's size plus :data:`~tw_triton.format.EXPANSION_SLACK_BYTES`, checked before
             anything is decoded (see :func:`~tw_triton.format.read_file`). Raise it, or
             pass ``None``, for a file that stores large constant tensors on purpose.
@@ -895,7 +921,10 @@ def load(
         if pending is not None:
             pending.wait()
         raise
-    return _dequantize(qstate, pending or reference, dev, source, progress, verify, False, True, ref_into=targets)
+    return _dequantize(
+        qstate, pending or reference, dev, source, progress, verify, False, True, ref_into=targets,
+        max_expansion=max_expansion,
+    )
 
 
 def manifest_delta_paths(manifest: Mapping[str, Any]) -> set[str]:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tw_triton
 from tw_triton import Checkpointer
@@ -128,3 +130,118 @@ class _Module:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.held = dict(state)
+
+
+# --------------------------------------------------------------------------------------
+# One verification, one answer (issue 28 item 7)
+# --------------------------------------------------------------------------------------
+
+WEIGHTS = 1 << 16  # large enough that a delta's 2-bit codes get a zstd frame
+
+
+def _drifting(step: int) -> dict[str, torch.Tensor]:
+    w = torch.randn(WEIGHTS, generator=torch.Generator().manual_seed(0))
+    drift = torch.randn(WEIGHTS, generator=torch.Generator().manual_seed(1 + step))
+    return {"w": w + 0.01 * step * drift}
+
+
+def _frame_start(path: Path, entry: str, buffer: str) -> int:
+    """Where the zstd frame of a staged buffer starts in the file."""
+    spec = fmt.read_manifest(path)["entries"][entry]["buffers"][buffer]
+    assert spec["stage"]["name"] in ("zstd", "zstd-bytegroup"), spec["stage"]
+    blob = path.read_bytes()
+    start = 8 + struct.unpack("<Q", blob[:8])[0] + spec["data_offsets"][0]
+    assert blob[start : start + 4] == b"\x28\xb5\x2f\xfd"  # a zstd frame's magic number
+    return start
+
+
+def _flip_unused_bit(path: Path, entry: str, buffer: str) -> None:
+    """Set the frame header's "unused" bit of a buffer's zstd frame: zstd ignores it, so
+    the frame decodes to the same content and passes zstd's own content checksum, but the
+    stored bytes are no longer those written (their CRC-32 differs)."""
+    raw = bytearray(path.read_bytes())
+    raw[_frame_start(path, entry, buffer) + 4] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture
+def two_cycles(tmp_path) -> Path:
+    """Keyframes at steps 0 and 2, closed-loop deltas at 1 and 3."""
+    d = tmp_path / "run"
+    with Checkpointer(d, keyframe_every=2, keep_last=None, async_write=False, fsync=False) as ck:
+        for step in range(4):
+            ck.save(step, model=_drifting(step))
+    return d
+
+
+@pytest.mark.parametrize(
+    "step, entry, buffer, good",
+    [(3, "model/w", "codes", 2), (2, "model/w", "data", 1)],
+    ids=["delta-codes", "keyframe-weights"],
+)
+def test_a_changed_frame_gets_one_answer_from_verify_read_load_latest_and_restore(
+    two_cycles, step, entry, buffer, good
+):
+    bad = two_cycles / checkpoint_name(step)
+    _flip_unused_bit(bad, entry, buffer)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        fmt.verify_file(bad)
+    with pytest.raises(CheckpointError, match="checksum mismatch") as info:
+        fmt.read_file(bad)
+    assert str(bad) in str(info.value) and repr(entry) in str(info.value) and repr(buffer) in str(info.value)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        tw_triton.load(bad, reference=two_cycles / checkpoint_name(step - 1) if step % 2 else None)
+    # Reading only the entry whose frame changed, as a chain link is read, refuses it too.
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        fmt.read_file(bad, entries=[entry])
+    # Without verification the data is not checked, by either path.
+    fmt.read_file(bad, verify=False)
+    with Checkpointer(two_cycles) as ck:
+        assert ck.latest() == good
+        module = _Module({"w": torch.zeros(WEIGHTS)})
+        assert ck.restore(model=module)["step"] == good
+        assert ck.load()["step"] == good
+        with pytest.raises(CheckpointError, match="checksum mismatch"):
+            ck.load(step)
+        assert ck._dir.problems()[step] is not None
+
+
+def test_every_bit_of_a_frame_header_gets_the_same_answer_from_verify_and_read(two_cycles):
+    """Whatever bit of a zstd frame's first bytes changes (magic number, frame header,
+    content size, the bits zstd ignores), verify_file and read_file agree, and neither
+    takes the file."""
+    src = two_cycles / checkpoint_name(3)
+    start = _frame_start(src, "model/w", "codes")
+    blob = src.read_bytes()
+    bad = two_cycles.parent / "bad.tw"
+    for offset in range(start, start + 10):
+        for bit in range(8):
+            raw = bytearray(blob)
+            raw[offset] ^= 1 << bit
+            bad.write_bytes(bytes(raw))
+            assert _answer(fmt.verify_file, bad) == _answer(fmt.read_file, bad) == "refused", (offset - start, bit)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.floats(0, 1, exclude_max=True), byte=st.integers(1, 255))
+def test_property_any_changed_data_byte_gets_one_answer(two_cycles, where, byte):
+    """Any byte of the data section XORed with anything: verify_file, read_file and load
+    say the same, and it is a CheckpointError (nothing else escapes)."""
+    src = two_cycles / checkpoint_name(2)
+    blob = bytearray(src.read_bytes())
+    data_start = 8 + struct.unpack("<Q", blob[:8])[0]
+    offset = data_start + int(where * (len(blob) - data_start))
+    blob[offset] ^= byte
+    bad = two_cycles.parent / "bad.tw"
+    bad.write_bytes(bytes(blob))
+    answers = {_answer(fmt.verify_file, bad), _answer(fmt.read_file, bad), _answer(tw_triton.load, bad)}
+    assert answers == {"refused"}
+
+
+def _answer(read, path: Path) -> str:
+    """``"refused"`` if ``read(path)`` raises a CheckpointError, ``"taken"`` if it returns."""
+    try:
+        read(path)
+    except CheckpointError:
+        return "refused"
+    return "taken"

@@ -39,8 +39,7 @@ lossless entropy stage ``name`` of :mod:`tw_triton.codecs.entropy` with ``params
 ``raw_nbytes`` (equal to shape x dtype size) is its size before the stage. A staged buffer
 is, in the safetensors tensor table, a 1-D ``U8`` tensor of its stored bytes, so stock
 ``safe_open`` opens every file and returns those bytes. The CRC-32 covers the stored bytes
-(a load checks a zstd frame with a content checksum by that checksum instead, see below);
-the decoder checks the decoded size
+(every verified read checks it, see below); the decoder checks the decoded size
 (see the entropy module: the stored frame must state ``raw_nbytes`` and be able to make
 that many bytes before the destination is allocated, and never writes past it).
 ``stats.stored_bytes`` is the data section (stored bytes), ``raw_bytes`` the original
@@ -67,13 +66,14 @@ times the file's size plus :data:`EXPANSION_SLACK_BYTES` (``max_expansion`` of
 :func:`read_file` and :func:`verify_file` sets the factor, ``None`` lifts the bound), also
 checked from the header, so a small file cannot make a load allocate gigabytes.
 Data checksums are verified on load unless ``verify=False``; the manifest's own
-checksum is always verified (it costs nothing). A staged buffer whose zstd frame carries
-zstd's content checksum (every frame this library writes does) is verified by that
-checksum as it decodes (an XXH64 of every decoded byte, which zstd computes anyway), not by
-a second pass of CRC-32 over its stored bytes: on the MiniLM keyframe that pass was about
-0.02 of the load's 0.2 CPU-seconds. A ``zstd-planes`` buffer with a plane stored raw has
-no such checksum over that plane, so its CRC-32 is checked first. :func:`verify_file`
-checks both.
+checksum is always verified (it costs nothing). One verification, one answer: a read with
+``verify`` checks every buffer's CRC-32 over its stored bytes, as :func:`verify_file` does,
+before a staged buffer is decoded (and zstd checks its frame's content checksum as it
+decodes). Trusting the content checksum alone would let a frame whose bytes changed but
+still decode to checksum-valid content (zstd ignores some header bits) load while
+``verify_file`` calls the file corrupted, so that ``latest()`` and ``restore()`` could
+pick different checkpoints. The CRC pass runs over the compressed bytes only, on the
+threads that decode.
 
 Errors: every malformed file raises :class:`~tw_triton.errors.CheckpointError` naming the
 file and, where it applies, the entry and buffer and what was expected. Failures of the
@@ -1026,13 +1026,13 @@ def _decode_staged(
 
     The stage checks its frame against the raw size before the tensor is allocated, so a
     manifest that promises more than the stored bytes can make allocates nothing. With
-    ``verify``, a stage whose decode checks every decoded byte itself (a zstd frame with
-    its content checksum) needs no CRC pass; for any other the CRC of the stored bytes is
-    checked first, so their corruption stops before the decoder runs.
+    ``verify`` the CRC-32 of the stored bytes is checked first, whatever checksum the stage
+    carries itself, so that a read accepts exactly the bytes :func:`verify_file` accepts,
+    and corruption stops before the decoder runs.
     """
     assert spec.stage is not None and spec.stage_params is not None
     where = _where(path, spec)
-    if verify and not spec.stage.checks_content(stored):
+    if verify:
         _check_crc(path, spec, zlib.crc32(stored))
     spec.stage.check(stored, spec.stage_params, spec.raw_nbytes, where)
     tensor = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin) if out is None else out

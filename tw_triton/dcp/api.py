@@ -14,12 +14,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import TwTritonError
-from . import _compat
-from .storage import StorageReader, StorageWriter
+from . import compat
+from .reader import StorageReader
+from .writer import StorageWriter
 
 
 def _reraise(exc: CheckpointException) -> None:
-    for err in _compat.rank_errors(exc):
+    for err in compat.rank_errors(exc):
         if isinstance(err, TwTritonError):
             raise err from exc
     raise exc

@@ -20,7 +20,7 @@ from ..errors import ReferenceMismatchError
 from ..format import read_file
 from ..state import dequantize_state_dict
 from ..tree import flatten
-from ._meta import Record, read_record
+from .meta import Record, read_record
 
 RegionKey = tuple[str, tuple[int, ...], tuple[int, ...]]
 

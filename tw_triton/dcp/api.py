@@ -3,6 +3,7 @@
 DCP wraps every rank's exception in a ``CheckpointException`` (a ``BaseException``, so an
 ``except Exception`` does not see it). These helpers re-raise the lowest rank's tw_triton
 error as itself, chained to DCP's exception, so ``except CheckpointError`` works.
+See docs/distributed.md.
 """
 
 from __future__ import annotations

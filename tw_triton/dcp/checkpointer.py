@@ -11,7 +11,7 @@ Layout: ``<directory>/step_<step, 8 digits>/``, each a DCP checkpoint written by
   collective, plus a barrier for synchronous saves), and never a keyframe a kept delta
   needs, nor the checkpoint ``latest()`` would return.
 
-So a rank killed mid-save leaves the previous checkpoint loadable.
+So a rank killed mid-save leaves the previous checkpoint loadable. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
 from ..format import verify_file
-from .api import load as _load
+from . import api
 from .directory import find_keyframe, is_complete
 from .keyframe import Keyframe
 from .meta import read_record
@@ -226,7 +226,7 @@ class DistributedCheckpointer:
         path = path or self.latest()
         if path is None:
             return None
-        _load(state, path, no_dist=not dist.is_initialized())
+        api.load(state, path, no_dist=not dist.is_initialized())
         m = _STEP_RE.fullmatch(os.path.basename(path))
         return int(m.group(1)) if m else None
 

@@ -5,7 +5,7 @@ global tensor. The keyframe may have been saved with another sharding, so a regi
 assembled from every keyframe chunk that overlaps it; decoding is therefore the same on any
 number of ranks. Regions are cached where they were asked for (the training device), so a
 :class:`Keyframe` passed to successive writers keeps the reference there and reads the
-directory once.
+directory once. See docs/distributed.md.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from tw_triton.dcp import StorageReader, StorageWriter
-from tw_triton.dcp import _compat
+from tw_triton.dcp import compat
 
 # Output dims 65 and 97 do not divide by 2 ranks: FSDP2 shards them unevenly. Weights have
 # >= 4096 elements, so the default rules and presets quantize them.
@@ -44,7 +44,7 @@ def app_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 def full_tensors(state: dict) -> dict[str, torch.Tensor]:
     """fqn -> the whole tensor (a collective for DTensors: call on every rank)."""
-    flat, _ = _compat.flatten_state_dict(state)
+    flat, _ = compat.flatten_state_dict(state)
     return {
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
         for k, v in flat.items()
@@ -141,7 +141,7 @@ def main_checkpointer(rank: int, world: int, port: int, root: str) -> None:
     in the middle of step 4, after writing its file and before the metadata."""
     import datetime
 
-    import tw_triton.dcp.storage as storage
+    import tw_triton.dcp.writer as writer
     from tw_triton.dcp import DistributedCheckpointer
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -163,12 +163,12 @@ def main_checkpointer(rank: int, world: int, port: int, root: str) -> None:
     dist.barrier()
     train_step(model, opt, 4)
     if rank == 1:
-        real_write = storage.write_file
+        real_write = writer.write_file
 
         def write_then_die(*args, **kwargs):
             real_write(*args, **kwargs)
             os._exit(17)
 
-        storage.write_file = write_then_die
+        writer.write_file = write_then_die
     ckpt.save(app_state(model, opt), 4)  # rank 0 fails in DCP's collective; rank 1 exits
     os._exit(0)  # not reached on a correct run

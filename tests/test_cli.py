@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import tw_triton
-from tw_triton.cli import EXIT_CHECKPOINT, EXIT_OK, EXIT_USAGE, _ProgressBar, main
+from tw_triton.cli import EXIT_CHECKPOINT, EXIT_OK, EXIT_USAGE, ProgressBar, main
 from tw_triton.format import read_manifest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -252,13 +252,13 @@ def test_progress_bar_only_on_a_terminal():
 
     tty, pipe = Tty(), io.StringIO()
     for stream in (tty, pipe):
-        bar = _ProgressBar("convert", stream)
+        bar = ProgressBar("convert", stream)
         for i in range(1, 5):
             bar(i, 4)
         bar.close()
     assert pipe.getvalue() == ""
     assert "\rconvert [" in tty.getvalue() and "4/4" in tty.getvalue() and tty.getvalue().endswith("\n")
-    assert "#" * _ProgressBar.WIDTH in tty.getvalue()
+    assert "#" * ProgressBar.WIDTH in tty.getvalue()
 
 
 def test_runs_as_a_module_and_as_the_installed_script(ckpts):

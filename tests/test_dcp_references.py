@@ -273,7 +273,7 @@ def test_retention_keeps_what_latest_returns(run_copy):
     run, saved = run_copy
     os.remove(f"{run}/step_00000002/__0_0.tw.safetensors")
     ckpt = DistributedCheckpointer(run, keep=1)
-    ckpt._retain()
+    ckpt.retain()
     assert ckpt.latest() == f"{run}/step_00000001"
     assert_loads_step_1(ckpt, saved)
 

@@ -149,7 +149,7 @@ def test_a_resume_with_the_callback_decodes_into_the_module(full_run, tmp_path, 
     for k, v in want.items():
         assert torch.equal(got[k], v), k  # and the run still ends bit for bit
     # The hand-over was for that load only: a later load touches no module.
-    assert io._load_into is None
+    assert io.load_target is None
     other = io.load_checkpoint(str(src / "last.ckpt"))
     assert all(other["state_dict"][k].data_ptr() != t.data_ptr() for k, t in module.state_dict().items())
 
@@ -257,9 +257,9 @@ def test_copies_reuse_pooled_buffers_only_after_their_write(tmp_path, monkeypatc
             permits.release()  # the previous save may be written now; this one waits
     permits.release()
     io.flush()
-    pool = io._saves.pool
+    pool = io.save_pool.pool
     assert pool.reused > 0, "nothing was reused: the test could not see an early release"
-    assert pool.held_bytes <= 3 * io._saves.largest
+    assert pool.held_bytes <= 3 * io.save_pool.largest
     for k in range(6):
         got = io.load_checkpoint(tmp_path / f"{k}.ckpt")["state_dict"]
         assert torch.equal(got["w"], torch.full((big,), float(k))) and torch.equal(got["v"], torch.arange(big) + k)
@@ -269,7 +269,7 @@ def test_copies_reuse_pooled_buffers_only_after_their_write(tmp_path, monkeypatc
     off = TwCheckpointIO(fsync=False, snapshot_pool_bytes=0)
     off.save_checkpoint({"w": torch.ones(big)}, tmp_path / "off.ckpt")
     off.teardown()
-    assert off._saves.pool is None and torch.equal(off.load_checkpoint(tmp_path / "off.ckpt")["w"], torch.ones(big))
+    assert off.save_pool.pool is None and torch.equal(off.load_checkpoint(tmp_path / "off.ckpt")["w"], torch.ones(big))
     with pytest.raises(CheckpointError, match="snapshot_pool_bytes"):
         TwCheckpointIO(snapshot_pool_bytes=-1)
 
@@ -285,7 +285,7 @@ def test_the_callback_prepares_the_first_save_after_the_first_batch(tmp_path, mo
 
     def save(self, checkpoint, path, storage_options=None):
         real_save(self, checkpoint, path, storage_options)
-        first.setdefault("reused", self._saves.pool.reused)
+        first.setdefault("reused", self.save_pool.pool.reused)
 
     monkeypatch.setattr(TwCheckpointIO, "prepare", prepare)
     monkeypatch.setattr(TwCheckpointIO, "save_checkpoint", save)

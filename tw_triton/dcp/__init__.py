@@ -10,12 +10,20 @@ chunk with its codecs and writes tw_triton files::
     dcp.load(state, storage_reader=StorageReader("ckpt/step_100"))
 
 ``tw_triton.dcp.save`` / ``load`` do the same and re-raise tw_triton's errors out of DCP's
-``CheckpointException``. Private and experimental DCP points are wrapped in :mod:`tw_triton.dcp._compat`.
+``CheckpointException``. Modules: :mod:`.writer`, :mod:`.reader`, :mod:`.chunks` (chunk to
+entry), :mod:`.meta` (``tw_dcp.json``), :mod:`.directory` (completeness, keyframe lookup),
+:mod:`.keyframe`, :mod:`.checkpointer`, :mod:`.api`; DCP's private and experimental points
+only in :mod:`.compat`. The why: docs/distributed.md.
 """
 
+from . import compat
 from .api import load, save
 from .checkpointer import DistributedCheckpointer
+from .directory import is_complete
 from .keyframe import Keyframe
-from .storage import StorageReader, StorageWriter, is_complete
+from .reader import StorageReader
+from .writer import StorageWriter
+
+_compat = compat  # alias for other areas until the merge (benchmarks/dcp_compare.py)
 
 __all__ = ["StorageWriter", "StorageReader", "Keyframe", "save", "load", "DistributedCheckpointer", "is_complete"]

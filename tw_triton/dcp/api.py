@@ -3,6 +3,7 @@
 DCP wraps every rank's exception in a ``CheckpointException`` (a ``BaseException``, so an
 ``except Exception`` does not see it). These helpers re-raise the lowest rank's tw_triton
 error as itself, chained to DCP's exception, so ``except CheckpointError`` works.
+See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import TwTritonError
-from . import _compat
-from .storage import StorageReader, StorageWriter
+from . import compat
+from .reader import StorageReader
+from .writer import StorageWriter
 
 
 def _reraise(exc: CheckpointException) -> None:
-    for err in _compat.rank_errors(exc):
+    for err in compat.rank_errors(exc):
         if isinstance(err, TwTritonError):
             raise err from exc
     raise exc

@@ -11,7 +11,7 @@ Layout: ``<directory>/step_<step, 8 digits>/``, each a DCP checkpoint written by
   collective, plus a barrier for synchronous saves), and never a keyframe a kept delta
   needs, nor the checkpoint ``latest()`` would return.
 
-So a rank killed mid-save leaves the previous checkpoint loadable.
+So a rank killed mid-save leaves the previous checkpoint loadable. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
 from ..format import verify_file
-from ._meta import read_record
-from .api import load as _load
+from . import api
+from .directory import find_keyframe, is_complete
 from .keyframe import Keyframe
-from .storage import StorageWriter, find_keyframe, is_complete
+from .meta import read_record
+from .writer import StorageWriter
 
 _STEP_RE = re.compile(r"step_(\d{8,})")
 logger = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class DistributedCheckpointer:
         """The newest checkpoint that loads, or ``None``.
 
         A checkpoint loads when it is complete and, for a delta, when a complete keyframe
-        with the id it records is found (:func:`~tw_triton.dcp.storage.find_keyframe`). A
+        with the id it records is found (:func:`~tw_triton.dcp.directory.find_keyframe`). A
         complete delta whose keyframe lost or truncated a rank file is skipped with a
         logged warning, and the next older one is tried.
 
@@ -188,9 +189,14 @@ class DistributedCheckpointer:
             self._keyframe = Keyframe(self._pending_keyframe)
             self._pending_keyframe = None
         if self._rank() == 0:
-            self._retain()
+            self.retain()
 
-    def _retain(self) -> None:
+    def retain(self) -> None:
+        """Delete the checkpoints retention no longer keeps (rank 0 runs it after each save).
+
+        Kept: the ``keep`` newest complete checkpoints, the one :meth:`latest` returns, the
+        keyframes these need and the current keyframe. Incomplete directories go too.
+        """
         done = self.complete()
         kept = [p for _, p in done[-self.keep:]]
         latest = self.latest()
@@ -220,7 +226,7 @@ class DistributedCheckpointer:
         path = path or self.latest()
         if path is None:
             return None
-        _load(state, path, no_dist=not dist.is_initialized())
+        api.load(state, path, no_dist=not dist.is_initialized())
         m = _STEP_RE.fullmatch(os.path.basename(path))
         return int(m.group(1)) if m else None
 

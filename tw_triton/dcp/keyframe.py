@@ -5,7 +5,7 @@ global tensor. The keyframe may have been saved with another sharding, so a regi
 assembled from every keyframe chunk that overlaps it; decoding is therefore the same on any
 number of ranks. Regions are cached where they were asked for (the training device), so a
 :class:`Keyframe` passed to successive writers keeps the reference there and reads the
-directory once.
+directory once. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..errors import ReferenceMismatchError
 from ..format import read_file
 from ..state import dequantize_state_dict
 from ..tree import flatten
-from ._meta import Record, read_record
+from .meta import Record, read_record
 
 RegionKey = tuple[str, tuple[int, ...], tuple[int, ...]]
 

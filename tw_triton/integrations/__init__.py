@@ -11,6 +11,7 @@
     :class:`~tw_triton.Checkpointer` route for accelerate loops; ``pip install 'tw-triton[hf]'``.
 
 Importing a submodule without its framework raises an ``ImportError`` that names the extra.
+The why: docs/integrations.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """accelerate loops: tw_triton checkpoints through a :class:`~tw_triton.Checkpointer`.
 
-Why not ``save_state`` / ``load_state`` hooks
-    ``Accelerator.register_save_state_pre_hook(hook)`` calls ``hook(models, weights,
-    output_dir)`` and ``register_load_state_pre_hook(hook)`` calls ``hook(models,
-    input_dir)``: the hooks see the models and their weights only. The optimizers (for
-    AdamW two moments per parameter: most of a checkpoint, and what tw_triton's codecs
-    shrink most), the LR schedulers, the grad scaler, the RNG states and the samplers are
-    then written by accelerate with ``torch.save`` (``optimizer.bin``, ``scheduler.bin``,
-    ``random_states_0.pkl``, ...) whatever a hook does; keeping them out would mean
-    emptying the accelerator's private lists. A hook could move the model weights alone
-    into a tw_triton file, which saves little and splits one checkpoint into two formats.
+``save_state`` / ``load_state`` hooks of ``Accelerator`` see only the models and their
+weights (accelerate still pickles the optimizer and the rest), so the loop calls a
+Checkpointer instead::
 
-The route instead
-    An accelerate user writes the loop, so the loop calls a Checkpointer, with the
-    prepared optimizer and scheduler (they have ``state_dict``/``load_state_dict``) and the
-    unwrapped model::
+    save_state(accelerator, ckpt, step, model=model, optimizer=opt, scheduler=sched)
+    state = load_state(accelerator, ckpt, model=model, optimizer=opt, scheduler=sched)
 
-        ckpt = tw_triton.Checkpointer("runs/ckpt", keyframe_every=10)
-        save_state(accelerator, ckpt, step, model=model, optimizer=opt, scheduler=sched)
-        ...
-        state = load_state(accelerator, ckpt, model=model, optimizer=opt, scheduler=sched)
-        start = state["step"] + 1
-
-    :func:`save_state` and :func:`load_state` unwrap modules and put back the grad scaler
-    of a mixed-precision accelerator; everything else is the Checkpointer's (keyframes,
-    deltas, retention, RNG states). Single process only: state sharded or per rank (FSDP,
-    DeepSpeed, several processes) is refused with :class:`~tw_triton.errors.TwTritonError`.
+:func:`save_state` and :func:`load_state` unwrap modules and add the grad scaler of a
+mixed-precision accelerator; single process only (else a
+:class:`~tw_triton.errors.TwTritonError`). The why: docs/integrations.md#accelerate.
 """
 
 from __future__ import annotations

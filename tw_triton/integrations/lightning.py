@@ -2,59 +2,17 @@
 
 Usage::
 
-    from tw_triton.integrations.lightning import TwCheckpointIO
+    trainer = L.Trainer(plugins=[TwCheckpointIO()],
+                        callbacks=[ModelCheckpoint(...), TwPrepareFirstSave()])
 
-    trainer = L.Trainer(plugins=[TwCheckpointIO()], callbacks=[ModelCheckpoint(...)])
-    trainer.fit(model, datamodule=dm)
-    trainer.fit(model, datamodule=dm, ckpt_path="last")    # resume
-
-What a checkpoint is
-    One tw_triton file (a safetensors file; stock ``safetensors`` opens it) at exactly the
-    path Lightning gives (``epoch=3-step=400.ckpt``, ``last.ckpt``), holding Lightning's
-    whole checkpoint dict: ``state_dict``, ``optimizer_states``, ``lr_schedulers``,
-    ``loops``, ``callbacks``, ``hyper_parameters``, versions and whatever
-    ``on_save_checkpoint`` adds. Each file stands alone (no deltas: ``ModelCheckpoint``
-    deletes files in any order): the tensors the rules would delta-code (the model's large
-    weights) are stored exact, the rest is coded by the rules
-    (:func:`~tw_triton.rules.keyframe_rules`), e.g. the AdamW moments under the library's
-    default preset. With ``rules="default"`` everything comes back bit for bit.
-
-What comes back exactly, and what is refused
-    The dict is stored as tensors plus a JSON skeleton (:mod:`tw_triton.tree`): dict,
-    OrderedDict (with ``_metadata``), list, tuple, tensors, numpy arrays and scalars, None,
-    bool, int, float (also inf/nan), str and bytes come back with their types and values;
-    Lightning's own entries are all of these. Anything else (a ``pathlib.Path`` or an enum
-    among the hyperparameters, an OmegaConf container and its ``hparams_type``, an object a
-    callback returns) is refused when saving: a
-    :class:`~tw_triton.errors.QuantizationError` names the file and the entry (e.g.
-    ``'hyper_parameters/data_dir'``), and nothing is written. The safe route for such a
-    value is Lightning's own hooks: turn it into plain values in ``on_save_checkpoint`` and
-    back in ``on_load_checkpoint``, or keep it out of ``save_hyperparameters(ignore=...)``.
-    No pickle is ever written or read.
-
-Writing in the background
-    With ``async_write`` (default) ``save_checkpoint`` returns once the state is copied
-    (CPU tensors) or encoded (CUDA tensors, by the Triton kernels); a writer thread encodes
-    (CPU) and writes. ``load_checkpoint``, ``remove_checkpoint`` and ``teardown`` wait for
-    pending writes first; a failed write is raised at the next call. The copies go into
-    a :class:`~tw_triton.snapshot_pool.SnapshotPool`, as the Checkpointer's do: a save's
-    buffers come back when its write is done and the next save copies into them instead of
-    page-faulting fresh memory (``snapshot_pool_bytes`` caps what is kept between saves,
-    ``0`` turns reuse off). The first save finds the pool empty; the callback
-    :class:`TwPrepareFirstSave` (``callbacks=[TwPrepareFirstSave()]``) fills it after the
-    first training batch, when the optimizer has its state (:meth:`TwCheckpointIO.prepare`).
-
-Loading
-    ``map_location``: ``None`` loads to the CPU, a device or device string loads there (CUDA
-    decodes on the GPU); a function or dict (``torch.load`` storage maps) loads to the CPU,
-    where Lightning moves the state anyway. ``weights_only`` is accepted and has nothing to
-    restrict: loading never runs code. ``LightningModule.load_from_checkpoint`` calls
-    ``torch.load`` itself and cannot read these files; use ``trainer.fit/validate/test(...,
-    ckpt_path=...)``, or ``TwCheckpointIO().load_checkpoint(path)["state_dict"]``. With the
-    callback :class:`TwPrepareFirstSave`, a resume reads the weights straight into the
-    module's own CPU tensors (:meth:`TwCheckpointIO.load_into`).
-
-Paths are local files; a remote URL (``s3://...``) is refused.
+Contract: each checkpoint is one standalone tw_triton file (no deltas) at the path Lightning
+gives, holding Lightning's whole checkpoint dict; tensors the rules would delta-code are
+stored exact (:func:`~tw_triton.rules.keyframe_rules`). Values that are not plain data
+(tensors, numpy, containers, scalars, str, bytes) are refused with a ``QuantizationError``
+before anything is written; no pickle is written or read. Writes run on a background
+thread into a snapshot pool; ``load_checkpoint``, ``remove_checkpoint`` and ``teardown``
+wait for them, and a failed write is raised at the next call. Local paths only.
+The why, and the loading rules: docs/integrations.md#lightning.
 """
 
 from __future__ import annotations
@@ -147,6 +105,17 @@ class TwCheckpointIO(CheckpointIO):
         # Each save's pooled buffers, until its write is done (the writer reads them).
         self._saves = SavePool(snapshot_pool_bytes, max_pending + 1)
 
+    @property
+    def save_pool(self) -> SavePool:
+        """The snapshot memory of the background saves (its ``pool`` is ``None`` with
+        ``snapshot_pool_bytes=0``)."""
+        return self._saves
+
+    @property
+    def load_target(self) -> Any | None:
+        """The module the next load decodes into (see :meth:`load_into`), or ``None``."""
+        return self._load_into() if self._load_into is not None else None
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Encode ``checkpoint`` and write it to ``path`` (see the module doc).
 
@@ -211,7 +180,14 @@ class TwCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Load the checkpoint dict written by :meth:`save_checkpoint` (see the module doc).
+        """Load the checkpoint dict written by :meth:`save_checkpoint`.
+
+        Args:
+            path: the checkpoint file (local).
+            map_location: ``None`` loads to the CPU; a device or device string loads there
+                (CUDA decodes on the GPU); a function or dict (``torch.load`` storage maps)
+                loads to the CPU, where Lightning moves the state anyway.
+            weights_only: accepted and has nothing to restrict: loading never runs code.
 
         Raises:
             FileNotFoundError: no file at ``path``.

@@ -2,49 +2,17 @@
 
 Usage::
 
-    from tw_triton.integrations.transformers import TwTrainer
+    trainer = TwTrainer(model=model, args=args, train_dataset=ds)   # Trainer's arguments
+    trainer.train(resume_from_checkpoint=True)
 
-    trainer = TwTrainer(model=model, args=args, train_dataset=ds)   # same arguments as Trainer
-    trainer.train()
-    trainer.train(resume_from_checkpoint=True)                      # or ".../checkpoint-500"
-
-``TwTrainer`` is ``TwCheckpointMixin`` + ``transformers.Trainer``; put the mixin first in
-your own subclass (``class MyTrainer(TwCheckpointMixin, Seq2SeqTrainer)``) to keep it.
-
-Layout of ``args.output_dir``
-    ``tw_triton/step-00000500.tw.safetensors``
-        model, optimizer, LR scheduler, grad scaler and RNG states of step 500: one file,
-        written by a :class:`~tw_triton.Checkpointer` (a keyframe every
-        ``keyframe_every`` saves, deltas in between (closed loop by default); written on a
-        background thread).
-    ``checkpoint-500/``
-        what ``Trainer`` needs to find and resume a checkpoint: ``trainer_state.json``
-        (written by ``Trainer``) and ``tw_checkpoint.json``, which names the file above.
-        No ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` or ``training_args.bin``:
-        nothing in a checkpoint is a pickle.
-
-Retention
-    ``save_total_limit`` works as in ``Trainer``, which deletes whole ``checkpoint-N``
-    folders. At the next save (and when ``train`` returns) the files in ``tw_triton/``
-    whose folder is gone are deleted, except those that a kept checkpoint, or the next
-    delta, needs (its keyframe and, with closed-loop deltas, the deltas between).
-
-First save
-    After the first optimizer step of ``train`` (when AdamW has created its moments) the
-    Checkpointer's :meth:`~tw_triton.Checkpointer.prepare` faults in the host memory that
-    the first save copies the state into, so that save pauses training no longer than the
-    later ones.
-
-Resume
-    ``train(resume_from_checkpoint=...)`` reads the tw_triton file once and puts back the
-    model, optimizer, scheduler, scaler and RNG states where ``Trainer`` would. A folder
-    without ``tw_checkpoint.json`` (a stock ``Trainer`` checkpoint) is loaded by
-    ``Trainer``'s own code. ``load_best_model_at_end`` loads the best model from its file.
-
-Not supported (refused with :class:`~tw_triton.errors.TwTritonError` at the first save):
-DeepSpeed, FSDP, and runs of more than one process (their checkpoints are sharded or
-per-rank; see the DCP integration). ``trainer.save_model()`` called by you still writes a
-standard ``save_pretrained`` folder: that is the model to ship, not a checkpoint.
+``TwTrainer`` is :class:`TwCheckpointMixin` + ``transformers.Trainer`` (put the mixin first
+in your own subclass). Contract: model, optimizer, scheduler, scaler and RNG states of step N
+go into one file ``output_dir/tw_triton/step-N.tw.safetensors`` written by a
+:class:`~tw_triton.Checkpointer`; ``checkpoint-N/`` holds ``trainer_state.json`` and
+``tw_checkpoint.json`` (which names the file) and no pickle. ``save_total_limit`` deletes
+folders as usual; their files go at the next save, except those a kept delta or the next one
+needs. DeepSpeed, FSDP and multi-process runs are refused with a
+:class:`~tw_triton.errors.TwTritonError`. The why: docs/integrations.md#hugging-face-trainer.
 """
 
 from __future__ import annotations
@@ -297,7 +265,9 @@ class TwCheckpointMixin:
         return objects
 
     def _tw_prepare(self) -> None:
-        """Fault in the first save's snapshot memory (see "First save" in the module doc)."""
+        """Fault in the first save's snapshot memory, after the first optimizer step (AdamW
+        has its moments then), so the first save pauses training no longer than the later
+        ones (docs/integrations.md)."""
         if self._tw_unsupported() is not None or not self.args.should_save or self.args.save_strategy == "no":
             return  # an unsupported run is refused at its first save, as before
         run_dir = self._get_output_dir(trial=getattr(self, "_trial", None))

@@ -2,7 +2,7 @@
 
 Written against torch 2.13. A torch upgrade that moves one of these touches this file only.
 Public DCP names (``FileSystemWriter``, ``FileSystemReader``, ``Metadata``, the planner
-types) are imported where they are used.
+types) are imported where they are used. See docs/distributed.md.
 """
 
 from __future__ import annotations

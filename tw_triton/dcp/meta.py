@@ -3,7 +3,7 @@
 Plain DCP pickles its ``Metadata`` into ``.metadata``; loading an untrusted checkpoint
 would then run code. tw_triton writes the same information as JSON in ``tw_dcp.json``
 instead, and this module converts both ways and validates what it reads. Every field is
-checked before use, and every error names the file.
+checked before use, and every error names the file (docs/distributed.md).
 
 Schema, version 1::
 

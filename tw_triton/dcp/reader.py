@@ -1,0 +1,194 @@
+"""``StorageReader``: reads a :class:`~tw_triton.dcp.StorageWriter` checkpoint for DCP.
+
+Every file is validated and its checksums verified as it is read; its checkpoint id and
+chunk table must match ``tw_dcp.json``. Loaded values are the decoded chunks, narrowed to
+what each rank asks for, so any number of ranks gets the same values. Non-tensor items
+must be plain data (``torch.load(weights_only=True)``) before DCP unpickles them. See
+docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from ..errors import CheckpointError, ReferenceMismatchError
+from ..format import read_file
+from ..state import dequantize_state_dict
+from ..tree import flatten
+from .chunks import CHUNK_TABLE_KEY, is_delta_entry, nest
+from .directory import complete_record, find_keyframe
+from .keyframe import Keyframe, open_reference
+from .meta import METADATA_NAME
+
+
+class StorageReader(FileSystemReader):
+    """A DCP ``StorageReader`` for checkpoints written by :class:`StorageWriter`.
+
+    Every file is validated and its checksums verified as it is read; its checkpoint id
+    and chunk table must match ``tw_dcp.json``. Loaded values are the decoded chunks,
+    narrowed to what each rank asks for, so any number of ranks gets the same values.
+
+    Args:
+        path: the checkpoint directory.
+        reference: the keyframe directory (or :class:`Keyframe`) of a delta checkpoint;
+            default: the checkpoint with the recorded keyframe id, looked for beside
+            ``path`` first, then at the recorded path (see :func:`find_keyframe`).
+        verify: check per-buffer CRC-32 while reading.
+
+    Raises (during ``dcp.load``):
+        CheckpointError: not a tw_triton DCP checkpoint (e.g. plain DCP), a missing rank
+            file, files that do not match the metadata, corrupted data.
+        ReferenceMismatchError: a delta checkpoint whose keyframe is missing or different.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        reference: "str | os.PathLike | Keyframe | None" = None,
+        verify: bool = True,
+    ) -> None:
+        super().__init__(path)
+        self._reference_arg = reference
+        self.verify = verify
+        self._record = None
+        self._keyframe: Keyframe | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(checkpoint_id)
+        self._record = None
+
+    def _load_record(self):
+        if self._record is None:
+            self._record = complete_record(self.path)
+        return self._record
+
+    def preflight(self) -> None:
+        """Check the metadata, that every rank file is there, and the keyframe of a delta.
+
+        Raises:
+            CheckpointError, ReferenceMismatchError: as ``dcp.load`` would, but unwrapped.
+        """
+        rec = self._load_record()
+        if rec.reference is not None:
+            self._reference()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = self._load_record().metadata
+        md.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.load_id)
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._load_record()
+
+    def _reference(self) -> Keyframe:
+        rec = self._record
+        want = rec.reference["checkpoint_id"]
+        directory = os.fspath(self.path)
+        if self._keyframe is None:
+            ref = self._reference_arg
+            if ref is None:
+                ref = find_keyframe(directory, rec.reference)
+            try:
+                self._keyframe = open_reference(ref)
+            except ReferenceMismatchError:
+                raise
+            except CheckpointError as exc:
+                raise ReferenceMismatchError(
+                    f"{directory} is a delta from keyframe checkpoint {want!r}, and the "
+                    f"reference cannot be read: {exc}"
+                ) from exc
+        if self._keyframe.checkpoint_id != want:
+            raise ReferenceMismatchError(
+                f"{directory} is a delta from keyframe checkpoint {want!r}, but reference "
+                f"{self._keyframe.path} is checkpoint {self._keyframe.checkpoint_id!r}"
+            )
+        return self._keyframe
+
+    def _decode(self, name: str) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
+        rec = self._record
+        path = os.path.join(os.fspath(self.path), name)
+        qstate = read_file(path, verify=self.verify)
+        if qstate.checkpoint_id != rec.checkpoint_id:
+            raise CheckpointError(
+                f"{path}: file of checkpoint {qstate.checkpoint_id!r}, but {METADATA_NAME} "
+                f"describes checkpoint {rec.checkpoint_id!r} (files and metadata do not match)"
+            )
+        table = qstate.metadata.get(CHUNK_TABLE_KEY, {}).get("chunks")
+        if not isinstance(table, dict) or set(table) != set(qstate.entries) | set(qstate.aliases):
+            raise CheckpointError(f"{path}: no valid DCP chunk table in the manifest metadata")
+        reference = None
+        if qstate.reference_id is not None:
+            kf = self._reference()
+            if qstate.reference_id != kf.checkpoint_id:
+                raise ReferenceMismatchError(
+                    f"{path}: deltas from {qstate.reference_id!r}, reference is {kf.checkpoint_id!r}"
+                )
+            delta = [p for p, e in qstate.entries.items() if is_delta_entry(e)]
+            keys = [(table[p]["fqn"], tuple(table[p]["offsets"]), tuple(qstate.entries[p].shape)) for p in delta]
+            regions = kf.regions(keys)
+            reference = nest({tuple(table[p]["obj_path"]): r for p, r in zip(delta, regions)})
+        decoded, _ = flatten(dequantize_state_dict(qstate, reference=reference, source=path, verify=self.verify))
+        return {p: (decoded[p], table[p]) for p in decoded}
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        rec = self._record
+        md = rec.metadata
+        per_file: dict[str, list[Any]] = {}
+        for req in plan.items:
+            info = md.storage_data.get(req.storage_index)
+            if info is None:
+                raise CheckpointError(f"{self.path}: {METADATA_NAME} has no storage for {req.storage_index}")
+            per_file.setdefault(info.file, []).append((req, info))
+        for name, reqs in per_file.items():
+            decoded = self._decode(name)
+            fpath = os.path.join(os.fspath(self.path), name)
+            for req, info in reqs:
+                got = decoded.get(info.entry)
+                if got is None:
+                    raise CheckpointError(f"{fpath}: no entry {info.entry!r} for {req.storage_index.fqn!r} ({METADATA_NAME} names it)")
+                tensor, row = got
+                if row["fqn"] != req.storage_index.fqn:
+                    raise CheckpointError(
+                        f"{fpath}: entry {info.entry!r} holds {row['fqn']!r}, {METADATA_NAME} says {req.storage_index.fqn!r}"
+                    )
+                if req.type == LoadItemType.BYTE_IO:
+                    raw = tensor.numpy().tobytes()
+                    # DCP's planner unpickles these bytes; refuse anything beyond plain data.
+                    try:
+                        torch.load(io.BytesIO(raw), weights_only=True)
+                    except Exception as exc:
+                        raise CheckpointError(f"{fpath}: entry {info.entry!r}: not plain data, refused: {exc}") from exc
+                    planner.load_bytes(req, io.BytesIO(raw))
+                    continue
+                off = req.storage_index.offset
+                want = tuple(off) if off is not None else (0,) * tensor.dim()
+                if tuple(row["offsets"]) != want:
+                    raise CheckpointError(
+                        f"{fpath}: entry {info.entry!r} is the chunk at {row['offsets']}, {METADATA_NAME} says {list(want)}"
+                    )
+                for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    tensor = tensor.narrow(dim, o, n)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise CheckpointError(
+                        f"{fpath}: entry {info.entry!r}: read {tuple(tensor.size())}, the target needs {tuple(target.size())}"
+                    )
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+
+__all__ = ["StorageReader"]

@@ -45,11 +45,6 @@ from .spec import (
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = [
-    "BufferSpec", "buffer_where", "check_fields", "check_stats", "checked_json", "json_ints",
-    "manifest_json", "params_json", "quote", "to_json", "to_qstate", "validate_manifest",
-]
-
 _ENTRY_FIELD_SET = frozenset(ENTRY_FIELDS)
 _BUFFER_FIELD_SET = frozenset(BUFFER_FIELDS)
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tw_triton  # noqa: E402
 from tw_triton import format as fmt  # noqa: E402
-from tw_triton import writeback  # noqa: E402
+from tw_triton.format import writeback  # noqa: E402
 from _common import fmt_table, machine_description  # noqa: E402
 from profile_save_load import _perturb, minilm_shaped_state  # noqa: E402
 

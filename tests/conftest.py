@@ -79,16 +79,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type
 @pytest.fixture
 def parses(monkeypatch) -> list[str]:
     """The base names of the files whose header is parsed, in order."""
-    from tw_triton import format as fmt
+    from tw_triton.format import header
 
     seen: list[str] = []
-    real = fmt._read_layout
+    real = header.read_layout
 
     def counted(f, path):
         seen.append(os.path.basename(path))
         return real(f, path)
 
-    monkeypatch.setattr(fmt, "_read_layout", counted)
+    monkeypatch.setattr(header, "read_layout", counted)
     return seen
 
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import tw_triton
 from _format_samples import STAGE_EVERYTHING, assert_same_state, sample_state
 from tw_triton import format as fmt
+from tw_triton.format import plan as format_plan
 from tw_triton.codecs import entropy, native
 from tw_triton.codecs.entropy import EntropyPolicy, ZstdSettings, candidate_stages, check_zstd_frame, get_stage
 from tw_triton.errors import CheckpointError
@@ -650,13 +651,13 @@ def test_save_and_load_pass_entropy_through(tmp_path):
 
 def test_async_writer_runs_the_stage_on_its_thread(tmp_path, monkeypatch):
     threads: list[str] = []
-    real = fmt.encode_buffer
+    real = format_plan.encode_buffer
 
     def recording(*args, **kw):
         threads.append(threading.current_thread().name)
         return real(*args, **kw)
 
-    monkeypatch.setattr(fmt, "encode_buffer", recording)
+    monkeypatch.setattr(format_plan, "encode_buffer", recording)
     state = sample_state(5, scale=8)
     with AsyncWriter(fsync=False) as w:
         w.submit(state, tmp_path / "auto.tw").result()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import mmap
 import os
 import struct
 import zlib
@@ -19,6 +20,10 @@ from hypothesis import strategies as st
 from _format_samples import STAGE_EVERYTHING, assert_same_state, blockwise_entry, exact_entry, sample_state, unstage
 import tw_triton
 from tw_triton import format as fmt
+from tw_triton.format import writer
+from tw_triton.format.plan import plan_file
+from tw_triton.format.reader import MappedCheckpoint
+from tw_triton.format.spec import ENTRY_DTYPE_NAMES
 from tw_triton.codecs.blockwise import QuantizedTensor, dequantize
 from tw_triton.codecs import entropy
 from tw_triton.errors import CheckpointError, CheckpointIOError
@@ -257,11 +262,11 @@ def test_read_file_lets_go_of_a_buffers_pages_once_decoded(tmp_path):
     fmt.write_file(state, path)
     assert "stage" in fmt.read_manifest(path)["entries"]["x"]["buffers"]["data"]
     assert path.stat().st_size > 8 << 20
-    with fmt._MappedCheckpoint(str(path), verify=True, pin=False, entries=None) as ck:
+    with MappedCheckpoint(str(path), verify=True, pin=False, entries=None) as ck:
         (spec,) = ck.layout.buffers
         got = ck.read_buffer(spec)
         assert _mapped_rss_kib(path) < 256  # of a 14 MiB map: a page or two at the ends
-        mapped = ck._map
+        mapped = ck.file_map
     assert torch.equal(got, t)
     got.add_(1)  # a tensor of its own, writable: not the read-only map
     assert mapped.closed and ck.file.closed
@@ -277,7 +282,7 @@ def test_read_file_reads_staged_buffers_where_files_cannot_be_mapped(tmp_path, m
     def no_mmap(*args, **kwargs):
         raise OSError(19, "No such device")
 
-    monkeypatch.setattr(fmt.mmap, "mmap", no_mmap)
+    monkeypatch.setattr(mmap, "mmap", no_mmap)
     assert_same_state(fmt.read_file(path), mapped)
     manifest = fmt.read_manifest(path)
     entry, name, buf = next((p, k, b) for p, e in manifest["entries"].items() for k, b in e["buffers"].items()
@@ -438,7 +443,7 @@ def test_read_into_given_tensors_where_they_fit(tmp_path, policy):
 
 
 def _reference_header(plan) -> bytes:
-    """The header as json.dumps of nested dicts writes it: the spec of format._encode_header,
+    """The header as json.dumps of nested dicts writes it: the spec of writer.encode_header,
     which writes the same JSON text piece by piece."""
     q = plan.qstate
     dumps = lambda v: json.dumps(v, separators=(",", ":"), ensure_ascii=True)  # noqa: E731
@@ -451,7 +456,7 @@ def _reference_header(plan) -> bytes:
             if b.stage is not None:
                 bufs[name]["stage"] = b.stage
         entries[entry_path] = {"codec": entry.codec, "params": entry.params,
-                               "dtype": fmt._ENTRY_DTYPE_NAMES[entry.dtype], "shape": list(entry.shape),
+                               "dtype": ENTRY_DTYPE_NAMES[entry.dtype], "shape": list(entry.shape),
                                "buffers": bufs}
     manifest = dumps({
         "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "checkpoint_id": q.checkpoint_id,
@@ -478,12 +483,12 @@ def test_header_text_is_json_dumps_of_the_header(seed, policy):
     state.entries["mödel/w\u2603 \"q\""].params = {"note": "é\n", "n": [1, 2.5, None, True]}
     state.aliases = {"alias/é": "mödel/w\u2603 \"q\""}
     state.metadata = {"k": [1.5, None, False, {"x": "ü"}]}
-    plan = fmt._plan(state, "x", entropy.resolve_policy(policy))
-    assert fmt._encode_header(plan, "x") == _reference_header(plan)
+    plan = plan_file(state, "x", entropy.resolve_policy(policy))
+    assert writer.encode_header(plan, "x") == _reference_header(plan)
 
 
 def test_header_writes_params_that_compare_equal_as_they_are():
-    """The header writes each distinct params dict once (format._params_json): params that are
+    """The header writes each distinct params dict once (manifest.params_json): params that are
     equal in Python but not in JSON must each keep their own text."""
     state = sample_state(0)
     variants = [
@@ -494,8 +499,8 @@ def test_header_writes_params_that_compare_equal_as_they_are():
     for i, params in enumerate(variants):
         state.entries[f"p{i}"] = exact_entry(torch.arange(3.0))
         state.entries[f"p{i}"].params = params
-    plan = fmt._plan(state, "x", None)
-    header = fmt._encode_header(plan, "x")
+    plan = plan_file(state, "x", None)
+    header = writer.encode_header(plan, "x")
     assert header == _reference_header(plan)
     manifest = json.loads(json.loads(header[8:])["__metadata__"][fmt.MANIFEST_KEY])
     written = [json.dumps(manifest["entries"][f"p{i}"]["params"]) for i in range(len(variants))]
@@ -657,7 +662,7 @@ def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch, whe
             f.write(b"\0" * 100)  # something reached the temp file before the failure
             fail()
 
-        monkeypatch.setattr(fmt, "_write_buffers", partial)
+        monkeypatch.setattr(writer, "write_buffers", partial)
     elif where == "fsync":
         monkeypatch.setattr(os, "fsync", fail)
     else:
@@ -676,7 +681,7 @@ def test_interrupted_write_removes_the_temp_and_propagates(tmp_path, monkeypatch
     def interrupt(f, plan, *args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fmt, "_write_buffers", interrupt)
+    monkeypatch.setattr(writer, "write_buffers", interrupt)
     with pytest.raises(KeyboardInterrupt):
         fmt.write_file(sample_state(16), tmp_path / "ckpt")
     _assert_only(tmp_path, [])

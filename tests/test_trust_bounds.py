@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import tw_triton
 from tw_triton import Checkpointer
 from tw_triton import format as fmt
+from tw_triton.format import reader
 from tw_triton.checkpoint_dir import checkpoint_name
 from tw_triton.errors import CheckpointError
 
@@ -54,9 +55,9 @@ def run_with_zeros(tmp_path, monkeypatch) -> Path:
     sizes = {step: _decoded_and_size(d / checkpoint_name(step)) for step in range(3)}
     # The slack that lets each delta through: the bound then holds back the keyframe only.
     slack = max(dec - fmt.MAX_EXPANSION * size for dec, size in (sizes[1], sizes[2]))
-    monkeypatch.setattr(fmt, "EXPANSION_SLACK_BYTES", max(0, int(slack) + 1))
+    monkeypatch.setattr(reader, "EXPANSION_SLACK_BYTES", max(0, int(slack) + 1))
     dec, size = sizes[0]
-    assert dec > fmt.MAX_EXPANSION * size + fmt.EXPANSION_SLACK_BYTES, "the keyframe must be over the bound"
+    assert dec > fmt.MAX_EXPANSION * size + reader.EXPANSION_SLACK_BYTES, "the keyframe must be over the bound"
     return d
 
 

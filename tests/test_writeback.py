@@ -1,4 +1,4 @@
-"""Early writeback of a checkpoint file (tw_triton.writeback): the ranges handed to the
+"""Early writeback of a checkpoint file (tw_triton.format.writeback): the ranges handed to the
 kernel cover the file's bytes as they are written, the bytes are the same with or without
 it, and it is off for files that are not fsynced."""
 
@@ -12,7 +12,7 @@ import torch
 
 from _format_samples import exact_entry, sample_state
 from tw_triton import format as fmt
-from tw_triton import writeback
+from tw_triton.format import writeback, writer
 
 
 def _spy(monkeypatch):
@@ -22,8 +22,8 @@ def _spy(monkeypatch):
         # What the kernel would see now: the file holds every byte of the range.
         calls.append((offset, nbytes, os.fstat(fd).st_size))
 
-    monkeypatch.setattr(fmt, "start_writeback", record)
-    monkeypatch.setattr(fmt, "can_start_writeback", lambda: True)
+    monkeypatch.setattr(writer, "start_writeback", record)
+    monkeypatch.setattr(writer, "can_start_writeback", lambda: True)
     return calls
 
 
@@ -37,7 +37,7 @@ def _big_state():
 
 
 def test_writeback_ranges_follow_the_writes_and_cover_the_data(tmp_path, monkeypatch):
-    monkeypatch.setattr(fmt, "IO_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(writer, "IO_CHUNK_BYTES", 1 << 20)
     calls = _spy(monkeypatch)
     path = tmp_path / "ckpt"
     size = fmt.write_file(_big_state(), path, entropy=None)
@@ -53,16 +53,16 @@ def test_writeback_ranges_follow_the_writes_and_cover_the_data(tmp_path, monkeyp
 
 def test_bytes_are_the_same_with_and_without_writeback(tmp_path, monkeypatch):
     state = _big_state()
-    monkeypatch.setattr(fmt, "IO_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(writer, "IO_CHUNK_BYTES", 1 << 20)
     a, b = tmp_path / "a", tmp_path / "b"
     fmt.write_file(state, a)  # the real hint, where the system has one
-    monkeypatch.setattr(fmt, "can_start_writeback", lambda: False)
+    monkeypatch.setattr(writer, "can_start_writeback", lambda: False)
     fmt.write_file(state, b)
     assert a.read_bytes() == b.read_bytes()
 
 
 def test_no_writeback_for_a_file_that_is_not_fsynced(tmp_path, monkeypatch):
-    monkeypatch.setattr(fmt, "IO_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(writer, "IO_CHUNK_BYTES", 1 << 20)
     calls = _spy(monkeypatch)
     fmt.write_file(_big_state(), tmp_path / "x", fsync=False, entropy=None)
     assert calls == []

@@ -65,7 +65,7 @@ from .parallel import Background, parallel_map
 from .qstate import EncodedEntry, QuantizedState
 from .rules import resolve_rules, select_rule
 from .snapshot_pool import Allocator
-from .file_header import ENTRY_DTYPES
+from .format import ENTRY_DTYPES
 from .format import MAX_EXPANSION
 from .tree import Flattened, check_skeleton, flatten, skeleton_ndarray_paths, unflatten
 

@@ -33,11 +33,12 @@ Skeleton nodes (JSON)
 
 Anything else (namedtuples, sets, arbitrary objects, complex numbers, ...) is rejected with a
 :class:`~tw_triton.errors.QuantizationError` naming its path: there is no pickle fallback.
+Plain leaves, dict keys and paths are written and checked by :mod:`tw_triton.skeleton`;
+why: docs/format.md.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -46,160 +47,21 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError, QuantizationError
-
-PATH_SEPARATOR = "/"
-
-# numpy dtype kinds that map onto a torch dtype safetensors can store: bool, signed and
-# unsigned ints, floats.
-_NDARRAY_KINDS = ("b", "i", "u", "f")
-
-
-def escape_component(key: str) -> str:
-    """Escape ``%`` and ``/`` in one path component so that joined paths stay unique."""
-    return key.replace("%", "%25").replace(PATH_SEPARATOR, "%2F")
-
-
-# The path of an empty key at the top level: '' is the root's own path, whose children's
-# paths have no prefix, so {"": [x]} would give x the path "0" of the key 0. An escaped key
-# never holds "%00" ("%" itself is escaped).
-EMPTY_TOP_LEVEL_KEY = "%00"
-
-
-def join_path(prefix: str, key: str) -> str:
-    """Join an already-escaped prefix and an unescaped key into a path."""
-    comp = escape_component(key)
-    if not prefix:
-        return comp or EMPTY_TOP_LEVEL_KEY
-    return f"{prefix}{PATH_SEPARATOR}{comp}"
-
-
-def _describe(path: str) -> str:
-    return repr(path) if path else "the top level"
-
-
-def _encode_scalar(value: Any, path: str) -> Any:
-    """Skeleton node of a plain (non-container, non-tensor) value."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return value
-        return {"float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-    if isinstance(value, bytes):
-        return {"bytes": value.hex()}
-    if isinstance(value, np.generic) and value.dtype.kind in _NDARRAY_KINDS:
-        item = value.item()
-        return {"npscalar": value.dtype.str, "value": _encode_scalar(item, path)}
-    raise QuantizationError(
-        f"unsupported value of type {type(value).__module__}.{type(value).__qualname__} at "
-        f"{_describe(path)}: a state may hold tensors, numpy arrays, dict/list/tuple, "
-        "None, bool, int, float, str and bytes (no pickle fallback)"
-    )
-
-
-# The non-finite floats a skeleton names as {"float": ...}, as _encode_scalar writes them.
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-# Skeleton paths are built only for a message: a walk passes the parent's path and the key.
-_PLAIN_TYPES = (type(None), bool, str, int, float)
-
-
-def _decode_scalar(node: Any, where: str = "the top level") -> Any:
-    """The plain value of a skeleton leaf, checked to be one :func:`_encode_scalar` writes.
-
-    Raises:
-        CheckpointError: anything else, naming ``where`` and what was expected.
-    """
-    if isinstance(node, _PLAIN_TYPES):
-        return node
-    if isinstance(node, dict):
-        if node.keys() == {"float"}:
-            value = _NONFINITE.get(node["float"]) if isinstance(node["float"], str) else None
-            if value is None:
-                raise CheckpointError(
-                    f"skeleton at {where}: float {node['float']!r}, expected 'nan', 'inf' or '-inf'"
-                )
-            return value
-        if node.keys() == {"bytes"}:
-            return _decode_bytes(node["bytes"], where)
-        if node.keys() == {"npscalar", "value"}:
-            return _decode_npscalar(node, where)
-    raise CheckpointError(
-        f"skeleton at {where}: malformed node {_short(node)}, expected null, a bool, number or string, "
-        "or a {'float'}, {'bytes'} or {'npscalar', 'value'} object"
-    )
-
-
-def _decode_bytes(text: Any, where: str) -> bytes:
-    try:
-        if not isinstance(text, str):
-            raise ValueError
-        return bytes.fromhex(text)
-    except ValueError:
-        raise CheckpointError(f"skeleton at {where}: bytes {_short(text)}, expected a string of hex digit pairs") from None
-
-
-def _decode_npscalar(node: dict[str, Any], where: str) -> np.generic:
-    """A numpy scalar leaf: its dtype, and a value that dtype holds as it was written."""
-    dtype = _numpy_dtype(node["npscalar"], where)
-    value = node["value"]
-    if dtype.kind == "b":
-        ok = isinstance(value, bool)
-        expected = "true or false"
-    elif dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        ok = isinstance(value, int) and not isinstance(value, bool) and info.min <= value <= info.max
-        expected = f"an int from {info.min} to {info.max}"
-    else:
-        value = _decode_scalar(value, where) if isinstance(value, dict) else value
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _fits_float(value, dtype)
-        expected = f"a number within the range of {dtype.name}"
-    if not ok:
-        raise CheckpointError(f"skeleton at {where}: numpy {dtype.name} value {_short(value)}, expected {expected}")
-    return dtype.type(value)
-
-
-def _fits_float(value: float, dtype: np.dtype) -> bool:
-    """Whether ``value`` is a value of the float ``dtype`` could have written: a finite one
-    stays finite (1e20 is no float16, and an int past float64 is no float)."""
-    # Python compares an int with a float exactly, without converting it (no overflow).
-    if isinstance(value, int):
-        return abs(value) <= float(np.finfo(dtype).max)
-    return not math.isfinite(value) or abs(value) <= float(np.finfo(dtype).max)
-
-
-def _short(value: Any) -> str:
-    """repr of a value from a file, cut short: a message must not quote a megabyte."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _numpy_dtype(spec: Any, where: str = "the top level") -> np.dtype:
-    """A numpy dtype named in a skeleton; only the kinds :func:`flatten` writes."""
-    try:
-        dtype = np.dtype(spec) if isinstance(spec, str) else None
-    except (TypeError, ValueError, SyntaxError):
-        dtype = None
-    if dtype is None or dtype.kind not in _NDARRAY_KINDS or dtype.fields is not None or dtype.shape:
-        raise CheckpointError(
-            f"skeleton at {where}: numpy dtype {_short(spec)}, expected a bool, int or float dtype"
-        )
-    return dtype
-
-
-def _key_component(key: Any, path: str) -> str:
-    if isinstance(key, str):
-        return key
-    if key is None or isinstance(key, (bool, int)):
-        return str(key)
-    if isinstance(key, float) and math.isfinite(key):
-        return repr(key)
-    raise QuantizationError(
-        f"unsupported dict key {key!r} of type {type(key).__name__} at {_describe(path)}: "
-        "keys may be str, int, bool, None or finite float"
-    )
-
+# The path helpers are part of this module's API too (tw_triton.dcp uses escape_component).
+from .skeleton import (  # noqa: F401
+    EMPTY_TOP_LEVEL_KEY,
+    NDARRAY_KINDS,
+    PATH_SEPARATOR,
+    decode_key,
+    decode_scalar,
+    describe_path,
+    encode_scalar,
+    escape_component,
+    join_path,
+    key_component,
+    numpy_dtype,
+    short_repr,
+)
 
 @dataclass(frozen=True)
 class Flattened:
@@ -229,7 +91,7 @@ class Flattened:
                 kind = "dict"
             elif isinstance(value, dict) and ("list" in value or "tuple" in value):
                 kind = "container"
-            out[_decode_scalar(key)] = kind
+            out[decode_scalar(key)] = kind
         return out
 
 
@@ -261,15 +123,15 @@ def _flatten_node(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any
     if isinstance(node, torch.Tensor):
         if node.layout != torch.strided or node.is_quantized or node.device.type == "meta":
             raise QuantizationError(
-                f"tensor at {_describe(path)} has layout {node.layout} on {node.device}: "
+                f"tensor at {describe_path(path)} has layout {node.layout} on {node.device}: "
                 "only dense tensors with data can be checkpointed"
             )
         tensors[path] = node.detach()
         return {"tensor": path}
     if isinstance(node, np.ndarray):
-        if node.dtype.kind not in _NDARRAY_KINDS:
+        if node.dtype.kind not in NDARRAY_KINDS:
             raise QuantizationError(
-                f"numpy array at {_describe(path)} has dtype {node.dtype}: only bool, int, "
+                f"numpy array at {describe_path(path)} has dtype {node.dtype}: only bool, int, "
                 "uint and float arrays can be checkpointed"
             )
         native = node.astype(node.dtype.newbyteorder("="), copy=False)
@@ -282,23 +144,23 @@ def _flatten_node(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any
     if isinstance(node, dict):
         if type(node) not in (dict, OrderedDict):
             raise QuantizationError(
-                f"unsupported mapping type {type(node).__qualname__} at {_describe(path)}: "
+                f"unsupported mapping type {type(node).__qualname__} at {describe_path(path)}: "
                 "use dict or OrderedDict"
             )
         items = []
         seen: dict[str, Any] = {}
         for key, value in node.items():
-            comp = _key_component(key, path)
+            comp = key_component(key, path)
             if comp in seen:
                 raise QuantizationError(
-                    f"keys {seen[comp]!r} and {key!r} at {_describe(path)} give the same path "
+                    f"keys {seen[comp]!r} and {key!r} at {describe_path(path)} give the same path "
                     f"component {comp!r}"
                 )
             seen[comp] = key
             # A tuple, written as a JSON array like a list: the collector stops tracking a pair
             # of a key and a leaf node, so a state's hundreds of pairs are not promoted
             # towards a full collection while a save that holds them runs.
-            items.append((_encode_scalar(key, path), _flatten_node(value, join_path(path, comp), tensors)))
+            items.append((encode_scalar(key, path), _flatten_node(value, join_path(path, comp), tensors)))
         if type(node) is OrderedDict:
             meta = getattr(node, "_metadata", None)
             out: dict[str, Any] = {"odict": items}
@@ -309,12 +171,12 @@ def _flatten_node(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any
     if isinstance(node, (list, tuple)):
         if type(node) not in (list, tuple):
             raise QuantizationError(
-                f"unsupported sequence type {type(node).__qualname__} at {_describe(path)} "
+                f"unsupported sequence type {type(node).__qualname__} at {describe_path(path)} "
                 "(namedtuples and list subclasses would not come back as themselves)"
             )
         kids = [_flatten_node(v, join_path(path, str(i)), tensors) for i, v in enumerate(node)]
         return {"tuple" if type(node) is tuple else "list": kids}
-    return _encode_scalar(node, path)
+    return encode_scalar(node, path)
 
 
 def leaf_tensors(state: Any) -> Iterator[torch.Tensor]:
@@ -337,7 +199,7 @@ def _flatten_plain(node: Any, path: str) -> Any:
     sink: dict[str, torch.Tensor] = {}
     out = _flatten_node(node, path, sink)
     if sink:
-        raise QuantizationError(f"tensors inside {_describe(path)} are not supported")
+        raise QuantizationError(f"tensors inside {describe_path(path)} are not supported")
     return out
 
 
@@ -385,7 +247,7 @@ def check_skeleton(skeleton: Any, dtypes: Mapping[str, torch.dtype]) -> None:
 def _lookup(tensors: Mapping[str, torch.Tensor], node: dict[str, Any], key: str, path: str) -> torch.Tensor:
     name = node[key]
     if not isinstance(name, str) or name not in tensors:
-        raise CheckpointError(f"skeleton at {_describe(path)}: names {key} {_short(name)}, which has no entry")
+        raise CheckpointError(f"skeleton at {describe_path(path)}: names {key} {short_repr(name)}, which has no entry")
     return tensors[name]
 
 
@@ -407,7 +269,7 @@ def _node_kind(node: dict[str, Any], path: str) -> str | None:
         if kind in node:
             if node.keys() not in shapes:
                 raise CheckpointError(
-                    f"skeleton at {_describe(path)}: a {kind!r} node with keys {sorted(node)}, expected "
+                    f"skeleton at {describe_path(path)}: a {kind!r} node with keys {sorted(node)}, expected "
                     + " or ".join(str(sorted(k)) for k in shapes)
                 )
             return kind
@@ -417,17 +279,17 @@ def _node_kind(node: dict[str, Any], path: str) -> str | None:
 def _unflatten_node(node: Any, tensors: Mapping[str, torch.Tensor], path: str) -> Any:
     kind = _node_kind(node, path) if isinstance(node, dict) else None
     if kind is None:
-        return _decode_scalar(node, _describe(path))
+        return decode_scalar(node, describe_path(path))
     if kind == "tensor":
         return _lookup(tensors, node, "tensor", path)
     if kind == "ndarray":
         t = _lookup(tensors, node, "ndarray", path)
-        want = _numpy_dtype(node["dtype"], _describe(path)) if "dtype" in node else None
+        want = numpy_dtype(node["dtype"], describe_path(path)) if "dtype" in node else None
         try:
             arr = t.detach().cpu().numpy()
         except TypeError:
             raise CheckpointError(
-                f"skeleton at {_describe(path)}: a numpy array of entry {node['ndarray']!r}, which is "
+                f"skeleton at {describe_path(path)}: a numpy array of entry {node['ndarray']!r}, which is "
                 f"{t.dtype}: numpy has no such dtype"
             ) from None
         return arr if want is None or arr.dtype == want else arr.astype(want)
@@ -438,11 +300,11 @@ def _unflatten_node(node: Any, tensors: Mapping[str, torch.Tensor], path: str) -
     seen: set[str] = set()
     for pair in _as_list(node[kind], path):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise CheckpointError(f"skeleton at {_describe(path)}: dict item {_short(pair)}, expected [key, node]")
-        key = _decode_key(pair[0], path)
-        comp = _key_component(key, path)
+            raise CheckpointError(f"skeleton at {describe_path(path)}: dict item {short_repr(pair)}, expected [key, node]")
+        key = decode_key(pair[0], path)
+        comp = key_component(key, path)
         if comp in seen or key in out:
-            raise CheckpointError(f"skeleton at {_describe(path)}: key {key!r} appears twice")
+            raise CheckpointError(f"skeleton at {describe_path(path)}: key {key!r} appears twice")
         seen.add(comp)
         out[key] = _unflatten_node(pair[1], tensors, join_path(path, comp))
     if "meta" in node:
@@ -450,19 +312,9 @@ def _unflatten_node(node: Any, tensors: Mapping[str, torch.Tensor], path: str) -
     return out
 
 
-def _decode_key(node: Any, path: str) -> Any:
-    """A dict key of a skeleton: a scalar that flatten accepts as a key."""
-    key = _decode_scalar(node, f"{_describe(path)} (a dict key)")
-    try:
-        _key_component(key, path)
-    except QuantizationError as e:
-        raise CheckpointError(f"skeleton at {_describe(path)}: {e}") from None
-    return key
-
-
 def _as_list(value: Any, path: str) -> list[Any]:
     if not isinstance(value, list):
-        raise CheckpointError(f"skeleton at {_describe(path)}: expected a list, found {type(value).__name__}")
+        raise CheckpointError(f"skeleton at {describe_path(path)}: expected a list, found {type(value).__name__}")
     return value
 
 

@@ -1,18 +1,14 @@
 """Starting a file's writeback to the disk while the file is still being written (Linux).
 
-A checkpoint's write ends with ``fsync``, which waits until the disk holds every dirty
-page. Written all at once and synced after, those pages wait in the page cache until the
-``fsync`` and the disk starts only then: on the benchmark VM (``benchmarks/results/cpu_speed.md``)
-85 MB took ~30 ms to write and ~100-125 ms more to sync. ``sync_file_range`` with
-``SYNC_FILE_RANGE_WRITE`` asks the kernel to start writing a range out now and returns
-without waiting for it, so the disk works on the first chunks of a file while the later
-ones are copied. Timed inside keyframe saves with the hint on and off by turns
-(``benchmarks/header_writeback.py``), a keyframe's write and fsync took 1-12 % less with it
-in four runs; whole saves move with the disk by more than that.
+A write ends with ``fsync``, which waits until the disk holds every dirty page; written all
+at once and synced after, those pages only start for the disk at the ``fsync``.
+``sync_file_range`` with ``SYNC_FILE_RANGE_WRITE`` asks the kernel to start writing a range
+out now and returns without waiting, so the disk works on the first chunks of a file while
+the later ones are copied.
 
 It is only a hint. Durability still comes from the ``fsync`` that follows, which also
 reports any error, so a failure of the hint changes nothing and is not reported; where the
-call does not exist (not Linux, no such libc symbol) nothing is done.
+call does not exist (not Linux, no such libc symbol) nothing is done. Why: docs/format.md.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import tw_triton
-from _common import RESULTS_DIR, environment, fmt_table, log, write_result
+from harness.common import RESULTS_DIR, environment, fmt_table, log, write_result
 from speed_compare import _perturb, build_fixture
 
 SETTINGS = {"closed (defaults)": {}, "open (small)": {"delta": "open", "rules": "small"}}

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tw_triton  # noqa: E402
 from tw_triton.codecs import blockwise as codec  # noqa: E402
 from tw_triton.codecs import native  # noqa: E402
-from _common import machine_description, write_result  # noqa: E402
+from harness.common import machine_description, write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BITS = (8, 4, 2)

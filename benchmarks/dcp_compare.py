@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_table, machine_description, median, mib, write_result  # noqa: E402
+from harness.common import fmt_table, machine_description, median, mib, write_result  # noqa: E402
 
 
 def _dir_bytes(path: str) -> int:

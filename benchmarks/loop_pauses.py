@@ -48,7 +48,7 @@ def child(mode: str, directory: Path, threads: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
-    from _minilm import SENTENCES, contrastive_step, load_minilm
+    from harness.minilm import SENTENCES, contrastive_step, load_minilm
     from tw_triton import Checkpointer
 
     model, tokenizer = load_minilm()

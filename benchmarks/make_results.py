@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import RESULTS_DIR, fmt_table, log, mib, read_result
-from _twapi import DEFAULT_KEYFRAME_EVERY
+from harness.common import RESULTS_DIR, fmt_table, log, mib, read_result
+from harness.settings import DEFAULT_KEYFRAME_EVERY
 
 HERE = Path(__file__).resolve().parent
 PROJECT_README = HERE.parent / "README.md"
@@ -299,7 +299,7 @@ def _resume_intro_minilm(res: dict[str, Any]) -> str:
 
 def resume_section(results: dict[str, dict[str, Any]]) -> str:
     """Markdown for part 2 (both resume experiments)."""
-    from _resume import fidelity_table, size_table
+    from harness.restarts import fidelity_table, size_table
 
     gpt, minilm = results["resume_fidelity"], results["resume_minilm"]
     safe = resume_safe([gpt, minilm])

@@ -193,7 +193,7 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 
 def build_fixture(path: Path) -> dict[str, Any]:
     """MiniLM + AdamW after one real step, saved with torch.save for the children to read."""
-    from _minilm import SENTENCES, contrastive_step, load_minilm
+    from harness.minilm import SENTENCES, contrastive_step, load_minilm
 
     model, tokenizer = load_minilm()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
@@ -398,7 +398,7 @@ def child_load(method: str, fixture: Path, files: Path) -> dict[str, Any]:
 
 def child_resume(method: str, files: Path) -> dict[str, Any]:
     """Resume from the files in ``files`` into a fresh MiniLM and AdamW with ``method``."""
-    from _minilm import load_minilm
+    from harness.minilm import load_minilm
 
     model, _ = load_minilm()
     model.to(DEVICE)
@@ -452,7 +452,7 @@ def run(
 
     ``only``: measure these methods (and torch.save / torch.load, the yardsticks) alone.
     """
-    from _common import median
+    from harness.common import median
 
     save_methods = [m for m in SAVE_METHODS if only is None or m in only or m == "torch.save"]
     load_methods = [m for m in LOAD_METHODS if only is None or m in only or m == "torch.load"]
@@ -547,7 +547,7 @@ def run(
 
 def tables(result: dict[str, Any]) -> str:
     """Markdown tables for the save and load rows."""
-    from _common import fmt_table, mib
+    from harness.common import fmt_table, mib
 
     save = fmt_table(
         ["method", "file MiB", "smaller than torch.save", "blocks the loop (s)", "vs torch.save",
@@ -609,7 +609,7 @@ def main() -> None:
         print(json.dumps(child_resume(args.child_resume, args.out)))
         return
 
-    from _common import gpu_results_dir, log, write_result
+    from harness.common import gpu_results_dir, log, write_result
 
     only = None
     if args.methods:

@@ -35,8 +35,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from _common import fmt_table, log, median
-from _twapi import DEFAULT_KEYFRAME_EVERY, PARTS, ResumeSetting, stored_split
+from harness.common import fmt_table, log, median
+from harness.settings import DEFAULT_KEYFRAME_EVERY, PARTS, ResumeSetting, stored_split
 from tw_triton.checkpointer import capture_rng_state
 
 

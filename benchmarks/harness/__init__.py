@@ -8,5 +8,6 @@ Scripts import it as ``harness.<module>`` (they run with ``benchmarks/`` on ``sy
 * ``tiny_gpt``, ``minilm_finetune``: the two tasks the restart experiment trains;
 * ``minilm``: all-MiniLM-L6-v2 loaded offline (needs the ``bench`` extra);
 * ``fixture``, ``memory``: the MiniLM + AdamW state of the speed comparison, and RSS probes;
+* ``speed_summary``: the speed comparison's rows and tables; ``codec_report``: the codec page;
 * ``plots``, ``gpu_page``: pieces of the results page that ``make_results.py`` writes.
 """

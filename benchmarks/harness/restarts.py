@@ -1,4 +1,4 @@
-"""The restart experiment shared by ``resume_fidelity.py`` (tiny GPT) and ``resume_minilm.py``.
+"""The restart experiment of ``resume_fidelity.py`` (both its models: tiny GPT and MiniLM).
 
 Per seed, three kinds of run train the same model from the same initial state:
 

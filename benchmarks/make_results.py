@@ -307,6 +307,7 @@ PREPARED = {"tw default keyframe": "tw default keyframe after prepare",
 HAND_WRITTEN_PAGES = {
     "cpu_speed.md": "what bounds the CPU speed goals, and what was tried and not kept",
     "entropy_stage.md": "the entropy stage on a trained state (written by a retired script)",
+    "profile_cpu.md": "where the time of a save and a load goes (written by a retired script)",
 }
 
 

@@ -183,7 +183,7 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
                 perturb(state)
     _sync()
     # The fixture's load left garbage behind; a full collection inside the timed region
-    # (80 ms on this state) would be charged to whichever method happened to trigger it.
+    # would be charged to whichever method happened to trigger it.
     gc.collect()
     dev_base = _device_peak_start()
     base = rss_bytes()
@@ -379,7 +379,7 @@ def run(
                 out.mkdir()
                 # Whatever earlier children left for the disk (renames, metadata) is flushed
                 # here, off the clock: otherwise the fsync of the next save waits for it, and a
-                # method's total depended on which method ran before it (0.15-0.2 s seen).
+                # method's total would depend on which method ran before it.
                 os.sync()
                 r = run_child(["--child-save", method, "--fixture", str(fixture), "--out", str(out)], threads)
                 saves[method].append(r)

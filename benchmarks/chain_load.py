@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 import tw_triton
-from _common import RESULTS_DIR, environment, fmt_table, log, write_result
-from speed_compare import _perturb, build_fixture
+from harness.common import RESULTS_DIR, environment, fmt_table, log, write_result
+from harness.fixture import build_fixture, perturb
 
 SETTINGS = {"closed (defaults)": {}, "open (small)": {"delta": "open", "rules": "small"}}
 STEPS = (0, 1, 9)
@@ -41,7 +41,7 @@ def measure(repeats: int) -> dict[str, Any]:
             ck = tw_triton.Checkpointer(directory, keyframe_every=100, keep_last=None, fsync=False, **options)
             for step in range(max(STEPS) + 1):
                 ck.save(step, model=state["model"], optimizer=state["optimizer"]).result()
-                _perturb(state)
+                perturb(state)
             ck.close()
             reader = tw_triton.Checkpointer(directory)
             for step in STEPS:

@@ -15,7 +15,7 @@ For each: bytes on disk, the time ``dcp.async_save`` blocks the caller (staging:
 CPU copy for DCP, encode + copy of the encoded bytes for tw_triton), the total until the
 save's future resolves, and ``dcp.load`` into a fresh model. One run, alternating writers
 per round, one unrecorded warm-up round, median of ``--repeats``; ratios against plain DCP are what to read, because the
-machine is shared. The GPU variant has NOT been run where this was written (no GPU).
+machine is shared.
 
     python benchmarks/dcp_compare.py                 # ~8.4 M parameters + AdamW
     python benchmarks/dcp_compare.py --width 512 --repeats 1   # quick look
@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_table, machine_description, median, mib, write_result  # noqa: E402
+from harness.common import fmt_table, machine_description, median, mib, write_result  # noqa: E402
 
 
 def _dir_bytes(path: str) -> int:

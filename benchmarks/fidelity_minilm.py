@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from _common import fmt_table, log, mib, write_result
-from _minilm import SENTENCES, embed, load_minilm
-from _twapi import MIN_QUANT_NUMEL, Setting, load_setting, save_setting
+from harness.common import fmt_table, log, mib, write_result
+from harness.minilm import SENTENCES, embed, load_minilm
+from harness.settings import MIN_QUANT_NUMEL, Setting, load_setting, save_setting
 
 BITS = (8, 4, 2)
 BLOCKS = (32, 64, 128, 256, 1024)

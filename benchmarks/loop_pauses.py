@@ -5,7 +5,7 @@ measures the save, not what else lands in it. A training loop does not collect b
 saves, and Python's full garbage collection (which stops every thread) runs when the
 objects made since the last one have piled up: in a process that has just imported
 transformers and built a model, that is early in the run. This script trains MiniLM
-(contrastive steps on the fixed sentences of ``_minilm.py``, AdamW) in a fresh process per
+(contrastive steps on the fixed sentences of ``harness/minilm.py``, AdamW) in a fresh process per
 run and saves at steps 1, 3, 5 and 7, timing every save call and every full collection
 (``gc.callbacks``). Modes:
 
@@ -48,7 +48,7 @@ def child(mode: str, directory: Path, threads: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
-    from _minilm import SENTENCES, contrastive_step, load_minilm
+    from harness.minilm import SENTENCES, contrastive_step, load_minilm
     from tw_triton import Checkpointer
 
     model, tokenizer = load_minilm()

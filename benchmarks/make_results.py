@@ -1,10 +1,12 @@
 """Regenerate the results page and its plots: ``python benchmarks/make_results.py``.
 
-Runs the four benchmarks (``fidelity_minilm.py``, ``resume_fidelity.py``,
-``resume_minilm.py``, ``speed_compare.py``; about 20 minutes on a quiet 2-core machine), which
-write JSON under ``benchmarks/results/``, then writes ``benchmarks/results/README.md`` and the PNG plots from
-those JSON files, and the compact table between the results-table markers at the top of the
-project README. ``--no-run`` rebuilds from the JSON files already there.
+Runs ``fidelity_minilm.py``, ``resume_fidelity.py`` (the GPT, then ``--model minilm``) and
+``speed_compare.py`` (about 20 minutes on a quiet 2-core machine), which write JSON under
+``benchmarks/results/``; then writes ``benchmarks/results/README.md`` and its PNG plots, the
+moment-ablation page ``results/moment_ablation.md`` (from ``results/moment_ablation_*.json``,
+which ``resume_fidelity.py --settings ablation`` writes), and the compact table between the
+results-table markers at the top of the project README. ``--no-run`` rebuilds everything from
+the JSON files already there.
 
 Every number on the page is read from the JSON files; nothing is typed in by hand. Needs the
 ``bench`` extra (matplotlib, the MiniLM package).
@@ -20,8 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import RESULTS_DIR, fmt_table, log, mib, read_result
-from _twapi import DEFAULT_KEYFRAME_EVERY
+from harness.common import RESULTS_DIR, fmt_table, log, mib, read_result
+from harness.gpu_page import gpu_section
+from harness.plots import plot_fidelity, plot_resume, plot_speed
+from harness.settings import DEFAULT_KEYFRAME_EVERY
 
 HERE = Path(__file__).resolve().parent
 PROJECT_README = HERE.parent / "README.md"
@@ -38,7 +42,7 @@ RUNS = (
     ("fidelity_minilm.py", []),
     # Every preset by intent on the GPT (the script's default runs two, to stay near 5 minutes).
     ("resume_fidelity.py", ["--settings", "safe,small,smallest,smallest:delta=open"]),
-    ("resume_minilm.py", []),
+    ("resume_fidelity.py", ["--model", "minilm"]),
     ("speed_compare.py", []),
 )
 
@@ -92,121 +96,6 @@ def resume_safe(results: list[dict[str, Any]]) -> list[str]:
                for r in rows for k in ("final_x_own_noise_worst", "curve_x_own_noise_worst")):
             safe.append(name)
     return safe
-
-
-# ----------------------------------------------------------------------------- plots
-
-
-def plot_fidelity(fid: dict[str, Any], path: Path) -> None:
-    """Error, embedding cosine and size against block size, one line per bit width."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    colors = {8: "tab:blue", 4: "tab:orange", 2: "tab:green"}
-    for bits in sorted({r["bits"] for r in fid["rows"]}, reverse=True):
-        rows = sorted((r for r in fid["rows"] if r["bits"] == bits), key=lambda r: r["block"])
-        blocks = [r["block"] for r in rows]
-        c = colors.get(bits)
-        axes[0].plot(blocks, [r["rel_err_median"] for r in rows], "o-", color=c, label=f"int{bits} median")
-        axes[0].plot(blocks, [r["rel_err_max"] for r in rows], "x--", color=c, label=f"int{bits} max")
-        axes[1].plot(blocks, [1 - r["cos_mean"] for r in rows], "o-", color=c, label=f"int{bits} mean")
-        axes[1].plot(blocks, [1 - r["cos_min"] for r in rows], "x--", color=c, label=f"int{bits} worst sentence")
-        axes[2].plot(blocks, [r["vs_safetensors"] for r in rows], "o-", color=c, label=f"int{bits}")
-    titles = (
-        "per-tensor relative error",
-        "1 - cosine similarity of embeddings",
-        "times smaller than fp32 safetensors",
-    )
-    for ax, title in zip(axes, titles):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("block (elements per scale)")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0].set_yscale("log")
-    axes[1].set_yscale("log")
-    fig.suptitle("all-MiniLM-L6-v2 stored by tw_triton (no reference)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_resume(res: dict[str, Any], path: Path, ylabel: str) -> None:
-    """First seed: held-out loss of every run, and each restarted run's per-step deviation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    run = res["runs"][0]
-    base, noise = run["base"], run["noise"]
-
-    def curve(evals: dict[str, float]) -> tuple[list[int], list[float]]:
-        steps = sorted(int(k) for k in evals)
-        return steps, [evals[str(k)] if str(k) in evals else evals[k] for k in steps]
-
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-    axes[0].plot(*curve(base["evals"]), color="black", lw=1.4, label="uninterrupted")
-    axes[0].plot(*curve(noise["evals"]), color="grey", lw=1.2, ls="--", label="noise floor: other data order")
-    colors = plt.get_cmap("tab10")
-    tail_mean = sum(base["losses"]) / len(base["losses"])
-    for i, (name, r) in enumerate(run["settings"].items()):
-        axes[0].plot(*curve(r["evals"]), lw=0.9, color=colors(i % 10), label=f"{name} ({len(r['restarts'])} restarts)")
-        diff = [abs(a - b) / tail_mean if math.isfinite(a) else float("nan") for a, b in zip(r["losses"], base["losses"])]
-        # Steps where the curves agree exactly (before the first restart) are drawn at 1e-9.
-        axes[1].plot(range(1, len(diff) + 1), [max(d, 1e-9) for d in diff], lw=0.7, color=colors(i % 10), label=name)
-    first = next(iter(run["settings"].values()), None)
-    for x in (first["restarts"] if first else []):
-        for ax in axes:
-            ax.axvline(x["step"], color="grey", ls=":" if x["kind"] == "keyframe" else "-", lw=0.6, alpha=0.6)
-    axes[0].set_xlabel("step")
-    axes[0].set_ylabel(f"held-out {ylabel}")
-    axes[0].set_title(f"seed {run['seed']}: restarts at the vertical lines (solid: from a delta, dotted: keyframe)")
-    axes[0].legend(fontsize=7)
-    axes[1].set_yscale("log")
-    axes[1].set_xlabel("step")
-    axes[1].set_title("|training loss - uninterrupted| / mean loss, per step")
-    axes[1].legend(fontsize=7)
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_speed(speed: dict[str, Any], path: Path) -> None:
-    """Save (blocking and total) and load times per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-    rows = speed["save_rows"]
-    names = [r["method"] for r in rows]
-    y = list(range(len(rows)))
-    axes[0].barh([i + 0.2 for i in y], [r["total_s"] for r in rows], height=0.4, label="total save (durable)")
-    axes[0].barh([i - 0.2 for i in y], [r["blocked_s"] for r in rows], height=0.4, label="blocks the loop")
-    axes[0].set_yticks(y, names, fontsize=8)
-    axes[0].invert_yaxis()
-    axes[0].set_xlabel("seconds (median)")
-    axes[0].set_title("save")
-    axes[0].legend(fontsize=8)
-    lrows = speed["load_rows"]
-    axes[1].barh(range(len(lrows)), [r["load_s"] for r in lrows], height=0.5)
-    axes[1].set_yticks(range(len(lrows)), [r["method"] for r in lrows], fontsize=8)
-    axes[1].invert_yaxis()
-    axes[1].set_xlabel("seconds (median)")
-    axes[1].set_title("load to CPU (every tensor read once)")
-    for ax in axes:
-        ax.grid(True, axis="x", alpha=0.3)
-    fig.suptitle(f"MiniLM + AdamW state ({mib(speed['state']['state_bytes']):.0f} MiB of tensors)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- page
@@ -269,11 +158,11 @@ def _restart_words(res: dict[str, Any]) -> str:
             f"{', '.join(str(r['seed']) for r in res['runs'])}")
 
 
-def _command(script: str, res: dict[str, Any]) -> str:
-    """The command that reruns ``res``: its settings and seeds as given."""
+def _command(model: str, res: dict[str, Any]) -> str:
+    """The command that reruns ``res`` (a ``resume_fidelity.py`` result): its settings and seeds."""
     labels = ",".join(r["setting"] for r in res["rows"])
     seeds = " ".join(str(r["seed"]) for r in res["runs"])
-    return f"`python benchmarks/{script} --settings {labels} --seeds {seeds}`"
+    return f"`python benchmarks/resume_fidelity.py --model {model} --settings {labels} --seeds {seeds}`"
 
 
 def _resume_intro_gpt(res: dict[str, Any]) -> str:
@@ -282,7 +171,7 @@ def _resume_intro_gpt(res: dict[str, Any]) -> str:
         f"**2a. A byte-level GPT** ({res['params']:,} parameters, {cfg['n_layers']} layers, "
         f"d={cfg['d_model']}, context {cfg['context']}, batch {cfg['batch']}) trained from scratch with "
         f"AdamW and a cosine schedule on {res['corpus_bytes'] / 1e6:.2f} MB of Python standard-library "
-        f"source; {_restart_words(res)}. Command: {_command('resume_fidelity.py', res)}"
+        f"source; {_restart_words(res)}. Command: {_command('gpt', res)}"
     )
 
 
@@ -293,13 +182,13 @@ def _resume_intro_minilm(res: dict[str, Any]) -> str:
         f"lr {cfg['lr']}, dropout on, batch {cfg['batch']}) on {res['pairs']} pairs built from the same "
         "stdlib files: a function's docstring summary against its signature, in-batch contrastive "
         f"loss; {_restart_words(res)}. The checkpoints also hold the RNG states (dropout). "
-        f"Command: {_command('resume_minilm.py', res)}"
+        f"Command: {_command('minilm', res)}"
     )
 
 
 def resume_section(results: dict[str, dict[str, Any]]) -> str:
     """Markdown for part 2 (both resume experiments)."""
-    from _resume import fidelity_table, size_table
+    from harness.restarts import fidelity_table, size_table
 
     gpt, minilm = results["resume_fidelity"], results["resume_minilm"]
     safe = resume_safe([gpt, minilm])
@@ -360,7 +249,7 @@ def resume_section(results: dict[str, dict[str, Any]]) -> str:
 
 def speed_section(speed: dict[str, Any]) -> str:
     """Markdown for part 3."""
-    from speed_compare import tables
+    from harness.speed_summary import tables
 
     st = speed["state"]
     tw_threads = (f"{speed['tw_threads']} here" if "tw_threads" in speed
@@ -375,8 +264,8 @@ def speed_section(speed: dict[str, Any]) -> str:
         "(fsync) before its total time stops. tw_triton saves go through `Checkpointer` with the "
         "async writer; the delta rows are the save after a keyframe (weights moved slightly in "
         "between). Each measured save is the first of its kind in a fresh process, so buffers the "
-        "Checkpointer reuses across saves are not warm yet (`benchmarks/save_stall.py` measures "
-        "the steady state of a training loop), except the keyframe `after prepare`: the same first save after "
+        "Checkpointer reuses across saves are not warm yet (the `steady state` delta is the 4th "
+        "after its keyframe, and `benchmarks/loop_pauses.py` times every save of a training loop), except the keyframe `after prepare`: the same first save after "
         "`Checkpointer.prepare`, which faulted its snapshot buffers in before the timed region (and "
         "before the peak's baseline: the pool holds that memory from then on). Loads read every tensor once, from a warm page cache; tw delta loads read the "
         "keyframe file too. DCP runs single-process with `no_dist=True` (no process group). "
@@ -406,100 +295,6 @@ def speed_section(speed: dict[str, Any]) -> str:
     ])
 
 
-def _gpu_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
-    """``(folder, results.json)`` of every GPU validation under ``root``; dry runs left out."""
-    import json
-
-    runs = []
-    for path in sorted(root.glob("*/results.json")):
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not data.get("dry_run", True):
-            runs.append((path.parent, data))
-    return runs
-
-
-def _gpu_device_block(folder: Path, data: dict[str, Any]) -> list[str]:
-    """The part of section 4 for one device, from its validation (and other GPU results)."""
-    import json
-
-    dev = data["device"]
-    steps = data["steps"]
-    rel = f"{folder.parent.name}/{folder.name}"  # links from results/README.md
-    lines = [
-        f"### {dev['device_name']}",
-        "",
-        f"Validation of {data['started_at']}: **{'PASS' if data['passed'] else 'FAIL'}** "
-        f"(torch {dev['torch']}, triton {dev.get('triton')}, CUDA {dev.get('cuda')}; "
-        f"[summary]({rel}/summary.md)).",
-        "",
-        fmt_table(["step", "status", "goal", "detail"],
-                  [[s["title"], s["status"], s.get("goal") or "-", s["detail"].replace("|", "/")]
-                   for s in steps.values()]),
-    ]
-    rows = (steps.get("throughput") or {}).get("data", {}).get("rows", [])
-    big = [r for r in rows if r["input_mib"] >= 64]
-    if big:
-        lines += ["", "Codec throughput from 64 MiB up, as a fraction of a device-to-device copy of "
-                  "the same bytes (`triton.testing.do_bench`, same run):", ""]
-        table = []
-        for codec in sorted({r["codec"] for r in big}):
-            for op in ("encode", "decode"):
-                sel = [r["fraction_of_copy"] for r in big if r["codec"] == codec and r["op"] == op]
-                if sel:
-                    table.append([codec, op, f"{100 * min(sel):.0f} %", f"{100 * max(sel):.0f} %"])
-        lines.append(fmt_table(["codec", "op", "lowest", "highest"], table))
-    e2e = (steps.get("end_to_end") or {}).get("data", {})
-    if e2e.get("save"):
-        lines += ["", f"End to end on a {e2e['state_bytes'] / 2**30:.2f} GiB state on the device "
-                  f"(medians of {e2e['rounds']} rounds):", ""]
-        load = e2e["load"]
-        table = []
-        for m, r in e2e["save"].items():
-            peak = "-" if r["peak_device_bytes"] is None else f"{mib(r['peak_device_bytes']):.0f}"
-            lm = {"torch.save": "torch.load"}.get(m, m)
-            ld = f"{load[lm]['load_s']:.3f}" if lm in load else "-"
-            table.append([m, f"{r['blocked_s']:.3f}", f"{r['total_s']:.3f}", ld, peak,
-                          f"{mib(r['file_bytes']):.0f}"])
-        lines.append(fmt_table(["method", "blocks the loop (s)", "total save (s)", "load to device (s)",
-                                "peak device MiB", "file MiB"], table))
-    extra = []
-    speed = folder / "speed_compare.json"
-    if speed.exists():
-        sp = json.loads(speed.read_text(encoding="utf-8"))
-        extra.append(f"[speed_compare.json]({rel}/speed_compare.json) (`speed_compare.py --device cuda`, "
-                     f"{sp['repeats']} repeats)")
-    if (folder / "save_stall.md").exists():
-        extra.append(f"[save_stall.md]({rel}/save_stall.md) (`save_stall.py --device cuda`)")
-    if extra:
-        lines += ["", "Also measured on this device: " + "; ".join(extra) + "."]
-    return lines
-
-
-def gpu_section(root: Path = RESULTS_DIR / "gpu") -> str:
-    """Markdown for part 4, from ``results/gpu/<device>/`` (the validation script's output);
-    says "not run" when there is none. No GPU number is written anywhere else."""
-    lines = ["## 4. GPU", ""]
-    runs = _gpu_runs(root) if root.is_dir() else []
-    if not runs:
-        lines.append(
-            "**Not run.** No GPU was lent to the tasks that produced these numbers, so this page "
-            "has no GPU results: no kernel throughput, no device-side save stall, no load to the "
-            "device. The Triton kernels were checked for values under `TRITON_INTERPRET=1` and "
-            "compiled ahead of time for sm_80/sm_90 (see the tests), which says nothing about their "
-            "speed. On a machine with a GPU, `bash benchmarks/gpu/validate.sh` runs the GPU "
-            "validation in one command and writes `benchmarks/results/gpu/<device>/`, which this "
-            "section then shows."
-        )
-        return "\n".join(lines)
-    lines.append(
-        "From `bash benchmarks/gpu/validate.sh` (`benchmarks/gpu/validate.py`), one folder per "
-        "device under `benchmarks/results/gpu/`."
-    )
-    for folder, data in runs:
-        lines += [""] + _gpu_device_block(folder, data)
-    return "\n".join(lines)
-
-
 # The Checkpointer as users get it: its default rules and delta mode.
 SPEED_HEADLINES = ("tw default keyframe", "tw default delta", "tw default delta, steady state")
 # The same keyframe save after Checkpointer.prepare: its pause goes beside the keyframe's.
@@ -507,8 +302,13 @@ PREPARED = {"tw default keyframe": "tw default keyframe after prepare",
             "tw default delta": "tw default delta after prepare"}
 
 
-# Pages in this folder written by hand, not by a script: analysis and one-off checks.
-HAND_WRITTEN_PAGES = {"cpu_speed.md": "what bounds the CPU speed goals, and what was tried and not kept"}
+# Pages in this folder not written by a kept script: analysis written by hand, and the last
+# output of a retired investigation (its script is in git history; docs/performance.md).
+HAND_WRITTEN_PAGES = {
+    "cpu_speed.md": "what bounds the CPU speed goals, and what was tried and not kept",
+    "entropy_stage.md": "the entropy stage on a trained state (written by a retired script)",
+    "profile_cpu.md": "where the time of a save and a load goes (written by a retired script)",
+}
 
 
 def other_pages() -> str:
@@ -523,9 +323,39 @@ def other_pages() -> str:
     if pages:
         lines += ["Written by the other scripts in `benchmarks/`:", ""] + [f"- [{name}]({name})" for name in pages]
     if notes:
-        lines += ["", "Written by hand (analysis and one-off checks):", ""]
+        lines += ["", "Not written by a kept script (analysis, and a retired investigation's output):", ""]
         lines += [f"- [{name}]({name}): {HAND_WRITTEN_PAGES[name]}" for name in notes]
     return "\n".join(lines)
+
+
+def _with_own_floor(result: dict[str, Any]) -> dict[str, Any]:
+    """Add each row's worst seed-against-its-own-floor ratios if the JSON predates them."""
+    for row in result["rows"]:
+        for m in ("final", "curve"):
+            key = f"{m}_x_own_noise_worst"
+            if key not in row:
+                pairs = [(run["settings"][row["setting"]]["dev"][m], run["settings"][row["setting"]]["noise_dev"][m])
+                         for run in result["runs"]]
+                row[key] = max(d / n if n > 0 else float("inf") for d, n in pairs)
+    return result
+
+
+def ablation_page(names: list[str]) -> str:
+    """``results/moment_ablation.md`` from the result JSON files ``names``."""
+    from harness.restarts import tables
+
+    parts = ["# Moment and weight-delta bits, ablated", "",
+             "Written by `python benchmarks/make_results.py` from the JSON files that "
+             "`python benchmarks/resume_fidelity.py [--model minilm] --settings ablation` writes; "
+             "the settings are named `wW-mM-vV`: weight deltas at W bits (closed loop), `exp_avg` at "
+             "M bits (int3: seven levels in a 4-bit container), `exp_avg_sq` log2 at V bits; `-wide`: "
+             "blocks of 256 for `exp_avg` and 512 for `exp_avg_sq`. Sizes in bytes per parameter "
+             "(as in the results page), deviations as multiples of the noise floor.", ""]
+    for name in names:
+        result = _with_own_floor(read_result(name))
+        env = result["environment"]
+        parts += [f"## {result['task']}", "", f"`{name}.json`; {env['machine']}.", "", tables(result), ""]
+    return "\n".join(parts)
 
 
 def summary_table(fid: dict[str, Any], results: dict[str, dict[str, Any]], speed: dict[str, Any],
@@ -610,6 +440,9 @@ def write_page() -> str:
         other_pages(),
     ]) + "\n"
     (RESULTS_DIR / "README.md").write_text(page, encoding="utf-8")
+    ablations = sorted(p.stem for p in RESULTS_DIR.glob("moment_ablation_*.json"))
+    if ablations:
+        (RESULTS_DIR / "moment_ablation.md").write_text(ablation_page(ablations), encoding="utf-8")
     return summary_table(fid, results, speed, rec)
 
 

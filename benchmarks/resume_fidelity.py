@@ -1,243 +1,132 @@
-"""Resume fidelity under repeated restarts: a tiny byte-level GPT, killed and restored 9 times.
+"""Resume fidelity under repeated restarts: a model killed and restored from its own checkpoints.
 
-A small byte-level GPT trains from scratch with AdamW and a cosine schedule on a corpus built
-from Python standard-library source files found on disk. Per seed (see ``_resume.py``):
+Per seed (see ``harness/restarts.py``): the uninterrupted run; the noise floor, the same run
+with another data-order seed; and per setting the same run with a ``tw_triton.Checkpointer``
+saving every few steps, killed and restored from its latest checkpoint at least 8 times. The
+first seed can also run the ``exact`` preset through the same restarts, which must reproduce
+the uninterrupted run bit for bit, or the script fails.
 
-* the uninterrupted run (``--steps`` steps);
-* the noise floor: the same run with another data-order seed (same initial weights);
-* per setting, the same run with a ``tw_triton.Checkpointer`` saving every ``--save-every``
-  steps, killed and restored from its own latest checkpoint at least 8 times (model,
-  optimizer, scheduler and Checkpointer rebuilt from scratch each time).
+Models (``--model``):
 
-A setting is a rule set run through the Checkpointer: any preset of
-``tw_triton.rules.PRESETS`` by name, or a rule list of ``_twapi.EXPLICIT_RULES``, with
-modifiers (``--settings small,smallest:k=4,w8-m4:delta=none``). An unknown name or codec
-fails before anything trains.
+* ``gpt``: a tiny byte-level GPT trained from scratch on stdlib source (``harness/tiny_gpt.py``),
+  480 steps, 3 seeds, settings ``small,smallest``; writes ``results/resume_fidelity.json``.
+* ``minilm``: all-MiniLM-L6-v2 fine-tuned on stdlib docstring/signature pairs
+  (``harness/minilm_finetune.py``, needs the ``bench`` extra), 76 steps, 2 seeds, the
+  Checkpointer's default preset, ``keyframe_every`` 4; writes ``results/resume_minilm.json``.
 
-Reported per setting: the final held-out loss deviation from the uninterrupted run and the
-largest deviation of the held-out curve, each as a multiple of the noise floor (median and
-worst over the seeds); the largest per-step training-loss deviation; bytes per parameter of
-keyframes and deltas split into weights, ``exp_avg``, ``exp_avg_sq`` and the rest (from the
-files' manifests), the cycle average, and the ratios to ``torch.save`` of the same state.
-The first seed also runs the ``exact`` preset through the same restarts, which must
-reproduce the uninterrupted run bit for bit, or the script fails.
+A setting is any preset of ``tw_triton.rules.PRESETS`` by name or a rule list of
+``harness.settings.EXPLICIT_RULES``, with modifiers (``--settings small,smallest:k=4,w8-m4:delta=none``).
+``--settings ablation`` runs the rule lists that take ``smallest`` apart (fewer bits for the
+moments and the weight deltas) and writes ``results/moment_ablation_<model>.json``, which
+``make_results.py`` turns into ``results/moment_ablation.md``.
 
-Run: ``python benchmarks/resume_fidelity.py`` (about 3-4 minutes of one free core;
-``--quick`` is a seconds-long smoke run that writes nothing unless ``--out`` names a result).
-Writes ``benchmarks/results/resume_fidelity.json``.
+Run: ``python benchmarks/resume_fidelity.py [--model minilm] [--settings ...]``; ``--quick`` is a
+smoke run of seconds that writes nothing unless ``--out`` names a result.
 """
 
 from __future__ import annotations
 
 import argparse
-import sysconfig
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from _common import log, write_result
-from _resume import Plan, run_seed, summarize, tables
-from _twapi import ResumeSetting, parse_settings
+from harness.common import log, write_result
+from harness.restarts import tables
+from harness.settings import ResumeSetting, parse_settings
+from tw_triton.checkpointer import DEFAULT_RULES
 
-# Standard-library modules present in every CPython 3.10+; their text is the corpus.
-CORPUS_FILES = (
-    "argparse.py",
-    "textwrap.py",
-    "difflib.py",
-    "inspect.py",
-    "typing.py",
-    "functools.py",
-    "shutil.py",
-    "tarfile.py",
-    "string.py",
-    "dataclasses.py",
-    "enum.py",
-    "ast.py",
-)
-
-def load_corpus() -> torch.Tensor:
-    """The corpus as a uint8 tensor (bytes of the files in :data:`CORPUS_FILES`)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts = []
-    for name in CORPUS_FILES:
-        path = root / name
-        if not path.is_file():
-            raise FileNotFoundError(f"corpus file {path} is missing from this Python install")
-        parts.append(path.read_bytes())
-    data = b"\n".join(parts)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+# Per model: default settings, seeds, keyframe_every, whether the exact check runs, result name.
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt": {"settings": "small,smallest", "quick_settings": "small", "seeds": [0, 1, 2],
+            "keyframe_every": 10, "exact_check": True, "out": "resume_fidelity"},
+    "minilm": {"settings": DEFAULT_RULES if isinstance(DEFAULT_RULES, str) else "safe",
+               "quick_settings": None, "seeds": [0, 1], "keyframe_every": 4, "exact_check": False,
+               "out": "resume_minilm"},
+}
+# ``wW-mM-vV``: weight deltas at W bits (closed loop), exp_avg at M bits (int3: seven levels
+# in a 4-bit container), exp_avg_sq log2 at V bits; ``-wide``: blocks of 256 / 512 for the moments.
+ABLATION = {
+    "gpt": "w2-m4-v4,w2-m3-v4,w2-m4-v2-wide,w2-m3-v2-wide",
+    "minilm": "w2-m4-v4,w2-m3-v4,w2-m4-v2-wide,w8-m3-v2-wide",
+}
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and a 4x GELU MLP."""
+def run(model: str, cfg: Any, seeds: list[int], settings: tuple[ResumeSetting, ...], *,
+        exact_check: bool, min_restarts: int = 8) -> dict[str, Any]:
+    """Run the restart experiment of ``model`` and return its JSON result (less the environment).
 
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    """Byte-level GPT (256-symbol vocabulary, learned positions, untied head)."""
-
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(256, cfg.d_model)
-        self.pos = nn.Embedding(cfg.context, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_heads) for _ in range(cfg.n_layers))
-        self.ln = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, 256)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-@dataclass(frozen=True)
-class Config:
-    """Sizes of the model and of the run."""
-
-    d_model: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    context: int = 64
-    batch: int = 8
-    lr: float = 2e-3
-    steps: int = 480
-    save_every: int = 5
-    eval_every: int = 20
-    eval_batches: int = 8
-
-    def plan(self, min_restarts: int = 8) -> Plan:
-        """When the runs save, evaluate and restart."""
-        return Plan(self.steps, self.save_every, self.eval_every, min_restarts)
-
-
-QUICK = Config(d_model=32, n_layers=1, n_heads=2, context=16, batch=4, steps=24, save_every=1,
-               eval_every=4, eval_batches=2)
-DEFAULT_SETTINGS = "small,smallest"
-QUICK_SETTINGS = "small"
-
-
-class Trainer:
-    """Model, AdamW and cosine schedule; batches are a pure function of (data seed, step).
-
-    The initial weights come from ``seed``; ``data_seed`` (default ``seed``) orders the data.
+    Args:
+        model: ``"gpt"`` or ``"minilm"``.
+        cfg: that model's ``Config`` (``harness.tiny_gpt.Config`` or ``harness.minilm_finetune.Config``).
+        seeds: initial-weight seeds; the first also runs the exact check if ``exact_check``.
+        settings: what the restarted runs save with.
+        exact_check: run the ``exact`` preset through the restarts (must be bit exact).
+        min_restarts: fewest restarts of every setting.
+    Returns:
+        The result dict (``rows``, ``runs``, ``config``, ...) that ``make_results.py`` reads.
     """
+    if model == "gpt":
+        from harness import tiny_gpt
 
-    def __init__(self, cfg: Config, corpus: torch.Tensor, seed: int, data_seed: int | None = None) -> None:
-        self.cfg = cfg
-        self.data_seed = seed if data_seed is None else data_seed
-        split = int(len(corpus) * 0.9)
-        self.train_data = corpus[:split].long()
-        self.val_data = corpus[split:].long()
-        torch.manual_seed(seed)
-        self.model = TinyGPT(cfg)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
-        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.steps)
-        self.step = 0
+        return tiny_gpt.run(cfg, tiny_gpt.load_corpus(), seeds, settings, exact_check=exact_check,
+                            min_restarts=min_restarts)
+    from harness import minilm_finetune
 
-    def _batch(self, data: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(key)
-        starts = torch.randint(0, len(data) - self.cfg.context - 1, (self.cfg.batch,), generator=gen)
-        idx = starts.unsqueeze(1) + torch.arange(self.cfg.context + 1)
-        window = data[idx]
-        return window[:, :-1], window[:, 1:]
-
-    def train_step(self) -> float:
-        """One optimizer step on the batch of the current step; returns its loss."""
-        x, y = self._batch(self.train_data, self.data_seed * 1_000_003 + self.step)
-        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.opt.step()
-        self.sched.step()
-        self.step += 1
-        return float(loss.detach())
-
-    @torch.no_grad()
-    def eval_loss(self) -> float:
-        """Mean loss over fixed held-out batches."""
-        losses = []
-        for i in range(self.cfg.eval_batches):
-            x, y = self._batch(self.val_data, 7_777 + i)
-            losses.append(float(F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())))
-        return sum(losses) / len(losses)
-
-    def objects(self) -> dict[str, Any]:
-        """What a checkpoint holds, by name."""
-        return {"model": self.model, "optimizer": self.opt, "scheduler": self.sched}
+    return minilm_finetune.run(cfg, seeds, settings, exact_check=exact_check, min_restarts=min_restarts)
 
 
-def run(cfg: Config, corpus: torch.Tensor, seeds: list[int], settings: tuple[ResumeSetting, ...], *,
-        exact_check: bool = True, min_restarts: int = 8) -> dict[str, Any]:
-    """Every seed's runs and the summary, as the JSON result (less the environment)."""
-    plan = cfg.plan(min_restarts)
-    runs = [run_seed(lambda data_seed, s=seed: Trainer(cfg, corpus, s, data_seed), seed, plan, settings,
-                     exact_check=exact_check and i == 0)
-            for i, seed in enumerate(seeds)]
-    params = sum(p.numel() for p in TinyGPT(cfg).parameters())
-    return {
-        "task": "byte-level GPT on Python stdlib source, repeated restarts",
-        "corpus_files": list(CORPUS_FILES),
-        "corpus_bytes": int(corpus.numel()),
-        "params": params,
-        "config": asdict(cfg),
-        "restart_steps": {s.label: plan.restart_steps(s.keyframe_every) for s in settings},
-        **summarize(runs, settings, params),
-        "runs": runs,
-    }
+def task_config(model: str, quick: bool, **overrides: int | None) -> Any:
+    """The model's run configuration (its ``QUICK`` one with ``quick``), with ``overrides`` applied."""
+    if model == "gpt":
+        from harness.tiny_gpt import QUICK, Config
+    else:
+        from harness.minilm_finetune import QUICK, Config
+    cfg = QUICK if quick else Config()
+    return Config(**{**asdict(cfg), **{k: v for k, v in overrides.items() if v is not None}})
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt")
     parser.add_argument("--settings", default=None,
-                        help=f"comma-separated settings (default {DEFAULT_SETTINGS!r}; see _twapi.parse_setting)")
-    parser.add_argument("--keyframe-every", type=int, default=10, help="for settings that do not set k=")
+                        help="comma-separated settings, or 'ablation' (default: the model's; see "
+                             "harness.settings.parse_setting)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None)
+    parser.add_argument("--keyframe-every", type=int, default=None, help="for settings that do not set k=")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--save-every", type=int, default=None)
-    parser.add_argument("--quick", action="store_true", help="a tiny model and run: a smoke test of seconds")
-    parser.add_argument("--no-exact-check", action="store_true", help="skip the bit-exact restart check")
+    parser.add_argument("--quick", action="store_true", help="a tiny run: a smoke test of seconds")
+    check = parser.add_mutually_exclusive_group()
+    check.add_argument("--exact-check", dest="exact_check", action="store_true", default=None,
+                       help="run the exact preset through the restarts on the first seed (gpt: on)")
+    check.add_argument("--no-exact-check", dest="exact_check", action="store_false")
     parser.add_argument("--out", default=None,
-                        help="result name under benchmarks/results/ (default resume_fidelity; --quick: none)")
+                        help="result name under benchmarks/results/ (default: the model's; --quick: none)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1: steady timings on a shared 2-core machine)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = QUICK if args.quick else Config()
-    overrides = {k: v for k, v in (("steps", args.steps), ("save_every", args.save_every)) if v is not None}
-    cfg = Config(**{**asdict(cfg), **overrides})
-    keyframe_every = 2 if args.quick and args.settings is None else args.keyframe_every
+    spec = MODELS[args.model]
+    cfg = task_config(args.model, args.quick, steps=args.steps, save_every=args.save_every)
+    out = spec["out"]
+    settings_spec = args.settings or (args.quick and spec["quick_settings"]) or spec["settings"]
+    if settings_spec == "ablation":
+        settings_spec, out = ABLATION[args.model], f"moment_ablation_{args.model}"
+    keyframe_every = args.keyframe_every or (2 if args.quick else spec["keyframe_every"])
     try:
-        settings = parse_settings(args.settings or (QUICK_SETTINGS if args.quick else DEFAULT_SETTINGS),
-                                  keyframe_every=keyframe_every)
+        settings = parse_settings(settings_spec, keyframe_every=keyframe_every)
     except ValueError as e:
         parser.error(str(e))
-    seeds = [0] if args.quick and args.seeds == [0, 1, 2] else args.seeds
-    result = run(cfg, load_corpus(), seeds, settings, exact_check=not args.no_exact_check)
-    print(f"{result['params']} parameters; {cfg.steps} steps, a save every {cfg.save_every}; seeds {seeds}")
+    seeds = args.seeds or ([0] if args.quick else spec["seeds"])
+    exact = args.exact_check if args.exact_check is not None else (spec["exact_check"] or args.quick)
+    result = run(args.model, cfg, seeds, settings, exact_check=exact,
+                 min_restarts=2 if args.quick and args.model == "minilm" else 8)
+    print(f"{result['task']}: {result['params']} parameters; {cfg.steps} steps, a save every "
+          f"{cfg.save_every}; seeds {seeds}")
     print(tables(result))
-    name = args.out or (None if args.quick else "resume_fidelity")
+    name = args.out or (None if args.quick else out)
     if name:
         log(f"wrote {write_result(name, result)}")
 

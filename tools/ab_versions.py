@@ -1,4 +1,4 @@
-"""Two versions of tw_triton side by side: the same save, resume or load methods of
+"""A developer tool: two versions of tw_triton side by side: the same save, resume or load methods of
 ``speed_compare.py``, each in a fresh process, alternating old, new, old, new.
 
 A change to the CPU path is judged against the code before it, not against last week's
@@ -9,7 +9,7 @@ with the base on ``PYTHONPATH`` and once with this checkout, plus ``torch.save``
 same state in every round as the yardstick. It prints each round and the medians of the
 time the save blocks, its total time and its peak extra RSS.
 
-    python benchmarks/ab_versions.py --base 4477262 --method "tw default delta" --rounds 5
+    python tools/ab_versions.py --base 4477262 --method "tw default delta" --rounds 5
 
 With ``--resume`` the methods are ``speed_compare.py``'s resume methods instead (a restore
 into a freshly built MiniLM and AdamW): each version writes its own files once, and
@@ -17,13 +17,13 @@ into a freshly built MiniLM and AdamW): each version writes its own files once, 
 ``PYTHONPATH`` (a base from before the resume rows existed has no such child of its own;
 a version may not read the other's files).
 
-    python benchmarks/ab_versions.py --base f22bf4d --resume --method "tw restore default delta" --rounds 5
+    python tools/ab_versions.py --base f22bf4d --resume --method "tw restore default delta" --rounds 5
 
 With ``--load`` they are its load methods (``tw_triton.load`` of the files to the CPU, a
 delta with its keyframe's path as the reference), the files written the same way, against
 ``torch.load`` in every round:
 
-    python benchmarks/ab_versions.py --base 84952d9 --load --method "tw default delta" --rounds 7
+    python tools/ab_versions.py --base 84952d9 --load --method "tw default delta" --rounds 7
 
 Needs git (for the worktree) and the MiniLM fixture of ``speed_compare.py`` (built once,
 about 20 s).
@@ -43,6 +43,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+BENCH = REPO / "benchmarks"  # speed_compare.py and its harness
 
 
 def save_child(method: str, source: Path, fixture: Path, out: Path, threads: int) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def _this_child(args: list[str], source: Path, threads: int) -> subprocess.Compl
     """This checkout's ``speed_compare.py`` with ``args``, tw_triton imported from ``source``."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(source))
     return subprocess.run(
-        [sys.executable, str(HERE / "speed_compare.py"), *args, "--threads", str(threads), "--device", "cpu"],
+        [sys.executable, str(BENCH / "speed_compare.py"), *args, "--threads", str(threads), "--device", "cpu"],
         capture_output=True, text=True, env=env, cwd=source.parent, check=False,
     )
 
@@ -128,7 +129,7 @@ def main() -> None:
     methods = args.methods
     reads = args.resume or args.load  # the methods read files written once per side
 
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(BENCH))
     import speed_compare
 
     if args.resume:

@@ -1,23 +1,14 @@
-"""Resume fidelity under repeated restarts on a pretrained model: fine-tuning all-MiniLM-L6-v2.
+"""The MiniLM fine-tuning task of the restart experiment (``resume_fidelity.py --model minilm``).
 
-The same experiment as ``resume_fidelity.py`` (see ``_resume.py``: uninterrupted run, noise
-floor from another data order, per setting a run killed and restored from its own
-Checkpointer at least 8 times), on the pretrained MiniLM with AdamW and dropout on. The task
-is built from local files: match a Python standard-library function's docstring summary to
-its signature (in-batch contrastive loss, as sentence-transformers' multiple-negatives
-ranking loss), pairs extracted with ``ast`` from the same stdlib modules as the GPT corpus.
-The Checkpointer stores model, AdamW and the RNG states (dropout masks come from torch's).
-
-Defaults fit about 6 minutes on 2 quiet cores: 2 seeds, the Checkpointer's default preset
-only, ``keyframe_every`` 4 (a step costs about half a second, a save as much), 76 steps with
-a save every 2. ``--settings`` runs more (any preset by name). Run:
-``python benchmarks/resume_minilm.py``. Writes ``benchmarks/results/resume_minilm.json``.
-Needs the ``bench`` extra.
+The pretrained all-MiniLM-L6-v2 is fine-tuned with AdamW and dropout on to match a Python
+standard-library function's docstring summary to its signature (in-batch contrastive loss,
+as sentence-transformers' multiple-negatives ranking loss), pairs extracted with ``ast``
+from the same stdlib modules as the GPT corpus. The Checkpointer stores model, AdamW and
+the RNG states (dropout masks come from torch's). Needs the ``bench`` extra.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import copy
 import sysconfig
@@ -28,13 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from _common import log, write_result
-from _minilm import embed, load_minilm
-from _resume import Plan, run_seed, summarize, tables
-from _twapi import ResumeSetting, parse_settings
-from resume_fidelity import CORPUS_FILES
-from tw_triton.checkpointer import DEFAULT_RULES
-
+from harness.common import log
+from harness.minilm import embed, load_minilm
+from harness.restarts import Plan, run_seed, summarize
+from harness.settings import ResumeSetting
+from harness.tiny_gpt import CORPUS_FILES
 
 @dataclass(frozen=True)
 class Config:
@@ -54,8 +43,6 @@ class Config:
 
 
 QUICK = Config(batch=4, steps=6, save_every=1, eval_every=3, eval_batches=1, max_length=16)
-DEFAULT_KEYFRAME_EVERY = 4
-DEFAULT_SETTINGS = DEFAULT_RULES if isinstance(DEFAULT_RULES, str) else "safe"
 
 
 def docstring_pairs() -> list[tuple[str, str]]:
@@ -156,44 +143,3 @@ def run(cfg: Config, seeds: list[int], settings: tuple[ResumeSetting, ...], *, e
         **summarize(runs, settings, params),
         "runs": runs,
     }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--settings", default=None,
-                        help=f"comma-separated settings (default {DEFAULT_SETTINGS!r}; see _twapi.parse_setting)")
-    parser.add_argument("--keyframe-every", type=int, default=DEFAULT_KEYFRAME_EVERY,
-                        help="for settings that do not set k=")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--save-every", type=int, default=None)
-    parser.add_argument("--quick", action="store_true",
-                        help="a short run with 2 restarts: a smoke test (tens of seconds)")
-    parser.add_argument("--exact-check", action="store_true",
-                        help="also run the exact preset through the restarts on the first seed (must be bit exact)")
-    parser.add_argument("--out", default=None,
-                        help="result name under benchmarks/results/ (default resume_minilm; --quick: none)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    cfg = QUICK if args.quick else Config()
-    overrides = {k: v for k, v in (("steps", args.steps), ("save_every", args.save_every)) if v is not None}
-    cfg = Config(**{**asdict(cfg), **overrides})
-    keyframe_every = 2 if args.quick and args.keyframe_every == DEFAULT_KEYFRAME_EVERY else args.keyframe_every
-    try:
-        settings = parse_settings(args.settings or DEFAULT_SETTINGS, keyframe_every=keyframe_every)
-    except ValueError as e:
-        parser.error(str(e))
-    seeds = [0] if args.quick and args.seeds == [0, 1] else args.seeds
-    result = run(cfg, seeds, settings, exact_check=args.exact_check or args.quick,
-                 min_restarts=2 if args.quick else 8)
-    print(f"MiniLM fine-tune, {result['pairs']} pairs; {cfg.steps} steps, a save every {cfg.save_every}; "
-          f"seeds {seeds}")
-    print(tables(result))
-    name = args.out or (None if args.quick else "resume_minilm")
-    if name:
-        log(f"wrote {write_result(name, result)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -56,14 +56,3 @@ __all__ = [
     "verify_file",
     "write_file",
 ]
-
-# alias for other areas until the merge: benchmarks/ reach these internals of the old
-# tw_triton/format.py (header_writeback.py, profile_save_load.py, checksum_cost.py).
-import zlib  # noqa: E402,F401
-from ..codecs.entropy import encode_buffer  # noqa: E402,F401
-from .buffer_io import read_exact_into as _read_exact_into  # noqa: E402,F401
-from .header import read_layout as _read_layout  # noqa: E402,F401
-from .manifest import quote as _quote, to_json as _json  # noqa: E402,F401
-from .plan import plan_file as _plan  # noqa: E402,F401
-from .writeback import can_start_writeback  # noqa: E402,F401
-from .writer import encode_header as _encode_header, write_buffers as _write_buffers  # noqa: E402,F401

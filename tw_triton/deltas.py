@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from . import format as _format
+from .checkpoint_files import checkpoint_name
 from .codecs import get_codec
 from .errors import CheckpointError, ReferenceMismatchError, checkpoint_label
 from .parallel import parallel_map
@@ -253,11 +255,9 @@ def missing_reference(path: str, reference_id: str | None, directory: str) -> Re
 
     Only the error path reads headers again; a listing's scan already dropped the file.
     """
-    from .checkpoint_dir import checkpoint_name  # checkpoint_dir imports this module
-    from .format import read_manifest
 
     try:
-        step = (read_manifest(path).get("metadata") or {}).get("reference_step")
+        step = (_format.read_manifest(path).get("metadata") or {}).get("reference_step")
     except (CheckpointError, OSError):
         step = None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -268,7 +268,7 @@ def missing_reference(path: str, reference_id: str | None, directory: str) -> Re
     why = f"which is not in {directory!r}"
     if os.path.exists(expected):
         try:
-            found = read_manifest(expected)["checkpoint_id"]
+            found = _format.read_manifest(expected)["checkpoint_id"]
             why = f"but that file is checkpoint {found!r}" if found != reference_id else why
         except (CheckpointError, OSError) as e:
             why = f"whose file is there but cannot be read: {e}"

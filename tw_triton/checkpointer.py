@@ -80,10 +80,10 @@ class Checkpointer:
         keyframe_every: one save in this many is a keyframe (1: no deltas).
         keep_last: how many of the newest checkpoints retention keeps (plus the keyframes
             they need); ``None`` keeps everything.
-        rules: which tensors are coded how, as in :func:`tw_triton.quantize_state_dict`
-            (a preset name, default ``"smallest"``, :data:`DEFAULT_RULES`; ``None``: the library defaults, optimizer
-            exact; ``[(glob, codec spec), ...]``). Paths start with the names given to
-            :meth:`save` (``model/...``, ``optimizer/...``).
+        rules: which tensors are coded how, as in :func:`tw_triton.quantize_state_dict`:
+            a preset name (default ``"smallest"``, :data:`DEFAULT_RULES`), ``None`` (the
+            library defaults, optimizer exact) or ``[(glob, codec spec), ...]``. Paths
+            start with the names given to :meth:`save` (``model/...``, ``optimizer/...``).
         bits, block: parameters of the quantizing rules.
         async_write: write on a background thread (``save`` returns a pending Future);
             ``False`` writes before ``save`` returns.
@@ -97,19 +97,15 @@ class Checkpointer:
             :class:`~tw_triton.writer.AsyncWriter`).
         fsync: fsync files and the directory (leave on outside of tests).
         snapshot_pool_bytes: cap on the host memory kept to reuse for CPU snapshots
-            (see "Host memory of snapshots" in the module docs); ``None``: ``max_pending
-            + 1`` times the largest snapshot so far (1 time with ``async_write=False``),
-            plus the reference;
-            ``0``: no reuse, every snapshot in fresh memory.
-        max_expansion: the directory's bound on what a checkpoint file's compressed
-            buffers may decode to (``max_expansion`` times the file's size plus
-            :data:`~tw_triton.format.EXPANSION_SLACK_BYTES`, checked from the header before
-            anything is decoded: see :func:`~tw_triton.format.read_file`). It holds for
-            every file :meth:`latest`, :meth:`load` and :meth:`restore` read, a delta's
-            keyframe and earlier links included, so that the checkpoint ``latest()``
-            picks is the one ``restore()`` loads. A state that holds a large constant
-            tensor on purpose (a zero-initialised buffer) compresses far beyond the
-            default: restore it with a larger value, or ``None`` for no bound.
+            (docs/training-loop.md, "Memory"); ``None``: ``max_pending + 1`` times the
+            largest snapshot so far (1 time with ``async_write=False``), plus the
+            reference; ``0``: no reuse, every snapshot in fresh memory.
+        max_expansion: the bound on what a checkpoint file's compressed buffers may
+            decode to (see :func:`~tw_triton.format.read_file`), for every file
+            :meth:`latest`, :meth:`load` and :meth:`restore` read, a delta's keyframe and
+            links included, so that the checkpoint ``latest()`` picks is the one
+            ``restore()`` loads. A state holding a large constant tensor on purpose needs
+            a larger value, or ``None`` for no bound.
     """
 
     def __init__(
@@ -203,27 +199,15 @@ class Checkpointer:
     def prepare(self, **state: Any) -> int:
         """Fault in the host memory the first save will copy ``state`` into, now.
 
-        On the CPU with ``async_write`` a save copies the state into pooled buffers before
-        it returns (see "Host memory of snapshots"). The first save of a process finds the
-        pool empty: it encodes the keyframe in ``save`` instead, whose codes need less fresh
-        memory than a copy, but its page faults are still most of its pause. ``prepare``
-        allocates the copy's buffers and touches their pages here instead, outside the
-        loop's saves, and the first save then copies as the later ones do.
-
-        Call it with the same objects as :meth:`save`, once they have their final shapes:
-        AdamW creates its moments at the optimizer's first step, so a ``prepare`` before
-        that step reserves the model's share only. The memory is the pool's from then on
-        (the first save would take it anyway); ``snapshot_pool_bytes`` caps it too.
-        Reserving again adds only what is missing. Before the first keyframe it also
-        reserves a second copy of the tensors the rules delta-code: the first delta copies
-        the state while the keyframe's copies of those stay held as its reference. The codes
-        and scales that the writer thread makes are not reserved: they do not pause the loop.
-
-        It also runs Python's full garbage collection now (unless the garbage collector is
-        disabled): the objects that setup made (imports, model, optimizer) bring the next
-        full collection close, and it stops every thread for as long as the process has
-        objects to scan, inside whichever save comes next otherwise. See
-        docs/training-loop.md ("Python's garbage collector").
+        On the CPU with ``async_write`` a save copies the state into pooled buffers; the
+        first save of a process finds the pool empty. Call ``prepare`` with the same objects
+        as :meth:`save` once they have their final shapes (after the optimizer's first
+        step: AdamW creates its moments then). Before the first keyframe it also reserves
+        a second copy of the tensors the rules delta-code (the first delta copies the state
+        while the keyframe's copies stay held as its reference); reserving again adds only
+        what is missing; ``snapshot_pool_bytes`` caps it. It also runs Python's full garbage
+        collection now (unless disabled), so that it does not run inside an early save.
+        Why: docs/training-loop.md ("The first save", "Python's garbage collector").
 
         Returns:
             Bytes reserved now: 0 when there is nothing to reserve (``snapshot_pool_bytes=0``,
@@ -421,13 +405,10 @@ class Checkpointer:
         (with ``rng``) puts back the RNG states, so that the run continues as the saved one
         would have: bit for bit from a keyframe, within quantization error from a delta.
 
-        On the CPU, tensors are decoded into the objects' own where they can be: each
-        tensor of an object's ``state_dict()`` that is contiguous, shares no memory with
-        another one, and is stored exact in the checkpoint (a keyframe's weights, which a
-        delta is then decoded over) is read straight into, so the model is not held
-        twice and ``load_state_dict`` has nothing left to copy. The returned state then
-        shares those tensors. If restoring fails, the objects may hold part of what was
-        read: restore again, or rebuild them.
+        On the CPU, tensors are decoded into the objects' own where they can be (contiguous,
+        sharing no memory with another, stored exact or decoded over such a one; see
+        docs/training-loop.md), and the returned state shares them. If restoring fails,
+        the objects may hold part of what was read: restore again, or rebuild them.
 
         Args:
             step: which checkpoint; ``None`` for the latest good one.

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tw_triton  # noqa: E402
 from tw_triton import format as fmt  # noqa: E402
-from tw_triton import state as state_mod  # noqa: E402
+from tw_triton.state import decode as state_mod  # noqa: E402
 from tw_triton.codecs import codec_names, get_codec  # noqa: E402
 from tw_triton.codecs.entropy import get_stage, stage_names  # noqa: E402
 from tw_triton.parallel import cpu_threads  # noqa: E402

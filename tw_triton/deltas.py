@@ -1,28 +1,12 @@
 """What a Checkpointer's deltas are coded against, and decoding a chain of them.
 
-Two ways to code the saves between keyframes (``Checkpointer(delta=...)``):
-
-``"open"`` (open loop)
-    Every delta is coded against the last keyframe's exact values. Loading a delta reads
-    it and its keyframe; losing a delta loses only that delta. The quantization error of a
-    delta grows with its distance from the keyframe, because the codes must span
-    everything that changed since then.
-
-``"closed"`` (closed loop)
-    Every delta is coded against the *reconstruction* of the save before it: after a
-    delta is encoded, the reference becomes ``decode(delta, reference)``, which is exactly
-    what a loader rebuilds (the codecs are bit-exact on every device). The error of a
-    delta is then bounded by the change since the previous save plus the previous error,
-    whatever the distance from the keyframe, so fewer bits serve. The price is a chain:
-    loading delta ``k`` decodes the keyframe and deltas ``1..k`` in order (only the
-    delta-coded tensors of the links before ``k``), a delta that is lost or corrupt makes
-    the deltas after it unloadable until the next keyframe (``latest()`` then falls back to
-    the newest checkpoint whose whole chain verifies), and retention keeps every link that
-    a kept checkpoint needs.
-
+``delta="open"``: every delta is coded against the last keyframe's exact values (loading
+reads two files). ``delta="closed"``: every delta is coded against the reconstruction of
+the save before it (:func:`advance`), so loading delta ``k`` decodes the chain from the
+keyframe (:func:`decode_chain`), and a lost link makes the deltas after it unloadable.
 Each file records the id of the checkpoint it is a delta of (``reference_id``), so the
-chain is found from the files themselves; :func:`chain_of` walks it and :func:`decode_chain`
-decodes it.
+chain is found from the files themselves (:func:`chain_of`). Why, and the trade-offs:
+docs/training-loop.md ("Keyframes and deltas", "Closed loop").
 """
 
 from __future__ import annotations

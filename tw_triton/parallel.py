@@ -15,7 +15,7 @@ keeps its own count.
 
 The number of threads is ``TW_TRITON_THREADS`` when set (``1`` turns parallelism off:
 for a training loop that needs every core itself), else the machine's cores, at most
-:data:`MAX_THREADS`.
+:data:`MAX_THREADS`. Why threads, and how many: docs/training-loop.md ("CPU threads").
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 
 import tw_triton
 from tw_triton import format as fmt
-from tw_triton.checkpoint_dir import CheckpointDirectory, _Read, checkpoint_name, parse_checkpoint_name
+from tw_triton.checkpoint_dir import CheckpointDirectory, VerifiedRead, checkpoint_name, parse_checkpoint_name
 from tw_triton.checkpointer import Checkpointer
 from tw_triton.errors import CheckpointError
 from _read_spy import spy_on_reads
@@ -140,7 +140,7 @@ def test_a_partial_read_is_read_whole_when_its_file_is_the_one_loaded(tmp_path, 
     whole = ck.load(0)
     partial = fmt.read_file(ck.path_for(0), entries=["model/w"])
     asked = spy_on_reads(monkeypatch)
-    reads = {ck.path_for(0): _Read(partial, frozenset({"model/w"}))}
+    reads = {ck.path_for(0): VerifiedRead(partial, frozenset({"model/w"}))}
     state = ck._dir.decode(found[0], found, reads, torch.device("cpu"))
     assert asked == [(checkpoint_name(0), None)]
     assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], whole["optimizer"]["state"][0]["exp_avg"])

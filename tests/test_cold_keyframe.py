@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tw_triton import Checkpointer
-from tw_triton import checkpointer as ckmod
+from tw_triton import save_pipeline as pipeline_mod
 from tw_triton.format import read_manifest
 from tw_triton.snapshot_pool import MIN_POOLED_BYTES
 
@@ -45,7 +45,7 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, k: int) -> None:
 def _count_encodes_here(monkeypatch) -> list[bool]:
     """Record, per save, whether it encoded in ``save`` (True) or queued a copy (False)."""
     calls: list[bool] = []
-    real_here, real_queue = ckmod.Checkpointer._encode_here, ckmod.Checkpointer._queue_snapshot
+    real_here, real_queue = pipeline_mod.SavePipeline.encode_here, pipeline_mod.SavePipeline.queue_snapshot
 
     def here(self, job, *args, **kwargs):
         calls[-1] = True
@@ -55,8 +55,8 @@ def _count_encodes_here(monkeypatch) -> list[bool]:
         calls.append(False)
         return real_queue(self, job)
 
-    monkeypatch.setattr(ckmod.Checkpointer, "_encode_here", here)
-    monkeypatch.setattr(ckmod.Checkpointer, "_queue_snapshot", queue)
+    monkeypatch.setattr(pipeline_mod.SavePipeline, "encode_here", here)
+    monkeypatch.setattr(pipeline_mod.SavePipeline, "queue_snapshot", queue)
     return calls
 
 
@@ -203,7 +203,7 @@ def test_a_delta_right_after_the_keyframe_waits_for_the_warm_up_not_for_fresh_me
     from tw_triton.snapshot_pool import SavePool
 
     started, waited, release = threading.Event(), threading.Event(), threading.Event()
-    real_reserve, real_wait = SavePool.reserve_beside, ckmod.wait_futures
+    real_reserve, real_wait = SavePool.reserve_beside, pipeline_mod.wait_futures
     ckpt: Checkpointer | None = None
 
     def held(self, sizes):
@@ -214,14 +214,14 @@ def test_a_delta_right_after_the_keyframe_waits_for_the_warm_up_not_for_fresh_me
         return real_reserve(self, sizes)
 
     def wait(fs, *args, **kwargs):
-        warming = ckpt._warming if ckpt is not None else None
+        warming = ckpt._pipeline.warming if ckpt is not None else None
         if warming is not None and warming[1] in fs:
             waited.set()
             release.set()
         return real_wait(fs, *args, **kwargs)
 
     monkeypatch.setattr(SavePool, "reserve_beside", held)
-    monkeypatch.setattr(ckmod, "wait_futures", wait)
+    monkeypatch.setattr(pipeline_mod, "wait_futures", wait)
     model, opt = _run()
     ckpt = Checkpointer(tmp_path, fsync=False)
     ckpt.save(0, model=model, optimizer=opt).result()

@@ -308,7 +308,7 @@ def test_closed_loop_reference_advances_in_place_after_the_keyframe(tmp_path, as
                       delta="closed", async_write=async_write, fsync=False) as ck:
         for step, s in enumerate(states):
             ck.save(step, model=s).result()
-            w = ck._reference.tree["model"]["w"]
+            w = ck._chain.reference.tree["model"]["w"]
             seen.append(w.data_ptr())
             # The reference is the reconstruction a loader decodes, save after save.
             assert torch.equal(w, want[step])
@@ -332,9 +332,9 @@ def test_a_pooled_closed_loop_reference_is_never_lent_to_a_snapshot(tmp_path, as
             ck.save(step, model=s)
             if step % 2:  # half the saves queue behind the next one
                 ck.flush()
-                assert torch.equal(ck._reference.tree["model"]["w"], want[step])
+                assert torch.equal(ck._chain.reference.tree["model"]["w"], want[step])
         ck.flush()
-        assert ck._reference.lease is not None  # still the reference's, not the pool's
+        assert ck._chain.reference.lease is not None  # still the reference's, not the pool's
     assert torch.equal(Checkpointer(tmp_path).load(6)["model"]["w"], want[6])
 
 

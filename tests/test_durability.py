@@ -275,12 +275,12 @@ def test_a_live_writer_in_another_process_keeps_its_temp_file_until_killed(tmp_p
 def test_without_a_lock_nothing_is_removed(tmp_path, monkeypatch):
     """A filesystem that refuses flock: the open works and removes nothing (it cannot know
     whether a writer is live)."""
-    import tw_triton.checkpoint_dir as cd
+    import tw_triton.directory_claim as claim
 
     def refused(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(cd._fcntl, "flock", refused)
+    monkeypatch.setattr(claim.fcntl, "flock", refused)
     plant(tmp_path, [OWN_TEMP])
     with Checkpointer(tmp_path, async_write=False, fsync=False) as ckpt:
         ckpt.save(1, **state(1))

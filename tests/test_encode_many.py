@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import tw_triton
 import tw_triton.codecs as codecs_mod
-import tw_triton.state as state_mod
+import tw_triton.state.encode as state_encode
 from tw_triton import QuantizationError, quantize_state_dict
 from tw_triton.batching import BATCH_ELEMENTS, group_batches
 from tw_triton.codecs import get_codec
@@ -180,7 +180,7 @@ def test_quantize_state_dict_is_the_same_batched_or_not(monkeypatch, rules):
     state = _state()
     ref = {"model": {k: v + 0.01 for k, v in state["model"].items()}, "optimizer": state["optimizer"]}
     batched = quantize_state_dict(state, reference=ref, rules=rules, checkpoint_id="c")
-    monkeypatch.setattr(state_mod, "group_batches", lambda keys, numels: group_batches(keys, numels, cap=0))
+    monkeypatch.setattr(state_encode, "group_batches", lambda keys, numels: group_batches(keys, numels, cap=0))
     alone = quantize_state_dict(state, reference=ref, rules=rules, checkpoint_id="c")
     assert batched.entries.keys() == alone.entries.keys()
     for path in batched.entries:
@@ -241,7 +241,7 @@ def test_files_are_byte_identical_batched_or_not(tmp_path, monkeypatch):
         return (tmp_path / name).read_bytes()
 
     batched = write("a.tw")
-    monkeypatch.setattr(state_mod, "group_batches", lambda keys, numels: group_batches(keys, numels, cap=0))
+    monkeypatch.setattr(state_encode, "group_batches", lambda keys, numels: group_batches(keys, numels, cap=0))
     assert write("b.tw") == batched
 
 

@@ -68,7 +68,7 @@ def test_device_buffers_stay_alive_until_their_copy_is_done(tmp_path):
 def test_failed_staging_returns_its_pinned_buffer_only_after_the_copies(tmp_path, monkeypatch):
     w = AsyncWriter(fsync=False)
     released_while_busy: list[bool] = []
-    real_copy, real_release = w._copy_to_host, w._pool.release
+    real_copy, real_release = w.staging.copy_to_host, w.staging.pool.release
 
     def copy_then_fail(tensors, views):
         torch.cuda._sleep(SLEEP_CYCLES)
@@ -76,11 +76,11 @@ def test_failed_staging_returns_its_pinned_buffer_only_after_the_copies(tmp_path
         raise RuntimeError("staging failed after a copy was enqueued")
 
     def release(buf):
-        released_while_busy.append(not all(s.query() for s in w._side_streams.values()))
+        released_while_busy.append(not all(s.query() for s in w.staging.side_streams.values()))
         real_release(buf)
 
-    monkeypatch.setattr(w, "_copy_to_host", copy_then_fail)
-    monkeypatch.setattr(w._pool, "release", release)
+    monkeypatch.setattr(w.staging, "copy_to_host", copy_then_fail)
+    monkeypatch.setattr(w.staging.pool, "release", release)
     with pytest.raises(RuntimeError, match="staging failed"):
         w.submit(_exact_state(torch.ones(1 << 20, device="cuda")), tmp_path / "a.tw")
     w.close()

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tw_triton
-import tw_triton.state as state_mod
+import tw_triton.state.fingerprints as state_fingerprints
 from tw_triton.codecs import codec_names, get_codec
 
 # The modules (tw_triton.kernels re-exports functions of the same names).
@@ -205,14 +205,14 @@ def test_state_api_reads_device_flags_once_per_checkpoint_not_per_tensor(monkeyp
     and one batched read of every flag and fingerprint per checkpoint."""
     reads = HostReads()
     batched: list[int] = []
-    real_read = state_mod._read_device_scalars
+    real_read = state_fingerprints.read_device_scalars
 
     def counted_read(scalars):
         batched.append(len(scalars))
         with reads.pause():  # its one .cpu() per device is the intended sync
             return real_read(scalars)
 
-    monkeypatch.setattr(state_mod, "_read_device_scalars", counted_read)
+    monkeypatch.setattr(state_fingerprints, "read_device_scalars", counted_read)
     # Patch the classes, not the registered instances: undoing a patch of a method on an
     # instance leaves the bound method behind as an instance attribute, which would hide
     # later class-level patches (other tests') from the registry's codecs.

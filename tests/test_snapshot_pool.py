@@ -272,10 +272,10 @@ def test_pool_stays_within_its_bound_and_close_gives_it_back(tmp_path):
     ckpt = Checkpointer(tmp_path, keyframe_every=4, keep_last=2, fsync=False, max_pending=1)
     for step in range(10):
         train_step(model, opt, step)
-        kept = ckpt._kept_bytes()  # what the cap made room for when this save leased
+        kept = ckpt._chain.kept_bytes()  # what the cap made room for when this save leased
         ckpt.save(step, model=model, optimizer=opt)
         # In closed loop the keyframe's buffers leave the reference after the first delta.
-        lease = ckpt._reference.lease
+        lease = ckpt._chain.reference.lease
         ref = lease.nbytes if lease is not None else 0
         # The writer thread takes a save's codes from its lease after save() measured it,
         # so `largest` counts them from the next save on: within the first cycle (a
@@ -303,22 +303,22 @@ def test_a_failed_snapshot_gives_its_buffers_back(tmp_path):
     with pytest.raises(QuantizationError, match="complex"):
         ckpt.save(1, model=model, optimizer=opt, extra=torch.zeros(BIG, dtype=torch.complex64))
     # Nothing leaked: everything the pool holds is either the reference or free.
-    assert ckpt._saves.pool.free_bytes + ckpt._reference.lease.nbytes == ckpt.pool_bytes == held
+    assert ckpt._saves.pool.free_bytes + ckpt._chain.reference.lease.nbytes == ckpt.pool_bytes == held
     ckpt.save(1, model=model, optimizer=opt)
     ckpt.close()
 
 
 def test_reference_buffers_outlive_a_delta_still_encoding_on_the_writer(tmp_path, monkeypatch):
-    import tw_triton.checkpointer as ck
+    import tw_triton.save_pipeline as pipeline_mod
 
-    real = ck._encode_snapshot
+    real = pipeline_mod.encode_delta
     go = threading.Event()
 
     def held_encode(*args, **kwargs):
         assert go.wait(20), "the test never let the encode go"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ck, "_encode_snapshot", held_encode)
+    monkeypatch.setattr(pipeline_mod, "encode_delta", held_encode)
     model, opt = make_run()
     ckpt = Checkpointer(tmp_path, keyframe_every=2, keep_last=None, fsync=False, max_pending=2, rules="default")
     wants = {}

@@ -25,7 +25,7 @@ from tw_triton import (
 )
 from tw_triton.codecs import EXACT_DTYPES, Codec, Encoded, codec_names, get_codec, register_codec
 from tw_triton.qstate import EncodedEntry, QuantizedState
-from tw_triton import state as state_mod
+from tw_triton.state import fingerprints as state_fingerprints
 
 from test_tree import assert_same
 
@@ -131,8 +131,8 @@ def test_snapshot_is_consistent_after_sources_change():
 def test_one_host_sync_for_the_whole_state(monkeypatch):
     """All NaN flags and fingerprints are read with one transfer; nothing else syncs."""
     calls = []
-    real = state_mod._read_device_scalars
-    monkeypatch.setattr(state_mod, "_read_device_scalars", lambda s: calls.append(len(s)) or real(s))
+    real = state_fingerprints.read_device_scalars
+    monkeypatch.setattr(state_fingerprints, "read_device_scalars", lambda s: calls.append(len(s)) or real(s))
 
     # The tensor codec is checked on its own (its CPU path may read scalars: no device to
     # sync with); here the state-level glue around it must not read any device value.

@@ -18,7 +18,8 @@ import torch
 from tw_triton import format as fmt
 from tw_triton.errors import CheckpointError, TwTritonError
 from tw_triton.qstate import EncodedEntry, QuantizedState
-from tw_triton.writer import AsyncWriter, PinnedPool
+from tw_triton.pinned_staging import PinnedPool
+from tw_triton.writer import AsyncWriter
 
 
 def make_state(seed: int, n: int = 1000) -> QuantizedState:
@@ -321,7 +322,7 @@ def test_cuda_buffers_are_staged_through_a_reused_pinned_pool(tmp_path):
 
 
 def test_carve_gives_aligned_views_of_every_dtype_and_shape():
-    from tw_triton.writer import PINNED_ALIGN, carve, staging_nbytes
+    from tw_triton.pinned_staging import PINNED_ALIGN, carve, staging_nbytes
 
     g = torch.Generator().manual_seed(0)
     tensors = [

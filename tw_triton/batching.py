@@ -1,14 +1,12 @@
 """Small tensors of one kind, coded in one call on the CPU.
 
-A model has many small tensors (a delta of MiniLM + AdamW codes 76 tensors under 2 MiB
-beside 39 larger ones), and the torch path spends a fixed ~50-70 µs of Python and dispatch
-per call on each, holding the GIL for much of it: in a one-off check two worker threads
-encoded MiniLM's small tensors no faster than one (0.052 s either way). Tensors that a
-codec can code as one concatenation
+A model has many small tensors, and the torch path spends a fixed cost of Python and
+dispatch per call on each, holding the GIL for much of it, so worker threads do not help
+with them. Tensors that a codec can code as one concatenation
 (:meth:`~tw_triton.codecs.Codec.batch_key`) are grouped here into work items of up to
 :data:`BATCH_ELEMENTS`, so that the fixed cost is paid once per item. The bytes do not
 change: each codec's :meth:`~tw_triton.codecs.Codec.encode_many` gives every tensor what
-it gives it alone.
+it gives it alone. Why: docs/design.md.
 """
 
 from __future__ import annotations
@@ -16,9 +14,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 # Elements of one work item: one chunk of the torch path (blockwise.CHUNK_ELEMENTS), so a
-# batch runs the chunk loop once. On the MiniLM + AdamW state, items of 2**19 elements
-# encoded the small tensors in 0.028 s on two threads against 0.052 s one by one, and
-# larger items were slower (0.031-0.041 s at 2**20-2**22: the concatenation leaves the cache).
+# batch runs the chunk loop once; larger items are slower (the concatenation leaves the cache).
 BATCH_ELEMENTS = 1 << 19
 
 

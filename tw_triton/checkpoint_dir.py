@@ -1,89 +1,41 @@
-"""A directory of checkpoint files: their names, listing, verification and removal.
+"""The complete checkpoint files of one directory: listing, latest good, verification, decoding.
 
 :class:`CheckpointDirectory` is what a :class:`~tw_triton.checkpointer.Checkpointer` knows
-of the files on disk; the Checkpointer itself holds what is in flight (snapshots, the
-delta reference, the writer). Files are named ``step-<8 digits>.tw.safetensors``
-(:func:`checkpoint_name`); temp files of interrupted writes (``.step-....tmp``) are never
-listed.
-
-Listing reads each file's header once per file version (keyed by mtime and size); a file
-the Checkpointer has just written is listed from what it noted at encode time
-(:meth:`CheckpointDirectory.note`), so a save's retention parses no header on the loop's
-thread. Verification checks every checksum of a file and of the keyframe a delta needs
-(:func:`~tw_triton.deltas.chain_of`); a load's verification reads the files it decodes,
-and of a delta's keyframe only the entries the delta is coded against.
+of the files on disk (what is in flight is the Checkpointer's). Listing parses each
+file's header once per file version, or takes what the writer noted (:meth:`note`);
+verification checks every checksum of a file and of the chain it needs
+(:func:`~tw_triton.deltas.chain_of`) under the directory's ``max_expansion``. Names:
+:mod:`tw_triton.checkpoint_files`; temp files and their sweep:
+:mod:`tw_triton.directory_claim`. Why: docs/training-loop.md ("Crash safety").
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
-import stat as _stat
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 
-try:
-    import fcntl as _fcntl
-except ImportError:  # Windows: no flock, so no sweep (see DirectoryClaim)
-    _fcntl = None
-
 from . import format as _format
+from .checkpoint_files import (  # noqa: F401 - re-exported: their documented home
+    CHECKPOINT_SUFFIX,
+    CheckpointInfo,
+    checkpoint_name,
+    parse_checkpoint_name,
+)
 from .deltas import chain_of, decode_chain
-from .state import check_manifest, delta_paths
+from .directory_claim import DirectoryClaim, checkpoint_temp_files, dcp_temp_files  # noqa: F401 - re-exported
 from .errors import CheckpointError, ReferenceMismatchError
 from .qstate import QuantizedState
+from .state import check_manifest, delta_paths
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_SUFFIX = ".tw.safetensors"
-STEP_DIGITS = 8
-_NAME_RE = re.compile(r"step-(\d+)\.tw\.safetensors")
-# format.temp_path_for: ".<final name>.<hex>.tmp" (format.is_temp_file checks the hex).
-_WRITE_TEMP_RE = re.compile(r"\.(.+)\.[0-9a-f]+\.tmp", re.DOTALL)
-# The layout of tw_triton.dcp: step directories, one file per rank and chunk, the record.
-_DCP_STEP_RE = re.compile(r"step_\d{8,}")
-_DCP_FILE_RE = re.compile(r"__\d+_\d+\.tw\.safetensors")
-_DCP_RECORD_TEMP = "tw_dcp.json.tmp"
-
-
-def checkpoint_name(step: int) -> str:
-    """File name of the checkpoint of ``step``, e.g. ``step-00000100.tw.safetensors``."""
-    return f"step-{step:0{STEP_DIGITS}d}{CHECKPOINT_SUFFIX}"
-
-
-def parse_checkpoint_name(name: str) -> int | None:
-    """The step of a checkpoint file name, or ``None`` if it is not one (temp files too)."""
-    m = _NAME_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
-
 
 @dataclass(frozen=True)
-class CheckpointInfo:
-    """What the directory listing knows of one complete checkpoint file (from its header).
-
-    Attributes:
-        step: training step (from the file name).
-        path: the file.
-        checkpoint_id: its id.
-        reference_id: id of the keyframe it is a delta from, or ``None``.
-        kind: ``"keyframe"``, ``"delta"`` or ``"standalone"`` (from the manifest metadata;
-            ``"unknown"`` for a file not written by a Checkpointer).
-        nbytes: file size.
-    """
-
-    step: int
-    path: str
-    checkpoint_id: str
-    reference_id: str | None
-    kind: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class _Read:
+class VerifiedRead:
     """A file read (and verified) while choosing the checkpoint to load.
 
     Attributes:
@@ -152,10 +104,9 @@ class CheckpointDirectory:
         :meth:`scan` need not parse its header.
 
         ``fields`` are its id, reference id and kind; ``nbytes`` the size the write
-        returned. Parsing the header took ~7 ms of a ~33 ms save pause on the MiniLM + AdamW
-        state, and the parsed header (~5,000 Python objects) stayed in the header cache
-        while the file existed, which made Python's full garbage collections slower. A file
-        whose size is not ``nbytes``, or that cannot be stat'ed, is left to :meth:`scan`.
+        returned (parsing the header on the loop's thread would lengthen the save's pause,
+        and a cached header slows Python's full garbage collections). A file whose size is
+        not ``nbytes``, or that cannot be stat'ed, is left to :meth:`scan`.
         """
         try:
             st = os.stat(path)
@@ -210,7 +161,7 @@ class CheckpointDirectory:
 
     def latest_read(
         self, *, pin: bool, into: Mapping[str, torch.Tensor] | None = None
-    ) -> tuple[dict[int, CheckpointInfo], CheckpointInfo, dict[str, _Read]]:
+    ) -> tuple[dict[int, CheckpointInfo], CheckpointInfo, dict[str, VerifiedRead]]:
         """:meth:`latest` with ``verify``, keeping the verified reads of the files it chose.
 
         Each candidate is verified by reading it (checksums checked while reading) instead
@@ -228,7 +179,7 @@ class CheckpointDirectory:
         found = self.scan()
         by_id = _by_id(found)
         verified: dict[str, str | None] = {}
-        reads: dict[str, _Read] = {}
+        reads: dict[str, VerifiedRead] = {}
         newest = ""
         for step in sorted(found, reverse=True):
             info = found[step]
@@ -263,7 +214,7 @@ class CheckpointDirectory:
         self,
         info: CheckpointInfo,
         found: dict[int, CheckpointInfo],
-        reads: dict[str, _Read],
+        reads: dict[str, VerifiedRead],
         device: torch.device,
         *,
         verify: bool = True,
@@ -327,7 +278,7 @@ class CheckpointDirectory:
         verified: dict[str, str | None],
         verify: bool,
         *,
-        reads: dict[str, _Read] | None = None,
+        reads: dict[str, VerifiedRead] | None = None,
         pin: bool = False,
         into: Mapping[str, torch.Tensor] | None = None,
     ) -> str | None:
@@ -362,7 +313,7 @@ class CheckpointDirectory:
                             item.path, verify=True, pin_memory=pin, headers=self.headers, entries=needs,
                             check_others=True, into=into, max_expansion=self.max_expansion,
                         )
-                        reads[item.path] = _Read(q, None if needs is None else frozenset(needs))
+                        reads[item.path] = VerifiedRead(q, None if needs is None else frozenset(needs))
                     verified[item.path] = None
                 except (CheckpointError, OSError) as e:
                     verified[item.path] = str(e)
@@ -379,130 +330,6 @@ class CheckpointDirectory:
         return None
 
 
-class DirectoryClaim:
-    """A writer's hold on a directory, so that nobody removes the temp files it writes.
-
-    How ownership of temp files is known: every writer (a :class:`Checkpointer`, each
-    rank's :class:`~tw_triton.dcp.DistributedCheckpointer`) holds a shared ``flock`` on the
-    directory itself from its construction until it is closed (or its process dies: the
-    kernel drops the lock of a killed process). :meth:`sweep` removes temp files only
-    when it gets the exclusive lock without waiting, that is when no other writer, in this
-    process or any other on this filesystem, holds the directory: every temp file there is
-    then a dead writer's. (``flock`` locks belong to the open file, so two Checkpointers of
-    one process exclude each other too.) While another writer holds it, nothing is removed:
-    temp names do not say whose they are, and the age of a file says nothing of whether a
-    slow write is still going on. Where ``flock`` is missing (Windows) or refused (some
-    network filesystems), nothing is removed either. Only writers of this library take the
-    lock: a temp file of a process that writes here by another route (``format.write_file``
-    itself) is not protected.
-
-    Args:
-        path: the directory (it exists).
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
-        if _fcntl is None:
-            return
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            logger.debug("cannot open %s to lock it: %s; temp files there are left alone", path, exc)
-
-    def sweep(self, find_temps: Callable[[], Iterable[str]]) -> list[str]:
-        """Remove the temp files ``find_temps()`` lists if no other writer holds the
-        directory (see the class), log one line naming how many files and bytes, and hold
-        the directory from then on.
-
-        Returns:
-            The paths removed.
-        """
-        if self._fd is None:
-            return []
-        removed: list[str] = []
-        try:
-            _fcntl.flock(self._fd, _fcntl.LOCK_EX | _fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.debug("another writer holds %s: its temp files are left alone", self.path)
-        except OSError as exc:
-            logger.debug("cannot lock %s (%s): its temp files are left alone", self.path, exc)
-        else:
-            removed, nbytes = _remove_files(find_temps())
-            if removed:
-                logger.warning(
-                    "removed %d temp file(s) of %d bytes that killed or failed saves left in %s",
-                    len(removed), nbytes, self.path,
-                )
-        try:
-            # Not atomic after the exclusive lock (flock(2)), which is fine: this writer has
-            # no temp file yet for another sweep to find.
-            _fcntl.flock(self._fd, _fcntl.LOCK_SH)
-        except OSError as exc:
-            logger.debug("cannot lock %s (%s)", self.path, exc)
-        return removed
-
-    def close(self) -> None:
-        """Let go of the directory (closing twice is harmless)."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - at interpreter exit os may be gone; the fd goes with the process
-            pass
-
-
-def checkpoint_temp_files(directory: str) -> list[str]:
-    """Temp files of a :class:`Checkpointer`'s naming in ``directory``: those of
-    :func:`~tw_triton.format.write_file` (and of retention's renames) for a checkpoint
-    file name (``.step-00000003.tw.safetensors.<16 hex>.tmp``)."""
-    return _temp_files_for(directory, lambda final: parse_checkpoint_name(final) is not None)
-
-
-def dcp_temp_files(directory: str) -> list[str]:
-    """Temp files of a :class:`~tw_triton.dcp.DistributedCheckpointer`'s naming under
-    ``directory``: in its ``step_<digits>`` directories, those of
-    :func:`~tw_triton.format.write_file` for a rank's file (``__<rank>_<k>.tw.safetensors``)
-    and ``tw_dcp.json.tmp``, the record's."""
-    found = []
-    for name in os.listdir(directory):
-        sub = os.path.join(directory, name)
-        if _DCP_STEP_RE.fullmatch(name) and os.path.isdir(sub):
-            found += _temp_files_for(sub, _DCP_FILE_RE.fullmatch, also=(_DCP_RECORD_TEMP,))
-    return sorted(found)
-
-
-def _temp_files_for(directory: str, is_final: Callable[[str], Any], also: tuple[str, ...] = ()) -> list[str]:
-    """Temp files of :func:`~tw_triton.format.write_file` in ``directory`` whose final name
-    passes ``is_final``, and the files named in ``also``."""
-    found = []
-    for name in os.listdir(directory):
-        m = _WRITE_TEMP_RE.fullmatch(name)
-        if name in also or (m is not None and _format.is_temp_file(name) and is_final(m.group(1))):
-            found.append(os.path.join(directory, name))
-    return sorted(found)
-
-
-def _remove_files(paths: Iterable[str]) -> tuple[list[str], int]:
-    """Unlink ``paths`` (plain files only); return those removed and their bytes."""
-    removed, nbytes = [], 0
-    for path in paths:
-        try:
-            st = os.lstat(path)
-            if not _stat.S_ISREG(st.st_mode):
-                continue
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            logger.warning("could not remove temp file %s: %s", path, exc)
-            continue
-        removed.append(path)
-        nbytes += st.st_size
-    return removed, nbytes
 
 
 def _passed_over(info: CheckpointInfo, problem: str) -> str:

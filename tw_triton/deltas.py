@@ -1,28 +1,12 @@
 """What a Checkpointer's deltas are coded against, and decoding a chain of them.
 
-Two ways to code the saves between keyframes (``Checkpointer(delta=...)``):
-
-``"open"`` (open loop)
-    Every delta is coded against the last keyframe's exact values. Loading a delta reads
-    it and its keyframe; losing a delta loses only that delta. The quantization error of a
-    delta grows with its distance from the keyframe, because the codes must span
-    everything that changed since then.
-
-``"closed"`` (closed loop)
-    Every delta is coded against the *reconstruction* of the save before it: after a
-    delta is encoded, the reference becomes ``decode(delta, reference)``, which is exactly
-    what a loader rebuilds (the codecs are bit-exact on every device). The error of a
-    delta is then bounded by the change since the previous save plus the previous error,
-    whatever the distance from the keyframe, so fewer bits serve. The price is a chain:
-    loading delta ``k`` decodes the keyframe and deltas ``1..k`` in order (only the
-    delta-coded tensors of the links before ``k``), a delta that is lost or corrupt makes
-    the deltas after it unloadable until the next keyframe (``latest()`` then falls back to
-    the newest checkpoint whose whole chain verifies), and retention keeps every link that
-    a kept checkpoint needs.
-
+``delta="open"``: every delta is coded against the last keyframe's exact values (loading
+reads two files). ``delta="closed"``: every delta is coded against the reconstruction of
+the save before it (:func:`advance`), so loading delta ``k`` decodes the chain from the
+keyframe (:func:`decode_chain`), and a lost link makes the deltas after it unloadable.
 Each file records the id of the checkpoint it is a delta of (``reference_id``), so the
-chain is found from the files themselves; :func:`chain_of` walks it and :func:`decode_chain`
-decodes it.
+chain is found from the files themselves (:func:`chain_of`). Why, and the trade-offs:
+docs/training-loop.md ("Keyframes and deltas", "Closed loop").
 """
 
 from __future__ import annotations
@@ -35,6 +19,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from . import format as _format
+from .checkpoint_files import checkpoint_name
 from .codecs import get_codec
 from .errors import CheckpointError, ReferenceMismatchError, checkpoint_label
 from .parallel import parallel_map
@@ -253,11 +239,9 @@ def missing_reference(path: str, reference_id: str | None, directory: str) -> Re
 
     Only the error path reads headers again; a listing's scan already dropped the file.
     """
-    from .checkpoint_dir import checkpoint_name  # checkpoint_dir imports this module
-    from .format import read_manifest
 
     try:
-        step = (read_manifest(path).get("metadata") or {}).get("reference_step")
+        step = (_format.read_manifest(path).get("metadata") or {}).get("reference_step")
     except (CheckpointError, OSError):
         step = None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -268,7 +252,7 @@ def missing_reference(path: str, reference_id: str | None, directory: str) -> Re
     why = f"which is not in {directory!r}"
     if os.path.exists(expected):
         try:
-            found = read_manifest(expected)["checkpoint_id"]
+            found = _format.read_manifest(expected)["checkpoint_id"]
             why = f"but that file is checkpoint {found!r}" if found != reference_id else why
         except (CheckpointError, OSError) as e:
             why = f"whose file is there but cannot be read: {e}"

@@ -15,7 +15,7 @@ keeps its own count.
 
 The number of threads is ``TW_TRITON_THREADS`` when set (``1`` turns parallelism off:
 for a training loop that needs every core itself), else the machine's cores, at most
-:data:`MAX_THREADS`.
+:data:`MAX_THREADS`. Why threads, and how many: docs/training-loop.md ("CPU threads").
 """
 
 from __future__ import annotations
@@ -168,9 +168,7 @@ class Background(Generic[R]):
 def _one_intraop_thread() -> None:
     """Worker start: torch ops of this thread run on one core. The workers are the
     parallelism; with torch's intra-op threads as well, N workers would start N times the
-    cores' threads, which wait on each other (with torch's default of 2 intra-op threads
-    a MiniLM + AdamW delta save on the 2-core VM took a median 0.307 s with them, 0.238 s
-    without: one-off, 5 alternating pairs)."""
+    cores' threads, which wait on each other."""
     torch.set_num_threads(1)
 
 

@@ -4,7 +4,7 @@ format and the writer.
 A :class:`QuantizedState` is what ``quantize_state_dict`` returns and what ``save`` and
 the async writer put on disk: a flat mapping of tensor paths to encoded entries, plus a
 JSON skeleton of everything that is not a tensor. Its buffers may live on the GPU until the
-writer copies them to the host.
+writer copies them to the host. Its form on disk: docs/format.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The RNG states a checkpoint holds: torch (CPU, and CUDA once initialized), numpy and
-Python's ``random``, so that a resumed run draws what the saved one would have."""
+Python's ``random``, so that a resumed run draws what the saved one would have
+(docs/training-loop.md, "What is saved")."""
 
 from __future__ import annotations
 

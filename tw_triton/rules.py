@@ -42,9 +42,7 @@ Presets (``rules="int4-delta"``), each followed by the defaults:
 ``"int8-exp-avg"``  like ``int8-delta``, and AdamW's first moment ``exp_avg`` (at least
 4096 elements) at 8 bits too. The second moment ``exp_avg_sq`` stays exact: it spans the
 square of the gradient's range, so linear 8-bit codes round its small values to zero (and a
-delta can make them negative), and a resumed AdamW then takes huge or NaN steps. The
-resume-fidelity benchmark (``benchmarks/resume_fidelity.py``, ``resume_minilm.py``) measured
-exactly that, while ``exp_avg`` alone kept the resumed loss within 0.02 % of the original.
+delta can make them negative), and a resumed AdamW then takes huge or NaN steps.
 
 Presets by intent, for a whole training state (model and AdamW), each followed by the
 defaults. Weights are deltas from the keyframe; the moments are coded on their own (``exp_avg``
@@ -59,10 +57,9 @@ negative value nor a zero where there was none), both from 4096 elements up:
                 deltas need *closed-loop* deltas
                 (``Checkpointer(delta="closed")``, the default; see
                 :mod:`tw_triton.deltas`): against a keyframe many saves back (open loop)
-                four levels are too coarse, and the resumed run measurably drifts.
+                four levels are too coarse, and the resumed run drifts.
 
-The resume benchmarks (``benchmarks/resume_fidelity.py``, ``resume_minilm.py``) measure each
-against the noise floor; the README has the numbers.
+How each preset resumes against the noise floor: docs/performance.md.
 
 A preset is the whole ``rules`` value; it is not mixed into a list, which keeps the order
 of matching obvious.
@@ -95,9 +92,8 @@ PRESETS = (
 )
 # The presets by intent: (weight-delta bits, exp_avg spec, exp_avg_sq log2 spec). Globs end
 # with the moment's name, so they match whatever name the optimizer was saved under. Fewer
-# moment bits measured within the noise floor when training the GPT from scratch, but int3
-# exp_avg left it when fine-tuning MiniLM and 2-bit log2 exp_avg_sq came close
-# (benchmarks/moment_ablation.py): no preset uses them.
+# moment bits do not resume within the noise floor on every run (docs/performance.md): no
+# preset uses them.
 MOMENT_PRESETS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
     "safe": (8, {"codec": "int8"}, {"bits": 8}),
     "small": (8, {"codec": "int4"}, {"bits": 4}),
@@ -244,8 +240,7 @@ def warn_if_too_coarse(rules: Sequence[Rule], mode: str, where: str) -> bool:
 
     ``"open"``: deltas at :data:`CLOSED_LOOP_BITS` against the keyframe, whose error grows
     with the distance from it. ``"none"``: the tensors the rules delta-code are quantized
-    on their own, and below 8 bits that loses a trained model (int4 alone: embedding
-    cosine 0.91 on MiniLM, benchmarks/fidelity_minilm.py). Closed loop needs no warning.
+    on their own, and below 8 bits that loses a trained model. Closed loop needs no warning.
     """
     deltas = [r for r in rules if r.codec == "blockwise" and r.params.get("delta", True)]
     if mode == "open":

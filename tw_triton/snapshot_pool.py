@@ -2,9 +2,10 @@
 
 A CPU snapshot copies every exact tensor (and a delta its moments) into new memory. glibc
 serves such large blocks with fresh ``mmap()`` pages and unmaps them when they are freed,
-so every save pays to fault its whole snapshot in again; on a small VM that is most of the
-time ``save()`` blocks the loop. A :class:`SnapshotPool` keeps those buffers instead and
-hands them to the next save, whose copy then lands in memory that is already mapped.
+so every save pays to fault its whole snapshot in again, which can be most of the time
+``save()`` blocks the loop. A :class:`SnapshotPool` keeps those buffers instead and hands
+them to the next save, whose copy then lands in memory that is already mapped. Why:
+docs/training-loop.md ("Memory").
 
 How it is used::
 

@@ -1,31 +1,18 @@
 """The async writer: put encoded checkpoints on disk while training goes on.
 
-:class:`AsyncWriter` takes a :class:`~tw_triton.qstate.QuantizedState` (a consistent
-snapshot whose buffers may still live on the GPU) and a path, and returns a
-:class:`concurrent.futures.Future` at once. One background thread writes the saves in the
-order they were submitted, each through :func:`tw_triton.format.write_file` (temp file,
-fsync, rename, directory fsync), so a file under its final name is always complete.
+:class:`AsyncWriter` takes a :class:`~tw_triton.qstate.QuantizedState` (or a function
+that encodes one on the writer thread) and a path, and returns a
+:class:`concurrent.futures.Future` at once. One background thread writes the saves in
+submission order through :func:`tw_triton.format.write_file` (temp file, fsync, rename),
+so a file under its final name is always complete. CUDA buffers are staged through
+pinned memory (:mod:`tw_triton.pinned_staging`); CPU buffers are written as they are.
 
-CUDA buffers are copied to the host on a side stream, ordered after the producing stream
-by an event, into pinned buffers from a pool that is reused across saves. CPU buffers are
-handed to the writer as they are: the snapshot is already a private copy, so a second
-host copy would only cost time and memory. Everything else (queueing, backpressure, error
-handling, the exit hook) is the same code on both paths.
-
-Errors: a failed save sets its exception (the original one, e.g. ``OSError`` with
-``errno.ENOSPC``) on its Future and is logged at once. Because a training loop rarely looks
-at its Futures, the failure is also raised again, once, at the next :meth:`submit`,
-:meth:`flush` or :meth:`close`, as a :class:`~tw_triton.errors.CheckpointError` naming the
-file and chained (``raise ... from``) to the original exception; when that was an
-``OSError`` the raised error is a :class:`~tw_triton.errors.CheckpointIOError`, which is
-also an ``OSError`` with the same ``errno`` (``ENOSPC``, ``EACCES``, ...).
-
-Dependencies: a save may name earlier saves it needs (``submit(..., after=...)``: a
-delta needs its keyframe and, in closed loop, the deltas before it). If one of them
-failed, the save is not written and its Future fails with a
-:class:`~tw_triton.errors.CheckpointError` naming both files, so no Future reports
-success for a file that cannot load. That failure is logged and not raised again at the
-next call: the error of the save it depends on is, once.
+Errors: a failed save's Future holds the original exception, and the failure is raised
+again, once, at the next :meth:`~AsyncWriter.submit`, :meth:`~AsyncWriter.flush` or
+:meth:`~AsyncWriter.close` (a :class:`~tw_triton.errors.CheckpointIOError` with the same
+``errno`` for an ``OSError``). Dependencies: a save submitted ``after=`` earlier saves (a
+delta's keyframe and links) is not written if one of them failed, and its Future fails.
+Why: docs/training-loop.md ("Crash safety, errors and backpressure").
 """
 
 from __future__ import annotations
@@ -41,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,121 +36,20 @@ import torch
 from . import format as _format
 from .codecs import entropy as _entropy
 from .errors import CheckpointError, CheckpointIOError
-from .qstate import EncodedEntry, QuantizedState
+from .pinned_staging import (  # noqa: F401 - re-exported: their documented home was here
+    PINNED_ALIGN,
+    PINNED_GRANULE,
+    DeviceStaging,
+    PinnedPool,
+    carve,
+    staging_nbytes,
+)
+from .qstate import QuantizedState
 
 logger = logging.getLogger(__name__)
 
-# Offsets of tensors carved from one pinned buffer are rounded up to this, so every dtype
-# view is aligned and copies start on a cache line.
-PINNED_ALIGN = 64
-
-# A save smaller than a pooled buffer reuses it; a new buffer is rounded up to a multiple
-# of this so that saves of slightly different sizes (a keyframe, then deltas) share it.
-PINNED_GRANULE = 1 << 20
-
 # submit() logs a wait for backpressure only when it is longer than this (seconds).
 WAIT_LOG_THRESHOLD_S = 0.001
-
-
-def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def staging_nbytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of one staging buffer that :func:`carve` can split into all ``tensors``."""
-    return sum(_align(t.numel() * t.element_size(), PINNED_ALIGN) for t in tensors)
-
-
-def carve(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of the ``uint8`` ``buffer``, one per tensor, with its dtype and shape
-    (contiguous), back to back, each starting ``PINNED_ALIGN``-aligned.
-
-    Raises:
-        CheckpointError: ``buffer`` is smaller than :func:`staging_nbytes` of ``tensors``.
-    """
-    need = staging_nbytes(tensors)
-    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < need:
-        raise CheckpointError(
-            f"staging buffer of {buffer.numel()} {buffer.dtype} elements cannot hold {need} bytes"
-        )
-    views = []
-    offset = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        views.append(buffer[offset:offset + n].view(t.dtype).view(t.shape))
-        offset += _align(n, PINNED_ALIGN)
-    return views
-
-
-class PinnedPool:
-    """Pinned host byte buffers, reused across saves, bounded by a byte cap.
-
-    One save takes one buffer (large enough for all its CUDA buffers, which are carved
-    from it as tensor views) and gives it back when its file is written. ``acquire``
-    blocks while the cap leaves no room, which is the writer's backpressure on memory.
-
-    Args:
-        cap_bytes: most pinned bytes held at once (in use or free), or ``None`` for no
-            byte cap (then ``max_pending`` of the writer alone bounds the pool: at most
-            that many buffers exist).
-        pin_memory: allocate page-locked memory (the point of the pool; ``False`` only
-            lets its bookkeeping be tested on a machine without CUDA).
-    """
-
-    def __init__(self, cap_bytes: int | None, *, pin_memory: bool = True) -> None:
-        if cap_bytes is not None and cap_bytes <= 0:
-            raise CheckpointError(f"pinned pool cap must be positive, got {cap_bytes} bytes")
-        self.cap_bytes = cap_bytes
-        self.pin_memory = pin_memory
-        self._free: list[torch.Tensor] = []
-        self._held_bytes = 0
-        self._cond = threading.Condition()
-
-    @property
-    def held_bytes(self) -> int:
-        """Pinned bytes the pool holds now, free or in use."""
-        with self._cond:
-            return self._held_bytes
-
-    def acquire(self, nbytes: int) -> tuple[torch.Tensor, float]:
-        """Return a pinned ``uint8`` buffer of at least ``nbytes`` and the seconds waited.
-
-        Raises:
-            CheckpointError: ``nbytes`` is larger than the cap, so it could never fit.
-        """
-        if self.cap_bytes is not None and nbytes > self.cap_bytes:
-            raise CheckpointError(
-                f"a save needs {nbytes} bytes of pinned host memory for its device "
-                f"buffers, more than the writer's pinned_bytes cap of {self.cap_bytes}; "
-                f"raise the cap"
-            )
-        want = _align(max(nbytes, 1), PINNED_GRANULE)
-        if self.cap_bytes is not None:
-            want = min(want, self.cap_bytes)
-        start = time.perf_counter()
-        with self._cond:
-            while True:
-                fits = [b for b in self._free if b.numel() >= nbytes]
-                if fits:
-                    best = min(fits, key=lambda b: b.numel())
-                    self._free.remove(best)
-                    return best, time.perf_counter() - start
-                # Buffers too small for this save would only pin memory: drop them
-                # before pinning a new one, so at most max_pending buffers exist.
-                for b in self._free:
-                    self._held_bytes -= b.numel()
-                self._free.clear()
-                if self.cap_bytes is None or self._held_bytes + want <= self.cap_bytes:
-                    buf = torch.empty(want, dtype=torch.uint8, pin_memory=self.pin_memory)
-                    self._held_bytes += want
-                    return buf, time.perf_counter() - start
-                self._cond.wait()
-
-    def release(self, buf: torch.Tensor) -> None:
-        """Give a buffer back for reuse by a later save."""
-        with self._cond:
-            self._free.append(buf)
-            self._cond.notify_all()
 
 
 @dataclass
@@ -228,7 +114,8 @@ class AsyncWriter:
         self.max_pending = max_pending
         self.fsync = fsync
         self.exit_timeout = exit_timeout
-        self._pool = PinnedPool(pinned_bytes)
+        # CUDA buffers go to the host through pinned memory; CPU buffers are written as they are.
+        self.staging = DeviceStaging(pinned_bytes, wait_log_threshold_s=WAIT_LOG_THRESHOLD_S)
         self._slots = threading.BoundedSemaphore(max_pending)
         self._lock = threading.Lock()
         self._pending: dict[Future, str] = {}
@@ -237,7 +124,6 @@ class AsyncWriter:
         self._paths: weakref.WeakKeyDictionary[Future, str] = weakref.WeakKeyDictionary()
         self._tasks: set[Future] = set()
         self._errors: list[tuple[str, BaseException]] = []
-        self._side_streams: dict[int, torch.cuda.Stream] = {}
         self._closed = False
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         # A daemon thread never holds up interpreter exit on its own; the exit hook
@@ -324,10 +210,9 @@ class AsyncWriter:
     def discard(self, path: str | os.PathLike) -> None:
         """Delete ``path`` on the writer thread, after the saves queued before it.
 
-        Why: unlinking a large file frees its page cache, which takes time (16 ms for an
-        81 MiB keyframe on the 2-core VM, 2 ms for each 9 MiB delta), and retention deletes a
-        whole keyframe cycle at once; on the loop's thread that was one pause of 0.06 s in
-        ten. A file already gone is fine; another failure is logged. :meth:`flush` and
+        Why: unlinking a large file frees its page cache, which takes time, and retention
+        deletes a whole keyframe cycle at once: on the loop's thread that would be a pause.
+        A file already gone is fine; another failure is logged. :meth:`flush` and
         :meth:`close` wait for it. A closed writer deletes it here and now.
         """
         self.call(functools.partial(_format.remove_quietly, os.fspath(path)))
@@ -392,7 +277,7 @@ class AsyncWriter:
     @property
     def pinned_bytes_held(self) -> int:
         """Pinned host bytes the pool holds now (0 when no CUDA buffer was ever saved)."""
-        return self._pool.held_bytes
+        return self.staging.pool.held_bytes
 
     def __enter__(self) -> "AsyncWriter":
         return self
@@ -412,78 +297,11 @@ class AsyncWriter:
 
     def _stage(self, qstate: QuantizedState, path: str, future: Future) -> _Job:
         """Build the job; on CUDA, enqueue the D2H copies into a pinned buffer."""
-        device_bufs = [
-            (name, bname, t)
-            for name, entry in qstate.entries.items()
-            for bname, t in entry.buffers.items()
-            if t.device.type != "cpu"
-        ]
-        if not device_bufs:
+        staged = self.staging.stage(qstate, path)
+        if staged is None:
             return _Job(qstate=qstate, path=path, future=future)
-        other = {t.device.type for _, _, t in device_bufs} - {"cuda"}
-        if other:
-            raise CheckpointError(
-                f"cannot save '{path}': buffers on device type(s) {sorted(other)}; "
-                f"the writer stages only CUDA and CPU tensors"
-            )
-        tensors = [t for _, _, t in device_bufs]
-        pinned, waited = self._pool.acquire(staging_nbytes(tensors))
-        if waited > WAIT_LOG_THRESHOLD_S:
-            logger.info(
-                "backpressure: save of '%s' waited %.3f s for pinned host memory (cap %s bytes)",
-                path, waited, self._pool.cap_bytes,
-            )
-        try:
-            views = carve(pinned, tensors)
-            events = self._copy_to_host(tensors, views)
-        except BaseException:
-            # Copies enqueued before the failure (e.g. for another device) still write into
-            # the buffer: it goes back to the pool only once they are done.
-            self._drain_side_streams()
-            self._pool.release(pinned)
-            raise
-        by_key = {(name, bname): v for (name, bname, _), v in zip(device_bufs, views)}
-        entries = {}
-        for name, entry in qstate.entries.items():
-            bufs = {b: by_key.get((name, b), t) for b, t in entry.buffers.items()}
-            entries[name] = EncodedEntry(entry.codec, entry.params, entry.shape, entry.dtype, bufs)
-        return _Job(qstate=replace(qstate, entries=entries), path=path, future=future,
-                    copy_done=events, device_state=qstate, pinned=pinned)
-
-    def _copy_to_host(self, tensors: list[torch.Tensor], views: list[torch.Tensor]) -> list:
-        """Enqueue each CUDA tensor's copy into its pinned view, per device on a side stream
-        that first waits for the work already queued on the current stream (the encode
-        kernels that produced the buffers). Returns one event per device marking the copies
-        done; the caller keeps the device tensors alive until they have fired."""
-        by_device: dict[int, list[int]] = {}
-        for i, t in enumerate(tensors):
-            by_device.setdefault(t.device.index, []).append(i)
-        events = []
-        for index, members in by_device.items():
-            producer = torch.cuda.current_stream(index)
-            side = self._side_stream(index)
-            side.wait_stream(producer)
-            with torch.cuda.stream(side):
-                for i in members:
-                    views[i].copy_(tensors[i], non_blocking=True)
-            # A blocking event: the writer thread sleeps in synchronize() instead of spinning
-            # a CPU core that the training loop may need while the copy runs.
-            done = torch.cuda.Event(blocking=True)
-            done.record(side)
-            events.append(done)
-        return events
-
-    def _drain_side_streams(self) -> None:
-        """Wait for every copy enqueued on the side streams (an error path only)."""
-        for stream in self._side_streams.values():
-            stream.synchronize()
-
-    def _side_stream(self, index: int) -> "torch.cuda.Stream":
-        stream = self._side_streams.get(index)
-        if stream is None:
-            stream = torch.cuda.Stream(device=index)
-            self._side_streams[index] = stream
-        return stream
+        return _Job(qstate=staged.qstate, path=path, future=future, copy_done=staged.copy_done,
+                    device_state=qstate, pinned=staged.pinned)
 
     def _raise_pending_errors(self) -> None:
         with self._lock:
@@ -551,7 +369,7 @@ class AsyncWriter:
         job.qstate = None
         job.encode = None
         if job.pinned is not None:
-            self._pool.release(job.pinned)
+            self.staging.pool.release(job.pinned)
             job.pinned = None
         with self._lock:
             self._pending.pop(job.future, None)

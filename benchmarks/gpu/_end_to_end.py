@@ -339,16 +339,16 @@ def run_concurrency(
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Save while training runs and the state is overwritten after each ``save()``."""
-    import tw_triton.checkpointer as ckmod
+    import tw_triton.save_pipeline as ckmod
 
     model, opt, step = build(device, size, seed=1)
     busy = torch.randn(2048 if device.type == "cuda" else 64, 2048 if device.type == "cuda" else 64, device=device)
     expected: dict[int, dict[str, torch.Tensor]] = {}
     directory = workdir / ("concurrency-device-branch" if force_device_branch else "concurrency")
-    original = ckmod._all_on_cpu
+    original = ckmod.all_on_cpu
     if force_device_branch:
         # The branch a CUDA state takes (encode in save(), buffers handed to the writer).
-        ckmod._all_on_cpu = lambda tree: False
+        ckmod.all_on_cpu = lambda tree: False
     try:
         ck = Checkpointer(directory, keyframe_every=3, keep_last=None, fsync=False)
         for s in range(saves):
@@ -372,7 +372,7 @@ def run_concurrency(
             problems += found
         ck.close()
     finally:
-        ckmod._all_on_cpu = original
+        ckmod.all_on_cpu = original
     log(f"concurrency ({'device branch' if force_device_branch else 'default branch'}): "
         f"{saves} saves, {len(problems)} problem(s)")
     return {"saves": saves, "problems": problems[:50], "problem_count": len(problems), "problem_steps": by_step,

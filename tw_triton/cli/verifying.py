@@ -14,7 +14,7 @@ from ..codecs import get_codec
 from ..deltas import missing_reference
 from ..errors import ReferenceMismatchError, checkpoint_label
 from ..format import read_manifest, verify_file
-from ..state import _find_checkpoint, load
+from ..state import find_checkpoint, load
 from ..tree import flatten
 from .exits import EXIT_OK
 from .output import ProgressBar, plural, say
@@ -133,7 +133,7 @@ def _find_beside(path: str, manifest: dict[str, Any]) -> str:
     """
     directory = os.path.dirname(path) or "."
     try:
-        return _find_checkpoint(directory, manifest["reference_id"], path)
+        return find_checkpoint(directory, manifest["reference_id"], path)
     except ReferenceMismatchError:
         pass
     error = missing_reference(path, manifest["reference_id"], directory)

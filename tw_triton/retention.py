@@ -1,0 +1,137 @@
+"""Saves in flight and retention: which checkpoint files a Checkpointer keeps.
+
+:class:`InFlight` tracks the saves submitted and not yet seen done, and lists each file
+written from what its encode noted (:class:`NotedFile`), so that retention parses no
+header on the loop's thread. :func:`retain` keeps the ``keep_last`` newest complete
+checkpoints, every save in flight, and every checkpoint a kept one or the next delta
+needs (a closed-loop chain back to its keyframe); it never deletes a needed reference.
+Why: docs/training-loop.md ("Retention").
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Callable
+
+from . import format as _format
+from .checkpoint_dir import CheckpointDirectory
+from .deltas import with_references
+from .qstate import QuantizedState
+from .writer import AsyncWriter
+
+logger = logging.getLogger(__name__)
+
+
+class NotedFile:
+    """What a save's file says of itself (id, reference id, kind), noted when its encode
+    ran, for :meth:`InFlight.collect` to list it without reading its header."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.info: tuple[str, str | None, str] | None = None
+
+    def note(self, q: QuantizedState) -> None:
+        """Note the fields of ``q``, the state the file is written from."""
+        self.info = (q.checkpoint_id, q.reference_id, (q.metadata or {}).get("kind", "unknown"))
+
+    def noting(self, encode: Callable[[], QuantizedState]) -> Callable[[], QuantizedState]:
+        """``encode``, noting the fields of the state it returns."""
+
+        def encode_and_note() -> QuantizedState:
+            q = encode()
+            self.note(q)
+            return q
+
+        return encode_and_note
+
+
+@dataclass
+class SaveInFlight:
+    """One save submitted and not yet seen done."""
+
+    future: Future
+    checkpoint_id: str
+    reference_id: str | None
+    noted: NotedFile
+
+
+class InFlight:
+    """The saves of one Checkpointer not yet seen done, by step.
+
+    Args:
+        directory: where their files are listed once written.
+    """
+
+    def __init__(self, directory: CheckpointDirectory) -> None:
+        self.directory = directory
+        self.saves: dict[int, SaveInFlight] = {}
+
+    def add(self, step: int, save: SaveInFlight) -> None:
+        """Track the save of ``step`` (a step saved again replaces the earlier one)."""
+        self.saves[step] = save
+
+    def collect(self) -> None:
+        """Forget the saves that are done; list those written (see :class:`NotedFile`)."""
+        for step, save in list(self.saves.items()):
+            future = save.future
+            if not future.done():
+                continue
+            del self.saves[step]
+            noted = save.noted
+            if noted.info is None or future.cancelled() or future.exception() is not None:
+                continue
+            self.directory.note(step, noted.path, future.result(), noted.info)
+
+    def wait(self) -> None:
+        """Wait for every save in flight (without raising their errors), then collect."""
+        wait_futures([s.future for s in self.saves.values()])
+        self.collect()
+
+
+def retain(
+    directory: CheckpointDirectory,
+    keep_last: int | None,
+    inflight: InFlight,
+    reference_id: str | None,
+    writer: AsyncWriter | None,
+) -> None:
+    """Delete the checkpoints that are neither among the newest nor needed by a kept one.
+
+    Args:
+        directory: the checkpoint directory.
+        keep_last: how many of the newest complete checkpoints to keep; ``None``: all.
+        inflight: the saves in flight (all kept, with the checkpoints they need).
+        reference_id: the checkpoint the next delta is coded against (kept), or ``None``.
+        writer: the thread that unlinks the files dropped; ``None``: unlink here.
+    """
+    if keep_last is None:
+        return
+    found = directory.scan()
+    pending = inflight.saves
+    complete = [s for s in sorted(found, reverse=True) if s not in pending]
+    keep = set(complete[:keep_last]) | set(pending)
+    needed = {s.reference_id for s in pending.values() if s.reference_id is not None}
+    if reference_id is not None:
+        needed.add(reference_id)
+    needed |= {found[s].reference_id for s in keep if s in found and found[s].reference_id}
+    needed = with_references(needed, {info.checkpoint_id: info for info in found.values()})
+    for step, info in found.items():
+        if step in keep or info.checkpoint_id in needed:
+            continue
+        # Renamed out of the listing here (a metadata update), unlinked on the writer
+        # thread: the unlink of a large file is slow (see AsyncWriter.discard). A crash
+        # in between leaves a temp file that remove_temp_files() deletes.
+        doomed = directory.discard(info)
+        if doomed is None:
+            continue
+        if writer is not None:
+            writer.discard(doomed)
+        else:
+            _format.remove_quietly(doomed)
+        logger.debug("retention removed %s", info.path)
+
+
+__all__ = ["InFlight", "NotedFile", "SaveInFlight", "retain"]

@@ -1,0 +1,363 @@
+"""The save pipeline of a Checkpointer: snapshot, encode, queue.
+
+:meth:`SavePipeline.save` turns one ``save`` call into a queued write. On the CPU with an
+async writer it copies the state into pooled host buffers (the only part that blocks the
+loop) and queues the encode and the write on the writer thread; otherwise (a device
+state, ``async_write=False``, or a keyframe with no pooled memory to copy into) it encodes
+here and hands the encoded state to the writer. A keyframe stores the delta-coded tensors
+exact and starts the :class:`~tw_triton.reference_chain.ReferenceChain`; a delta's write
+depends on its keyframe and links. Why: docs/training-loop.md ("Memory", "The first save").
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from . import format as _format
+from .deltas import Reference, advance, check_reference, delta_coded
+from .qstate import QuantizedState
+from .reference_chain import ReferenceChain, depends_on, ref_at
+from .retention import InFlight, NotedFile, SaveInFlight
+from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
+from .snapshot_pool import MIN_POOLED_BYTES, SavePool, SnapshotLease
+from .state import quantize_state_dict
+from .tree import Flattened, flatten, leaf_tensors
+from .writer import AsyncWriter
+
+KIND_KEYFRAME = "keyframe"  # everything exact, no reference
+KIND_DELTA = "delta"  # quantized entries are deltas from a keyframe
+KIND_STANDALONE = "standalone"  # quantized without a reference (delta=False mode)
+
+
+@dataclass
+class SaveJob:
+    """What one ``save`` call decided, for the branch that encodes it."""
+
+    path: str
+    tree: dict[str, Any]
+    rule_list: Any
+    keyframe: bool
+    reference: Reference | None
+    meta: dict[str, Any]
+    lease: SnapshotLease | None
+    noted: NotedFile
+
+
+@dataclass
+class Queued:
+    """A save handed to the writer: its future, ids, and (a keyframe) the tensors the next
+    deltas are coded against."""
+
+    future: Future
+    checkpoint_id: str
+    reference_id: str | None
+    ref_values: dict[str, torch.Tensor]
+    warm_up: list[int] | None = None  # sizes to fault in for the next save (see warm_up)
+
+
+class SavePipeline:
+    """Snapshots, encodes and queues the saves of one Checkpointer.
+
+    Args:
+        writer: the async writer, or ``None`` to write before ``save`` returns.
+        saves: the pooled host buffers of the saves' snapshots.
+        chain: the delta reference and when the next keyframe is due.
+        inflight: where each queued save is tracked until it is done.
+        rules, bits, block: how tensors are coded (:func:`~tw_triton.rules.resolve_rules`).
+        fsync: fsync what is written without a writer.
+        directory: the directory, for the warning about too coarse rules.
+    """
+
+    def __init__(self, writer: AsyncWriter | None, saves: SavePool, chain: ReferenceChain, inflight: InFlight,
+                 *, rules: Any, bits: int, block: int, fsync: bool, directory: str) -> None:
+        self.writer, self.saves, self.chain, self.inflight = writer, saves, chain, inflight
+        self.rules, self.bits, self.block, self.fsync = rules, bits, block, fsync
+        self.directory = directory
+        # Whether the pool got (or is getting) room for the first delta's copy of what the
+        # reference holds: once per Checkpointer, by prepare() or after the first keyframe.
+        self.ref_share_reserved = False
+        # (the keyframe's Future, the Future of the writer's warm-up after it): see warm_up
+        self.warming: tuple[Future, Future] | None = None
+        self.warned_coarse = False
+
+    def save(self, step: int, tree: dict[str, Any], path: str) -> Future:
+        """Snapshot and encode ``tree`` (the whole saved state) for ``path``; return its Future."""
+        chain = self.chain
+        keyframe = chain.keyframe_due()
+        if keyframe and chain.reference is not None:
+            # A keyframe needs no reference, and the old one's buffers can hold the new one.
+            chain.retire()
+            self.saves.release_written()
+        meta: dict[str, Any] = {"step": step, "saved_at": time.time()}
+        lease = self.saves.lease(chain.kept_bytes())
+        reference = chain.reference if chain.delta else None
+        # What the writer thread could fail on is checked here, so it reaches the loop now.
+        rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
+        if not self.warned_coarse:
+            self.warned_coarse = warn_if_too_coarse(rule_list, chain.mode, self.directory)
+        job = SaveJob(path, tree, rule_list, keyframe, reference, meta, lease, NotedFile(path))
+        ref_tree = reference.tree if reference is not None else None
+        try:
+            if self.writer is not None and all_on_cpu(tree):
+                queued = self.queue_snapshot(job)
+            else:
+                queued = self.encode_here(job)
+        except BaseException:
+            if lease is not None:
+                lease.release()  # nothing was queued: no one reads these buffers
+            if reference is not None and reference.tree is not ref_tree:
+                chain.drop_advanced(step)
+            raise
+        future = queued.future
+        if lease is not None:
+            # Back to the pool only once the writer is done with them.
+            self.saves.track(future, lease)
+        self.inflight.add(step, SaveInFlight(future, queued.checkpoint_id, queued.reference_id, job.noted))
+        if keyframe:
+            chain.start(queued.checkpoint_id, queued.ref_values, step, future, lease)
+            if queued.warm_up is not None:
+                self.warm_up(queued.warm_up, lease, future)
+        else:
+            chain.add_delta(reference, queued.checkpoint_id, queued.reference_id, step, future)
+        return future
+
+    def queue_snapshot(self, job: SaveJob) -> Queued:
+        """CPU with an async writer: copy the state into the save's lease here (the only
+        part that blocks the loop) and queue its encode and write on the writer thread."""
+        reference = job.reference  # None for a keyframe: save() retired it
+        q_id = uuid.uuid4().hex
+        # Flattened once: the check, the copy and the writer's encode all take it.
+        flat = Flattened.of(job.tree)
+        if reference is not None:
+            check_reference(flat, job.rule_list, reference, job.path)
+        sizes = nbytes_each(flat.tensors.values())
+        self.wait_for_warm_up()
+        if job.keyframe and not self.saves.warm_for(sizes):
+            # No faulted-in memory to copy into (the first save of a process, no prepare):
+            # encoding now writes the moments' codes, a fraction of their bytes, instead of
+            # faulting in a copy of them, and so pauses less. Deltas always copy: in closed
+            # loop each one's encode advances the reference on the writer thread, in order.
+            return self.encode_here(job, flat, warm_up=sizes)
+        snap_q = quantize_state_dict(flat, rules="exact", checkpoint_id=q_id, allocate=job.lease)
+        # The copy's tensors by path, in the state's order (tied ones shared): the exact
+        # entries' buffers, allocated in the tensors' shapes.
+        copies = snap_q.entries
+        snapshot = Flattened({p: copies[snap_q.aliases.get(p, p)].buffers["data"] for p in flat.tensors},
+                             flat.skeleton)
+        del snap_q, copies
+        ref_values: dict[str, torch.Tensor] = {}
+        # The writer thread's codecs write their codes and scales into this save's lease as
+        # well: pooled, they do not page-fault fresh memory every save.
+        if job.keyframe:
+            encode = functools.partial(
+                encode_keyframe, snapshot, rules_as_specs(keyframe_rules(job.rule_list)), self.bits,
+                self.block, job.meta, q_id, allocate=job.lease,
+            )
+            # Chosen before the writer thread starts: rule matching is Python, and once that
+            # thread runs it would wait on the GIL.
+            if self.chain.delta:
+                ref_values = delta_coded(snapshot.tensors, job.rule_list)
+        else:
+            encode = functools.partial(
+                encode_delta, snapshot, reference, self.rules, self.bits, self.block,
+                job.meta, q_id, allocate=job.lease, ref_at=ref_at(reference),
+            )
+        future = self.write(job.noted.noting(encode), job.path, reference)
+        if reference is not None:
+            reference.last_use = future
+        if ref_values and not self.ref_share_reserved:
+            # The first delta copies the state while this keyframe's copies of what it is
+            # coded against stay held as the reference: fault that much memory in on the
+            # writer thread once the keyframe is written, not in that delta's save().
+            self.ref_share_reserved = True
+            assert self.writer is not None
+            self.writer.call(functools.partial(self.saves.reserve_beside, nbytes_each(ref_values.values())))
+        return Queued(future, q_id, reference.checkpoint_id if reference is not None else None, ref_values)
+
+    def encode_here(self, job: SaveJob, flat: Flattened | None = None,
+                    warm_up: list[int] | None = None) -> Queued:
+        """Encode the live state on this thread (a device state, ``async_write=False``, or a
+        keyframe with no pooled memory to copy into) and hand the encoded state to the
+        writer (or write it now). ``flat``: the state already flattened; ``warm_up``: the
+        sizes of the snapshot that found no pooled memory (see :meth:`warm_up`)."""
+        ref_values: dict[str, torch.Tensor] = {}
+        if job.keyframe:
+            q = encode_keyframe(job.tree if flat is None else flat, rules_as_specs(keyframe_rules(job.rule_list)),
+                                self.bits, self.block, job.meta, None, allocate=job.lease)
+            # The tensors deltas are coded against are exact entries of the keyframe, under
+            # every path that names them: a tied weight's alias is coded against it too.
+            if self.chain.delta:
+                exact = {p: e.buffers["data"] for p, e in q.entries.items() if e.codec == "exact"}
+                exact.update({alias: exact[target] for alias, target in q.aliases.items() if target in exact})
+                ref_values = delta_coded(exact, job.rule_list)
+        else:
+            q = encode_delta(job.tree, job.reference, self.rules, self.bits, self.block, job.meta, None,
+                             allocate=job.lease, ref_at=ref_at(job.reference))
+        job.noted.note(q)
+        reference = job.reference if q.reference_id is not None else None
+        return Queued(self.write(q, job.path, reference), q.checkpoint_id, q.reference_id, ref_values, warm_up)
+
+    def write(self, q: QuantizedState | Callable[[], QuantizedState], path: str,
+              reference: Reference | None) -> Future:
+        """Write (or queue) ``q``; a delta's write waits for the saves it is coded against
+        and fails if one of them did (:meth:`AsyncWriter.submit`), so that no Future
+        reports success for a file that could never load."""
+        if self.writer is not None:
+            return self.writer.submit(q, path, after=depends_on(reference))
+        assert not callable(q), "only the async writer encodes on its thread"
+        f: Future = Future()
+        f.set_result(_format.write_file(q, path, fsync=self.fsync))
+        return f
+
+    def warm_up(self, sizes: list[int], lease: SnapshotLease | None, written: Future) -> None:
+        """After a keyframe encoded in ``save`` for want of pooled memory: fault in buffers
+        for the next save's copy of buffers of ``sizes`` on the writer thread, after that
+        keyframe's write (``written``, its Future), as ``prepare`` would have (the next
+        save is a delta, which copies). The buffers ``lease`` keeps after the reference
+        split off its own come back to the pool with the write (the copies of what the
+        keyframe stores exact, its codes): only the sizes they do not cover are added."""
+        if self.writer is None or lease is None:
+            return
+        # The reference holds the keyframe's own buffers, so this covers the whole copy:
+        # the first delta needs no share reserved for it.
+        self.ref_share_reserved = True
+        missing = Counter(n for n in sizes if n >= MIN_POOLED_BYTES) - Counter(lease.buffer_sizes())
+        if missing:
+            self.saves.make_room(sizes, self.chain.kept_bytes())
+            warmed = self.writer.call(functools.partial(self.saves.reserve_beside, list(missing.elements())))
+            self.warming = (written, warmed)
+
+    def wait_for_warm_up(self) -> None:
+        """Before a copy: if the writer thread is faulting in its buffers (:meth:`warm_up`)
+        because the keyframe before it is written, wait for the rest. Copying into fresh
+        memory instead would cost the loop the same page faults and hold a second copy. A
+        keyframe still being written is not waited for: that is what ``max_pending`` is."""
+        if self.warming is None:
+            return
+        written, warmed = self.warming
+        if written.done() or warmed.done():
+            wait_futures([warmed])
+            self.warming = None
+
+    def copies(self, tree: dict[str, Any]) -> bool:
+        """Whether a save of ``tree`` copies it into pooled host memory (else: nothing to
+        reserve for it)."""
+        return self.writer is not None and all_on_cpu(tree)
+
+    def reserve(self, tree: dict[str, Any]) -> int:
+        """Reserve pooled host memory for the first save's copy of ``tree`` (see
+        :meth:`Checkpointer.prepare <tw_triton.checkpointer.Checkpointer.prepare>`).
+
+        Returns:
+            Bytes reserved now.
+        """
+        flat = flatten(tree)[0]
+        sizes = nbytes_each(flat.values())
+        # The first delta copies the state while the keyframe's copies of what it is coded
+        # against stay held as the reference: room for those too, until a reference holds
+        # its own.
+        extra: list[int] = []
+        if self.chain.delta and self.chain.reference is None and not self.ref_share_reserved:
+            rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
+            extra = nbytes_each(delta_coded(flat, rule_list).values())
+            self.ref_share_reserved = bool(extra)
+        return self.saves.reserve(sizes, self.chain.kept_bytes(), extra)
+
+
+def encode_delta(
+    snapshot: Any,
+    reference: Reference | None,
+    rules: Any,
+    bits: int,
+    block: int,
+    meta: dict[str, Any],
+    checkpoint_id: str | None,
+    *,
+    allocate: SnapshotLease | None = None,
+    ref_at: tuple[str, int] | None = None,
+) -> QuantizedState:
+    """Encode a save between keyframes: a delta from ``reference``, or on its own without.
+
+    With ``checkpoint_id`` it runs on the writer thread over ``snapshot``, a private copy of
+    the state (exact entries then hold the copy's tensors, no second copy); without, it
+    runs in ``save`` over the live state (copies into ``allocate``). ``ref_at`` is the id
+    and step of the reference as they were at ``save`` (in closed loop the main thread
+    moves them on before the writer thread gets here). A closed-loop reference is advanced
+    to this delta's reconstruction before returning.
+    """
+    deferred = checkpoint_id is not None
+    if reference is not None:
+        ref_id, ref_step = ref_at if ref_at is not None else (reference.checkpoint_id, reference.step)
+        q = quantize_state_dict(
+            snapshot, reference=reference.tree, reference_id=ref_id, rules=rules,
+            bits=bits, block=block, metadata=meta, checkpoint_id=checkpoint_id, allocate=allocate,
+            copy=not deferred,
+        )
+        q.metadata["kind"] = KIND_DELTA if q.reference_id is not None else KIND_STANDALONE
+        if q.reference_id is not None:
+            q.metadata["reference_step"] = ref_step
+            if reference.closed:
+                q.metadata["delta_mode"] = "closed"
+                advance(reference, q)
+    else:
+        q = quantize_state_dict(snapshot, rules=rules, bits=bits, block=block, metadata=meta,
+                                checkpoint_id=checkpoint_id, allocate=allocate, copy=not deferred)
+        q.metadata["kind"] = KIND_STANDALONE
+    return q
+
+
+def encode_keyframe(
+    snapshot: Any,
+    rules: Any,
+    bits: int,
+    block: int,
+    meta: dict[str, Any],
+    checkpoint_id: str | None,
+    *,
+    allocate: SnapshotLease | None = None,
+) -> QuantizedState:
+    """Encode a keyframe with ``rules`` (the keyframe rules: delta-coded tensors exact).
+
+    With ``checkpoint_id`` it runs on the writer thread over ``snapshot``, a private copy
+    (exact entries hold its tensors); without, in ``save`` over the live state.
+    """
+    deferred = checkpoint_id is not None
+    q = quantize_state_dict(snapshot, rules=rules, bits=bits, block=block, metadata=meta,
+                            checkpoint_id=checkpoint_id, allocate=allocate, copy=not deferred)
+    q.metadata["kind"] = KIND_KEYFRAME
+    return q
+
+
+def collect_setup_garbage() -> None:
+    """One full garbage collection, unless the caller turned the collector off.
+
+    Setup makes many long-lived objects, and Python runs a full collection once enough of
+    them have piled up, at a moment set by allocation counts: otherwise often inside an
+    early save. Run here, it resets that count (docs/training-loop.md, "Python's garbage
+    collector").
+    """
+    if gc.isenabled():
+        gc.collect()
+
+
+def nbytes_each(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """The size in bytes of each tensor."""
+    return [t.numel() * t.element_size() for t in tensors]
+
+
+def all_on_cpu(tree: Any) -> bool:
+    """Whether every tensor of ``tree`` is on the CPU (the branch that copies and queues)."""
+    return all(t.device.type == "cpu" for t in leaf_tensors(tree))
+
+
+__all__ = ["SavePipeline", "collect_setup_garbage", "encode_delta", "encode_keyframe"]

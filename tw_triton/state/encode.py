@@ -1,0 +1,270 @@
+"""Encode a whole training state into a :class:`~tw_triton.qstate.QuantizedState`.
+
+:func:`quantize_state_dict` flattens the state (:mod:`tw_triton.tree`), picks a codec per
+tensor (:mod:`tw_triton.rules`), encodes each on its own device (:mod:`tw_triton.codecs`)
+and returns a consistent snapshot; tied tensors are stored once, NaN/Inf tensors exact.
+Why one host sync per state and how references are recorded: docs/design.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any, Mapping
+
+import torch
+
+from ..batching import group_batches
+from ..codecs import Codec, Encoded, ExactCodec
+from ..codecs.blockwise import check_params
+from ..errors import QuantizationError
+from ..format import MAX_EXPANSION
+from ..parallel import parallel_map
+from ..qstate import EncodedEntry, QuantizedState
+from ..rules import resolve_rules, select_rule
+from ..snapshot_pool import Allocator
+from ..tree import Flattened
+from . import fingerprints
+from .entries import codec_or_raise
+from .fingerprints import FINGERPRINT_PREFIX
+from .references import flat_reference, reference_tensor
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+
+
+def storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    if t.numel() == 0:
+        return None
+    return (
+        t.device,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+    )
+
+
+
+def batch_key(x: torch.Tensor, rule: Any, codec: Codec, ref: torch.Tensor | None) -> Any:
+    """The key under which an entry's encode may share a call with others
+    (:func:`tw_triton.batching.group_batches`), or ``None``: same codec, params and
+    :meth:`Codec.batch_key`."""
+    key = codec.batch_key(x, rule.params, ref)
+    if key is None:
+        return None
+    try:
+        frozen = tuple(sorted(rule.params.items()))
+        hash(frozen)
+    except TypeError:  # params holding lists or dicts: not worth a deep freeze
+        return None
+    return (rule.codec, frozen, key)
+
+
+
+def quantize_state_dict(
+    state: Any,
+    *,
+    reference: Any = None,
+    reference_id: str | None = None,
+    rules: Any = None,
+    bits: int = 8,
+    block: int = 128,
+    checkpoint_id: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+    allocate: Allocator | None = None,
+    copy: bool = True,
+    max_expansion: float | None = MAX_EXPANSION,
+) -> QuantizedState:
+    """Encode a nested training state into a consistent, writable snapshot.
+
+    Args:
+        state: nested dict / list / tuple of tensors, numpy arrays and plain values, or
+            that state already flattened (:class:`~tw_triton.tree.Flattened`).
+        reference: ``None``, a state of the same structure, or the path of a saved
+            checkpoint (read with :func:`load`); quantized entries become deltas from the
+            reference tensor at the same path.
+        reference_id: the id to record for an in-memory reference (e.g. the keyframe's
+            checkpoint id); default: the reference file's id, or a fingerprint.
+        rules: ``None`` (defaults), a preset name, or ``[(glob, codec spec), ...]``; see
+            :mod:`tw_triton.rules`. Recorded in the result.
+        bits, block: parameters of quantizing rules that do not set them.
+        checkpoint_id: id of this checkpoint (default: a random UUID hex).
+        metadata: small JSON-serializable metadata to record.
+        progress: called as ``progress(done, total)`` after each tensor is encoded.
+        allocate: where codecs put their output buffers, as ``allocate(shape, dtype,
+            device)`` (:meth:`Codec.encode_with`): e.g. a
+            :class:`~tw_triton.snapshot_pool.SnapshotLease`, so that the snapshot lands in
+            host memory a previous save already faulted in. The result is the same; the
+            caller must not recycle that memory while the result is still being read.
+            ``None``: fresh buffers.
+        copy: ``False`` when ``state`` is already a private snapshot that nothing changes
+            until the result is written: exact entries of contiguous tensors then hold
+            those tensors instead of copies.
+        max_expansion: for a ``reference`` given as a path, the bound on that file's
+            compressed buffers and those of its chain, as for :func:`load`.
+
+    Returns:
+        A :class:`QuantizedState`; its buffers live where the source tensors did.
+
+    Raises:
+        QuantizationError: an unsupported leaf (naming its path), bad rules or params.
+        ReferenceMismatchError: a reference misses a quantized path, or has another shape.
+    """
+    check_params(bits, block)
+    flat = Flattened.of(state)
+    tensors, skeleton = flat.tensors, flat.skeleton
+    rule_list = resolve_rules(rules, state, bits=bits, block=block)
+
+    ref_tensors: dict[str, torch.Tensor] | None = None
+    ref_file_id: str | None = None
+    ref_what = ""
+    if reference is not None:
+        # A reference read from a file goes straight to the device the state lives on.
+        ref_device = next((t.device for t in tensors.values() if t.device.type != "cpu"), None)
+        ref_tensors, ref_file_id, ref_what, _ = flat_reference(
+            reference, device=ref_device, verify=True, max_expansion=max_expansion
+        )
+
+    aliases: dict[str, str] = {}
+    first_by_storage: dict[tuple[Any, ...], str] = {}
+    canonical: list[str] = []
+    for path, t in tensors.items():
+        key = storage_key(t)
+        if key is not None and key in first_by_storage:
+            aliases[path] = first_by_storage[key]
+            continue
+        if key is not None:
+            first_by_storage[key] = path
+        canonical.append(path)
+
+    def plan_one(path: str) -> tuple[torch.Tensor, Any, Codec, torch.Tensor | None]:
+        x = tensors[path]
+        rule = select_rule(rule_list, path, x)
+        codec = codec_or_raise(rule.codec, QuantizationError, f"entry {path!r}")
+        ref = None
+        if ref_tensors is not None and codec.uses_reference(rule.params):
+            ref = reference_tensor(ref_tensors, path, tuple(x.shape), "quantize_state_dict", ref_what)
+            if ref.device != x.device:
+                ref = ref.to(x.device, non_blocking=ref.is_pinned())
+        return x, rule, codec, ref
+
+    jobs = [plan_one(path) for path in canonical]
+
+    def finish(i: int, enc: Encoded) -> tuple[Encoded, torch.Tensor | None]:
+        _, rule, codec, ref = jobs[i]
+        enc.entry.codec = rule.codec
+        return enc, ref if ref is not None and codec.uses_reference(enc.entry.params) else None
+
+    def encode_alone(i: int) -> tuple[Encoded, torch.Tensor | None]:
+        x, rule, codec, ref = jobs[i]
+        try:
+            if not copy and isinstance(codec, ExactCodec) and x.is_contiguous():
+                enc: Encoded = codec.wrap(x)
+            elif allocate is None:
+                enc = codec.encode(x, rule.params, ref)
+            else:
+                enc = codec.encode_with(x, rule.params, ref, allocate)
+        except QuantizationError as e:
+            raise QuantizationError(f"entry {canonical[i]!r} (codec {rule.codec!r}): {e}") from e
+        return finish(i, enc)
+
+    def encode_item(item: tuple[int, ...]) -> list[tuple[Encoded, torch.Tensor | None]]:
+        if len(item) == 1:
+            return [encode_alone(item[0])]
+        _, rule, codec, ref = jobs[item[0]]
+        refs = None if ref is None else [jobs[i][3] for i in item]
+        try:
+            encs = codec.encode_many([jobs[i][0] for i in item], rule.params, refs, allocate)
+        except QuantizationError:
+            # One at a time, so that the error names the entry it is about.
+            return [encode_alone(i) for i in item]
+        return [finish(i, enc) for i, enc in zip(item, encs)]
+
+    # On the CPU the entries are encoded on several threads (each alone, or small ones of
+    # one kind together: the bytes do not depend on it, see tw_triton.batching); device
+    # tensors are encoded here, where their launches are queued.
+    on_host = all(t.device.type == "cpu" for t in tensors.values())
+    keys = [batch_key(*job) if on_host else None for job in jobs]
+    # Tuples of ints: the collector stops tracking them, so a save's few hundred work items
+    # are not promoted towards a full collection while the encode runs.
+    work = [tuple(item) for item in group_batches(keys, [job[0].numel() for job in jobs])]
+    counted = [0]
+
+    def report(k: int) -> None:
+        for _ in work[k]:
+            counted[0] += 1
+            progress(counted[0], len(canonical))  # type: ignore[misc]
+
+    results = parallel_map(
+        encode_item, work,
+        sizes=[sum(jobs[i][0].numel() * jobs[i][0].element_size() for i in item) for item in work],
+        threads=None if on_host else 1,
+        done=None if progress is None else report,
+    )
+    encoded: list[tuple[Encoded, torch.Tensor | None]] = [None] * len(canonical)  # type: ignore[list-item]
+    for item, result in zip(work, results):
+        for i, r in zip(item, result):
+            encoded[i] = r
+
+    entries: dict[str, EncodedEntry] = {}
+    flagged: list[tuple[str, torch.Tensor]] = []
+    fingerprinted: list[tuple[str, torch.Tensor]] = []
+    exact = codec_or_raise("exact", QuantizationError, "quantize_state_dict")
+    for path, (enc, used_ref) in zip(canonical, encoded):
+        entries[path] = enc.entry
+        if enc.unusable is not None:
+            flagged.append((path, enc.unusable))
+        if used_ref is not None:
+            fingerprinted.append((path, fingerprints.fingerprint(used_ref)))
+
+    # The one host sync: every NaN/Inf flag and every reference fingerprint together.
+    values = fingerprints.read_device_scalars([f for _, f in flagged] + [f for _, f in fingerprinted])
+    for (path, _), bad in zip(flagged, values[: len(flagged)]):
+        if bad:
+            logger.warning(
+                "entry %r holds NaN or Inf (in the tensor, its reference or their "
+                "difference); stored exact instead of with codec %r",
+                path,
+                entries[path].codec,
+            )
+            x = tensors[path]
+            if not copy and isinstance(exact, ExactCodec) and x.is_contiguous():
+                entries[path] = exact.wrap(x).entry
+            elif allocate is None:
+                entries[path] = exact.encode(x, {}, None).entry
+            else:
+                entries[path] = exact.encode_with(x, {}, None, allocate).entry
+            entries[path].codec = "exact"
+    fp_parts = []
+    for (path, _), fp in zip(fingerprinted, values[len(flagged):]):
+        entry = entries[path]
+        if entry.codec != "exact":
+            # A copy: a codec may hand back its rule's params object, which must stay as is.
+            entry.params = {**entry.params, "ref_fp": fingerprints.fp_hex(fp)}
+            fp_parts.append(f"{path}={entry.params['ref_fp']}")
+
+    recorded_ref_id = None
+    if fp_parts:
+        if reference_id is not None:
+            recorded_ref_id = reference_id
+        elif ref_file_id is not None:
+            recorded_ref_id = ref_file_id
+        else:
+            digest = hashlib.sha256("\n".join(sorted(fp_parts)).encode()).hexdigest()
+            recorded_ref_id = FINGERPRINT_PREFIX + digest[:16]
+
+    return QuantizedState(
+        entries=entries,
+        skeleton=skeleton,
+        checkpoint_id=checkpoint_id or uuid.uuid4().hex,
+        reference_id=recorded_ref_id,
+        aliases=aliases,
+        rules=[r.to_json() for r in rule_list],
+        metadata=dict(metadata or {}),
+    )

@@ -4,6 +4,7 @@ a changed file is parsed again (a stale header must never be used)."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -145,3 +146,42 @@ def test_a_file_replaced_behind_the_checkpointer_is_parsed_again(tmp_path, parse
         listed = ckpt._dir.scan()
         assert parses == ["step-00000001.tw.safetensors"]
         assert listed[1] == Checkpointer(tmp_path)._dir.scan()[1]
+
+
+class _HoldAfterRelease:
+    """The writer's slot semaphore, holding the writer thread after its first release: the
+    file is renamed into place and its slot free, but its Future not yet done."""
+
+    def __init__(self, slots):
+        self._slots = slots
+        self.released = threading.Event()
+        self.gate = threading.Event()
+
+    def acquire(self, *args, **kwargs):
+        return self._slots.acquire(*args, **kwargs)
+
+    def release(self):
+        self._slots.release()
+        if threading.current_thread() is not threading.main_thread() and not self.released.is_set():
+            self.released.set()
+            assert self.gate.wait(60), "the test never let the writer go on"
+
+
+def test_a_file_written_but_not_yet_reported_is_not_parsed(tmp_path, parses):
+    """The writer frees a save's slot before it resolves the save's Future, so the next
+    save() can list the directory while that file is in place but not collected: the listing
+    leaves it to be noted, instead of parsing its header on the loop's thread."""
+    state = _state()
+    with Checkpointer(tmp_path, keyframe_every=10, keep_last=2, delta=False, fsync=False) as ckpt:
+        ckpt.prepare(**state)
+        hold = _HoldAfterRelease(ckpt._writer._slots)
+        ckpt._writer._slots = hold
+        try:
+            ckpt.save(0, **state)
+            assert hold.released.wait(60)
+            ckpt.save(1, **state)  # lists the directory while step 0's Future is pending
+        finally:
+            hold.gate.set()
+        ckpt.flush()
+        assert parses == []
+        assert sorted(ckpt._dir.scan()) == [0, 1]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 
@@ -71,8 +71,13 @@ class CheckpointDirectory:
         """Path of the checkpoint file of ``step`` (whether or not it exists)."""
         return os.path.join(self.path, checkpoint_name(step))
 
-    def scan(self) -> dict[int, CheckpointInfo]:
-        """Complete checkpoint files by step (headers read once per file version)."""
+    def scan(self, *, writing: Collection[str] = ()) -> dict[int, CheckpointInfo]:
+        """Complete checkpoint files by step (headers read once per file version).
+
+        Args:
+            writing: paths this process is still writing; left out unread even if already
+                renamed into place (their writer notes them once its Future is collected).
+        """
         found: dict[int, CheckpointInfo] = {}
         seen = set()
         for name in os.listdir(self.path):
@@ -81,6 +86,8 @@ class CheckpointDirectory:
                 continue
             path = os.path.join(self.path, name)
             seen.add(path)
+            if path in writing:
+                continue
             try:
                 st = os.stat(path)
             except FileNotFoundError:

@@ -109,8 +109,10 @@ def retain(
     """
     if keep_last is None:
         return
-    found = directory.scan()
     pending = inflight.saves
+    # A file in flight can be renamed into place before its Future is done; it is kept
+    # anyway and noted once collected, so its header is not parsed on the loop's thread.
+    found = directory.scan(writing={s.noted.path for s in pending.values()})
     complete = [s for s in sorted(found, reverse=True) if s not in pending]
     keep = set(complete[:keep_last]) | set(pending)
     needed = {s.reference_id for s in pending.values() if s.reference_id is not None}

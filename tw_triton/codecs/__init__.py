@@ -62,6 +62,12 @@ def register_codec(name: str, codec: Codec, *, replace: bool = False) -> None:
     _REGISTRY[name] = codec
 
 
+def unregister_codec(name: str) -> Codec | None:
+    """Remove the codec registered as ``name`` (a plug-in's, or a test's); returns it, or
+    ``None`` if there was none. Files naming it no longer load."""
+    return _REGISTRY.pop(name, None)
+
+
 def get_codec(name: str) -> Codec | None:
     """The codec registered as ``name``, or ``None``."""
     return _REGISTRY.get(name)

@@ -28,6 +28,9 @@ Built in:
     smallest and largest positive value, code 0 reserved for exact zero. Buffers ``codes``
     (uint8), ``lo`` and ``hi`` (int32, one per block). Parameters ``bits``, ``block``,
     ``packing``. Never decodes a value below zero, nor zero where the input was not.
+
+The numeric work runs in the ops of :mod:`tw_triton.ops` (dispatched by device). Why each
+codec: docs/codecs.md.
 """
 
 from __future__ import annotations

@@ -39,12 +39,9 @@ def element_words(buf: Any, width: int) -> np.ndarray:
     them (8, 4, 2 or 1 bytes; 1 on a big-endian machine): float32 is one uint32 column,
     complex128 two uint64 columns.
 
-    Numpy copies a byte column of stride ``width`` one byte at a time. A shift and a
-    truncating cast of whole words gathers the same plane ~4x faster and the widen, shift
-    and or put it back ~1.4x faster, while the data sits in the cache (a 4 MiB float32
-    buffer). On buffers many times the cache both ways are bound by memory traffic (every
-    plane reads, or rewrites, the whole buffer) and the gap shrinks to ~15 % (gather) and
-    none (put back).
+    Numpy copies a byte column of stride ``width`` one byte at a time; a shift and a
+    truncating cast of whole words gathers the same plane faster (and the widen, shift and
+    or put it back), most while the data sits in the cache.
     """
     size = next(s for s in (8, 4, 2, 1) if width % s == 0) if LITTLE_ENDIAN else 1
     return np.frombuffer(buf, dtype=np.dtype(f"u{size}")).reshape(-1, width // size)
@@ -172,8 +169,8 @@ class ByteGroupZstdStage(PlaneStage, ZstdFrameStage):
         words = self._element_words(data, itemsize)
         scratch = np.empty(min(zstd_stage.CHUNK_BYTES, words.shape[0]), dtype=np.uint8)
         # The frame goes straight into a BytesIO, whose getvalue() hands over its buffer
-        # without a copy; joining per-chunk bytes copied the whole output once more (~17 ms
-        # of ~165 on 87 MiB of float32). Same zstd stream calls, so the same bytes.
+        # without a copy (joining per-chunk bytes would copy the whole output once more).
+        # Same zstd stream calls, so the same bytes.
         sink = io.BytesIO()
         with zstd.compressor(len(data)).stream_writer(sink, size=len(data), closefd=False) as writer:
             for plane in range(itemsize):
@@ -209,10 +206,9 @@ class ByteGroupZstdStage(PlaneStage, ZstdFrameStage):
 class PlanesZstdStage(PlaneStage):
     """Byte planes, each its own zstd frame or stored as it is.
 
-    The low mantissa bytes of trained float weights are close to random: on the MiniLM
-    weights zstd saved 3.0, 2.0 and 0.0 % of planes 0-2 and 66 % of plane 3 (sign and
-    exponent), and it spent more time on the three low planes than on plane 3 while coding
-    and decoding them. This stage runs zstd only on the planes whose sampled order-0
+    The low mantissa bytes of trained float weights are close to random: zstd saves little
+    on them, at more time than on the sign-and-exponent plane, which it shrinks by about two
+    thirds (docs/performance.md). This stage runs zstd only on the planes whose sampled order-0
     entropy promises a saving of at least :data:`PLANE_MIN_SAVING` (see
     :func:`planes_to_code`), and stores the others raw.
 
@@ -232,8 +228,8 @@ class PlanesZstdStage(PlaneStage):
         scratch = np.empty(min(zstd_stage.CHUNK_BYTES, count), dtype=np.uint8)
         # Plane after plane into one BytesIO, whose getvalue() hands its buffer over: no
         # copy of the output. (Splitting a chunk into all its planes in one compiled pass
-        # kept each plane apart until the end and joined them, a copy of the output: no
-        # faster in a whole save, and 22 MiB more peak memory on the MiniLM keyframe.)
+        # would keep each plane apart until the end and join them: a copy of the output and
+        # more peak memory, for no faster save.)
         sink = io.BytesIO()
         frames = []
         for plane, coded in enumerate(planes_to_code(words, itemsize)):

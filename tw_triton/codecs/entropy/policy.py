@@ -25,7 +25,7 @@ PLANES_MIN_BYTES = PLANE_MATCH_MIN_BYTES
 # and a zstd frame ~20, so a small buffer saves little and costs a decoder call.
 MIN_STAGE_BYTES = 4096
 # A stage is kept only where it saves at least this fraction of the raw bytes. Below it,
-# the decode time (~1 GB/s) costs more than reading the few saved bytes from any disk.
+# the decode time costs more than reading the few saved bytes from any disk.
 MIN_SAVING = 0.03
 
 # The stage registry, like the codec registry: a file names its stage, the reader looks it up.

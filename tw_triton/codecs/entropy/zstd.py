@@ -107,7 +107,7 @@ class Stage(ABC):
 def default_threads(nbytes: int) -> int:
     """Compression threads for a buffer of ``nbytes``: see :data:`MT_MIN_BYTES`."""
     if nbytes < MT_MIN_BYTES:
-        return 0  # before os.cpu_count(), which reads /sys on every call (~8 us)
+        return 0  # before os.cpu_count(), which reads /sys on every call
     threads = min((os.cpu_count() or 1) // 2, MAX_THREADS)
     return threads if threads >= 2 else 0
 

@@ -37,8 +37,8 @@ def signed_codes(
     own byte of a wider word (contiguous int16 ops; no strided byte views) and an
     arithmetic shift right of the int8 bytes sign-extends it. 2 bits with ``crumbs``
     (:func:`crumb_table` on ``packed``'s device): one lookup of each byte's four codes, a
-    gather of 4-byte words (4x faster here than the nine word ops below, which serve
-    without a table; at 4 bits a table of 2-byte words was slower than the shifts).
+    gather of 4-byte words (faster than the nine word ops below, which serve without a
+    table; at 4 bits the shifts beat a table of 2-byte words).
     ``x``: byte scratch of at least ``len(packed)``; ``w``, ``t``, ``e`` (``e`` for 2 bits
     only): of ``len(packed) * 8 // bits`` bytes each.
     """

@@ -132,8 +132,8 @@ def _round_quotients_fp64(
 def pack_codes(u: torch.Tensor, bits: int, out: torch.Tensor, words: torch.Tensor) -> None:
     """Join ``u`` (one code per byte, a multiple of 4 bytes, aligned) into ``out``, LSB-first.
 
-    Whole words at a time instead of strided byte views (strided byte ops ran 8x slower
-    than contiguous ones here): at 4 bits an int16 ``b0 | b1 << 8`` becomes ``b0 | b1 << 4``
+    Whole words at a time instead of strided byte views (strided byte ops run far slower
+    than contiguous ones): at 4 bits an int16 ``b0 | b1 << 8`` becomes ``b0 | b1 << 4``
     in its low byte by ``w | w >> 4``; at 2 bits an int32 of four codes by ``w | w >> 6``
     then ``| >> 12``. Casting to uint8 keeps the low byte.
     """
@@ -224,7 +224,7 @@ def quantize_blockwise_torch(
                 copy_flat_range(x, start, d[:m])
             else:
                 # The delta is one fp32 subtraction of exact upcasts. Mixed-dtype torch ops
-                # take a slow scalar path (fp16 - bf16 into fp32: 20x a copy), so every
+                # take a slow scalar path (fp16 - bf16 into fp32), so every
                 # operand is made fp32 first.
                 if ref.dtype == torch.float32 and ref.dim() == 1:
                     rs = ref[start : start + m]

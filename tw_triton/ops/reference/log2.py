@@ -172,7 +172,7 @@ def quantize_log2_torch(
                 v[m:].zero_()  # a zero is coded as itself and never widens the bounds
             v[:m].copy_(flat[start : start + m])
         t = v.view(torch.int32).view(nb, block)
-        # Two reductions: torch's fused aminmax over rows is ~9x slower on the CPU.
+        # Two reductions: torch's fused aminmax over rows is much slower on the CPU.
         mn, mx = t.amin(dim=1), t.amax(dim=1)
         positive = (mn > 0) & (mx < _F32_INF_BITS)
         other = ~(positive | ((mn == 0) & (mx == 0)))
@@ -198,8 +198,8 @@ def quantize_log2_torch(
         lo[b0 : b0 + nb] = lo_b
         hi[b0 : b0 + nb] = hi_b
         u = u_buf[:padded]
-        # Whole numbers in [0, 2**bits - 1]: exact in int16, which fp32 converts to 3x
-        # faster than to uint8.
+        # Whole numbers in [0, 2**bits - 1]: exact in int16, which fp32 converts to faster
+        # than to uint8.
         u.copy_(r.view(-1))
         byte0 = start * bits // 8
         _pack_into(u, bits, codes[byte0 : byte0 + packed_nbytes(m, bits)])

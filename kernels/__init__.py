@@ -1,7 +1,9 @@
 """Triton kernels of tw_triton (installed as ``tw_triton.kernels``).
 
 One file per operation: the ``@triton.jit`` kernel and the thin launcher that sizes the grid
-and allocates outputs. No policy, no file I/O and no torch fallback live here.
+and allocates outputs. No policy, no file I/O and no torch fallback live here: the kernels
+serve the "cuda" backend of :mod:`tw_triton.ops` (imported on first use, so triton stays
+optional) and match its plain-torch reference bit for bit (docs/codecs.md).
 """
 
 from .dequantize_blockwise import dequantize_blockwise

@@ -10,7 +10,7 @@ masked launch; element offsets are int64 (see ``row0`` in the encode kernel's do
 which plays the same role here).
 
 Why the arithmetic looks the way it does: the decode must equal
-``tw_triton.codecs.blockwise.dequantize_blockwise_torch`` bit for bit, on the GPU and under
+``tw_triton.ops.reference.dequantize_blockwise_torch`` bit for bit, on the GPU and under
 ``TRITON_INTERPRET=1``.
 
 * ``x_hat = fp32(ref) + fp32(q) * scale`` is a multiply and an add, each rounded: the
@@ -35,7 +35,7 @@ import triton.language as tl
 from tw_triton.errors import QuantizationError
 
 # NUM_WARPS, TILE_ELEMENTS and rows_per_program are re-exported for the PTX tests.
-from ._tiles import NUM_WARPS, TILE_ELEMENTS, launch_row_tiles, rows_per_program  # noqa: F401
+from .tiles import NUM_WARPS, TILE_ELEMENTS, launch_row_tiles, rows_per_program  # noqa: F401
 
 # Largest finite fp32, fp16 and bf16 values: the decode saturates to the output dtype's.
 _FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
@@ -46,7 +46,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _widen_to_f32(v):
+def widen_to_f32(v):
     """Exact conversion of an fp32/fp16/bf16 tile to fp32."""
     if v.dtype == tl.bfloat16:
         bits = v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
@@ -73,7 +73,7 @@ def _saturate(v, limit):
 
 
 @triton.jit
-def _narrow_from_f32(v, OUT_DTYPE: tl.constexpr):
+def narrow_from_f32(v, OUT_DTYPE: tl.constexpr):
     """Round an fp32 tile to ``OUT_DTYPE`` to nearest, ties to even (as torch's ``.to``)."""
     if OUT_DTYPE == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True)
@@ -91,7 +91,7 @@ def _narrow_from_f32(v, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _unpack_lsb_first(packed, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+def unpack_lsb_first(packed, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """Unpack (ROWS, BLOCK * BITS // 8) bytes into a (ROWS, BLOCK) int32 tile of codes."""
     p = packed.to(tl.int32)
     if BITS == 8:
@@ -141,7 +141,7 @@ def dequantize_blockwise_kernel(
     else:
         packed = tl.load(codes_ptr + byte_offs)
         scale = tl.load(scales_ptr + rows)
-    q = (_unpack_lsb_first(packed, ROWS, BLOCK, BITS) - CODE_OFFSET).to(tl.float32)
+    q = (unpack_lsb_first(packed, ROWS, BLOCK, BITS) - CODE_OFFSET).to(tl.float32)
     v = q * scale[:, None]
     if HAS_REF:
         if MASKED:
@@ -150,9 +150,9 @@ def dequantize_blockwise_kernel(
             r = tl.load(ref_ptr + offs)
         # An overflowed product is brought back by a reference of the other sign only if
         # it is saturated first (inf + r stays inf).
-        v = _saturate(v, _FP32_MAX) + _widen_to_f32(r)
+        v = _saturate(v, _FP32_MAX) + widen_to_f32(r)
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
-    y = _narrow_from_f32(_saturate(v, _finite_max(out_dtype)), out_dtype)
+    y = narrow_from_f32(_saturate(v, _finite_max(out_dtype)), out_dtype)
     if MASKED:
         tl.store(out_ptr + offs, y, mask=in_bounds)
     else:
@@ -199,7 +199,7 @@ def dequantize_blockwise(
 ) -> torch.Tensor:
     """Decode to a flat tensor of ``numel`` elements with the fused kernel.
 
-    Same contract as ``tw_triton.codecs.blockwise.dequantize_blockwise_torch``:
+    Same contract as ``tw_triton.ops.reference.dequantize_blockwise_torch``:
     ``x_hat = cast(sat(fp32(ref) + sat32(fp32(q) * scale)))``, the product rounded before
     the add, ``sat32``/``sat`` clamping to the fp32/output dtype's finite range.
 

@@ -1,7 +1,7 @@
 """Fused ``log2`` decode (the second-moment codec): unpack, log-domain level, cast.
 
 Same tile layout as ``dequantize_blockwise``. The spec is
-``tw_triton.codecs.log2.dequantize_log2_torch``; every step is an integer operation or a
+``tw_triton.ops.reference.dequantize_log2_torch``; every step is an integer operation or a
 correctly rounded fp32 one (``cvt.rn`` int32 -> fp32, ``div.rn``, ``mul.rn``, ``add.rn``, and
 the truncating fp32 -> int32 conversion that torch's ``.to(torch.int32)`` also does), so the
 decoded tensors are identical. The fp32 -> bf16 narrowing is integer rounding, for the
@@ -16,8 +16,8 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
-from ._tiles import launch_row_tiles
-from .dequantize_blockwise import _narrow_from_f32, _unpack_lsb_first
+from .tiles import launch_row_tiles
+from .dequantize_blockwise import narrow_from_f32, unpack_lsb_first
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -51,7 +51,7 @@ def dequantize_log2_kernel(
         packed = tl.load(codes_ptr + byte_offs)
         lo = tl.load(lo_ptr + rows)
         hi = tl.load(hi_ptr + rows)
-    u = _unpack_lsb_first(packed, ROWS, BLOCK, BITS)
+    u = unpack_lsb_first(packed, ROWS, BLOCK, BITS)
 
     step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
     p = (u - 1).to(tl.float32) * step[:, None]
@@ -59,7 +59,7 @@ def dequantize_log2_kernel(
     t = tl.minimum(t, hi[:, None])
     t = tl.where(u > 0, t, 0)
     out_dtype: tl.constexpr = out_ptr.dtype.element_ty
-    v = _narrow_from_f32(t.to(tl.float32, bitcast=True), out_dtype)
+    v = narrow_from_f32(t.to(tl.float32, bitcast=True), out_dtype)
 
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     if MASKED:

@@ -13,7 +13,7 @@ a launch: 0 for the main launch, the tail's first row for the tail launch, and i
 row far past 2**31 elements, to run the offset arithmetic there without allocating it.
 
 Why the arithmetic looks the way it does: the CUDA kernel, this kernel under
-``TRITON_INTERPRET=1`` and the torch path (``tw_triton.codecs.blockwise.quantize_blockwise_torch``)
+``TRITON_INTERPRET=1`` and the torch path (``tw_triton.ops.reference.quantize_blockwise_torch``)
 must give the same bytes, so every fp32 operation has to be correctly rounded.
 
 * ``tl.div_rn``: Triton's ``/`` on fp32 lowers to ``div.full.f32``, which may be 2 ulp off.
@@ -25,7 +25,7 @@ must give the same bytes, so every fp32 operation has to be correctly rounded.
 * Where ``v = fl(d / s)`` is exactly a half-integer, the code is the integer on the side of
   the exact ``d / s``, found by comparing ``2 * (d - v * s_hi)`` with ``(2 * v) * s_lo``
   (``s`` split into its top and bottom 12 significant bits; every step exact), as in
-  ``tw_triton.codecs.blockwise.nearest_integer_at_ties``. Branch-free with ``tl.where``: a few ALU ops
+  ``tw_triton.ops.reference.nearest_integer_at_ties``. Branch-free with ``tl.where``: a few ALU ops
   per element in a memory-bound kernel.
 * bf16 is widened with an integer shift rather than a cast, because the 3.9 interpreter's
   software bf16 -> fp32 conversion gets subnormals wrong (1e-39 comes out as 4.4e-39).
@@ -42,7 +42,7 @@ import triton.language as tl
 from tw_triton.errors import QuantizationError
 
 # NUM_WARPS, TILE_ELEMENTS and rows_per_program are re-exported for the PTX tests.
-from ._tiles import NUM_WARPS, TILE_ELEMENTS, launch_row_tiles, rows_per_program  # noqa: F401
+from .tiles import NUM_WARPS, TILE_ELEMENTS, launch_row_tiles, rows_per_program  # noqa: F401
 
 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude < 2**22 to an integer,
@@ -56,7 +56,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _widen_to_f32(v):
+def widen_to_f32(v):
     """Exact conversion of an fp32/fp16/bf16 tile to fp32."""
     if v.dtype == tl.bfloat16:
         # bf16 is the top half of an fp32: shifting its bits is exact for every value.
@@ -67,7 +67,7 @@ def _widen_to_f32(v):
 
 
 @triton.jit
-def _pack_lsb_first(u, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+def pack_lsb_first(u, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """Pack a (ROWS, BLOCK) int32 tile of codes into (ROWS, BLOCK * BITS // 8) bytes.
 
     Element ``i`` of a byte lands at bits ``(i % k) * BITS`` (the earlier element in the
@@ -122,13 +122,13 @@ def quantize_blockwise_kernel(
         x = tl.load(x_ptr + offs, mask=in_bounds, other=0.0)
     else:
         x = tl.load(x_ptr + offs)
-    d = _widen_to_f32(x)
+    d = widen_to_f32(x)
     if HAS_REF:
         if MASKED:
             r = tl.load(ref_ptr + offs, mask=in_bounds, other=0.0)
         else:
             r = tl.load(ref_ptr + offs)
-        d = d - _widen_to_f32(r)
+        d = d - widen_to_f32(r)
 
     a = tl.abs(d)
     a = tl.where(a == a, a, float("inf"))
@@ -140,7 +140,7 @@ def quantize_blockwise_kernel(
     v = tl.div_rn(d, safe_scale[:, None])
     r = (v + _RNE_MAGIC) - _RNE_MAGIC
     # Where v is a half-integer, rne(v) may be on the wrong side of the exact d / s: decide
-    # the side exactly (tw_triton.codecs.blockwise.nearest_integer_at_ties has the proof).
+    # the side exactly (tw_triton.ops.reference.nearest_integer_at_ties has the proof).
     s_hi = (safe_scale.to(tl.int32, bitcast=True) & _SCALE_HI_MASK).to(tl.float32, bitcast=True)
     s_lo = safe_scale - s_hi
     r1 = d - v * s_hi[:, None]
@@ -151,7 +151,7 @@ def quantize_blockwise_kernel(
     v = tl.minimum(tl.maximum(v, -QMAX * 1.0), QMAX * 1.0)
     v = tl.where(usable[:, None], v, 0.0)
     u = v.to(tl.int32) + CODE_OFFSET
-    packed = _pack_lsb_first(u, ROWS, BLOCK, BITS)
+    packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
 
     byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
     if MASKED:

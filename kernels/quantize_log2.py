@@ -2,7 +2,7 @@
 
 Same tile layout as ``quantize_blockwise`` (a ``(ROWS, BLOCK)`` tile per program, one row per
 codec block, whole tiles unmasked and the partial tile as one masked program; int64 offsets).
-The spec is ``tw_triton.codecs.log2.quantize_log2_torch``; the bytes must be identical, so:
+The spec is ``tw_triton.ops.reference.quantize_log2_torch``; the bytes must be identical, so:
 
 * ``t`` is the fp32 bit pattern of the input (bf16 widened by a shift, as in the blockwise
   encoder, because the 3.9 interpreter's bf16 conversion is wrong for subnormals);
@@ -21,8 +21,8 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
-from ._tiles import launch_row_tiles
-from .quantize_blockwise import _pack_lsb_first, _widen_to_f32
+from .tiles import launch_row_tiles
+from .quantize_blockwise import pack_lsb_first, widen_to_f32
 
 _RNE_MAGIC = tl.constexpr(12582912.0)
 _F32_INF_BITS = tl.constexpr(0x7F800000)
@@ -57,7 +57,7 @@ def quantize_log2_kernel(
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     else:
         x = tl.load(x_ptr + offs)
-    t = _widen_to_f32(x).to(tl.int32, bitcast=True)
+    t = widen_to_f32(x).to(tl.int32, bitcast=True)
 
     pos = (t > 0) & (t < _F32_INF_BITS)
     zero = (t == 0) | (t == _NEG_ZERO_BITS)
@@ -77,7 +77,7 @@ def quantize_log2_kernel(
     q = (r + _RNE_MAGIC) - _RNE_MAGIC
     q = tl.minimum(tl.maximum(q, 0.0), N_STEPS * 1.0)
     u = tl.where(pos, q.to(tl.int32) + 1, 0)
-    packed = _pack_lsb_first(u, ROWS, BLOCK, BITS)
+    packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
 
     byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
     if MASKED:

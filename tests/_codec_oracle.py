@@ -65,8 +65,8 @@ def nearest_integer(d32: np.ndarray, s32: np.ndarray) -> np.ndarray:
     the right integer unless it lies that close to a half-integer. Quotients within a
     relative ``2**-40`` of one are rounded in exact rational arithmetic instead. (The kernel
     stays in fp32 and settles ties with split products, see
-    ``tw_triton.codecs.blockwise.nearest_integer_at_ties``; the torch path rounds an fp64 quotient at 8
-    and 4 bits, see ``tw_triton.codecs.blockwise._encode_chunk_fp64``. This check relies on neither.)
+    ``tw_triton.ops.reference.nearest_integer_at_ties``; the torch path rounds an fp64 quotient at 8
+    and 4 bits, see ``tw_triton.ops.reference.blockwise_encode``. This check relies on neither.)
     """
     d = np.asarray(d32, dtype=np.float64)
     s = np.broadcast_to(np.asarray(s32, dtype=np.float64), d.shape)

@@ -93,7 +93,7 @@ def every_variant() -> list[Variant]:
 def _log2_source(v: Variant):
     from triton.compiler import ASTSource
 
-    from tw_triton.kernels._tiles import rows_per_program
+    from tw_triton.kernels.tiles import rows_per_program
     from tw_triton.kernels.dequantize_log2 import dequantize_log2_kernel
     from tw_triton.kernels.quantize_log2 import quantize_log2_kernel
 
@@ -117,7 +117,7 @@ def compile_variant(v: Variant):
     from triton.compiler import ASTSource
 
     if v.op.startswith("log2-"):
-        from tw_triton.kernels._tiles import NUM_WARPS
+        from tw_triton.kernels.tiles import NUM_WARPS
 
         return triton.compile(
             _log2_source(v),

@@ -20,6 +20,7 @@ import tw_triton
 from tw_triton import QuantizationError, QuantizedTensor
 from tw_triton.errors import CheckpointError
 from tw_triton.codecs import blockwise as codec
+from tw_triton.ops.reference import buffers, copy_flat_range
 from _codec_oracle import spec_codes_to_q, spec_decode_f32, spec_encode, to_f32
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +157,7 @@ def test_non_contiguous_equals_contiguous_copy(view, bits, dtype):
 @pytest.mark.parametrize("bits", (8, 2))
 def test_non_contiguous_across_chunk_boundaries(monkeypatch, view, bits):
     """Tiny chunks: every chunk starts and ends inside rows of the strided input."""
-    monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 32)
+    monkeypatch.setattr(buffers, "CHUNK_ELEMENTS", 32)
     make = NON_CONTIGUOUS[view]
     x = make(_randn(64 * 48, torch.bfloat16, seed=7).reshape(64, 48))
     ref = make(_randn(64 * 48, torch.float32, seed=8).reshape(64, 48))
@@ -183,7 +184,7 @@ def test_copy_flat_range_reads_any_strided_range():
                 if start + m > n or m <= 0:
                     continue
                 dst = torch.empty(m, dtype=torch.float64)
-                codec._copy_flat_range(v, start, dst)
+                copy_flat_range(v, start, dst)
                 assert torch.equal(dst, flat[start : start + m].double())
 
 

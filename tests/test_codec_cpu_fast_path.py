@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from tw_triton import QuantizationError
 from tw_triton.codecs import blockwise as codec
+from tw_triton.ops.reference import pack_codes, scratch, scratch_buffers, signed_codes
 from _codec_oracle import spec_decode_f32, spec_encode, to_f32
 
 
@@ -153,11 +154,11 @@ def test_scratch_is_reused_between_calls_and_released_on_request():
     codec.release_scratch()
     x = torch.randn(4096)
     codec.quantize_blockwise_torch(x, None, 8, 128)
-    a = codec._scratch("a", 16, torch.float32, x.device)
+    a = scratch("a", 16, torch.float32, x.device)
     codec.quantize_blockwise_torch(x, None, 8, 128)
-    assert codec._scratch("a", 16, torch.float32, x.device).data_ptr() == a.data_ptr()
+    assert scratch("a", 16, torch.float32, x.device).data_ptr() == a.data_ptr()
     codec.release_scratch()
-    assert getattr(codec._SCRATCH, "bufs", None) is None
+    assert scratch_buffers() == {}
 
 
 @pytest.mark.parametrize("bits", (4, 2))
@@ -167,22 +168,22 @@ def test_word_packing_is_lsb_first(bits):
     u = torch.randint(0, 1 << bits, (256,), generator=g, dtype=torch.uint8)
     out = torch.empty(256 // k, dtype=torch.uint8)
     words = torch.empty(256, dtype=torch.uint8)
-    codec._pack_codes(u.clone(), bits, out, words)
+    pack_codes(u.clone(), bits, out, words)
     want = sum(u.view(-1, k)[:, j].int() << (j * bits) for j in range(k)).to(torch.uint8)
     assert torch.equal(out, want)
     # and the unpacking gives back u - 2**(bits-1), sign-extended
     x, w, t, e = (torch.empty(256, dtype=torch.uint8) for _ in range(4))
-    q = codec._signed_codes(out, bits, x, w, t, e)
+    q = signed_codes(out, bits, x, w, t, e)
     assert torch.equal(q.to(torch.int16), u.to(torch.int16) - (1 << (bits - 1)))
 
 
 def test_the_2_bit_lookup_gives_every_byte_the_codes_of_the_word_ops():
     every = torch.arange(256, dtype=torch.uint8)
     x, w, t, e = (torch.empty(1024, dtype=torch.uint8) for _ in range(4))
-    by_ops = codec._signed_codes(every, 2, x, w, t, e).clone()
+    by_ops = signed_codes(every, 2, x, w, t, e).clone()
     want = torch.stack([((every.int() >> (2 * j)) & 3) - 2 for j in range(4)], 1).reshape(-1)
     assert torch.equal(by_ops.to(torch.int32), want)
-    by_table = codec._signed_codes(every, 2, x, w, t, None, codec.crumb_table(torch.device("cpu")))
+    by_table = signed_codes(every, 2, x, w, t, None, codec.crumb_table(torch.device("cpu")))
     assert torch.equal(by_table, by_ops)
 
 

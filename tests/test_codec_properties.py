@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 
 import tw_triton
 from tw_triton.codecs import blockwise as codec
+from tw_triton.ops.reference import buffers
 from _codec_oracle import (
     EXACT_SHIFT,
     exact,
@@ -273,7 +274,7 @@ def test_error_bound_is_exact(case):
 @pytest.mark.parametrize("bits", codec.SUPPORTED_BITS)
 def test_many_chunks_match_the_spec(monkeypatch, bits):
     """Chunk boundaries: with tiny chunks a tensor spans many of them plus a partial one."""
-    monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(buffers, "CHUNK_ELEMENTS", 64)
     rng = np.random.default_rng(bits)
     n = 64 * 37 + 29
     x = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(torch.bfloat16)

@@ -16,6 +16,7 @@ import torch
 
 import tw_triton
 from tw_triton.codecs import blockwise as codec
+from tw_triton.ops.reference import buffers
 
 from _codec_oracle import near_tie_blocks, nearest_integer, scale_of, spec_encode
 
@@ -50,7 +51,7 @@ def test_kernel_tie_method_matches_exact_rounding(bits, log2_lo, log2_hi):
 def test_fp64_quotient_path_matches_spec_across_sub_chunks(monkeypatch, bits, log2_lo, log2_hi):
     """Chunks of 3 blocks of 32: at 8 bits the fp64 quotients go 2 blocks then 1 at a time,
     and the last chunk is partial (a tail shorter than a block)."""
-    monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 96)
+    monkeypatch.setattr(buffers, "CHUNK_ELEMENTS", 96)
     rng = np.random.default_rng(bits + int(-log2_lo))
     block = 32
     d = near_tie_blocks(rng, 40, block, bits, log2_lo, log2_hi)[: 40 * block - 13]

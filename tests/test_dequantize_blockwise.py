@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tw_triton
-import tw_triton.codecs.blockwise as codec
 import tw_triton.kernels
+from tw_triton import ops
 from _kernel_testing import (
     BLOCKS,
     FLOATS,
@@ -235,8 +235,9 @@ def test_launcher_rejects_bad_buffers() -> None:
 
 
 def test_tw_triton_dequantize_dispatches_to_the_kernel(monkeypatch) -> None:
-    """On CUDA, ``tw_triton.dequantize`` calls this launcher; here the CUDA check is patched
-    so the same code path runs on the interpreter, with a non-contiguous reference."""
+    """On CUDA, ``tw_triton.dequantize`` calls this launcher through the "cuda" backend of
+    the op; here that backend also serves the CPU, so the same code path runs on the
+    interpreter, with a non-contiguous reference."""
     calls = []
 
     def spy(codes, scales, numel, bits, block, reference, dtype):
@@ -248,11 +249,11 @@ def test_tw_triton_dequantize_dispatches_to_the_kernel(monkeypatch) -> None:
     q = tw_triton.quantize(x, bits=2, block=32, reference=ref_base.t())  # torch path (CPU)
     expected = tw_triton.dequantize(q, reference=ref_base.t(), dtype=torch.bfloat16)
 
-    monkeypatch.setattr(codec, "_use_kernels", lambda device: True)
     monkeypatch.setattr(tw_triton.kernels, "dequantize_blockwise", spy)
-    out = tw_triton.dequantize(
-        q.to(KERNEL_DEVICE), reference=on_kernel_device(ref_base).t(), dtype=torch.bfloat16
-    )
+    with ops.using("dequantize_blockwise", KERNEL_DEVICE.type, ops.lookup("dequantize_blockwise", "cuda")):
+        out = tw_triton.dequantize(
+            q.to(KERNEL_DEVICE), reference=on_kernel_device(ref_base).t(), dtype=torch.bfloat16
+        )
     assert calls == [(True, True, torch.bfloat16)]
     assert out.shape == (40, 50)
     assert_same_bits(out, expected, "tw_triton.dequantize through the kernel")

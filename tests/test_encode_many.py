@@ -220,8 +220,9 @@ class _PickyCodec(BlockwiseCodec):
         raise QuantizationError("the batch failed")
 
 
-def test_a_failing_batch_is_retried_alone_so_the_error_names_the_entry(monkeypatch):
-    monkeypatch.setitem(codecs_mod._REGISTRY, "picky-test", _PickyCodec())
+def test_a_failing_batch_is_retried_alone_so_the_error_names_the_entry(request):
+    codecs_mod.register_codec("picky-test", _PickyCodec())
+    request.addfinalizer(lambda: codecs_mod.unregister_codec("picky-test"))
     assert get_codec("picky-test") is not None
     state = {f"w{i}": torch.ones(128) * (7.0 if i == 2 else 1.0) for i in range(4)}
     with pytest.raises(QuantizationError, match=r"entry 'w2' \(codec 'picky-test'\): refuses a 7"):

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 import tw_triton
 from _format_samples import STAGE_EVERYTHING, assert_same_state, sample_state
 from tw_triton import format as fmt
+from tw_triton.codecs import entropy
 from tw_triton.format import plan as format_plan
-from tw_triton.codecs import entropy, native
+from tw_triton.ops.backends import native
 from tw_triton.codecs.entropy import EntropyPolicy, ZstdSettings, candidate_stages, check_zstd_frame, get_stage
 from tw_triton.errors import CheckpointError
 from tw_triton.writer import AsyncWriter
@@ -94,8 +95,8 @@ def test_every_stage_gives_the_bytes_back(name, dtype, n, kind, seed, level):
 def test_chunked_and_multithreaded_paths_give_the_bytes_back(name, monkeypatch):
     """Small chunks and 2 zstd threads, so that a 1 MiB buffer takes the paths that only
     buffers of many MiB take by default."""
-    monkeypatch.setattr(entropy, "CHUNK_BYTES", 4099)
-    monkeypatch.setattr(entropy, "ONE_SHOT_MAX_BYTES", 0)  # decoding streams too
+    monkeypatch.setattr(entropy.zstd, "CHUNK_BYTES", 4099)
+    monkeypatch.setattr(entropy.zstd, "ONE_SHOT_MAX_BYTES", 0)  # decoding streams too
     t = (torch.randn(1 << 18, generator=torch.Generator().manual_seed(0)) * 1e-2).to(torch.float32)
     raw, back = round_trip(name, t, threads=2)
     assert back == raw
@@ -104,7 +105,7 @@ def test_chunked_and_multithreaded_paths_give_the_bytes_back(name, monkeypatch):
 def test_default_threads(monkeypatch):
     big = entropy.MT_MIN_BYTES
     for cores, expected in ((None, 0), (1, 0), (2, 0), (3, 0), (4, 2), (16, 8), (256, entropy.MAX_THREADS)):
-        monkeypatch.setattr(entropy.os, "cpu_count", lambda cores=cores: cores)
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
         assert entropy.default_threads(big) == expected, cores
         assert entropy.default_threads(big - 1) == 0
     seen = []
@@ -213,8 +214,8 @@ def test_bytegroup_writes_the_reference_bytes_and_reads_them(
     n = data.draw(st.integers(0, 700) | on_chunks)
     raw = _elements(kind, width, n, seed)
     stage = get_stage("zstd-bytegroup")
-    with (mock.patch.object(entropy, "CHUNK_BYTES", chunk), mock.patch.object(entropy, "_LITTLE_ENDIAN", little),
-          mock.patch.object(entropy, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0),
+    with (mock.patch.object(entropy.zstd, "CHUNK_BYTES", chunk), mock.patch.object(entropy.planes, "LITTLE_ENDIAN", little),
+          mock.patch.object(entropy.zstd, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0),
           mock.patch.dict(os.environ, {native.ENV_NATIVE: "1" if compiled else "0"})):
         zstd = ZstdSettings(level=level, min_match=match.get("min_match", 0), hash_log=match.get("hash_log", 0))
         stored, params = stage.encode(_unaligned(raw, offset), width, zstd)
@@ -254,7 +255,7 @@ def reference_plane_choice(elements: np.ndarray) -> list[bool]:
     ``PLANE_SAMPLE`` elements at an even stride; zstd where it is at most
     ``8 * (1 - PLANE_MIN_SAVING)`` bits per byte."""
     n = elements.shape[0]
-    sample = elements[:: max(n // entropy.PLANE_SAMPLE, 1)][: entropy.PLANE_SAMPLE]
+    sample = elements[:: max(n // entropy.planes.PLANE_SAMPLE, 1)][: entropy.planes.PLANE_SAMPLE]
     chosen = []
     for k in range(elements.shape[1]):
         _, counts = np.unique(sample[:, k], return_counts=True)
@@ -301,9 +302,9 @@ def test_planes_writes_the_reference_bytes_and_reads_them(
     n = data.draw(st.integers(0, 700) | on_chunks)
     raw = _elements(kind, width, n, seed)
     stage = get_stage("zstd-planes")
-    with (mock.patch.object(entropy, "CHUNK_BYTES", chunk), mock.patch.object(entropy, "_LITTLE_ENDIAN", little),
-          mock.patch.object(entropy, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0),
-          mock.patch.object(entropy, "PLANE_SAMPLE", sample),
+    with (mock.patch.object(entropy.zstd, "CHUNK_BYTES", chunk), mock.patch.object(entropy.planes, "LITTLE_ENDIAN", little),
+          mock.patch.object(entropy.zstd, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0),
+          mock.patch.object(entropy.planes, "PLANE_SAMPLE", sample),
           mock.patch.dict(os.environ, {native.ENV_NATIVE: "1" if compiled else "0"})):
         zstd = ZstdSettings(level=1, min_match=match.get("min_match", 0), hash_log=match.get("hash_log", 0))
         stored, params = stage.encode(_unaligned(raw, offset), width, zstd)
@@ -446,7 +447,7 @@ def test_frame_check_refuses(stored, raw, match):
 def test_a_frame_that_decodes_to_more_than_it_states_is_an_error(one_shot, monkeypatch):
     """Header and blocks agree with 1 byte of content, the blocks make 2: zstd stops it,
     and the decoder never writes past the 1-byte destination."""
-    monkeypatch.setattr(entropy, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0)
+    monkeypatch.setattr(entropy.zstd, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0)
     stored = memoryview(hand_frame(1, [(0, 2, b"ab")], window=True))
     check_zstd_frame(stored, 1, "w")
     for name in STAGES:
@@ -459,7 +460,7 @@ def test_a_frame_that_decodes_to_more_than_it_states_is_an_error(one_shot, monke
 
 @pytest.mark.parametrize("one_shot", [True, False], ids=["one-shot", "streaming"])
 def test_corrupted_content_is_caught_by_the_zstd_checksum(one_shot, monkeypatch):
-    monkeypatch.setattr(entropy, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0)
+    monkeypatch.setattr(entropy.zstd, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0)
     content = bytes(range(256)) * 64
     stored = bytearray(frame(content))
     stored[-1] ^= 0x40  # the frame's content checksum
@@ -738,5 +739,5 @@ def test_register_stage():
         raw, back = round_trip("identity-test", torch.arange(10, dtype=torch.int16))
         assert raw == back
     finally:
-        entropy._STAGES.pop("identity-test")
+        entropy.unregister_stage("identity-test")
 

@@ -30,7 +30,7 @@ import tw_triton.state.fingerprints as state_fingerprints
 from tw_triton.codecs import codec_names, get_codec
 
 # The modules (tw_triton.kernels re-exports functions of the same names).
-tiles = importlib.import_module("tw_triton.kernels._tiles")
+tiles = importlib.import_module("tw_triton.kernels.tiles")
 kq = importlib.import_module("tw_triton.kernels.quantize_blockwise")
 kdeq = importlib.import_module("tw_triton.kernels.dequantize_blockwise")
 kq_log2 = importlib.import_module("tw_triton.kernels.quantize_log2")

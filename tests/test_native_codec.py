@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tw_triton import TwTritonError
 from tw_triton.codecs import blockwise as bw
 from tw_triton.codecs import log2 as lg
-from tw_triton.codecs import native
+from tw_triton.ops.backends import native
 from _codec_oracle import near_tie_blocks
 
 needs_native = pytest.mark.skipif(not native.enabled(), reason="compiled codec not built or turned off")
@@ -49,7 +49,7 @@ def build(request, monkeypatch):
     if request.param is None or not native.enabled():
         pytest.skip("compiled codec not built or turned off")
     lib = native.load(request.param)
-    monkeypatch.setattr(native, "_library", lambda: lib)
+    monkeypatch.setattr(native, "library", lambda: lib)
     return request.param
 
 
@@ -59,9 +59,9 @@ def test_the_compiled_codec_is_built_and_on():
     assert native.enabled()
     builds = _builds()
     assert builds and builds[0].rsplit("/", 1)[-1].startswith("_native.")
-    if native._library().tw_cpu_has_avx2():
+    if native.library().tw_cpu_has_avx2():
         assert any("_native_avx2." in b for b in builds), "an AVX2 CPU but no AVX2 build"
-        assert native._library()._name.endswith(builds[-1].rsplit("/", 1)[-1])
+        assert native.library()._name.endswith(builds[-1].rsplit("/", 1)[-1])
 
 
 def test_the_switch_turns_it_off_and_rejects_other_values(monkeypatch):
@@ -140,8 +140,8 @@ def test_a_tensor_split_between_threads_gives_the_same_bytes(monkeypatch, thread
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert native._block_ranges(n, block)[-1][1] == n
-        assert len(native._block_ranges(n, block)) == threads
+        assert native.block_ranges(n, block)[-1][1] == n
+        assert len(native.block_ranges(n, block)) == threads
         codes, scales = bw.quantize_blockwise_cpu(x, ref, 4, block)
         got = bw.dequantize_blockwise_cpu(codes, scales, n, 4, block, ref, torch.float32)
     finally:

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tw_triton
-import tw_triton.codecs.blockwise as codec
 import tw_triton.kernels
+from tw_triton import ops
 from _kernel_testing import (
     BLOCKS,
     FLOATS,
@@ -223,20 +223,21 @@ def test_launcher_rejects_bad_input() -> None:
 
 
 def test_tw_triton_quantize_dispatches_contiguous_tensors_to_the_kernel(monkeypatch) -> None:
-    """On CUDA, ``tw_triton.quantize`` calls this launcher; here the CUDA check is patched
-    so the same code path runs on the interpreter, with a non-contiguous input."""
+    """On CUDA, ``tw_triton.quantize`` calls this launcher through the "cuda" backend of
+    the op; here that backend also serves the CPU, so the same code path runs on the
+    interpreter, with a non-contiguous input."""
     calls = []
 
     def spy(x, reference, bits, block, qmax=None):
         calls.append((x.is_contiguous(), None if reference is None else reference.is_contiguous(), qmax))
         return quantize_blockwise(x, reference, bits, block, qmax)
 
-    monkeypatch.setattr(codec, "_use_kernels", lambda device: True)
     monkeypatch.setattr(tw_triton.kernels, "quantize_blockwise", spy)
     base = torch.randn(96, 70, dtype=torch.bfloat16)
     x = on_kernel_device(base.t())  # non-contiguous
     ref = on_kernel_device(torch.randn(70, 96))
-    q = tw_triton.quantize(x, bits=4, block=64, reference=ref)
+    with ops.using("quantize_blockwise", x.device.type, ops.lookup("quantize_blockwise", "cuda")):
+        q = tw_triton.quantize(x, bits=4, block=64, reference=ref)
     assert calls == [(True, True, 7)]
     t_codes, t_scales = quantize_blockwise_torch(base.t().contiguous(), ref.cpu(), 4, 64)
     assert torch.equal(q.codes.cpu(), t_codes) and torch.equal(q.scales.cpu(), t_scales)

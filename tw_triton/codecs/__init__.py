@@ -28,6 +28,9 @@ Built in:
     smallest and largest positive value, code 0 reserved for exact zero. Buffers ``codes``
     (uint8), ``lo`` and ``hi`` (int32, one per block). Parameters ``bits``, ``block``,
     ``packing``. Never decodes a value below zero, nor zero where the input was not.
+
+The numeric work runs in the ops of :mod:`tw_triton.ops` (dispatched by device). Why each
+codec: docs/codecs.md.
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ def register_codec(name: str, codec: Codec, *, replace: bool = False) -> None:
     if name in _REGISTRY and not replace:
         raise QuantizationError(f"codec {name!r} is already registered (pass replace=True)")
     _REGISTRY[name] = codec
+
+
+def unregister_codec(name: str) -> Codec | None:
+    """Remove the codec registered as ``name`` (a plug-in's, or a test's); returns it, or
+    ``None`` if there was none. Files naming it no longer load."""
+    return _REGISTRY.pop(name, None)
 
 
 def get_codec(name: str) -> Codec | None:

@@ -2,7 +2,8 @@
 
 A codec turns a tensor (and, for delta codecs, the reference tensor at the same path) into an
 :class:`~tw_triton.qstate.EncodedEntry` (a codec name, JSON parameters and named buffers)
-and decodes such an entry back. See :mod:`tw_triton.codecs` for the registry.
+and decodes such an entry back. See :mod:`tw_triton.codecs` for the registry and
+docs/codecs.md for writing a codec.
 """
 
 from __future__ import annotations

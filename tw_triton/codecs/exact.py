@@ -1,4 +1,7 @@
-"""The exact codec: a tensor stored as it is, in its own dtype."""
+"""The exact codec: a tensor stored as it is, in its own dtype (buffer ``data``, no params).
+
+See docs/codecs.md for when the state API stores a tensor exact.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,130 @@
+"""The codec operations, each declared once and dispatched by the device of its input.
+
+Four ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
+:func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2` and
+:func:`dequantize_log2`. Each has one reference implementation in plain torch
+(:mod:`tw_triton.ops.reference`, the spec, serving any device) and backends registered per
+device type: the compiled C codec for ``"cpu"`` (:mod:`~tw_triton.ops.backends.native`,
+falling back to the reference where it does not take a tensor) and the Triton kernels for
+``"cuda"`` (:mod:`~tw_triton.ops.backends.triton`, which imports triton on first use). Every
+backend gives the reference's bytes and decoded values, bit for bit. The ops check no
+parameters: the codecs do. Rules and layout: docs/codecs.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import registry
+from .backends import native as native_backend
+from .backends import triton as triton_backend
+from .reference import REFERENCE
+from .registry import OPS, backends, lookup, register, using
+
+for _op, _fn in REFERENCE.items():
+    registry.register_reference(_op, _fn)
+for _backend in (native_backend, triton_backend):
+    for _op, _fn in _backend.BACKEND.items():
+        register(_op, _backend.DEVICE_TYPE, _fn)
+
+
+def quantize_blockwise(
+    x: torch.Tensor,
+    reference: torch.Tensor | None,
+    bits: int,
+    block: int,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qmax: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``x`` (minus ``reference``) blockwise, on ``x``'s device.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor, any shape and strides (read in row-major order).
+        reference: ``None`` or a float tensor of ``x``'s shape on its device.
+        bits: 8, 4 or 2.
+        block: a power of two from 32 to 4096.
+        out: optional ``(codes, scales)`` to write into (contiguous, of the sizes below);
+            honoured on the CPU, where a snapshot pool supplies them.
+        qmax: largest code magnitude (default ``2**(bits-1) - 1``).
+
+    Returns:
+        ``(codes, scales)``: ``uint8`` of ``ceil(n * bits / 8)`` bytes and fp32 of
+        ``ceil(n / block)`` values, on ``x``'s device.
+    """
+    return lookup("quantize_blockwise", x.device.type)(x, reference, bits, block, out=out, qmax=qmax)
+
+
+def dequantize_blockwise(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    reference: torch.Tensor | None,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode blockwise codes to a flat tensor of ``numel`` elements, on ``codes``' device.
+
+    Args:
+        codes, scales: as :func:`quantize_blockwise` returns them.
+        numel, bits, block: of the encoding.
+        reference: ``None`` or a tensor of ``numel`` elements on the codes' device.
+        dtype: float32, float16 or bfloat16.
+        out: optional contiguous output of ``numel`` elements of ``dtype``; it may be
+            ``reference`` itself (the decode reads each chunk before writing it).
+
+    Returns:
+        The decoded flat tensor (``out`` when given).
+    """
+    return lookup("dequantize_blockwise", codes.device.type)(
+        codes, scales, numel, bits, block, reference, dtype, out=out
+    )
+
+
+def quantize_log2(
+    x: torch.Tensor, bits: int, block: int, *, out: tuple[torch.Tensor, ...] | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Encode a non-negative tensor with the log2 codec, on ``x``'s device.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor, any shape and strides.
+        bits, block: code width (8, 4, 2) and elements per block.
+        out: optional ``(codes, lo, hi)`` to write into (honoured on the CPU).
+
+    Returns:
+        ``(codes, lo, hi)``: ``uint8`` packed codes and int32 bounds per block (``-1, -1``
+        for a block holding a negative, NaN or infinite element).
+    """
+    return lookup("quantize_log2", x.device.type)(x, bits, block, out=out)
+
+
+def dequantize_log2(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode log2 codes to a flat tensor of ``numel`` elements of ``dtype``, on ``codes``'
+    device (``out``, a contiguous tensor of that size and dtype, when given)."""
+    return lookup("dequantize_log2", codes.device.type)(codes, lo, hi, numel, bits, block, dtype, out=out)
+
+
+__all__ = [
+    "OPS",
+    "backends",
+    "dequantize_blockwise",
+    "dequantize_log2",
+    "lookup",
+    "quantize_blockwise",
+    "quantize_log2",
+    "register",
+    "using",
+]

@@ -1,0 +1,39 @@
+"""The reference backend of the codec ops: plain torch, any device, the specification.
+
+Each op of :mod:`tw_triton.ops` is implemented here once, as readable torch code over
+chunks of the tensor; the Triton kernels and the compiled CPU codec are held to these bytes
+and values by the tests. The codecs' rules are stated in docs/codecs.md.
+"""
+
+from __future__ import annotations
+
+from .blockwise_decode import crumb_table, dequantize_blockwise_torch, signed_codes
+from .blockwise_encode import nearest_integer_at_ties, pack_codes, quantize_blockwise_torch
+from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, scratch_buffers
+from .log2 import dequantize_log2_torch, levels, quantize_log2_torch
+
+# The ops this backend implements (registered by tw_triton.ops as the default of every device).
+REFERENCE = {
+    "quantize_blockwise": quantize_blockwise_torch,
+    "dequantize_blockwise": dequantize_blockwise_torch,
+    "quantize_log2": quantize_log2_torch,
+    "dequantize_log2": dequantize_log2_torch,
+}
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "REFERENCE",
+    "copy_flat_range",
+    "crumb_table",
+    "dequantize_blockwise_torch",
+    "dequantize_log2_torch",
+    "levels",
+    "nearest_integer_at_ties",
+    "pack_codes",
+    "quantize_blockwise_torch",
+    "quantize_log2_torch",
+    "release_scratch",
+    "scratch",
+    "scratch_buffers",
+    "signed_codes",
+]

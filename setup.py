@@ -1,6 +1,6 @@
 """Build of the optional compiled CPU codec (everything else is in pyproject.toml).
 
-``tw_triton._native`` is a plain C shared library that ``tw_triton.codecs.native`` calls
+``tw_triton._native`` is a plain C shared library that ``tw_triton.ops.backends.native`` calls
 through ctypes; it is a Python extension only so that pip builds and installs it. It is
 optional: without a C compiler the install still succeeds and the CPU path runs the
 plain-torch codec, which writes the same bytes (only slower).
@@ -25,8 +25,7 @@ extensions = [
     Extension("tw_triton._native", sources=SOURCES, depends=DEPENDS, extra_compile_args=CFLAGS, optional=True)
 ]
 # A second build for AVX2 CPUs (twice the vector width; -mavx2 alone adds no FMA), chosen
-# at run time by tw_triton.codecs.native. Measured 1.3-1.6x faster at 4 bits than the
-# baseline build on the 2-core VM of benchmarks/results (one-off).
+# at run time by tw_triton.ops.backends.native.
 if sys.platform != "win32" and platform.machine().lower() in ("x86_64", "amd64"):
     extensions.append(
         Extension(

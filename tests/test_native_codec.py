@@ -1,4 +1,4 @@
-"""The compiled CPU codec (``tw_triton.codecs.native``) against the plain-torch reference.
+"""The compiled CPU codec (``tw_triton.ops.backends.native``) against the plain-torch reference.
 
 The torch functions are the spec of the CPU path; the C ones must give the same bytes on
 encode and the same bits on decode, on every dtype, width, qmax, block and special value

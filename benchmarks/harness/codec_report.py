@@ -10,7 +10,7 @@ import torch
 
 import tw_triton
 from tw_triton.codecs import blockwise as codec
-from tw_triton.codecs import native
+from tw_triton.ops.backends import native
 
 BITS = (8, 4, 2)
 RATIO_BLOCKS = (32, 64, 128, 256, 1024, 4096)
@@ -52,7 +52,7 @@ def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[
         " timing runs: other processes shared the cores, so single timings are noisy.",
         f"CPU chunk: {codec.CHUNK_ELEMENTS:,} elements ({4 * codec.CHUNK_ELEMENTS / 2**20:.0f} MiB of fp32).",
         "",
-        f"Compiled CPU codec (tw_triton.codecs.native): {'on' if native.enabled() else 'OFF (not built, or TW_TRITON_NATIVE=0)'}."
+        f"Compiled CPU codec (tw_triton.ops.backends.native): {'on' if native.enabled() else 'OFF (not built, or TW_TRITON_NATIVE=0)'}."
         " `encode`/`decode` run the CPU path as callers get it (the compiled codec where it is on);"
         " `torch enc/copy_` and `torch dec/copy_` run the plain-torch reference, the spec, on the same"
         " tensors in the same reps.",

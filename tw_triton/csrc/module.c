@@ -1,5 +1,5 @@
 /* An empty Python module: it only makes setuptools build and install this shared library,
- * whose C functions tw_triton/codecs/native.py calls through ctypes. The same sources make
+ * whose C functions tw_triton/ops/backends/native.py calls through ctypes. The same sources make
  * two modules on x86-64 (setup.py): _native for any CPU and _native_avx2. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

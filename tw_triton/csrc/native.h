@@ -4,7 +4,7 @@
  * (the spec): same bytes out, same decoded values. Only correctly rounded fp32/fp64 ops and
  * integer ops are used, and the build turns off FMA contraction (-ffp-contract=off).
  * Inputs are contiguous; dtypes: TW_F32 (float32) or TW_BF16 (bfloat16). The Python side
- * (tw_triton/codecs/native.py) sends anything else to the torch path. */
+ * (tw_triton/ops/backends/native.py) sends anything else to the torch path. */
 #ifndef TW_NATIVE_H
 #define TW_NATIVE_H
 

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -314,9 +313,26 @@ def test_save_while_previous_is_writing_blocks_and_keeps_contents_apart(tmp_path
     monkeypatch.setattr(fmt, "write_file", slow_write)
     ckpt = Checkpointer(tmp_path, keyframe_every=10, fsync=False, rules="small")  # int8 weight deltas
     model = model_with(1.0)
-    t0 = time.perf_counter()
+    order: list[str] = []
+    slots = ckpt._writer._slots
+    waits = threading.Event()  # the second save waits for a slot (or returned without)
+
+    class Watched:  # the writer's slots, noting whether each save found one free
+        def acquire(self, blocking=True, timeout=None):
+            if slots.acquire(blocking=False):
+                order.append("slot free")
+                return True
+            order.append("save waits")
+            waits.set()
+            return slots.acquire(blocking, timeout)
+
+        def release(self, n=1):
+            slots.release(n)
+
+    ckpt._writer._slots = Watched()
     first = ckpt.save(0, model=model)
-    assert time.perf_counter() - t0 < 2.0
+    order.append("first save returned")
+    assert not first.done()  # save() did not wait for its write (held at the gate)
     assert writing.wait(10)
     with torch.no_grad():  # training goes on and changes the model during the write
         model.weight.mul_(3.0)
@@ -327,15 +343,20 @@ def test_save_while_previous_is_writing_blocks_and_keeps_contents_apart(tmp_path
 
     def second():
         holder["future"] = ckpt.save(1, model=model)
+        order.append("second save returned")
         second_done.set()
+        waits.set()
 
     th = threading.Thread(target=second)
     th.start()
-    assert not second_done.wait(0.3)  # backpressure: the second save waits
+    assert waits.wait(10)  # backpressure: the second save waits
     assert not first.done()
+    order.append("first write released")
     gate.set()
     assert second_done.wait(10)
     th.join()
+    assert order == ["slot free", "first save returned", "save waits", "first write released",
+                     "second save returned"]
     holder["future"].result(timeout=10)
     ckpt.close()
     reader = Checkpointer(tmp_path)

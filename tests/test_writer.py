@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 
 import pytest
@@ -99,40 +98,78 @@ def test_many_saves_in_order_each_with_its_own_content(tmp_path, monkeypatch):
         assert_same_state(tmp_path / n, q)
 
 
+class SlotWatch:
+    """Stands in for an AsyncWriter's slot semaphore: records in ``order`` whether each
+    submit found a slot free or had to wait for one, and advances the writer's clock
+    ``clock`` by a second when one waits (so its backpressure log does not depend on how
+    fast this machine is)."""
+
+    def __init__(self, slots, order, clock):
+        self.slots, self.order, self.clock = slots, order, clock
+        self.settled = threading.Event()  # a submit waits (or the test's thread returned)
+
+    def acquire(self, blocking=True, timeout=None):
+        if self.slots.acquire(blocking=False):
+            self.order.append("slot free")
+            return True
+        self.order.append("submit waits")
+        self.clock[0] += 1.0
+        self.settled.set()
+        return self.slots.acquire(blocking, timeout)
+
+    def release(self, n=1):
+        self.slots.release(n)
+
+
+def watch_slots(monkeypatch, w, order):
+    from types import SimpleNamespace
+
+    from tw_triton import writer as writer_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(writer_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    w._slots = SlotWatch(w._slots, order, clock)
+    return w._slots
+
+
 def test_backpressure_blocks_submit_and_keeps_saves_apart(tmp_path, monkeypatch, caplog):
     gated = GatedWrite(fmt.write_file)
     monkeypatch.setattr(fmt, "write_file", gated)
     q1, q2 = make_state(11), make_state(22)
     w = AsyncWriter(max_pending=1)
+    order: list[str] = []
+    slots = watch_slots(monkeypatch, w, order)
     caplog.set_level(logging.INFO, logger="tw_triton.writer")
-    t0 = time.perf_counter()
     f1 = w.submit(q1, tmp_path / "one.tw.safetensors")
-    assert time.perf_counter() - t0 < 1.0  # the first save does not wait for its write
+    order.append("first submit returned")
+    assert not f1.done()  # the first save does not wait for its write (held at the gate)
     assert gated.started.wait(10)
 
-    second_returned = threading.Event()
     box = {}
 
     def second():
         box["future"] = w.submit(q2, tmp_path / "two.tw.safetensors")
-        second_returned.set()
+        order.append("second submit returned")
+        slots.settled.set()
 
     th = threading.Thread(target=second)
     th.start()
     # While the first write is held at the gate, the second submit must block.
-    assert not second_returned.wait(0.3)
+    assert slots.settled.wait(10)
     assert not f1.done()
+    order.append("first write released")
     gated.gate.set()
-    assert second_returned.wait(10)
-    th.join()
+    th.join(10)
+    assert order == ["slot free", "first submit returned", "submit waits", "first write released",
+                     "second submit returned"]
     assert f1.result(timeout=10) > 0
     assert box["future"].result(timeout=10) > 0
     w.close()
     assert gated.calls == [str(tmp_path / "one.tw.safetensors"), str(tmp_path / "two.tw.safetensors")]
     assert_same_state(tmp_path / "one.tw.safetensors", q1)
     assert_same_state(tmp_path / "two.tw.safetensors", q2)
-    waits = [r for r in caplog.records if "backpressure" in r.getMessage()]
-    assert waits and "two.tw.safetensors" in waits[0].getMessage()
+    waits = [r.getMessage() for r in caplog.records if "backpressure" in r.getMessage()]
+    assert len(waits) == 1 and "two.tw.safetensors" in waits[0] and "waited 1.000 s" in waits[0]
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.EIO])
@@ -197,18 +234,35 @@ def test_two_failures_are_both_reported(tmp_path, monkeypatch):
 
 
 def test_close_drains_a_slow_write(tmp_path, monkeypatch):
+    from tw_triton import writer as writer_mod
+
     real = fmt.write_file
+    release = threading.Event()
+    order: list[str] = []
 
     def slow(qstate, path, *, fsync=True, entropy="auto"):
-        time.sleep(0.3)
-        return real(qstate, path, fsync=fsync)
+        assert release.wait(10), "close() never waited for the write"
+        nbytes = real(qstate, path, fsync=fsync)
+        order.append("written")
+        return nbytes
 
     monkeypatch.setattr(fmt, "write_file", slow)
     q = make_state(5)
     w = AsyncWriter()
     fut = w.submit(q, tmp_path / "slow.tw.safetensors")
+    real_wait = writer_mod.wait_futures
+
+    def waiting(fs, *args, **kwargs):
+        if fut in fs:  # close() waits for the held write: only now may it finish
+            order.append("close waits")
+            release.set()
+        return real_wait(fs, *args, **kwargs)
+
+    monkeypatch.setattr(writer_mod, "wait_futures", waiting)
     assert not fut.done()
     w.close()
+    order.append("closed")
+    assert order == ["close waits", "written", "closed"]
     assert fut.done() and fut.result() > 0
     assert_same_state(tmp_path / "slow.tw.safetensors", q)
     w.close()  # idempotent
@@ -226,10 +280,16 @@ def test_context_manager_does_not_mask_the_loop_exception(tmp_path, monkeypatch,
     assert any("x.tw.safetensors" in r.getMessage() for r in caplog.records)
 
 
-def test_pinned_pool_reuses_and_bounds_bytes():
+def test_pinned_pool_reuses_and_bounds_bytes(monkeypatch):
+    from types import SimpleNamespace
+
+    from tw_triton import writer as writer_mod
+
+    clock = [0.0]  # the pool's clock moves on a second each time acquire() waits
+    monkeypatch.setattr(writer_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     pool = PinnedPool(3 << 20, pin_memory=False)
     a, waited = pool.acquire(1000)
-    assert a.numel() >= 1000 and waited < 1.0
+    assert a.numel() >= 1000 and waited == 0.0
     pool.release(a)
     b, _ = pool.acquire(500)
     assert b.data_ptr() == a.data_ptr()  # reused, not reallocated
@@ -238,17 +298,28 @@ def test_pinned_pool_reuses_and_bounds_bytes():
 
     got = {}
 
+    settled = threading.Event()  # the taker waits (or returned without)
+    real_wait = pool._cond.wait
+
+    def wait(timeout=None):
+        clock[0] += 1.0
+        settled.set()
+        return real_wait(timeout)
+
+    pool._cond.wait = wait
+
     def taker():
         got["buf"], got["waited"] = pool.acquire(2 << 20)
+        settled.set()
 
     th = threading.Thread(target=taker)
     th.start()
-    th.join(0.2)
-    assert th.is_alive()  # no room under the cap until c comes back
+    assert settled.wait(10)
+    assert "buf" not in got  # no room under the cap until c comes back
     pool.release(c)
     th.join(5)
     assert not th.is_alive() and got["buf"].data_ptr() == c.data_ptr()
-    assert got["waited"] >= 0.15
+    assert got["waited"] >= 1.0
     with pytest.raises(CheckpointError, match="pinned_bytes cap"):
         pool.acquire(4 << 20)
 

@@ -6,7 +6,7 @@ then saved by:
 
 * ``dcp``        plain ``FileSystemWriter``;
 * ``dcp+zstd``   ``FileSystemWriter`` with DCP's EXPERIMENTAL zstd stream extension
-                 (``_extensions=[ZStandard()]``, wrapped in ``tw_triton.dcp._compat``);
+                 (``_extensions=[ZStandard()]``, wrapped in ``tw_triton.dcp.compat``);
 * ``tw keyframe`` ``tw_triton.dcp.StorageWriter(rules="small", as_keyframe=True)``: weights
                  exact, AdamW moments coded (exp_avg int4, exp_avg_sq log2 4 bits);
 * ``tw delta``   the same rules, weights as int8 deltas against that keyframe.
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from tw_triton.dcp import Keyframe, StorageReader, StorageWriter, _compat
+    from tw_triton.dcp import Keyframe, StorageReader, StorageWriter, compat
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available() and not args.cpu
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     keyframe = Keyframe(keyframe_dir)
     step(model, opt, 1)
     state = state_of(model, opt)
-    zstd = _compat.zstd_extensions()
+    zstd = compat.zstd_extensions()
     writers = {
         "dcp": lambda p: dcp.FileSystemWriter(p),
         "dcp+zstd": (lambda p: dcp.FileSystemWriter(p, _extensions=zstd)) if zstd else None,

@@ -102,9 +102,10 @@ class _NoisyCodec(BlockwiseCodec):
         return enc
 
 
-def test_identity_check_reports_a_byte_difference(monkeypatch):
+def test_identity_check_reports_a_byte_difference(request):
     # Registered for this test only: the registry is process-wide.
-    monkeypatch.setitem(tw_codecs._REGISTRY, "noisy-test", _NoisyCodec())
+    tw_codecs.register_codec("noisy-test", _NoisyCodec())
+    request.addfinalizer(lambda: tw_codecs.unregister_codec("noisy-test"))
     case = _identity.Case("noisy-test", 8, 32, torch.float32, "finite", "offset", None)
     problems = _identity.run_case(get_codec("noisy-test"), case, torch.device("cpu"), seed=0)
     assert any("buffer 'codes'" in p for p in problems), problems

@@ -24,6 +24,5 @@ from .keyframe import Keyframe
 from .reader import StorageReader
 from .writer import StorageWriter
 
-_compat = compat  # alias for other areas until the merge (benchmarks/dcp_compare.py)
 
 __all__ = ["StorageWriter", "StorageReader", "Keyframe", "save", "load", "DistributedCheckpointer", "is_complete"]

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-import tw_triton
 from harness.common import RESULTS_DIR, environment, fmt_table, log, write_result
 from harness.fixture import build_fixture, perturb
+
+import tw_triton
 
 SETTINGS = {"closed (defaults)": {}, "open (small)": {"delta": "open", "rules": "small"}}
 STEPS = (0, 1, 9)
@@ -50,8 +50,14 @@ def measure(repeats: int) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     reader.load(step)
                     times.append(time.perf_counter() - t0)
-                rows.append({"setting": label, "step": step, "load_s": min(times),
-                             "file_bytes": Path(reader.path_for(step)).stat().st_size})
+                rows.append(
+                    {
+                        "setting": label,
+                        "step": step,
+                        "load_s": min(times),
+                        "file_bytes": Path(reader.path_for(step)).stat().st_size,
+                    }
+                )
                 log(f"{label} step {step}: {min(times):.3f} s")
     return {"state": info, "repeats": repeats, "rows": rows}
 
@@ -59,8 +65,16 @@ def measure(repeats: int) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     """Markdown: load time per setting and step, and the step's time over the keyframe's."""
     base = {r["setting"]: r["load_s"] for r in result["rows"] if r["step"] == 0}
-    body = [[r["setting"], r["step"], "keyframe" if r["step"] == 0 else f"delta, link {r['step']}",
-             f"{r['load_s']:.3f}", f"{r['load_s'] / base[r['setting']]:.2f}x"] for r in result["rows"]]
+    body = [
+        [
+            r["setting"],
+            r["step"],
+            "keyframe" if r["step"] == 0 else f"delta, link {r['step']}",
+            f"{r['load_s']:.3f}",
+            f"{r['load_s'] / base[r['setting']]:.2f}x",
+        ]
+        for r in result["rows"]
+    ]
     return fmt_table(["setting", "step", "file", "load (s)", "vs keyframe load"], body)
 
 
@@ -72,13 +86,18 @@ def main() -> None:
     result = measure(args.repeats)
     write_result("chain_load", result)
     env = environment()
-    text = "\n".join([
-        "# Loading along a closed-loop chain", "",
-        f"Written by `python benchmarks/chain_load.py`. {env['machine']}; "
-        f"{result['state']['params']} parameters + AdamW ({result['state']['state_bytes'] / 2**20:.1f} MiB), "
-        f"best of {args.repeats} loads in one process, warm page cache, 1 torch thread.", "",
-        table(result), "",
-    ])
+    text = "\n".join(
+        [
+            "# Loading along a closed-loop chain",
+            "",
+            f"Written by `python benchmarks/chain_load.py`. {env['machine']}; "
+            f"{result['state']['params']} parameters + AdamW ({result['state']['state_bytes'] / 2**20:.1f} MiB), "
+            f"best of {args.repeats} loads in one process, warm page cache, 1 torch thread.",
+            "",
+            table(result),
+            "",
+        ]
+    )
     (RESULTS_DIR / "chain_load.md").write_text(text, encoding="utf-8")
     print(text)
 

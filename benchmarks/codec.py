@@ -26,18 +26,19 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import tw_triton  # noqa: E402
-from tw_triton.codecs import blockwise as codec  # noqa: E402
 from harness.codec_report import markdown_report, ratio_table_markdown  # noqa: E402
 from harness.common import machine_description, write_result  # noqa: E402
+
+import tw_triton  # noqa: E402
+from tw_triton.codecs import blockwise as codec  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BITS = (8, 4, 2)
@@ -53,8 +54,13 @@ def _time_once(fn: Callable[[], object]) -> float:
 
 
 def _timed_row(
-    codec_name: str, x: torch.Tensor, ref_dtype: torch.dtype | None, bits: int, read: int,
-    ops: dict[str, Callable[[], object]], reps: int,
+    codec_name: str,
+    x: torch.Tensor,
+    ref_dtype: torch.dtype | None,
+    bits: int,
+    read: int,
+    ops: dict[str, Callable[[], object]],
+    reps: int,
 ) -> dict:
     """Time ``ops`` (``enc``, ``dec``: the CPU path as callers get it, compiled where built;
     ``enc_torch``, ``dec_torch``: the torch reference; ``enc_alloc``, ``dec_alloc``) beside ``copy_`` and
@@ -126,9 +132,13 @@ def cpu_throughput(n: int, reps: int) -> list[dict]:
             out_x = torch.empty(n, dtype=dtype)
             ops = {
                 "enc": lambda: codec.quantize_blockwise_cpu(x, ref, bits, 128, out=(codes, scales)),
-                "dec": lambda: codec.dequantize_blockwise_cpu(codes, scales, n, bits, 128, ref, dtype, out=out_x),
+                "dec": lambda: codec.dequantize_blockwise_cpu(
+                    codes, scales, n, bits, 128, ref, dtype, out=out_x
+                ),
                 "enc_torch": lambda: codec.quantize_blockwise_torch(x, ref, bits, 128, out=(codes, scales)),
-                "dec_torch": lambda: codec.dequantize_blockwise_torch(codes, scales, n, bits, 128, ref, dtype, out=out_x),
+                "dec_torch": lambda: codec.dequantize_blockwise_torch(
+                    codes, scales, n, bits, 128, ref, dtype, out=out_x
+                ),
                 "enc_alloc": lambda: tw_triton.quantize(x, bits=bits, block=128, reference=ref),
                 "dec_alloc": lambda: tw_triton.dequantize(q, reference=ref),
             }
@@ -237,14 +247,28 @@ def peak_temporaries(n: int, quick: bool = False) -> list[dict]:
     """
     chunk_bytes = 4 * codec.CHUNK_ELEMENTS
     rows = []
-    configs = [("float32", False, 8, False)] if quick else [
-        (name, ref, bits, False)
-        for name, ref in (("float32", False), ("bfloat16", False), ("bfloat16", True))
-        for bits in BITS
-    ] + [("float32", False, 8, True), ("bfloat16", True, 4, True)]
+    configs = (
+        [("float32", False, 8, False)]
+        if quick
+        else [
+            (name, ref, bits, False)
+            for name, ref in (("float32", False), ("bfloat16", False), ("bfloat16", True))
+            for bits in BITS
+        ]
+        + [("float32", False, 8, True), ("bfloat16", True, 4, True)]
+    )
     for dtype_name, with_ref, bits, transposed in configs:
         proc = subprocess.run(
-            [sys.executable, "-c", _MEMORY_PROBE, str(n), str(bits), dtype_name, str(int(with_ref)), str(int(transposed))],
+            [
+                sys.executable,
+                "-c",
+                _MEMORY_PROBE,
+                str(n),
+                str(bits),
+                dtype_name,
+                str(int(with_ref)),
+                str(int(transposed)),
+            ],
             capture_output=True,
             text=True,
             check=True,
@@ -400,8 +424,18 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report, encoding="utf-8")
     if args.out is None:
-        write_result("codec_cpu", dict(n=args.n, reps=args.reps, chunk_elements=codec.CHUNK_ELEMENTS,
-                                       cpu=cpu, memory=mem, bound_stats=stats, cuda=cuda))
+        write_result(
+            "codec_cpu",
+            dict(
+                n=args.n,
+                reps=args.reps,
+                chunk_elements=codec.CHUNK_ELEMENTS,
+                cpu=cpu,
+                memory=mem,
+                bound_stats=stats,
+                cuda=cuda,
+            ),
+        )
     print(f"wrote {out}")
     return 0
 

@@ -83,7 +83,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     step(model, opt, 0)
     root = os.path.join(out, "ckpt")
     keyframe_dir = os.path.join(root, "keyframe_ref")
-    dcp.save(state_of(model, opt), storage_writer=StorageWriter(keyframe_dir, rules="small", as_keyframe=True))
+    dcp.save(
+        state_of(model, opt), storage_writer=StorageWriter(keyframe_dir, rules="small", as_keyframe=True)
+    )
     keyframe = Keyframe(keyframe_dir)
     step(model, opt, 1)
     state = state_of(model, opt)
@@ -95,8 +97,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         "tw delta": lambda p: StorageWriter(p, rules="small", reference=keyframe),
     }
     writers = {k: v for k, v in writers.items() if v is not None}
-    readers = {"dcp": dcp.FileSystemReader, "dcp+zstd": dcp.FileSystemReader,
-               "tw keyframe": StorageReader, "tw delta": StorageReader}
+    readers = {
+        "dcp": dcp.FileSystemReader,
+        "dcp+zstd": dcp.FileSystemReader,
+        "tw keyframe": StorageReader,
+        "tw delta": StorageReader,
+    }
     times: dict[str, dict[str, list[float]]] = {k: {"block": [], "total": [], "load": []} for k in writers}
     sizes: dict[str, int] = {}
     for r in range(-1, args.repeats):  # round -1 warms up every path, unrecorded
@@ -154,18 +160,28 @@ def main() -> None:
     rows = []
     for name in times:
         t = {k: median(v) for k, v in times[name].items()}
-        rows.append([
-            name, f"{mib(sizes[name]):.1f}", f"{sizes['dcp'] / sizes[name]:.2f}x smaller",
-            f"{t['block'] / base['block']:.2f}", f"{t['total'] / base['total']:.2f}", f"{t['load'] / base['load']:.2f}",
-        ])
+        rows.append(
+            [
+                name,
+                f"{mib(sizes[name]):.1f}",
+                f"{sizes['dcp'] / sizes[name]:.2f}x smaller",
+                f"{t['block'] / base['block']:.2f}",
+                f"{t['total'] / base['total']:.2f}",
+                f"{t['load'] / base['load']:.2f}",
+            ]
+        )
     print(f"# DCP comparison: {params / 1e6:.1f} M parameters + AdamW, FSDP2 on 2 ranks ({res['device']})")
     print(f"machine: {machine_description()}; median of {args.repeats}; times as ratios to plain DCP\n")
     print(fmt_table(["writer", "MiB on disk", "vs dcp", "async_save blocks", "total save", "load"], rows))
-    print(f"\nplain DCP absolute (this run): block {base['block'] * 1e3:.0f} ms, total "
-          f"{base['total'] * 1e3:.0f} ms, load {base['load'] * 1e3:.0f} ms")
+    print(
+        f"\nplain DCP absolute (this run): block {base['block'] * 1e3:.0f} ms, total "
+        f"{base['total'] * 1e3:.0f} ms, load {base['load'] * 1e3:.0f} ms"
+    )
     if not args.no_write:
-        write_result("dcp_compare", {"args": vars(args), "device": res["device"], "params": params,
-                                     "sizes": sizes, "times": times})
+        write_result(
+            "dcp_compare",
+            {"args": vars(args), "device": res["device"], "params": params, "sizes": sizes, "times": times},
+        )
 
 
 if __name__ == "__main__":

@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-
 from harness.common import fmt_table, log, mib, write_result
 from harness.minilm import SENTENCES, embed, load_minilm
 from harness.settings import MIN_QUANT_NUMEL, Setting, load_setting, save_setting
+from safetensors.torch import save_file
 
 BITS = (8, 4, 2)
 BLOCKS = (32, 64, 128, 256, 1024)
@@ -128,16 +127,18 @@ def run(bits_list: tuple[int, ...], blocks: tuple[int, ...]) -> dict[str, Any]:
             errs_t = torch.tensor(relative_errors(original, restored), dtype=torch.float64)
             model.load_state_dict(restored)
             cos_mean, cos_min = cosine_stats(model, tokenizer, base_emb)
-            baselines.append({
-                "name": f"{name} cast (safetensors)",
-                "file_bytes": nbytes,
-                "vs_safetensors": st_bytes / nbytes,
-                "vs_torch_save": pt_bytes / nbytes,
-                "rel_err_median": float(errs_t.median()),
-                "rel_err_max": float(errs_t.max()),
-                "cos_mean": cos_mean,
-                "cos_min": cos_min,
-            })
+            baselines.append(
+                {
+                    "name": f"{name} cast (safetensors)",
+                    "file_bytes": nbytes,
+                    "vs_safetensors": st_bytes / nbytes,
+                    "vs_torch_save": pt_bytes / nbytes,
+                    "rel_err_median": float(errs_t.median()),
+                    "rel_err_max": float(errs_t.max()),
+                    "cos_mean": cos_mean,
+                    "cos_min": cos_min,
+                }
+            )
             log(f"{name} cast: err med {baselines[-1]['rel_err_median']:.2e}, cos min {cos_min:.6f}")
         model.load_state_dict(original)
     return {
@@ -170,9 +171,17 @@ def table(result: dict[str, Any]) -> str:
         for r in result["rows"]
     ]
     body += [
-        [b["name"], "-", f"{mib(b['file_bytes']):.1f}", f"{b['vs_safetensors']:.2f}x",
-         f"{b['vs_torch_save']:.2f}x", f"{b['rel_err_median']:.2e}", f"{b['rel_err_max']:.2e}",
-         f"{b['cos_mean']:.6f}", f"{b['cos_min']:.6f}"]
+        [
+            b["name"],
+            "-",
+            f"{mib(b['file_bytes']):.1f}",
+            f"{b['vs_safetensors']:.2f}x",
+            f"{b['vs_torch_save']:.2f}x",
+            f"{b['rel_err_median']:.2e}",
+            f"{b['rel_err_max']:.2e}",
+            f"{b['cos_mean']:.6f}",
+            f"{b['cos_min']:.6f}",
+        ]
         for b in result.get("baselines", [])
     ]
     headers = [
@@ -194,7 +203,9 @@ def main() -> None:
     parser.add_argument("--bits", type=int, nargs="+", default=list(BITS))
     parser.add_argument("--blocks", type=int, nargs="+", default=list(BLOCKS))
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch intra-op threads (1: far steadier on a shared 2-core machine)",
     )
     args = parser.parse_args()

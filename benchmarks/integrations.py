@@ -79,8 +79,13 @@ def hf_run(kind: str, size: str, out: Path, steps: int, save_every: int) -> tupl
 
     hidden, layers, inter, vocab = MODELS[size]
     config = transformers.BertConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
-        intermediate_size=inter, max_position_embeddings=SEQ, num_labels=2,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=inter,
+        max_position_embeddings=SEQ,
+        num_labels=2,
     )
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(config)
@@ -88,9 +93,17 @@ def hf_run(kind: str, size: str, out: Path, steps: int, save_every: int) -> tupl
     ids = torch.randint(0, vocab, (64, SEQ), generator=g)
     data = [{"input_ids": ids[i], "labels": (ids[i, 0] % 2).long()} for i in range(len(ids))]
     args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=steps, save_steps=save_every, save_strategy="steps",
-        per_device_train_batch_size=8, learning_rate=1e-3, report_to=[], use_cpu=True, seed=0,
-        disable_tqdm=True, logging_strategy="no",
+        output_dir=str(out),
+        max_steps=steps,
+        save_steps=save_every,
+        save_strategy="steps",
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        logging_strategy="no",
     )
     cls = transformers.Trainer if kind == "stock" else TwTrainer
     trainer = cls(model=model, args=args, train_dataset=data)
@@ -126,8 +139,11 @@ def pl_run(kind: str, size: str, out: Path, steps: int, save_every: int) -> tupl
             super().__init__()
             torch.manual_seed(0)
             self.net = torch.nn.Sequential(
-                torch.nn.Linear(width, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
-                torch.nn.Tanh(), torch.nn.Linear(hidden, 1),
+                torch.nn.Linear(width, hidden),
+                torch.nn.Tanh(),
+                torch.nn.Linear(hidden, hidden),
+                torch.nn.Tanh(),
+                torch.nn.Linear(hidden, 1),
             )
 
         def training_step(self, batch, batch_idx):
@@ -150,8 +166,13 @@ def pl_run(kind: str, size: str, out: Path, steps: int, save_every: int) -> tupl
 
     io.save_checkpoint = timed
     trainer = pl.Trainer(
-        max_steps=steps, plugins=[io], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        accelerator="cpu", devices=1,
+        max_steps=steps,
+        plugins=[io],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
         callbacks=[ModelCheckpoint(dirpath=str(out), every_n_train_steps=save_every, save_top_k=-1)],
     )
     trainer.fit(Module(), DataLoader(TensorDataset(x, x[:, :1]), batch_size=16))
@@ -167,11 +188,23 @@ def checkpoint_dict(rows: int, cols: int, count: int) -> dict[str, Any]:
     """What Lightning hands ``save_checkpoint``: weights, AdamW state, counters."""
     g = torch.Generator().manual_seed(0)
     weights = OrderedDict((f"net.{i}.weight", torch.randn(rows, cols, generator=g)) for i in range(count))
-    state = {i: {"step": torch.tensor(10.0), "exp_avg": torch.randn(rows, cols, generator=g) * 1e-3,
-                 "exp_avg_sq": torch.rand(rows, cols, generator=g) * 1e-6} for i in range(count)}
-    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "params": list(range(count))}]
-    return {"epoch": 0, "global_step": 10, "state_dict": weights,
-            "optimizer_states": [{"state": state, "param_groups": groups}]}
+    state = {
+        i: {
+            "step": torch.tensor(10.0),
+            "exp_avg": torch.randn(rows, cols, generator=g) * 1e-3,
+            "exp_avg_sq": torch.rand(rows, cols, generator=g) * 1e-6,
+        }
+        for i in range(count)
+    }
+    groups = [
+        {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "params": list(range(count))}
+    ]
+    return {
+        "epoch": 0,
+        "global_step": 10,
+        "state_dict": weights,
+        "optimizer_states": [{"state": state, "param_groups": groups}],
+    }
 
 
 def make_io(method: str) -> Any:
@@ -182,7 +215,9 @@ def make_io(method: str) -> Any:
         return TorchCheckpointIO()
     from tw_triton.integrations.lightning import TwCheckpointIO
 
-    return TwCheckpointIO(snapshot_pool_bytes=0 if method == "tw, no pool" else None)  # "tw", "tw after prepare"
+    return TwCheckpointIO(
+        snapshot_pool_bytes=0 if method == "tw, no pool" else None
+    )  # "tw", "tw after prepare"
 
 
 def stall_child(method: str, rows: int, cols: int, count: int, saves: int) -> dict[str, Any]:
@@ -212,8 +247,17 @@ def stall_run(rows: int, cols: int, count: int, saves: int, repeats: int) -> dic
     state_bytes = 0
     for _ in range(repeats):
         for method in STALL_METHODS:
-            cmd = [sys.executable, __file__, "--lightning-stall", "--child", method, "--shape", f"{rows}x{cols}x{count}",
-                   "--saves", str(saves)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--lightning-stall",
+                "--child",
+                method,
+                "--shape",
+                f"{rows}x{cols}x{count}",
+                "--saves",
+                str(saves),
+            ]
             done = subprocess.run(cmd, check=True, capture_output=True, text=True)
             got = json.loads(done.stdout.strip().splitlines()[-1])
             per[method].append(got["pauses_s"])
@@ -222,25 +266,40 @@ def stall_run(rows: int, cols: int, count: int, saves: int, repeats: int) -> dic
     for method in STALL_METHODS:
         firsts = [p[0] for p in per[method]]
         later = [statistics.median(p[1:]) for p in per[method] if len(p) > 1]
-        rows_out.append({"method": method, "first_s": statistics.median(firsts),
-                         "later_s": statistics.median(later) if later else None})
+        rows_out.append(
+            {
+                "method": method,
+                "first_s": statistics.median(firsts),
+                "later_s": statistics.median(later) if later else None,
+            }
+        )
     stock = rows_out[0]
     for r in rows_out:
         r["first_vs_stock"] = r["first_s"] / stock["first_s"]
         r["later_vs_stock"] = r["later_s"] / stock["later_s"] if r["later_s"] and stock["later_s"] else None
-    return {"state_bytes": state_bytes, "shape": [rows, cols, count], "saves": saves, "repeats": repeats,
-            "rows": rows_out, "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
-            "torch": torch.__version__}
+    return {
+        "state_bytes": state_bytes,
+        "shape": [rows, cols, count],
+        "saves": saves,
+        "repeats": repeats,
+        "rows": rows_out,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "torch": torch.__version__,
+    }
 
 
 def stall_table(result: dict[str, Any]) -> str:
     """The markdown table of a :func:`stall_run` result."""
-    lines = ["| plugin | first save blocks | vs stock | later saves block (median) | vs stock |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| plugin | first save blocks | vs stock | later saves block (median) | vs stock |",
+        "|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         later = f"{1e3 * r['later_s']:.1f} ms" if r["later_s"] is not None else "-"
         ratio = f"{r['later_vs_stock']:.2f}" if r["later_vs_stock"] is not None else "-"
-        lines.append(f"| {r['method']} | {1e3 * r['first_s']:.1f} ms | {r['first_vs_stock']:.2f} | {later} | {ratio} |")
+        lines.append(
+            f"| {r['method']} | {1e3 * r['first_s']:.1f} ms | {r['first_vs_stock']:.2f} | {later} | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -257,23 +316,25 @@ def stall_main(args: argparse.Namespace) -> int:
     print(text)
     if args.quick:
         return 0
-    page = "\n".join([
-        "# Lightning: how long a save holds up training",
-        "",
-        f"Machine: {result['machine']}; torch {result['torch']}. State: {count} fp32 matrices of "
-        f"{rows} x {cols} with AdamW's two moments, {result['state_bytes'] / 2**20:.0f} MiB. "
-        f"{result['saves']} saves per process (the writer idle at each), each method in a fresh "
-        f"process, methods alternating, {result['repeats']} rounds; medians.",
-        "",
-        "Command: `python benchmarks/integrations.py --lightning-stall`",
-        "",
-        text,
-        "",
-        "`stock` writes inline without fsync; the tw rows copy the state and write (with fsync) "
-        "on a background thread. The first save of a process copies into fresh memory either "
-        "way unless `prepare` reserved it; later ones reuse the pool's buffers unless `snapshot_pool_bytes=0`.",
-        "",
-    ])
+    page = "\n".join(
+        [
+            "# Lightning: how long a save holds up training",
+            "",
+            f"Machine: {result['machine']}; torch {result['torch']}. State: {count} fp32 matrices of "
+            f"{rows} x {cols} with AdamW's two moments, {result['state_bytes'] / 2**20:.0f} MiB. "
+            f"{result['saves']} saves per process (the writer idle at each), each method in a fresh "
+            f"process, methods alternating, {result['repeats']} rounds; medians.",
+            "",
+            "Command: `python benchmarks/integrations.py --lightning-stall`",
+            "",
+            text,
+            "",
+            "`stock` writes inline without fsync; the tw rows copy the state and write (with fsync) "
+            "on a background thread. The first save of a process copies into fresh memory either "
+            "way unless `prepare` reserved it; later ones reuse the pool's buffers unless `snapshot_pool_bytes=0`.",
+            "",
+        ]
+    )
     (HERE / "results" / "lightning_stall.md").write_text(page, encoding="utf-8")
     (HERE / "results" / "lightning_stall.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
 
@@ -287,8 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--lightning-stall", action="store_true", help="time Lightning save pauses instead (see above)")
-    p.add_argument("--quick", action="store_true", help="with --lightning-stall: tiny state, 1 round, nothing written")
+    p.add_argument(
+        "--lightning-stall", action="store_true", help="time Lightning save pauses instead (see above)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="with --lightning-stall: tiny state, 1 round, nothing written"
+    )
     p.add_argument("--saves", type=int, default=6, help="with --lightning-stall: saves per process")
     p.add_argument("--shape", default="2048x4096x3", help="with --lightning-stall: rows x cols x matrices")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -299,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.WARNING)
     runs = {"hf": hf_run, "lightning": pl_run}
     print(f"steps {args.steps}, a save every {args.save_every} (AdamW, CPU, torch {torch.__version__})\n")
-    print("| framework | model | stock folder | tw folder | stock / tw | stock save blocks | tw save blocks | tw / stock |")
+    print(
+        "| framework | model | stock folder | tw folder | stock / tw | stock save blocks | tw save blocks | tw / stock |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for fw in args.frameworks:
         for size in args.models:

@@ -49,6 +49,7 @@ def child(mode: str, directory: Path, threads: int) -> dict[str, Any]:
 
     torch.set_num_threads(threads)
     from harness.minilm import SENTENCES, contrastive_step, load_minilm
+
     from tw_triton import Checkpointer
 
     model, tokenizer = load_minilm()
@@ -95,16 +96,31 @@ def child(mode: str, directory: Path, threads: int) -> dict[str, Any]:
         end = s["start"] + s["pause_s"]
         s["full_gc_s"] = sum(d for start, d in collections if s["start"] <= start <= end)
         del s["start"]
-    return {"mode": mode, "saves": saves, "full_gcs_s": [d for _, d in collections],
-            "median_step_s": statistics.median(step_s[1:])}
+    return {
+        "mode": mode,
+        "saves": saves,
+        "full_gcs_s": [d for _, d in collections],
+        "median_step_s": statistics.median(step_s[1:]),
+    }
 
 
 def run_child(mode: str, threads: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--dir", tmp,
-             "--threads", str(threads)],
-            capture_output=True, text=True, cwd=HERE, check=False,
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                mode,
+                "--dir",
+                tmp,
+                "--threads",
+                str(threads),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=HERE,
+            check=False,
             env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
         )
     if proc.returncode != 0:
@@ -134,9 +150,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(summary: dict[str, Any]) -> str:
-    rows = ["| mode | first save: median / max pause (s) | later saves: median / max pause (s) "
-            "| saves with a full GC inside | full GCs in the runs | training step (s) |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| mode | first save: median / max pause (s) | later saves: median / max pause (s) "
+        "| saves with a full GC inside | full GCs in the runs | training step (s) |",
+        "|---|---|---|---|---|---|",
+    ]
     for mode, s in summary.items():
         rows.append(
             f"| {mode} | {s['first_pause_median_s']:.3f} / {s['first_pause_max_s']:.3f} | "
@@ -162,9 +180,14 @@ def main() -> None:
         for mode in MODES:
             r = run_child(mode, args.threads)
             runs.append(r)
-            print(f"run {rnd} {mode}: pauses " + " ".join(
-                f"{s['pause_s']:.3f}" + (f" (full GC {s['full_gc_s']:.3f})" if s["full_gc_s"] else "")
-                for s in r["saves"]), flush=True)
+            print(
+                f"run {rnd} {mode}: pauses "
+                + " ".join(
+                    f"{s['pause_s']:.3f}" + (f" (full GC {s['full_gc_s']:.3f})" if s["full_gc_s"] else "")
+                    for s in r["saves"]
+                ),
+                flush=True,
+            )
     summary = summarize(runs)
     text = table(summary)
     print(text)
@@ -174,8 +197,9 @@ def main() -> None:
 
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} torch thread(s)"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "loop_pauses.json").write_text(json.dumps(
-        {"machine": machine, "runs": runs, "summary": summary}, indent=1) + "\n")
+    (RESULTS / "loop_pauses.json").write_text(
+        json.dumps({"machine": machine, "runs": runs, "summary": summary}, indent=1) + "\n"
+    )
     (RESULTS / "loop_pauses.md").write_text(
         "# Save pauses in a MiniLM training loop\n\n"
         f"Written by `python benchmarks/loop_pauses.py --runs {args.runs}`. Machine: {machine}; "

@@ -73,9 +73,17 @@ def recommend_block(fid: dict[str, Any]) -> dict[str, Any]:
     for larger, smaller in zip(int8, int8[1:]):
         extra_bits = 32 / smaller["block"] - 32 / larger["block"]
         gain = smaller["rel_err_median"] / larger["rel_err_median"]
-        worth = gain < 2 ** -extra_bits
-        steps.append({"from": larger["block"], "to": smaller["block"], "extra_bits": extra_bits,
-                      "error_ratio": gain, "bits_equivalent": 2 ** -extra_bits, "worth_it": worth})
+        worth = gain < 2**-extra_bits
+        steps.append(
+            {
+                "from": larger["block"],
+                "to": smaller["block"],
+                "extra_bits": extra_bits,
+                "error_ratio": gain,
+                "bits_equivalent": 2**-extra_bits,
+                "worth_it": worth,
+            }
+        )
         if not worth:
             break
         chosen = smaller
@@ -92,8 +100,11 @@ def resume_safe(results: list[dict[str, Any]]) -> list[str]:
     safe = []
     for name in names:
         rows = [r for res in results for r in res["rows"] if r["setting"] == name]
-        if all(math.isfinite(r[k]) and r[k] <= RESUME_NOISE_MULTIPLE
-               for r in rows for k in ("final_x_own_noise_worst", "curve_x_own_noise_worst")):
+        if all(
+            math.isfinite(r[k]) and r[k] <= RESUME_NOISE_MULTIPLE
+            for r in rows
+            for k in ("final_x_own_noise_worst", "curve_x_own_noise_worst")
+        ):
             safe.append(name)
     return safe
 
@@ -131,8 +142,16 @@ def fidelity_section(fid: dict[str, Any], rec: dict[str, Any]) -> str:
         "",
         fmt_table(
             ["block", "extra bits/element", "error ratio measured", "ratio the bits would buy", "worth it"],
-            [[f"{s['from']} -> {s['to']}", f"{s['extra_bits']:.3f}", f"{s['error_ratio']:.3f}",
-              f"{s['bits_equivalent']:.3f}", "yes" if s["worth_it"] else "no"] for s in rec["steps"]],
+            [
+                [
+                    f"{s['from']} -> {s['to']}",
+                    f"{s['extra_bits']:.3f}",
+                    f"{s['error_ratio']:.3f}",
+                    f"{s['bits_equivalent']:.3f}",
+                    "yes" if s["worth_it"] else "no",
+                ]
+                for s in rec["steps"]
+            ],
         ),
         "",
         f"At int8 / block {rec['block']} the file is {r['vs_safetensors']:.2f}x smaller than fp32 "
@@ -153,9 +172,11 @@ def _restart_words(res: dict[str, Any]) -> str:
     cfg = res["config"]
     counts = sorted({len(v) for v in res["restart_steps"].values()})
     first = min(v[0] for v in res["restart_steps"].values())
-    return (f"{cfg['steps']} steps, a save every {cfg['save_every']}, {' or '.join(map(str, counts))} restarts "
-            f"(the first after step {first}), held-out loss every {cfg['eval_every']} steps; seeds "
-            f"{', '.join(str(r['seed']) for r in res['runs'])}")
+    return (
+        f"{cfg['steps']} steps, a save every {cfg['save_every']}, {' or '.join(map(str, counts))} restarts "
+        f"(the first after step {first}), held-out loss every {cfg['eval_every']} steps; seeds "
+        f"{', '.join(str(r['seed']) for r in res['runs'])}"
+    )
 
 
 def _command(model: str, res: dict[str, Any]) -> str:
@@ -193,8 +214,14 @@ def resume_section(results: dict[str, dict[str, Any]]) -> str:
     gpt, minilm = results["resume_fidelity"], results["resume_minilm"]
     safe = resume_safe([gpt, minilm])
     names = list(dict.fromkeys(r["setting"] for res in (gpt, minilm) for r in res["rows"]))
-    negative = sorted({r["setting"] for res in (gpt, minilm) for r in res["rows"]
-                       if r["negative_exp_avg_sq"] > 0 or r["nonfinite_exp_avg_sq"] > 0})
+    negative = sorted(
+        {
+            r["setting"]
+            for res in (gpt, minilm)
+            for r in res["rows"]
+            if r["negative_exp_avg_sq"] > 0 or r["nonfinite_exp_avg_sq"] > 0
+        }
+    )
     lines = [
         "## 2. Resume fidelity under repeated restarts",
         "",
@@ -232,16 +259,20 @@ def resume_section(results: dict[str, dict[str, Any]]) -> str:
         "",
         f"**Resume-safe** (final held-out loss and held-out curve within {RESUME_NOISE_MULTIPLE:g}x the "
         "noise floor, each seed against its own noise run, on the worst seed, in every experiment "
-        "that ran the setting): "
-        + (", ".join(f"**{name}**" for name in safe) if safe else "none") + ".",
+        "that ran the setting): " + (", ".join(f"**{name}**" for name in safe) if safe else "none") + ".",
     ]
     unsafe = [n for n in names if n not in safe]
     if unsafe:
         lines += ["", "Beyond the noise floor in at least one experiment: " + ", ".join(unsafe) + "."]
     if negative:
-        lines += ["", "Negative or non-finite `exp_avg_sq` after a restore (AdamW takes its square "
-                  "root): " + ", ".join(negative) + "."]
-    only = [n for n in names if sum(any(r["setting"] == n for r in res["rows"]) for res in (gpt, minilm)) == 1]
+        lines += [
+            "",
+            "Negative or non-finite `exp_avg_sq` after a restore (AdamW takes its square "
+            "root): " + ", ".join(negative) + ".",
+        ]
+    only = [
+        n for n in names if sum(any(r["setting"] == n for r in res["rows"]) for res in (gpt, minilm)) == 1
+    ]
     if only:
         lines += ["", "Run in one experiment only: " + ", ".join(only) + "."]
     return "\n".join(lines)
@@ -252,54 +283,59 @@ def speed_section(speed: dict[str, Any]) -> str:
     from harness.speed_summary import tables
 
     st = speed["state"]
-    tw_threads = (f"{speed['tw_threads']} here" if "tw_threads" in speed
-                  else "all cores of the machine, 2 here")
-    return "\n".join([
-        "## 3. Speed and memory on the same state",
-        "",
-        f"all-MiniLM-L6-v2 ({st['params']:,} parameters) with its AdamW state after one real "
-        f"training step: {st['state_tensors']} tensors, {mib(st['state_bytes']):.1f} MiB. Each "
-        "measurement runs in a fresh subprocess; methods take turns; medians of "
-        f"{speed['repeats']} rounds; {speed['threads']} torch thread(s). Every save is durable "
-        "(fsync) before its total time stops. tw_triton saves go through `Checkpointer` with the "
-        "async writer; the delta rows are the save after a keyframe (weights moved slightly in "
-        "between). Each measured save is the first of its kind in a fresh process, so buffers the "
-        "Checkpointer reuses across saves are not warm yet (the `steady state` delta is the 4th "
-        "after its keyframe, and `benchmarks/loop_pauses.py` times every save of a training loop), except the keyframe `after prepare`: the same first save after "
-        "`Checkpointer.prepare`, which faulted its snapshot buffers in before the timed region (and "
-        "before the peak's baseline: the pool holds that memory from then on). Loads read every tensor once, from a warm page cache; tw delta loads read the "
-        "keyframe file too. DCP runs single-process with `no_dist=True` (no process group). "
-        "The resume table restores the files into a freshly built MiniLM and AdamW, as a restarted "
-        "job does: `torch.load` then each object's `load_state_dict`, against `Checkpointer.restore` "
-        "of the latest checkpoint (which verifies the files and decodes the model's tensors into its "
-        "own memory).",
-        "",
-        "Command: `python benchmarks/speed_compare.py`",
-        "",
-        tables(speed),
-        "",
-        "![speed](speed_compare.png)",
-        "",
-        "Formats: `torch.save` writes a zip of pickles (`torch.load(weights_only=True)` restricts "
-        "the unpickler); DCP writes `.distcp` data files plus a `.metadata` file that is a pickle "
-        "(protocol 4); safetensors and tw_triton files have a JSON header and no pickle.",
-        "",
-        "On the CPU, `save()` blocks the loop for a copy of the state into the Checkpointer's "
-        "snapshot pool; the writer thread encodes that copy, runs the entropy stage and writes. "
-        "Encoding, zstd, checksums, reads and decodes run on tw_triton's CPU worker threads "
-        f"({tw_threads}; `TW_TRITON_THREADS` sets them), so a tw_triton save or load uses every "
-        "core while `torch.save` and `torch.load` use one. Each child runs `gc.collect()` before "
-        "its timed region, so garbage left by loading the fixture is not collected on the clock "
-        "of whichever method happens to trigger it. The keyframe's peak memory is its snapshot: "
-        "an exact copy of the state, so training may continue while the writer works.",
-    ])
+    tw_threads = (
+        f"{speed['tw_threads']} here" if "tw_threads" in speed else "all cores of the machine, 2 here"
+    )
+    return "\n".join(
+        [
+            "## 3. Speed and memory on the same state",
+            "",
+            f"all-MiniLM-L6-v2 ({st['params']:,} parameters) with its AdamW state after one real "
+            f"training step: {st['state_tensors']} tensors, {mib(st['state_bytes']):.1f} MiB. Each "
+            "measurement runs in a fresh subprocess; methods take turns; medians of "
+            f"{speed['repeats']} rounds; {speed['threads']} torch thread(s). Every save is durable "
+            "(fsync) before its total time stops. tw_triton saves go through `Checkpointer` with the "
+            "async writer; the delta rows are the save after a keyframe (weights moved slightly in "
+            "between). Each measured save is the first of its kind in a fresh process, so buffers the "
+            "Checkpointer reuses across saves are not warm yet (the `steady state` delta is the 4th "
+            "after its keyframe, and `benchmarks/loop_pauses.py` times every save of a training loop), except the keyframe `after prepare`: the same first save after "
+            "`Checkpointer.prepare`, which faulted its snapshot buffers in before the timed region (and "
+            "before the peak's baseline: the pool holds that memory from then on). Loads read every tensor once, from a warm page cache; tw delta loads read the "
+            "keyframe file too. DCP runs single-process with `no_dist=True` (no process group). "
+            "The resume table restores the files into a freshly built MiniLM and AdamW, as a restarted "
+            "job does: `torch.load` then each object's `load_state_dict`, against `Checkpointer.restore` "
+            "of the latest checkpoint (which verifies the files and decodes the model's tensors into its "
+            "own memory).",
+            "",
+            "Command: `python benchmarks/speed_compare.py`",
+            "",
+            tables(speed),
+            "",
+            "![speed](speed_compare.png)",
+            "",
+            "Formats: `torch.save` writes a zip of pickles (`torch.load(weights_only=True)` restricts "
+            "the unpickler); DCP writes `.distcp` data files plus a `.metadata` file that is a pickle "
+            "(protocol 4); safetensors and tw_triton files have a JSON header and no pickle.",
+            "",
+            "On the CPU, `save()` blocks the loop for a copy of the state into the Checkpointer's "
+            "snapshot pool; the writer thread encodes that copy, runs the entropy stage and writes. "
+            "Encoding, zstd, checksums, reads and decodes run on tw_triton's CPU worker threads "
+            f"({tw_threads}; `TW_TRITON_THREADS` sets them), so a tw_triton save or load uses every "
+            "core while `torch.save` and `torch.load` use one. Each child runs `gc.collect()` before "
+            "its timed region, so garbage left by loading the fixture is not collected on the clock "
+            "of whichever method happens to trigger it. The keyframe's peak memory is its snapshot: "
+            "an exact copy of the state, so training may continue while the writer works.",
+        ]
+    )
 
 
 # The Checkpointer as users get it: its default rules and delta mode.
 SPEED_HEADLINES = ("tw default keyframe", "tw default delta", "tw default delta, steady state")
 # The same keyframe save after Checkpointer.prepare: its pause goes beside the keyframe's.
-PREPARED = {"tw default keyframe": "tw default keyframe after prepare",
-            "tw default delta": "tw default delta after prepare"}
+PREPARED = {
+    "tw default keyframe": "tw default keyframe after prepare",
+    "tw default delta": "tw default delta after prepare",
+}
 
 
 # Pages in this folder not written by a kept script: analysis written by hand, and the last
@@ -314,14 +350,17 @@ HAND_WRITTEN_PAGES = {
 def other_pages() -> str:
     """Links to the pages other benchmark scripts write into this folder, then to the
     pages written by hand."""
-    pages = sorted(p.name for p in RESULTS_DIR.glob("*.md")
-                   if p.name != "README.md" and p.name not in HAND_WRITTEN_PAGES)
+    pages = sorted(
+        p.name for p in RESULTS_DIR.glob("*.md") if p.name != "README.md" and p.name not in HAND_WRITTEN_PAGES
+    )
     notes = sorted(name for name in HAND_WRITTEN_PAGES if (RESULTS_DIR / name).exists())
     if not pages and not notes:
         return ""
     lines = ["## Other results in this folder", ""]
     if pages:
-        lines += ["Written by the other scripts in `benchmarks/`:", ""] + [f"- [{name}]({name})" for name in pages]
+        lines += ["Written by the other scripts in `benchmarks/`:", ""] + [
+            f"- [{name}]({name})" for name in pages
+        ]
     if notes:
         lines += ["", "Not written by a kept script (analysis, and a retired investigation's output):", ""]
         lines += [f"- [{name}]({name}): {HAND_WRITTEN_PAGES[name]}" for name in notes]
@@ -334,8 +373,13 @@ def _with_own_floor(result: dict[str, Any]) -> dict[str, Any]:
         for m in ("final", "curve"):
             key = f"{m}_x_own_noise_worst"
             if key not in row:
-                pairs = [(run["settings"][row["setting"]]["dev"][m], run["settings"][row["setting"]]["noise_dev"][m])
-                         for run in result["runs"]]
+                pairs = [
+                    (
+                        run["settings"][row["setting"]]["dev"][m],
+                        run["settings"][row["setting"]]["noise_dev"][m],
+                    )
+                    for run in result["runs"]
+                ]
                 row[key] = max(d / n if n > 0 else float("inf") for d, n in pairs)
     return result
 
@@ -344,13 +388,17 @@ def ablation_page(names: list[str]) -> str:
     """``results/moment_ablation.md`` from the result JSON files ``names``."""
     from harness.restarts import tables
 
-    parts = ["# Moment and weight-delta bits, ablated", "",
-             "Written by `python benchmarks/make_results.py` from the JSON files that "
-             "`python benchmarks/resume_fidelity.py [--model minilm] --settings ablation` writes; "
-             "the settings are named `wW-mM-vV`: weight deltas at W bits (closed loop), `exp_avg` at "
-             "M bits (int3: seven levels in a 4-bit container), `exp_avg_sq` log2 at V bits; `-wide`: "
-             "blocks of 256 for `exp_avg` and 512 for `exp_avg_sq`. Sizes in bytes per parameter "
-             "(as in the results page), deviations as multiples of the noise floor.", ""]
+    parts = [
+        "# Moment and weight-delta bits, ablated",
+        "",
+        "Written by `python benchmarks/make_results.py` from the JSON files that "
+        "`python benchmarks/resume_fidelity.py [--model minilm] --settings ablation` writes; "
+        "the settings are named `wW-mM-vV`: weight deltas at W bits (closed loop), `exp_avg` at "
+        "M bits (int3: seven levels in a 4-bit container), `exp_avg_sq` log2 at V bits; `-wide`: "
+        "blocks of 256 for `exp_avg` and 512 for `exp_avg_sq`. Sizes in bytes per parameter "
+        "(as in the results page), deviations as multiples of the noise floor.",
+        "",
+    ]
     for name in names:
         result = _with_own_floor(read_result(name))
         env = result["environment"]
@@ -358,30 +406,39 @@ def ablation_page(names: list[str]) -> str:
     return "\n".join(parts)
 
 
-def summary_table(fid: dict[str, Any], results: dict[str, dict[str, Any]], speed: dict[str, Any],
-                  rec: dict[str, Any]) -> str:
+def summary_table(
+    fid: dict[str, Any], results: dict[str, dict[str, Any]], speed: dict[str, Any], rec: dict[str, Any]
+) -> str:
     """The compact table for the top of the project README."""
     env = read_result("speed_compare")["environment"]
     r8 = rec["row"]
 
     rows = [
-        [f"MiniLM weights, int8, block {rec['block']}", f"{r8['vs_safetensors']:.2f}x smaller than fp32 safetensors",
-         f"embedding cosine >= {r8['cos_min']:.5f} on {fid['sentences']} sentences"],
+        [
+            f"MiniLM weights, int8, block {rec['block']}",
+            f"{r8['vs_safetensors']:.2f}x smaller than fp32 safetensors",
+            f"embedding cosine >= {r8['cos_min']:.5f} on {fid['sentences']} sentences",
+        ],
     ]
     for exp, label in (("resume_minilm", "MiniLM fine-tune"), ("resume_fidelity", "tiny GPT")):
         for r in results[exp]["rows"]:
             b = r["bytes_per_param"]
             delta = f", delta {b['x_delta']:.1f}x" if b["x_delta"] else ""
             k = r["spec"]["keyframe_every"]
-            at_default = ("" if k == DEFAULT_KEYFRAME_EVERY or "x_cycle_default_k" not in b
-                          else f" ({b['x_cycle_default_k']:.1f}x at the default k={DEFAULT_KEYFRAME_EVERY})")
-            rows.append([
-                f"{label}, `{r['setting']}` (keyframe every {k})",
-                f"keyframe {b['x_keyframe']:.1f}x{delta}, cycle average {b['x_cycle']:.1f}x{at_default} "
-                "smaller than torch.save",
-                f"after {r['restarts']} restarts the final loss deviation is {r['final_x_own_noise_worst']:.2f}x "
-                f"the noise floor (worst of {len(r['seeds'])} seeds, each against its own)",
-            ])
+            at_default = (
+                ""
+                if k == DEFAULT_KEYFRAME_EVERY or "x_cycle_default_k" not in b
+                else f" ({b['x_cycle_default_k']:.1f}x at the default k={DEFAULT_KEYFRAME_EVERY})"
+            )
+            rows.append(
+                [
+                    f"{label}, `{r['setting']}` (keyframe every {k})",
+                    f"keyframe {b['x_keyframe']:.1f}x{delta}, cycle average {b['x_cycle']:.1f}x{at_default} "
+                    "smaller than torch.save",
+                    f"after {r['restarts']} restarts the final loss deviation is {r['final_x_own_noise_worst']:.2f}x "
+                    f"the noise floor (worst of {len(r['seeds'])} seeds, each against its own)",
+                ]
+            )
     srows = {r["method"]: r for r in speed["save_rows"]}
     lrows = {r["method"]: r for r in speed["load_rows"]}
     rrows = {r["method"]: r for r in speed.get("resume_rows", [])}
@@ -390,25 +447,35 @@ def summary_table(fid: dict[str, Any], results: dict[str, dict[str, Any]], speed
         if tw is None:
             continue  # a results file from before the method existed
         prepared = srows.get(PREPARED.get(method, ""))
-        after = (f" (after `prepare`: {prepared['blocked_vs_torch_save']:.2f}x)"
-                 if prepared is not None else "")
+        after = (
+            f" (after `prepare`: {prepared['blocked_vs_torch_save']:.2f}x)" if prepared is not None else ""
+        )
         # The steady-state delta is measured for saving only (its load needs a whole chain).
-        load = (f", load {lrows[method]['load_vs_torch_load']:.2f}x" if method in lrows
-                else " (the 4th delta after its keyframe, as a training loop saves them)")
+        load = (
+            f", load {lrows[method]['load_vs_torch_load']:.2f}x"
+            if method in lrows
+            else " (the 4th delta after its keyframe, as a training loop saves them)"
+        )
         resume = rrows.get(method.replace("tw ", "tw restore ", 1))
         if resume is not None:
             load += f", restore {resume['resume_vs_torch']:.2f}x torch.load + load_state_dict"
-        rows.append([f"MiniLM + AdamW save, Checkpointer {method.removeprefix('tw ')} (its defaults)",
-                     f"{tw['size_vs_torch_save']:.2f}x smaller than torch.save",
-                     f"time vs torch.save / torch.load: blocks the loop {tw['blocked_vs_torch_save']:.2f}x{after}, "
-                     f"total save {tw['total_vs_torch_save']:.2f}x{load}"])
-    return "\n".join([
-        f"Measured on a {env['machine']} (CPU only, shared with other jobs; medians of repeated runs). "
-        "No GPU numbers: none was lent. Details, commands and plots: "
-        "[benchmarks/results](benchmarks/results/README.md).",
-        "",
-        fmt_table(["what", "size", "fidelity / speed"], rows),
-    ])
+        rows.append(
+            [
+                f"MiniLM + AdamW save, Checkpointer {method.removeprefix('tw ')} (its defaults)",
+                f"{tw['size_vs_torch_save']:.2f}x smaller than torch.save",
+                f"time vs torch.save / torch.load: blocks the loop {tw['blocked_vs_torch_save']:.2f}x{after}, "
+                f"total save {tw['total_vs_torch_save']:.2f}x{load}",
+            ]
+        )
+    return "\n".join(
+        [
+            f"Measured on a {env['machine']} (CPU only, shared with other jobs; medians of repeated runs). "
+            "No GPU numbers: none was lent. Details, commands and plots: "
+            "[benchmarks/results](benchmarks/results/README.md).",
+            "",
+            fmt_table(["what", "size", "fidelity / speed"], rows),
+        ]
+    )
 
 
 def write_page() -> str:
@@ -421,24 +488,32 @@ def write_page() -> str:
     plot_resume(results["resume_fidelity"], RESULTS_DIR / "resume_fidelity.png", "loss (nats/byte)")
     plot_resume(results["resume_minilm"], RESULTS_DIR / "resume_minilm.png", "contrastive loss")
     plot_speed(speed, RESULTS_DIR / "speed_compare.png")
-    envs = {name: read_result(name)["environment"] for name in ("fidelity_minilm", *RESUME_EXPERIMENTS, "speed_compare")}
+    envs = {
+        name: read_result(name)["environment"]
+        for name in ("fidelity_minilm", *RESUME_EXPERIMENTS, "speed_compare")
+    }
     env_lines = [
         f"- `{name}`: {e['machine']}; Python {e['python']}, torch {e['torch']}, safetensors "
         f"{e['safetensors']}, tw_triton {e['tw_triton']}, {e['torch_threads']} torch thread(s)"
         for name, e in envs.items()
     ]
-    page = "\n\n".join([
-        "# tw_triton benchmark results",
-        "Generated by `python benchmarks/make_results.py` from the JSON files in this folder "
-        "(the scripts write them; nothing here is typed by hand). The machine was shared with "
-        "other jobs while it ran, so timings carry noise: they are medians, and the ratios "
-        "(measured side by side in one run) mean more than the seconds.\n\n" + "\n".join(env_lines),
-        fidelity_section(fid, rec),
-        resume_section(results),
-        speed_section(speed),
-        gpu_section(),
-        other_pages(),
-    ]) + "\n"
+    page = (
+        "\n\n".join(
+            [
+                "# tw_triton benchmark results",
+                "Generated by `python benchmarks/make_results.py` from the JSON files in this folder "
+                "(the scripts write them; nothing here is typed by hand). The machine was shared with "
+                "other jobs while it ran, so timings carry noise: they are medians, and the ratios "
+                "(measured side by side in one run) mean more than the seconds.\n\n" + "\n".join(env_lines),
+                fidelity_section(fid, rec),
+                resume_section(results),
+                speed_section(speed),
+                gpu_section(),
+                other_pages(),
+            ]
+        )
+        + "\n"
+    )
     (RESULTS_DIR / "README.md").write_text(page, encoding="utf-8")
     ablations = sorted(p.stem for p in RESULTS_DIR.glob("moment_ablation_*.json"))
     if ablations:

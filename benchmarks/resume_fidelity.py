@@ -31,19 +31,30 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-
 from harness.common import log, write_result
 from harness.restarts import tables
 from harness.settings import ResumeSetting, parse_settings
+
 from tw_triton.checkpointer import DEFAULT_RULES
 
 # Per model: default settings, seeds, keyframe_every, whether the exact check runs, result name.
 MODELS: dict[str, dict[str, Any]] = {
-    "gpt": {"settings": "small,smallest", "quick_settings": "small", "seeds": [0, 1, 2],
-            "keyframe_every": 10, "exact_check": True, "out": "resume_fidelity"},
-    "minilm": {"settings": DEFAULT_RULES if isinstance(DEFAULT_RULES, str) else "safe",
-               "quick_settings": None, "seeds": [0, 1], "keyframe_every": 4, "exact_check": False,
-               "out": "resume_minilm"},
+    "gpt": {
+        "settings": "small,smallest",
+        "quick_settings": "small",
+        "seeds": [0, 1, 2],
+        "keyframe_every": 10,
+        "exact_check": True,
+        "out": "resume_fidelity",
+    },
+    "minilm": {
+        "settings": DEFAULT_RULES if isinstance(DEFAULT_RULES, str) else "safe",
+        "quick_settings": None,
+        "seeds": [0, 1],
+        "keyframe_every": 4,
+        "exact_check": False,
+        "out": "resume_minilm",
+    },
 }
 # ``wW-mM-vV``: weight deltas at W bits (closed loop), exp_avg at M bits (int3: seven levels
 # in a 4-bit container), exp_avg_sq log2 at V bits; ``-wide``: blocks of 256 / 512 for the moments.
@@ -53,8 +64,15 @@ ABLATION = {
 }
 
 
-def run(model: str, cfg: Any, seeds: list[int], settings: tuple[ResumeSetting, ...], *,
-        exact_check: bool, min_restarts: int = 8) -> dict[str, Any]:
+def run(
+    model: str,
+    cfg: Any,
+    seeds: list[int],
+    settings: tuple[ResumeSetting, ...],
+    *,
+    exact_check: bool,
+    min_restarts: int = 8,
+) -> dict[str, Any]:
     """Run the restart experiment of ``model`` and return its JSON result (less the environment).
 
     Args:
@@ -70,8 +88,9 @@ def run(model: str, cfg: Any, seeds: list[int], settings: tuple[ResumeSetting, .
     if model == "gpt":
         from harness import tiny_gpt
 
-        return tiny_gpt.run(cfg, tiny_gpt.load_corpus(), seeds, settings, exact_check=exact_check,
-                            min_restarts=min_restarts)
+        return tiny_gpt.run(
+            cfg, tiny_gpt.load_corpus(), seeds, settings, exact_check=exact_check, min_restarts=min_restarts
+        )
     from harness import minilm_finetune
 
     return minilm_finetune.run(cfg, seeds, settings, exact_check=exact_check, min_restarts=min_restarts)
@@ -90,22 +109,37 @@ def task_config(model: str, quick: bool, **overrides: int | None) -> Any:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt")
-    parser.add_argument("--settings", default=None,
-                        help="comma-separated settings, or 'ablation' (default: the model's; see "
-                             "harness.settings.parse_setting)")
+    parser.add_argument(
+        "--settings",
+        default=None,
+        help="comma-separated settings, or 'ablation' (default: the model's; see "
+        "harness.settings.parse_setting)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=None)
     parser.add_argument("--keyframe-every", type=int, default=None, help="for settings that do not set k=")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--save-every", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="a tiny run: a smoke test of seconds")
     check = parser.add_mutually_exclusive_group()
-    check.add_argument("--exact-check", dest="exact_check", action="store_true", default=None,
-                       help="run the exact preset through the restarts on the first seed (gpt: on)")
+    check.add_argument(
+        "--exact-check",
+        dest="exact_check",
+        action="store_true",
+        default=None,
+        help="run the exact preset through the restarts on the first seed (gpt: on)",
+    )
     check.add_argument("--no-exact-check", dest="exact_check", action="store_false")
-    parser.add_argument("--out", default=None,
-                        help="result name under benchmarks/results/ (default: the model's; --quick: none)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1: steady timings on a shared 2-core machine)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="result name under benchmarks/results/ (default: the model's; --quick: none)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: steady timings on a shared 2-core machine)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = MODELS[args.model]
@@ -121,10 +155,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     seeds = args.seeds or ([0] if args.quick else spec["seeds"])
     exact = args.exact_check if args.exact_check is not None else (spec["exact_check"] or args.quick)
-    result = run(args.model, cfg, seeds, settings, exact_check=exact,
-                 min_restarts=2 if args.quick and args.model == "minilm" else 8)
-    print(f"{result['task']}: {result['params']} parameters; {cfg.steps} steps, a save every "
-          f"{cfg.save_every}; seeds {seeds}")
+    result = run(
+        args.model,
+        cfg,
+        seeds,
+        settings,
+        exact_check=exact,
+        min_restarts=2 if args.quick and args.model == "minilm" else 8,
+    )
+    print(
+        f"{result['task']}: {result['params']} parameters; {cfg.steps} steps, a save every "
+        f"{cfg.save_every}; seeds {seeds}"
+    )
     print(tables(result))
     name = args.out or (None if args.quick else out)
     if name:

@@ -51,11 +51,11 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
-
 from harness.fixture import build_fixture, empty_like_tree, flatten, non_tensors, perturb
 from harness.memory import fsync_path, peak_bytes, reset_peak, rss_bytes
 from harness.speed_summary import summarize, tables
@@ -82,6 +82,7 @@ def _device_peak_start() -> int:
 
 def _device_peak_since(base: int) -> int | None:
     return torch.cuda.max_memory_allocated(DEVICE) - base if DEVICE.type == "cuda" else None
+
 
 SAVE_METHODS = (
     "torch.save",
@@ -196,8 +197,9 @@ def child_save(method: str, fixture: Path, out: Path) -> dict[str, Any]:
     elif method == "safetensors":
         from safetensors.torch import save_file
 
-        save_file(flatten(state), str(out / "state.safetensors"),
-                  metadata={"tree": json.dumps(non_tensors(state))})
+        save_file(
+            flatten(state), str(out / "state.safetensors"), metadata={"tree": json.dumps(non_tensors(state))}
+        )
         fsync_path(out / "state.safetensors")
         blocked = total = time.perf_counter() - t0
     elif method in ("dcp.save", "dcp.async_save"):
@@ -271,8 +273,9 @@ def load_with(method: str, files: Path, template: Any = None) -> dict[str, torch
         import tw_triton
 
         ref = files / "reference.tw.safetensors"
-        state = tw_triton.load(files / "state.tw.safetensors", device=DEVICE,
-                               reference=str(ref) if ref.exists() else None)
+        state = tw_triton.load(
+            files / "state.tw.safetensors", device=DEVICE, reference=str(ref) if ref.exists() else None
+        )
     flat = flatten(state)
     # Read every byte once: a memory-mapped load (safetensors) is otherwise only a promise,
     # and the first training step would pay for the page faults instead.
@@ -341,9 +344,20 @@ def run_child(args: list[str], threads: int) -> dict[str, Any]:
     """Run this script as a child and parse the JSON line it prints."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), *args, "--threads", str(threads),
-         "--device", DEVICE.type],
-        capture_output=True, text=True, env=env, cwd=HERE, check=False,
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *args,
+            "--threads",
+            str(threads),
+            "--device",
+            DEVICE.type,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=HERE,
+        check=False,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"child {args} failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -383,18 +397,24 @@ def run(
                 os.sync()
                 r = run_child(["--child-save", method, "--fixture", str(fixture), "--out", str(out)], threads)
                 saves[method].append(r)
-                log(f"rep {rep} save {method}: blocked {r['blocked_s']:.3f} s, total {r['total_s']:.3f} s, "
-                    f"peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB, {r['file_bytes'] / 2**20:.1f} MiB")
+                log(
+                    f"rep {rep} save {method}: blocked {r['blocked_s']:.3f} s, total {r['total_s']:.3f} s, "
+                    f"peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB, {r['file_bytes'] / 2**20:.1f} MiB"
+                )
             for method in load_methods:
                 src = tmpdir / f"save-{rep}-{LOAD_FILES.get(method, method).replace(' ', '_')}"
                 r = run_child(["--child-load", method, "--fixture", str(fixture), "--out", str(src)], threads)
                 loads[method].append(r)
-                log(f"rep {rep} load {method}: {r['load_s']:.3f} s, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB")
+                log(
+                    f"rep {rep} load {method}: {r['load_s']:.3f} s, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB"
+                )
             for method in resume_methods:
                 src = tmpdir / f"save-{rep}-{RESUME_FILES[method].replace(' ', '_')}"
                 r = run_child(["--child-resume", method, "--out", str(src)], threads)
                 resumes[method].append(r)
-                log(f"rep {rep} resume {method}: {r['load_s']:.3f} s, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB")
+                log(
+                    f"rep {rep} resume {method}: {r['load_s']:.3f} s, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB"
+                )
             # Free the disk space of this round before the next.
             for p in sorted(tmpdir.glob(f"save-{rep}-*")):
                 subprocess.run(["rm", "-rf", str(p)], check=True)
@@ -402,20 +422,38 @@ def run(
     rows, load_rows, resume_rows = summarize(saves, loads, resumes)
     from tw_triton.parallel import cpu_threads
 
-    return {"state": info, "repeats": repeats, "threads": threads, "tw_threads": cpu_threads(), "save_rows": rows,
-            "load_rows": load_rows, "resume_rows": resume_rows, "raw_saves": saves, "raw_loads": loads,
-            "raw_resumes": resumes}
+    return {
+        "state": info,
+        "repeats": repeats,
+        "threads": threads,
+        "tw_threads": cpu_threads(),
+        "save_rows": rows,
+        "load_rows": load_rows,
+        "resume_rows": resume_rows,
+        "raw_saves": saves,
+        "raw_loads": loads,
+        "raw_resumes": resumes,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads in every child (1: steadier on a shared machine)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="where the state lives and loads go (cuda: results/gpu/<device>/)")
-    parser.add_argument("--methods", default=None,
-                        help="comma-separated subset of methods to measure (printed, not written)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in every child (1: steadier on a shared machine)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the state lives and loads go (cuda: results/gpu/<device>/)",
+    )
+    parser.add_argument(
+        "--methods", default=None, help="comma-separated subset of methods to measure (printed, not written)"
+    )
     parser.add_argument("--child-save", metavar="METHOD", help=argparse.SUPPRESS)
     parser.add_argument("--child-load", metavar="METHOD", help=argparse.SUPPRESS)
     parser.add_argument("--child-resume", metavar="METHOD", help=argparse.SUPPRESS)
@@ -454,9 +492,11 @@ def main() -> None:
         # The results page reads the 1-thread run; other thread counts sit beside it.
         name = "speed_compare" if args.threads == 1 else f"speed_compare_threads{args.threads}"
     path = write_result(name, result) if only is None else None
-    print(f"{result['state']['params']} parameters + AdamW moments, "
-          f"{result['state']['state_bytes'] / 2**20:.1f} MiB of tensors; medians of {args.repeats} runs, "
-          f"{args.threads} torch thread(s)")
+    print(
+        f"{result['state']['params']} parameters + AdamW moments, "
+        f"{result['state']['state_bytes'] / 2**20:.1f} MiB of tensors; medians of {args.repeats} runs, "
+        f"{args.threads} torch thread(s)"
+    )
     print(tables(result))
     if path is not None:
         log(f"wrote {path}")

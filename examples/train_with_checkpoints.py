@@ -60,7 +60,9 @@ class TinyLM(nn.Module):
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[1]
@@ -139,7 +141,9 @@ def seed_everything(seed: int) -> None:
 
 def torch_save_bytes(model, opt, sched) -> int:
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, buf)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, buf
+    )
     return buf.tell()
 
 
@@ -150,9 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=15, help="save every this many steps")
     p.add_argument("--crash-at", type=int, default=90, help="the crashed run stops here")
     p.add_argument("--keyframe-every", type=int, default=4)
-    p.add_argument("--rules", default=tw_triton.checkpointer.DEFAULT_RULES,
-                   help="rules preset: safe, small, smallest (default); default or exact keep the "
-                        "optimizer exact")
+    p.add_argument(
+        "--rules",
+        default=tw_triton.checkpointer.DEFAULT_RULES,
+        help="rules preset: safe, small, smallest (default); default or exact keep the optimizer exact",
+    )
     p.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
     args = p.parse_args(argv)
     args.d_model, args.layers, args.context, args.batch = 128, 2, 64, 16
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         model, opt, sched = make_objects(args, len(chars), seed=1234)
         state = reader.restore(step, model=model, optimizer=opt, scheduler=sched)
         resumed = train_steps(model, opt, sched, data, args, state["step"], args.steps)
-        gap = [abs(a - b) for a, b in zip(resumed, reference[state["step"]:])]
+        gap = [abs(a - b) for a, b in zip(resumed, reference[state["step"] :])]
         results[label] = (step, infos[step].kind, max(gap), held_out_loss(model, held_out, args) - ref_eval)
 
     # 4. The noise floor: the same run with other data orders. One other order alone is a
@@ -225,31 +231,44 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t_start
 
     n_params = sum(p.numel() for p in make_objects(args, len(chars), seed=0)[0].parameters())
-    print(f"model: {n_params / 1e6:.2f} M parameters; {args.steps} steps; saves every {args.every}; "
-          f"keyframe every {args.keyframe_every} saves; rules {args.rules}")
-    print(f"final loss (uninterrupted): {reference[-1]:.4f} (first {reference[0]:.4f}); "
-          f"held-out loss {ref_eval:.4f}, noise floor (median over {NOISE_ORDERS} other data orders) "
-          f"{noise:.2e} (range {min(deviations):.2e} to {max(deviations):.2e})")
+    print(
+        f"model: {n_params / 1e6:.2f} M parameters; {args.steps} steps; saves every {args.every}; "
+        f"keyframe every {args.keyframe_every} saves; rules {args.rules}"
+    )
+    print(
+        f"final loss (uninterrupted): {reference[-1]:.4f} (first {reference[0]:.4f}); "
+        f"held-out loss {ref_eval:.4f}, noise floor (median over {NOISE_ORDERS} other data orders) "
+        f"{noise:.2e} (range {min(deviations):.2e} to {max(deviations):.2e})"
+    )
     print(f"torch.save of model+optimizer+scheduler: {plain / 1e6:.3f} MB")
     for kind in ("keyframe", "delta"):
         if kind in ref_sizes:
-            print(f"  tw_triton {kind:8s}: {ref_sizes[kind] / 1e6:.3f} MB  "
-                  f"({plain / ref_sizes[kind]:.1f}x smaller than torch.save)")
-    cycle = [i.nbytes for i in ref_infos][-args.keyframe_every:]
-    print(f"  tw_triton average over a {len(cycle)}-save cycle: {np.mean(cycle) / 1e6:.3f} MB  "
-          f"({plain / np.mean(cycle):.1f}x smaller than torch.save)")
+            print(
+                f"  tw_triton {kind:8s}: {ref_sizes[kind] / 1e6:.3f} MB  "
+                f"({plain / ref_sizes[kind]:.1f}x smaller than torch.save)"
+            )
+    cycle = [i.nbytes for i in ref_infos][-args.keyframe_every :]
+    print(
+        f"  tw_triton average over a {len(cycle)}-save cycle: {np.mean(cycle) / 1e6:.3f} MB  "
+        f"({plain / np.mean(cycle):.1f}x smaller than torch.save)"
+    )
     print(f"save() paused the loop {1e3 * float(np.median(stall)):.1f} ms (median of {len(stall)} saves)")
-    for label, (step, kind, gap, final) in results.items():
-        print(f"resume from step {step} ({kind}): loss gap after resume max {gap:.2e}, "
-              f"held-out loss difference {final:+.2e} = {abs(final) / noise:.2f}x the noise floor")
+    for step, kind, gap, final in results.values():
+        print(
+            f"resume from step {step} ({kind}): loss gap after resume max {gap:.2e}, "
+            f"held-out loss difference {final:+.2e} = {abs(final) / noise:.2f}x the noise floor"
+        )
     print(f"total time {elapsed:.1f} s")
     if args.rules in ("default", "exact") and results["keyframe"][2] != 0.0:
         print("ERROR: resuming from an exact keyframe did not reproduce the run exactly", file=sys.stderr)
         return 1
     for label, (_, _, gap, final) in results.items():
         if not math.isfinite(gap) or not abs(final) < noise:
-            print(f"ERROR: resuming from the {label} checkpoint moved the held-out loss by {final:+.3g}, "
-                  f"more than other data orders do (median {noise:.3g})", file=sys.stderr)
+            print(
+                f"ERROR: resuming from the {label} checkpoint moved the held-out loss by {final:+.3g}, "
+                f"more than other data orders do (median {noise:.3g})",
+                file=sys.stderr,
+            )
             return 1
     return 0
 

@@ -159,7 +159,6 @@ def dequantize_blockwise_kernel(
         tl.store(out_ptr + offs, y)
 
 
-
 def launch_dequantize(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -233,8 +232,7 @@ def dequantize_blockwise(
     if reference is not None:
         if reference.dtype not in _SUPPORTED_DTYPES:
             raise QuantizationError(
-                "dequantize_blockwise: reference must be float32, float16 or bfloat16, "
-                f"got {reference.dtype}"
+                f"dequantize_blockwise: reference must be float32, float16 or bfloat16, got {reference.dtype}"
             )
         _check_buffer("reference", reference, reference.dtype, numel, device)
     out = torch.empty(numel, dtype=dtype, device=device)
@@ -243,18 +241,12 @@ def dequantize_blockwise(
     return out
 
 
-def _check_buffer(
-    name: str, t: torch.Tensor, dtype: torch.dtype, numel: int, device: torch.device
-) -> None:
+def _check_buffer(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int, device: torch.device) -> None:
     if t.dtype != dtype:
         raise QuantizationError(f"dequantize_blockwise: {name} must be {dtype}, got {t.dtype}")
     if not t.is_contiguous():
         raise QuantizationError(f"dequantize_blockwise: {name} must be contiguous")
     if t.numel() != numel:
-        raise QuantizationError(
-            f"dequantize_blockwise: {name} has {t.numel()} elements, expected {numel}"
-        )
+        raise QuantizationError(f"dequantize_blockwise: {name} has {t.numel()} elements, expected {numel}")
     if t.device != device:
-        raise QuantizationError(
-            f"dequantize_blockwise: {name} is on {t.device}, expected {device}"
-        )
+        raise QuantizationError(f"dequantize_blockwise: {name} is on {t.device}, expected {device}")

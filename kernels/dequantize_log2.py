@@ -16,8 +16,8 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
-from .tiles import launch_row_tiles
 from .dequantize_blockwise import narrow_from_f32, unpack_lsb_first
+from .tiles import launch_row_tiles
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

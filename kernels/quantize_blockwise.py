@@ -44,7 +44,6 @@ from tw_triton.errors import QuantizationError
 # NUM_WARPS, TILE_ELEMENTS and rows_per_program are re-exported for the PTX tests.
 from .tiles import NUM_WARPS, TILE_ELEMENTS, launch_row_tiles, rows_per_program  # noqa: F401
 
-
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude < 2**22 to an integer,
 # ties to even, in the current (round-to-nearest-even) mode.
 _RNE_MAGIC = tl.constexpr(12582912.0)
@@ -223,7 +222,9 @@ def quantize_blockwise(
             f"to 4096, got bits={bits!r}, block={block!r}"
         )
     if qmax is not None and not 1 <= qmax <= (1 << (bits - 1)) - 1:
-        raise QuantizationError(f"quantize_blockwise: qmax must be from 1 to {(1 << (bits - 1)) - 1}, got {qmax!r}")
+        raise QuantizationError(
+            f"quantize_blockwise: qmax must be from 1 to {(1 << (bits - 1)) - 1}, got {qmax!r}"
+        )
     n = x.numel()
     codes = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(-(-n // block), dtype=torch.float32, device=x.device)
@@ -240,8 +241,6 @@ def _check_kernel_input(name: str, t: torch.Tensor, numel: int, device: torch.de
     if not t.is_contiguous():
         raise QuantizationError(f"quantize_blockwise: {name} must be contiguous")
     if t.numel() != numel:
-        raise QuantizationError(
-            f"quantize_blockwise: {name} has {t.numel()} elements, expected {numel}"
-        )
+        raise QuantizationError(f"quantize_blockwise: {name} has {t.numel()} elements, expected {numel}")
     if t.device != device:
         raise QuantizationError(f"quantize_blockwise: {name} is on {t.device}, expected {device}")

@@ -21,8 +21,8 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
-from .tiles import launch_row_tiles
 from .quantize_blockwise import pack_lsb_first, widen_to_f32
+from .tiles import launch_row_tiles
 
 _RNE_MAGIC = tl.constexpr(12582912.0)
 _F32_INF_BITS = tl.constexpr(0x7F800000)

@@ -40,9 +40,7 @@ def launch_row_tiles(
     """
     rows = rows_per_program(block)
     full_tiles = max(0, n - row0 * block) // (rows * block)
-    meta = dict(
-        BLOCK=block, ROWS=rows, num_warps=NUM_WARPS, enable_fp_fusion=False, **constexprs
-    )
+    meta = dict(BLOCK=block, ROWS=rows, num_warps=NUM_WARPS, enable_fp_fusion=False, **constexprs)
     # Triton launches on the current device: make it the tensors' device.
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with on_device:

@@ -2,7 +2,7 @@
 
 The torch path in :mod:`tw_triton.codecs.blockwise` is optimized (chunks, in-place passes, a rounding
 constant instead of ``round``, packing in float); this module restates the spec of
-DESIGN.md ("The codec") as plainly as possible so the tests can compare the two byte for
+docs/codecs.md ("Quantize a tensor") as plainly as possible so the tests can compare the two byte for
 byte. It also turns fp32 values into exact integers (units of ``2**-EXACT_SHIFT``) so error
 bounds can be checked with equality arithmetic instead of a tolerance.
 """
@@ -29,7 +29,7 @@ def to_f32(t: torch.Tensor | None) -> np.ndarray | None:
 def spec_encode(
     x32: np.ndarray, r32: np.ndarray | None, bits: int, block: int, qmax: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Codes (uint8) and scales (float32) of DESIGN.md's codec, block by block (``qmax``:
+    """Codes (uint8) and scales (float32) of the codec in docs/codecs.md, block by block (``qmax``:
     the largest code magnitude, by default the container's)."""
     qmax = (1 << (bits - 1)) - 1 if qmax is None else qmax
     offset = 1 << (bits - 1)
@@ -73,7 +73,7 @@ def nearest_integer(d32: np.ndarray, s32: np.ndarray) -> np.ndarray:
     finite = np.isfinite(d)
     t = np.where(finite, d, 0.0) / s
     # Far beyond any code: the clamp decides, and int64 must not overflow.
-    t = np.clip(t, -2.0**40, 2.0**40)
+    t = np.clip(t, -(2.0**40), 2.0**40)
     q = np.rint(t)
     near_tie = np.abs(np.abs(t - np.floor(t)) - 0.5) < np.abs(t) * 2.0**-40
     for idx in zip(*np.nonzero(near_tie)):
@@ -148,7 +148,12 @@ def scale_of(absmax32: np.ndarray, bits: int, qmax: int | None = None) -> np.nda
 
 
 def near_tie_blocks(
-    rng: np.random.Generator, nblocks: int, block: int, bits: int, log2_lo: float, log2_hi: float,
+    rng: np.random.Generator,
+    nblocks: int,
+    block: int,
+    bits: int,
+    log2_lo: float,
+    log2_hi: float,
     qmax: int | None = None,
 ) -> np.ndarray:
     """fp32 deltas, ``nblocks * block`` of them, built to sit on or next to half-integer

@@ -17,8 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from tw_triton.dcp import StorageReader, StorageWriter
-from tw_triton.dcp import compat
+from tw_triton.dcp import StorageReader, StorageWriter, compat
 
 # Output dims 65 and 97 do not divide by 2 ranks: FSDP2 shards them unevenly. Weights have
 # >= 4096 elements, so the default rules and presets quantize them.
@@ -114,8 +113,13 @@ def main_sharded(rank: int, world: int, port: int, root: str) -> None:
         loaded_one = {name: load_into_fresh(f"{root}/one_{name}") for name in ("exact", "small")}
         if rank == 0:
             torch.save(
-                {"full1": full1, "loaded": loaded, "full2": full2, "loaded_delta": loaded_delta,
-                 "loaded_one": loaded_one},
+                {
+                    "full1": full1,
+                    "loaded": loaded,
+                    "full2": full2,
+                    "loaded_delta": loaded_delta,
+                    "loaded_one": loaded_one,
+                },
                 f"{root}/rank0.pt",
             )
         dist.barrier()

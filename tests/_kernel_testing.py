@@ -57,7 +57,11 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "
 
 
 def random_floats(
-    gen: torch.Generator, numel: int, dtype: torch.dtype, lo_exp: float, hi_exp: float,
+    gen: torch.Generator,
+    numel: int,
+    dtype: torch.dtype,
+    lo_exp: float,
+    hi_exp: float,
     zero_fraction: float = 0.0,
 ) -> torch.Tensor:
     """Normal draws scaled by ``10**e``, ``e`` uniform in ``[lo_exp, hi_exp]`` per element.
@@ -106,7 +110,10 @@ def run_offset_check(op: str) -> None:
     script = Path(__file__).with_name("_offsets64.py")
     proc = subprocess.run(
         [sys.executable, str(script), op, KERNEL_DEVICE.type],
-        capture_output=True, text=True, env=dict(os.environ), timeout=600,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=600,
     )
     if proc.returncode != 0:
         crashed = proc.returncode < 0

@@ -81,16 +81,28 @@ def check(op: str, device: torch.device) -> int:
             k_codes = torch.zeros_like(codes, device=device)
             k_scales = torch.full_like(scales, -1.0, device=device)
             launch_quantize(
-                shifted(x.to(device), row0 * block * x.element_size()), ref_dev,
-                shifted(k_codes, first_byte), shifted(k_scales, row0 * 4), n, bits, block, row0,
+                shifted(x.to(device), row0 * block * x.element_size()),
+                ref_dev,
+                shifted(k_codes, first_byte),
+                shifted(k_scales, row0 * 4),
+                n,
+                bits,
+                block,
+                row0,
             )
             ok = torch.equal(k_codes.cpu(), codes) and torch.equal(k_scales.cpu(), scales)
         else:
             expected = dequantize_blockwise_torch(codes, scales, m, bits, block, ref, dtype)
             out = torch.zeros(m, dtype=dtype, device=device)
             launch_dequantize(
-                shifted(codes.to(device), first_byte), shifted(scales.to(device), row0 * 4),
-                ref_dev, shifted(out, row0 * block * out.element_size()), n, bits, block, row0,
+                shifted(codes.to(device), first_byte),
+                shifted(scales.to(device), row0 * 4),
+                ref_dev,
+                shifted(out, row0 * block * out.element_size()),
+                n,
+                bits,
+                block,
+                row0,
             )
             ok = torch.equal(out.cpu().view(torch.uint8), expected.view(torch.uint8))
         if not ok:

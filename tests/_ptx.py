@@ -93,9 +93,9 @@ def every_variant() -> list[Variant]:
 def _log2_source(v: Variant):
     from triton.compiler import ASTSource
 
-    from tw_triton.kernels.tiles import rows_per_program
     from tw_triton.kernels.dequantize_log2 import dequantize_log2_kernel
     from tw_triton.kernels.quantize_log2 import quantize_log2_kernel
+    from tw_triton.kernels.tiles import rows_per_program
 
     if v.op == "log2-encode":
         fn = quantize_log2_kernel
@@ -127,14 +127,18 @@ def compile_variant(v: Variant):
     if v.op == "encode":
         from tw_triton.kernels.quantize_blockwise import (
             NUM_WARPS,
-            quantize_blockwise_kernel as fn,
             rows_per_program,
+        )
+        from tw_triton.kernels.quantize_blockwise import (
+            quantize_blockwise_kernel as fn,
         )
     else:
         from tw_triton.kernels.dequantize_blockwise import (
             NUM_WARPS,
-            dequantize_blockwise_kernel as fn,
             rows_per_program,
+        )
+        from tw_triton.kernels.dequantize_blockwise import (
+            dequantize_blockwise_kernel as fn,
         )
     ref = v.ref_dtype or v.dtype  # without a reference the launcher passes a dummy pointer
     if v.op == "encode":
@@ -241,10 +245,17 @@ def compile_in_children(out_dir: Path, processes: int) -> dict[str, dict]:
     children = []
     for i in range(processes):
         out = out_dir / f"ptx_facts_{i}.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--shard", f"{i}/{processes}",
-               "--out", str(out)]
-        children.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True), out))
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--shard",
+            f"{i}/{processes}",
+            "--out",
+            str(out),
+        ]
+        children.append(
+            (subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
+        )
     merged: dict[str, dict] = {}
     for proc, out in children:
         log, _ = proc.communicate()

@@ -89,13 +89,18 @@ def main() -> None:
         time.sleep(delay)
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
-        print(json.dumps({
-            "trial": trial,
-            "dir": directory,
-            "delay": delay,
-            "saved_before_kill": ready == b"1",
-            "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "trial": trial,
+                    "dir": directory,
+                    "delay": delay,
+                    "saved_before_kill": ready == b"1",
+                    "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ def gpt_quick() -> dict:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return tiny_gpt.run(tiny_gpt.QUICK, _tiny_corpus(), [0], parse_settings("small,int4-delta", keyframe_every=2))
+        return tiny_gpt.run(
+            tiny_gpt.QUICK, _tiny_corpus(), [0], parse_settings("small,int4-delta", keyframe_every=2)
+        )
     finally:
         torch.set_num_threads(before)
 
@@ -90,9 +92,15 @@ def test_restart_summary_splits_bytes_and_scales_by_the_noise_floor(gpt_quick: d
         r = run["settings"][row["setting"]]
         for kind, f in r["files"].items():
             assert sum(f["mean"][p] for p in PARTS) == pytest.approx(f["mean"]["total"]), kind
-            assert min(f["mean"][p] for p in PARTS) > 0 and f["min_total"] <= f["mean"]["total"] <= f["max_total"]
+            assert (
+                min(f["mean"][p] for p in PARTS) > 0
+                and f["min_total"] <= f["mean"]["total"] <= f["max_total"]
+            )
         # One file per save: every save_every-th step.
-        assert sum(f["count"] for f in r["files"].values()) == gpt_quick["config"]["steps"] // gpt_quick["config"]["save_every"]
+        assert (
+            sum(f["count"] for f in r["files"].values())
+            == gpt_quick["config"]["steps"] // gpt_quick["config"]["save_every"]
+        )
         b = row["bytes_per_param"]
         assert b["delta"]["weights"] < b["keyframe"]["weights"]  # exact in keyframes, codes in deltas
         assert b["delta"]["total"] < b["cycle"] < b["keyframe"]["total"]
@@ -102,7 +110,9 @@ def test_restart_summary_splits_bytes_and_scales_by_the_noise_floor(gpt_quick: d
     small = next(r for r in gpt_quick["rows"] if r["setting"] == "small")
     int4 = next(r for r in gpt_quick["rows"] if r["setting"] == "int4-delta")
     # small codes the moments (keyframes too); int4-delta keeps them exact (4 bytes each).
-    assert small["bytes_per_param"]["keyframe"]["exp_avg"] < 1.5 < int4["bytes_per_param"]["keyframe"]["exp_avg"]
+    assert (
+        small["bytes_per_param"]["keyframe"]["exp_avg"] < 1.5 < int4["bytes_per_param"]["keyframe"]["exp_avg"]
+    )
     assert int4["bytes_per_param"]["delta"]["weights"] < small["bytes_per_param"]["delta"]["weights"]
     assert small["bytes_per_param"]["x_keyframe"] > 1
 
@@ -118,8 +128,14 @@ def test_exact_check_fails_when_a_restart_loses_state() -> None:
 
     corpus = _tiny_corpus()
     with pytest.raises(AssertionError, match="did not reproduce"):
-        run_seed(lambda d: Forgetful(tiny_gpt.QUICK, corpus, 0, d), 0, tiny_gpt.QUICK.plan(), (), exact_check=True,
-                 exact_keyframe_every=2)
+        run_seed(
+            lambda d: Forgetful(tiny_gpt.QUICK, corpus, 0, d),
+            0,
+            tiny_gpt.QUICK.plan(),
+            (),
+            exact_check=True,
+            exact_keyframe_every=2,
+        )
 
 
 def test_resume_script_runs_the_gpt_quick_and_names_the_ablation_settings(capsys) -> None:
@@ -147,6 +163,7 @@ def test_restart_points_alternate_between_a_far_delta_and_a_keyframe() -> None:
 
 def test_settings_parse_every_preset_and_fail_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     import harness.settings as bench_settings
+
     from tw_triton.errors import QuantizationError
     from tw_triton.rules import PRESETS
 
@@ -158,15 +175,18 @@ def test_settings_parse_every_preset_and_fail_loudly(monkeypatch: pytest.MonkeyP
     for bad in ("no-such-preset", "small:q=1", "small:delta=closed-ish", "small,small", ""):
         with pytest.raises(ValueError):
             bench_settings.parse_settings(bad)
-    monkeypatch.setitem(bench_settings.EXPLICIT_RULES, "bad", [("optimizer/state/*/exp_avg_sq", {"codec": "no-such-codec"})])
+    monkeypatch.setitem(
+        bench_settings.EXPLICIT_RULES, "bad", [("optimizer/state/*/exp_avg_sq", {"codec": "no-such-codec"})]
+    )
     with pytest.raises(QuantizationError, match="no-such-codec"):
         bench_settings.parse_settings("bad")
 
 
 def test_stored_split_counts_each_part_from_the_manifest(tmp_path: Path) -> None:
     import harness.settings as bench_settings
-    import tw_triton
     from harness.settings import stored_split
+
+    import tw_triton
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
@@ -215,13 +235,16 @@ def test_resume_page_and_summary_rows_from_the_results(gpt_quick: dict) -> None:
 
 
 def test_rules_for_settings_quantize_what_they_name(tmp_path: Path) -> None:
-    import tw_triton
     from harness.settings import Setting, load_setting, save_setting
+
+    import tw_triton
 
     torch.manual_seed(0)
     w = torch.randn(128, 64)
-    state = {"model": {"w": w, "b": torch.randn(64)},
-             "optimizer": {"state": {0: {"exp_avg": torch.randn(128, 64), "exp_avg_sq": torch.rand(128, 64)}}}}
+    state = {
+        "model": {"w": w, "b": torch.randn(64)},
+        "optimizer": {"state": {0: {"exp_avg": torch.randn(128, 64), "exp_avg_sq": torch.rand(128, 64)}}},
+    }
     key = tmp_path / "key.tw.safetensors"
     save_setting(state, Setting("exact", bits=None), key)
     state["model"]["w"] = w = w + 0.01 * torch.randn(128, 64)  # training moved on
@@ -255,8 +278,15 @@ def _trained_fixture(tmp_path: Path, width: int, hidden: int) -> tuple[torch.nn.
 
 @pytest.mark.parametrize(
     "method",
-    ["torch.save", "safetensors", "dcp.save", "dcp.async_save", "tw keyframe (exact)", "tw int8 delta",
-     "tw int8 delta + exp_avg int8"],
+    [
+        "torch.save",
+        "safetensors",
+        "dcp.save",
+        "dcp.async_save",
+        "tw keyframe (exact)",
+        "tw int8 delta",
+        "tw int8 delta + exp_avg int8",
+    ],
 )
 def test_speed_methods_round_trip_the_state(tmp_path: Path, method: str) -> None:
     import speed_compare as sc
@@ -283,8 +313,11 @@ def test_speed_methods_round_trip_the_state(tmp_path: Path, method: str) -> None
     for key, value in want.items():
         got = back[key]
         assert got.shape == value.shape and got.dtype == value.dtype, key
-        quantized = "int8" in method and value.numel() >= 4096 and (
-            key.startswith("model/") or key.endswith("/exp_avg") and "exp_avg" in method)
+        quantized = (
+            "int8" in method
+            and value.numel() >= 4096
+            and (key.startswith("model/") or key.endswith("/exp_avg") and "exp_avg" in method)
+        )
         if quantized:
             if key.startswith("model/"):
                 assert not torch.equal(got, value), key  # weights moved since the keyframe
@@ -353,18 +386,31 @@ def test_lightning_stall_children_time_every_save_of_each_plugin() -> None:
     for method, got in results.items():
         assert len(got["pauses_s"]) == 3 and all(p > 0 for p in got["pauses_s"]), method
         assert got["state_bytes"] == 3 * 2 * 128 * 512 * 4
-    result = {"rows": [{"method": m, "first_s": r["pauses_s"][0], "later_s": 0.001,
-                        "first_vs_stock": 1.0, "later_vs_stock": 1.0} for m, r in results.items()]}
+    result = {
+        "rows": [
+            {
+                "method": m,
+                "first_s": r["pauses_s"][0],
+                "later_s": 0.001,
+                "first_vs_stock": 1.0,
+                "later_vs_stock": 1.0,
+            }
+            for m, r in results.items()
+        ]
+    }
     assert ls.stall_table(result).count("\n") == len(ls.STALL_METHODS) + 1
 
 
 def test_prepared_keyframe_save_reserves_before_the_timed_save(tmp_path: Path, monkeypatch) -> None:
     import speed_compare as sc
+
     from tw_triton import Checkpointer
 
     reserved = []
     real = Checkpointer.prepare
-    monkeypatch.setattr(Checkpointer, "prepare", lambda self, **s: reserved.append(real(self, **s)) or reserved[-1])
+    monkeypatch.setattr(
+        Checkpointer, "prepare", lambda self, **s: reserved.append(real(self, **s)) or reserved[-1]
+    )
     model, _, fixture = _trained_fixture(tmp_path, 256, 256)
     out = tmp_path / "out"
     out.mkdir()
@@ -393,12 +439,15 @@ def test_steady_state_delta_is_the_fourth_delta_after_its_keyframe(tmp_path: Pat
 
 def test_prepared_delta_is_the_first_after_a_prepared_keyframe(tmp_path: Path, monkeypatch) -> None:
     import speed_compare as sc
+
     from tw_triton import Checkpointer
     from tw_triton.format import read_manifest
 
     calls = []
     real = Checkpointer.prepare
-    monkeypatch.setattr(Checkpointer, "prepare", lambda self, **s: calls.append(self.steps()) or real(self, **s))
+    monkeypatch.setattr(
+        Checkpointer, "prepare", lambda self, **s: calls.append(self.steps()) or real(self, **s)
+    )
     _, _, fixture = _trained_fixture(tmp_path, 256, 256)
     out = tmp_path / "out"
     out.mkdir()
@@ -437,7 +486,11 @@ def test_ab_versions_refuses_an_unknown_method(monkeypatch) -> None:
     with pytest.raises(SystemExit):
         ab_versions.main()
     # A save method is not a load method.
-    monkeypatch.setattr(sys, "argv", ["ab_versions.py", "--base", "HEAD", "--load", "--method", "tw default delta after prepare"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["ab_versions.py", "--base", "HEAD", "--load", "--method", "tw default delta after prepare"],
+    )
     with pytest.raises(SystemExit):
         ab_versions.main()
 
@@ -446,8 +499,12 @@ def test_loop_pauses_summary_counts_the_collections_inside_saves() -> None:
     import loop_pauses as lp
 
     def run(mode, pauses, gcs):
-        return {"mode": mode, "median_step_s": 0.5, "full_gcs_s": [g for g in gcs if g],
-                "saves": [{"step": s, "pause_s": p, "full_gc_s": g} for s, p, g in zip(lp.SAVE_AT, pauses, gcs)]}
+        return {
+            "mode": mode,
+            "median_step_s": 0.5,
+            "full_gcs_s": [g for g in gcs if g],
+            "saves": [{"step": s, "pause_s": p, "full_gc_s": g} for s, p, g in zip(lp.SAVE_AT, pauses, gcs)],
+        }
 
     runs = [run(m, [0.3, 0.2, 0.2, 0.2], [0, 0, 0, 0]) for m in lp.MODES]
     runs[1] = run("tw", [0.06, 0.2, 0.02, 0.02], [0, 0.18, 0, 0])

@@ -7,18 +7,22 @@ import os
 
 import pytest
 import torch
+from _read_spy import spy_on_reads
 
 import tw_triton
 from tw_triton import format as fmt
 from tw_triton.checkpoint_dir import CheckpointDirectory, VerifiedRead, checkpoint_name, parse_checkpoint_name
 from tw_triton.checkpointer import Checkpointer
 from tw_triton.errors import CheckpointError
-from _read_spy import spy_on_reads
 
 
-def _write(directory: CheckpointDirectory, step: int, *, kind: str = "keyframe", ref: str | None = None) -> str:
+def _write(
+    directory: CheckpointDirectory, step: int, *, kind: str = "keyframe", ref: str | None = None
+) -> str:
     q = tw_triton.quantize_state_dict(
-        {"w": torch.full((8,), float(step))}, rules="exact", checkpoint_id=f"id{step}",
+        {"w": torch.full((8,), float(step))},
+        rules="exact",
+        checkpoint_id=f"id{step}",
         metadata={"kind": kind},
     )
     q.reference_id = ref
@@ -95,8 +99,10 @@ def _training_chain(directory, steps: int, keyframe_every: int):
     with Checkpointer(directory, keyframe_every=keyframe_every, keep_last=None, fsync=False) as ck:
         for step in range(steps):
             w = w + torch.randn(64, 128, generator=gen) * 1e-3
-            state = {"model": {"w": w.clone()},
-                     "optimizer": {"state": {0: {"exp_avg": torch.randn(64, 128, generator=gen)}}}}
+            state = {
+                "model": {"w": w.clone()},
+                "optimizer": {"state": {0: {"exp_avg": torch.randn(64, 128, generator=gen)}}},
+            }
             ck.save(step, **state)
             saved.append(state)
     return Checkpointer(directory, keep_last=None), saved

@@ -125,10 +125,14 @@ def test_restore_decodes_into_the_models_own_tensors(tmp_path, delta, latest):
         assert live[name].data_ptr() == before[name]  # still the model's own memory
         # The loaded state is that memory: nothing was decoded elsewhere and copied.
         assert state["model"][name].data_ptr() == before[name], name
-    assert [s["step"] for s in opt2.state.values()] == [s["step"] for s in want["optimizer"]["state"].values()]
+    assert [s["step"] for s in opt2.state.values()] == [
+        s["step"] for s in want["optimizer"]["state"].values()
+    ]
     assert steps_before == [s["step"].data_ptr() for s in opt2.state.values()]
     for got, exp in zip(opt2.state.values(), want["optimizer"]["state"].values()):
-        assert torch.equal(got["exp_avg"], exp["exp_avg"]) and torch.equal(got["exp_avg_sq"], exp["exp_avg_sq"])
+        assert torch.equal(got["exp_avg"], exp["exp_avg"]) and torch.equal(
+            got["exp_avg_sq"], exp["exp_avg_sq"]
+        )
 
 
 def test_load_into_objects_fills_their_tensors_without_load_state_dict(tmp_path):
@@ -212,6 +216,7 @@ def test_restore_of_the_latest_reads_each_file_once(tmp_path, monkeypatch):
         def wrapper(path, *args, **kwargs):
             reads.append(os.path.basename(path))
             return real(path, *args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(fmt, "verify_file", counting(fmt.verify_file))
@@ -259,7 +264,7 @@ def test_no_delta_mode_keeps_no_reference(tmp_path):
             ckpt.save(step, model=model, optimizer=opt)
             assert ckpt.reference_nbytes == 0
         infos = ckpt.infos()
-    assert [i.kind for i in infos] == ["keyframe", "standalone", "standalone", "keyframe"][-len(infos):]
+    assert [i.kind for i in infos] == ["keyframe", "standalone", "standalone", "keyframe"][-len(infos) :]
     assert all(i.reference_id is None for i in infos)
     state = Checkpointer(tmp_path).load(2)
     assert torch.allclose(state["model"]["0.weight"], model[0].weight, atol=0.1)
@@ -376,8 +381,13 @@ def _run_example(tmp_path, *extra):
     script = os.path.join(root, "examples", "train_with_checkpoints.py")
     # The checkout first on the path: the example must run against this tree, installed or not.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, script, "--quick", "--dir", str(tmp_path), *extra],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [sys.executable, script, "--quick", "--dir", str(tmp_path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     keyframe = [ln for ln in lines if "(keyframe): loss gap" in ln]

@@ -1,4 +1,4 @@
-"""The `tw` command, and the README's state-API example and its `tw inspect` output."""
+"""The `tw` command, and the state-API example of docs/format.md and its `tw inspect` output."""
 
 from __future__ import annotations
 
@@ -125,7 +125,9 @@ def test_convert_from_safetensors_and_torch_files(tmp_path):
     save_file(sd, str(tmp_path / "in.safetensors"))
     torch.save(sd, tmp_path / "in.pt")
     for src in ("in.safetensors", "in.pt"):
-        code, text = run(["convert", tmp_path / src, tmp_path / f"{src}.tw", "--lossy", "--bits", "4", "--block", "64"])
+        code, text = run(
+            ["convert", tmp_path / src, tmp_path / f"{src}.tw", "--lossy", "--bits", "4", "--block", "64"]
+        )
         assert code == EXIT_OK and "wrote" in text
         m = tw_triton.format.read_manifest(tmp_path / f"{src}.tw")
         assert m["entries"]["0.weight"]["codec"] == "blockwise"
@@ -135,12 +137,16 @@ def test_convert_from_safetensors_and_torch_files(tmp_path):
         assert torch.equal(out["1.bias"], sd["1.bias"])
         assert (out["0.weight"] - sd["0.weight"]).abs().max() < sd["0.weight"].abs().max() / 7
     # With a reference: a delta recording its id; with a preset.
-    code, _ = run(["convert", tmp_path / "in.pt", tmp_path / "d.tw", "--lossy", "--reference", tmp_path / "in.pt.tw"])
+    code, _ = run(
+        ["convert", tmp_path / "in.pt", tmp_path / "d.tw", "--lossy", "--reference", tmp_path / "in.pt.tw"]
+    )
     assert code == EXIT_OK
     ref_id = tw_triton.format.read_manifest(tmp_path / "in.pt.tw")["checkpoint_id"]
     assert tw_triton.format.read_manifest(tmp_path / "d.tw")["reference_id"] == ref_id
     assert run(["convert", tmp_path / "in.pt", tmp_path / "e.tw", "--rules", "exact"])[0] == EXIT_OK
-    assert all(e["codec"] == "exact" for e in tw_triton.format.read_manifest(tmp_path / "e.tw")["entries"].values())
+    assert all(
+        e["codec"] == "exact" for e in tw_triton.format.read_manifest(tmp_path / "e.tw")["entries"].values()
+    )
     # A tw_triton file is not converted as if its buffers were weights; junk is refused.
     os.replace(tmp_path / "e.tw", tmp_path / "e.safetensors")
     assert run(["convert", tmp_path / "e.safetensors", tmp_path / "f.tw"])[0] == EXIT_CHECKPOINT
@@ -265,15 +271,18 @@ def test_runs_as_a_module_and_as_the_installed_script(ckpts):
     d, *_ = ckpts
     proc = subprocess.run(
         [sys.executable, "-m", "tw_triton.cli", "inspect", str(d / "key.tw")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "model/0.weight" in proc.stdout
     exe = shutil.which("tw")
     if exe is not None:  # installed by `pip install -e .`
-        proc = subprocess.run([exe, "verify", str(d / "nope.tw")], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [exe, "verify", str(d / "nope.tw")], capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == EXIT_USAGE and "no such file" in proc.stderr
-
 
 
 def _pyproject_version() -> str:
@@ -302,6 +311,7 @@ def test_python_dash_m_tw_triton_is_the_tw_command(ckpts):
     # Exit codes are the command's: a missing input is a usage error.
     proc = subprocess.run(base + ["verify", str(d / "nope.tw")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == EXIT_USAGE and "no such file" in proc.stderr
+
 
 # ---- README: the state-API example runs, and its `tw inspect` output is current --------------
 

@@ -49,7 +49,9 @@ def pair(tmp_path):
     tw_triton.save(tw_triton.quantize_state_dict(state(0)), tmp_path / "key.tw")
     changed = state(0)
     changed["model"]["w"] = changed["model"]["w"] + 1e-3
-    tw_triton.save(tw_triton.quantize_state_dict(changed, reference=tmp_path / "key.tw"), tmp_path / "delta.tw")
+    tw_triton.save(
+        tw_triton.quantize_state_dict(changed, reference=tmp_path / "key.tw"), tmp_path / "delta.tw"
+    )
     return tmp_path
 
 
@@ -239,7 +241,12 @@ def test_ls_names_a_truncated_keyframe_as_truncated_not_missing(tmp_path):
     assert "truncated" in rows["0"]
     assert "step 0 (unreadable)" in rows["1"]
     assert "which is not in" not in rows["1"]
-    assert "step 0" in rows["1"] and str(key) in rows["1"] and "cannot be read" in rows["1"] and "truncated" in rows["1"]
+    assert (
+        "step 0" in rows["1"]
+        and str(key) in rows["1"]
+        and "cannot be read" in rows["1"]
+        and "truncated" in rows["1"]
+    )
     assert "latest loadable: none" in text
 
 

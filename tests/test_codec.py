@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _codec_oracle import spec_codes_to_q, spec_decode_f32, spec_encode, to_f32
 
 import tw_triton
 from tw_triton import QuantizationError, QuantizedTensor
-from tw_triton.errors import CheckpointError
 from tw_triton.codecs import blockwise as codec
+from tw_triton.errors import CheckpointError
 from tw_triton.ops.reference import buffers, copy_flat_range
-from _codec_oracle import spec_codes_to_q, spec_decode_f32, spec_encode, to_f32
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -13,13 +13,13 @@ import threading
 import numpy as np
 import pytest
 import torch
+from _codec_oracle import spec_decode_f32, spec_encode, to_f32
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tw_triton import QuantizationError
 from tw_triton.codecs import blockwise as codec
 from tw_triton.ops.reference import pack_codes, scratch, scratch_buffers, signed_codes
-from _codec_oracle import spec_decode_f32, spec_encode, to_f32
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -97,9 +97,13 @@ def test_encode_rejects_wrong_outputs():
     x = torch.randn(100)
     good_codes = torch.empty(50, dtype=torch.uint8)
     good_scales = torch.empty(4)
-    with pytest.raises(QuantizationError, match="codes must be a contiguous torch.uint8 tensor of 50 elements"):
+    with pytest.raises(
+        QuantizationError, match="codes must be a contiguous torch.uint8 tensor of 50 elements"
+    ):
         codec.quantize_blockwise_torch(x, None, 4, 32, out=(torch.empty(51, dtype=torch.uint8), good_scales))
-    with pytest.raises(QuantizationError, match="scales must be a contiguous torch.float32 tensor of 4 elements"):
+    with pytest.raises(
+        QuantizationError, match="scales must be a contiguous torch.float32 tensor of 4 elements"
+    ):
         codec.quantize_blockwise_torch(x, None, 4, 32, out=(good_codes, torch.empty(4, dtype=torch.float64)))
 
 
@@ -122,8 +126,10 @@ def test_threads_encoding_at_once_get_their_own_scratch():
     inputs = [(torch.randn(5000, generator=g) * (i + 1)).to(torch.bfloat16) for i in range(4)]
     refs = [(t.float() * 0.9).to(torch.bfloat16) for t in inputs]
     expected = [codec.quantize_blockwise_torch(x, r, 4, 64) for x, r in zip(inputs, refs)]
-    decoded = [codec.dequantize_blockwise_torch(c, s, 5000, 4, 64, r, torch.bfloat16)
-               for (c, s), r in zip(expected, refs)]
+    decoded = [
+        codec.dequantize_blockwise_torch(c, s, 5000, 4, 64, r, torch.bfloat16)
+        for (c, s), r in zip(expected, refs)
+    ]
     errors: list[str] = []
     barrier = threading.Barrier(len(inputs))
 
@@ -132,8 +138,11 @@ def test_threads_encoding_at_once_get_their_own_scratch():
         for _ in range(20):
             c, s = codec.quantize_blockwise_torch(inputs[i], refs[i], 4, 64)
             d = codec.dequantize_blockwise_torch(c, s, 5000, 4, 64, refs[i], torch.bfloat16)
-            if not (torch.equal(c, expected[i][0]) and torch.equal(s, expected[i][1])
-                    and torch.equal(_bits_t(d), _bits_t(decoded[i]))):
+            if not (
+                torch.equal(c, expected[i][0])
+                and torch.equal(s, expected[i][1])
+                and torch.equal(_bits_t(d), _bits_t(decoded[i]))
+            ):
                 errors.append(f"thread {i} got other bytes")
                 return
 
@@ -200,5 +209,7 @@ def test_decode_in_place_into_its_own_reference(dtype, bits):
         buf = ref.clone()
         got = codec.dequantize_blockwise_torch(codes, scales, n, bits, 64, buf, dtype, out=buf)
     assert got is buf
-    assert torch.equal(_bits_t(got) if dtype != torch.float32 else got.view(torch.int32),
-                       _bits_t(want) if dtype != torch.float32 else want.view(torch.int32))
+    assert torch.equal(
+        _bits_t(got) if dtype != torch.float32 else got.view(torch.int32),
+        _bits_t(want) if dtype != torch.float32 else want.view(torch.int32),
+    )

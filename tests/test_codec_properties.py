@@ -40,12 +40,6 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-import tw_triton
-from tw_triton.codecs import blockwise as codec
-from tw_triton.ops.reference import buffers
 from _codec_oracle import (
     EXACT_SHIFT,
     exact,
@@ -58,6 +52,12 @@ from _codec_oracle import (
     to_f32,
     with_reference,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tw_triton
+from tw_triton.codecs import blockwise as codec
+from tw_triton.ops.reference import buffers
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_NUMEL = 3000
@@ -86,9 +86,7 @@ def shapes(draw: st.DrawFn) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _values(
-    mode: str, rng: np.random.Generator, n: int, log_mag: float, bits: int, block: int
-) -> np.ndarray:
+def _values(mode: str, rng: np.random.Generator, n: int, log_mag: float, bits: int, block: int) -> np.ndarray:
     """n float64 values (exact in fp32 where it matters) of one of the test distributions."""
     qmax = codec.qmax_for(bits)
     if mode == "wide":  # magnitudes spread over 4 decades inside each block
@@ -126,9 +124,7 @@ def codec_cases(draw: st.DrawFn) -> dict:
     # fp16 holds about 6e-8..6.5e4; bf16 and fp32 hold 1e-30..1e30 comfortably.
     lo, hi = (-7.0, 4.0) if dtype == torch.float16 else (-30.0, 30.0)
     log_mag = draw(st.floats(lo, hi))
-    mode = draw(
-        st.sampled_from(("wide", "narrow", "ties", "near_ties", "sparse", "tiny", "huge", "both"))
-    )
+    mode = draw(st.sampled_from(("wide", "narrow", "ties", "near_ties", "sparse", "tiny", "huge", "both")))
     ref_kind = draw(st.sampled_from((None, "near", "far")))
     ref_dtype = draw(st.sampled_from(DTYPES))
 
@@ -202,8 +198,10 @@ def test_torch_path_matches_the_spec_byte_for_byte(case):
         # the dtype's range.
         want_sat = spec_decode_f32(codes, scales, x.numel(), bits, block, to_f32(ref), dtype)
         want = torch.from_numpy(want_sat).to(dtype).reshape(x.shape)
-        assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                           want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+        assert torch.equal(
+            got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+            want.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        )
 
 
 @PROPERTY_SETTINGS

@@ -13,12 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _codec_oracle import near_tie_blocks, nearest_integer, scale_of, spec_encode
 
 import tw_triton
 from tw_triton.codecs import blockwise as codec
 from tw_triton.ops.reference import buffers
-
-from _codec_oracle import near_tie_blocks, nearest_integer, scale_of, spec_encode
 
 # (lowest, highest) log2 of the scales: normal ones, and subnormal ones where d/s has up to
 # 24 significant bits against a short scale.

@@ -81,8 +81,7 @@ def test_a_cold_keyframe_and_its_chain_load_as_the_copy_paths(tmp_path, monkeypa
     runs = {}
     for name, prepare in (("cold", False), ("prepared", True)):
         model, opt = _run()
-        ckpt = Checkpointer(tmp_path / name, fsync=False, keyframe_every=3, keep_last=None,
-                            delta=delta_mode)
+        ckpt = Checkpointer(tmp_path / name, fsync=False, keyframe_every=3, keep_last=None, delta=delta_mode)
         if prepare:
             ckpt.prepare(model=model, optimizer=opt)
         for step in range(5):

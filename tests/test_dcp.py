@@ -11,18 +11,16 @@ import os
 import shutil
 import socket
 
+import _dcp_workers as W
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-
 from torch.distributed.checkpoint.api import CheckpointException
 
 import tw_triton.dcp as tw_dcp
 from tw_triton.dcp import StorageReader, StorageWriter
 from tw_triton.errors import CheckpointError, ReferenceMismatchError
-
-import _dcp_workers as W
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -168,8 +166,10 @@ def test_plain_dcp_load_carries_the_tw_triton_error(sharded, tmp_path):
     root, _, _, _ = sharded
     _, _, state = plain_state()
     with pytest.raises(CheckpointException) as info:
-        dcp.load(state, storage_reader=StorageReader(f"{root}/delta", reference=f"{root}/one_exact"), no_dist=True)
-    (err, _), = info.value.failures.values()
+        dcp.load(
+            state, storage_reader=StorageReader(f"{root}/delta", reference=f"{root}/one_exact"), no_dist=True
+        )
+    ((err, _),) = info.value.failures.values()
     assert isinstance(err, ReferenceMismatchError)
 
 

@@ -15,6 +15,7 @@ import socket
 import sys
 import traceback
 
+import _dcp_workers as W
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -22,8 +23,6 @@ import torch.multiprocessing as mp
 import tw_triton.dcp as tw_dcp
 from tw_triton.dcp import DistributedCheckpointer
 from tw_triton.errors import CheckpointError, ReferenceMismatchError
-
-import _dcp_workers as W
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -82,6 +81,7 @@ def copied(tmp_path):
 
 
 # -- item 9: the keyframe is found beside the delta, by id ---------------------------------
+
 
 def test_copied_run_reads_its_own_keyframe_when_another_run_replaced_the_original(copied, tmp_path):
     run, copy, expected = copied
@@ -157,6 +157,7 @@ def test_keyframe_rank_file_of_another_checkpoint_is_refused(copied, tmp_path):
 
 
 # -- item 10: latest() checks the whole chain ----------------------------------------------
+
 
 def main_chain(rank: int, world: int, port: int, root: str) -> None:
     """2 ranks: steps 0 (keyframe), 1 (delta of 0), 2 (keyframe), 3 (delta of 2)."""
@@ -239,7 +240,10 @@ def test_latest_skips_a_delta_whose_keyframe_lost_a_rank_file(run_copy, caplog):
     os.remove(f"{run}/step_00000002/__1_0.tw.safetensors")
     with caplog.at_level("WARNING", logger="tw_triton.dcp.checkpointer"):
         assert ckpt.latest() == f"{run}/step_00000001"
-    assert "step_00000003" in caplog.text and "__1_0.tw.safetensors (written by rank 1) is missing" in caplog.text
+    assert (
+        "step_00000003" in caplog.text
+        and "__1_0.tw.safetensors (written by rank 1) is missing" in caplog.text
+    )
     assert_loads_step_1(ckpt, saved)
 
 

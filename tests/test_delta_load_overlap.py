@@ -9,13 +9,19 @@ import threading
 
 import pytest
 import torch
-
-from tw_triton import CheckpointError, ReferenceMismatchError, dequantize_state_dict, load, quantize_state_dict, save
-from tw_triton import format as fmt
-from tw_triton.errors import CheckpointIOError
-
 from test_state import make_state, perturbed
 from test_tree import assert_same
+
+from tw_triton import (
+    CheckpointError,
+    ReferenceMismatchError,
+    dequantize_state_dict,
+    load,
+    quantize_state_dict,
+    save,
+)
+from tw_triton import format as fmt
+from tw_triton.errors import CheckpointIOError
 
 WAIT_S = 20.0  # far beyond any read here: a timeout means the two never ran at once
 

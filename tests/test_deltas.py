@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from _read_spy import spy_on_reads
 
 import tw_triton
 import tw_triton.format as fmt
@@ -16,7 +17,6 @@ from tw_triton.deltas import delta_mode
 from tw_triton.errors import CheckpointError
 from tw_triton.format import read_manifest
 from tw_triton.state import dequantize_entries
-from _read_spy import spy_on_reads
 
 BITS, BLOCK = 2, 64
 
@@ -34,8 +34,17 @@ def _drift(steps: int, seed: int = 0, shape: tuple[int, int] = (96, 64)) -> list
 
 
 def _save_all(directory, states, *, delta, async_write, keyframe_every=100, keep_last=None):
-    with Checkpointer(directory, keyframe_every=keyframe_every, keep_last=keep_last, rules="default",
-                      bits=BITS, block=BLOCK, delta=delta, async_write=async_write, fsync=False) as ck:
+    with Checkpointer(
+        directory,
+        keyframe_every=keyframe_every,
+        keep_last=keep_last,
+        rules="default",
+        bits=BITS,
+        block=BLOCK,
+        delta=delta,
+        async_write=async_write,
+        fsync=False,
+    ) as ck:
         for step, s in enumerate(states):
             ck.save(step, model=s)
     return Checkpointer(directory, keep_last=None)
@@ -114,7 +123,9 @@ def test_retention_keeps_the_whole_chain_a_kept_delta_needs(tmp_path):
     ck = _save_all(tmp_path, states, delta="closed", async_write=True, keyframe_every=4, keep_last=1)
     # Keyframes at 0, 4, 8: the newest (8) needs nothing; 4..7 are gone once 8 is kept.
     assert ck.steps() == [8]
-    ck2 = _save_all(tmp_path / "b", states[:7], delta="closed", async_write=True, keyframe_every=4, keep_last=1)
+    ck2 = _save_all(
+        tmp_path / "b", states[:7], delta="closed", async_write=True, keyframe_every=4, keep_last=1
+    )
     # 6 needs 5 needs 4 (a keyframe): the chain stays, 0..3 go.
     assert ck2.steps() == [4, 5, 6]
     assert torch.equal(ck2.load()["model"]["w"], _expected_closed(states[4:7])[-1])
@@ -132,8 +143,17 @@ def test_a_failed_link_write_starts_a_new_keyframe(tmp_path, monkeypatch):
         return real(q, path, *args, **kwargs)
 
     monkeypatch.setattr(fmt, "write_file", failing)
-    ck = Checkpointer(tmp_path, keyframe_every=100, keep_last=None, rules="default", bits=BITS, block=BLOCK,
-                      delta="closed", async_write=True, fsync=False)
+    ck = Checkpointer(
+        tmp_path,
+        keyframe_every=100,
+        keep_last=None,
+        rules="default",
+        bits=BITS,
+        block=BLOCK,
+        delta="closed",
+        async_write=True,
+        fsync=False,
+    )
     for step in range(3):
         ck.save(step, model=states[step])
     with pytest.raises(CheckpointError):
@@ -164,13 +184,16 @@ def test_dequantize_entries_decodes_a_subset_and_names_a_missing_path():
         dequantize_entries(q, ["model/zz"])
 
 
-@pytest.mark.parametrize("delta,rules,warns", [
-    ("closed", "smallest", False),
-    ("open", "smallest", True),  # 2-bit deltas against the keyframe
-    ("open", "small", False),
-    ("none", "smallest", True),  # 2-bit weights on their own
-    ("none", "small", False),
-])
+@pytest.mark.parametrize(
+    "delta,rules,warns",
+    [
+        ("closed", "smallest", False),
+        ("open", "smallest", True),  # 2-bit deltas against the keyframe
+        ("open", "small", False),
+        ("none", "smallest", True),  # 2-bit weights on their own
+        ("none", "small", False),
+    ],
+)
 def test_too_coarse_settings_are_named_in_a_warning(tmp_path, caplog, delta, rules, warns):
     with caplog.at_level(logging.WARNING, logger="tw_triton.rules"):
         with Checkpointer(tmp_path, delta=delta, rules=rules, fsync=False, async_write=False) as ck:
@@ -200,12 +223,20 @@ def test_cli_verify_checks_a_closed_loop_delta_against_the_file_before_it(tmp_pa
     import sys
 
     ck = _save_all(tmp_path, _drift(3), delta="closed", async_write=False)
-    run = subprocess.run([sys.executable, "-m", "tw_triton", "verify", ck.path_for(2), "--reference", ck.path_for(1)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "tw_triton", "verify", ck.path_for(2), "--reference", ck.path_for(1)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert "reference OK" in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "tw_triton", "verify", ck.path_for(2), "--reference", ck.path_for(0)],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tw_triton", "verify", ck.path_for(2), "--reference", ck.path_for(0)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 1 and "step-00000000" in bad.stderr
 
 
@@ -234,9 +265,15 @@ def test_loading_a_delta_reads_only_what_the_chain_needs_from_earlier_links(tmp_
 
 def _delta_state(dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    ref = {"model": {"w": torch.randn(96, 64, generator=gen).to(dtype), "v": torch.randn(4096, generator=gen)}}
-    new = {"model": {k: (t.float() + 1e-3 * torch.randn(t.shape, generator=gen)).to(t.dtype)
-                     for k, t in ref["model"].items()}}
+    ref = {
+        "model": {"w": torch.randn(96, 64, generator=gen).to(dtype), "v": torch.randn(4096, generator=gen)}
+    }
+    new = {
+        "model": {
+            k: (t.float() + 1e-3 * torch.randn(t.shape, generator=gen)).to(t.dtype)
+            for k, t in ref["model"].items()
+        }
+    }
     return ref, new
 
 
@@ -304,8 +341,17 @@ def test_closed_loop_reference_advances_in_place_after_the_keyframe(tmp_path, as
     states = _drift(6)
     want = _expected_closed(states)
     seen = []
-    with Checkpointer(tmp_path, keyframe_every=100, keep_last=None, rules="default", bits=BITS, block=BLOCK,
-                      delta="closed", async_write=async_write, fsync=False) as ck:
+    with Checkpointer(
+        tmp_path,
+        keyframe_every=100,
+        keep_last=None,
+        rules="default",
+        bits=BITS,
+        block=BLOCK,
+        delta="closed",
+        async_write=async_write,
+        fsync=False,
+    ) as ck:
         for step, s in enumerate(states):
             ck.save(step, model=s).result()
             w = ck._chain.reference.tree["model"]["w"]
@@ -326,8 +372,17 @@ def test_a_pooled_closed_loop_reference_is_never_lent_to_a_snapshot(tmp_path, as
     over them): a later save's snapshot must never be copied into them."""
     states = _drift(7, shape=(256, 128))  # 128 KiB: pooled
     want = _expected_closed(states)
-    with Checkpointer(tmp_path, keyframe_every=100, keep_last=None, rules="default", bits=BITS, block=BLOCK,
-                      delta="closed", async_write=async_write, fsync=False) as ck:
+    with Checkpointer(
+        tmp_path,
+        keyframe_every=100,
+        keep_last=None,
+        rules="default",
+        bits=BITS,
+        block=BLOCK,
+        delta="closed",
+        async_write=async_write,
+        fsync=False,
+    ) as ck:
         for step, s in enumerate(states):
             ck.save(step, model=s)
             if step % 2:  # half the saves queue behind the next one
@@ -350,8 +405,14 @@ def test_the_first_advance_leaves_a_keyframe_that_is_still_being_written_alone()
         if done:
             pending.set_result(0)
         ref = make_reference("k", {"model/w": keyframe_w}, 0, pending, closed=True)
-        q = tw_triton.quantize_state_dict({"model": {"w": states[1]["w"]}}, reference=ref.tree,
-                                          reference_id="k", rules="default", bits=BITS, block=BLOCK)
+        q = tw_triton.quantize_state_dict(
+            {"model": {"w": states[1]["w"]}},
+            reference=ref.tree,
+            reference_id="k",
+            rules="default",
+            bits=BITS,
+            block=BLOCK,
+        )
         before = keyframe_w.clone()
         advance(ref, q)
         w = ref.tree["model"]["w"]

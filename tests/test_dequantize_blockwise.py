@@ -10,12 +10,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-import tw_triton
-import tw_triton.kernels
-from tw_triton import ops
 from _kernel_testing import (
     BLOCKS,
     FLOATS,
@@ -28,6 +22,12 @@ from _kernel_testing import (
     require_runnable_kernels,
     run_offset_check,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tw_triton
+import tw_triton.kernels
+from tw_triton import ops
 from tw_triton.codecs.blockwise import dequantize_blockwise_torch, quantize_blockwise_torch
 from tw_triton.errors import QuantizationError
 from tw_triton.kernels import dequantize_blockwise
@@ -46,8 +46,13 @@ def assert_decodes_like_torch(
 ) -> torch.Tensor:
     """Decode on the kernel device and with torch on the CPU; the bits must match."""
     out = dequantize_blockwise(
-        on_kernel_device(codes), on_kernel_device(scales), numel, bits, block,
-        on_kernel_device(ref), dtype,
+        on_kernel_device(codes),
+        on_kernel_device(scales),
+        numel,
+        bits,
+        block,
+        on_kernel_device(ref),
+        dtype,
     )
     expected = dequantize_blockwise_torch(codes, scales, numel, bits, block, ref, dtype)
     assert out.device.type == KERNEL_DEVICE.type
@@ -205,12 +210,22 @@ def test_numel_zero_and_one() -> None:
     for dtype in FLOATS:
         out = dequantize_blockwise(
             on_kernel_device(torch.empty(0, dtype=torch.uint8)),
-            on_kernel_device(torch.empty(0)), 0, 4, 64, None, dtype,
+            on_kernel_device(torch.empty(0)),
+            0,
+            4,
+            64,
+            None,
+            dtype,
         )
         assert out.shape == (0,) and out.dtype == dtype
         assert_decodes_like_torch(
-            torch.tensor([0b10], dtype=torch.uint8), torch.tensor([0.75]), 1, 2, 32,
-            torch.tensor([1.0]).to(dtype), dtype,
+            torch.tensor([0b10], dtype=torch.uint8),
+            torch.tensor([0.75]),
+            1,
+            2,
+            32,
+            torch.tensor([1.0]).to(dtype),
+            dtype,
         )
 
 

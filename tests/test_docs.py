@@ -44,7 +44,11 @@ def slugs(text: str) -> set[str]:
 
 def test_slugs_follow_github():
     assert slugs("## The `tw` command\n## What gets which codec: rules and presets\n## A\n## A\n") == {
-        "the-tw-command", "what-gets-which-codec-rules-and-presets", "a", "a-1"}
+        "the-tw-command",
+        "what-gets-which-codec-rules-and-presets",
+        "a",
+        "a-1",
+    }
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
@@ -86,7 +90,9 @@ def test_not_run_marks_name_existing_tests():
     for page in PAGES:
         for mark, _ in _PYTHON.findall(page.read_text()):
             for test in re.findall(r"tests/test_\w+\.py", mark):
-                assert (ROOT / test).exists() or any((ROOT / "tests").rglob(Path(test).name)), f"{_rel(page)}: {test} does not exist"
+                assert (ROOT / test).exists() or any((ROOT / "tests").rglob(Path(test).name)), (
+                    f"{_rel(page)}: {test} does not exist"
+                )
 
 
 _CITED_TEST = re.compile(r"`(test_\w+\.py)::(test_\w+)`")

@@ -104,15 +104,20 @@ def test_saves_queued_behind_a_failed_write_never_report_success(tmp_path, monke
     the next save is a keyframe that loads."""
     fake = FailingWrites(fmt.write_file, tmp_path, [fail_at])
     monkeypatch.setattr(fmt, "write_file", fake)
-    ckpt = Checkpointer(tmp_path, keyframe_every=10, keep_last=None, rules="small", delta=delta,
-                        max_pending=4, fsync=False)
+    ckpt = Checkpointer(
+        tmp_path, keyframe_every=10, keep_last=None, rules="small", delta=delta, max_pending=4, fsync=False
+    )
     saved, futures = {}, {}
     save_all(ckpt, range(4), saved, futures)
     fake.gate.set()
     with pytest.raises(CheckpointIOError) as info:
         ckpt.flush()
     assert info.value.errno == errno.ENOSPC and checkpoint_name(fail_at) in str(info.value)
-    needs_failed = {0: {1, 2, 3}, 1: {2, 3} if delta == "closed" else set(), 2: {3} if delta == "closed" else set()}
+    needs_failed = {
+        0: {1, 2, 3},
+        1: {2, 3} if delta == "closed" else set(),
+        2: {3} if delta == "closed" else set(),
+    }
     for s in needs_failed[fail_at]:
         with pytest.raises(CheckpointError, match=checkpoint_name(fail_at)):
             futures[s].result()
@@ -134,7 +139,9 @@ def test_a_save_waiting_for_backpressure_sees_the_keyframe_fail(tmp_path, monkey
     exist, and the next save is a keyframe that loads."""
     fake = FailingWrites(fmt.write_file, tmp_path, [0])
     monkeypatch.setattr(fmt, "write_file", fake)
-    ckpt = Checkpointer(tmp_path, keyframe_every=10, keep_last=None, rules="small", max_pending=1, fsync=False)
+    ckpt = Checkpointer(
+        tmp_path, keyframe_every=10, keep_last=None, rules="small", max_pending=1, fsync=False
+    )
     ckpt._writer._slots = slots = OpensGateWhenBlocked(ckpt._writer._slots, fake.gate)
     saved, futures = {}, {}
     save_all(ckpt, [0], saved, futures)
@@ -155,7 +162,9 @@ def test_deltas_after_a_delta_whose_keyframe_failed(tmp_path, monkeypatch):
     delta waits for backpressure; neither delta reports success."""
     fake = FailingWrites(fmt.write_file, tmp_path, [0])
     monkeypatch.setattr(fmt, "write_file", fake)
-    ckpt = Checkpointer(tmp_path, keyframe_every=10, keep_last=None, rules="small", max_pending=2, fsync=False)
+    ckpt = Checkpointer(
+        tmp_path, keyframe_every=10, keep_last=None, rules="small", max_pending=2, fsync=False
+    )
     ckpt._writer._slots = OpensGateWhenBlocked(ckpt._writer._slots, fake.gate)
     saved, futures = {}, {}
     save_all(ckpt, [0, 1], saved, futures)
@@ -178,8 +187,9 @@ def test_a_failed_closed_loop_delta_does_not_move_the_reference(tmp_path, monkey
     fake = FailingWrites(fmt.write_file, tmp_path, [2])
     fake.gate.set()
     monkeypatch.setattr(fmt, "write_file", fake)
-    ckpt = Checkpointer(tmp_path, keyframe_every=10, keep_last=None, rules="small", async_write=async_write,
-                        fsync=False)
+    ckpt = Checkpointer(
+        tmp_path, keyframe_every=10, keep_last=None, rules="small", async_write=async_write, fsync=False
+    )
     saved, futures = {}, {}
     save_all(ckpt, [0, 1], saved, futures)
     ckpt.flush()
@@ -259,8 +269,12 @@ HOLDER = textwrap.dedent("""
 
 
 def test_a_live_writer_in_another_process_keeps_its_temp_file_until_killed(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), OWN_TEMP],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path), OWN_TEMP],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         Checkpointer(tmp_path).close()
@@ -292,14 +306,19 @@ def test_distributed_checkpointer_removes_temp_files_of_dead_ranks(tmp_path, cap
 
     step = tmp_path / "step_00000004"
     step.mkdir()
-    own = [".__0_0.tw.safetensors.0123456789abcdef.tmp", ".__1_0.tw.safetensors.fedcba9876543210.tmp",
-           "tw_dcp.json.tmp"]
+    own = [
+        ".__0_0.tw.safetensors.0123456789abcdef.tmp",
+        ".__1_0.tw.safetensors.fedcba9876543210.tmp",
+        "tw_dcp.json.tmp",
+    ]
     plant(step, own)
     plant(step, ["__1_0.tw.safetensors", "notes.tmp", ".notes.0123456789abcdef.tmp"])
     plant(tmp_path, [".__0_0.tw.safetensors.0123456789abcdef.tmp", "tw_dcp.json.tmp"])  # not in a step dir
     caplog.set_level(logging.INFO, logger="tw_triton")
     held = DistributedCheckpointer(tmp_path)
-    assert sorted(os.listdir(step)) == sorted(["__1_0.tw.safetensors", "notes.tmp", ".notes.0123456789abcdef.tmp"])
+    assert sorted(os.listdir(step)) == sorted(
+        ["__1_0.tw.safetensors", "notes.tmp", ".notes.0123456789abcdef.tmp"]
+    )
     assert len(os.listdir(tmp_path)) == 3
     [record] = sweep_records(caplog)
     assert "3 temp file(s) of 300 bytes" in record.getMessage()

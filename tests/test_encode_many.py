@@ -85,7 +85,9 @@ def test_group_batches_is_a_partition_within_the_cap(items, cap):
 def test_blockwise_encode_many_equals_each_alone(blocks, bits, block, dtype, with_ref, seed):
     g = torch.Generator().manual_seed(seed)
     xs = [(torch.randn(k * block, generator=g) * 3).to(dtype) for k in blocks]
-    refs = [(x.float() + torch.randn(x.numel(), generator=g) * 0.1).to(dtype) for x in xs] if with_ref else None
+    refs = (
+        [(x.float() + torch.randn(x.numel(), generator=g) * 0.1).to(dtype) for x in xs] if with_ref else None
+    )
     codec = BlockwiseCodec()
     params = codec.resolve_params({}, bits=bits, block=block)
     got = codec.encode_many(xs, params, refs, None)
@@ -180,7 +182,9 @@ def test_quantize_state_dict_is_the_same_batched_or_not(monkeypatch, rules):
     state = _state()
     ref = {"model": {k: v + 0.01 for k, v in state["model"].items()}, "optimizer": state["optimizer"]}
     batched = quantize_state_dict(state, reference=ref, rules=rules, checkpoint_id="c")
-    monkeypatch.setattr(state_encode, "group_batches", lambda keys, numels: group_batches(keys, numels, cap=0))
+    monkeypatch.setattr(
+        state_encode, "group_batches", lambda keys, numels: group_batches(keys, numels, cap=0)
+    )
     alone = quantize_state_dict(state, reference=ref, rules=rules, checkpoint_id="c")
     assert batched.entries.keys() == alone.entries.keys()
     for path in batched.entries:
@@ -242,7 +246,9 @@ def test_files_are_byte_identical_batched_or_not(tmp_path, monkeypatch):
         return (tmp_path / name).read_bytes()
 
     batched = write("a.tw")
-    monkeypatch.setattr(state_encode, "group_batches", lambda keys, numels: group_batches(keys, numels, cap=0))
+    monkeypatch.setattr(
+        state_encode, "group_batches", lambda keys, numels: group_batches(keys, numels, cap=0)
+    )
     assert write("b.tw") == batched
 
 

@@ -13,17 +13,23 @@ import numpy as np
 import pytest
 import torch
 import zstandard
+from _format_samples import STAGE_EVERYTHING, assert_same_state, sample_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tw_triton
-from _format_samples import STAGE_EVERYTHING, assert_same_state, sample_state
 from tw_triton import format as fmt
 from tw_triton.codecs import entropy
+from tw_triton.codecs.entropy import (
+    EntropyPolicy,
+    ZstdSettings,
+    candidate_stages,
+    check_zstd_frame,
+    get_stage,
+)
+from tw_triton.errors import CheckpointError
 from tw_triton.format import plan as format_plan
 from tw_triton.ops.backends import native
-from tw_triton.codecs.entropy import EntropyPolicy, ZstdSettings, candidate_stages, check_zstd_frame, get_stage
-from tw_triton.errors import CheckpointError
 from tw_triton.writer import AsyncWriter
 
 STAGES = ["zstd", "zstd-bytegroup", "zstd-planes"]
@@ -37,8 +43,19 @@ def one_frame_params(name: str, stored: bytes) -> dict:
     if name == "zstd-bytegroup":
         return {"level": 3, "width": 1}
     return {"level": 3, "width": 1, "frames": [len(stored)]}
-DTYPES = [torch.uint8, torch.int8, torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64,
-          torch.int32, torch.int64]
+
+
+DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.bool,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+]
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -110,7 +127,9 @@ def test_default_threads(monkeypatch):
         assert entropy.default_threads(big - 1) == 0
     seen = []
     real = ZstdSettings.compressor
-    monkeypatch.setattr(ZstdSettings, "compressor", lambda self, size: seen.append(self.threads) or real(self, size))
+    monkeypatch.setattr(
+        ZstdSettings, "compressor", lambda self, size: seen.append(self.threads) or real(self, size)
+    )
     t = torch.zeros(5000)
     entropy.encode_buffer(t, as_bytes(t), EntropyPolicy(threads=2))
     entropy.encode_buffer(t, as_bytes(t), entropy.AUTO)
@@ -189,7 +208,9 @@ PLANE_CASES = dict(
 def _unaligned(raw: bytes, offset: int, fill: int = 0) -> memoryview:
     """``raw`` in a buffer that starts ``offset`` bytes into its allocation, with 3 more
     ``fill`` bytes after it."""
-    return memoryview(bytearray([fill]) * offset + bytearray(raw) + bytearray([fill]) * 3)[offset : offset + len(raw)]
+    return memoryview(bytearray([fill]) * offset + bytearray(raw) + bytearray([fill]) * 3)[
+        offset : offset + len(raw)
+    ]
 
 
 @settings(max_examples=80, deadline=None)
@@ -214,10 +235,15 @@ def test_bytegroup_writes_the_reference_bytes_and_reads_them(
     n = data.draw(st.integers(0, 700) | on_chunks)
     raw = _elements(kind, width, n, seed)
     stage = get_stage("zstd-bytegroup")
-    with (mock.patch.object(entropy.zstd, "CHUNK_BYTES", chunk), mock.patch.object(entropy.planes, "LITTLE_ENDIAN", little),
-          mock.patch.object(entropy.zstd, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0),
-          mock.patch.dict(os.environ, {native.ENV_NATIVE: "1" if compiled else "0"})):
-        zstd = ZstdSettings(level=level, min_match=match.get("min_match", 0), hash_log=match.get("hash_log", 0))
+    with (
+        mock.patch.object(entropy.zstd, "CHUNK_BYTES", chunk),
+        mock.patch.object(entropy.planes, "LITTLE_ENDIAN", little),
+        mock.patch.object(entropy.zstd, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0),
+        mock.patch.dict(os.environ, {native.ENV_NATIVE: "1" if compiled else "0"}),
+    ):
+        zstd = ZstdSettings(
+            level=level, min_match=match.get("min_match", 0), hash_log=match.get("hash_log", 0)
+        )
         stored, params = stage.encode(_unaligned(raw, offset), width, zstd)
         assert params == {"level": level, "width": width}
         assert stored == reference_bytegroup(raw, width, level, **match)
@@ -237,7 +263,9 @@ def test_bytegroup_bytes_at_the_real_chunk_size(threads):
     stage = get_stage("zstd-bytegroup")
     min_match, hash_log = get_stage("zstd-bytegroup").match_for(len(raw))
     assert (min_match, hash_log) == entropy.PLANE_MATCH
-    stored, params = stage.encode(memoryview(raw), 4, ZstdSettings(min_match=min_match, hash_log=hash_log, threads=threads))
+    stored, params = stage.encode(
+        memoryview(raw), 4, ZstdSettings(min_match=min_match, hash_log=hash_log, threads=threads)
+    )
     match = {"min_match": min_match, "hash_log": hash_log}
     assert stored == reference_bytegroup(raw, 4, entropy.DEFAULT_LEVEL, threads, **match)
     out = bytearray(b"\xff" * len(raw))
@@ -265,7 +293,9 @@ def reference_plane_choice(elements: np.ndarray) -> list[bool]:
     return chosen
 
 
-def reference_planes(raw: bytes, width: int, level: int, threads: int = 0, **match: int) -> tuple[bytes, list[int]]:
+def reference_planes(
+    raw: bytes, width: int, level: int, threads: int = 0, **match: int
+) -> tuple[bytes, list[int]]:
     """zstd-planes written the plain way: each plane numpy's column ``[:, k]``, through its
     own streamed zstd frame (content size and checksum) where the rule picks it, else as it
     is; returns the stored bytes and the ``frames`` param."""
@@ -275,7 +305,12 @@ def reference_planes(raw: bytes, width: int, level: int, threads: int = 0, **mat
         plane = elements[:, k].tobytes()
         if coded:
             params = zstandard.ZstdCompressionParameters.from_level(
-                level, source_size=len(plane), threads=threads, write_checksum=True, write_content_size=True, **match
+                level,
+                source_size=len(plane),
+                threads=threads,
+                write_checksum=True,
+                write_content_size=True,
+                **match,
             )
             obj = zstandard.ZstdCompressor(compression_params=params).compressobj(size=len(plane))
             plane = obj.compress(plane) + obj.flush()
@@ -302,10 +337,13 @@ def test_planes_writes_the_reference_bytes_and_reads_them(
     n = data.draw(st.integers(0, 700) | on_chunks)
     raw = _elements(kind, width, n, seed)
     stage = get_stage("zstd-planes")
-    with (mock.patch.object(entropy.zstd, "CHUNK_BYTES", chunk), mock.patch.object(entropy.planes, "LITTLE_ENDIAN", little),
-          mock.patch.object(entropy.zstd, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0),
-          mock.patch.object(entropy.planes, "PLANE_SAMPLE", sample),
-          mock.patch.dict(os.environ, {native.ENV_NATIVE: "1" if compiled else "0"})):
+    with (
+        mock.patch.object(entropy.zstd, "CHUNK_BYTES", chunk),
+        mock.patch.object(entropy.planes, "LITTLE_ENDIAN", little),
+        mock.patch.object(entropy.zstd, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0),
+        mock.patch.object(entropy.planes, "PLANE_SAMPLE", sample),
+        mock.patch.dict(os.environ, {native.ENV_NATIVE: "1" if compiled else "0"}),
+    ):
         zstd = ZstdSettings(level=1, min_match=match.get("min_match", 0), hash_log=match.get("hash_log", 0))
         stored, params = stage.encode(_unaligned(raw, offset), width, zstd)
         expected, frames = reference_planes(raw, width, 1, **match)
@@ -328,8 +366,12 @@ def test_planes_codes_only_the_planes_that_compress():
     from_bf16 = weights.to(torch.bfloat16).to(torch.float32)
     noise = torch.randint(0, 256, (1 << 19,), dtype=torch.uint8, generator=g).view(torch.float32)
     stage = get_stage("zstd-planes")
-    for t, coded in ((weights, [False, False, False, True]), (torch.zeros(1 << 17), [True] * 4),
-                     (from_bf16, [True, True, False, True]), (noise, [False] * 4)):
+    for t, coded in (
+        (weights, [False, False, False, True]),
+        (torch.zeros(1 << 17), [True] * 4),
+        (from_bf16, [True, True, False, True]),
+        (noise, [False] * 4),
+    ):
         stored, params = stage.encode(as_bytes(t), 4, ZstdSettings())
         assert [bool(n) for n in params["frames"]] == coded
         assert len(stored) == sum(n or t.numel() for n in params["frames"])
@@ -373,7 +415,9 @@ def test_planes_check_names_the_plane_of_a_bad_frame():
     body = frame(b"\0" * 100)
     stored = memoryview(b"\1" * 100 + body[:-1] + b"\1" * 100)
     params = {"level": 3, "width": 3, "frames": [0, len(body) - 1, 0]}
-    with pytest.raises(CheckpointError, match=r"w plane 1: the zstd frame is \d+ bytes but \d+ are stored \(truncated\)"):
+    with pytest.raises(
+        CheckpointError, match=r"w plane 1: the zstd frame is \d+ bytes but \d+ are stored \(truncated\)"
+    ):
         get_stage("zstd-planes").check(stored, params, 300, "w")
     # A frame that states another size than a plane holds.
     other = frame(b"\0" * 99)
@@ -568,8 +612,14 @@ def test_integers_get_the_smaller_of_both_stages():
     float_bits = (torch.randn(1 << 16, generator=g) * 1e-3).view(torch.int32)
     for t, winner in ((counters, "zstd"), (float_bits, "zstd-bytegroup")):
         nbytes = t.numel() * t.element_size()
-        sizes = {n: len(get_stage(n).encode(as_bytes(t), t.element_size(), ZstdSettings(1, *get_stage(n).match_for(nbytes)))[0])
-                 for n in candidate_stages(t.dtype, nbytes, entropy.AUTO)}
+        sizes = {
+            n: len(
+                get_stage(n).encode(
+                    as_bytes(t), t.element_size(), ZstdSettings(1, *get_stage(n).match_for(nbytes))
+                )[0]
+            )
+            for n in candidate_stages(t.dtype, nbytes, entropy.AUTO)
+        }
         assert min(sizes, key=sizes.get) == winner
         staged = entropy.encode_buffer(t, as_bytes(t), entropy.AUTO)
         assert staged.record["name"] == winner and len(staged.data) == sizes[winner]
@@ -584,7 +634,11 @@ def test_policy_keeps_a_stage_only_when_it_saves_enough():
     codes = (128 + torch.randn(1 << 16, generator=g).mul(6).round().clamp(-127, 127)).to(torch.uint8)
     staged = entropy.encode_buffer(codes, as_bytes(codes), entropy.AUTO)
     assert staged is not None
-    assert staged.record == {"name": "zstd", "params": {"level": entropy.DEFAULT_LEVEL}, "raw_nbytes": 1 << 16}
+    assert staged.record == {
+        "name": "zstd",
+        "params": {"level": entropy.DEFAULT_LEVEL},
+        "raw_nbytes": 1 << 16,
+    }
     assert len(staged.data) <= (1 - entropy.MIN_SAVING) * (1 << 16)
     tiny = codes[: entropy.MIN_STAGE_BYTES - 1]
     assert entropy.encode_buffer(tiny, as_bytes(tiny), entropy.AUTO) is None
@@ -607,7 +661,12 @@ def test_bad_entropy_arguments_are_refused(tmp_path, bad):
 
 def _stages(path) -> dict[str, str]:
     m = fmt.read_manifest(path)
-    return {b["key"]: b["stage"]["name"] for e in m["entries"].values() for b in e["buffers"].values() if "stage" in b}
+    return {
+        b["key"]: b["stage"]["name"]
+        for e in m["entries"].values()
+        for b in e["buffers"].values()
+        if "stage" in b
+    }
 
 
 @pytest.mark.parametrize("entropy_arg", ["auto", None, "none", STAGE_EVERYTHING, EntropyPolicy(level=1)])
@@ -619,7 +678,9 @@ def test_write_file_entropy_modes_round_trip(tmp_path, entropy_arg):
     fmt.verify_file(path)
     assert fmt.read_manifest(path)["version"] == 2
     staged = _stages(path)
-    nonempty = [fmt.tensor_key(p, n) for p, e in state.entries.items() for n, b in e.buffers.items() if b.numel()]
+    nonempty = [
+        fmt.tensor_key(p, n) for p, e in state.entries.items() for n, b in e.buffers.items() if b.numel()
+    ]
     if entropy_arg in (None, "none"):
         assert staged == {}
     elif entropy_arg is STAGE_EVERYTHING:
@@ -677,7 +738,9 @@ def test_stage_failure_names_the_buffer_and_leaves_no_file(tmp_path, monkeypatch
 
     monkeypatch.setattr(entropy.ZstdStage, "encode", broken)
     path = tmp_path / "a.tw"
-    with pytest.raises(CheckpointError, match="entry 'model/encoder.0.weight' buffer 'codes': entropy stage failed"):
+    with pytest.raises(
+        CheckpointError, match="entry 'model/encoder.0.weight' buffer 'codes': entropy stage failed"
+    ):
         fmt.write_file(sample_state(6, scale=8), path)
     assert list(tmp_path.iterdir()) == []
 
@@ -740,4 +803,3 @@ def test_register_stage():
         assert raw == back
     finally:
         entropy.unregister_stage("identity-test")
-

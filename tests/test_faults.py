@@ -47,10 +47,15 @@ def model_with(value: float, n: int = 64) -> torch.nn.Linear:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the crash helper forks")
 def test_sigkill_at_random_moments_leaves_a_loadable_latest(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
+    )
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "crash_saver.py"), str(tmp_path), str(KILL_TRIALS), "1234"],
-        capture_output=True, text=True, timeout=240, env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     trials = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -173,9 +178,10 @@ def deny_writes_in(directory):
     directory = os.path.realpath(directory)
 
     def guarded(path, flags, *args, **kwargs):
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and os.path.realpath(
-            os.path.dirname(os.path.abspath(path))
-        ) == directory:
+        if (
+            flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+            and os.path.realpath(os.path.dirname(os.path.abspath(path))) == directory
+        ):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
         return real_open(path, flags, *args, **kwargs)
 
@@ -289,7 +295,7 @@ def test_delta_whose_keyframe_is_torn_is_skipped(tmp_path, caplog):
 
 def test_temp_files_are_ignored_and_can_be_removed(tmp_path):
     ckpt = three_saves(tmp_path)
-    leftover = tmp_path / (".%s.0123456789abcdef.tmp" % checkpoint_name(3))
+    leftover = tmp_path / (f".{checkpoint_name(3)}.0123456789abcdef.tmp")
     leftover.write_bytes(b"partial")
     assert fmt.is_temp_file(leftover.name)
     assert ckpt.steps() == [0, 1, 2] and ckpt.latest() == 2
@@ -355,12 +361,19 @@ def test_save_while_previous_is_writing_blocks_and_keeps_contents_apart(tmp_path
     gate.set()
     assert second_done.wait(10)
     th.join()
-    assert order == ["slot free", "first save returned", "save waits", "first write released",
-                     "second save returned"]
+    assert order == [
+        "slot free",
+        "first save returned",
+        "save waits",
+        "first write released",
+        "second save returned",
+    ]
     holder["future"].result(timeout=10)
     ckpt.close()
     reader = Checkpointer(tmp_path)
     s0, s1 = reader.load(0)["model"], reader.load(1)["model"]
-    assert torch.equal(s0["weight"], model_with(1.0).weight) and torch.equal(s0["bias"], torch.full((64,), 1.0))
+    assert torch.equal(s0["weight"], model_with(1.0).weight) and torch.equal(
+        s0["bias"], torch.full((64,), 1.0)
+    )
     assert torch.allclose(s1["weight"], model_with(3.0).weight, atol=1e-2)
     assert torch.equal(s1["bias"], torch.full((64,), 3.0))

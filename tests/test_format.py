@@ -14,19 +14,26 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
+from _format_samples import (
+    STAGE_EVERYTHING,
+    assert_same_state,
+    blockwise_entry,
+    exact_entry,
+    sample_state,
+    unstage,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _format_samples import STAGE_EVERYTHING, assert_same_state, blockwise_entry, exact_entry, sample_state, unstage
 import tw_triton
 from tw_triton import format as fmt
+from tw_triton.codecs import entropy
+from tw_triton.codecs.blockwise import QuantizedTensor, dequantize
+from tw_triton.errors import CheckpointError, CheckpointIOError
 from tw_triton.format import writer
 from tw_triton.format.plan import plan_file
 from tw_triton.format.reader import MappedCheckpoint
 from tw_triton.format.spec import ENTRY_DTYPE_NAMES
-from tw_triton.codecs.blockwise import QuantizedTensor, dequantize
-from tw_triton.codecs import entropy
-from tw_triton.errors import CheckpointError, CheckpointIOError
 from tw_triton.qstate import EncodedEntry, QuantizedState
 
 
@@ -208,9 +215,7 @@ def test_safe_open_lists_every_buffer_and_reads_the_same_bytes(tmp_path, entropy
     state = sample_state(3, scale=8)
     path = tmp_path / "ckpt.safetensors"
     fmt.write_file(state, path, entropy=entropy)
-    expected = {
-        fmt.tensor_key(p, name): t for p, e in state.entries.items() for name, t in e.buffers.items()
-    }
+    expected = {fmt.tensor_key(p, name): t for p, e in state.entries.items() for name, t in e.buffers.items()}
     with safetensors.safe_open(str(path), framework="pt") as f:
         assert sorted(f.keys()) == sorted(expected)
         manifest = json.loads(f.metadata()[fmt.MANIFEST_KEY])
@@ -285,8 +290,9 @@ def test_read_file_reads_staged_buffers_where_files_cannot_be_mapped(tmp_path, m
     monkeypatch.setattr(mmap, "mmap", no_mmap)
     assert_same_state(fmt.read_file(path), mapped)
     manifest = fmt.read_manifest(path)
-    entry, name, buf = next((p, k, b) for p, e in manifest["entries"].items() for k, b in e["buffers"].items()
-                            if "stage" in b)
+    entry, name, buf = next(
+        (p, k, b) for p, e in manifest["entries"].items() for k, b in e["buffers"].items() if "stage" in b
+    )
     blob = bytearray(path.read_bytes())
     n = struct.unpack("<Q", blob[:8])[0]
     blob[8 + n + buf["data_offsets"][1] - 7] ^= 0x40  # in the last block, or the content checksum
@@ -313,7 +319,9 @@ def test_file_size_is_buffers_plus_header(tmp_path):
     path = tmp_path / "ckpt.safetensors"
     size = fmt.write_file(state, path, entropy=None)
     n, header = header_of(path)
-    buffer_bytes = sum(t.numel() * t.element_size() for e in state.entries.values() for t in e.buffers.values())
+    buffer_bytes = sum(
+        t.numel() * t.element_size() for e in state.entries.values() for t in e.buffers.values()
+    )
     assert size == path.stat().st_size == buffer_bytes + 8 + n
     assert (8 + n) % 8 == 0
     manifest = json.loads(header["__metadata__"][fmt.MANIFEST_KEY])
@@ -335,7 +343,11 @@ def test_staged_file_size_is_stored_bytes_plus_header(tmp_path):
         for buf in entry["buffers"].values():
             if "stage" in buf:
                 span = buf["data_offsets"][1] - buf["data_offsets"][0]
-                assert header[buf["key"]] == {"dtype": "U8", "shape": [span], "data_offsets": buf["data_offsets"]}
+                assert header[buf["key"]] == {
+                    "dtype": "U8",
+                    "shape": [span],
+                    "data_offsets": buf["data_offsets"],
+                }
                 assert buf["stage"]["raw_nbytes"] * (1 - entropy.MIN_SAVING) >= span
 
 
@@ -388,7 +400,10 @@ def test_verify_false_skips_only_the_data_checksums(tmp_path):
     blob[pos] ^= 0x01
     path.write_bytes(bytes(blob))
     back = fmt.read_file(path, verify=False)
-    assert not torch.equal(back.entries["model/encoder.0.bias"].buffers["data"], state.entries["model/encoder.0.bias"].buffers["data"])
+    assert not torch.equal(
+        back.entries["model/encoder.0.bias"].buffers["data"],
+        state.entries["model/encoder.0.bias"].buffers["data"],
+    )
     for reader in (fmt.read_file, fmt.verify_file):
         with pytest.raises(CheckpointError) as err:
             reader(path)
@@ -422,13 +437,22 @@ def test_read_into_given_tensors_where_they_fit(tmp_path, policy):
     state = sample_state(11)
     fmt.write_file(state, path, entropy=policy)
     quantized = next(p for p, e in state.entries.items() if e.codec != "exact")
-    fits, two_d, wrong_dtype, strided = "rng/torch", "optimizer/state/0/exp_avg", "model/positions", "model/encoder.0.bias"
+    fits, two_d, wrong_dtype, strided = (
+        "rng/torch",
+        "optimizer/state/0/exp_avg",
+        "model/positions",
+        "model/encoder.0.bias",
+    )
     assert state.entries[two_d].codec == "exact" and len(state.entries[two_d].shape) == 2
     dest = {
         fits: torch.empty(tuple(state.entries[fits].shape), dtype=state.entries[fits].dtype),
         # The same size in another shape: a model changed since the save is not overwritten.
-        two_d: torch.full((state.entries[two_d].buffers["data"].numel(),), 7.0, dtype=state.entries[two_d].dtype),
-        wrong_dtype: torch.full((state.entries[wrong_dtype].buffers["data"].numel(),), 7.0, dtype=torch.float64),
+        two_d: torch.full(
+            (state.entries[two_d].buffers["data"].numel(),), 7.0, dtype=state.entries[two_d].dtype
+        ),
+        wrong_dtype: torch.full(
+            (state.entries[wrong_dtype].buffers["data"].numel(),), 7.0, dtype=torch.float64
+        ),
         strided: torch.full((state.entries[strided].buffers["data"].numel() * 2,), 7.0)[::2],
         quantized: torch.full((64,), 7.0),
     }
@@ -451,22 +475,48 @@ def _reference_header(plan) -> bytes:
     for entry_path, entry in q.entries.items():
         bufs = {}
         for name, b in plan.by_entry[entry_path].items():
-            bufs[name] = {"key": b.key, "dtype": b.st_dtype, "shape": list(b.tensor.shape),
-                          "data_offsets": [b.begin, b.end], "crc32": f"{b.crc32:08x}"}
+            bufs[name] = {
+                "key": b.key,
+                "dtype": b.st_dtype,
+                "shape": list(b.tensor.shape),
+                "data_offsets": [b.begin, b.end],
+                "crc32": f"{b.crc32:08x}",
+            }
             if b.stage is not None:
                 bufs[name]["stage"] = b.stage
-        entries[entry_path] = {"codec": entry.codec, "params": entry.params,
-                               "dtype": ENTRY_DTYPE_NAMES[entry.dtype], "shape": list(entry.shape),
-                               "buffers": bufs}
-    manifest = dumps({
-        "format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "checkpoint_id": q.checkpoint_id,
-        "reference_id": q.reference_id, "checksum": fmt.CHECKSUM_NAME, "entries": entries,
-        "aliases": dict(q.aliases), "skeleton": q.skeleton, "rules": q.rules, "metadata": q.metadata,
-        "stats": {"raw_bytes": sum(e.raw_nbytes for e in q.entries.values()), "stored_bytes": plan.data_size,
-                  "entries": len(q.entries), "buffers": len(plan.buffers)},
-    })
-    header = {"__metadata__": {fmt.MANIFEST_KEY: manifest,
-                               fmt.MANIFEST_CRC_KEY: f"{zlib.crc32(manifest.encode('utf-8')):08x}"}}
+        entries[entry_path] = {
+            "codec": entry.codec,
+            "params": entry.params,
+            "dtype": ENTRY_DTYPE_NAMES[entry.dtype],
+            "shape": list(entry.shape),
+            "buffers": bufs,
+        }
+    manifest = dumps(
+        {
+            "format": fmt.FORMAT_NAME,
+            "version": fmt.FORMAT_VERSION,
+            "checkpoint_id": q.checkpoint_id,
+            "reference_id": q.reference_id,
+            "checksum": fmt.CHECKSUM_NAME,
+            "entries": entries,
+            "aliases": dict(q.aliases),
+            "skeleton": q.skeleton,
+            "rules": q.rules,
+            "metadata": q.metadata,
+            "stats": {
+                "raw_bytes": sum(e.raw_nbytes for e in q.entries.values()),
+                "stored_bytes": plan.data_size,
+                "entries": len(q.entries),
+                "buffers": len(plan.buffers),
+            },
+        }
+    )
+    header = {
+        "__metadata__": {
+            fmt.MANIFEST_KEY: manifest,
+            fmt.MANIFEST_CRC_KEY: f"{zlib.crc32(manifest.encode('utf-8')):08x}",
+        }
+    }
     for b in plan.buffers:
         header[b.key] = {"dtype": b.table_dtype, "shape": b.table_shape, "data_offsets": [b.begin, b.end]}
     raw = dumps(header).encode("ascii")
@@ -479,9 +529,9 @@ def _reference_header(plan) -> bytes:
 def test_header_text_is_json_dumps_of_the_header(seed, policy):
     state = sample_state(seed)
     # Keys and values that JSON must escape, an alias, metadata of every JSON kind.
-    state.entries["mödel/w\u2603 \"q\""] = exact_entry(torch.arange(6.0).reshape(2, 3))
-    state.entries["mödel/w\u2603 \"q\""].params = {"note": "é\n", "n": [1, 2.5, None, True]}
-    state.aliases = {"alias/é": "mödel/w\u2603 \"q\""}
+    state.entries['mödel/w\u2603 "q"'] = exact_entry(torch.arange(6.0).reshape(2, 3))
+    state.entries['mödel/w\u2603 "q"'].params = {"note": "é\n", "n": [1, 2.5, None, True]}
+    state.aliases = {"alias/é": 'mödel/w\u2603 "q"'}
     state.metadata = {"k": [1.5, None, False, {"x": "ü"}]}
     plan = plan_file(state, "x", entropy.resolve_policy(policy))
     assert writer.encode_header(plan, "x") == _reference_header(plan)
@@ -492,9 +542,20 @@ def test_header_writes_params_that_compare_equal_as_they_are():
     equal in Python but not in JSON must each keep their own text."""
     state = sample_state(0)
     variants = [
-        {"b": 1}, {"b": True}, {"b": 1.0}, {"b": -0.0}, {"b": 0.0}, {"b": 0},
-        {"b": (1,)}, {"b": (True,)}, {"b": [1]}, {"b": None}, {"b": "1"}, {},
-        {"a": 1, "b": 2}, {"b": 2, "a": 1},  # equal dicts, keys in another order
+        {"b": 1},
+        {"b": True},
+        {"b": 1.0},
+        {"b": -0.0},
+        {"b": 0.0},
+        {"b": 0},
+        {"b": (1,)},
+        {"b": (True,)},
+        {"b": [1]},
+        {"b": None},
+        {"b": "1"},
+        {},
+        {"a": 1, "b": 2},
+        {"b": 2, "a": 1},  # equal dicts, keys in another order
     ]
     for i, params in enumerate(variants):
         state.entries[f"p{i}"] = exact_entry(torch.arange(3.0))
@@ -579,19 +640,61 @@ def _one(entry: EncodedEntry, **kw) -> QuantizedState:
     [
         (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"a:b": torch.ones(2)})), "buffer names"),
         (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"": torch.ones(2)})), "buffer names"),
-        (_one(EncodedEntry("exact", {}, (2,), torch.complex128, {"data": torch.ones(2, dtype=torch.complex128)})), "no safetensors name"),
+        (
+            _one(
+                EncodedEntry(
+                    "exact", {}, (2,), torch.complex128, {"data": torch.ones(2, dtype=torch.complex128)}
+                )
+            ),
+            "no safetensors name",
+        ),
         (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": [1.0, 2.0]})), "expected a tensor"),
         (_one(EncodedEntry("", {}, (2,), torch.float32, {"data": torch.ones(2)})), "codec"),
-        (_one(EncodedEntry("exact", {"f": object()}, (2,), torch.float32, {"data": torch.ones(2)})), "entry 'e' params is not JSON"),
-        (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), metadata={"x": {1, 2}}), "metadata is not JSON"),
-        (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), aliases={"x": "missing"}), "not an entry"),
-        (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), aliases={"e": "e"}), "also an entry"),
+        (
+            _one(EncodedEntry("exact", {"f": object()}, (2,), torch.float32, {"data": torch.ones(2)})),
+            "entry 'e' params is not JSON",
+        ),
+        (
+            _one(
+                EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}),
+                metadata={"x": {1, 2}},
+            ),
+            "metadata is not JSON",
+        ),
+        (
+            _one(
+                EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}),
+                aliases={"x": "missing"},
+            ),
+            "not an entry",
+        ),
+        (
+            _one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), aliases={"e": "e"}),
+            "also an entry",
+        ),
         (_one(EncodedEntry("exact", {}, (-1,), torch.float32, {"data": torch.ones(2)})), "non-negative"),
         (_one(EncodedEntry("exact", {}, (2**62, 2), torch.float32, {"data": torch.ones(2)})), "2\\*\\*63"),
-        (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), metadata={"a": [{1: "x", "1": "y"}]}), "metadata: dict key 1 is a int"),
-        (_one(EncodedEntry("exact", {3: 1}, (2,), torch.float32, {"data": torch.ones(2)})), "entry 'e' params: dict key 3"),
-        (_one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), metadata=_cyclic()), "metadata is not JSON"),
-        (QuantizedState(entries={"bad\udc80": exact_entry(torch.ones(1))}, skeleton=None, checkpoint_id="c"), "not valid UTF-8"),
+        (
+            _one(
+                EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}),
+                metadata={"a": [{1: "x", "1": "y"}]},
+            ),
+            "metadata: dict key 1 is a int",
+        ),
+        (
+            _one(EncodedEntry("exact", {3: 1}, (2,), torch.float32, {"data": torch.ones(2)})),
+            "entry 'e' params: dict key 3",
+        ),
+        (
+            _one(EncodedEntry("exact", {}, (2,), torch.float32, {"data": torch.ones(2)}), metadata=_cyclic()),
+            "metadata is not JSON",
+        ),
+        (
+            QuantizedState(
+                entries={"bad\udc80": exact_entry(torch.ones(1))}, skeleton=None, checkpoint_id="c"
+            ),
+            "not valid UTF-8",
+        ),
         ("not a state", "expected a QuantizedState"),
     ],
 )
@@ -615,7 +718,14 @@ def test_temp_file_convention(tmp_path):
     assert os.path.basename(tmp).startswith(".step_100.safetensors.") and tmp.endswith(".tmp")
     assert fmt.is_temp_file(tmp) and fmt.is_temp_file(os.path.basename(tmp))
     assert tmp != fmt.temp_path_for(final)
-    for name in ("step_100.safetensors", ".hidden", ".x.tmp", ".x.abc.tmp", "x.0123456789abcdef.tmp", ".x.0123456789ABCDEF.tmp"):
+    for name in (
+        "step_100.safetensors",
+        ".hidden",
+        ".x.tmp",
+        ".x.abc.tmp",
+        "x.0123456789abcdef.tmp",
+        ".x.0123456789ABCDEF.tmp",
+    ):
         assert not fmt.is_temp_file(name), name
 
 
@@ -624,7 +734,9 @@ def test_write_uses_temp_fsync_replace_then_directory_fsync(tmp_path, monkeypatc
     real_fsync, real_replace = os.fsync, os.replace
 
     def fsync(fd):
-        events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else None))
+        events.append(
+            ("fsync", os.path.isdir(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else None)
+        )
         real_fsync(fd)
 
     def replace(src, dst):
@@ -658,6 +770,7 @@ def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch, whe
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if where == "data":
+
         def partial(f, plan, *args, **kwargs):
             f.write(b"\0" * 100)  # something reached the temp file before the failure
             fail()

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
+from _format_samples import STAGE_EVERYTHING, assert_same_state, blockwise_entry, exact_entry, unstage
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tw_triton
-from _format_samples import STAGE_EVERYTHING, assert_same_state, blockwise_entry, exact_entry, unstage
 from tw_triton import format as fmt
 from tw_triton.codecs import entropy
 from tw_triton.errors import CheckpointError
@@ -399,7 +399,14 @@ def test_wrong_tensor_key(tmp_path, good):
 
 @pytest.mark.parametrize(
     "version, match",
-    [(3, "unknown format version 3.*reads versions 1, 2.*newer"), (2**70, "version 1180591620717411303424.*newer"), (0, "unknown format version 0"), ("1", "version '1'"), (True, "version True"), (None, "version None")],
+    [
+        (3, "unknown format version 3.*reads versions 1, 2.*newer"),
+        (2**70, "version 1180591620717411303424.*newer"),
+        (0, "unknown format version 0"),
+        ("1", "version '1'"),
+        (True, "version True"),
+        (None, "version None"),
+    ],
 )
 def test_unknown_version(tmp_path, good, version, match):
     def edit(h, m):
@@ -539,7 +546,21 @@ _JSON_VALUES = st.recursive(
     | st.sampled_from([0, 1, -1, 7, 2**31, 2**62, 2**63, 2**64, 10**30, -(2**63)])
     | st.integers()
     | st.floats(allow_nan=False)
-    | st.sampled_from(["", "F32", "U8", "BOOL", "float32", "exact", "blockwise", "model/w", "model/w:codes", "zstd", "zstd-bytegroup"])
+    | st.sampled_from(
+        [
+            "",
+            "F32",
+            "U8",
+            "BOOL",
+            "float32",
+            "exact",
+            "blockwise",
+            "model/w",
+            "model/w:codes",
+            "zstd",
+            "zstd-bytegroup",
+        ]
+    )
     | st.text(max_size=8),
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=3),
     max_leaves=6,
@@ -618,7 +639,12 @@ def staged(tmp_path_factory) -> tuple[QuantizedState, bytes]:
     path = tmp_path_factory.mktemp("staged") / "staged.safetensors"
     fmt.write_file(state, path, fsync=False, entropy=STAGE_EVERYTHING)
     manifest = fmt.read_manifest(path)
-    stages = {b["stage"]["name"] for e in manifest["entries"].values() for b in e["buffers"].values() if "stage" in b}
+    stages = {
+        b["stage"]["name"]
+        for e in manifest["entries"].values()
+        for b in e["buffers"].values()
+        if "stage" in b
+    }
     assert stages == {"zstd", "zstd-bytegroup"}
     return state, path.read_bytes()
 
@@ -628,7 +654,9 @@ def _staged_keys(blob: bytes) -> list[tuple[str, str]]:
     return [(p, n) for p, e in manifest["entries"].items() for n, b in e["buffers"].items() if "stage" in b]
 
 
-def relayout(blob: bytes, entry: str, name: str, stored: bytes, edit: Callable[[dict, dict], None] | None = None) -> bytes:
+def relayout(
+    blob: bytes, entry: str, name: str, stored: bytes, edit: Callable[[dict, dict], None] | None = None
+) -> bytes:
     """Replace one buffer's stored bytes (offsets, sizes and its CRC made consistent), so
     that crafted stored bytes reach the stage's checks."""
     header, manifest, data = split(blob)
@@ -701,7 +729,9 @@ def test_a_frame_without_content_checksum_is_crc_checked_before_the_decoder(tmp_
 
     state, blob = staged
     _, manifest, data = split(blob)
-    entry, name = next((e, n) for e, n in _staged_keys(blob) if _buf(manifest, e, n)["stage"]["name"] == "zstd")
+    entry, name = next(
+        (e, n) for e, n in _staged_keys(blob) if _buf(manifest, e, n)["stage"]["name"] == "zstd"
+    )
     b, e = _buf(manifest, entry, name)["data_offsets"]
     raw = zstandard.ZstdDecompressor().decompress(data[b:e])
     bare = zstandard.ZstdCompressor(level=1, write_checksum=False, write_content_size=True).compress(raw)
@@ -778,7 +808,9 @@ def test_staged_lying_shape_and_raw_size_together(tmp_path, staged, monkeypatch)
         # Without the bound on the whole file's expansion (which refuses 2**40 first), the
         # frame check still holds.
         with _bounded_allocations(monkeypatch, len(staged[1])):
-            with pytest.raises(CheckpointError, match="zstd frame holds 80 bytes, the manifest says raw_nbytes") as info:
+            with pytest.raises(
+                CheckpointError, match="zstd frame holds 80 bytes, the manifest says raw_nbytes"
+            ) as info:
                 fmt.read_file(path, max_expansion=None)
         assert "entry 'model/w' buffer 'codes'" in str(info.value) and str(path) in str(info.value)
         with pytest.raises(CheckpointError, match="zstd frame holds 80"):
@@ -833,7 +865,9 @@ def test_staged_decompression_bomb_is_refused_before_allocating(tmp_path, staged
         with pytest.raises(CheckpointError, match="decode to 1099511627\\d+ bytes, more than 32 times"):
             fmt.read_file(path)
         # Beneath the bound on the whole file, the frame's own blocks refuse it too.
-        with pytest.raises(CheckpointError, match="hold at most 524288 bytes, fewer than the 1099511627776") as info:
+        with pytest.raises(
+            CheckpointError, match="hold at most 524288 bytes, fewer than the 1099511627776"
+        ) as info:
             fmt.read_file(path, max_expansion=None)
         with pytest.raises(CheckpointError, match="hold at most 524288"):
             fmt.verify_file(path, max_expansion=None)
@@ -882,7 +916,10 @@ def test_staged_frame_that_is_a_valid_frame_of_other_bytes_is_caught_by_zstd_che
         ({"name": "", "params": {}, "raw_nbytes": 80}, "unknown entropy stage ''"),
         ({"name": 7, "params": {}, "raw_nbytes": 80}, "unknown entropy stage 7"),
         ({"name": "zstd", "params": {}, "raw_nbytes": 80}, "stage params"),
-        ({"name": "zstd-bytegroup", "params": {"level": 3, "width": 2}, "raw_nbytes": 80}, "'width' must be the element size 1"),
+        (
+            {"name": "zstd-bytegroup", "params": {"level": 3, "width": 2}, "raw_nbytes": 80},
+            "'width' must be the element size 1",
+        ),
         ({"name": "zstd", "params": {"level": 3}, "raw_nbytes": 80, "x": 1}, "unexpected fields"),
         ({"name": "zstd", "params": {"level": 3}}, "missing field.*raw_nbytes"),
         ("zstd", "expected a JSON object"),
@@ -938,7 +975,9 @@ def test_staged_fuzz_mutations_of_compressed_data_without_verify(tmp_path, stage
     entry, name = data.draw(st.sampled_from(_staged_keys(blob)))
     b, e = _buf(manifest, entry, name)["data_offsets"]
     mutated = bytearray(blob)
-    for pos, value in data.draw(st.lists(st.tuples(st.integers(b, e - 1), st.integers(0, 255)), min_size=1, max_size=4)):
+    for pos, value in data.draw(
+        st.lists(st.tuples(st.integers(b, e - 1), st.integers(0, 255)), min_size=1, max_size=4)
+    ):
         mutated[start + pos] = value
     path = tmp_path / "fuzz.safetensors"
     put(path, bytes(mutated))
@@ -1007,7 +1046,9 @@ _BAD_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("entry, param, value, match", _BAD_PARAMS, ids=[f"{e}-{p}-{v!r}" for e, p, v, _ in _BAD_PARAMS])
+@pytest.mark.parametrize(
+    "entry, param, value, match", _BAD_PARAMS, ids=[f"{e}-{p}-{v!r}" for e, p, v, _ in _BAD_PARAMS]
+)
 def test_codec_params_are_checked_on_load(tmp_path, coded, entry, param, value, match):
     delta, ref, blob = coded
 
@@ -1038,7 +1079,9 @@ def test_a_delta_flag_edited_to_false_is_caught_by_the_reference_checks(tmp_path
 
     path = tmp_path / "nodelta.safetensors"
     put(path, craft(blob, edit))
-    with pytest.raises(CheckpointError, match="param 'ref_fp'.*expected none on an entry that is not a delta"):
+    with pytest.raises(
+        CheckpointError, match="param 'ref_fp'.*expected none on an entry that is not a delta"
+    ):
         tw_triton.load(path, reference=str(ref))
     assert tw_triton.load(delta, reference=str(ref))["w"].shape == (64, 64)
 

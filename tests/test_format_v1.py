@@ -25,7 +25,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal dtype, shape and bytes (so NaN payloads and -0.0 count)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def test_v1_files_are_version_1():

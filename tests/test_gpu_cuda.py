@@ -34,8 +34,15 @@ SLEEP_CYCLES = 200_000_000  # ~0.1 s on a 2 GHz GPU clock
 
 def _exact_state(t: torch.Tensor) -> QuantizedState:
     entry = ExactCodec().wrap(t).entry
-    return QuantizedState(entries={"x": entry}, skeleton={"tensor": "x"}, checkpoint_id="c",
-                          reference_id=None, aliases={}, rules=[], metadata={})
+    return QuantizedState(
+        entries={"x": entry},
+        skeleton={"tensor": "x"},
+        checkpoint_id="c",
+        reference_id=None,
+        aliases={},
+        rules=[],
+        metadata={},
+    )
 
 
 def test_side_stream_copy_waits_for_the_producing_stream(tmp_path):

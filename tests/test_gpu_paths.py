@@ -192,8 +192,11 @@ def _training_state(n_layers: int) -> dict[str, Any]:
     model = {f"layer{i}.weight": torch.randn(64, 96, generator=gen) for i in range(n_layers)}
     model |= {f"layer{i}.bias": torch.randn(96, generator=gen) for i in range(n_layers)}
     opt_state = {
-        i: {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 96, generator=gen) * 1e-3,
-            "exp_avg_sq": torch.rand(64, 96, generator=gen) * 1e-6}
+        i: {
+            "step": torch.tensor(3.0),
+            "exp_avg": torch.randn(64, 96, generator=gen) * 1e-3,
+            "exp_avg_sq": torch.rand(64, 96, generator=gen) * 1e-6,
+        }
         for i in range(n_layers)
     }
     opt = {"state": opt_state, "param_groups": [{"lr": 1e-3, "params": list(range(n_layers))}]}
@@ -221,8 +224,10 @@ def test_state_api_reads_device_flags_once_per_checkpoint_not_per_tensor(monkeyp
             monkeypatch.setattr(cls, meth, _paused(reads, getattr(cls, meth)))
     kf_state = _training_state(12)
     state = _training_state(12)
-    rules = [("optimizer/state/*/exp_avg", "int8"),
-             ("optimizer/state/*/exp_avg_sq", {"codec": "log2", "bits": 8, "min_numel": 0})]
+    rules = [
+        ("optimizer/state/*/exp_avg", "int8"),
+        ("optimizer/state/*/exp_avg_sq", {"codec": "log2", "bits": 8, "min_numel": 0}),
+    ]
     with reads:
         kf = tw_triton.quantize_state_dict(kf_state, rules=rules, bits=8, block=64)
         ref = tw_triton.dequantize_state_dict(kf)

@@ -42,7 +42,11 @@ def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("validate") / "report"
     proc = subprocess.run(
         [sys.executable, str(GPU_DIR / "validate.py"), "--dry-run", "--out", str(out)],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return proc, out
 
@@ -125,9 +129,12 @@ def test_identity_inputs_hit_the_edges():
     assert view.data_ptr() % 16 and torch.equal(view.view(torch.int16), x.view(torch.int16))
     t = _identity.lay_out(x[: 3 * 1000], "transposed", torch.device("cpu"))
     assert not t.is_contiguous() and torch.equal(t.reshape(-1).view(torch.int16), x[:3000].view(torch.int16))
-    assert _identity.make_input(
-        _identity.Case("log2", 2, 32, torch.float32, "nonneg", "contiguous", None), seed=1
-    )[0].min() >= 0
+    assert (
+        _identity.make_input(
+            _identity.Case("log2", 2, 32, torch.float32, "nonneg", "contiguous", None), seed=1
+        )[0].min()
+        >= 0
+    )
 
 
 class _WriteAfterScramble:
@@ -180,14 +187,16 @@ def test_concurrency_check_catches_a_snapshot_that_aliases_the_state(tmp_path, m
     after save() changes the files: the check must say so, and count what the library
     refuses to load (the deltas' references) instead of stopping at it."""
     _WriteAfterScramble(monkeypatch)
-    ok = _end_to_end.run_concurrency(torch.device("cpu"), tmp_path / "ok", size="tiny", saves=3,
-                                     force_device_branch=True)
+    ok = _end_to_end.run_concurrency(
+        torch.device("cpu"), tmp_path / "ok", size="tiny", saves=3, force_device_branch=True
+    )
     assert ok["problem_count"] == 0, ok["problems"]
 
     monkeypatch.setattr(ExactCodec, "encode_with", _aliasing_encode)
     monkeypatch.setattr(ExactCodec, "encode", _aliasing_encode)
-    bad = _end_to_end.run_concurrency(torch.device("cpu"), tmp_path / "bad", size="tiny", saves=3,
-                                      force_device_branch=True)
+    bad = _end_to_end.run_concurrency(
+        torch.device("cpu"), tmp_path / "bad", size="tiny", saves=3, force_device_branch=True
+    )
     steps = bad["problem_steps"]
     assert bad["problem_count"] == sum(v["count"] for v in steps.values()) > 0
     assert "step-00000000.tw.safetensors: exact entry" in steps[0]["first"], steps
@@ -232,8 +241,22 @@ def _run_marker_suite(tmp_path: Path, assume_cuda: bool) -> subprocess.Completed
     if assume_cuda:
         env["TW_TRITON_TEST_ASSUME_CUDA"] = "1"
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda or not cuda", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "cuda or not cuda",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

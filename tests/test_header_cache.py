@@ -40,7 +40,9 @@ def test_a_replaced_file_is_parsed_again(tmp_path, parses):
     tw_triton.save(tw_triton.quantize_state_dict(_state(0), rules="exact", checkpoint_id="first"), path)
     cache = fmt.HeaderCache()
     assert fmt.read_manifest(path, headers=cache)["checkpoint_id"] == "first"
-    tw_triton.save(tw_triton.quantize_state_dict(_state(1), rules="exact", checkpoint_id="second"), path)  # temp + rename
+    tw_triton.save(
+        tw_triton.quantize_state_dict(_state(1), rules="exact", checkpoint_id="second"), path
+    )  # temp + rename
     assert fmt.read_manifest(path, headers=cache)["checkpoint_id"] == "second"
     got = fmt.read_file(path, headers=cache)
     assert torch.equal(got.entries["model/w"].buffers["data"], _state(1)["model"]["w"])
@@ -117,8 +119,9 @@ def test_a_checkpointer_lists_its_own_files_without_parsing_them(tmp_path, parse
     Checkpointer wrote are listed from what it noted when it encoded them, and the listing
     is the one a fresh Checkpointer gets by parsing every header."""
     state = _state()
-    with Checkpointer(tmp_path, keyframe_every=3, keep_last=2, async_write=async_write, delta=delta,
-                      fsync=False) as ckpt:
+    with Checkpointer(
+        tmp_path, keyframe_every=3, keep_last=2, async_write=async_write, delta=delta, fsync=False
+    ) as ckpt:
         for step in range(7):
             state["model"]["w"].add_(0.01)
             ckpt.save(step, **state)

@@ -53,8 +53,13 @@ def test_checkpointer_route_resumes_bit_for_bit(tmp_path):
     want = {k: v.clone() for k, v in model.state_dict().items()}
 
     acc2, model2, opt2, sched2 = setup(seed=99)  # different init: the checkpoint must overwrite it
-    state = load_state(acc2, tw_triton.Checkpointer(tmp_path, rules="default"), model=model2, optimizer=opt2,
-                       scheduler=sched2)
+    state = load_state(
+        acc2,
+        tw_triton.Checkpointer(tmp_path, rules="default"),
+        model=model2,
+        optimizer=opt2,
+        scheduler=sched2,
+    )
     assert state["step"] == 2
     # Dropout draws from the torch RNG, which the checkpoint restored.
     train(acc2, model2, opt2, sched2, range(state["step"] + 1, STEPS))

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("lightning", reason="the Lightning extra is not installed: pip install 'tw-triton[lightning]'")
+pytest.importorskip(
+    "lightning", reason="the Lightning extra is not installed: pip install 'tw-triton[lightning]'"
+)
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -33,7 +35,9 @@ class TinyModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(64, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -43,7 +47,10 @@ class TinyModule(pl.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9),
+        }
 
 
 def loader() -> DataLoader:
@@ -56,8 +63,15 @@ def loader() -> DataLoader:
 def make_trainer(root, io, max_epochs=EPOCHS, **ckpt_kw):
     ckpt = ModelCheckpoint(dirpath=str(root), **{"save_top_k": -1, "save_last": True, **ckpt_kw})
     return pl.Trainer(
-        max_epochs=max_epochs, plugins=[io], callbacks=[ckpt], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", devices=1, default_root_dir=str(root),
+        max_epochs=max_epochs,
+        plugins=[io],
+        callbacks=[ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=str(root),
     ), ckpt
 
 
@@ -133,7 +147,9 @@ def test_a_resume_with_the_callback_decodes_into_the_module(full_run, tmp_path, 
     def spy(path, **kwargs):
         state = real(path, **kwargs)
         live = kwargs["into"]["state_dict"].state_dict() if kwargs.get("into") else {}
-        seen.append({k: live[k].data_ptr() == t.data_ptr() for k, t in state["state_dict"].items() if k in live})
+        seen.append(
+            {k: live[k].data_ptr() == t.data_ptr() for k, t in state["state_dict"].items() if k in live}
+        )
         return state
 
     monkeypatch.setattr(plmod, "load", spy)
@@ -159,8 +175,15 @@ def test_checkpoint_dict_comes_back_exactly(tmp_path):
     module = TinyModule()
     trainer.fit(module, loader())
     ckpt = trainer._checkpoint_connector.dump_checkpoint()
-    ckpt["extra"] = {"tuple": (1, 2.5, None), "inf": float("inf"), "nan": float("nan"), "bytes": b"\x00\xff",
-                     "np": np.arange(3, dtype=np.int16), "npf": np.float32(0.5), "od": OrderedDict(b=1, a=2)}
+    ckpt["extra"] = {
+        "tuple": (1, 2.5, None),
+        "inf": float("inf"),
+        "nan": float("nan"),
+        "bytes": b"\x00\xff",
+        "np": np.arange(3, dtype=np.int16),
+        "npf": np.float32(0.5),
+        "od": OrderedDict(b=1, a=2),
+    }
     for async_write in (True, False):
         io = TwCheckpointIO(rules="default", fsync=False, async_write=async_write)
         path = tmp_path / f"x-{async_write}.ckpt"
@@ -201,7 +224,10 @@ def test_model_checkpoint_top_k_removes_through_the_plugin(tmp_path):
 
 
 def test_unsupported_entry_is_refused_naming_it(tmp_path):
-    ckpt = {"state_dict": OrderedDict(w=torch.ones(3)), "hyper_parameters": {"data_dir": pathlib.Path("/data")}}
+    ckpt = {
+        "state_dict": OrderedDict(w=torch.ones(3)),
+        "hyper_parameters": {"data_dir": pathlib.Path("/data")},
+    }
     io = TwCheckpointIO(fsync=False)
     path = tmp_path / "bad.ckpt"
     with pytest.raises(QuantizationError, match=r"bad\.ckpt.*'hyper_parameters/data_dir'"):
@@ -251,8 +277,10 @@ def test_copies_reuse_pooled_buffers_only_after_their_write(tmp_path, monkeypatc
     io = TwCheckpointIO(fsync=False, rules="default", max_pending=2)
     big = 1 << 15  # fp32 elements: 128 KiB tensors, pooled
     for k in range(6):
-        io.save_checkpoint({"state_dict": OrderedDict(w=torch.full((big,), float(k)), v=torch.arange(big) + k)},
-                           tmp_path / f"{k}.ckpt")
+        io.save_checkpoint(
+            {"state_dict": OrderedDict(w=torch.full((big,), float(k)), v=torch.arange(big) + k)},
+            tmp_path / f"{k}.ckpt",
+        )
         if k:
             permits.release()  # the previous save may be written now; this one waits
     permits.release()
@@ -262,14 +290,18 @@ def test_copies_reuse_pooled_buffers_only_after_their_write(tmp_path, monkeypatc
     assert pool.held_bytes <= 3 * io.save_pool.largest
     for k in range(6):
         got = io.load_checkpoint(tmp_path / f"{k}.ckpt")["state_dict"]
-        assert torch.equal(got["w"], torch.full((big,), float(k))) and torch.equal(got["v"], torch.arange(big) + k)
+        assert torch.equal(got["w"], torch.full((big,), float(k))) and torch.equal(
+            got["v"], torch.arange(big) + k
+        )
     io.teardown()
     assert pool.held_bytes == 0
     monkeypatch.undo()
     off = TwCheckpointIO(fsync=False, snapshot_pool_bytes=0)
     off.save_checkpoint({"w": torch.ones(big)}, tmp_path / "off.ckpt")
     off.teardown()
-    assert off.save_pool.pool is None and torch.equal(off.load_checkpoint(tmp_path / "off.ckpt")["w"], torch.ones(big))
+    assert off.save_pool.pool is None and torch.equal(
+        off.load_checkpoint(tmp_path / "off.ckpt")["w"], torch.ones(big)
+    )
     with pytest.raises(CheckpointError, match="snapshot_pool_bytes"):
         TwCheckpointIO(snapshot_pool_bytes=-1)
 

@@ -38,8 +38,13 @@ def tiny_bert(seed: int = 0) -> torch.nn.Module:
     # hidden 64 / intermediate 128 / vocab 128: the attention, FFN and embedding matrices
     # have >= 4096 elements, so the default rules delta-code them.
     config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=128, max_position_embeddings=SEQ, num_labels=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=SEQ,
+        num_labels=2,
     )
     torch.manual_seed(seed)
     return transformers.BertForSequenceClassification(config)
@@ -49,15 +54,27 @@ def dataset(n: int = 64) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
     labels = (ids[:, 0] % 2).long()  # learnable: the label is a function of the first token
-    return [{"input_ids": ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": labels[i]}
-            for i in range(n)]
+    return [
+        {"input_ids": ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": labels[i]}
+        for i in range(n)
+    ]
 
 
 def make_trainer(out, *, tw_options=None, cls=TwTrainer, max_steps=STEPS, model=None, **args):
     targs = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=max_steps, save_steps=SAVE_EVERY, save_strategy="steps",
-        per_device_train_batch_size=8, learning_rate=1e-3, logging_steps=1, report_to=[],
-        use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, **args,
+        output_dir=str(out),
+        max_steps=max_steps,
+        save_steps=SAVE_EVERY,
+        save_strategy="steps",
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **args,
     )
     kw = {} if cls is transformers.Trainer else {"tw_options": tw_options}
     return cls(model=tiny_bert() if model is None else model, args=targs, train_dataset=dataset(), **kw)
@@ -125,7 +142,9 @@ def test_resume_from_keyframe_is_bit_identical(uninterrupted, tmp_path):
     got = params(trainer)
     for k, v in full_params.items():
         assert torch.equal(got[k], v), k
-    assert {s: v for s, v in losses(trainer).items() if s > 6} == {s: v for s, v in full_losses.items() if s > 6}
+    assert {s: v for s, v in losses(trainer).items() if s > 6} == {
+        s: v for s, v in full_losses.items() if s > 6
+    }
 
 
 def test_resume_decodes_the_weights_into_the_models_own_memory(uninterrupted, tmp_path, monkeypatch):
@@ -183,16 +202,25 @@ def test_resume_true_with_library_default_rules(tmp_path):
         assert a[s] == pytest.approx(b[s], rel=2e-2), s
 
 
-@pytest.mark.parametrize("delta,kept", [
-    ("open", [2, 6, 8]),  # 4 is gone; 2 stays because 6 is a delta from it
-    ("closed", [2, 4, 6, 8]),  # 6 is a delta from 4, which is one from 2: the chain stays
-])
+@pytest.mark.parametrize(
+    "delta,kept",
+    [
+        ("open", [2, 6, 8]),  # 4 is gone; 2 stays because 6 is a delta from it
+        ("closed", [2, 4, 6, 8]),  # 6 is a delta from 4, which is one from 2: the chain stays
+    ],
+)
 def test_retention_keeps_the_keyframes_kept_deltas_need(tmp_path, delta, kept):
     # keyframe_every=3: saves at 2 (keyframe), 4, 6 (deltas), 8 (keyframe).
-    trainer = make_trainer(tmp_path, save_total_limit=2,
-                           tw_options={"keyframe_every": 3, "fsync": False, "delta": delta, "rules": "small"})
+    trainer = make_trainer(
+        tmp_path,
+        save_total_limit=2,
+        tw_options={"keyframe_every": 3, "fsync": False, "delta": delta, "rules": "small"},
+    )
     trainer.train()
-    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")) == ["checkpoint-6", "checkpoint-8"]
+    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")) == [
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
     steps = sorted(parse_checkpoint_name(n) for n in os.listdir(tmp_path / TW_SUBDIR))
     assert steps == kept
     assert load_checkpoint_state(tmp_path / "checkpoint-6")["step"] == 6
@@ -260,7 +288,9 @@ def test_readme_example_runs_and_its_listing_is_what_it_writes(tmp_path, monkeyp
     exec(compile(readme_example("Hugging Face `Trainer`", index=1), "README.md", "exec"), scope)
     assert scope["trainer"].state.global_step == 30
     assert sorted(d for d in os.listdir(tmp_path / "hf-run") if d.startswith("checkpoint-")) == [
-        "checkpoint-25", "checkpoint-30"]
+        "checkpoint-25",
+        "checkpoint-30",
+    ]
 
 
 def test_the_first_save_copies_into_memory_prepared_after_the_first_step(tmp_path, monkeypatch):
@@ -284,8 +314,13 @@ def test_the_first_save_copies_into_memory_prepared_after_the_first_step(tmp_pat
     monkeypatch.setattr(Checkpointer, "save", save)
     # FFN matrices of 128 x 256 fp32 (128 KiB): large enough for the snapshot pool.
     config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=256, max_position_embeddings=SEQ, num_labels=2,
+        vocab_size=VOCAB,
+        hidden_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=SEQ,
+        num_labels=2,
     )
     model = transformers.BertForSequenceClassification(config)
     trainer = make_trainer(tmp_path, max_steps=4, tw_options={"fsync": False}, model=model)

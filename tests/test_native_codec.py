@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _codec_oracle import near_tie_blocks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +19,6 @@ from tw_triton import TwTritonError
 from tw_triton.codecs import blockwise as bw
 from tw_triton.codecs import log2 as lg
 from tw_triton.ops.backends import native
-from _codec_oracle import near_tie_blocks
 
 needs_native = pytest.mark.skipif(not native.enabled(), reason="compiled codec not built or turned off")
 
@@ -42,7 +42,9 @@ def _builds() -> list[str]:
     return found
 
 
-@pytest.fixture(params=_builds() or [None], ids=lambda p: "none" if p is None else p.rsplit("/", 1)[-1].split(".")[0])
+@pytest.fixture(
+    params=_builds() or [None], ids=lambda p: "none" if p is None else p.rsplit("/", 1)[-1].split(".")[0]
+)
 def build(request, monkeypatch):
     """Each build in turn (on an AVX2 machine ``enabled()`` alone would only ever run the
     AVX2 one): both must give the spec's bytes."""
@@ -74,7 +76,9 @@ def test_the_switch_turns_it_off_and_rejects_other_values(monkeypatch):
         native.enabled()
 
 
-def _values(kind: str, n: int, dtype: torch.dtype, g: torch.Generator, bits: int, block: int, qmax: int) -> torch.Tensor:
+def _values(
+    kind: str, n: int, dtype: torch.dtype, g: torch.Generator, bits: int, block: int, qmax: int
+) -> torch.Tensor:
     """Test inputs of a kind: typical, wide-ranging with special values, or built on ties."""
     if kind == "normal":
         return (torch.randn(n, generator=g) * 3).to(dtype)
@@ -104,7 +108,9 @@ CASES = dict(
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**CASES)
-def test_blockwise_encode_and_decode_match_the_torch_path(build, n, bits, block, dtype, ref_dtype, kind, narrow, seed):
+def test_blockwise_encode_and_decode_match_the_torch_path(
+    build, n, bits, block, dtype, ref_dtype, kind, narrow, seed
+):
     g = torch.Generator().manual_seed(seed)
     qmax = bw.check_qmax(bits, {8: 100, 4: 3, 2: 1}[bits] if narrow else None)
     x = _values(kind, n, dtype, g, bits, block, qmax)
@@ -172,11 +178,16 @@ def test_inputs_it_does_not_take_go_to_the_torch_path():
         assert not native.encode_blockwise(x, None, 8, 128, 127, codes, scales)
     # A wrong-size output is never handed to C code, which would write past it.
     assert not native.encode_blockwise(torch.ones(256), None, 8, 128, 127, codes[:255], scales)
-    assert native.decode_blockwise(codes, scales, 256, 8, 128, None, torch.empty(256, dtype=torch.float16)) is None
+    assert (
+        native.decode_blockwise(codes, scales, 256, 8, 128, None, torch.empty(256, dtype=torch.float16))
+        is None
+    )
     assert native.decode_blockwise(codes[:200], scales, 256, 8, 128, None, torch.empty(256)) is None
     # ... and the public functions still give the torch path's bytes for them.
     x = torch.randn(64, 48).t()
-    assert torch.equal(bw.quantize_blockwise_cpu(x, None, 8, 32)[0], bw.quantize_blockwise_torch(x, None, 8, 32)[0])
+    assert torch.equal(
+        bw.quantize_blockwise_cpu(x, None, 8, 32)[0], bw.quantize_blockwise_torch(x, None, 8, 32)[0]
+    )
 
 
 def _second_moment(kind: str, n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
@@ -252,7 +263,9 @@ def test_log2_split_between_threads_gives_the_same_bytes(monkeypatch):
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(width=st.sampled_from([1, 2, 3, 4, 5, 8, 16]), count=st.integers(1, 5000), seed=st.integers(0, 2**31 - 1))
+@given(
+    width=st.sampled_from([1, 2, 3, 4, 5, 8, 16]), count=st.integers(1, 5000), seed=st.integers(0, 2**31 - 1)
+)
 def test_merge_planes_matches_numpy(build, width, count, seed):
     data = np.random.default_rng(seed).integers(0, 256, count * width, dtype=np.uint8)
     planes = [np.ascontiguousarray(data[k::width]) for k in range(width)]

@@ -8,17 +8,17 @@ pickle into code execution), whichever module reached the unpickler.
 
 from __future__ import annotations
 
+import _pickle
 import contextlib
 import io
 import pickle
 import sys
 
-import _pickle
 import pytest
 import torch
+from _format_samples import assert_same_state, sample_state
 
 import tw_triton
-from _format_samples import assert_same_state, sample_state
 from tw_triton import format as fmt
 
 # The audit hook cannot be removed once added, so it is added once and only records while

@@ -117,7 +117,10 @@ def test_no_item_is_still_running_when_a_call_raises():
 def test_done_is_called_on_the_caller_in_order():
     calls: list[tuple[int, str]] = []
     parallel_map(
-        lambda s: time.sleep(s), [0.03, 0.0, 0.01], sizes=[MIN_PARALLEL_SIZE] * 3, threads=3,
+        lambda s: time.sleep(s),
+        [0.03, 0.0, 0.01],
+        sizes=[MIN_PARALLEL_SIZE] * 3,
+        threads=3,
         done=lambda i: calls.append((i, threading.current_thread().name)),
     )
     assert [i for i, _ in calls] == [0, 1, 2]
@@ -139,8 +142,13 @@ def _state() -> dict:
     g = torch.Generator().manual_seed(5)
     # Large enough that entries, stages and reads go to the workers.
     model = {f"layer{i}.weight": torch.randn(256, 512, generator=g) for i in range(4)}
-    exp_avg = {f"{i}": {"exp_avg": torch.randn(256, 512, generator=g) * 1e-3,
-                        "exp_avg_sq": torch.rand(256, 512, generator=g) * 1e-6} for i in range(4)}
+    exp_avg = {
+        f"{i}": {
+            "exp_avg": torch.randn(256, 512, generator=g) * 1e-3,
+            "exp_avg_sq": torch.rand(256, 512, generator=g) * 1e-6,
+        }
+        for i in range(4)
+    }
     return {"model": model, "optimizer": {"state": exp_avg}}
 
 
@@ -156,9 +164,13 @@ def test_file_bytes_do_not_depend_on_the_thread_count(tmp_path, monkeypatch, rul
         files.append(path.read_bytes())
         back = tw_triton.load(path)
         monkeypatch.setenv(ENV_THREADS, "1")
-        assert all(torch.equal(a, b) for a, b in zip(
-            tw_triton.tree.flatten(back)[0].values(), tw_triton.tree.flatten(tw_triton.load(path))[0].values()
-        ))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(
+                tw_triton.tree.flatten(back)[0].values(),
+                tw_triton.tree.flatten(tw_triton.load(path))[0].values(),
+            )
+        )
     assert files[0] == files[1]
 
 
@@ -173,9 +185,13 @@ def test_a_corrupt_buffer_is_named_when_read_on_workers(tmp_path, monkeypatch):
     at = header + buf["data_offsets"][0] + 1000
     raw[at] ^= 0xFF
     path.write_bytes(bytes(raw))
-    with pytest.raises(tw_triton.CheckpointError, match="entry 'model/layer2.weight' buffer 'data'.*checksum"):
+    with pytest.raises(
+        tw_triton.CheckpointError, match="entry 'model/layer2.weight' buffer 'data'.*checksum"
+    ):
         tw_triton.load(path)
-    with pytest.raises(tw_triton.CheckpointError, match="entry 'model/layer2.weight' buffer 'data'.*checksum"):
+    with pytest.raises(
+        tw_triton.CheckpointError, match="entry 'model/layer2.weight' buffer 'data'.*checksum"
+    ):
         fmt.verify_file(path)
 
 
@@ -188,13 +204,20 @@ def test_workers_run_torch_ops_on_one_intraop_thread_and_the_default_comes_back(
     try:
         inherited = _intraop_in_a_new_thread()
         assert inherited == 3
-        seen = parallel_map(lambda _: torch.get_num_threads(), [0, 1, 2], sizes=[MIN_PARALLEL_SIZE] * 3, threads=2)
+        seen = parallel_map(
+            lambda _: torch.get_num_threads(), [0, 1, 2], sizes=[MIN_PARALLEL_SIZE] * 3, threads=2
+        )
         assert seen == [1, 1, 1]
         assert torch.get_num_threads() == 3
         assert _intraop_in_a_new_thread() == 3
         # Also when an item raises.
         with pytest.raises(ValueError):
-            parallel_map(lambda _: (_ for _ in ()).throw(ValueError("x")), [0, 1], sizes=[MIN_PARALLEL_SIZE] * 2, threads=2)
+            parallel_map(
+                lambda _: (_ for _ in ()).throw(ValueError("x")),
+                [0, 1],
+                sizes=[MIN_PARALLEL_SIZE] * 2,
+                threads=2,
+            )
         assert _intraop_in_a_new_thread() == 3
     finally:
         torch.set_num_threads(before)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
 import _ptx
+import pytest
 
 VARIANTS = _ptx.all_variants()
 

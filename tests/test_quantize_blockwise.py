@@ -11,12 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-import tw_triton
-import tw_triton.kernels
-from tw_triton import ops
+from _codec_oracle import near_tie_blocks, spec_encode, with_reference
 from _kernel_testing import (
     BLOCKS,
     FLOATS,
@@ -30,7 +25,12 @@ from _kernel_testing import (
     shapes,
     unpack_codes,
 )
-from _codec_oracle import near_tie_blocks, spec_encode, with_reference
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tw_triton
+import tw_triton.kernels
+from tw_triton import ops
 from tw_triton.codecs.blockwise import quantize_blockwise_torch
 from tw_triton.errors import QuantizationError
 from tw_triton.kernels import quantize_blockwise

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from _kernel_testing import (
     BLOCKS,
     FLOATS,
@@ -21,6 +18,9 @@ from _kernel_testing import (
     random_floats,
     require_runnable_kernels,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from tw_triton.codecs.log2 import dequantize_log2_torch, quantize_log2_torch
 from tw_triton.errors import QuantizationError
 from tw_triton.kernels import dequantize_log2, quantize_log2
@@ -35,9 +35,7 @@ def assert_round_trips_like_torch(x: torch.Tensor, bits: int, block: int) -> Non
     for name, g, w in zip(("codes", "lo", "hi"), got, want):
         assert g.device.type == KERNEL_DEVICE.type
         assert g.dtype == w.dtype and g.shape == w.shape, name
-        assert torch.equal(g.cpu(), w), (
-            f"{name} differ at {(g.cpu() != w).nonzero()[:8].flatten().tolist()}"
-        )
+        assert torch.equal(g.cpu(), w), f"{name} differ at {(g.cpu() != w).nonzero()[:8].flatten().tolist()}"
     n = x.numel()
     decoded = dequantize_log2(*(on_kernel_device(t) for t in want), n, bits, block, x.dtype)
     assert_same_bits(decoded, dequantize_log2_torch(*want, n, bits, block, x.dtype), "decode")
@@ -72,20 +70,28 @@ def test_log2_kernels_on_adversarial_values(dtype: torch.dtype, bits: int) -> No
     blocks that cannot be coded (negative, NaN, +-inf), with a partial last block."""
     info = torch.finfo(dtype)
     special = [
-        0.0, -0.0, float(info.tiny), float(info.smallest_normal) / 4, float(info.max),
-        float(info.max) / 3, 1.0, 1.0 + float(info.eps), 2.0, 3.0,
+        0.0,
+        -0.0,
+        float(info.tiny),
+        float(info.smallest_normal) / 4,
+        float(info.max),
+        float(info.max) / 3,
+        1.0,
+        1.0 + float(info.eps),
+        2.0,
+        3.0,
     ]
     blocks = [
-        torch.tensor(special * 4, dtype=torch.float64)[:32],     # mixed extremes
-        torch.full((32,), 3.0, dtype=torch.float64),              # one value: step 0
-        torch.zeros(32, dtype=torch.float64),                     # nothing positive
+        torch.tensor(special * 4, dtype=torch.float64)[:32],  # mixed extremes
+        torch.full((32,), 3.0, dtype=torch.float64),  # one value: step 0
+        torch.zeros(32, dtype=torch.float64),  # nothing positive
         torch.tensor([-0.0] * 16 + [5.0] * 16, dtype=torch.float64),
         torch.tensor([1.0] * 31 + [-1e-30], dtype=torch.float64),  # negative: uncodable
         torch.tensor([1.0] * 31 + [float("nan")], dtype=torch.float64),
         torch.tensor([1.0] * 31 + [float("inf")], dtype=torch.float64),
         torch.tensor([1.0] * 31 + [float("-inf")], dtype=torch.float64),
         torch.tensor([float(info.tiny)] * 16 + [float(info.max)] * 16, dtype=torch.float64),
-        torch.tensor(special[:7], dtype=torch.float64),            # partial last block
+        torch.tensor(special[:7], dtype=torch.float64),  # partial last block
     ]
     x = torch.cat(blocks).to(dtype)
     assert_round_trips_like_torch(x, bits, 32)
@@ -110,5 +116,8 @@ def test_log2_kernel_rejects_what_it_cannot_read() -> None:
             torch.zeros(64, dtype=torch.uint8, device=KERNEL_DEVICE),
             torch.zeros(2, dtype=torch.float32, device=KERNEL_DEVICE),
             torch.zeros(2, dtype=torch.int32, device=KERNEL_DEVICE),
-            64, 8, 32, torch.float32,
+            64,
+            8,
+            32,
+            torch.float32,
         )

@@ -1,4 +1,4 @@
-"""Ordered glob rules, the defaults of DESIGN.md "Rules", presets, and their recording."""
+"""Ordered glob rules, the defaults of docs/codecs.md "rules and presets", presets, and their recording."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ def training_state():
             ]
         ),
         "optimizer": {
-            "state": {0: {"step": torch.tensor(3.0), "exp_avg": big(64, 128), "exp_avg_sq": big(64, 128).abs()}},
+            "state": {
+                0: {"step": torch.tensor(3.0), "exp_avg": big(64, 128), "exp_avg_sq": big(64, 128).abs()}
+            },
             "param_groups": [{"params": [0], "lr": 1e-3}],
         },
         "rng": {"torch": torch.get_rng_state()},
@@ -55,9 +57,17 @@ def test_defaults_follow_design():
     assert c["model/emb.weight"] == ("blockwise", 4)
     assert q.entries["model/enc.weight"].params["block"] == 64
     # Small, integer, bool, float64, optimizer moments, step counters, RNG: exact.
-    for p in ["model/enc.bias", "model/norm.weight", "model/bn.num_batches_tracked", "model/mask",
-              "model/double", "optimizer/state/0/step", "optimizer/state/0/exp_avg",
-              "optimizer/state/0/exp_avg_sq", "rng/torch"]:
+    for p in [
+        "model/enc.bias",
+        "model/norm.weight",
+        "model/bn.num_batches_tracked",
+        "model/mask",
+        "model/double",
+        "optimizer/state/0/step",
+        "optimizer/state/0/exp_avg",
+        "optimizer/state/0/exp_avg_sq",
+        "rng/torch",
+    ]:
         assert c[p] == ("exact", None), p
 
 
@@ -101,7 +111,9 @@ def test_first_match_wins_and_user_rules_come_first():
 
 
 def test_rules_in_force_are_recorded():
-    q = quantize_state_dict(training_state(), rules=[("model/enc.*", {"codec": "int4", "min_numel": 10})], block=256)
+    q = quantize_state_dict(
+        training_state(), rules=[("model/enc.*", {"codec": "int4", "min_numel": 10})], block=256
+    )
     assert q.rules[0] == {
         "pattern": "model/enc.*",
         "codec": "blockwise",
@@ -131,7 +143,9 @@ def test_presets():
 
 def test_delta_false_in_a_rule_opts_out_of_the_reference():
     state = training_state()
-    q = quantize_state_dict(state, reference=state, rules=[("model/enc.weight", {"codec": "int8", "delta": False})])
+    q = quantize_state_dict(
+        state, reference=state, rules=[("model/enc.weight", {"codec": "int8", "delta": False})]
+    )
     assert q.entries["model/enc.weight"].params["delta"] is False
     assert q.entries["model/emb.weight"].params["delta"] is True
 

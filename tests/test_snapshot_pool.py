@@ -117,11 +117,17 @@ def test_quantized_entries_take_their_codes_from_the_lease():
     """blockwise (a delta and not) and log2 write their buffers into the lease's memory, and
     those are the very bytes a plain encode makes."""
     g = torch.Generator().manual_seed(1)
-    state = {"w": torch.randn(512, 256, generator=g), "d": torch.randn(BIG, generator=g),
-             "v": torch.rand(BIG, generator=g) * 1e-6}
+    state = {
+        "w": torch.randn(512, 256, generator=g),
+        "d": torch.randn(BIG, generator=g),
+        "v": torch.rand(BIG, generator=g) * 1e-6,
+    }
     ref = {"w": state["w"] + 0.01, "d": torch.zeros(BIG), "v": torch.zeros(BIG)}
-    rules = [("w", "int8"), ("d", {"codec": "blockwise", "bits": 4, "delta": False}),
-             ("v", {"codec": "log2", "bits": 8})]
+    rules = [
+        ("w", "int8"),
+        ("d", {"codec": "blockwise", "bits": 4, "delta": False}),
+        ("v", {"codec": "log2", "bits": 8}),
+    ]
     plain = quantize_state_dict(state, reference=ref, rules=rules, checkpoint_id="x")
     pool = SnapshotPool()
     lease = pool.lease()
@@ -211,8 +217,12 @@ def expected_of(model, opt, step: int) -> dict:
     return {
         "aux": aux_of(step),
         "model": {k: v.clone() for k, v in model.state_dict().items()},
-        "moments": {(i, name): t.clone() for i, s in opt.state_dict()["state"].items()
-                    for name, t in s.items() if torch.is_tensor(t) and t.dim() > 0},
+        "moments": {
+            (i, name): t.clone()
+            for i, s in opt.state_dict()["state"].items()
+            for name, t in s.items()
+            if torch.is_tensor(t) and t.dim() > 0
+        },
     }
 
 
@@ -243,8 +253,15 @@ def test_buffers_come_back_only_after_the_write_with_a_slow_writer(tmp_path, mon
 
     monkeypatch.setattr(fmt, "write_file", held_write)
     model, opt = make_run()
-    ckpt = Checkpointer(tmp_path, keyframe_every=3, keep_last=None, fsync=False, rules="default",
-                        async_write=async_write, max_pending=2)
+    ckpt = Checkpointer(
+        tmp_path,
+        keyframe_every=3,
+        keep_last=None,
+        fsync=False,
+        rules="default",
+        async_write=async_write,
+        max_pending=2,
+    )
     wants, kinds, overlapped = {}, {}, 0
     for step in range(7):
         train_step(model, opt, step)
@@ -320,7 +337,9 @@ def test_reference_buffers_outlive_a_delta_still_encoding_on_the_writer(tmp_path
 
     monkeypatch.setattr(pipeline_mod, "encode_delta", held_encode)
     model, opt = make_run()
-    ckpt = Checkpointer(tmp_path, keyframe_every=2, keep_last=None, fsync=False, max_pending=2, rules="default")
+    ckpt = Checkpointer(
+        tmp_path, keyframe_every=2, keep_last=None, fsync=False, max_pending=2, rules="default"
+    )
     wants = {}
     go.set()
     ckpt.save(0, aux=aux_of(0), model=model, optimizer=opt)  # keyframe: the reference
@@ -351,7 +370,9 @@ def test_a_delta_that_cannot_be_encoded_fails_in_save_not_later(tmp_path):
     ckpt.flush()
     held = ckpt.pool_bytes
     assert held >= 256 * 256 * 4
-    with pytest.raises(ReferenceMismatchError, match=r"'model/weight' has shape \(128, 512\).*step 0 has shape \(256, 256\)"):
+    with pytest.raises(
+        ReferenceMismatchError, match=r"'model/weight' has shape \(128, 512\).*step 0 has shape \(256, 256\)"
+    ):
         ckpt.save(1, model=torch.nn.Linear(512, 128))
     assert ckpt.pool_bytes == held  # checked before the copy: nothing taken, nothing leaked
     ckpt.save(2, model=torch.nn.Linear(256, 256))
@@ -414,8 +435,14 @@ def test_prepare_lets_the_first_save_copy_into_reserved_buffers(tmp_path):
     model, opt = make_run()
     ckpt = Checkpointer(tmp_path / "a", fsync=False, rules="default")
     reserved = ckpt.prepare(model=model, optimizer=opt)
-    pooled = [t for t in [*model.state_dict().values(), *(
-        m for s in opt.state_dict()["state"].values() for m in s.values())] if t.nbytes >= MIN_POOLED_BYTES]
+    pooled = [
+        t
+        for t in [
+            *model.state_dict().values(),
+            *(m for s in opt.state_dict()["state"].values() for m in s.values()),
+        ]
+        if t.nbytes >= MIN_POOLED_BYTES
+    ]
     # The two weights (the tensors "default" delta-codes) twice: the first delta copies
     # them again while the keyframe's copies stay held as its reference.
     weights = [t for t in model.state_dict().values() if t.nbytes >= MIN_POOLED_BYTES]
@@ -449,8 +476,14 @@ def test_prepare_lets_the_first_save_copy_into_reserved_buffers(tmp_path):
 def test_prepare_without_deltas_reserves_one_snapshot(tmp_path):
     model, opt = make_run()
     ckpt = Checkpointer(tmp_path, fsync=False, rules="default", delta=False)
-    pooled = [t for t in [*model.state_dict().values(), *(
-        m for s in opt.state_dict()["state"].values() for m in s.values())] if t.nbytes >= MIN_POOLED_BYTES]
+    pooled = [
+        t
+        for t in [
+            *model.state_dict().values(),
+            *(m for s in opt.state_dict()["state"].values() for m in s.values()),
+        ]
+        if t.nbytes >= MIN_POOLED_BYTES
+    ]
     assert ckpt.prepare(model=model, optimizer=opt) == sum(t.nbytes for t in pooled)
     ckpt.close()
 
@@ -499,8 +532,14 @@ def test_the_first_delta_finds_its_buffers_without_prepare(tmp_path):
     delta makes while the keyframe's weights stay held as its reference."""
     model, opt = make_run()
     ckpt = Checkpointer(tmp_path, fsync=False, rules="default")
-    pooled = [t for t in [*model.state_dict().values(), *(
-        m for s in opt.state_dict()["state"].values() for m in s.values())] if t.nbytes >= MIN_POOLED_BYTES]
+    pooled = [
+        t
+        for t in [
+            *model.state_dict().values(),
+            *(m for s in opt.state_dict()["state"].values() for m in s.values()),
+        ]
+        if t.nbytes >= MIN_POOLED_BYTES
+    ]
     weights = [t for t in model.state_dict().values() if t.nbytes >= MIN_POOLED_BYTES]
     ckpt.save(0, model=model, optimizer=opt).result()
     ckpt._writer.flush()  # the reservation runs on the writer thread after the keyframe
@@ -524,7 +563,9 @@ def test_prepare_and_the_first_keyframe_reserve_the_reference_share_once(tmp_pat
 
 
 @pytest.mark.parametrize("async_write", [True, False])
-def test_prepare_runs_a_full_garbage_collection_unless_the_collector_is_off(tmp_path, async_write, gc_generations):
+def test_prepare_runs_a_full_garbage_collection_unless_the_collector_is_off(
+    tmp_path, async_write, gc_generations
+):
     """Setup's objects bring Python's next full collection close; prepare() runs it then,
     not inside an early save. A process that turned the collector off keeps control."""
     import gc

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_tree import assert_same
 
 import tw_triton
 from tw_triton import (
@@ -27,8 +28,6 @@ from tw_triton.codecs import EXACT_DTYPES, Codec, Encoded, codec_names, get_code
 from tw_triton.qstate import EncodedEntry, QuantizedState
 from tw_triton.state import fingerprints as state_fingerprints
 
-from test_tree import assert_same
-
 
 def make_state(seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -38,7 +37,10 @@ def make_state(seed=0):
             "w2": torch.randn(96, 64, generator=g).bfloat16(),
             "b": torch.randn(64, generator=g),
         },
-        "optimizer": {"state": {0: {"exp_avg": torch.randn(64, 128, generator=g)}}, "param_groups": [{"params": [0], "betas": (0.9, 0.99)}]},
+        "optimizer": {
+            "state": {0: {"exp_avg": torch.randn(64, 128, generator=g)}},
+            "param_groups": [{"params": [0], "betas": (0.9, 0.99)}],
+        },
         "step": 12,
         "loss": float("nan"),
     }
@@ -47,7 +49,10 @@ def make_state(seed=0):
 def perturbed(state, scale=1e-3, seed=1):
     g = torch.Generator().manual_seed(seed)
     out = {k: v for k, v in state.items()}
-    out["model"] = {k: (v.float() + scale * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in state["model"].items()}
+    out["model"] = {
+        k: (v.float() + scale * torch.randn(v.shape, generator=g)).to(v.dtype)
+        for k, v in state["model"].items()
+    }
     return out
 
 
@@ -64,7 +69,11 @@ def test_in_memory_and_file_round_trip(tmp_path):
     q = quantize_state_dict(state)
     path = tmp_path / "a.tw"
     size = save(q, path)
-    assert size == os.path.getsize(path) == tw_triton.format.read_manifest(path)["stats"]["stored_bytes"] + header_bytes(path)
+    assert (
+        size
+        == os.path.getsize(path)
+        == tw_triton.format.read_manifest(path)["stats"]["stored_bytes"] + header_bytes(path)
+    )
     # Without the entropy stage, the file is the buffers as they are plus the header.
     raw_path = tmp_path / "raw.tw"
     raw_size = save(q, raw_path, entropy=None)
@@ -153,6 +162,7 @@ def test_one_host_sync_for_the_whole_state(monkeypatch):
             if not inside_codec:
                 raise AssertionError("implicit host sync")
             return real(self, *a, **k)
+
         return f
 
     state = make_state()
@@ -204,8 +214,12 @@ def test_tied_tensors_stored_once_and_still_tied(tmp_path):
         out = load(tmp_path / "t.tw")
         assert out["head.weight"] is out["emb.weight"]
         untied = dict(sd, **{"head.weight": sd["head.weight"].clone()})
-        assert save(quantize_state_dict(untied, rules=rules), tmp_path / "u.tw") > os.path.getsize(tmp_path / "t.tw")
-    fresh = torch.nn.ModuleDict({"emb": torch.nn.Embedding(128, 64), "head": torch.nn.Linear(64, 128, bias=False)})
+        assert save(quantize_state_dict(untied, rules=rules), tmp_path / "u.tw") > os.path.getsize(
+            tmp_path / "t.tw"
+        )
+    fresh = torch.nn.ModuleDict(
+        {"emb": torch.nn.Embedding(128, 64), "head": torch.nn.Linear(64, 128, bias=False)}
+    )
     fresh["head"].weight = fresh["emb"].weight
     fresh.load_state_dict(load(tmp_path / "t.tw"))
     assert fresh["head"].weight is fresh["emb"].weight
@@ -257,7 +271,10 @@ def test_reference_given_as_path_records_its_id(tmp_path):
     b = load(tmp_path / "d.tw", reference=load(tmp_path / "key.tw"))
     assert_same(a, b)
     # An explicit id wins over the file's.
-    assert quantize_state_dict(state, reference=load(tmp_path / "key.tw"), reference_id="k0").reference_id == "k0"
+    assert (
+        quantize_state_dict(state, reference=load(tmp_path / "key.tw"), reference_id="k0").reference_id
+        == "k0"
+    )
 
 
 def test_a_delta_as_reference_decodes_through_the_file_it_names(tmp_path):
@@ -367,12 +384,18 @@ def test_registered_codec_round_trips_through_the_file(tmp_path):
 
 def test_unknown_codec_on_load_names_file_and_entry(tmp_path):
     q = QuantizedState(
-        entries={"model/x": EncodedEntry("zstd-from-the-future", {"level": 3}, (4,), torch.float32, {"data": torch.zeros(4)})},
+        entries={
+            "model/x": EncodedEntry(
+                "zstd-from-the-future", {"level": 3}, (4,), torch.float32, {"data": torch.zeros(4)}
+            )
+        },
         skeleton={"dict": [["model", {"dict": [["x", {"tensor": "model/x"}]]}]]},
         checkpoint_id="c",
     )
     save(q, tmp_path / "f.tw")
-    with pytest.raises(CheckpointError, match=r"f\.tw: entry 'model/x': unknown codec 'zstd-from-the-future'"):
+    with pytest.raises(
+        CheckpointError, match=r"f\.tw: entry 'model/x': unknown codec 'zstd-from-the-future'"
+    ):
         load(tmp_path / "f.tw")
 
 
@@ -475,8 +498,12 @@ def test_load_to_cuda_without_cuda_is_a_clear_error(tmp_path):
 
 
 json_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-300, 5000), st.floats(allow_nan=False), st.text(max_size=4)),
-    lambda kids: st.one_of(st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=8), kids, max_size=3)),
+    st.one_of(
+        st.none(), st.booleans(), st.integers(-300, 5000), st.floats(allow_nan=False), st.text(max_size=4)
+    ),
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=8), kids, max_size=3)
+    ),
     max_leaves=6,
 )
 
@@ -538,7 +565,9 @@ def test_load_into_fills_the_objects_tensors_keyframe_and_delta(tmp_path):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
-    delta = tw_triton.quantize_state_dict({"model": model.state_dict(), "note": "x"}, reference=str(tmp_path / "kf.tw"))
+    delta = tw_triton.quantize_state_dict(
+        {"model": model.state_dict(), "note": "x"}, reference=str(tmp_path / "kf.tw")
+    )
     tw_triton.save(delta, tmp_path / "d.tw")
     for name, reference in (("kf.tw", None), ("d.tw", str(tmp_path / "kf.tw"))):
         want = tw_triton.load(tmp_path / name, reference=reference)
@@ -567,4 +596,6 @@ def test_decode_targets_take_objects_state_dicts_and_leave_shared_memory_out():
         pass
 
     # A tensor subclass may not own the memory it shows: left to load_state_dict.
-    assert tw_triton.decode_targets({"w": torch.ones(3).as_subclass(Wrapped), "v": torch.ones(3)}).keys() == {"v"}
+    assert tw_triton.decode_targets({"w": torch.ones(3).as_subclass(Wrapped), "v": torch.ones(3)}).keys() == {
+        "v"
+    }

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_tree import assert_same
 
 import tw_triton
-from test_tree import assert_same
 from tw_triton.tree import flatten
 
 VOCAB, DIM = 128, 64

@@ -22,8 +22,17 @@ def assert_same(a, b, path="<root>"):
     tensor dtype/shape/bits, ndarray dtype, NaN == NaN, -0.0 vs 0.0."""
     assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a.cpu().contiguous().view(-1).view(torch.uint8), b.cpu().contiguous().view(-1).view(torch.uint8)) if a.numel() and a.dtype != torch.bool else torch.equal(a.cpu(), b.cpu()), f"{path}: tensor bytes differ"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        )
+        assert (
+            torch.equal(
+                a.cpu().contiguous().view(-1).view(torch.uint8),
+                b.cpu().contiguous().view(-1).view(torch.uint8),
+            )
+            if a.numel() and a.dtype != torch.bool
+            else torch.equal(a.cpu(), b.cpu())
+        ), f"{path}: tensor bytes differ"
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
         assert a.tobytes() == b.tobytes(), f"{path}: array bytes differ"
@@ -37,7 +46,9 @@ def assert_same(a, b, path="<root>"):
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{path}/{i}")
     elif isinstance(a, float):
-        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b)), f"{path}: {a!r} != {b!r}"
+        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b)), (
+            f"{path}: {a!r} != {b!r}"
+        )
     elif isinstance(a, np.generic):
         assert a.dtype == b.dtype and (a == b or (np.isnan(a) and np.isnan(b))), f"{path}: {a!r} != {b!r}"
     else:
@@ -112,7 +123,10 @@ def test_paths_of_a_training_state():
     w = torch.zeros(2, 2)
     state = {
         "model": OrderedDict([("enc.0.weight", w)]),
-        "optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}, "param_groups": [{"params": [0], "lr": 1e-3}]},
+        "optimizer": {
+            "state": {0: {"exp_avg": torch.ones(2)}},
+            "param_groups": [{"params": [0], "lr": 1e-3}],
+        },
         "rng": {"numpy": np.random.get_state(), "python": random.getstate()},
         "step": 7,
     }
@@ -258,8 +272,13 @@ def test_flattened_top_level_names_the_kind_of_each_value():
     }
     top = Flattened.of(state).top_level()
     assert top == {
-        "model": "dict", "opt": "dict", "hist": "container", "pair": "container",
-        "step": "leaf", "t": "leaf", 7: "leaf",
+        "model": "dict",
+        "opt": "dict",
+        "hist": "container",
+        "pair": "container",
+        "step": "leaf",
+        "t": "leaf",
+        7: "leaf",
     }
     assert Flattened.of([torch.ones(1)]).top_level() is None
     flat = Flattened.of(state)

@@ -8,7 +8,6 @@ and ``restore()``, even where its zstd frame still decodes to checksum-valid con
 from __future__ import annotations
 
 import logging
-import os
 import struct
 from pathlib import Path
 
@@ -20,9 +19,9 @@ from hypothesis import strategies as st
 import tw_triton
 from tw_triton import Checkpointer
 from tw_triton import format as fmt
-from tw_triton.format import reader
 from tw_triton.checkpoint_dir import checkpoint_name
 from tw_triton.errors import CheckpointError
+from tw_triton.format import reader
 
 ZEROS = 1 << 20  # elements of the constant tensor: 4 MiB that zstd stores in a few KiB
 
@@ -31,7 +30,10 @@ def _decoded_and_size(path: Path) -> tuple[int, int]:
     """What a file's staged buffers decode to, and its size (what the bound compares)."""
     manifest = fmt.read_manifest(path)
     decoded = sum(
-        b["stage"]["raw_nbytes"] for e in manifest["entries"].values() for b in e["buffers"].values() if "stage" in b
+        b["stage"]["raw_nbytes"]
+        for e in manifest["entries"].values()
+        for b in e["buffers"].values()
+        if "stage" in b
     )
     return decoded, path.stat().st_size
 
@@ -57,7 +59,9 @@ def run_with_zeros(tmp_path, monkeypatch) -> Path:
     slack = max(dec - fmt.MAX_EXPANSION * size for dec, size in (sizes[1], sizes[2]))
     monkeypatch.setattr(reader, "EXPANSION_SLACK_BYTES", max(0, int(slack) + 1))
     dec, size = sizes[0]
-    assert dec > fmt.MAX_EXPANSION * size + reader.EXPANSION_SLACK_BYTES, "the keyframe must be over the bound"
+    assert dec > fmt.MAX_EXPANSION * size + reader.EXPANSION_SLACK_BYTES, (
+        "the keyframe must be over the bound"
+    )
     return d
 
 
@@ -220,7 +224,10 @@ def test_every_bit_of_a_frame_header_gets_the_same_answer_from_verify_and_read(t
             raw = bytearray(blob)
             raw[offset] ^= 1 << bit
             bad.write_bytes(bytes(raw))
-            assert _answer(fmt.verify_file, bad) == _answer(fmt.read_file, bad) == "refused", (offset - start, bit)
+            assert _answer(fmt.verify_file, bad) == _answer(fmt.read_file, bad) == "refused", (
+                offset - start,
+                bit,
+            )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -18,15 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tw_triton
-from tw_triton import Checkpointer
+from tw_triton import Checkpointer, tree
 from tw_triton import format as fmt
 from tw_triton.codecs import entropy
 from tw_triton.errors import CheckpointError
-from tw_triton import tree
 
 
 def edit_manifest(path: Path, edit) -> None:
@@ -99,8 +98,11 @@ def test_a_crafted_skeleton_leaf_raises_checkpoint_error_naming_file_and_path(sa
 
 def test_a_numpy_array_leaf_of_a_dtype_numpy_lacks_is_a_checkpoint_error(tmp_path):
     path = tmp_path / "bf.safetensors"
-    tw_triton.save(tw_triton.quantize_state_dict({"w": torch.ones(3, dtype=torch.bfloat16)}, rules="exact"), path,
-                   fsync=False)
+    tw_triton.save(
+        tw_triton.quantize_state_dict({"w": torch.ones(3, dtype=torch.bfloat16)}, rules="exact"),
+        path,
+        fsync=False,
+    )
     edit_manifest(path, lambda m: _leaf_pair(m, "w").__setitem__(1, {"ndarray": "w", "dtype": "<f4"}))
     with pytest.raises(CheckpointError, match="numpy has no such dtype"):
         tw_triton.load(path)
@@ -118,7 +120,9 @@ def test_every_leaf_flatten_writes_still_loads(tmp_path):
     tw_triton.save(tw_triton.quantize_state_dict(state), path, fsync=False)
     back = tw_triton.load(path)
     assert repr(back) == repr(state)
-    assert [type(v) for v in back["ints"] + back["floats"]] == [type(v) for v in state["ints"] + state["floats"]]
+    assert [type(v) for v in back["ints"] + back["floats"]] == [
+        type(v) for v in state["ints"] + state["floats"]
+    ]
 
 
 def _bad_latest(tmp_path: Path) -> tuple[Checkpointer, torch.Tensor]:
@@ -185,11 +189,29 @@ _JSON = st.recursive(
     | st.floats()
     | st.text(max_size=6)
     | st.sampled_from(["<i8", "|u1", "<f2", "<f8", "|b1", "<c8", "O", "nan", "inf", "-inf", "ff", "model/w"]),
-    lambda c: st.lists(c, max_size=3)
-    | st.dictionaries(
-        st.sampled_from(["npscalar", "value", "float", "bytes", "tensor", "ndarray", "dtype", "list", "tuple",
-                         "dict", "odict", "meta", "x"]),
-        c, max_size=3,
+    lambda c: (
+        st.lists(c, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "npscalar",
+                    "value",
+                    "float",
+                    "bytes",
+                    "tensor",
+                    "ndarray",
+                    "dtype",
+                    "list",
+                    "tuple",
+                    "dict",
+                    "odict",
+                    "meta",
+                    "x",
+                ]
+            ),
+            c,
+            max_size=3,
+        )
     ),
     max_leaves=8,
 )
@@ -237,7 +259,9 @@ def test_a_decompression_bomb_is_refused_before_decompressing(bomb, monkeypatch)
             stage = entropy.get_stage(stage_name)
             real = getattr(type(stage), name)
             monkeypatch.setattr(
-                type(stage), name, lambda self, *a, _real=real, **k: (calls.append(1), _real(self, *a, **k))[1]
+                type(stage),
+                name,
+                lambda self, *a, _real=real, **k: (calls.append(1), _real(self, *a, **k))[1],
             )
     real_empty = torch.empty
 
@@ -248,7 +272,9 @@ def test_a_decompression_bomb_is_refused_before_decompressing(bomb, monkeypatch)
 
     monkeypatch.setattr(torch, "empty", bounded_empty)
     for read in (lambda: fmt.read_file(bomb), lambda: fmt.verify_file(bomb), lambda: tw_triton.load(bomb)):
-        with pytest.raises(CheckpointError, match=f"decode to {BOMB_BYTES} bytes, more than 32 times") as info:
+        with pytest.raises(
+            CheckpointError, match=f"decode to {BOMB_BYTES} bytes, more than 32 times"
+        ) as info:
             read()
         assert str(bomb) in str(info.value)
     assert calls == []
@@ -288,6 +314,9 @@ def test_real_checkpoints_are_far_below_the_bound(tmp_path):
 def _decoded_ratio(path: Path) -> float:
     manifest = fmt.read_manifest(path)
     staged = sum(
-        b["stage"]["raw_nbytes"] for e in manifest["entries"].values() for b in e["buffers"].values() if "stage" in b
+        b["stage"]["raw_nbytes"]
+        for e in manifest["entries"].values()
+        for b in e["buffers"].values()
+        if "stage" in b
     )
     return staged / path.stat().st_size

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from _format_samples import exact_entry, sample_state
+
 from tw_triton import format as fmt
 from tw_triton.format import writeback, writer
 

@@ -16,8 +16,8 @@ import torch
 
 from tw_triton import format as fmt
 from tw_triton.errors import CheckpointError, TwTritonError
-from tw_triton.qstate import EncodedEntry, QuantizedState
 from tw_triton.pinned_staging import PinnedPool
+from tw_triton.qstate import EncodedEntry, QuantizedState
 from tw_triton.writer import AsyncWriter
 
 
@@ -30,12 +30,12 @@ def make_state(seed: int, n: int = 1000) -> QuantizedState:
         "step": torch.tensor(seed, dtype=torch.int64),
     }
     entries = {
-        k: EncodedEntry(codec="exact", params={}, shape=tuple(t.shape), dtype=t.dtype,
-                        buffers={"data": t})
+        k: EncodedEntry(codec="exact", params={}, shape=tuple(t.shape), dtype=t.dtype, buffers={"data": t})
         for k, t in tensors.items()
     }
-    return QuantizedState(entries=entries, skeleton={"seed": seed},
-                          checkpoint_id=uuid.uuid4().hex, metadata={"seed": seed})
+    return QuantizedState(
+        entries=entries, skeleton={"seed": seed}, checkpoint_id=uuid.uuid4().hex, metadata={"seed": seed}
+    )
 
 
 def assert_same_state(path, expected: QuantizedState) -> None:
@@ -160,8 +160,13 @@ def test_backpressure_blocks_submit_and_keeps_saves_apart(tmp_path, monkeypatch,
     order.append("first write released")
     gated.gate.set()
     th.join(10)
-    assert order == ["slot free", "first submit returned", "submit waits", "first write released",
-                     "second submit returned"]
+    assert order == [
+        "slot free",
+        "first submit returned",
+        "submit waits",
+        "first write released",
+        "second submit returned",
+    ]
     assert f1.result(timeout=10) > 0
     assert box["future"].result(timeout=10) > 0
     w.close()
@@ -357,16 +362,26 @@ def test_exit_hook_finishes_or_warns(tmp_path):
     script.write_text(textwrap.dedent(EXIT_SCRIPT))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     done = tmp_path / "done.tw.safetensors"
-    r = subprocess.run([sys.executable, str(script), str(done), "0.5", "30"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, str(script), str(done), "0.5", "30"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     assert done.exists()
     t = fmt.read_file(done).entries["t"].buffers["data"]
     assert torch.equal(t, torch.arange(100, dtype=torch.float32))
 
     late = tmp_path / "late.tw.safetensors"
-    r = subprocess.run([sys.executable, str(script), str(late), "5", "0.2"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, str(script), str(late), "5", "0.2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     assert not late.exists()
     assert "not finished" in r.stderr and "late.tw.safetensors" in r.stderr

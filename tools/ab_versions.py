@@ -51,9 +51,25 @@ def save_child(method: str, source: Path, fixture: Path, out: Path, threads: int
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(source))
     proc = subprocess.run(
-        [sys.executable, str(source / "benchmarks" / "speed_compare.py"), "--child-save", method,
-         "--fixture", str(fixture), "--out", str(out), "--threads", str(threads), "--device", "cpu"],
-        capture_output=True, text=True, env=env, cwd=source / "benchmarks", check=False,
+        [
+            sys.executable,
+            str(source / "benchmarks" / "speed_compare.py"),
+            "--child-save",
+            method,
+            "--fixture",
+            str(fixture),
+            "--out",
+            str(out),
+            "--threads",
+            str(threads),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=source / "benchmarks",
+        check=False,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{method} from {source} failed:\n{proc.stderr[-3000:]}")
@@ -65,15 +81,29 @@ def _this_child(args: list[str], source: Path, threads: int) -> subprocess.Compl
     """This checkout's ``speed_compare.py`` with ``args``, tw_triton imported from ``source``."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(source))
     return subprocess.run(
-        [sys.executable, str(BENCH / "speed_compare.py"), *args, "--threads", str(threads), "--device", "cpu"],
-        capture_output=True, text=True, env=env, cwd=source.parent, check=False,
+        [
+            sys.executable,
+            str(BENCH / "speed_compare.py"),
+            *args,
+            "--threads",
+            str(threads),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=source.parent,
+        check=False,
     )
 
 
 def write_resume_files(method: str, source: Path, fixture: Path, out: Path, threads: int) -> None:
     """The files of save method ``method`` (kept in ``out``), written by this checkout's
     ``speed_compare.py --child-save`` with tw_triton imported from ``source``."""
-    proc = _this_child(["--child-save", method, "--fixture", str(fixture), "--out", str(out)], source, threads)
+    proc = _this_child(
+        ["--child-save", method, "--fixture", str(fixture), "--out", str(out)], source, threads
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"writing {method} with {source} failed:\n{proc.stderr[-3000:]}")
 
@@ -97,7 +127,9 @@ def _read_time(proc: subprocess.CompletedProcess, method: str, source: Path) -> 
 def load_child(method: str, source: Path, files: Path, threads: int, fixture: Path) -> dict[str, Any]:
     """One load (``speed_compare.py --child-load`` of this checkout) with tw_triton
     imported from ``source`` (``fixture``: the state, which DCP's load takes as its template)."""
-    proc = _this_child(["--child-load", method, "--fixture", str(fixture), "--out", str(files)], source, threads)
+    proc = _this_child(
+        ["--child-load", method, "--fixture", str(fixture), "--out", str(files)], source, threads
+    )
     return _read_time(proc, method, source)
 
 
@@ -107,23 +139,32 @@ def build_native(tree: Path) -> None:
     that. Versions from before the compiled codec have nothing to build."""
     if not (tree / "tw_triton" / "csrc").is_dir():
         return
-    done = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree, capture_output=True, text=True
+    )
     if done.returncode != 0 or not list((tree / "tw_triton").glob("_native*.so")):
-        print(f"warning: the base's compiled codec did not build; it runs the torch path\n{done.stderr[-2000:]}")
+        print(
+            f"warning: the base's compiled codec did not build; it runs the torch path\n{done.stderr[-2000:]}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision to compare this checkout with")
-    parser.add_argument("--method", action="append", required=True, dest="methods",
-                        help="a save method of speed_compare.py, or a resume or load one with --resume or "
-                             "--load (repeat for more; names may hold commas)")
+    parser.add_argument(
+        "--method",
+        action="append",
+        required=True,
+        dest="methods",
+        help="a save method of speed_compare.py, or a resume or load one with --resume or "
+        "--load (repeat for more; names may hold commas)",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     kind = parser.add_mutually_exclusive_group()
-    kind.add_argument("--resume", action="store_true",
-                      help="compare resume methods (restores) instead of saves")
+    kind.add_argument(
+        "--resume", action="store_true", help="compare resume methods (restores) instead of saves"
+    )
     kind.add_argument("--load", action="store_true", help="compare load methods instead of saves")
     args = parser.parse_args()
     methods = args.methods
@@ -133,7 +174,11 @@ def main() -> None:
     import speed_compare
 
     if args.resume:
-        known, yard, files_of = speed_compare.RESUME_METHODS, speed_compare.RESUME_METHODS[0], speed_compare.RESUME_FILES
+        known, yard, files_of = (
+            speed_compare.RESUME_METHODS,
+            speed_compare.RESUME_METHODS[0],
+            speed_compare.RESUME_FILES,
+        )
         child = resume_child
     elif args.load:
         known, yard = speed_compare.LOAD_METHODS, "torch.load"
@@ -146,15 +191,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmpdir = Path(tmp)
         base = tmpdir / "base"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(base), args.base],
-                       check=True)
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(base), args.base], check=True
+        )
         try:
             build_native(base)
             fixture = tmpdir / "fixture.pt"
             speed_compare.build_fixture(fixture)
             if args.load:
+
                 def child(method: str, source: Path, files: Path, threads: int) -> dict[str, Any]:
                     return load_child(method, source, files, threads, fixture)
+
             sides = {"base": base, "new": REPO}
             rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
             files: dict[tuple[str, str], Path] = {}
@@ -179,9 +227,12 @@ def main() -> None:
                             ts = save_child("torch.save", base, fixture, tmpdir / "out", args.threads)
                         r["torch_save_s"] = ts["total_s"]
                         rows.setdefault((method, side), []).append(r)
-                        print(f"round {rnd} {side:4s} {method}: blocks {r['blocked_s']:.3f} s, total "
-                              f"{r['total_s']:.3f} s, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB "
-                              f"({yard} {ts['total_s']:.3f} s)", flush=True)
+                        print(
+                            f"round {rnd} {side:4s} {method}: blocks {r['blocked_s']:.3f} s, total "
+                            f"{r['total_s']:.3f} s, peak +{r['peak_extra_bytes'] / 2**20:.0f} MiB "
+                            f"({yard} {ts['total_s']:.3f} s)",
+                            flush=True,
+                        )
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
 
@@ -191,10 +242,14 @@ def main() -> None:
     print(f"| method | side | blocks (s) | total (s) | peak extra RSS (MiB) | {yard} (s) |")
     print("|---|---|---|---|---|---|")
     for (method, side), rs in rows.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("blocked_s", "total_s", "peak_extra_bytes",
-                                                                 "torch_save_s")}
-        print(f"| {method} | {side} | {med['blocked_s']:.3f} | {med['total_s']:.3f} | "
-              f"{med['peak_extra_bytes'] / 2**20:.0f} | {med['torch_save_s']:.3f} |")
+        med = {
+            k: statistics.median(r[k] for r in rs)
+            for k in ("blocked_s", "total_s", "peak_extra_bytes", "torch_save_s")
+        }
+        print(
+            f"| {method} | {side} | {med['blocked_s']:.3f} | {med['total_s']:.3f} | "
+            f"{med['peak_extra_bytes'] / 2**20:.0f} | {med['torch_save_s']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

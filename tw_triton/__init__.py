@@ -1,11 +1,8 @@
 """tw_triton: small PyTorch training checkpoints by fused blockwise delta quantization."""
 
-from .codecs.blockwise import QuantizedTensor, dequantize, quantize
-from .codecs import Codec, register_codec
-from .state import decode_targets, dequantize_state_dict, load, quantize_state_dict, save
-from .writer import AsyncWriter
-from .snapshot_pool import SnapshotPool
 from .checkpointer import Checkpointer
+from .codecs import Codec, register_codec
+from .codecs.blockwise import QuantizedTensor, dequantize, quantize
 from .errors import (
     CheckpointError,
     CheckpointIOError,
@@ -13,6 +10,9 @@ from .errors import (
     ReferenceMismatchError,
     TwTritonError,
 )
+from .snapshot_pool import SnapshotPool
+from .state import decode_targets, dequantize_state_dict, load, quantize_state_dict, save
+from .writer import AsyncWriter
 
 __version__ = "0.1.0"
 

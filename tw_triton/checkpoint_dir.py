@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping
+from typing import Any
 
 import torch
 
@@ -58,7 +59,9 @@ class CheckpointDirectory:
             lifts it.
     """
 
-    def __init__(self, path: str | os.PathLike, *, max_expansion: float | None = _format.MAX_EXPANSION) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, max_expansion: float | None = _format.MAX_EXPANSION
+    ) -> None:
         self.path = os.fspath(path)
         self.max_expansion = max_expansion
         os.makedirs(self.path, exist_ok=True)
@@ -239,10 +242,17 @@ class CheckpointDirectory:
 
         def read(item: CheckpointInfo, entries: list[str] | None) -> QuantizedState:
             held = reads.pop(item.path, None)
-            if held is not None and (held.entries is None or (entries is not None and held.entries >= set(entries))):
+            if held is not None and (
+                held.entries is None or (entries is not None and held.entries >= set(entries))
+            ):
                 return held.state
             return _format.read_file(
-                item.path, verify=verify, pin_memory=pin, entries=entries, headers=self.headers, into=into,
+                item.path,
+                verify=verify,
+                pin_memory=pin,
+                entries=entries,
+                headers=self.headers,
+                into=into,
                 max_expansion=self.max_expansion,
             )
 
@@ -317,8 +327,14 @@ class CheckpointDirectory:
                         _format.verify_file(item.path, headers=self.headers, max_expansion=self.max_expansion)
                     else:
                         q = _format.read_file(
-                            item.path, verify=True, pin_memory=pin, headers=self.headers, entries=needs,
-                            check_others=True, into=into, max_expansion=self.max_expansion,
+                            item.path,
+                            verify=True,
+                            pin_memory=pin,
+                            headers=self.headers,
+                            entries=needs,
+                            check_others=True,
+                            into=into,
+                            max_expansion=self.max_expansion,
                         )
                         reads[item.path] = VerifiedRead(q, None if needs is None else frozenset(needs))
                     verified[item.path] = None
@@ -326,8 +342,10 @@ class CheckpointDirectory:
                     verified[item.path] = str(e)
             error = verified[item.path]
             if error is not None:
-                return f"it fails verification: {error}" if item is info else (
-                    f"its reference {item.path} fails verification: {error}"
+                return (
+                    f"it fails verification: {error}"
+                    if item is info
+                    else (f"its reference {item.path} fails verification: {error}")
                 )
             if reads is not None and item is not chain[0]:
                 # What the next older link must provide; a file verified for another chain
@@ -335,8 +353,6 @@ class CheckpointDirectory:
                 held = reads.get(item.path)
                 needs = delta_paths(held.state, item.path) if held is not None else None
         return None
-
-
 
 
 def _passed_over(info: CheckpointInfo, problem: str) -> str:

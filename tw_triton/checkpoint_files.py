@@ -49,5 +49,4 @@ class CheckpointInfo:
     nbytes: int
 
 
-
 __all__ = ["CHECKPOINT_SUFFIX", "STEP_DIGITS", "CheckpointInfo", "checkpoint_name", "parse_checkpoint_name"]

@@ -141,14 +141,24 @@ class Checkpointer:
         self.fsync = fsync
         self._writer = (
             AsyncWriter(max_pending=max_pending, pinned_bytes=pinned_bytes, fsync=fsync)
-            if async_write else None
+            if async_write
+            else None
         )
         # Each save's pooled buffers, until its write is done (then back to the pool).
         self._saves = SavePool(snapshot_pool_bytes, (max_pending + 1) if async_write else 1)
         self._chain = ReferenceChain(self.delta_mode, keyframe_every, self._saves)
         self._inflight = InFlight(self._dir)
-        self._pipeline = SavePipeline(self._writer, self._saves, self._chain, self._inflight, rules=rules,
-                                      bits=bits, block=block, fsync=fsync, directory=self.directory)
+        self._pipeline = SavePipeline(
+            self._writer,
+            self._saves,
+            self._chain,
+            self._inflight,
+            rules=rules,
+            bits=bits,
+            block=block,
+            fsync=fsync,
+            directory=self.directory,
+        )
         self._closed = False
 
     # ------------------------------------------------------------------- saving
@@ -176,7 +186,9 @@ class Checkpointer:
             QuantizationError: a value the format cannot store (names its path).
         """
         if self._closed:
-            raise CheckpointError(f"cannot save step {step}: the Checkpointer of {self.directory!r} is closed")
+            raise CheckpointError(
+                f"cannot save step {step}: the Checkpointer of {self.directory!r} is closed"
+            )
         step = operator.index(step)
         if step < 0:
             raise CheckpointError(f"step must be non-negative, got {step}")
@@ -257,7 +269,7 @@ class Checkpointer:
                 self._saves.close()
                 self._claim.close()
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -334,7 +346,11 @@ class Checkpointer:
     # ------------------------------------------------------------------ loading
 
     def load(
-        self, step: int | None = None, *, device: torch.device | str = "cpu", verify: bool = True,
+        self,
+        step: int | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        verify: bool = True,
         into: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Load a checkpoint (default: :meth:`latest`) as the nested state that was saved.
@@ -365,7 +381,11 @@ class Checkpointer:
         return self._load(step, device=device, verify=verify, into=targets)[0]
 
     def _load(
-        self, step: int | None, *, device: torch.device | str, verify: bool,
+        self,
+        step: int | None,
+        *,
+        device: torch.device | str,
+        verify: bool,
         into: dict[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, Any], CheckpointInfo]:
         """:meth:`load`, and the info of the file it loaded.

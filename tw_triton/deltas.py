@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -49,7 +50,9 @@ def delta_mode(delta: Any) -> str:
         return "none"
     if isinstance(delta, str) and delta in DELTA_MODES:
         return delta
-    raise CheckpointError(f"delta must be True, False or one of {', '.join(map(repr, DELTA_MODES))}, got {delta!r}")
+    raise CheckpointError(
+        f"delta must be True, False or one of {', '.join(map(repr, DELTA_MODES))}, got {delta!r}"
+    )
 
 
 def _unescape(component: str) -> str:
@@ -201,9 +204,17 @@ def advance(reference: Reference, q: QuantizedState) -> None:
     on_host = all(r.device.type == "cpu" for r in first.values()) and all(
         b.device.type == "cpu" for t in targets for b in q.entries[t].buffers.values()
     )
-    decoded = dict(zip(targets, parallel_map(
-        decode, targets, sizes=[q.entries[t].raw_nbytes for t in targets], threads=None if on_host else 1,
-    )))
+    decoded = dict(
+        zip(
+            targets,
+            parallel_map(
+                decode,
+                targets,
+                sizes=[q.entries[t].raw_nbytes for t in targets],
+                threads=None if on_host else 1,
+            ),
+        )
+    )
     # By entry path, so tied tensors stay tied.
     reference.tree = nest({path: decoded[q.aliases.get(path, path)] for path in old})
     reference.owned = True
@@ -312,13 +323,22 @@ def decode_chain(
         q = qs[k]
         assert q is not None
         flat = dequantize_entries(
-            q, needs[k], reference=reference, device=device, source=info.path, reuse_reference=True,
+            q,
+            needs[k],
+            reference=reference,
+            device=device,
+            source=info.path,
+            reuse_reference=True,
             release_buffers=True,
         )
         reference = nest(flat)
         qs[k] = None  # a link's buffers are not needed any more
     return dequantize_state_dict(
-        qs[-1], reference=reference, device=device, source=chain[-1].path, reuse_reference=True,
+        qs[-1],
+        reference=reference,
+        device=device,
+        source=chain[-1].path,
+        reuse_reference=True,
         release_buffers=True,
     )
 

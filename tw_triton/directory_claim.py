@@ -13,7 +13,8 @@ import logging
 import os
 import re
 import stat
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 try:
     import fcntl
@@ -86,7 +87,9 @@ class DirectoryClaim:
             if removed:
                 logger.warning(
                     "removed %d temp file(s) of %d bytes that killed or failed saves left in %s",
-                    len(removed), nbytes, self.path,
+                    len(removed),
+                    nbytes,
+                    self.path,
                 )
         try:
             # Not atomic after the exclusive lock (flock(2)), which is fine: this writer has
@@ -157,7 +160,6 @@ def _remove_files(paths: Iterable[str]) -> tuple[list[str], int]:
         removed.append(path)
         nbytes += st.st_size
     return removed, nbytes
-
 
 
 __all__ = ["DirectoryClaim", "checkpoint_temp_files", "dcp_temp_files"]

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 

@@ -30,7 +30,6 @@ PINNED_ALIGN = 64
 PINNED_GRANULE = 1 << 20
 
 
-
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
@@ -56,7 +55,7 @@ def carve(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tenso
     offset = 0
     for t in tensors:
         n = t.numel() * t.element_size()
-        views.append(buffer[offset:offset + n].view(t.dtype).view(t.shape))
+        views.append(buffer[offset : offset + n].view(t.dtype).view(t.shape))
         offset += _align(n, PINNED_ALIGN)
     return views
 
@@ -186,7 +185,9 @@ class DeviceStaging:
         if waited > self.wait_log_threshold_s:
             logger.info(
                 "backpressure: save of '%s' waited %.3f s for pinned host memory (cap %s bytes)",
-                path, waited, self.pool.cap_bytes,
+                path,
+                waited,
+                self.pool.cap_bytes,
             )
         try:
             views = carve(pinned, tensors)
@@ -232,7 +233,7 @@ class DeviceStaging:
         for stream in self.side_streams.values():
             stream.synchronize()
 
-    def side_stream(self, index: int) -> "torch.cuda.Stream":
+    def side_stream(self, index: int) -> torch.cuda.Stream:
         stream = self.side_streams.get(index)
         if stream is None:
             stream = torch.cuda.Stream(device=index)

@@ -53,8 +53,14 @@ class ReferenceChain:
         ref = self.reference
         return ref.lease.nbytes if ref is not None and ref.lease is not None else 0
 
-    def start(self, checkpoint_id: str, ref_values: dict[str, torch.Tensor], step: int, future: Future,
-              lease: SnapshotLease | None) -> None:
+    def start(
+        self,
+        checkpoint_id: str,
+        ref_values: dict[str, torch.Tensor],
+        step: int,
+        future: Future,
+        lease: SnapshotLease | None,
+    ) -> None:
         """A keyframe was just saved: it is the reference of the deltas that follow.
 
         ``ref_values``: its tensors the rules delta-code; ``lease``: the save's pooled
@@ -64,13 +70,20 @@ class ReferenceChain:
         self.since_keyframe = 0
         self.reference = (
             make_reference(checkpoint_id, ref_values, step, future, closed=self.mode == "closed")
-            if self.delta else None
+            if self.delta
+            else None
         )
         if self.reference is not None and lease is not None:
             self.reference.lease = lease.split(list(leaves(self.reference.tree)))
 
-    def add_delta(self, reference: Reference | None, checkpoint_id: str, reference_id: str | None, step: int,
-                  future: Future) -> None:
+    def add_delta(
+        self,
+        reference: Reference | None,
+        checkpoint_id: str,
+        reference_id: str | None,
+        step: int,
+        future: Future,
+    ) -> None:
         """A save between keyframes was just queued; in closed loop it becomes a link.
 
         Its encode (now, or on the writer thread before the next save's) advances the
@@ -102,7 +115,8 @@ class ReferenceChain:
         if ref is not None and ref.lost():
             logger.warning(
                 "a save that the next delta would build on (step %d or its keyframe) was not "
-                "written; the next save will be a new keyframe", ref.step
+                "written; the next save will be a new keyframe",
+                ref.step,
             )
             self.restart()
 
@@ -112,7 +126,8 @@ class ReferenceChain:
         coded against it, and load wrong: start a new keyframe instead."""
         logger.warning(
             "the save of step %d failed after the closed-loop reference moved on to it; "
-            "the next save will be a new keyframe", step,
+            "the next save will be a new keyframe",
+            step,
         )
         self.restart()
 

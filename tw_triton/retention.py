@@ -11,10 +11,10 @@ Why: docs/training-loop.md ("Retention").
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Callable
 
 from . import format as _format
 from .checkpoint_dir import CheckpointDirectory

@@ -49,7 +49,9 @@ def restore_rng_state(rng: dict[str, Any], *, source: str = "checkpoint") -> Non
         else:
             logger.warning(
                 "%s: recorded CUDA RNG states for %d device(s) but %d are available; "
-                "CUDA RNG states not restored", source, len(cuda),
+                "CUDA RNG states not restored",
+                source,
+                len(cuda),
                 torch.cuda.device_count() if torch.cuda.is_available() else 0,
             )
 

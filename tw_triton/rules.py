@@ -69,8 +69,9 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -85,10 +86,20 @@ logger = logging.getLogger(__name__)
 # Codec names that are the blockwise codec with these params ("int3": seven levels in a
 # 4-bit container, which the entropy stage stores in about their entropy).
 _BITS_ALIASES: dict[str, dict[str, int]] = {
-    "int8": {"bits": 8}, "int4": {"bits": 4}, "int3": {"bits": 4, "qmax": 3}, "int2": {"bits": 2},
+    "int8": {"bits": 8},
+    "int4": {"bits": 4},
+    "int3": {"bits": 4, "qmax": 3},
+    "int2": {"bits": 2},
 }
 PRESETS = (
-    "default", "exact", "int8-delta", "int4-delta", "int8-exp-avg", "safe", "small", "smallest",
+    "default",
+    "exact",
+    "int8-delta",
+    "int4-delta",
+    "int8-exp-avg",
+    "safe",
+    "small",
+    "smallest",
 )
 # The presets by intent: (weight-delta bits, exp_avg spec, exp_avg_sq log2 spec). Globs end
 # with the moment's name, so they match whatever name the optimizer was saved under. Fewer
@@ -199,8 +210,7 @@ def make_rule(pattern: str, spec: Any, *, bits: int, block: int, where: str = "r
 def default_rules(state: Any, *, bits: int, block: int) -> list[Rule]:
     """The default rules for ``state``: large float tensors under the model quantized."""
     rules = [
-        make_rule(p, "blockwise", bits=bits, block=block, where="default rule")
-        for p in model_patterns(state)
+        make_rule(p, "blockwise", bits=bits, block=block, where="default rule") for p in model_patterns(state)
     ]
     rules = [Rule(r.pattern, r.codec, r.params, DEFAULT_MIN_NUMEL) for r in rules]
     rules.append(Rule("*", "exact"))
@@ -216,8 +226,13 @@ def _preset_rules(name: str, state: Any, *, bits: int, block: int) -> list[Rule]
         return default_rules(state, bits=8 if name == "int8-delta" else 4, block=block)
     if name == "int8-exp-avg":
         moments = [
-            make_rule(f"{k}/state/*/exp_avg", {"codec": "int8", "min_numel": DEFAULT_MIN_NUMEL},
-                      bits=bits, block=block, where="preset int8-exp-avg")
+            make_rule(
+                f"{k}/state/*/exp_avg",
+                {"codec": "int8", "min_numel": DEFAULT_MIN_NUMEL},
+                bits=bits,
+                block=block,
+                where="preset int8-exp-avg",
+            )
             for k in OPTIMIZER_KEYS
         ]
         return moments + default_rules(state, bits=8, block=block)
@@ -225,10 +240,20 @@ def _preset_rules(name: str, state: Any, *, bits: int, block: int) -> list[Rule]
         w_bits, m_spec, v_spec = MOMENT_PRESETS[name]
         where = f"preset {name}"
         moments = [
-            make_rule(SECOND_MOMENT_GLOB, {"codec": "log2", **v_spec, "min_numel": DEFAULT_MIN_NUMEL},
-                      bits=bits, block=block, where=where),
-            make_rule(FIRST_MOMENT_GLOB, {**m_spec, "delta": False, "min_numel": DEFAULT_MIN_NUMEL},
-                      bits=bits, block=block, where=where),
+            make_rule(
+                SECOND_MOMENT_GLOB,
+                {"codec": "log2", **v_spec, "min_numel": DEFAULT_MIN_NUMEL},
+                bits=bits,
+                block=block,
+                where=where,
+            ),
+            make_rule(
+                FIRST_MOMENT_GLOB,
+                {**m_spec, "delta": False, "min_numel": DEFAULT_MIN_NUMEL},
+                bits=bits,
+                block=block,
+                where=where,
+            ),
         ]
         return moments + default_rules(state, bits=w_bits, block=block)
     raise QuantizationError(f"unknown rules preset {name!r}; presets: {', '.join(PRESETS)}")
@@ -255,7 +280,9 @@ def warn_if_too_coarse(rules: Sequence[Rule], mode: str, where: str) -> bool:
         logger.warning(
             "%s: rules code %s %s; that measured too coarse for a resumed run "
             "(benchmarks/resume_fidelity.py). Use closed-loop deltas (delta='closed') or rules='small'",
-            where, ", ".join(coarse), why,
+            where,
+            ", ".join(coarse),
+            why,
         )
     return bool(coarse)
 

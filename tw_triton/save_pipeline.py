@@ -16,10 +16,11 @@ import gc
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -78,8 +79,19 @@ class SavePipeline:
         directory: the directory, for the warning about too coarse rules.
     """
 
-    def __init__(self, writer: AsyncWriter | None, saves: SavePool, chain: ReferenceChain, inflight: InFlight,
-                 *, rules: Any, bits: int, block: int, fsync: bool, directory: str) -> None:
+    def __init__(
+        self,
+        writer: AsyncWriter | None,
+        saves: SavePool,
+        chain: ReferenceChain,
+        inflight: InFlight,
+        *,
+        rules: Any,
+        bits: int,
+        block: int,
+        fsync: bool,
+        directory: str,
+    ) -> None:
         self.writer, self.saves, self.chain, self.inflight = writer, saves, chain, inflight
         self.rules, self.bits, self.block, self.fsync = rules, bits, block, fsync
         self.directory = directory
@@ -152,16 +164,23 @@ class SavePipeline:
         # The copy's tensors by path, in the state's order (tied ones shared): the exact
         # entries' buffers, allocated in the tensors' shapes.
         copies = snap_q.entries
-        snapshot = Flattened({p: copies[snap_q.aliases.get(p, p)].buffers["data"] for p in flat.tensors},
-                             flat.skeleton)
+        snapshot = Flattened(
+            {p: copies[snap_q.aliases.get(p, p)].buffers["data"] for p in flat.tensors}, flat.skeleton
+        )
         del snap_q, copies
         ref_values: dict[str, torch.Tensor] = {}
         # The writer thread's codecs write their codes and scales into this save's lease as
         # well: pooled, they do not page-fault fresh memory every save.
         if job.keyframe:
             encode = functools.partial(
-                encode_keyframe, snapshot, rules_as_specs(keyframe_rules(job.rule_list)), self.bits,
-                self.block, job.meta, q_id, allocate=job.lease,
+                encode_keyframe,
+                snapshot,
+                rules_as_specs(keyframe_rules(job.rule_list)),
+                self.bits,
+                self.block,
+                job.meta,
+                q_id,
+                allocate=job.lease,
             )
             # Chosen before the writer thread starts: rule matching is Python, and once that
             # thread runs it would wait on the GIL.
@@ -169,8 +188,16 @@ class SavePipeline:
                 ref_values = delta_coded(snapshot.tensors, job.rule_list)
         else:
             encode = functools.partial(
-                encode_delta, snapshot, reference, self.rules, self.bits, self.block,
-                job.meta, q_id, allocate=job.lease, ref_at=ref_at(reference),
+                encode_delta,
+                snapshot,
+                reference,
+                self.rules,
+                self.bits,
+                self.block,
+                job.meta,
+                q_id,
+                allocate=job.lease,
+                ref_at=ref_at(reference),
             )
         future = self.write(job.noted.noting(encode), job.path, reference)
         if reference is not None:
@@ -184,16 +211,24 @@ class SavePipeline:
             self.writer.call(functools.partial(self.saves.reserve_beside, nbytes_each(ref_values.values())))
         return Queued(future, q_id, reference.checkpoint_id if reference is not None else None, ref_values)
 
-    def encode_here(self, job: SaveJob, flat: Flattened | None = None,
-                    warm_up: list[int] | None = None) -> Queued:
+    def encode_here(
+        self, job: SaveJob, flat: Flattened | None = None, warm_up: list[int] | None = None
+    ) -> Queued:
         """Encode the live state on this thread (a device state, ``async_write=False``, or a
         keyframe with no pooled memory to copy into) and hand the encoded state to the
         writer (or write it now). ``flat``: the state already flattened; ``warm_up``: the
         sizes of the snapshot that found no pooled memory (see :meth:`warm_up`)."""
         ref_values: dict[str, torch.Tensor] = {}
         if job.keyframe:
-            q = encode_keyframe(job.tree if flat is None else flat, rules_as_specs(keyframe_rules(job.rule_list)),
-                                self.bits, self.block, job.meta, None, allocate=job.lease)
+            q = encode_keyframe(
+                job.tree if flat is None else flat,
+                rules_as_specs(keyframe_rules(job.rule_list)),
+                self.bits,
+                self.block,
+                job.meta,
+                None,
+                allocate=job.lease,
+            )
             # The tensors deltas are coded against are exact entries of the keyframe, under
             # every path that names them: a tied weight's alias is coded against it too.
             if self.chain.delta:
@@ -201,14 +236,26 @@ class SavePipeline:
                 exact.update({alias: exact[target] for alias, target in q.aliases.items() if target in exact})
                 ref_values = delta_coded(exact, job.rule_list)
         else:
-            q = encode_delta(job.tree, job.reference, self.rules, self.bits, self.block, job.meta, None,
-                             allocate=job.lease, ref_at=ref_at(job.reference))
+            q = encode_delta(
+                job.tree,
+                job.reference,
+                self.rules,
+                self.bits,
+                self.block,
+                job.meta,
+                None,
+                allocate=job.lease,
+                ref_at=ref_at(job.reference),
+            )
         job.noted.note(q)
         reference = job.reference if q.reference_id is not None else None
-        return Queued(self.write(q, job.path, reference), q.checkpoint_id, q.reference_id, ref_values, warm_up)
+        return Queued(
+            self.write(q, job.path, reference), q.checkpoint_id, q.reference_id, ref_values, warm_up
+        )
 
-    def write(self, q: QuantizedState | Callable[[], QuantizedState], path: str,
-              reference: Reference | None) -> Future:
+    def write(
+        self, q: QuantizedState | Callable[[], QuantizedState], path: str, reference: Reference | None
+    ) -> Future:
         """Write (or queue) ``q``; a delta's write waits for the saves it is coded against
         and fails if one of them did (:meth:`AsyncWriter.submit`), so that no Future
         reports success for a file that could never load."""
@@ -299,8 +346,15 @@ def encode_delta(
     if reference is not None:
         ref_id, ref_step = ref_at if ref_at is not None else (reference.checkpoint_id, reference.step)
         q = quantize_state_dict(
-            snapshot, reference=reference.tree, reference_id=ref_id, rules=rules,
-            bits=bits, block=block, metadata=meta, checkpoint_id=checkpoint_id, allocate=allocate,
+            snapshot,
+            reference=reference.tree,
+            reference_id=ref_id,
+            rules=rules,
+            bits=bits,
+            block=block,
+            metadata=meta,
+            checkpoint_id=checkpoint_id,
+            allocate=allocate,
             copy=not deferred,
         )
         q.metadata["kind"] = KIND_DELTA if q.reference_id is not None else KIND_STANDALONE
@@ -310,8 +364,16 @@ def encode_delta(
                 q.metadata["delta_mode"] = "closed"
                 advance(reference, q)
     else:
-        q = quantize_state_dict(snapshot, rules=rules, bits=bits, block=block, metadata=meta,
-                                checkpoint_id=checkpoint_id, allocate=allocate, copy=not deferred)
+        q = quantize_state_dict(
+            snapshot,
+            rules=rules,
+            bits=bits,
+            block=block,
+            metadata=meta,
+            checkpoint_id=checkpoint_id,
+            allocate=allocate,
+            copy=not deferred,
+        )
         q.metadata["kind"] = KIND_STANDALONE
     return q
 
@@ -332,8 +394,16 @@ def encode_keyframe(
     (exact entries hold its tensors); without, in ``save`` over the live state.
     """
     deferred = checkpoint_id is not None
-    q = quantize_state_dict(snapshot, rules=rules, bits=bits, block=block, metadata=meta,
-                            checkpoint_id=checkpoint_id, allocate=allocate, copy=not deferred)
+    q = quantize_state_dict(
+        snapshot,
+        rules=rules,
+        bits=bits,
+        block=block,
+        metadata=meta,
+        checkpoint_id=checkpoint_id,
+        allocate=allocate,
+        copy=not deferred,
+    )
     q.metadata["kind"] = KIND_KEYFRAME
     return q
 

@@ -108,7 +108,9 @@ def _decode_bytes(text: Any, where: str) -> bytes:
             raise ValueError
         return bytes.fromhex(text)
     except ValueError:
-        raise CheckpointError(f"skeleton at {where}: bytes {short_repr(text)}, expected a string of hex digit pairs") from None
+        raise CheckpointError(
+            f"skeleton at {where}: bytes {short_repr(text)}, expected a string of hex digit pairs"
+        ) from None
 
 
 def _decode_npscalar(node: dict[str, Any], where: str) -> np.generic:
@@ -127,7 +129,9 @@ def _decode_npscalar(node: dict[str, Any], where: str) -> np.generic:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _fits_float(value, dtype)
         expected = f"a number within the range of {dtype.name}"
     if not ok:
-        raise CheckpointError(f"skeleton at {where}: numpy {dtype.name} value {short_repr(value)}, expected {expected}")
+        raise CheckpointError(
+            f"skeleton at {where}: numpy {dtype.name} value {short_repr(value)}, expected {expected}"
+        )
     return dtype.type(value)
 
 

@@ -98,7 +98,7 @@ class SnapshotPool:
         with self._lock:
             return sum(k * len(v) for k, v in self._free.items())
 
-    def lease(self) -> "SnapshotLease":
+    def lease(self) -> SnapshotLease:
         """A new lease: the allocator of one save, and the record of what it took."""
         return SnapshotLease(self)
 
@@ -236,7 +236,7 @@ class SnapshotLease:
         with self._lock:
             return [b.numel() for b in self._bufs]
 
-    def split(self, tensors: Sequence[torch.Tensor]) -> "SnapshotLease":
+    def split(self, tensors: Sequence[torch.Tensor]) -> SnapshotLease:
         """Move the buffers under ``tensors`` into a new lease of the same pool.
 
         For tensors that must outlive the save (a keyframe kept as the delta reference):

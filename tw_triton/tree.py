@@ -40,13 +40,15 @@ why: docs/format.md.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from .errors import CheckpointError, QuantizationError
+
 # The path helpers are part of this module's API too (tw_triton.dcp uses escape_component).
 from .skeleton import (  # noqa: F401
     EMPTY_TOP_LEVEL_KEY,
@@ -63,6 +65,7 @@ from .skeleton import (  # noqa: F401
     short_repr,
 )
 
+
 @dataclass(frozen=True)
 class Flattened:
     """A state already split by :func:`flatten`, which
@@ -73,7 +76,7 @@ class Flattened:
     skeleton: Any
 
     @classmethod
-    def of(cls, state: Any) -> "Flattened":
+    def of(cls, state: Any) -> Flattened:
         """``flatten(state)`` as a :class:`Flattened` (one that is already, as it is)."""
         return state if isinstance(state, Flattened) else cls(*flatten(state))
 
@@ -247,7 +250,9 @@ def check_skeleton(skeleton: Any, dtypes: Mapping[str, torch.dtype]) -> None:
 def _lookup(tensors: Mapping[str, torch.Tensor], node: dict[str, Any], key: str, path: str) -> torch.Tensor:
     name = node[key]
     if not isinstance(name, str) or name not in tensors:
-        raise CheckpointError(f"skeleton at {describe_path(path)}: names {key} {short_repr(name)}, which has no entry")
+        raise CheckpointError(
+            f"skeleton at {describe_path(path)}: names {key} {short_repr(name)}, which has no entry"
+        )
     return tensors[name]
 
 
@@ -294,13 +299,18 @@ def _unflatten_node(node: Any, tensors: Mapping[str, torch.Tensor], path: str) -
             ) from None
         return arr if want is None or arr.dtype == want else arr.astype(want)
     if kind in ("list", "tuple"):
-        kids = [_unflatten_node(v, tensors, join_path(path, str(i))) for i, v in enumerate(_as_list(node[kind], path))]
+        kids = [
+            _unflatten_node(v, tensors, join_path(path, str(i)))
+            for i, v in enumerate(_as_list(node[kind], path))
+        ]
         return kids if kind == "list" else tuple(kids)
     out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
     seen: set[str] = set()
     for pair in _as_list(node[kind], path):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise CheckpointError(f"skeleton at {describe_path(path)}: dict item {short_repr(pair)}, expected [key, node]")
+            raise CheckpointError(
+                f"skeleton at {describe_path(path)}: dict item {short_repr(pair)}, expected [key, node]"
+            )
         key = decode_key(pair[0], path)
         comp = key_component(key, path)
         if comp in seen or key in out:
@@ -314,7 +324,9 @@ def _unflatten_node(node: Any, tensors: Mapping[str, torch.Tensor], path: str) -
 
 def _as_list(value: Any, path: str) -> list[Any]:
     if not isinstance(value, list):
-        raise CheckpointError(f"skeleton at {describe_path(path)}: expected a list, found {type(value).__name__}")
+        raise CheckpointError(
+            f"skeleton at {describe_path(path)}: expected a list, found {type(value).__name__}"
+        )
     return value
 
 

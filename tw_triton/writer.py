@@ -189,7 +189,9 @@ class AsyncWriter:
         if waited > WAIT_LOG_THRESHOLD_S:
             logger.info(
                 "backpressure: save of '%s' waited %.3f s for one of %d pending saves to finish",
-                path, waited, self.max_pending,
+                path,
+                waited,
+                self.max_pending,
             )
         future: Future = Future()
         try:
@@ -279,7 +281,7 @@ class AsyncWriter:
         """Pinned host bytes the pool holds now (0 when no CUDA buffer was ever saved)."""
         return self.staging.pool.held_bytes
 
-    def __enter__(self) -> "AsyncWriter":
+    def __enter__(self) -> AsyncWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -300,8 +302,14 @@ class AsyncWriter:
         staged = self.staging.stage(qstate, path)
         if staged is None:
             return _Job(qstate=qstate, path=path, future=future)
-        return _Job(qstate=staged.qstate, path=path, future=future, copy_done=staged.copy_done,
-                    device_state=qstate, pinned=staged.pinned)
+        return _Job(
+            qstate=staged.qstate,
+            path=path,
+            future=future,
+            copy_done=staged.copy_done,
+            device_state=qstate,
+            pinned=staged.pinned,
+        )
 
     def _raise_pending_errors(self) -> None:
         with self._lock:
@@ -421,7 +429,7 @@ def _run_logged(fn: Callable[[], Any]) -> None:
         logger.warning("writer task %r failed: %s: %s", fn, type(exc).__name__, exc)
 
 
-def _drain_at_exit(ref: "weakref.ReferenceType[AsyncWriter]") -> None:
+def _drain_at_exit(ref: weakref.ReferenceType[AsyncWriter]) -> None:
     """Interpreter-exit hook: finish a writer's pending saves, or warn that it could not."""
     writer = ref()
     if writer is None or writer._closed:
@@ -435,12 +443,15 @@ def _drain_at_exit(ref: "weakref.ReferenceType[AsyncWriter]") -> None:
         logger.warning(
             "interpreter exit: %d checkpoint save(s) not finished after %s s and abandoned "
             "(their temp files may remain): %s",
-            len(not_done), writer.exit_timeout, ", ".join(sorted(pending[f] for f in not_done)),
+            len(not_done),
+            writer.exit_timeout,
+            ", ".join(sorted(pending[f] for f in not_done)),
         )
         return
     with writer._lock:
         errors, writer._errors = writer._errors, []
     for path, err in errors:
-        logger.warning("interpreter exit: checkpoint save to '%s' failed: %s: %s",
-                       path, type(err).__name__, err)
+        logger.warning(
+            "interpreter exit: checkpoint save to '%s' failed: %s: %s", path, type(err).__name__, err
+        )
     writer._stop(at_exit=True)

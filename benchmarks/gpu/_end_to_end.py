@@ -35,8 +35,9 @@ import os
 import statistics
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -79,7 +80,9 @@ class TinyLM(torch.nn.Module):
         return self.head(self.enc(self.emb(tokens)))
 
 
-def build(device: torch.device, size: str, seed: int = 0) -> tuple[TinyLM, torch.optim.Optimizer, Callable[[], None]]:
+def build(
+    device: torch.device, size: str, seed: int = 0
+) -> tuple[TinyLM, torch.optim.Optimizer, Callable[[], None]]:
     """Model, AdamW after one step, and a function that runs one more training step."""
     torch.manual_seed(seed)
     vocab, width, layers, heads = {
@@ -139,8 +142,10 @@ def run_save_load(
 
     model, opt, step = build(device, size)
     nbytes = state_bytes(model, opt)
-    log(f"end-to-end: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
-        f"state {nbytes / 2**30:.2f} GiB on {device}")
+    log(
+        f"end-to-end: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
+        f"state {nbytes / 2**30:.2f} GiB on {device}"
+    )
     ck_kf = Checkpointer(workdir / "tw-keyframe", keyframe_every=1, keep_last=1)
     ck_delta = Checkpointer(workdir / "tw-delta", keyframe_every=1_000_000, keep_last=1)
     ck_delta.save(0, model=model, optimizer=opt).result()  # the keyframe the deltas use
@@ -198,7 +203,9 @@ def run_save_load(
     sizes = {
         "torch.save": (workdir / "state.pt").stat().st_size,
         "safetensors": (workdir / "state.safetensors").stat().st_size,
-        "dcp.async_save": sum(p.stat().st_size for p in (workdir / f"dcp-{rounds}").rglob("*") if p.is_file()),
+        "dcp.async_save": sum(
+            p.stat().st_size for p in (workdir / f"dcp-{rounds}").rglob("*") if p.is_file()
+        ),
         "tw keyframe": os.path.getsize(ck_kf.path_for(last_step)),
         "tw delta": os.path.getsize(ck_delta.path_for(last_step)),
     }
@@ -221,7 +228,9 @@ def run_save_load(
         "tw_blocking_vs_torch_save": {
             m: round(save_rows[m]["blocked_s"] / ts, 4) for m in ("tw keyframe", "tw delta")
         },
-        "tw_load_vs_safetensors": {m: round(load_rows[m]["load_s"] / st, 4) for m in ("tw keyframe", "tw delta")},
+        "tw_load_vs_safetensors": {
+            m: round(load_rows[m]["load_s"] / st, 4) for m in ("tw keyframe", "tw delta")
+        },
     }
     if device.type == "cuda":
         goals["blocking_goal_met"] = all(v <= 0.05 for v in goals["tw_blocking_vs_torch_save"].values())
@@ -260,7 +269,9 @@ def _scramble(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
                     s[k].mul_(5.0).add_(1.0)
 
 
-def check_file_holds(path: str, expected: dict[str, torch.Tensor], refs: dict[str, torch.Tensor] | None) -> list[str]:
+def check_file_holds(
+    path: str, expected: dict[str, torch.Tensor], refs: dict[str, torch.Tensor] | None
+) -> list[str]:
     """Differences between the file at ``path`` and the CPU encoding of ``expected``.
 
     Exact entries must hold ``expected`` bit for bit; coded entries the bytes the CPU path
@@ -295,8 +306,10 @@ def check_file_holds(path: str, expected: dict[str, torch.Tensor], refs: dict[st
             if stored is None or not torch.equal(
                 stored.reshape(-1).view(torch.uint8), buf.reshape(-1).contiguous().view(torch.uint8)
             ):
-                problems.append(f"{path}: {entry.codec} entry {name!r} buffer {bname!r} is not the "
-                                "encoding of the value at save()")
+                problems.append(
+                    f"{path}: {entry.codec} entry {name!r} buffer {bname!r} is not the "
+                    "encoding of the value at save()"
+                )
     return problems
 
 
@@ -342,7 +355,9 @@ def run_concurrency(
     import tw_triton.save_pipeline as ckmod
 
     model, opt, step = build(device, size, seed=1)
-    busy = torch.randn(2048 if device.type == "cuda" else 64, 2048 if device.type == "cuda" else 64, device=device)
+    busy = torch.randn(
+        2048 if device.type == "cuda" else 64, 2048 if device.type == "cuda" else 64, device=device
+    )
     expected: dict[int, dict[str, torch.Tensor]] = {}
     directory = workdir / ("concurrency-device-branch" if force_device_branch else "concurrency")
     original = ckmod.all_on_cpu
@@ -373,7 +388,15 @@ def run_concurrency(
         ck.close()
     finally:
         ckmod.all_on_cpu = original
-    log(f"concurrency ({'device branch' if force_device_branch else 'default branch'}): "
-        f"{saves} saves, {len(problems)} problem(s)")
-    return {"saves": saves, "problems": problems[:50], "problem_count": len(problems), "problem_steps": by_step,
-            "device_branch_forced": force_device_branch, "tw_triton": tw_triton.__version__}
+    log(
+        f"concurrency ({'device branch' if force_device_branch else 'default branch'}): "
+        f"{saves} saves, {len(problems)} problem(s)"
+    )
+    return {
+        "saves": saves,
+        "problems": problems[:50],
+        "problem_count": len(problems),
+        "problem_steps": by_step,
+        "device_branch_forced": force_device_branch,
+        "tw_triton": tw_triton.__version__,
+    }

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -105,17 +106,26 @@ def run_throughput(
                         copy_gbps = moved / copy_ms / 1e6
                         frac = gbps / copy_gbps
                         row = {
-                            "codec": name, "op": op, "dtype": str(dtype).removeprefix("torch."),
-                            "reference": r is not None, "bits": bits, "block": 128,
-                            "input_mib": round(size / (1 << 20), 1), "bytes_moved": moved,
-                            "ms": round(ms, 4), "gb_per_s": round(gbps, 2),
-                            "copy_gb_per_s": round(copy_gbps, 2), "fraction_of_copy": round(frac, 4),
+                            "codec": name,
+                            "op": op,
+                            "dtype": str(dtype).removeprefix("torch."),
+                            "reference": r is not None,
+                            "bits": bits,
+                            "block": 128,
+                            "input_mib": round(size / (1 << 20), 1),
+                            "bytes_moved": moved,
+                            "ms": round(ms, 4),
+                            "gb_per_s": round(gbps, 2),
+                            "copy_gb_per_s": round(copy_gbps, 2),
+                            "fraction_of_copy": round(frac, 4),
                         }
                         if device.type == "cuda" and size >= GOAL_MIN_BYTES:
                             row["goal_met"] = frac >= GOAL_FRACTION
                         rows.append(row)
-                        log(f"throughput {name} {op} {row['dtype']} bits={bits} "
-                            f"{row['input_mib']} MiB: {gbps:.1f} GB/s = {100 * frac:.0f} % of copy")
+                        log(
+                            f"throughput {name} {op} {row['dtype']} bits={bits} "
+                            f"{row['input_mib']} MiB: {gbps:.1f} GB/s = {100 * frac:.0f} % of copy"
+                        )
                 del x, ref
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

@@ -40,21 +40,21 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-import torch  # noqa: E402
-
 import _end_to_end  # noqa: E402
-from harness.common import device_slug as slug  # noqa: E402
 import _identity  # noqa: E402
 import _throughput  # noqa: E402
+import torch  # noqa: E402
+from harness.common import device_slug as slug  # noqa: E402
 
 RESULTS_ROOT = REPO / "benchmarks" / "results" / "gpu"
 DRY_RUN_SLUG = "cpu-dry-run"
@@ -95,11 +95,15 @@ def step_identity(device: torch.device, dry: bool, budget: float, work: Path) ->
         s.detail = f"{len(rep.failures)} difference(s) in {rep.run} cases; first: {rep.failures[0]}"
     elif rep.run < rep.planned:
         s.status = "INCOMPLETE"
-        s.detail = (f"{rep.run} of {rep.planned} cases within the budget (a rerun is faster: "
-                    "Triton's compile cache is warm); no difference so far")
+        s.detail = (
+            f"{rep.run} of {rep.planned} cases within the budget (a rerun is faster: "
+            "Triton's compile cache is warm); no difference so far"
+        )
     else:
         s.status = "PASS"
-        s.detail = f"{rep.run} cases, codecs {', '.join(rep.codecs)} (no kernel: {', '.join(rep.without_kernel)})"
+        s.detail = (
+            f"{rep.run} cases, codecs {', '.join(rep.codecs)} (no kernel: {', '.join(rep.without_kernel)})"
+        )
     return s
 
 
@@ -107,8 +111,9 @@ def step_concurrency(device: torch.device, dry: bool, budget: float, work: Path)
     s = Step("concurrency", "(e) saves while training overwrites the state")
     runs = [_end_to_end.run_concurrency(device, work, size="tiny" if dry else "medium", saves=5, log=log)]
     if device.type == "cpu":
-        runs.append(_end_to_end.run_concurrency(device, work, size="tiny", saves=5,
-                                                force_device_branch=True, log=log))
+        runs.append(
+            _end_to_end.run_concurrency(device, work, size="tiny", saves=5, force_device_branch=True, log=log)
+        )
     s.data = {"runs": runs}
     problems = [p for r in runs for p in r["problems"]]
     count = sum(r["problem_count"] for r in runs)
@@ -123,11 +128,31 @@ def step_concurrency(device: torch.device, dry: bool, budget: float, work: Path)
 def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out: Path) -> Step:
     s = Step("pytest", "(a) pytest -m cuda (a skip with a GPU is a failure)")
     xml = out / "pytest.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider",
-           f"--junitxml={xml}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "cuda",
+        "tests",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={xml}",
+    ]
     if dry:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider",
-               "--collect-only"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "cuda",
+            "tests",
+            "-p",
+            "no:cacheprovider",
+            "--collect-only",
+        ]
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=budget)
         output, rc = proc.stdout + proc.stderr, proc.returncode
@@ -154,8 +179,10 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
     s.data.update(counts)
     bad = counts["failures"] + counts["errors"] + counts["skipped"]
     s.status = "PASS" if rc == 0 and counts["tests"] > 0 and bad == 0 else "FAIL"
-    s.detail = (f"{counts['tests']} tests: {counts['failures']} failed, {counts['errors']} errors, "
-                f"{counts['skipped']} skipped (rc {rc}; see pytest.log)")
+    s.detail = (
+        f"{counts['tests']} tests: {counts['failures']} failed, {counts['errors']} errors, "
+        f"{counts['skipped']} skipped (rc {rc}; see pytest.log)"
+    )
     return s
 
 
@@ -174,11 +201,15 @@ def step_throughput(device: torch.device, dry: bool, budget: float, work: Path) 
 
 def step_end_to_end(device: torch.device, dry: bool, budget: float, work: Path) -> Step:
     s = Step("end_to_end", "(d) ~2.2 GB state: save blocking, total, load, peak memory")
-    r = _end_to_end.run_save_load(device, work, size="tiny" if dry else "large", rounds=1 if dry else 3, log=log)
+    r = _end_to_end.run_save_load(
+        device, work, size="tiny" if dry else "large", rounds=1 if dry else 3, log=log
+    )
     s.data = r
     s.status = "PASS"
-    s.detail = (f"{r['state_bytes'] / 2**30:.2f} GiB state, {r['rounds']} rounds; "
-                f"tw blocking / torch.save: {r['goals']['tw_blocking_vs_torch_save']}")
+    s.detail = (
+        f"{r['state_bytes'] / 2**30:.2f} GiB state, {r['rounds']} rounds; "
+        f"tw blocking / torch.save: {r['goals']['tw_blocking_vs_torch_save']}"
+    )
     if "blocking_goal_met" in r["goals"]:
         met = r["goals"]["blocking_goal_met"] and r["goals"]["load_goal_met"]
         s.goal = "MET" if met else "MISSED"
@@ -197,8 +228,10 @@ def status_table(steps: list[Step]) -> str:
 
 
 def throughput_table(data: dict[str, Any]) -> str:
-    lines = ["| codec | op | dtype | ref | bits | MiB | GB/s | copy GB/s | % of copy |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| codec | op | dtype | ref | bits | MiB | GB/s | copy GB/s | % of copy |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in data.get("rows", []):
         lines.append(
             f"| {r['codec']} | {r['op']} | {r['dtype']} | {'yes' if r['reference'] else 'no'} | "
@@ -211,12 +244,15 @@ def throughput_table(data: dict[str, Any]) -> str:
 def end_to_end_table(data: dict[str, Any]) -> str:
     if not data.get("save"):
         return ""
-    lines = ["| method | blocks the loop (s) | total save (s) | peak device MiB | file MiB |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| method | blocks the loop (s) | total save (s) | peak device MiB | file MiB |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for m, r in data["save"].items():
         peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**20:.0f}"
-        lines.append(f"| {m} | {r['blocked_s']:.4f} | {r['total_s']:.4f} | {peak} | "
-                     f"{r['file_bytes'] / 2**20:.1f} |")
+        lines.append(
+            f"| {m} | {r['blocked_s']:.4f} | {r['total_s']:.4f} | {peak} | {r['file_bytes'] / 2**20:.1f} |"
+        )
     lines += ["", "| load method | load to the device (s) |", "|---|---:|"]
     for m, r in data["load"].items():
         lines.append(f"| {m} | {r['load_s']:.4f} |")
@@ -257,17 +293,29 @@ def write_report(out: Path, steps: list[Step], info: dict[str, Any], dry: bool, 
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "seconds": round(time.time() - started, 1),
         "passed": all(s.status == "PASS" for s in steps),
-        "steps": {s.name: {"title": s.title, "status": s.status, "goal": s.goal, "seconds": round(s.seconds, 2),
-                           "detail": s.detail, "data": s.data} for s in steps},
+        "steps": {
+            s.name: {
+                "title": s.title,
+                "status": s.status,
+                "goal": s.goal,
+                "seconds": round(s.seconds, 2),
+                "detail": s.detail,
+                "data": s.data,
+            }
+            for s in steps
+        },
     }
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n", encoding="utf-8")
     by = {s.name: s for s in steps}
     md = [
         f"# GPU validation: {info['device_name']}",
         "",
-        ("**Dry run on the CPU**: tiny sizes, the same code paths; no GPU number here." if dry else
-         f"torch {info['torch']}, triton {info.get('triton')}, CUDA {info.get('cuda')}, "
-         f"compute capability {info.get('capability')}."),
+        (
+            "**Dry run on the CPU**: tiny sizes, the same code paths; no GPU number here."
+            if dry
+            else f"torch {info['torch']}, triton {info.get('triton')}, CUDA {info.get('cuda')}, "
+            f"compute capability {info.get('capability')}."
+        ),
         "",
         f"Overall: **{'PASS' if payload['passed'] else 'FAIL'}** in {payload['seconds']} s "
         f"(`python benchmarks/gpu/validate.py{' --dry-run' if dry else ''}`).",
@@ -275,11 +323,23 @@ def write_report(out: Path, steps: list[Step], info: dict[str, Any], dry: bool, 
         status_table(steps),
     ]
     if "throughput" in by and by["throughput"].data:
-        md += ["", "## Throughput", "", _throughput.__doc__.split("\n\n")[1].replace("\n", " "), "",
-               throughput_table(by["throughput"].data)]
+        md += [
+            "",
+            "## Throughput",
+            "",
+            _throughput.__doc__.split("\n\n")[1].replace("\n", " "),
+            "",
+            throughput_table(by["throughput"].data),
+        ]
     if "end_to_end" in by and by["end_to_end"].data:
-        md += ["", "## End to end", "", end_to_end_table(by["end_to_end"].data), "",
-               f"Goals: {json.dumps(by['end_to_end'].data.get('goals'))}"]
+        md += [
+            "",
+            "## End to end",
+            "",
+            end_to_end_table(by["end_to_end"].data),
+            "",
+            f"Goals: {json.dumps(by['end_to_end'].data.get('goals'))}",
+        ]
     (out / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
 
 
@@ -290,8 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="run on the CPU with tiny sizes")
     p.add_argument("--out", type=Path, default=None, help="results folder (default: by device name)")
-    p.add_argument("--steps", default="identity,concurrency,pytest,throughput,end_to_end",
-                   help="comma-separated subset, in the order given")
+    p.add_argument(
+        "--steps",
+        default="identity,concurrency,pytest,throughput,end_to_end",
+        help="comma-separated subset, in the order given",
+    )
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every step's time budget")
     p.add_argument("--strict-goals", action="store_true", help="a missed performance goal fails the run")
     args = p.parse_args(argv)
@@ -325,8 +388,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 step = runners[name](device, dry, budget, work)
             except Exception as exc:  # noqa: BLE001 - one broken step must not hide the others
-                step = Step(name, name, "FAIL", detail=f"raised {type(exc).__name__}: {exc}",
-                            data={"traceback": traceback.format_exc()})
+                step = Step(
+                    name,
+                    name,
+                    "FAIL",
+                    detail=f"raised {type(exc).__name__}: {exc}",
+                    data={"traceback": traceback.format_exc()},
+                )
                 log(traceback.format_exc())
             step.seconds = time.perf_counter() - t0
             steps.append(step)
@@ -339,8 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nresults: {out}")
     failed = [s for s in steps if s.status != "PASS"]
     missed = [s for s in steps if s.goal == "MISSED"]
-    print("VALIDATION " + ("FAILED: " + ", ".join(s.name for s in failed) if failed else "PASSED")
-          + (f"; goals missed: {', '.join(s.name for s in missed)}" if missed else ""))
+    print(
+        "VALIDATION "
+        + ("FAILED: " + ", ".join(s.name for s in failed) if failed else "PASSED")
+        + (f"; goals missed: {', '.join(s.name for s in missed)}" if missed else "")
+    )
     return 1 if failed or (args.strict_goals and missed) else 0
 
 

@@ -32,13 +32,13 @@ def ratio_table_markdown() -> str:
             q = tw_triton.quantize(torch.ones(n), bits=bits, block=block)
             per_elem = q.nbytes / n
             assert per_elem == codec.stored_bytes_per_element(bits, block)
-            lines.append(
-                f"| {bits} | {block} | {per_elem:.5g} | {4 / per_elem:.2f}x | {2 / per_elem:.2f}x |"
-            )
+            lines.append(f"| {bits} | {block} | {per_elem:.5g} | {4 / per_elem:.2f}x | {2 / per_elem:.2f}x |")
     return "\n".join(lines)
 
 
-def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[dict], cuda: list[dict], args) -> str:
+def markdown_report(
+    machine: str, cpu: list[dict], mem: list[dict], stats: list[dict], cuda: list[dict], args
+) -> str:
     """The results page for benchmarks/results/."""
     out = [
         "# Codec benchmark (CPU path)",
@@ -87,7 +87,11 @@ def markdown_report(machine: str, cpu: list[dict], mem: list[dict], stats: list[
             "|---|---:|---:|---:|---:|---:|",
         ]
         for r in mem:
-            name = r["dtype"] + (" + ref" if r["reference"] else "") + (", transposed" if r["transposed"] else "")
+            name = (
+                r["dtype"]
+                + (" + ref" if r["reference"] else "")
+                + (", transposed" if r["transposed"] else "")
+            )
             out.append(
                 f"| {name} | {r['bits']} | {r['input_mib']:.0f} | {r['outputs_mib']:.1f} |"
                 f" {r['temporaries_mib']:.1f} | {r['chunks']:.2f} |"

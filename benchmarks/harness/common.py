@@ -101,7 +101,7 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
 
 
-def gpu_results_dir(device: "torch.device | None" = None) -> Path:
+def gpu_results_dir(device: torch.device | None = None) -> Path:
     """``results/gpu/<device-name-slug>/`` for the current (or given) CUDA device, created."""
     path = RESULTS_DIR / "gpu" / device_slug(torch.cuda.get_device_name(device))
     path.mkdir(parents=True, exist_ok=True)

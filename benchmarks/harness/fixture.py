@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+
 def build_fixture(path: Path) -> dict[str, Any]:
     """MiniLM + AdamW after one real step, saved with torch.save for the children to read."""
     from harness.minilm import SENTENCES, contrastive_step, load_minilm

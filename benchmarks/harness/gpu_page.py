@@ -35,15 +35,23 @@ def _gpu_device_block(folder: Path, data: dict[str, Any]) -> list[str]:
         f"(torch {dev['torch']}, triton {dev.get('triton')}, CUDA {dev.get('cuda')}; "
         f"[summary]({rel}/summary.md)).",
         "",
-        fmt_table(["step", "status", "goal", "detail"],
-                  [[s["title"], s["status"], s.get("goal") or "-", s["detail"].replace("|", "/")]
-                   for s in steps.values()]),
+        fmt_table(
+            ["step", "status", "goal", "detail"],
+            [
+                [s["title"], s["status"], s.get("goal") or "-", s["detail"].replace("|", "/")]
+                for s in steps.values()
+            ],
+        ),
     ]
     rows = (steps.get("throughput") or {}).get("data", {}).get("rows", [])
     big = [r for r in rows if r["input_mib"] >= 64]
     if big:
-        lines += ["", "Codec throughput from 64 MiB up, as a fraction of a device-to-device copy of "
-                  "the same bytes (`triton.testing.do_bench`, same run):", ""]
+        lines += [
+            "",
+            "Codec throughput from 64 MiB up, as a fraction of a device-to-device copy of "
+            "the same bytes (`triton.testing.do_bench`, same run):",
+            "",
+        ]
         table = []
         for codec in sorted({r["codec"] for r in big}):
             for op in ("encode", "decode"):
@@ -53,24 +61,42 @@ def _gpu_device_block(folder: Path, data: dict[str, Any]) -> list[str]:
         lines.append(fmt_table(["codec", "op", "lowest", "highest"], table))
     e2e = (steps.get("end_to_end") or {}).get("data", {})
     if e2e.get("save"):
-        lines += ["", f"End to end on a {e2e['state_bytes'] / 2**30:.2f} GiB state on the device "
-                  f"(medians of {e2e['rounds']} rounds):", ""]
+        lines += [
+            "",
+            f"End to end on a {e2e['state_bytes'] / 2**30:.2f} GiB state on the device "
+            f"(medians of {e2e['rounds']} rounds):",
+            "",
+        ]
         load = e2e["load"]
         table = []
         for m, r in e2e["save"].items():
             peak = "-" if r["peak_device_bytes"] is None else f"{mib(r['peak_device_bytes']):.0f}"
             lm = {"torch.save": "torch.load"}.get(m, m)
             ld = f"{load[lm]['load_s']:.3f}" if lm in load else "-"
-            table.append([m, f"{r['blocked_s']:.3f}", f"{r['total_s']:.3f}", ld, peak,
-                          f"{mib(r['file_bytes']):.0f}"])
-        lines.append(fmt_table(["method", "blocks the loop (s)", "total save (s)", "load to device (s)",
-                                "peak device MiB", "file MiB"], table))
+            table.append(
+                [m, f"{r['blocked_s']:.3f}", f"{r['total_s']:.3f}", ld, peak, f"{mib(r['file_bytes']):.0f}"]
+            )
+        lines.append(
+            fmt_table(
+                [
+                    "method",
+                    "blocks the loop (s)",
+                    "total save (s)",
+                    "load to device (s)",
+                    "peak device MiB",
+                    "file MiB",
+                ],
+                table,
+            )
+        )
     extra = []
     speed = folder / "speed_compare.json"
     if speed.exists():
         sp = json.loads(speed.read_text(encoding="utf-8"))
-        extra.append(f"[speed_compare.json]({rel}/speed_compare.json) (`speed_compare.py --device cuda`, "
-                     f"{sp['repeats']} repeats)")
+        extra.append(
+            f"[speed_compare.json]({rel}/speed_compare.json) (`speed_compare.py --device cuda`, "
+            f"{sp['repeats']} repeats)"
+        )
     if extra:
         lines += ["", "Also measured on this device: " + "; ".join(extra) + "."]
     return lines

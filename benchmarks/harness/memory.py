@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+
 def rss_bytes() -> int:
     """Current resident set size of this process."""
     return _status_kib("VmRSS") * 1024

@@ -109,7 +109,7 @@ def load_minilm() -> tuple[torch.nn.Module, Any]:
         from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as hf_logging
     except ImportError as exc:
-        raise BenchExtraMissing("transformers is missing: pip install -e \".[bench]\"") from exc
+        raise BenchExtraMissing('transformers is missing: pip install -e ".[bench]"') from exc
     hf_logging.disable_progress_bar()
     model = AutoModel.from_pretrained(str(path), local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -25,6 +25,7 @@ from harness.restarts import Plan, run_seed, summarize
 from harness.settings import ResumeSetting
 from harness.tiny_gpt import CORPUS_FILES
 
+
 @dataclass(frozen=True)
 class Config:
     """Sizes of the fine-tuning run."""
@@ -75,7 +76,11 @@ class MiniLMTrainer:
     """Contrastive fine-tuning of MiniLM; batches are a pure function of (data seed, step)."""
 
     def __init__(
-        self, cfg: Config, pairs: list[tuple[str, str]], seed: int, pretrained: tuple[torch.nn.Module, Any],
+        self,
+        cfg: Config,
+        pairs: list[tuple[str, str]],
+        seed: int,
+        pretrained: tuple[torch.nn.Module, Any],
         data_seed: int | None = None,
     ) -> None:
         self.cfg = cfg
@@ -115,7 +120,9 @@ class MiniLMTrainer:
     def eval_loss(self) -> float:
         """Mean loss over fixed held-out batches (dropout off: no RNG drawn)."""
         self.model.eval()
-        losses = [float(self._loss(self._batch(self.val_pairs, 7_777 + i))) for i in range(self.cfg.eval_batches)]
+        losses = [
+            float(self._loss(self._batch(self.val_pairs, 7_777 + i))) for i in range(self.cfg.eval_batches)
+        ]
         return sum(losses) / len(losses)
 
     def objects(self) -> dict[str, Any]:
@@ -123,16 +130,29 @@ class MiniLMTrainer:
         return {"model": self.model, "optimizer": self.opt}
 
 
-def run(cfg: Config, seeds: list[int], settings: tuple[ResumeSetting, ...], *, exact_check: bool = True,
-        min_restarts: int = 8) -> dict[str, Any]:
+def run(
+    cfg: Config,
+    seeds: list[int],
+    settings: tuple[ResumeSetting, ...],
+    *,
+    exact_check: bool = True,
+    min_restarts: int = 8,
+) -> dict[str, Any]:
     """Every seed's runs and the summary, as the JSON result (less the environment)."""
     plan = cfg.plan(min_restarts)
     pairs = docstring_pairs()
     log(f"{len(pairs)} docstring/signature pairs")
     pretrained = load_minilm()
-    runs = [run_seed(lambda data_seed, s=seed: MiniLMTrainer(cfg, pairs, s, pretrained, data_seed), seed, plan,
-                     settings, exact_check=exact_check and i == 0)
-            for i, seed in enumerate(seeds)]
+    runs = [
+        run_seed(
+            lambda data_seed, s=seed: MiniLMTrainer(cfg, pairs, s, pretrained, data_seed),
+            seed,
+            plan,
+            settings,
+            exact_check=exact_check and i == 0,
+        )
+        for i, seed in enumerate(seeds)
+    ]
     params = sum(p.numel() for p in pretrained[0].parameters())
     return {
         "task": "fine-tune all-MiniLM-L6-v2: stdlib docstring summary -> function signature, repeated restarts",

@@ -28,7 +28,9 @@ def plot_fidelity(fid: dict[str, Any], path: Path) -> None:
         axes[0].plot(blocks, [r["rel_err_median"] for r in rows], "o-", color=c, label=f"int{bits} median")
         axes[0].plot(blocks, [r["rel_err_max"] for r in rows], "x--", color=c, label=f"int{bits} max")
         axes[1].plot(blocks, [1 - r["cos_mean"] for r in rows], "o-", color=c, label=f"int{bits} mean")
-        axes[1].plot(blocks, [1 - r["cos_min"] for r in rows], "x--", color=c, label=f"int{bits} worst sentence")
+        axes[1].plot(
+            blocks, [1 - r["cos_min"] for r in rows], "x--", color=c, label=f"int{bits} worst sentence"
+        )
         axes[2].plot(blocks, [r["vs_safetensors"] for r in rows], "o-", color=c, label=f"int{bits}")
     titles = (
         "per-tensor relative error",
@@ -69,17 +71,26 @@ def plot_resume(res: dict[str, Any], path: Path, ylabel: str) -> None:
     colors = plt.get_cmap("tab10")
     tail_mean = sum(base["losses"]) / len(base["losses"])
     for i, (name, r) in enumerate(run["settings"].items()):
-        axes[0].plot(*curve(r["evals"]), lw=0.9, color=colors(i % 10), label=f"{name} ({len(r['restarts'])} restarts)")
-        diff = [abs(a - b) / tail_mean if math.isfinite(a) else float("nan") for a, b in zip(r["losses"], base["losses"])]
+        axes[0].plot(
+            *curve(r["evals"]), lw=0.9, color=colors(i % 10), label=f"{name} ({len(r['restarts'])} restarts)"
+        )
+        diff = [
+            abs(a - b) / tail_mean if math.isfinite(a) else float("nan")
+            for a, b in zip(r["losses"], base["losses"])
+        ]
         # Steps where the curves agree exactly (before the first restart) are drawn at 1e-9.
-        axes[1].plot(range(1, len(diff) + 1), [max(d, 1e-9) for d in diff], lw=0.7, color=colors(i % 10), label=name)
+        axes[1].plot(
+            range(1, len(diff) + 1), [max(d, 1e-9) for d in diff], lw=0.7, color=colors(i % 10), label=name
+        )
     first = next(iter(run["settings"].values()), None)
-    for x in (first["restarts"] if first else []):
+    for x in first["restarts"] if first else []:
         for ax in axes:
             ax.axvline(x["step"], color="grey", ls=":" if x["kind"] == "keyframe" else "-", lw=0.6, alpha=0.6)
     axes[0].set_xlabel("step")
     axes[0].set_ylabel(f"held-out {ylabel}")
-    axes[0].set_title(f"seed {run['seed']}: restarts at the vertical lines (solid: from a delta, dotted: keyframe)")
+    axes[0].set_title(
+        f"seed {run['seed']}: restarts at the vertical lines (solid: from a delta, dotted: keyframe)"
+    )
     axes[0].legend(fontsize=7)
     axes[1].set_yscale("log")
     axes[1].set_xlabel("step")

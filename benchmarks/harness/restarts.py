@@ -29,9 +29,10 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -110,16 +111,16 @@ def _moment_damage(run: Run) -> dict[str, int]:
 
 def _torch_save_bytes(run: Run, step: int, path: Path) -> int:
     """Size of ``torch.save`` of what the Checkpointer stores (step, objects, RNG states)."""
-    tree = {"step": step, **{k: o.state_dict() for k, o in run.objects().items()},
-            "rng": capture_rng_state()}
+    tree = {"step": step, **{k: o.state_dict() for k, o in run.objects().items()}, "rng": capture_rng_state()}
     torch.save(tree, path)
     size = path.stat().st_size
     path.unlink()
     return size
 
 
-def restarted(make_run: MakeRun, data_seed: int, setting: ResumeSetting, plan: Plan,
-              workdir: Path) -> dict[str, Any]:
+def restarted(
+    make_run: MakeRun, data_seed: int, setting: ResumeSetting, plan: Plan, workdir: Path
+) -> dict[str, Any]:
     """Train with ``setting``'s Checkpointer, killed and restored at every restart point."""
     directory = workdir / "ckpt"
     restarts_at = set(plan.restart_steps(setting.keyframe_every))
@@ -151,16 +152,24 @@ def restarted(make_run: MakeRun, data_seed: int, setting: ResumeSetting, plan: P
             newest = ckpt.infos()[-1]
             state = ckpt.restore(**run.objects())
             if state["step"] != step or newest.step != step:
-                raise AssertionError(f"{setting.label}: restored step {state['step']} (newest file "
-                                     f"{newest.step}) at the restart after step {step}")
+                raise AssertionError(
+                    f"{setting.label}: restored step {state['step']} (newest file "
+                    f"{newest.step}) at the restart after step {step}"
+                )
             run.step = step
             found = _moment_damage(run)
             damage = {k: max(damage[k], found[k]) for k in damage}
             restarts.append({"step": step, "kind": newest.kind})
     finally:
         ckpt.close()
-    return {"losses": losses, "evals": evals, "files": files_by_kind(files), "restarts": restarts,
-            "torch_save_bytes": torch_bytes, **damage}
+    return {
+        "losses": losses,
+        "evals": evals,
+        "files": files_by_kind(files),
+        "restarts": restarts,
+        "torch_save_bytes": torch_bytes,
+        **damage,
+    }
 
 
 def _rel(a: float, b: float) -> float:
@@ -185,8 +194,10 @@ def deviations(curve: dict[str, Any], base: dict[str, Any], first_restart: int) 
     }
     tail = base["losses"][first_restart:]
     if len(curve["losses"]) == len(base["losses"]) and tail:
-        diffs = [abs(a - b) if math.isfinite(a) else math.inf
-                 for a, b in zip(curve["losses"][first_restart:], tail)]
+        diffs = [
+            abs(a - b) if math.isfinite(a) else math.inf
+            for a, b in zip(curve["losses"][first_restart:], tail)
+        ]
         out["train"] = max(diffs) / (sum(tail) / len(tail))
     return out
 
@@ -195,13 +206,21 @@ def check_exact(base: dict[str, Any], run: dict[str, Any]) -> None:
     """Raise unless a run restored from exact checkpoints is the uninterrupted run, bit for bit."""
     if run["losses"] != base["losses"] or run["evals"] != base["evals"]:
         first = next((i for i, (a, b) in enumerate(zip(run["losses"], base["losses"])) if a != b), None)
-        raise AssertionError(f"the exact restarts did not reproduce the uninterrupted run "
-                             f"(first differing step: {first})")
+        raise AssertionError(
+            f"the exact restarts did not reproduce the uninterrupted run (first differing step: {first})"
+        )
 
 
-def run_seed(make_run: MakeRun, seed: int, plan: Plan, settings: tuple[ResumeSetting, ...], *,
-             noise_seed_offset: int = 1000, exact_check: bool = False,
-             exact_keyframe_every: int | None = None) -> dict[str, Any]:
+def run_seed(
+    make_run: MakeRun,
+    seed: int,
+    plan: Plan,
+    settings: tuple[ResumeSetting, ...],
+    *,
+    noise_seed_offset: int = 1000,
+    exact_check: bool = False,
+    exact_keyframe_every: int | None = None,
+) -> dict[str, Any]:
     """The uninterrupted run, its noise floor and every setting's restarted run, for one seed.
 
     With ``exact_check`` the ``exact`` preset runs first through the restarts of
@@ -210,8 +229,10 @@ def run_seed(make_run: MakeRun, seed: int, plan: Plan, settings: tuple[ResumeSet
     t0 = time.perf_counter()
     base = uninterrupted(make_run, seed, plan)
     noise = uninterrupted(make_run, seed + noise_seed_offset, plan)
-    log(f"seed {seed}: uninterrupted + noise-floor runs {time.perf_counter() - t0:.0f} s, "
-        f"final held-out loss {base['evals'][plan.steps]:.4f} / {noise['evals'][plan.steps]:.4f}")
+    log(
+        f"seed {seed}: uninterrupted + noise-floor runs {time.perf_counter() - t0:.0f} s, "
+        f"final held-out loss {base['evals'][plan.steps]:.4f} / {noise['evals'][plan.steps]:.4f}"
+    )
     out: dict[str, Any] = {"seed": seed, "base": base, "noise": noise, "settings": {}}
     todo = list(settings)
     if exact_check:
@@ -221,23 +242,29 @@ def run_seed(make_run: MakeRun, seed: int, plan: Plan, settings: tuple[ResumeSet
         t0 = time.perf_counter()
         restarts = plan.restart_steps(setting.keyframe_every)
         if len(restarts) < plan.min_restarts:
-            raise ValueError(f"{setting.label}: {len(restarts)} restarts in {plan.steps} steps "
-                             f"(save every {plan.save_every}, keyframe every {setting.keyframe_every}); "
-                             f"need {plan.min_restarts}: more steps or a shorter cycle")
+            raise ValueError(
+                f"{setting.label}: {len(restarts)} restarts in {plan.steps} steps "
+                f"(save every {plan.save_every}, keyframe every {setting.keyframe_every}); "
+                f"need {plan.min_restarts}: more steps or a shorter cycle"
+            )
         with tempfile.TemporaryDirectory(prefix="tw-resume-") as tmp:
             r = restarted(make_run, seed, setting, plan, Path(tmp))
         if setting.label == "exact (check)":
             check_exact(base, r)
             out["exact_check"] = {"restarts": r["restarts"], "files": r["files"]}
-            log(f"seed {seed}: exact restarts x{len(restarts)} reproduce the run bit for bit "
-                f"({time.perf_counter() - t0:.0f} s)")
+            log(
+                f"seed {seed}: exact restarts x{len(restarts)} reproduce the run bit for bit "
+                f"({time.perf_counter() - t0:.0f} s)"
+            )
             continue
         r["dev"] = deviations(r, base, restarts[0])
         r["noise_dev"] = deviations(noise, base, restarts[0])
         out["settings"][setting.label] = r
-        log(f"seed {seed}: {setting.label}: {len(restarts)} restarts, final held-out loss "
+        log(
+            f"seed {seed}: {setting.label}: {len(restarts)} restarts, final held-out loss "
             f"deviation {100 * r['dev']['final']:.3f} % (noise run {100 * r['noise_dev']['final']:.3f} %), "
-            f"{time.perf_counter() - t0:.0f} s")
+            f"{time.perf_counter() - t0:.0f} s"
+        )
     return out
 
 
@@ -249,9 +276,12 @@ def files_by_kind(files: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for kind in sorted({f["kind"] for f in files}):
         chosen = [f for f in files if f["kind"] == kind]
-        out[kind] = {"count": len(chosen),
-                     "mean": {p: sum(f[p] for f in chosen) / len(chosen) for p in (*PARTS, "total")},
-                     "min_total": min(f["total"] for f in chosen), "max_total": max(f["total"] for f in chosen)}
+        out[kind] = {
+            "count": len(chosen),
+            "mean": {p: sum(f[p] for f in chosen) / len(chosen) for p in (*PARTS, "total")},
+            "min_total": min(f["total"] for f in chosen),
+            "max_total": max(f["total"] for f in chosen),
+        }
     return out
 
 
@@ -259,8 +289,9 @@ def _bytes_of(files: dict[str, dict[str, Any]], kind: str) -> dict[str, float] |
     return files[kind]["mean"] if kind in files else None
 
 
-def size_summary(files: dict[str, dict[str, Any]], torch_bytes: int, params: int,
-                 keyframe_every: int) -> dict[str, Any]:
+def size_summary(
+    files: dict[str, dict[str, Any]], torch_bytes: int, params: int, keyframe_every: int
+) -> dict[str, Any]:
     """Bytes per parameter by part for keyframes and deltas, the cycle averages and ratios.
 
     The cycle average is one keyframe and ``k - 1`` deltas (their mean sizes), at the
@@ -305,10 +336,16 @@ def summarize(runs: list[dict[str, Any]], settings: tuple[ResumeSetting, ...], p
     rows = []
     for s in settings:
         per = [r["settings"][s.label] for r in runs]
-        row: dict[str, Any] = {"setting": s.label, "spec": s.to_json(), "seeds": [r["seed"] for r in runs],
-                               "restarts": len(per[0]["restarts"]),
-                               "restored": {k: sum(x["kind"] == k for x in per[0]["restarts"])
-                                            for k in ("keyframe", "delta", "standalone")}}
+        row: dict[str, Any] = {
+            "setting": s.label,
+            "spec": s.to_json(),
+            "seeds": [r["seed"] for r in runs],
+            "restarts": len(per[0]["restarts"]),
+            "restored": {
+                k: sum(x["kind"] == k for x in per[0]["restarts"])
+                for k in ("keyframe", "delta", "standalone")
+            },
+        }
         for m in ("final", "curve", "train"):
             vals = [p["dev"].get(m, math.inf) for p in per]
             row[f"{m}_dev"] = median(vals)
@@ -330,8 +367,10 @@ def summarize(runs: list[dict[str, Any]], settings: tuple[ResumeSetting, ...], p
         row["x_cycle_per_seed"] = [z["x_cycle"] for z in sizes]
         rows.append(row)
     first = rows[0] if rows else {}
-    floor = {m: {"median": first.get(f"{m}_noise_floor"), "per_seed": first.get(f"{m}_noise_per_seed")}
-             for m in ("final", "curve")}
+    floor = {
+        m: {"median": first.get(f"{m}_noise_floor"), "per_seed": first.get(f"{m}_noise_per_seed")}
+        for m in ("final", "curve")
+    }
     return {"noise_floor": floor, "rows": rows}
 
 
@@ -348,32 +387,44 @@ def _times(v: float) -> str:
 
 def _floor(row: dict[str, Any], metric: str) -> str:
     seeds = row[f"{metric}_noise_per_seed"]
-    return (f"floor {_pct(row[f'{metric}_noise_floor'])}, per seed {_pct(min(seeds))}..{_pct(max(seeds))}; "
-            f"each seed vs its own floor, worst {_times(row[f'{metric}_x_own_noise_worst'])}; "
-            f"worst vs smallest floor {_times(row[f'{metric}_x_min_noise_worst'])}")
+    return (
+        f"floor {_pct(row[f'{metric}_noise_floor'])}, per seed {_pct(min(seeds))}..{_pct(max(seeds))}; "
+        f"each seed vs its own floor, worst {_times(row[f'{metric}_x_own_noise_worst'])}; "
+        f"worst vs smallest floor {_times(row[f'{metric}_x_min_noise_worst'])}"
+    )
 
 
 def fidelity_table(result: dict[str, Any]) -> str:
     """Markdown: each setting's deviation from the uninterrupted run, and as noise multiples."""
-    body = [[
-        r["setting"], r["restarts"], f"{r['restored']['delta'] + r['restored']['standalone']}/{r['restored']['keyframe']}",
-        f"{_pct(r['final_dev'])} / {_pct(r['final_dev_worst'])}",
-        f"{_times(r['final_x_noise'])} / **{_times(r['final_x_noise_worst'])}** ({_floor(r, 'final')})",
-        f"{_times(r['curve_x_noise'])} / {_times(r['curve_x_noise_worst'])} ({_floor(r, 'curve')})",
-        _pct(r["train_dev_worst"]),
-        r["negative_exp_avg_sq"],
-    ] for r in result["rows"]]
-    headers = ["setting", "restarts", "restored from delta/keyframe",
-               "final held-out loss deviation (median / worst seed)",
-               "final deviation / noise floor (median / worst seed)",
-               "held-out curve max deviation / noise floor (median / worst seed)",
-               "max per-step training-loss deviation / mean loss (worst seed)",
-               "negative exp_avg_sq after restore"]
+    body = [
+        [
+            r["setting"],
+            r["restarts"],
+            f"{r['restored']['delta'] + r['restored']['standalone']}/{r['restored']['keyframe']}",
+            f"{_pct(r['final_dev'])} / {_pct(r['final_dev_worst'])}",
+            f"{_times(r['final_x_noise'])} / **{_times(r['final_x_noise_worst'])}** ({_floor(r, 'final')})",
+            f"{_times(r['curve_x_noise'])} / {_times(r['curve_x_noise_worst'])} ({_floor(r, 'curve')})",
+            _pct(r["train_dev_worst"]),
+            r["negative_exp_avg_sq"],
+        ]
+        for r in result["rows"]
+    ]
+    headers = [
+        "setting",
+        "restarts",
+        "restored from delta/keyframe",
+        "final held-out loss deviation (median / worst seed)",
+        "final deviation / noise floor (median / worst seed)",
+        "held-out curve max deviation / noise floor (median / worst seed)",
+        "max per-step training-loss deviation / mean loss (worst seed)",
+        "negative exp_avg_sq after restore",
+    ]
     return fmt_table(headers, body)
 
 
 def size_table(result: dict[str, Any]) -> str:
     """Markdown: bytes per parameter by part (keyframe, delta), cycle average, ratios."""
+
     def split(d: dict[str, float] | None) -> str:
         if d is None:
             return "-"
@@ -382,16 +433,35 @@ def size_table(result: dict[str, Any]) -> str:
     body = []
     for r in result["rows"]:
         b = r["bytes_per_param"]
-        body.append([
-            r["setting"], r["spec"]["keyframe_every"], split(b["keyframe"]), split(b["delta"]),
-            f"{b['cycle']:.2f}", f"{b['torch_save']:.2f}",
-            f"{b['x_keyframe']:.2f}x / {b['x_delta']:.2f}x" if b["x_delta"] else f"{b['x_keyframe']:.2f}x / -",
-            f"**{b['x_cycle']:.2f}x**" + ("" if r["spec"]["keyframe_every"] == DEFAULT_KEYFRAME_EVERY
-                                          else f" ({b['x_cycle_default_k']:.2f}x at k={DEFAULT_KEYFRAME_EVERY})"),
-        ])
-    headers = ["setting", "keyframe_every", "keyframe B/param (weights / exp_avg / exp_avg_sq / rest = total)",
-               "delta B/param (same split)", "cycle average B/param", "torch.save B/param",
-               "x smaller than torch.save: keyframe / delta", "cycle average x smaller"]
+        body.append(
+            [
+                r["setting"],
+                r["spec"]["keyframe_every"],
+                split(b["keyframe"]),
+                split(b["delta"]),
+                f"{b['cycle']:.2f}",
+                f"{b['torch_save']:.2f}",
+                f"{b['x_keyframe']:.2f}x / {b['x_delta']:.2f}x"
+                if b["x_delta"]
+                else f"{b['x_keyframe']:.2f}x / -",
+                f"**{b['x_cycle']:.2f}x**"
+                + (
+                    ""
+                    if r["spec"]["keyframe_every"] == DEFAULT_KEYFRAME_EVERY
+                    else f" ({b['x_cycle_default_k']:.2f}x at k={DEFAULT_KEYFRAME_EVERY})"
+                ),
+            ]
+        )
+    headers = [
+        "setting",
+        "keyframe_every",
+        "keyframe B/param (weights / exp_avg / exp_avg_sq / rest = total)",
+        "delta B/param (same split)",
+        "cycle average B/param",
+        "torch.save B/param",
+        "x smaller than torch.save: keyframe / delta",
+        "cycle average x smaller",
+    ]
     return fmt_table(headers, body)
 
 

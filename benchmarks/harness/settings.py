@@ -62,9 +62,7 @@ class Setting:
     @property
     def uses_reference(self) -> bool:
         """Whether a reference checkpoint is needed to decode."""
-        return (self.bits is not None and self.delta) or (
-            self.moment_bits is not None and self.moment_delta
-        )
+        return (self.bits is not None and self.delta) or (self.moment_bits is not None and self.moment_delta)
 
 
 def rules_for(setting: Setting) -> list[Any] | str:
@@ -127,9 +125,7 @@ def save_setting(
     return Path(path).stat().st_size
 
 
-def load_setting(
-    path: str | os.PathLike[str], reference: str | os.PathLike[str] | None = None
-) -> Any:
+def load_setting(path: str | os.PathLike[str], reference: str | os.PathLike[str] | None = None) -> Any:
     """Read a checkpoint written by :func:`save_setting` back to CPU tensors."""
     return tw_triton.load(path, device="cpu", reference=str(reference) if reference else None)
 
@@ -156,35 +152,64 @@ EXPLICIT_RULES: dict[str, list[Any]] = {
     # exp_avg int4 on its own, exp_avg_sq exact: the first-moment lever alone.
     "w8-m4": [_moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096})],
     # exp_avg int4, exp_avg_sq log2 at 4 bits, weight deltas at int4 (bits=4 below).
-    "w4-m4-v4": [_moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
-                 _moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096})],
+    "w4-m4-v4": [
+        _moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
+        _moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096}),
+    ],
     # A negative control: exp_avg_sq linear int8 (known to break AdamW on resume).
-    "w8-m8-v8linear": [_moment("exp_avg_sq", {"codec": "int8", "delta": False, "min_numel": 4096}),
-                       _moment("exp_avg", {"codec": "int8", "delta": False, "min_numel": 4096})],
+    "w8-m8-v8linear": [
+        _moment("exp_avg_sq", {"codec": "int8", "delta": False, "min_numel": 4096}),
+        _moment("exp_avg", {"codec": "int8", "delta": False, "min_numel": 4096}),
+    ],
     # The moment presets' shapes at other weight bits (weights from bits= below).
-    "w2-m4-v2": [_moment("exp_avg_sq", {"codec": "log2", "bits": 2, "min_numel": 4096}),
-                 _moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096})],
-    "w2-m2-v2": [_moment("exp_avg_sq", {"codec": "log2", "bits": 2, "min_numel": 4096}),
-                 _moment("exp_avg", {"codec": "int2", "delta": False, "min_numel": 4096})],
+    "w2-m4-v2": [
+        _moment("exp_avg_sq", {"codec": "log2", "bits": 2, "min_numel": 4096}),
+        _moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096}),
+    ],
+    "w2-m2-v2": [
+        _moment("exp_avg_sq", {"codec": "log2", "bits": 2, "min_numel": 4096}),
+        _moment("exp_avg", {"codec": "int2", "delta": False, "min_numel": 4096}),
+    ],
     # Wider blocks for the moments: fewer scales and bounds per element.
-    "w2-m4-v2-wide": [_moment("exp_avg_sq", {"codec": "log2", "bits": 2, "block": 512, "min_numel": 4096}),
-                      _moment("exp_avg", {"codec": "int4", "block": 256, "delta": False, "min_numel": 4096})],
+    "w2-m4-v2-wide": [
+        _moment("exp_avg_sq", {"codec": "log2", "bits": 2, "block": 512, "min_numel": 4096}),
+        _moment("exp_avg", {"codec": "int4", "block": 256, "delta": False, "min_numel": 4096}),
+    ],
     # exp_avg in seven levels (int3: 4-bit container, stored near its entropy by zstd).
-    "w2-m3-v2-wide": [_moment("exp_avg_sq", {"codec": "log2", "bits": 2, "block": 512, "min_numel": 4096}),
-                      _moment("exp_avg", {"codec": "int3", "block": 256, "delta": False, "min_numel": 4096})],
-    "w2-m3-v2-wider": [_moment("exp_avg_sq", {"codec": "log2", "bits": 2, "block": 1024, "min_numel": 4096}),
-                       _moment("exp_avg", {"codec": "int3", "block": 512, "delta": False, "min_numel": 4096})],
+    "w2-m3-v2-wide": [
+        _moment("exp_avg_sq", {"codec": "log2", "bits": 2, "block": 512, "min_numel": 4096}),
+        _moment("exp_avg", {"codec": "int3", "block": 256, "delta": False, "min_numel": 4096}),
+    ],
+    "w2-m3-v2-wider": [
+        _moment("exp_avg_sq", {"codec": "log2", "bits": 2, "block": 1024, "min_numel": 4096}),
+        _moment("exp_avg", {"codec": "int3", "block": 512, "delta": False, "min_numel": 4096}),
+    ],
     # Ablations of "smallest": its moments with int8 weight deltas, its weights with the
     # moments of "small".
-    "w8-m3-v2-wide": [_moment("exp_avg_sq", {"codec": "log2", "bits": 2, "block": 512, "min_numel": 4096}),
-                      _moment("exp_avg", {"codec": "int3", "block": 256, "delta": False, "min_numel": 4096})],
-    "w2-m4-v4": [_moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
-                 _moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096})],
-    "w2-m3-v4": [_moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
-                 _moment("exp_avg", {"codec": "int3", "block": 256, "delta": False, "min_numel": 4096})],
+    "w8-m3-v2-wide": [
+        _moment("exp_avg_sq", {"codec": "log2", "bits": 2, "block": 512, "min_numel": 4096}),
+        _moment("exp_avg", {"codec": "int3", "block": 256, "delta": False, "min_numel": 4096}),
+    ],
+    "w2-m4-v4": [
+        _moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
+        _moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096}),
+    ],
+    "w2-m3-v4": [
+        _moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
+        _moment("exp_avg", {"codec": "int3", "block": 256, "delta": False, "min_numel": 4096}),
+    ],
 }
-EXPLICIT_BITS = {"w4-m4-v4": 4, "w2-m4-v2": 2, "w2-m2-v2": 2, "w2-m4-v2-wide": 2, "w2-m3-v2-wide": 2,
-                 "w2-m3-v2-wider": 2, "w8-m3-v2-wide": 8, "w2-m4-v4": 2, "w2-m3-v4": 2}
+EXPLICIT_BITS = {
+    "w4-m4-v4": 4,
+    "w2-m4-v2": 2,
+    "w2-m2-v2": 2,
+    "w2-m4-v2-wide": 2,
+    "w2-m3-v2-wide": 2,
+    "w2-m3-v2-wider": 2,
+    "w8-m3-v2-wide": 8,
+    "w2-m4-v4": 2,
+    "w2-m3-v4": 2,
+}
 
 
 @dataclass(frozen=True)
@@ -213,8 +238,14 @@ class ResumeSetting:
         fast they are written, and every save must be on disk when ``save`` returns.
         """
         return tw_triton.Checkpointer(
-            directory, keyframe_every=self.keyframe_every, keep_last=2, rules=self.rules,
-            bits=self.bits, block=self.block, delta=DELTA_MODES[self.delta], async_write=False,
+            directory,
+            keyframe_every=self.keyframe_every,
+            keep_last=2,
+            rules=self.rules,
+            bits=self.bits,
+            block=self.block,
+            delta=DELTA_MODES[self.delta],
+            async_write=False,
             fsync=False,
         )
 
@@ -250,11 +281,13 @@ def parse_setting(token: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY) -
     if name in PRESETS:
         setting = ResumeSetting(token, name, keyframe_every=keyframe_every)
     elif name in EXPLICIT_RULES:
-        setting = ResumeSetting(token, EXPLICIT_RULES[name], bits=EXPLICIT_BITS.get(name, 8),
-                                keyframe_every=keyframe_every)
+        setting = ResumeSetting(
+            token, EXPLICIT_RULES[name], bits=EXPLICIT_BITS.get(name, 8), keyframe_every=keyframe_every
+        )
     else:
-        raise ValueError(f"unknown setting {name!r}: presets {', '.join(PRESETS)}; "
-                         f"rule lists {', '.join(EXPLICIT_RULES)}")
+        raise ValueError(
+            f"unknown setting {name!r}: presets {', '.join(PRESETS)}; rule lists {', '.join(EXPLICIT_RULES)}"
+        )
     fields = {"k": "keyframe_every", "bits": "bits", "block": "block", "delta": "delta"}
     for mod in mods:
         key, sep, value = mod.partition("=")
@@ -262,7 +295,9 @@ def parse_setting(token: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY) -
             raise ValueError(f"setting {token!r}: bad modifier {mod!r}; use k=, bits=, block=, delta=")
         if key == "delta":
             if value not in DELTA_MODES:
-                raise ValueError(f"setting {token!r}: delta mode {value!r} is not one of {', '.join(DELTA_MODES)}")
+                raise ValueError(
+                    f"setting {token!r}: delta mode {value!r} is not one of {', '.join(DELTA_MODES)}"
+                )
             setting = dataclasses.replace(setting, delta=value)
         else:
             setting = dataclasses.replace(setting, **{fields[key]: int(value)})

@@ -36,6 +36,7 @@ CORPUS_FILES = (
     "ast.py",
 )
 
+
 def load_corpus() -> torch.Tensor:
     """The corpus as a uint8 tensor (bytes of the files in :data:`CORPUS_FILES`)."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -109,8 +110,17 @@ class Config:
         return Plan(self.steps, self.save_every, self.eval_every, min_restarts)
 
 
-QUICK = Config(d_model=32, n_layers=1, n_heads=2, context=16, batch=4, steps=24, save_every=1,
-               eval_every=4, eval_batches=2)
+QUICK = Config(
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    context=16,
+    batch=4,
+    steps=24,
+    save_every=1,
+    eval_every=4,
+    eval_batches=2,
+)
 
 
 class Trainer:
@@ -163,13 +173,27 @@ class Trainer:
         return {"model": self.model, "optimizer": self.opt, "scheduler": self.sched}
 
 
-def run(cfg: Config, corpus: torch.Tensor, seeds: list[int], settings: tuple[ResumeSetting, ...], *,
-        exact_check: bool = True, min_restarts: int = 8) -> dict[str, Any]:
+def run(
+    cfg: Config,
+    corpus: torch.Tensor,
+    seeds: list[int],
+    settings: tuple[ResumeSetting, ...],
+    *,
+    exact_check: bool = True,
+    min_restarts: int = 8,
+) -> dict[str, Any]:
     """Every seed's runs and the summary, as the JSON result (less the environment)."""
     plan = cfg.plan(min_restarts)
-    runs = [run_seed(lambda data_seed, s=seed: Trainer(cfg, corpus, s, data_seed), seed, plan, settings,
-                     exact_check=exact_check and i == 0)
-            for i, seed in enumerate(seeds)]
+    runs = [
+        run_seed(
+            lambda data_seed, s=seed: Trainer(cfg, corpus, s, data_seed),
+            seed,
+            plan,
+            settings,
+            exact_check=exact_check and i == 0,
+        )
+        for i, seed in enumerate(seeds)
+    ]
     params = sum(p.numel() for p in TinyGPT(cfg).parameters())
     return {
         "task": "byte-level GPT on Python stdlib source, repeated restarts",

@@ -66,7 +66,12 @@ def format_state() -> QuantizedState:
             "positions": _exact(torch.arange(6, dtype=torch.int64)),
             "empty": _exact(torch.empty(0, 3, dtype=torch.bfloat16)),
         },
-        skeleton={"model": {"__tensor__": "model"}, "step": 5, "betas": {"__tuple__": [0.9, 0.999]}, "name": "v1-ü"},
+        skeleton={
+            "model": {"__tensor__": "model"},
+            "step": 5,
+            "betas": {"__tuple__": [0.9, 0.999]},
+            "name": "v1-ü",
+        },
         checkpoint_id="v1-format-0001",
         reference_id="v1-keyframe-0000",
         aliases={"model/w8_tied": "model/w8"},
@@ -76,7 +81,11 @@ def format_state() -> QuantizedState:
 
 
 def _train_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": int(opt.state_dict()["state"][0]["step"])}
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": int(opt.state_dict()["state"][0]["step"]),
+    }
 
 
 def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, g: torch.Generator, n: int) -> None:
@@ -120,7 +129,15 @@ def main() -> None:
             {k: v.contiguous() for k, v in flat.items()},
             os.path.join(HERE, f"{name}_expected.safetensors"),
         )
-    print(json.dumps({f: os.path.getsize(os.path.join(HERE, f)) for f in sorted(os.listdir(HERE)) if f.endswith(".safetensors")}))
+    print(
+        json.dumps(
+            {
+                f: os.path.getsize(os.path.join(HERE, f))
+                for f in sorted(os.listdir(HERE))
+                if f.endswith(".safetensors")
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

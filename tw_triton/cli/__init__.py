@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Sequence, TextIO
+from collections.abc import Callable, Sequence
+from typing import TextIO
 
 from ..errors import TwTritonError
 from .exits import EXIT_CHECKPOINT, EXIT_OK, EXIT_USAGE, UsageError
@@ -21,6 +22,7 @@ from .inspecting import inspect_lines
 from .listing import list_lines
 from .output import ProgressBar, printable, say
 from .parser import build_parser
+
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> int:
     """Run ``tw``.
@@ -59,6 +61,13 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
 
 
 __all__ = [
-    "main", "build_parser", "EXIT_OK", "EXIT_CHECKPOINT", "EXIT_USAGE",
-    "ProgressBar", "printable", "inspect_lines", "list_lines",
+    "main",
+    "build_parser",
+    "EXIT_OK",
+    "EXIT_CHECKPOINT",
+    "EXIT_USAGE",
+    "ProgressBar",
+    "printable",
+    "inspect_lines",
+    "list_lines",
 ]

@@ -92,8 +92,11 @@ def convert_rules(args: argparse.Namespace) -> str:
         return args.rules
     if args.lossy:
         return "default"
-    given = [flag for flag, value in (("--bits", args.bits), ("--block", args.block),
-                                      ("--reference", args.reference)) if value is not None]
+    given = [
+        flag
+        for flag, value in (("--bits", args.bits), ("--block", args.block), ("--reference", args.reference))
+        if value is not None
+    ]
     if given:
         raise UsageError(
             f"{' and '.join(given)} only apply when quantizing, which is lossy: add --lossy (or "
@@ -108,9 +111,11 @@ def _loss_line(qstate: Any, rules: str) -> str:
     if not lossy:
         return f"lossless: every tensor stored exactly (rules {rules})"
     codecs = sorted({codec_label(e.codec, e.params) for e in lossy.values()})
-    return (f"lossy: {len(lossy)} of {plural(len(qstate.entries), 'entry', 'entries')} quantized "
-            f"({', '.join(codecs)}; rules {rules}), the rest stored exactly; without --lossy and "
-            "--rules, tw convert is lossless")
+    return (
+        f"lossy: {len(lossy)} of {plural(len(qstate.entries), 'entry', 'entries')} quantized "
+        f"({', '.join(codecs)}; rules {rules}), the rest stored exactly; without --lossy and "
+        "--rules, tw convert is lossless"
+    )
 
 
 __all__ = ["ConvertError", "read_input", "run_convert", "convert_rules"]

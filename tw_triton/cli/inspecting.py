@@ -57,8 +57,18 @@ def inspect_lines(path: str) -> list[str]:
         total_stored += stored
         shape = "x".join(map(str, entry["shape"])) or "scalar"
         ratio = f"{raw / stored:.2f}x" if stored else "-"
-        rows.append((name, shape, entry["dtype"], codec_label(entry["codec"], entry["params"]),
-                     _stage_label(entry), human(coded), human(stored), ratio))
+        rows.append(
+            (
+                name,
+                shape,
+                entry["dtype"],
+                codec_label(entry["codec"], entry["params"]),
+                _stage_label(entry),
+                human(coded),
+                human(stored),
+                ratio,
+            )
+        )
     for name, target in aliases.items():
         rows.append((name, "", "", f"alias of {target}", "-", "0 B", "0 B", "-"))
 

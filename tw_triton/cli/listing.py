@@ -51,20 +51,28 @@ def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
     total = sum(info.nbytes for info in found.values()) + sum(n for n, _ in unreadable.values())
     lines.append(f"{plural(listed, 'checkpoint', 'checkpoints')}, {human(total)} in {directory}")
     if not verify:
-        lines += [f"step {step}: its header cannot be read: {why}" for step, (_, why) in sorted(unreadable.items())]
+        lines += [
+            f"step {step}: its header cannot be read: {why}" for step, (_, why) in sorted(unreadable.items())
+        ]
     if not listed and _looks_distributed(directory):
-        lines.append("this looks like a DistributedCheckpointer directory (step_*/ folders with "
-                     "tw_dcp.json): tw ls lists the files of a Checkpointer")
+        lines.append(
+            "this looks like a DistributedCheckpointer directory (step_*/ folders with "
+            "tw_dcp.json): tw ls lists the files of a Checkpointer"
+        )
     temps = d.temp_files()
     if temps:
-        lines.append(f"{plural(len(temps), 'temp file', 'temp files')} of interrupted saves (Checkpointer."
-                     f"remove_temp_files() deletes them): " + ", ".join(os.path.basename(t) for t in temps))
+        lines.append(
+            f"{plural(len(temps), 'temp file', 'temp files')} of interrupted saves (Checkpointer."
+            f"remove_temp_files() deletes them): " + ", ".join(os.path.basename(t) for t in temps)
+        )
     if verify:
         loadable = [s for s in sorted(problems) if problems[s] is None]
         lines.append(f"latest loadable: step {loadable[-1]}" if loadable else "latest loadable: none")
     elif listed:
-        lines.append(f"newest: step {max(set(found) | set(unreadable))} (not verified; --verify checks every "
-                     "file and chain)")
+        lines.append(
+            f"newest: step {max(set(found) | set(unreadable))} (not verified; --verify checks every "
+            "file and chain)"
+        )
     return lines, all(p is None for p in problems.values())
 
 

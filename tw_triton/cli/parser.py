@@ -26,8 +26,13 @@ def _block_arg(text: str) -> int:
 
 def _command(sub: Any, name: str, *, help: str, description: str) -> argparse.ArgumentParser:
     """A subcommand of ``tw``: its help line, its description, and the exit codes."""
-    return sub.add_parser(name, help=help, description=description, epilog=EPILOG,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    return sub.add_parser(
+        name,
+        help=help,
+        description=description,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,10 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--checksums-only only PATH's checksums are checked (nothing decoded, no reference).",
     )
     p.add_argument("path", help="tw_triton checkpoint file")
-    p.add_argument("--reference", metavar="REF",
-                   help="the reference checkpoint of a delta (default: found beside PATH by id)")
-    p.add_argument("--checksums-only", action="store_true",
-                   help="check PATH's checksums only: entries are not decoded, the reference not checked")
+    p.add_argument(
+        "--reference",
+        metavar="REF",
+        help="the reference checkpoint of a delta (default: found beside PATH by id)",
+    )
+    p.add_argument(
+        "--checksums-only",
+        action="store_true",
+        help="check PATH's checksums only: entries are not decoded, the reference not checked",
+    )
     p.set_defaults(func=run_verify)
 
     p = _command(
@@ -98,8 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path", help="tw_triton checkpoint file")
     p.add_argument("out", metavar="OUT.safetensors", help="output file")
-    p.add_argument("--reference", metavar="REF",
-                   help="the reference checkpoint of a delta (default: found beside PATH by id)")
+    p.add_argument(
+        "--reference",
+        metavar="REF",
+        help="the reference checkpoint of a delta (default: found beside PATH by id)",
+    )
     p.set_defaults(func=run_export)
 
     p = _command(
@@ -117,15 +131,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("input", metavar="IN", help=".safetensors file or weights-only torch checkpoint")
     p.add_argument("output", metavar="OUT", help="tw_triton checkpoint to write")
-    p.add_argument("--lossy", action="store_true",
-                   help="quantize with the default rules (lossy; default: lossless, every tensor exact)")
-    p.add_argument("--bits", type=int, default=None, choices=(8, 4, 2),
-                   help="code width when quantizing (default 8; needs --lossy or --rules)")
-    p.add_argument("--block", type=_block_arg, default=None,
-                   help="elements per scale when quantizing, power of two 32..4096 (default 128; needs "
-                   "--lossy or --rules)")
-    p.add_argument("--reference", metavar="REF",
-                   help="tw_triton checkpoint to store quantized deltas against (needs --lossy or --rules)")
+    p.add_argument(
+        "--lossy",
+        action="store_true",
+        help="quantize with the default rules (lossy; default: lossless, every tensor exact)",
+    )
+    p.add_argument(
+        "--bits",
+        type=int,
+        default=None,
+        choices=(8, 4, 2),
+        help="code width when quantizing (default 8; needs --lossy or --rules)",
+    )
+    p.add_argument(
+        "--block",
+        type=_block_arg,
+        default=None,
+        help="elements per scale when quantizing, power of two 32..4096 (default 128; needs "
+        "--lossy or --rules)",
+    )
+    p.add_argument(
+        "--reference",
+        metavar="REF",
+        help="tw_triton checkpoint to store quantized deltas against (needs --lossy or --rules)",
+    )
     p.add_argument(
         "--rules",
         metavar="PRESET",

@@ -26,8 +26,11 @@ def run_verify(args: argparse.Namespace, out: TextIO) -> int:
     count = plural(len(manifest["entries"]), "entry", "entries")
     if args.checksums_only:
         verify_file(args.path)
-        say(f"{args.path}: checksums OK ({count}; --checksums-only: the entries were not decoded and "
-            "the reference was not checked)", out)
+        say(
+            f"{args.path}: checksums OK ({count}; --checksums-only: the entries were not decoded and "
+            "the reference was not checked)",
+            out,
+        )
         return EXIT_OK
     # The library's verification of every file (each buffer's CRC-32 and, for a staged one,
     # its frame, as `tw ls --verify` and Checkpointer.latest() check), then a load: every

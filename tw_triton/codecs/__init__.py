@@ -35,11 +35,11 @@ codec: docs/codecs.md.
 
 from __future__ import annotations
 
+from ..errors import QuantizationError
 from .base import Codec, Encoded
 from .blockwise import PACKING, BlockwiseCodec
 from .exact import EXACT_DTYPES, ExactCodec
 from .log2 import Log2Codec
-from ..errors import QuantizationError
 
 # The registry is the one piece of mutable module state: codecs are process-wide plug-ins,
 # looked up by the name a file records, so a registry object would have to be global anyway.
@@ -79,3 +79,18 @@ def get_codec(name: str) -> Codec | None:
 def codec_names() -> list[str]:
     """Names of all registered codecs."""
     return sorted(_REGISTRY)
+
+
+__all__ = [
+    "EXACT_DTYPES",
+    "PACKING",
+    "BlockwiseCodec",
+    "Codec",
+    "Encoded",
+    "ExactCodec",
+    "Log2Codec",
+    "codec_names",
+    "get_codec",
+    "register_codec",
+    "unregister_codec",
+]

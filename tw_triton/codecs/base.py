@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -61,9 +62,7 @@ class Codec(ABC):
         return bool(params.get("delta", False))
 
     @abstractmethod
-    def encode(
-        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
-    ) -> Encoded:
+    def encode(self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None) -> Encoded:
         """Encode ``x`` on its own device. The buffers must not alias ``x`` (a snapshot).
 
         ``reference`` is given only when :meth:`uses_reference` is true and a reference
@@ -125,10 +124,12 @@ class Codec(ABC):
             return [self.encode_with(x, params, r, allocate) for x, r in zip(xs, refs)]
         x = torch.cat([t.view(-1) for t in xs])
         ref = None if references is None else torch.cat([t.view(-1) for t in references])
-        whole = self.encode(x, params, ref) if allocate is None else self.encode_with(x, params, ref, allocate)
+        whole = (
+            self.encode(x, params, ref) if allocate is None else self.encode_with(x, params, ref, allocate)
+        )
         return split_encoded(whole, xs, layout)
 
-    def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:
+    def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:  # noqa: B027 - optional hook
         """Check the params an entry of this codec records in a file: every name known, each
         value of its type and in its range, so that a file edited to hold another value
         (``"delta": 1``, ``"bits": 3``) is refused instead of decoded some other way.
@@ -211,8 +212,11 @@ def split_encoded(whole: Encoded, xs: Sequence[torch.Tensor], layout: BatchLayou
             buffers[name] = whole.entry.buffers[name][starts[name] : starts[name] + length]
             starts[name] += length
         entry = EncodedEntry(
-            codec=whole.entry.codec, params=dict(whole.entry.params), shape=tuple(x.shape),
-            dtype=x.dtype, buffers=buffers,
+            codec=whole.entry.codec,
+            params=dict(whole.entry.params),
+            shape=tuple(x.shape),
+            dtype=x.dtype,
+            buffers=buffers,
         )
         out.append(Encoded(entry, unusable=layout.unusable(buffers)))
     return out
@@ -229,8 +233,7 @@ def entry_buffer(entry: EncodedEntry, name: str, context: str) -> torch.Tensor:
     buf = entry.buffers.get(name)
     if not isinstance(buf, torch.Tensor):
         raise CheckpointError(
-            f"{context}: codec {entry.codec!r} expects a buffer {name!r}, found "
-            f"{sorted(entry.buffers)}"
+            f"{context}: codec {entry.codec!r} expects a buffer {name!r}, found {sorted(entry.buffers)}"
         )
     return buf
 
@@ -252,7 +255,9 @@ def check_param_names(
         raise CheckpointError(f"{context}: params are {type(params).__name__}, expected an object")
     missing = sorted(required - params.keys())
     if missing:
-        raise CheckpointError(f"{context}: codec {codec!r} params lack {missing}, expected {sorted(required)}")
+        raise CheckpointError(
+            f"{context}: codec {codec!r} params lack {missing}, expected {sorted(required)}"
+        )
     unknown = sorted(params.keys() - required - optional)
     if unknown:
         raise CheckpointError(

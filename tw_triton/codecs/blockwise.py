@@ -36,29 +36,50 @@ difference) decodes to NaN: such a tensor could not be quantized, which
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping
+from typing import Any
 
 import torch
 
 from .. import ops
 from ..errors import CheckpointError, QuantizationError
-from ..ops.layout import (  # noqa: F401 (re-exported: the codec's parameters)
-    FLOAT_DTYPES, MAX_BLOCK, MIN_BLOCK, SUPPORTED_BITS, check_params, check_qmax, num_blocks, packed_nbytes, qmax_for,
-)
-from ..qstate import EncodedEntry
-from ..snapshot_pool import Allocator
-from .base import BatchLayout, Codec, Encoded, check_param_names, check_ref_fp, host_outputs, move_to, param_error
-from .packed import PACKING, check_packed_params, per_block_buffer, stored_codes
 
 # The spec and CPU backend under their names of this module, which benchmarks and tests use.
 from ..ops.backends.native import dequantize_blockwise_cpu, quantize_blockwise_cpu  # noqa: F401,E402
+from ..ops.layout import (  # noqa: F401 (re-exported: the codec's parameters)
+    FLOAT_DTYPES,
+    MAX_BLOCK,
+    MIN_BLOCK,
+    SUPPORTED_BITS,
+    check_params,
+    check_qmax,
+    num_blocks,
+    packed_nbytes,
+    qmax_for,
+)
 from ..ops.reference import (  # noqa: F401,E402
-    CHUNK_ELEMENTS, crumb_table, dequantize_blockwise_torch, nearest_integer_at_ties, quantize_blockwise_torch,
+    CHUNK_ELEMENTS,
+    crumb_table,
+    dequantize_blockwise_torch,
+    nearest_integer_at_ties,
+    quantize_blockwise_torch,
     release_scratch,
 )
 from ..ops.reference.buffers import decode_output, encode_outputs  # noqa: F401,E402
-
+from ..qstate import EncodedEntry
+from ..snapshot_pool import Allocator
+from .base import (
+    BatchLayout,
+    Codec,
+    Encoded,
+    check_param_names,
+    check_ref_fp,
+    host_outputs,
+    move_to,
+    param_error,
+)
+from .packed import PACKING, check_packed_params, per_block_buffer, stored_codes
 
 
 @dataclass(frozen=True)
@@ -100,7 +121,7 @@ class QuantizedTensor:
         """Stored bytes: packed codes plus fp32 scales."""
         return self.codes.numel() + 4 * self.scales.numel()
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "QuantizedTensor":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> QuantizedTensor:
         """A copy of this encoding on another device (the codes do not change)."""
         return QuantizedTensor(
             codes=self.codes.to(device, non_blocking=non_blocking),
@@ -118,31 +139,23 @@ def stored_bytes_per_element(bits: int, block: int) -> float:
     return bits / 8 + 4 / block
 
 
-
 def check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
     if not isinstance(x, torch.Tensor):
         raise QuantizationError(f"expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
-        raise QuantizationError(
-            f"can only quantize float32, float16 or bfloat16 tensors, got {x.dtype}"
-        )
+        raise QuantizationError(f"can only quantize float32, float16 or bfloat16 tensors, got {x.dtype}")
     if reference is None:
         return
     if not isinstance(reference, torch.Tensor):
         raise QuantizationError(f"reference must be a torch.Tensor, got {type(reference).__name__}")
     if reference.dtype not in FLOAT_DTYPES:
-        raise QuantizationError(
-            f"reference must be float32, float16 or bfloat16, got {reference.dtype}"
-        )
+        raise QuantizationError(f"reference must be float32, float16 or bfloat16, got {reference.dtype}")
     if tuple(reference.shape) != tuple(x.shape):
         raise QuantizationError(
             f"reference shape {tuple(reference.shape)} does not match tensor shape {tuple(x.shape)}"
         )
     if reference.device != x.device:
-        raise QuantizationError(
-            f"reference is on {reference.device} but the tensor is on {x.device}"
-        )
-
+        raise QuantizationError(f"reference is on {reference.device} but the tensor is on {x.device}")
 
 
 def batchable(x: torch.Tensor, block: int, reference: torch.Tensor | None) -> bool:
@@ -158,11 +171,9 @@ def batchable(x: torch.Tensor, block: int, reference: torch.Tensor | None) -> bo
     )
 
 
-
 def nonfinite_flag(scales: torch.Tensor) -> torch.Tensor:
     """The device flag of blocks that held NaN or Inf: their scale is infinite."""
     return torch.isinf(scales).any()
-
 
 
 def quantize(
@@ -277,8 +288,7 @@ class BlockwiseCodec(Codec):
         unknown = set(params) - self._KEYS
         if unknown:
             raise QuantizationError(
-                f"codec 'blockwise' has no parameter(s) {sorted(unknown)}; it takes "
-                f"{sorted(self._KEYS)}"
+                f"codec 'blockwise' has no parameter(s) {sorted(unknown)}; it takes {sorted(self._KEYS)}"
             )
         out = {
             "bits": params.get("bits", bits),
@@ -291,16 +301,16 @@ class BlockwiseCodec(Codec):
             raise QuantizationError(f"codec 'blockwise' packs {PACKING!r} only, got {out['packing']!r}")
         if not isinstance(out["delta"], bool):
             raise QuantizationError(f"'delta' must be true or false, got {out['delta']!r}")
-        if params.get("qmax") is not None and check_qmax(out["bits"], params["qmax"]) != qmax_for(out["bits"]):
+        if params.get("qmax") is not None and check_qmax(out["bits"], params["qmax"]) != qmax_for(
+            out["bits"]
+        ):
             out["qmax"] = params["qmax"]  # recorded only when it narrows the container
         return out
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         return tensor.dtype in FLOAT_DTYPES and tensor.numel() > 0
 
-    def encode(
-        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
-    ) -> Encoded:
+    def encode(self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None) -> Encoded:
         return self._encoded(x, params, reference, None)
 
     def encode_with(
@@ -312,7 +322,12 @@ class BlockwiseCodec(Codec):
     ) -> Encoded:
         n = x.numel()
         out = host_outputs(
-            x, allocate, [(packed_nbytes(n, params["bits"]), torch.uint8), (num_blocks(n, params["block"]), torch.float32)]
+            x,
+            allocate,
+            [
+                (packed_nbytes(n, params["bits"]), torch.uint8),
+                (num_blocks(n, params["block"]), torch.float32),
+            ],
         )
         return self._encoded(x, params, reference, out)  # type: ignore[arg-type]
 
@@ -327,7 +342,9 @@ class BlockwiseCodec(Codec):
         # Blocks never span two tensors (each is whole blocks): every block's scale and
         # codes are what the tensor alone gives, at an offset.
         bits, block = params["bits"], params["block"]
-        return BatchLayout(lambda n: {"codes": n * bits // 8, "scales": n // block}, lambda b: nonfinite_flag(b["scales"]))
+        return BatchLayout(
+            lambda n: {"codes": n * bits // 8, "scales": n // block}, lambda b: nonfinite_flag(b["scales"])
+        )
 
     def _encoded(
         self,
@@ -337,7 +354,12 @@ class BlockwiseCodec(Codec):
         out: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> Encoded:
         q = quantize(
-            x, bits=params["bits"], block=params["block"], reference=reference, qmax=params.get("qmax"), out=out
+            x,
+            bits=params["bits"],
+            block=params["block"],
+            reference=reference,
+            qmax=params.get("qmax"),
+            out=out,
         )
         stored = {
             "bits": q.bits,
@@ -425,7 +447,13 @@ class BlockwiseCodec(Codec):
             return self.decode(entry, reference, device, context)
         bits, block, codes, scales = self._stored(entry, context)
         ops.dequantize_blockwise(
-            move_to(codes.reshape(-1), dev), move_to(scales.reshape(-1), dev), reference.numel(), bits,
-            block, reference, entry.dtype, out=reference,
+            move_to(codes.reshape(-1), dev),
+            move_to(scales.reshape(-1), dev),
+            reference.numel(),
+            bits,
+            block,
+            reference,
+            entry.dtype,
+            out=reference,
         )
         return reference

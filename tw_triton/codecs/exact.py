@@ -6,7 +6,8 @@ See docs/codecs.md for when the state API stores a tensor exact.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -35,7 +36,6 @@ EXACT_DTYPES = (
 )
 
 
-
 class ExactCodec(Codec):
     """Stores the tensor unchanged (a contiguous clone)."""
 
@@ -55,9 +55,7 @@ class ExactCodec(Codec):
     def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:
         check_param_names(params, self.name, frozenset(), frozenset(), context)
 
-    def encode(
-        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
-    ) -> Encoded:
+    def encode(self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None) -> Encoded:
         self._check_dtype(x)
         data = x.detach().clone(memory_format=torch.contiguous_format)
         return self._entry(x, data)

@@ -40,23 +40,24 @@ per element: ``bits / 8 + 8 / block`` (two int32 bounds per block).
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping
+from typing import Any
 
 import torch
 
 from .. import ops
 from ..errors import QuantizationError
+
+# The spec and CPU backend under their names of this module, which benchmarks and tests use.
+from ..ops.backends.native import dequantize_log2_cpu, quantize_log2_cpu  # noqa: F401,E402
 from ..ops.layout import FLOAT_DTYPES, check_params, num_blocks, packed_nbytes
+from ..ops.reference.log2 import CHUNK_ELEMENTS, dequantize_log2_torch, levels, quantize_log2_torch  # noqa: F401,E402
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
 from .base import BatchLayout, Codec, Encoded, check_param_names, host_outputs, move_to
 from .blockwise import batchable
 from .packed import PACKING, check_packed_params, per_block_buffer, stored_codes
-
-# The spec and CPU backend under their names of this module, which benchmarks and tests use.
-from ..ops.backends.native import dequantize_log2_cpu, quantize_log2_cpu  # noqa: F401,E402
-from ..ops.reference.log2 import CHUNK_ELEMENTS, dequantize_log2_torch, levels, quantize_log2_torch  # noqa: F401,E402
 
 
 @dataclass(frozen=True)
@@ -165,9 +166,7 @@ class Log2Codec(Codec):
         check_param_names(params, self.name, self._KEYS, frozenset(), context)
         check_packed_params(params, context)
 
-    def encode(
-        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
-    ) -> Encoded:
+    def encode(self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None) -> Encoded:
         return self._encoded(x, params, None)
 
     def encode_with(
@@ -178,7 +177,11 @@ class Log2Codec(Codec):
         allocate: Allocator,
     ) -> Encoded:
         nblocks = num_blocks(x.numel(), params["block"])
-        sizes = [(packed_nbytes(x.numel(), params["bits"]), torch.uint8), (nblocks, torch.int32), (nblocks, torch.int32)]
+        sizes = [
+            (packed_nbytes(x.numel(), params["bits"]), torch.uint8),
+            (nblocks, torch.int32),
+            (nblocks, torch.int32),
+        ]
         return self._encoded(x, params, host_outputs(x, allocate, sizes))
 
     def batch_key(
@@ -190,10 +193,13 @@ class Log2Codec(Codec):
         # Blocks are coded alone, and each tensor is whole blocks.
         bits, block = params["bits"], params["block"]
         return BatchLayout(
-            lambda n: {"codes": n * bits // 8, "lo": n // block, "hi": n // block}, lambda b: unusable_flag(b["hi"])
+            lambda n: {"codes": n * bits // 8, "lo": n // block, "hi": n // block},
+            lambda b: unusable_flag(b["hi"]),
         )
 
-    def _encoded(self, x: torch.Tensor, params: Mapping[str, Any], out: tuple[torch.Tensor, ...] | None) -> Encoded:
+    def _encoded(
+        self, x: torch.Tensor, params: Mapping[str, Any], out: tuple[torch.Tensor, ...] | None
+    ) -> Encoded:
         q = quantize_log2(x, bits=params["bits"], block=params["block"], out=out)
         entry = EncodedEntry(
             codec=self.name,

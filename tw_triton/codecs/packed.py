@@ -8,12 +8,21 @@ that a manifest edited to say something else is refused. Layout: docs/format.md.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from ..errors import CheckpointError, QuantizationError
-from ..ops.layout import FLOAT_DTYPES, MAX_BLOCK, MIN_BLOCK, SUPPORTED_BITS, check_params, num_blocks, packed_nbytes
+from ..ops.layout import (
+    FLOAT_DTYPES,
+    MAX_BLOCK,
+    MIN_BLOCK,
+    SUPPORTED_BITS,
+    check_params,
+    num_blocks,
+    packed_nbytes,
+)
 from ..qstate import EncodedEntry
 from .base import entry_buffer, param_error
 
@@ -60,7 +69,9 @@ def check_packed_params(params: Mapping[str, Any], context: str) -> None:
     try:
         check_params(bits, block)
     except QuantizationError:
-        raise param_error(context, "block", block, f"a power of two from {MIN_BLOCK} to {MAX_BLOCK}") from None
+        raise param_error(
+            context, "block", block, f"a power of two from {MIN_BLOCK} to {MAX_BLOCK}"
+        ) from None
     if params.get("packing") != PACKING or not isinstance(params.get("packing"), str):
         raise param_error(context, "packing", params.get("packing"), repr(PACKING))
 

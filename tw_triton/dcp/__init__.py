@@ -24,5 +24,13 @@ from .keyframe import Keyframe
 from .reader import StorageReader
 from .writer import StorageWriter
 
-
-__all__ = ["StorageWriter", "StorageReader", "Keyframe", "save", "load", "DistributedCheckpointer", "is_complete"]
+__all__ = [
+    "compat",
+    "StorageWriter",
+    "StorageReader",
+    "Keyframe",
+    "save",
+    "load",
+    "DistributedCheckpointer",
+    "is_complete",
+]

@@ -155,12 +155,18 @@ class DistributedCheckpointer:
         is_keyframe = self._keyframe is None or self._since_keyframe >= self.keyframe_every - 1
         path = self.path_for(step)
         writer = StorageWriter(
-            path, rules=self.rules, bits=self.bits, block=self.block,
-            reference=None if is_keyframe else self._keyframe, as_keyframe=is_keyframe,
+            path,
+            rules=self.rules,
+            bits=self.bits,
+            block=self.block,
+            reference=None if is_keyframe else self._keyframe,
+            as_keyframe=is_keyframe,
         )
         no_dist = not dist.is_initialized()
         if asynchronous:
-            fut = dcp.async_save(state, storage_writer=writer, process_group=self.process_group, no_dist=no_dist)
+            fut = dcp.async_save(
+                state, storage_writer=writer, process_group=self.process_group, no_dist=no_dist
+            )
             self._pending = fut
         else:
             dcp.save(state, storage_writer=writer, process_group=self.process_group, no_dist=no_dist)
@@ -198,7 +204,7 @@ class DistributedCheckpointer:
         keyframes these need and the current keyframe. Incomplete directories go too.
         """
         done = self.complete()
-        kept = [p for _, p in done[-self.keep:]]
+        kept = [p for _, p in done[-self.keep :]]
         latest = self.latest()
         if latest is not None:
             # Older than the newest complete ones when their keyframe broke: keep it too.

@@ -70,9 +70,7 @@ def encode_chunks(
     then encoded in one ``quantize_state_dict`` call per selected rule, with the
     keyframe's regions as the reference of the delta ones.
     """
-    full = {
-        c.obj_path: torch.empty(c.global_shape, dtype=c.tensor.dtype, device="meta") for c in chunks
-    }
+    full = {c.obj_path: torch.empty(c.global_shape, dtype=c.tensor.dtype, device="meta") for c in chunks}
     rule_list = resolve_rules(rules, nest(full), bits=bits, block=block)
     if as_keyframe:
         rule_list = keyframe_rules(rule_list)
@@ -160,8 +158,14 @@ def file_state(
     )
 
 
-
 __all__ = [
-    "FILE_SUFFIX", "CHUNK_TABLE_KEY", "Chunk", "entry_path", "nest", "encode_chunks", "to_host",
-    "is_delta_entry", "file_state",
+    "FILE_SUFFIX",
+    "CHUNK_TABLE_KEY",
+    "Chunk",
+    "entry_path",
+    "nest",
+    "encode_chunks",
+    "to_host",
+    "is_delta_entry",
+    "file_state",
 ]

@@ -33,9 +33,7 @@ def local_chunk(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     if isinstance(t, DTensor):
         chunks = t.__create_chunk_list__()
         if len(chunks) != 1:
-            raise NotImplementedError(
-                f"a DTensor with {len(chunks)} local chunks per rank is not supported"
-            )
+            raise NotImplementedError(f"a DTensor with {len(chunks)} local chunks per rank is not supported")
         return t.to_local(), tuple(int(o) for o in chunks[0].offsets)
     return t, (0,) * t.dim()
 

@@ -8,7 +8,7 @@ See docs/distributed.md.
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..errors import CheckpointError, CheckpointIOError, ReferenceMismatchError
 from .meta import METADATA_NAME, Record, read_record
@@ -101,7 +101,8 @@ def find_keyframe(path: str | os.PathLike, reference: dict[str, str]) -> str:
     raise ReferenceMismatchError(
         f"{path} is a delta from keyframe checkpoint {want!r} (recorded at {recorded}); no "
         f"complete checkpoint with that id beside it or at the recorded path"
-        + (f" ({'; '.join(passed_over)})" if passed_over else "") + "; pass reference="
+        + (f" ({'; '.join(passed_over)})" if passed_over else "")
+        + "; pass reference="
     )
 
 
@@ -124,7 +125,6 @@ def _keyframe_candidates(here: str, named: str, recorded: str) -> Iterator[tuple
         seen.add(cand)
         if always_say or os.path.isfile(os.path.join(cand, METADATA_NAME)):
             yield cand, always_say
-
 
 
 __all__ = ["is_complete", "complete_record", "find_keyframe"]

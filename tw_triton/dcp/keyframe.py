@@ -25,7 +25,9 @@ from .meta import Record, read_record
 RegionKey = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
-def decode_file(path: str, *, reference: Any = None, verify: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
+def decode_file(
+    path: str, *, reference: Any = None, verify: bool = True
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """Read and decode one tw_triton file of a DCP checkpoint: ``(qstate, {entry: tensor})``."""
     qstate = read_file(path, verify=verify)
     decoded = dequantize_state_dict(qstate, reference=reference, source=path, verify=verify)
@@ -61,9 +63,7 @@ class Keyframe:
         """The keyframe's checkpoint id (recorded by every delta against it)."""
         return self.record.checkpoint_id
 
-    def regions(
-        self, wanted: list[RegionKey], device: torch.device | None = None
-    ) -> list[torch.Tensor]:
+    def regions(self, wanted: list[RegionKey], device: torch.device | None = None) -> list[torch.Tensor]:
         """The keyframe's values over each ``(fqn, offsets, sizes)``, decoded, on ``device``.
 
         Each needed file is read and decoded once per call; results are cached per device.
@@ -104,15 +104,15 @@ class Keyframe:
                 continue
             lo = [max(a, b) for a, b in zip(offsets, c_off)]
             hi = [min(a + s, b + t) for a, s, b, t in zip(offsets, sizes, c_off, chunk_md.sizes)]
-            if any(h <= l for l, h in zip(lo, hi)):
+            if any(h <= a for a, h in zip(lo, hi)):
                 continue
             if info.file not in files:
                 files[info.file] = self._decode(info.file)
             src = files[info.file][info.entry]
-            dst_sl = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
-            src_sl = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, c_off))
+            dst_sl = tuple(slice(a - o, h - o) for a, h, o in zip(lo, hi, offsets))
+            src_sl = tuple(slice(a - o, h - o) for a, h, o in zip(lo, hi, c_off))
             out[dst_sl] = src[src_sl]
-            covered += math.prod(h - l for l, h in zip(lo, hi))
+            covered += math.prod(h - a for a, h in zip(lo, hi))
         if covered != out.numel():
             raise ReferenceMismatchError(
                 f"{where}: its chunks cover {covered} of the {out.numel()} elements of "
@@ -139,7 +139,7 @@ class Keyframe:
         return tensors
 
 
-def open_reference(reference: "str | os.PathLike | Keyframe | None") -> Keyframe | None:
+def open_reference(reference: str | os.PathLike | Keyframe | None) -> Keyframe | None:
     """``reference`` as a :class:`Keyframe` (``None`` stays ``None``)."""
     if reference is None or isinstance(reference, Keyframe):
         return reference

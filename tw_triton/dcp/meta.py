@@ -190,12 +190,20 @@ def _parse(doc: Any, where: str) -> Record:
         raise CheckpointError(f"{where}: expected format {FORMAT!r}")
     if doc.get("version") != VERSION:
         raise CheckpointError(f"{where}: unknown version {doc.get('version')!r}, expected {VERSION}")
-    for key, typ in (("checkpoint_id", str), ("files", dict), ("tensors", dict), ("bytes", list), ("storage", list)):
+    for key, typ in (
+        ("checkpoint_id", str),
+        ("files", dict),
+        ("tensors", dict),
+        ("bytes", list),
+        ("storage", list),
+    ):
         if not isinstance(doc.get(key), typ):
             raise CheckpointError(f"{where}: field {key!r} must be a {typ.__name__}")
     ref = doc.get("reference")
     if ref is not None and not (
-        isinstance(ref, dict) and isinstance(ref.get("checkpoint_id"), str) and isinstance(ref.get("path"), str)
+        isinstance(ref, dict)
+        and isinstance(ref.get("checkpoint_id"), str)
+        and isinstance(ref.get("path"), str)
     ):
         raise CheckpointError(f"{where}: reference must be null or {{checkpoint_id, path}}")
     files: dict[str, dict[str, int]] = {}
@@ -220,8 +228,10 @@ def _parse(doc: Any, where: str) -> Record:
             if not isinstance(c, dict):
                 raise CheckpointError(f"{tw}: a chunk must be an object")
             off, sz = _ints(c.get("offsets"), tw), _ints(c.get("sizes"), tw)
-            if len(off) != len(size) or len(sz) != len(size) or any(
-                o < 0 or s < 0 or o + s > n for o, s, n in zip(off, sz, size)
+            if (
+                len(off) != len(size)
+                or len(sz) != len(size)
+                or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(off, sz, size))
             ):
                 raise CheckpointError(f"{tw}: chunk {off}+{sz} does not fit size {size}")
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sz)))

@@ -53,7 +53,7 @@ class StorageReader(FileSystemReader):
         self,
         path: str | os.PathLike,
         *,
-        reference: "str | os.PathLike | Keyframe | None" = None,
+        reference: str | os.PathLike | Keyframe | None = None,
         verify: bool = True,
     ) -> None:
         super().__init__(path)
@@ -86,7 +86,9 @@ class StorageReader(FileSystemReader):
         md.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.load_id)
         return md
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._load_record()
 
@@ -134,10 +136,14 @@ class StorageReader(FileSystemReader):
                     f"{path}: deltas from {qstate.reference_id!r}, reference is {kf.checkpoint_id!r}"
                 )
             delta = [p for p, e in qstate.entries.items() if is_delta_entry(e)]
-            keys = [(table[p]["fqn"], tuple(table[p]["offsets"]), tuple(qstate.entries[p].shape)) for p in delta]
+            keys = [
+                (table[p]["fqn"], tuple(table[p]["offsets"]), tuple(qstate.entries[p].shape)) for p in delta
+            ]
             regions = kf.regions(keys)
             reference = nest({tuple(table[p]["obj_path"]): r for p, r in zip(delta, regions)})
-        decoded, _ = flatten(dequantize_state_dict(qstate, reference=reference, source=path, verify=self.verify))
+        decoded, _ = flatten(
+            dequantize_state_dict(qstate, reference=reference, source=path, verify=self.verify)
+        )
         return {p: (decoded[p], table[p]) for p in decoded}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -155,7 +161,9 @@ class StorageReader(FileSystemReader):
             for req, info in reqs:
                 got = decoded.get(info.entry)
                 if got is None:
-                    raise CheckpointError(f"{fpath}: no entry {info.entry!r} for {req.storage_index.fqn!r} ({METADATA_NAME} names it)")
+                    raise CheckpointError(
+                        f"{fpath}: no entry {info.entry!r} for {req.storage_index.fqn!r} ({METADATA_NAME} names it)"
+                    )
                 tensor, row = got
                 if row["fqn"] != req.storage_index.fqn:
                     raise CheckpointError(
@@ -167,7 +175,9 @@ class StorageReader(FileSystemReader):
                     try:
                         torch.load(io.BytesIO(raw), weights_only=True)
                     except Exception as exc:
-                        raise CheckpointError(f"{fpath}: entry {info.entry!r}: not plain data, refused: {exc}") from exc
+                        raise CheckpointError(
+                            f"{fpath}: entry {info.entry!r}: not plain data, refused: {exc}"
+                        ) from exc
                     planner.load_bytes(req, io.BytesIO(raw))
                     continue
                 off = req.storage_index.offset
@@ -188,7 +198,6 @@ class StorageReader(FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
 
 
 __all__ = ["StorageReader"]

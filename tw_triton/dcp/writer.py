@@ -43,7 +43,6 @@ class PlanData:
     checkpoint_id: str
 
 
-
 class StorageWriter(FileSystemWriter):
     """A DCP ``StorageWriter`` (and ``AsyncStager``) that stores chunks with tw_triton codecs.
 
@@ -73,7 +72,7 @@ class StorageWriter(FileSystemWriter):
         rules: Any = None,
         bits: int = 8,
         block: int = 128,
-        reference: "str | os.PathLike | Keyframe | None" = None,
+        reference: str | os.PathLike | Keyframe | None = None,
         as_keyframe: bool = False,
         sync_files: bool = True,
         overwrite: bool = True,
@@ -102,8 +101,13 @@ class StorageWriter(FileSystemWriter):
                 local, offsets = compat.local_chunk(value)
                 chunks.append(Chunk(fqn, tuple(mappings[fqn]), offsets, local.detach(), tuple(value.shape)))
         encoded = encode_chunks(
-            chunks, rules=self.rules, bits=self.bits, block=self.block,
-            keyframe=self.keyframe, checkpoint_id="staged", as_keyframe=self.as_keyframe,
+            chunks,
+            rules=self.rules,
+            bits=self.bits,
+            block=self.block,
+            keyframe=self.keyframe,
+            checkpoint_id="staged",
+            as_keyframe=self.as_keyframe,
         )
         self._staged_qstate = to_host(encoded)
         self._staged = {c.fqn: c for c in chunks}
@@ -122,7 +126,9 @@ class StorageWriter(FileSystemWriter):
         directory = os.fspath(self.path)
         if os.path.exists(os.path.join(directory, METADATA_NAME)):
             if not self.overwrite:
-                raise CheckpointError(f"{directory}: a tw_triton checkpoint is already there (overwrite=False)")
+                raise CheckpointError(
+                    f"{directory}: a tw_triton checkpoint is already there (overwrite=False)"
+                )
             # The old record goes first, so no moment shows it next to the new files.
             os.remove(os.path.join(directory, METADATA_NAME))
         for name in os.listdir(directory):
@@ -150,7 +156,11 @@ class StorageWriter(FileSystemWriter):
             obj_path = tuple(mappings.get(fqn, (fqn,)))
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item).getvalue()
-                t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+                t = (
+                    torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                    if data
+                    else torch.empty(0, dtype=torch.uint8)
+                )
                 chunk = Chunk(fqn, obj_path, (0,), t, tuple(t.shape))
                 byte_chunks.append(chunk)
             else:
@@ -163,8 +173,13 @@ class StorageWriter(FileSystemWriter):
                             "stage() did not encode on this rank"
                         )
                 else:
-                    chunk = Chunk(fqn, obj_path, offsets, planner.resolve_data(item).detach(),
-                                   tuple(int(n) for n in item.tensor_data.size))
+                    chunk = Chunk(
+                        fqn,
+                        obj_path,
+                        offsets,
+                        planner.resolve_data(item).detach(),
+                        tuple(int(n) for n in item.tensor_data.size),
+                    )
                 tensor_chunks.append(chunk)
             items.append((item, chunk))
 
@@ -172,10 +187,17 @@ class StorageWriter(FileSystemWriter):
         if staged_qstate is not None:
             encoded = staged_qstate
         else:
-            encoded = to_host(encode_chunks(
-                tensor_chunks, rules=self.rules, bits=self.bits, block=self.block,
-                keyframe=self.keyframe, checkpoint_id=ckpt_id, as_keyframe=self.as_keyframe,
-            ))
+            encoded = to_host(
+                encode_chunks(
+                    tensor_chunks,
+                    rules=self.rules,
+                    bits=self.bits,
+                    block=self.block,
+                    keyframe=self.keyframe,
+                    checkpoint_id=ckpt_id,
+                    as_keyframe=self.as_keyframe,
+                )
+            )
         if byte_chunks:
             raw = quantize_state_dict(nest({c.obj_path: c.tensor for c in byte_chunks}), rules="exact")
             encoded = dataclasses.replace(encoded, entries={**encoded.entries, **raw.entries})
@@ -196,8 +218,13 @@ class StorageWriter(FileSystemWriter):
             write_file(fstate, os.path.join(os.fspath(self.path), name), fsync=self.sync_files)
             for item, chunk in group:
                 entry = fstate.entries[entry_path(chunk.obj_path)]
-                results.append(WriteResult(index=item.index, size_in_bytes=entry.nbytes,
-                                           storage_data=StorageInfo(name, entry_path(chunk.obj_path))))
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=entry.nbytes,
+                        storage_data=StorageInfo(name, entry_path(chunk.obj_path)),
+                    )
+                )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -213,17 +240,19 @@ class StorageWriter(FileSystemWriter):
                 try:
                     size = os.stat(os.path.join(directory, info.file)).st_size
                 except OSError as exc:
-                    raise CheckpointIOError(exc.errno, f"{directory}: rank file {info.file} is missing at finish: {exc}") from exc
+                    raise CheckpointIOError(
+                        exc.errno, f"{directory}: rank file {info.file} is missing at finish: {exc}"
+                    ) from exc
                 files[info.file] = {"rank": int(info.file[2:].split("_")[0]), "bytes": size}
         doc = to_json(
             metadata,
             checkpoint_id=self._checkpoint_id,
-            reference=None if self.keyframe is None else {
-                "checkpoint_id": self.keyframe.checkpoint_id, "path": os.path.abspath(self.keyframe.path)},
+            reference=None
+            if self.keyframe is None
+            else {"checkpoint_id": self.keyframe.checkpoint_id, "path": os.path.abspath(self.keyframe.path)},
             files=files,
         )
         write_json(doc, os.path.join(directory, METADATA_NAME), fsync=self.sync_files)
-
 
 
 __all__ = ["StorageWriter", "FILE_SUFFIX"]

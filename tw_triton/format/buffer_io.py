@@ -70,7 +70,13 @@ def unmap_pages(mapped: mmap.mmap, offset: int, nbytes: int) -> None:
 
 
 def read_raw(
-    f: BinaryIO, spec: BufferSpec, offset: int, path: str, *, verify: bool, pin: bool,
+    f: BinaryIO,
+    spec: BufferSpec,
+    offset: int,
+    path: str,
+    *,
+    verify: bool,
+    pin: bool,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Read a raw buffer straight into a new tensor (or ``out``), checking its CRC as it goes."""
@@ -89,7 +95,13 @@ def read_raw(
 
 
 def decode_staged(
-    stored: memoryview, spec: BufferSpec, path: str, *, verify: bool, pin: bool, out: torch.Tensor | None = None,
+    stored: memoryview,
+    spec: BufferSpec,
+    path: str,
+    *,
+    verify: bool,
+    pin: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Check a staged buffer's stored bytes and decode them into a new tensor (or ``out``).
 

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 IO_CHUNK_BYTES = 8 << 20
 
 _TEMP_RANDOM_BYTES = 8
-_TEMP_NAME_RE = re.compile(r"\..+\.[0-9a-f]{%d}\.tmp" % (2 * _TEMP_RANDOM_BYTES), re.DOTALL)
+_TEMP_NAME_RE = re.compile(rf"\..+\.[0-9a-f]{{{2 * _TEMP_RANDOM_BYTES}}}\.tmp", re.DOTALL)
 
 
 def temp_path_for(path: str | os.PathLike) -> str:

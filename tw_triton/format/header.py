@@ -16,8 +16,9 @@ import os
 import struct
 import threading
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO
 
 from ..errors import CheckpointError
 from .files import io_error
@@ -51,9 +52,7 @@ def _read_exact(f: BinaryIO, n: int, path: str, what: str) -> bytes:
     while got < n:
         k = f.readinto(view[got:])
         if not k:
-            raise CheckpointError(
-                f"checkpoint {path}: truncated: {what} needs {n} bytes, only {got} left"
-            )
+            raise CheckpointError(f"checkpoint {path}: truncated: {what} needs {n} bytes, only {got} left")
         got += k
     return bytes(buf)
 
@@ -113,8 +112,7 @@ def read_layout(f: BinaryIO, path: str) -> Layout:
         )
     if header_len > MAX_HEADER_BYTES:
         raise CheckpointError(
-            f"checkpoint {path}: header length {header_len} exceeds the "
-            f"{MAX_HEADER_BYTES}-byte limit"
+            f"checkpoint {path}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
         )
     raw = _read_exact(f, header_len, path, "the header")
     try:
@@ -174,9 +172,7 @@ def _validate_tensor_table(
         bwhere = spec.where(path)
         check_fields(info, TENSOR_INFO_FIELDS, f"{bwhere} (tensor table)")
         if len(info) != len(TENSOR_INFO_FIELDS):
-            raise CheckpointError(
-                f"{bwhere}: unexpected fields in the tensor table: {sorted(info)}"
-            )
+            raise CheckpointError(f"{bwhere}: unexpected fields in the tensor table: {sorted(info)}")
         staged = spec.stage is not None
         expected = {
             "dtype": STAGED_DTYPE if staged else BUFFER_DTYPE_NAMES[spec.dtype],
@@ -210,8 +206,7 @@ def _validate_tensor_table(
         if s.begin != pos:
             kind = "overlaps the previous buffer" if s.begin < pos else "leaves a gap before it"
             raise CheckpointError(
-                f"{s.where(path)}: data_offsets [{s.begin}, {s.end}] {kind} (expected it to "
-                f"begin at {pos})"
+                f"{s.where(path)}: data_offsets [{s.begin}, {s.end}] {kind} (expected it to begin at {pos})"
             )
         pos = s.end
     if pos != data_size:

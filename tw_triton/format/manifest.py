@@ -10,12 +10,14 @@ naming the file and, where it applies, the entry and buffer. Why: docs/format.md
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
+
 # What json.dumps does with a str under ensure_ascii (the same C function), without the
 # encoder object each json.dumps call builds: a header quotes thousands of strings. Only
 # for values known to be str; anything else goes through to_json.
 from json.encoder import encode_basestring_ascii as quote
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -145,9 +147,17 @@ def manifest_json(plan: Plan, path: str) -> str:
     """The manifest's JSON text of a planned file (see :mod:`tw_triton.format.spec`)."""
     q = plan.qstate
     parts = [
-        '{"format":', to_json(FORMAT_NAME), ',"version":', to_json(FORMAT_VERSION),
-        ',"checkpoint_id":', to_json(q.checkpoint_id), ',"reference_id":', to_json(q.reference_id),
-        ',"checksum":', to_json(CHECKSUM_NAME), ',"entries":{',
+        '{"format":',
+        to_json(FORMAT_NAME),
+        ',"version":',
+        to_json(FORMAT_VERSION),
+        ',"checkpoint_id":',
+        to_json(q.checkpoint_id),
+        ',"reference_id":',
+        to_json(q.reference_id),
+        ',"checksum":',
+        to_json(CHECKSUM_NAME),
+        ',"entries":{',
     ]
     memo: dict[Any, str] = {}
     # The plan checked that entry paths, codecs and buffer names are str; keys and dtype
@@ -173,11 +183,17 @@ def manifest_json(plan: Plan, path: str) -> str:
         "buffers": len(plan.buffers),
     }
     parts += [
-        '},"aliases":', to_json(dict(q.aliases)),
-        ',"skeleton":', checked_json(q.skeleton, "skeleton", path),
-        ',"rules":', checked_json(q.rules, "rules", path),
-        ',"metadata":', checked_json(q.metadata, "metadata", path),
-        ',"stats":', to_json(stats), "}",
+        '},"aliases":',
+        to_json(dict(q.aliases)),
+        ',"skeleton":',
+        checked_json(q.skeleton, "skeleton", path),
+        ',"rules":',
+        checked_json(q.rules, "rules", path),
+        ',"metadata":',
+        checked_json(q.metadata, "metadata", path),
+        ',"stats":',
+        to_json(stats),
+        "}",
     ]
     return "".join(parts)
 
@@ -215,9 +231,7 @@ def validate_manifest(manifest: Any, path: str) -> list[BufferSpec]:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{where}: expected a JSON object")
     if manifest.get("format") != FORMAT_NAME:
-        raise CheckpointError(
-            f"{where}: expected format {FORMAT_NAME!r}, found {manifest.get('format')!r}"
-        )
+        raise CheckpointError(f"{where}: expected format {FORMAT_NAME!r}, found {manifest.get('format')!r}")
     version = manifest.get("version")
     if not is_int(version) or version not in READABLE_VERSIONS:
         newer = is_int(version) and version > FORMAT_VERSION
@@ -232,9 +246,7 @@ def validate_manifest(manifest: Any, path: str) -> list[BufferSpec]:
     if manifest["reference_id"] is not None and not isinstance(manifest["reference_id"], str):
         raise CheckpointError(f"{where}: reference_id must be a string or null")
     if manifest["checksum"] != CHECKSUM_NAME:
-        raise CheckpointError(
-            f"{where}: expected checksum {CHECKSUM_NAME!r}, found {manifest['checksum']!r}"
-        )
+        raise CheckpointError(f"{where}: expected checksum {CHECKSUM_NAME!r}, found {manifest['checksum']!r}")
     if not isinstance(manifest["rules"], list):
         raise CheckpointError(f"{where}: rules must be a list")
     if not isinstance(manifest["metadata"], dict):
@@ -249,7 +261,9 @@ def validate_manifest(manifest: Any, path: str) -> list[BufferSpec]:
         if type(entry) is not dict or not entry.keys() >= _ENTRY_FIELD_SET:
             check_fields(entry, ENTRY_FIELDS, f"checkpoint {path}: entry {entry_path!r}")
         if not isinstance(entry["codec"], str) or not entry["codec"]:
-            raise CheckpointError(f"checkpoint {path}: entry {entry_path!r}: codec must be a non-empty string")
+            raise CheckpointError(
+                f"checkpoint {path}: entry {entry_path!r}: codec must be a non-empty string"
+            )
         if not isinstance(entry["params"], dict):
             raise CheckpointError(f"checkpoint {path}: entry {entry_path!r}: params must be an object")
         dtype = ENTRY_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
@@ -268,9 +282,7 @@ def validate_manifest(manifest: Any, path: str) -> list[BufferSpec]:
         raise CheckpointError(f"{where}: aliases must be an object")
     for alias, target in aliases.items():
         if not isinstance(target, str) or target not in entries:
-            raise CheckpointError(
-                f"checkpoint {path}: alias {alias!r} must name an entry, found {target!r}"
-            )
+            raise CheckpointError(f"checkpoint {path}: alias {alias!r} must name an entry, found {target!r}")
         if alias in entries:
             raise CheckpointError(f"checkpoint {path}: alias {alias!r} is also an entry")
     return specs
@@ -287,8 +299,7 @@ def _validate_buffer(path: str, entry_path: str, name: str, buf: Any, version: i
     key = tensor_key(entry_path, name)
     if buf["key"] != key:
         raise CheckpointError(
-            f"{buffer_where(path, entry_path, name)}: expected tensor key {key!r}, "
-            f"found {buf['key']!r}"
+            f"{buffer_where(path, entry_path, name)}: expected tensor key {key!r}, found {buf['key']!r}"
         )
     bdtype = BUFFER_DTYPES.get(buf["dtype"]) if isinstance(buf["dtype"], str) else None
     if bdtype is None:
@@ -300,22 +311,20 @@ def _validate_buffer(path: str, entry_path: str, name: str, buf: Any, version: i
     numel = check_shape(shape, bdtype.itemsize, _Where(path, entry_path, name))
     offsets = buf["data_offsets"]
     if not (
-        isinstance(offsets, list) and len(offsets) == 2
+        isinstance(offsets, list)
+        and len(offsets) == 2
         and (type(offsets[0]) is int or is_int(offsets[0]))
         and (type(offsets[1]) is int or is_int(offsets[1]))
     ):
         raise CheckpointError(
-            f"{buffer_where(path, entry_path, name)}: data_offsets must be [begin, end], "
-            f"found {offsets!r}"
+            f"{buffer_where(path, entry_path, name)}: data_offsets must be [begin, end], found {offsets!r}"
         )
     begin, end = offsets
     stage = None
     if "stage" in buf:
         bwhere = buffer_where(path, entry_path, name)
         if version < 2:
-            raise CheckpointError(
-                f"{bwhere}: a stage record needs format version 2, the file says {version}"
-            )
+            raise CheckpointError(f"{bwhere}: a stage record needs format version 2, the file says {version}")
         stage = _validate_stage(buf["stage"], bdtype.itemsize, numel * bdtype.itemsize, buf, bwhere)
         if not 0 <= begin <= end:
             raise CheckpointError(f"{bwhere}: data_offsets {offsets} are not [begin, end]")
@@ -327,11 +336,17 @@ def _validate_buffer(path: str, entry_path: str, name: str, buf: Any, version: i
     crc = buf["crc32"]
     if not isinstance(crc, str) or not CRC_RE.fullmatch(crc):
         raise CheckpointError(
-            f"{buffer_where(path, entry_path, name)}: crc32 must be 8 lowercase hex "
-            f"digits, found {crc!r}"
+            f"{buffer_where(path, entry_path, name)}: crc32 must be 8 lowercase hex digits, found {crc!r}"
         )
     return BufferSpec(
-        entry_path, name, key, bdtype, tuple(shape), begin, end, int(crc, 16),
+        entry_path,
+        name,
+        key,
+        bdtype,
+        tuple(shape),
+        begin,
+        end,
+        int(crc, 16),
         *(() if stage is None else (stage, buf["stage"]["params"], buf["stage"]["raw_nbytes"])),
     )
 

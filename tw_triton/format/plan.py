@@ -102,7 +102,9 @@ def plan_file(qstate: QuantizedState, path: str, policy: EntropyPolicy | None) -
     # Buffers are staged and checksummed independently, so on several threads (zstd and
     # zlib.crc32 release the GIL).
     stored = parallel_map(
-        stage, pending, sizes=[t.numel() * t.element_size() for _, _, t, _ in pending],
+        stage,
+        pending,
+        sizes=[t.numel() * t.element_size() for _, _, t, _ in pending],
     )
 
     # Decreasing element size keeps every buffer aligned to its element size (staged
@@ -120,7 +122,9 @@ def plan_file(qstate: QuantizedState, path: str, policy: EntropyPolicy | None) -
         staged, stage_record, crc, nbytes = stored[i]
         key = tensor_key(entry_path, name)
         buffers.append(
-            PlannedBuffer(entry_path, name, key, tensor, st_dtype, offset, offset + nbytes, staged, stage_record, crc)
+            PlannedBuffer(
+                entry_path, name, key, tensor, st_dtype, offset, offset + nbytes, staged, stage_record, crc
+            )
         )
         offset += nbytes
     # by_entry keeps each entry's own buffer order for the manifest.
@@ -134,9 +138,7 @@ def _check_state(qstate: QuantizedState, path: str) -> list[tuple[str, str, torc
     """Check ``qstate``; return its buffers as (entry path, name, host tensor, safetensors
     dtype), in entry order."""
     if not isinstance(qstate, QuantizedState):
-        raise CheckpointError(
-            f"checkpoint {path}: expected a QuantizedState, got {type(qstate).__name__}"
-        )
+        raise CheckpointError(f"checkpoint {path}: expected a QuantizedState, got {type(qstate).__name__}")
     if not isinstance(qstate.entries, dict):
         raise CheckpointError(f"checkpoint {path}: entries must be a dict")
     if not isinstance(qstate.checkpoint_id, str):

@@ -16,7 +16,8 @@ import logging
 import mmap
 import os
 import zlib
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -154,23 +155,38 @@ def read_file(
     path = os.fspath(path)
     pin = pin_memory and can_pin(path)
     with MappedCheckpoint(
-        path, verify=verify, pin=pin, entries=entries, headers=headers, into=into, max_expansion=max_expansion,
+        path,
+        verify=verify,
+        pin=pin,
+        entries=entries,
+        headers=headers,
+        into=into,
+        max_expansion=max_expansion,
     ) as ck:
         specs = [s for s in ck.layout.buffers if ck.wanted is None or s.entry in ck.wanted]
-        others = [] if not (check_others and verify) or ck.wanted is None else [
-            s for s in ck.layout.buffers if s.entry not in ck.wanted
-        ]
+        others = (
+            []
+            if not (check_others and verify) or ck.wanted is None
+            else [s for s in ck.layout.buffers if s.entry not in ck.wanted]
+        )
         # One pool of work: a CRC check is a cheap piece beside the reads.
         work = [(ck.read_buffer, s) for s in specs] + [(ck.check_crc, s) for s in others]
         tensors = parallel_map(
-            lambda item: item[0](item[1]), work, sizes=[s.raw_nbytes or s.nbytes for _, s in work],
+            lambda item: item[0](item[1]),
+            work,
+            sizes=[s.raw_nbytes or s.nbytes for _, s in work],
             threads=None if POSITIONAL_READS else 1,
         )[: len(specs)]
-    return to_qstate(ck.layout.manifest, {(s.entry, s.name): t for s, t in zip(specs, tensors)}, only=ck.wanted)
+    return to_qstate(
+        ck.layout.manifest, {(s.entry, s.name): t for s, t in zip(specs, tensors)}, only=ck.wanted
+    )
 
 
 def verify_file(
-    path: str | os.PathLike, *, headers: HeaderCache | None = None, max_expansion: float | None = MAX_EXPANSION,
+    path: str | os.PathLike,
+    *,
+    headers: HeaderCache | None = None,
+    max_expansion: float | None = MAX_EXPANSION,
 ) -> None:
     """Validate a checkpoint completely and check every buffer's CRC-32.
 
@@ -190,7 +206,12 @@ def verify_file(
     """
     path = os.fspath(path)
     with MappedCheckpoint(
-        path, verify=True, pin=False, entries=None, headers=headers, max_expansion=max_expansion,
+        path,
+        verify=True,
+        pin=False,
+        entries=None,
+        headers=headers,
+        max_expansion=max_expansion,
     ) as ck:
 
         def verify_one(spec: BufferSpec) -> None:
@@ -202,8 +223,12 @@ def verify_file(
             spec.stage.verify(stored, spec.stage_params, spec.raw_nbytes, spec.where(path))
             ck.done_with(spec)
 
-        parallel_map(verify_one, ck.layout.buffers, sizes=[s.raw_nbytes or s.nbytes for s in ck.layout.buffers],
-                     threads=None if POSITIONAL_READS else 1)
+        parallel_map(
+            verify_one,
+            ck.layout.buffers,
+            sizes=[s.raw_nbytes or s.nbytes for s in ck.layout.buffers],
+            threads=None if POSITIONAL_READS else 1,
+        )
 
 
 class MappedCheckpoint:
@@ -224,8 +249,14 @@ class MappedCheckpoint:
     """
 
     def __init__(
-        self, path: str, *, verify: bool, pin: bool, entries: Iterable[str] | None,
-        headers: HeaderCache | None = None, into: Mapping[str, torch.Tensor] | None = None,
+        self,
+        path: str,
+        *,
+        verify: bool,
+        pin: bool,
+        entries: Iterable[str] | None,
+        headers: HeaderCache | None = None,
+        into: Mapping[str, torch.Tensor] | None = None,
         max_expansion: float | None = MAX_EXPANSION,
     ) -> None:
         self.path = path
@@ -279,11 +310,20 @@ class MappedCheckpoint:
         ``into``): straight in, or through its stage; thread-safe."""
         out = self._destination(spec)
         if spec.stage is not None:
-            tensor = decode_staged(self.stored(spec), spec, self.path, verify=self.verify, pin=self.pin, out=out)
+            tensor = decode_staged(
+                self.stored(spec), spec, self.path, verify=self.verify, pin=self.pin, out=out
+            )
             self.done_with(spec)
             return tensor
-        return read_raw(self.file, spec, self.layout.data_start + spec.begin, self.path, verify=self.verify,
-                        pin=self.pin, out=out)
+        return read_raw(
+            self.file,
+            spec,
+            self.layout.data_start + spec.begin,
+            self.path,
+            verify=self.verify,
+            pin=self.pin,
+            out=out,
+        )
 
     def _destination(self, spec: BufferSpec) -> torch.Tensor | None:
         """The tensor given for this buffer's entry, if it can take the buffer as it is."""
@@ -294,8 +334,13 @@ class MappedCheckpoint:
             return None
         # The same shape, not only the same size: a tensor that load_state_dict would refuse
         # (a model changed since the save) must not be overwritten on the way.
-        if (dest.device.type != "cpu" or dest.dtype != spec.dtype or not dest.is_contiguous()
-                or tuple(dest.shape) != tuple(spec.shape) or dest.layout != torch.strided):
+        if (
+            dest.device.type != "cpu"
+            or dest.dtype != spec.dtype
+            or not dest.is_contiguous()
+            or tuple(dest.shape) != tuple(spec.shape)
+            or dest.layout != torch.strided
+        ):
             return None
         return dest
 

@@ -173,16 +173,13 @@ def check_shape(shape: Any, itemsize: int, where: Any) -> int:
             if n * itemsize < _MAX_TENSOR_BYTES:
                 return n
     if not isinstance(shape, (list, tuple)) or not all(is_int(s) and s >= 0 for s in shape):
-        raise CheckpointError(
-            f"{where}: shape must be a list of non-negative ints, found {shape!r}"
-        )
+        raise CheckpointError(f"{where}: shape must be a list of non-negative ints, found {shape!r}")
     extent = 1
     for s in shape:
         extent *= max(s, 1)
         # Stop multiplying early, so an absurd shape costs no time.
         if extent * itemsize >= _MAX_TENSOR_BYTES:
             raise CheckpointError(
-                f"{where}: shape {list(shape)} spans 2**63 bytes or more of "
-                f"{itemsize}-byte elements"
+                f"{where}: shape {list(shape)} spans 2**63 bytes or more of {itemsize}-byte elements"
             )
     return math.prod(shape)

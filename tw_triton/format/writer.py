@@ -16,7 +16,14 @@ from typing import BinaryIO
 from ..codecs.entropy import EntropyPolicy, resolve_policy
 from ..errors import CheckpointError
 from ..qstate import QuantizedState
-from .files import IO_CHUNK_BYTES, fsync_directory, io_error, remove_quietly, require_little_endian, temp_path_for
+from .files import (
+    IO_CHUNK_BYTES,
+    fsync_directory,
+    io_error,
+    remove_quietly,
+    require_little_endian,
+    temp_path_for,
+)
 from .manifest import json_ints, manifest_json, quote, to_json
 from .plan import Plan, plan_file
 from .spec import MANIFEST_CRC_KEY, MANIFEST_KEY, MAX_HEADER_BYTES

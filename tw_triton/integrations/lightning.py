@@ -30,12 +30,12 @@ import torch
 
 from ..checkpointer import DEFAULT_RULES, collect_setup_garbage
 from ..errors import CheckpointError, QuantizationError
+from ..format import write_file
 from ..rules import keyframe_rules, resolve_rules, rules_as_specs
 from ..snapshot_pool import SavePool, SnapshotLease
 from ..state import dequantize_state_dict, load, quantize_state_dict
 from ..tree import flatten
 from ..writer import AsyncWriter
-from ..format import write_file
 from . import require
 
 require("lightning", "lightning")
@@ -53,11 +53,17 @@ def _local_path(path: Any) -> str:
 
 
 def _encode(
-    tree: Any, rules: Any, bits: int, block: int, meta: dict[str, Any], copy: bool,
+    tree: Any,
+    rules: Any,
+    bits: int,
+    block: int,
+    meta: dict[str, Any],
+    copy: bool,
     allocate: SnapshotLease | None = None,
 ) -> Any:
-    q = quantize_state_dict(tree, rules=rules, bits=bits, block=block, metadata=meta, copy=copy,
-                            allocate=allocate)
+    q = quantize_state_dict(
+        tree, rules=rules, bits=bits, block=block, metadata=meta, copy=copy, allocate=allocate
+    )
     q.metadata["kind"] = "keyframe"
     return q
 
@@ -116,7 +122,9 @@ class TwCheckpointIO(CheckpointIO):
         """The module the next load decodes into (see :meth:`load_into`), or ``None``."""
         return self._load_into() if self._load_into is not None else None
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         """Encode ``checkpoint`` and write it to ``path`` (see the module doc).
 
         Raises:
@@ -125,10 +133,7 @@ class TwCheckpointIO(CheckpointIO):
             CheckpointError: an earlier background write failed.
         """
         if storage_options is not None:
-            raise TypeError(
-                "TwCheckpointIO does not take storage_options; got "
-                f"{storage_options!r}"
-            )
+            raise TypeError(f"TwCheckpointIO does not take storage_options; got {storage_options!r}")
         path = _local_path(path)
         self._saves.release_written()
         lease = None
@@ -142,7 +147,9 @@ class TwCheckpointIO(CheckpointIO):
                 # Only this copy holds up training; the writer thread encodes the copy, its
                 # codes going into the same lease.
                 lease = self._saves.lease()
-                snapshot = dequantize_state_dict(quantize_state_dict(checkpoint, rules="exact", allocate=lease))
+                snapshot = dequantize_state_dict(
+                    quantize_state_dict(checkpoint, rules="exact", allocate=lease)
+                )
                 job: Any = functools.partial(
                     _encode, snapshot, specs, self.bits, self.block, meta, False, allocate=lease
                 )
@@ -312,14 +319,20 @@ class TwPrepareFirstSave(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._pending = True
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self._pending:
             return
         self._pending = False
         io = trainer.strategy.checkpoint_io
         if isinstance(io, TwCheckpointIO):
-            io.prepare({"state_dict": pl_module.state_dict(),
-                        "optimizer_states": [opt.state_dict() for opt in trainer.optimizers]})
+            io.prepare(
+                {
+                    "state_dict": pl_module.state_dict(),
+                    "optimizer_states": [opt.state_dict() for opt in trainer.optimizers],
+                }
+            )
 
 
 __all__ = ["TwCheckpointIO", "TwPrepareFirstSave"]

@@ -27,9 +27,9 @@ import torch
 
 from ..checkpoint_dir import checkpoint_name, parse_checkpoint_name
 from ..checkpointer import Checkpointer
-from ..rng import restore_rng_state
 from ..deltas import with_references
 from ..errors import CheckpointError, TwTritonError
+from ..rng import restore_rng_state
 from . import require
 
 require("transformers", "hf")
@@ -87,7 +87,10 @@ def _write_pointer(checkpoint_dir: str, tw_dir: str, step: int) -> None:
 
 
 def load_checkpoint_state(
-    checkpoint_dir: str | os.PathLike, *, device: torch.device | str = "cpu", into: dict[str, Any] | None = None
+    checkpoint_dir: str | os.PathLike,
+    *,
+    device: torch.device | str = "cpu",
+    into: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load the state a :class:`TwTrainer` checkpoint folder points to.
 
@@ -352,8 +355,9 @@ class TwCheckpointMixin:
         """
         prefix = f"{PREFIX_CHECKPOINT_DIR}-"
         folders = {
-            int(name[len(prefix):]) for name in os.listdir(run_dir)
-            if name.startswith(prefix) and name[len(prefix):].isdigit()
+            int(name[len(prefix) :])
+            for name in os.listdir(run_dir)
+            if name.startswith(prefix) and name[len(prefix) :].isdigit()
         }
         steps = {parse_checkpoint_name(name) for name in os.listdir(self._tw_ckpt.directory)}
         steps.discard(None)

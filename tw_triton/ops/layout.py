@@ -37,7 +37,9 @@ def check_qmax(bits: int, qmax: Any) -> int:
     if qmax is None:
         return qmax_for(bits)
     if isinstance(qmax, bool) or not isinstance(qmax, int) or not 1 <= qmax <= qmax_for(bits):
-        raise QuantizationError(f"qmax must be an int from 1 to {qmax_for(bits)} for {bits} bits, got {qmax!r}")
+        raise QuantizationError(
+            f"qmax must be an int from 1 to {qmax_for(bits)} for {bits} bits, got {qmax!r}"
+        )
     return qmax
 
 
@@ -73,13 +75,19 @@ def check_params(bits: int, block: int) -> None:
         )
 
 
-
 def blockwise_buffers(numel: int, bits: int, block: int) -> list[tuple[str, int, torch.dtype]]:
     """``(name, elements, dtype)`` of a blockwise encoding's buffers: codes, scales."""
-    return [("codes", packed_nbytes(numel, bits), torch.uint8), ("scales", num_blocks(numel, block), torch.float32)]
+    return [
+        ("codes", packed_nbytes(numel, bits), torch.uint8),
+        ("scales", num_blocks(numel, block), torch.float32),
+    ]
 
 
 def log2_buffers(numel: int, bits: int, block: int) -> list[tuple[str, int, torch.dtype]]:
     """``(name, elements, dtype)`` of a log2 encoding's buffers: codes, lo, hi."""
     nblocks = num_blocks(numel, block)
-    return [("codes", packed_nbytes(numel, bits), torch.uint8), ("lo", nblocks, torch.int32), ("hi", nblocks, torch.int32)]
+    return [
+        ("codes", packed_nbytes(numel, bits), torch.uint8),
+        ("lo", nblocks, torch.int32),
+        ("hi", nblocks, torch.int32),
+    ]

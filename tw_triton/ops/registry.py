@@ -11,7 +11,7 @@ docs/codecs.md ("Bit-exact across devices").
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from ..errors import QuantizationError
 

@@ -21,5 +21,19 @@ from .fingerprints import FINGERPRINT_PREFIX, FINGERPRINT_SAMPLES
 from .io import decode_targets, load, save, state_of
 from .references import find_checkpoint
 
-
-__all__ = ["quantize_state_dict", "dequantize_state_dict", "dequantize_entries", "decode_targets", "save", "load"]
+__all__ = [
+    "FINGERPRINT_PREFIX",
+    "FINGERPRINT_SAMPLES",
+    "check_manifest",
+    "decode_targets",
+    "delta_paths",
+    "dequantize_entries",
+    "dequantize_state_dict",
+    "disjoint_paths",
+    "find_checkpoint",
+    "load",
+    "manifest_delta_paths",
+    "quantize_state_dict",
+    "save",
+    "state_of",
+]

@@ -8,12 +8,18 @@ a closed-loop chain needs. Why deltas decode over their reference: docs/design.m
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, QuantizationError, ReferenceMismatchError, TwTritonError, checkpoint_label
+from ..errors import (
+    CheckpointError,
+    QuantizationError,
+    ReferenceMismatchError,
+    TwTritonError,
+    checkpoint_label,
+)
 from ..format import MAX_EXPANSION
 from ..parallel import Background, parallel_map
 from ..qstate import QuantizedState
@@ -71,7 +77,14 @@ def dequantize_state_dict(
             match its codec; the message names the file and the entry.
     """
     return decode_state(
-        qstate, reference, device, source, progress, verify, reuse_reference, release_buffers,
+        qstate,
+        reference,
+        device,
+        source,
+        progress,
+        verify,
+        reuse_reference,
+        release_buffers,
         max_expansion=max_expansion,
     )
 
@@ -94,15 +107,22 @@ def decode_state(
     where = source or MEMORY_SOURCE
     dev = torch.device(device) if device is not None else None
     out = decode_entries(
-        qstate, None, reference, dev, where, progress, verify, reuse_reference, release_buffers, ref_into,
+        qstate,
+        None,
+        reference,
+        dev,
+        where,
+        progress,
+        verify,
+        reuse_reference,
+        release_buffers,
+        ref_into,
         max_expansion=max_expansion,
     )
     try:
         return unflatten(qstate.skeleton, out)
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from e
-
-
 
 
 def dequantize_entries(
@@ -136,7 +156,15 @@ def dequantize_entries(
         raise CheckpointError(f"{where}: has no entry {missing[0]!r} (needed to decode the next delta)")
     targets = {qstate.aliases.get(p, p) for p in wanted}
     out = decode_entries(
-        qstate, targets, reference, dev, where, None, verify, reuse_reference, release_buffers,
+        qstate,
+        targets,
+        reference,
+        dev,
+        where,
+        None,
+        verify,
+        reuse_reference,
+        release_buffers,
         max_expansion=max_expansion,
     )
     return {p: out[qstate.aliases.get(p, p)] for p in wanted}
@@ -183,7 +211,9 @@ def decode_entries(
             "and no reference was given (pass the reference checkpoint's path or its decoded state)"
         )
     if delta and on_host and pending is None and isinstance(reference, (str, os.PathLike)):
-        pending = read_reference(reference, qstate.reference_id, delta, dev, verify, where, ref_into, max_expansion)
+        pending = read_reference(
+            reference, qstate.reference_id, delta, dev, verify, where, ref_into, max_expansion
+        )
 
     # numpy leaves come back as arrays: decode them on the host, not via the GPU.
     host_paths = set(skeleton_ndarray_paths(qstate.skeleton))
@@ -226,8 +256,11 @@ def decode_entries(
         # (the snapshot that save() decodes is all exact, and it blocks the loop).
         count = len(decoded)
         results = parallel_map(
-            decode_one, items,
-            sizes=[0 if qstate.entries[p].codec == "exact" else qstate.entries[p].raw_nbytes for _, p in items],
+            decode_one,
+            items,
+            sizes=[
+                0 if qstate.entries[p].codec == "exact" else qstate.entries[p].raw_nbytes for _, p in items
+            ],
             threads=None if on_host else 1,
             done=None if progress is None else (lambda k: progress(count + k + 1, total)),
         )
@@ -241,7 +274,9 @@ def decode_entries(
             raise
         reference = pending.result()
     if delta:
-        ref_tensors, owned = checked_reference(qstate, delta, reference, dev, verify, where, ref_into, max_expansion)
+        ref_tensors, owned = checked_reference(
+            qstate, delta, reference, dev, verify, where, ref_into, max_expansion
+        )
         reusable = disjoint_paths(ref_tensors, delta) if owned or reuse_reference else set()
     decode([item for item in indexed if item[1] not in decoded])
     out = {path: decoded[path] for _, path in indexed}

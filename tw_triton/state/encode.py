@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import uuid
-from collections.abc import Callable
-from typing import Any, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -49,7 +49,6 @@ def storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
     )
 
 
-
 def batch_key(x: torch.Tensor, rule: Any, codec: Codec, ref: torch.Tensor | None) -> Any:
     """The key under which an entry's encode may share a call with others
     (:func:`tw_triton.batching.group_batches`), or ``None``: same codec, params and
@@ -63,7 +62,6 @@ def batch_key(x: torch.Tensor, rule: Any, codec: Codec, ref: torch.Tensor | None
     except TypeError:  # params holding lists or dicts: not worth a deep freeze
         return None
     return (rule.codec, frozen, key)
-
 
 
 def quantize_state_dict(
@@ -202,7 +200,8 @@ def quantize_state_dict(
             progress(counted[0], len(canonical))  # type: ignore[misc]
 
     results = parallel_map(
-        encode_item, work,
+        encode_item,
+        work,
         sizes=[sum(jobs[i][0].numel() * jobs[i][0].element_size() for i in item) for item in work],
         threads=None if on_host else 1,
         done=None if progress is None else report,
@@ -242,7 +241,7 @@ def quantize_state_dict(
                 entries[path] = exact.encode_with(x, {}, None, allocate).entry
             entries[path].codec = "exact"
     fp_parts = []
-    for (path, _), fp in zip(fingerprinted, values[len(flagged):]):
+    for (path, _), fp in zip(fingerprinted, values[len(flagged) :]):
         entry = entries[path]
         if entry.codec != "exact":
             # A copy: a codec may hand back its rule's params object, which must stay as is.

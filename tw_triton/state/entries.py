@@ -7,7 +7,8 @@ decoded against a reference. Why the checks: docs/format.md.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -27,7 +28,6 @@ def codec_or_raise(name: str, error: type[Exception], where: str) -> Codec:
 
         raise error(f"{where}: unknown codec {name!r}; registered: {', '.join(codec_names())}")
     return codec
-
 
 
 def delta_paths(qstate: QuantizedState, source: str) -> list[str]:
@@ -80,13 +80,14 @@ def wants_pinned(device: torch.device | None) -> bool:
     return device is not None and device.type == "cuda" and torch.cuda.is_available()
 
 
-
 def disjoint_paths(tensors: dict[str, torch.Tensor], paths: Iterable[str]) -> set[str]:
     """The paths whose tensor shares no byte with another path's: those a delta may be
     decoded over without changing what another entry reads (tied tensors are one tensor
     under two paths)."""
     spans = sorted(
-        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), p) for p in paths if (t := tensors[p]).numel()
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), p)
+        for p in paths
+        if (t := tensors[p]).numel()
     )
     alone = set()
     reach = -1  # the furthest end of the spans before this one

@@ -38,7 +38,7 @@ def read_device_scalars(scalars: list[torch.Tensor]) -> list[int]:
     for i, s in enumerate(scalars):
         by_device.setdefault(s.device, []).append(i)
     out = [0] * len(scalars)
-    for dev, idx in by_device.items():
+    for idx in by_device.values():
         host = torch.stack([scalars[i].to(torch.int64) for i in idx]).cpu().tolist()
         for i, v in zip(idx, host):
             out[i] = int(v)

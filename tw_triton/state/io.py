@@ -103,14 +103,27 @@ def load(
             )
     try:
         qstate = read_file(
-            path, verify=verify, pin_memory=wants_pinned(dev), into=targets, headers=headers, max_expansion=max_expansion
+            path,
+            verify=verify,
+            pin_memory=wants_pinned(dev),
+            into=targets,
+            headers=headers,
+            max_expansion=max_expansion,
         )
     except BaseException:
         if pending is not None:
             pending.wait()
         raise
     return decode_state(
-        qstate, pending or reference, dev, source, progress, verify, False, True, ref_into=targets,
+        qstate,
+        pending or reference,
+        dev,
+        source,
+        progress,
+        verify,
+        False,
+        True,
+        ref_into=targets,
         max_expansion=max_expansion,
     )
 
@@ -143,7 +156,8 @@ def decode_targets(into: Any) -> dict[str, torch.Tensor]:
     # Plain tensors only: a subclass (a DTensor's shard, a wrapper) may not own the memory
     # its data pointer shows; load_state_dict knows how to fill it.
     fit = {
-        p: t for p, t in tensors.items()
+        p: t
+        for p, t in tensors.items()
         if type(t) is torch.Tensor and t.device.type == "cpu" and t.is_contiguous() and t.numel()
     }
     return {p: fit[p] for p in disjoint_paths(fit, fit)}

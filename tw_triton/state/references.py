@@ -9,8 +9,9 @@ fingerprint). Why references are checked this way: docs/design.md.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -53,6 +54,7 @@ def flat_reference(
     """
     if isinstance(reference, (str, os.PathLike)):
         from ..format import HeaderCache, read_file, read_manifest
+
         # A reference file may itself be a delta: decoding it recurses through .decode.
         from .decode import dequantize_entries, dequantize_state_dict
 
@@ -71,23 +73,44 @@ def flat_reference(
         if paths is not None:
             held = set(manifest["entries"]) | set(manifest["aliases"])
             wanted = sorted(p for p in set(paths) if p in held)
-        rq = read_file(reference, verify=verify, pin_memory=wants_pinned(device), entries=wanted, headers=headers,
-                       into=into, max_expansion=max_expansion)
+        rq = read_file(
+            reference,
+            verify=verify,
+            pin_memory=wants_pinned(device),
+            entries=wanted,
+            headers=headers,
+            into=into,
+            max_expansion=max_expansion,
+        )
         prev = None
         if delta_paths(rq, source):
             # A link of a closed-loop chain: it decodes against its own reference, found by
             # checkpoint id among the files beside it (recursively, back to a keyframe).
-            prev = find_checkpoint(os.path.dirname(source), rq.reference_id,
-                                    f"{where or 'quantize_state_dict'}: reference file {source!r}",
-                                    step=(rq.metadata or {}).get("reference_step"))
+            prev = find_checkpoint(
+                os.path.dirname(source),
+                rq.reference_id,
+                f"{where or 'quantize_state_dict'}: reference file {source!r}",
+                step=(rq.metadata or {}).get("reference_step"),
+            )
         if wanted is not None:
             tensors = dequantize_entries(
-                rq, wanted, reference=prev, device=device, source=source, verify=verify, release_buffers=True,
+                rq,
+                wanted,
+                reference=prev,
+                device=device,
+                source=source,
+                verify=verify,
+                release_buffers=True,
                 max_expansion=max_expansion,
             )
         else:
             state = dequantize_state_dict(
-                rq, reference=prev, device=device, source=source, verify=verify, release_buffers=True,
+                rq,
+                reference=prev,
+                device=device,
+                source=source,
+                verify=verify,
+                release_buffers=True,
                 max_expansion=max_expansion,
             )
             tensors, _ = flatten(state)
@@ -109,7 +132,9 @@ def find_checkpoint(directory: str, checkpoint_id: str | None, where: str, step:
     try:
         names = sorted(os.listdir(directory))
     except OSError as e:
-        raise ReferenceMismatchError(f"{where}: cannot list {directory!r} to find checkpoint {checkpoint_id!r}: {e}") from e
+        raise ReferenceMismatchError(
+            f"{where}: cannot list {directory!r} to find checkpoint {checkpoint_id!r}: {e}"
+        ) from e
     for name in names:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
@@ -133,15 +158,13 @@ def reference_tensor(
         raise ReferenceMismatchError(f"{where}: entry {path!r} has no tensor in {what}")
     if tuple(r.shape) != tuple(x_shape):
         raise ReferenceMismatchError(
-            f"{where}: entry {path!r} has shape {tuple(x_shape)} but {what} has "
-            f"{tuple(r.shape)} there"
+            f"{where}: entry {path!r} has shape {tuple(x_shape)} but {what} has {tuple(r.shape)} there"
         )
     if r.dtype not in FLOAT_DTYPES:
         raise ReferenceMismatchError(
             f"{where}: entry {path!r}: {what} holds a {r.dtype} tensor there, expected a float tensor"
         )
     return r
-
 
 
 def read_reference(
@@ -160,8 +183,14 @@ def read_reference(
 
     def run() -> ReadReference:
         tensors, _, what, _ = flat_reference(
-            reference, device=dev, verify=verify, expect_id=reference_id,
-            where=f"{where}: entry {first!r}", paths=delta, into=into, max_expansion=max_expansion,
+            reference,
+            device=dev,
+            verify=verify,
+            expect_id=reference_id,
+            where=f"{where}: entry {first!r}",
+            paths=delta,
+            into=into,
+            max_expansion=max_expansion,
         )
         return ReadReference(tensors, what)
 
@@ -195,8 +224,14 @@ def checked_reference(
         ref_tensors, ref_what, owned = reference.tensors, reference.what, True
     else:
         ref_tensors, _, ref_what, owned = flat_reference(
-            reference, device=dev, verify=verify, expect_id=qstate.reference_id, where=f"{where}: entry {first!r}",
-            paths=delta, into=into, max_expansion=max_expansion,
+            reference,
+            device=dev,
+            verify=verify,
+            expect_id=qstate.reference_id,
+            where=f"{where}: entry {first!r}",
+            paths=delta,
+            into=into,
+            max_expansion=max_expansion,
         )
     rid = qstate.reference_id
     checks: list[tuple[str, torch.Tensor]] = []

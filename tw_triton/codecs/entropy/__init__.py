@@ -8,19 +8,46 @@ decoding gives back the very same bytes. Built in: ``zstd`` (:mod:`.zstd`),
 which is the policy (:mod:`.policy`). Reading is bounded: a frame is checked against the
 raw size the manifest records before the destination is allocated, and every failure is a
 :class:`~tw_triton.errors.CheckpointError` naming the file, the entry and the buffer.
-Stage records: docs/format.md; measurements: ``benchmarks/entropy_stage.py``.
+Stage records: docs/format.md; measurements: docs/performance.md.
 """
 
 from __future__ import annotations
 
-from .planes import PLANE_MATCH, PLANE_MATCH_MIN_BYTES, PLANE_MIN_SAVING, PLANE_SAMPLE, ByteGroupZstdStage, PlanesZstdStage
+from .planes import (
+    PLANE_MATCH,
+    PLANE_MATCH_MIN_BYTES,
+    PLANE_MIN_SAVING,
+    PLANE_SAMPLE,
+    ByteGroupZstdStage,
+    PlanesZstdStage,
+)
 from .policy import (
-    AUTO, MIN_SAVING, MIN_STAGE_BYTES, PLANES_MIN_BYTES, EntropyPolicy, StagedBytes, candidate_stages, encode_buffer,
-    get_stage, register_stage, resolve_policy, stage_names, unregister_stage,
+    AUTO,
+    MIN_SAVING,
+    MIN_STAGE_BYTES,
+    PLANES_MIN_BYTES,
+    EntropyPolicy,
+    StagedBytes,
+    candidate_stages,
+    encode_buffer,
+    get_stage,
+    register_stage,
+    resolve_policy,
+    stage_names,
+    unregister_stage,
 )
 from .zstd import (
-    CHUNK_BYTES, DEFAULT_LEVEL, MAX_THREADS, MIN_LEVEL, MT_MIN_BYTES, ONE_SHOT_MAX_BYTES, Stage, ZstdSettings, ZstdStage,
-    check_zstd_frame, default_threads,
+    CHUNK_BYTES,
+    DEFAULT_LEVEL,
+    MAX_THREADS,
+    MIN_LEVEL,
+    MT_MIN_BYTES,
+    ONE_SHOT_MAX_BYTES,
+    Stage,
+    ZstdSettings,
+    ZstdStage,
+    check_zstd_frame,
+    default_threads,
 )
 
 __all__ = [

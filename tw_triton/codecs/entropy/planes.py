@@ -11,20 +11,29 @@ from __future__ import annotations
 
 import io
 import sys
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from ...errors import CheckpointError
 from ...ops.backends import native
 from . import zstd as zstd_stage
-from .zstd import FrameReader, Stage, ZstdFrameStage, ZstdSettings, check_level, check_zstd_frame, decode_small
+from .zstd import (
+    FrameReader,
+    Stage,
+    ZstdFrameStage,
+    ZstdSettings,
+    check_level,
+    check_zstd_frame,
+    decode_small,
+)
 
 # zstd's match finder for float byte planes (zstd-bytegroup): (min_match, hash_log). The
 # sign-and-exponent plane repeats a few symbols in no long pattern, so level 1's 4-byte
 # matches cost more bits than Huffman literals, and a 64-entry hash table stays in the L1
 # cache. Buffers under PLANE_MATCH_MIN_BYTES (and 1-byte codes) keep the level's own: the
-# small table stored more bytes there (benchmarks/entropy_stage.py). Decoders need neither.
+# small table stored more bytes there (docs/performance.md, the entropy stage). Decoders need neither.
 PLANE_MATCH = (7, 6)
 PLANE_MATCH_MIN_BYTES = 1 << 19
 
@@ -163,9 +172,7 @@ class ByteGroupZstdStage(PlaneStage, ZstdFrameStage):
 
     name = "zstd-bytegroup"
 
-    def encode(
-        self, data: memoryview, itemsize: int, zstd: ZstdSettings
-    ) -> tuple[bytes, dict[str, Any]]:
+    def encode(self, data: memoryview, itemsize: int, zstd: ZstdSettings) -> tuple[bytes, dict[str, Any]]:
         words = self._element_words(data, itemsize)
         scratch = np.empty(min(zstd_stage.CHUNK_BYTES, words.shape[0]), dtype=np.uint8)
         # The frame goes straight into a BytesIO, whose getvalue() hands over its buffer
@@ -188,12 +195,16 @@ class ByteGroupZstdStage(PlaneStage, ZstdFrameStage):
     def check(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
         super().check(stored, params, raw_nbytes, where)
         if raw_nbytes % params["width"]:
-            raise CheckpointError(f"{where}: {raw_nbytes} bytes are not whole {params['width']}-byte elements")
+            raise CheckpointError(
+                f"{where}: {raw_nbytes} bytes are not whole {params['width']}-byte elements"
+            )
 
     def decode(self, stored: memoryview, params: Mapping[str, Any], out: memoryview, where: str) -> None:
         words = element_words(out, params["width"])
         if len(out) <= zstd_stage.ONE_SHOT_MAX_BYTES:
-            planes = np.frombuffer(decode_small(stored, len(out), where), dtype=np.uint8).reshape(params["width"], -1)
+            planes = np.frombuffer(decode_small(stored, len(out), where), dtype=np.uint8).reshape(
+                params["width"], -1
+            )
             merge(words, params["width"], [whole_plane(plane) for plane in planes])
             return
         putter = PlanePutter(words)
@@ -220,9 +231,7 @@ class PlanesZstdStage(PlaneStage):
 
     name = "zstd-planes"
 
-    def encode(
-        self, data: memoryview, itemsize: int, zstd: ZstdSettings
-    ) -> tuple[bytes, dict[str, Any]]:
+    def encode(self, data: memoryview, itemsize: int, zstd: ZstdSettings) -> tuple[bytes, dict[str, Any]]:
         words = self._element_words(data, itemsize)
         count = words.shape[0]
         scratch = np.empty(min(zstd_stage.CHUNK_BYTES, count), dtype=np.uint8)
@@ -253,7 +262,8 @@ class PlanesZstdStage(PlaneStage):
             )
         frames = params["frames"]
         if (
-            not isinstance(frames, list) or len(frames) != itemsize
+            not isinstance(frames, list)
+            or len(frames) != itemsize
             or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in frames)
         ):
             raise CheckpointError(
@@ -261,7 +271,9 @@ class PlanesZstdStage(PlaneStage):
                 f"plane), found {frames!r}"
             )
 
-    def _segments(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> Iterator[tuple[int, memoryview, str]]:
+    def _segments(
+        self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str
+    ) -> Iterator[tuple[int, memoryview, str]]:
         """Each plane's stored bytes with its position in ``frames``, after checking that
         the planes fill the stored bytes exactly."""
         count = raw_nbytes // params["width"]
@@ -278,7 +290,9 @@ class PlanesZstdStage(PlaneStage):
 
     def check(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
         if raw_nbytes % params["width"]:
-            raise CheckpointError(f"{where}: {raw_nbytes} bytes are not whole {params['width']}-byte elements")
+            raise CheckpointError(
+                f"{where}: {raw_nbytes} bytes are not whole {params['width']}-byte elements"
+            )
         count = raw_nbytes // params["width"]
         for plane, segment, pwhere in self._segments(stored, params, raw_nbytes, where):
             if params["frames"][plane]:
@@ -294,14 +308,15 @@ class PlanesZstdStage(PlaneStage):
             if not params["frames"][plane]:
                 sources.append(whole_plane(np.frombuffer(segment, dtype=np.uint8)))
             elif count <= zstd_stage.ONE_SHOT_MAX_BYTES:
-                sources.append(whole_plane(np.frombuffer(decode_small(segment, count, pwhere), dtype=np.uint8)))
+                sources.append(
+                    whole_plane(np.frombuffer(decode_small(segment, count, pwhere), dtype=np.uint8))
+                )
             else:
                 readers.append(FrameReader(segment, pwhere))
                 sources.append(StreamedPlane(readers[-1], chunk_rows(width, count)))
         merge(words, width, sources)
         for reader in readers:
             reader.finish()
-
 
 
 # How a plane is judged before zstd runs on all of it: the order-0 entropy (bits per byte)

@@ -50,11 +50,11 @@ def get_stage(name: str) -> Stage | None:
     return _STAGES.get(name)
 
 
-
 def unregister_stage(name: str) -> Stage | None:
     """Remove the stage registered as ``name`` (a plug-in's, or a test's); returns it, or
     ``None`` if there was none."""
     return _STAGES.pop(name, None)
+
 
 def stage_names() -> list[str]:
     """Names of all registered stages."""
@@ -104,7 +104,9 @@ def resolve_policy(entropy: Any) -> EntropyPolicy | None:
         return AUTO
     if isinstance(entropy, EntropyPolicy):
         if entropy.stage is not None and entropy.stage not in _STAGES:
-            raise CheckpointError(f"entropy policy names unknown stage {entropy.stage!r}; known: {stage_names()}")
+            raise CheckpointError(
+                f"entropy policy names unknown stage {entropy.stage!r}; known: {stage_names()}"
+            )
         return entropy
     raise CheckpointError(f"entropy must be 'auto', 'none', None or an EntropyPolicy, got {entropy!r}")
 

@@ -12,15 +12,16 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import zstandard
 
 from ...errors import CheckpointError
 
 # zstd's fastest regular level: its coarser matching suits byte planes and 2-bit codes, and
-# higher levels gain little on quantized codes (benchmarks/entropy_stage.py).
+# higher levels gain little on quantized codes (docs/performance.md, the entropy stage).
 DEFAULT_LEVEL = 1
 # zstd's fastest level (ZSTD_minCLevel: -ZSTD_TARGETLENGTH_MAX); the python binding exports
 # only the largest. A recorded level outside zstd's range was not written by zstd.
@@ -53,9 +54,7 @@ class Stage(ABC):
         return (0, 0)
 
     @abstractmethod
-    def encode(
-        self, data: memoryview, itemsize: int, zstd: ZstdSettings
-    ) -> tuple[bytes, dict[str, Any]]:
+    def encode(self, data: memoryview, itemsize: int, zstd: ZstdSettings) -> tuple[bytes, dict[str, Any]]:
         """Encode the raw bytes of a buffer of ``itemsize``-byte elements with the zstd
         settings ``zstd``.
 
@@ -80,9 +79,7 @@ class Stage(ABC):
         """
 
     @abstractmethod
-    def decode(
-        self, stored: memoryview, params: Mapping[str, Any], out: memoryview, where: str
-    ) -> None:
+    def decode(self, stored: memoryview, params: Mapping[str, Any], out: memoryview, where: str) -> None:
         """Decode into ``out`` (exactly the raw size, writable), after :meth:`check`.
 
         Raises:
@@ -135,8 +132,12 @@ class ZstdSettings:
         is given the level alone."""
         overrides = {k: v for k, v in (("min_match", self.min_match), ("hash_log", self.hash_log)) if v}
         params = zstandard.ZstdCompressionParameters.from_level(
-            self.level, source_size=size, threads=self.threads, write_checksum=True,
-            write_content_size=True, **overrides,
+            self.level,
+            source_size=size,
+            threads=self.threads,
+            write_checksum=True,
+            write_content_size=True,
+            **overrides,
         )
         return zstandard.ZstdCompressor(compression_params=params)
 
@@ -150,9 +151,15 @@ class ZstdSettings:
 
 def check_level(params: Any, keys: tuple[str, ...], where: str) -> None:
     if not isinstance(params, dict) or sorted(params) != sorted(keys):
-        raise CheckpointError(f"{where}: stage params must be an object with keys {list(keys)}, found {params!r}")
+        raise CheckpointError(
+            f"{where}: stage params must be an object with keys {list(keys)}, found {params!r}"
+        )
     level = params["level"]
-    if not isinstance(level, int) or isinstance(level, bool) or not MIN_LEVEL <= level <= zstandard.MAX_COMPRESSION_LEVEL:
+    if (
+        not isinstance(level, int)
+        or isinstance(level, bool)
+        or not MIN_LEVEL <= level <= zstandard.MAX_COMPRESSION_LEVEL
+    ):
         raise CheckpointError(
             f"{where}: stage param 'level' must be an int from {MIN_LEVEL} to "
             f"{zstandard.MAX_COMPRESSION_LEVEL} (zstd's levels), found {level!r}"
@@ -319,9 +326,7 @@ class ZstdStage(ZstdFrameStage):
 
     name = "zstd"
 
-    def encode(
-        self, data: memoryview, itemsize: int, zstd: ZstdSettings
-    ) -> tuple[bytes, dict[str, Any]]:
+    def encode(self, data: memoryview, itemsize: int, zstd: ZstdSettings) -> tuple[bytes, dict[str, Any]]:
         return zstd.compressor(len(data)).compress(data), zstd.record()
 
     def check_params(self, params: Any, itemsize: int, where: str) -> None:

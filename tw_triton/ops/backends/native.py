@@ -20,7 +20,7 @@ import ctypes
 import functools
 import logging
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +29,10 @@ from ...errors import TwTritonError
 from ...parallel import parallel_map
 from ..layout import blockwise_buffers, check_qmax, log2_buffers
 from ..reference import (
-    dequantize_blockwise_torch, dequantize_log2_torch, quantize_blockwise_torch, quantize_log2_torch,
+    dequantize_blockwise_torch,
+    dequantize_log2_torch,
+    quantize_blockwise_torch,
+    quantize_log2_torch,
 )
 from ..reference.buffers import decode_output, encode_outputs
 
@@ -189,8 +192,16 @@ def encode_blockwise(
     def one(r: tuple[int, int]) -> int:
         start, stop = r
         return lib.tw_blockwise_encode(
-            x_ptr + start * x_size, x_code, None if ref_ptr is None else ref_ptr + start * ref_size, ref_code,
-            stop - start, block, bits, qmax, codes_ptr + start * bits // 8, scales_ptr + start // block * 4,
+            x_ptr + start * x_size,
+            x_code,
+            None if ref_ptr is None else ref_ptr + start * ref_size,
+            ref_code,
+            stop - start,
+            block,
+            bits,
+            qmax,
+            codes_ptr + start * bits // 8,
+            scales_ptr + start // block * 4,
         )
 
     done = _run(one, block_ranges(n, block))
@@ -230,15 +241,27 @@ def decode_blockwise(
     lib = library()
     ref_code = _DTYPE_CODES[reference.dtype] if reference is not None else 0
     out_code = _DTYPE_CODES[out.dtype]
-    codes_ptr, scales_ptr, ref_ptr, out_ptr = codes.data_ptr(), scales.data_ptr(), _ptr(reference), out.data_ptr()
+    codes_ptr, scales_ptr, ref_ptr, out_ptr = (
+        codes.data_ptr(),
+        scales.data_ptr(),
+        _ptr(reference),
+        out.data_ptr(),
+    )
     ref_size = reference.element_size() if reference is not None else 0
     out_size = out.element_size()
 
     def one(r: tuple[int, int]) -> int:
         start, stop = r
         return lib.tw_blockwise_decode(
-            codes_ptr + start * bits // 8, scales_ptr + start // block * 4, stop - start, bits, block,
-            None if ref_ptr is None else ref_ptr + start * ref_size, ref_code, out_ptr + start * out_size, out_code,
+            codes_ptr + start * bits // 8,
+            scales_ptr + start // block * 4,
+            stop - start,
+            bits,
+            block,
+            None if ref_ptr is None else ref_ptr + start * ref_size,
+            ref_code,
+            out_ptr + start * out_size,
+            out_code,
         )
 
     return _decode_ranges(one, numel, bits, block, "blockwise")
@@ -269,8 +292,14 @@ def encode_log2(
         start, stop = r
         b0 = start // block
         return lib.tw_log2_encode(
-            x_ptr + start * x_size, x_code, stop - start, block, bits, codes_ptr + start * bits // 8,
-            lo_ptr + 4 * b0, hi_ptr + 4 * b0,
+            x_ptr + start * x_size,
+            x_code,
+            stop - start,
+            block,
+            bits,
+            codes_ptr + start * bits // 8,
+            lo_ptr + 4 * b0,
+            hi_ptr + 4 * b0,
         )
 
     if min(_run(one, block_ranges(n, block))) < 0:
@@ -279,7 +308,13 @@ def encode_log2(
 
 
 def decode_log2(
-    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, numel: int, bits: int, block: int, out: torch.Tensor
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    out: torch.Tensor,
 ) -> list[tuple[int, int]] | None:
     """Decode as :func:`~tw_triton.ops.reference.dequantize_log2_torch` does, into ``out``, if
     the C codec takes these tensors.
@@ -308,8 +343,14 @@ def decode_log2(
         start, stop = r
         b0 = start // block
         return lib.tw_log2_decode(
-            codes_ptr + start * bits // 8, lo_ptr + 4 * b0, hi_ptr + 4 * b0, stop - start, bits, block,
-            out_ptr + start * out_size, out_code,
+            codes_ptr + start * bits // 8,
+            lo_ptr + 4 * b0,
+            hi_ptr + 4 * b0,
+            stop - start,
+            bits,
+            block,
+            out_ptr + start * out_size,
+            out_code,
         )
 
     return _decode_ranges(one, numel, bits, block, "log2")
@@ -319,7 +360,10 @@ def _byte_array(a: np.ndarray, count: int, writable: bool) -> bool:
     """A contiguous 1-D ``uint8`` array of ``count`` bytes (writable if asked): the C code
     reads or writes exactly that much."""
     return (
-        a.dtype == np.uint8 and a.ndim == 1 and a.size == count and a.flags.c_contiguous
+        a.dtype == np.uint8
+        and a.ndim == 1
+        and a.size == count
+        and a.flags.c_contiguous
         and (a.flags.writeable or not writable)
     )
 
@@ -332,8 +376,12 @@ def merge_planes(planes: Sequence[np.ndarray], out: np.ndarray) -> bool:
     width = len(planes)
     count = out.size // width if width else 0
     if not (
-        width > 0 and count > 0 and out.size == count * width and _byte_array(out, out.size, True)
-        and all(_byte_array(p, count, False) for p in planes) and enabled()
+        width > 0
+        and count > 0
+        and out.size == count * width
+        and _byte_array(out, out.size, True)
+        and all(_byte_array(p, count, False) for p in planes)
+        and enabled()
     ):
         return False
     pointers = (ctypes.c_void_p * width)(*(p.ctypes.data for p in planes))
@@ -393,8 +441,14 @@ def dequantize_blockwise_cpu(
     for start, stop in left:
         code_bytes, blocks = range_slices(start, stop, bits, block)
         dequantize_blockwise_torch(
-            codes[code_bytes], scales[blocks], stop - start, bits, block,
-            None if ref is None else ref[start:stop], dtype, out=flat_out[start:stop],
+            codes[code_bytes],
+            scales[blocks],
+            stop - start,
+            bits,
+            block,
+            None if ref is None else ref[start:stop],
+            dtype,
+            out=flat_out[start:stop],
         )
     return out
 
@@ -431,7 +485,14 @@ def dequantize_log2_cpu(
     for start, stop in left:
         code_bytes, blocks = range_slices(start, stop, bits, block)
         dequantize_log2_torch(
-            codes[code_bytes], lo[blocks], hi[blocks], stop - start, bits, block, dtype, out=flat_out[start:stop]
+            codes[code_bytes],
+            lo[blocks],
+            hi[blocks],
+            stop - start,
+            bits,
+            block,
+            dtype,
+            out=flat_out[start:stop],
         )
     return out
 

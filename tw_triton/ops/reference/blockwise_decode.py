@@ -22,13 +22,19 @@ def crumb_table(device: torch.device) -> torch.Tensor:
     """For 2-bit codes: 256 int32 words, word ``b`` holding the four int8 ``q`` of a packed
     byte ``b`` (field ``j``, bits ``2j..2j+1``, minus the offset 2) as its bytes in order."""
     fields = torch.arange(256, dtype=torch.int32, device=device).unsqueeze(1) >> torch.arange(
-        0, 8, 2, dtype=torch.int32, device=device)
+        0, 8, 2, dtype=torch.int32, device=device
+    )
     return ((fields & 3) - 2).to(torch.int8).contiguous().view(torch.int32).view(-1)
 
 
 def signed_codes(
-    packed: torch.Tensor, bits: int, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor,
-    e: torch.Tensor | None, crumbs: torch.Tensor | None = None,
+    packed: torch.Tensor,
+    bits: int,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    t: torch.Tensor,
+    e: torch.Tensor | None,
+    crumbs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The codes of ``packed`` as int8 ``q``, one per element (``len(packed) * 8 // bits``).
 
@@ -77,7 +83,6 @@ def signed_codes(
     ww.bitwise_or_(ee).bitwise_left_shift_(12)
     ww.bitwise_or_(tt).bitwise_and_(_HI_CRUMBS32)
     return ww.view(torch.int8).bitwise_right_shift_(6)
-
 
 
 def dequantize_blockwise_torch(
@@ -179,4 +184,3 @@ def dequantize_blockwise_torch(
             vm.clamp_(-out_max, out_max)
             dst.copy_(vm)
     return out
-

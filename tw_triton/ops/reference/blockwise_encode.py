@@ -71,7 +71,6 @@ def nearest_integer_at_ties(v: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -
     return torch.where(r2 > p2, v + 0.5, torch.where(r2 < p2, v - 0.5, torch.round(v)))
 
 
-
 def _rows_absmax(rows: torch.Tensor, sc: torch.Tensor, low: torch.Tensor) -> None:
     """``sc[i] = max |rows[i]|`` (NaN when the row holds one) from two read-only reductions.
 
@@ -150,7 +149,6 @@ def pack_codes(u: torch.Tensor, bits: int, out: torch.Tensor, words: torch.Tenso
         torch.bitwise_right_shift(w, 12, out=t)
         w.bitwise_or_(t)
     out.copy_(w[: out.numel()])
-
 
 
 def quantize_blockwise_torch(
@@ -278,4 +276,3 @@ def quantize_blockwise_torch(
             u.copy_(src)  # one code per byte, the padding's too (q = 0)
             pack_codes(u, bits, dst, words)
     return out
-

@@ -127,4 +127,3 @@ def decode_output(
     if out is None:
         out = torch.empty(numel, dtype=dtype, device=device)
     return out, checked_out(out, numel, dtype, device, "out")
-

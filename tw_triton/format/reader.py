@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 # The bound on what a file's staged buffers may decode to, before anything is decoded:
 # MAX_EXPANSION times the file's size plus EXPANSION_SLACK_BYTES. zstd alone would let a
 # file of a few hundred KB declare gigabytes of zeros; real checkpoints decode to a few
-# times their size at most (tests/test_untrusted_files.py keeps them under a quarter of the
+# times their size at most (tests/format/test_untrusted_files.py keeps them under a quarter of the
 # bound). The slack leaves room for legitimately constant tensors (a mask, a
 # zero-initialised adapter) in a small file.
 MAX_EXPANSION = 32.0

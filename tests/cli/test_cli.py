@@ -19,7 +19,7 @@ import tw_triton
 from tw_triton.cli import EXIT_CHECKPOINT, EXIT_OK, EXIT_USAGE, ProgressBar, main
 from tw_triton.format import read_manifest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def run(argv):

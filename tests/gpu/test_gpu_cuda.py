@@ -22,7 +22,7 @@ from tw_triton.format import read_file
 from tw_triton.qstate import QuantizedState
 from tw_triton.writer import AsyncWriter
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"))
 
 import _end_to_end  # noqa: E402
 import _identity  # noqa: E402

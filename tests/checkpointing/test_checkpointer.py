@@ -377,7 +377,7 @@ def _run_example(tmp_path, *extra):
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = os.path.join(root, "examples", "train_with_checkpoints.py")
     # The checkout first on the path: the example must run against this tree, installed or not.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}

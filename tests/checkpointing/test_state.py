@@ -10,9 +10,9 @@ import struct
 
 import pytest
 import torch
+from _states import assert_same, make_state, perturbed
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_tree import assert_same
 
 import tw_triton
 from tw_triton import (
@@ -27,33 +27,6 @@ from tw_triton import (
 from tw_triton.codecs import EXACT_DTYPES, Codec, Encoded, codec_names, get_codec, register_codec
 from tw_triton.qstate import EncodedEntry, QuantizedState
 from tw_triton.state import fingerprints as state_fingerprints
-
-
-def make_state(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "model": {
-            "w1": torch.randn(64, 128, generator=g),
-            "w2": torch.randn(96, 64, generator=g).bfloat16(),
-            "b": torch.randn(64, generator=g),
-        },
-        "optimizer": {
-            "state": {0: {"exp_avg": torch.randn(64, 128, generator=g)}},
-            "param_groups": [{"params": [0], "betas": (0.9, 0.99)}],
-        },
-        "step": 12,
-        "loss": float("nan"),
-    }
-
-
-def perturbed(state, scale=1e-3, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    out = {k: v for k, v in state.items()}
-    out["model"] = {
-        k: (v.float() + scale * torch.randn(v.shape, generator=g)).to(v.dtype)
-        for k, v in state["model"].items()
-    }
-    return out
 
 
 def header_bytes(path):

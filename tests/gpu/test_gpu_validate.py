@@ -21,7 +21,7 @@ from tw_triton.codecs import ExactCodec, get_codec
 from tw_triton.codecs.blockwise import BlockwiseCodec
 from tw_triton.errors import CheckpointError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GPU_DIR = REPO / "benchmarks" / "gpu"
 sys.path.insert(0, str(GPU_DIR))
 

@@ -9,8 +9,7 @@ import threading
 
 import pytest
 import torch
-from test_state import make_state, perturbed
-from test_tree import assert_same
+from _states import assert_same, make_state, perturbed
 
 from tw_triton import (
     CheckpointError,

@@ -18,7 +18,7 @@ from tw_triton import format as fmt
 from tw_triton.checkpointer import Checkpointer, checkpoint_name
 from tw_triton.errors import CheckpointError, CheckpointIOError
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where crash_saver.py is
 sys.path.insert(0, HERE)
 import crash_saver  # noqa: E402  (the helper script; its expected_* functions check content)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_tree import assert_same
+from _states import assert_same
 
 import tw_triton
 from tw_triton.tree import flatten

@@ -23,7 +23,7 @@ from tw_triton.codecs import blockwise as codec
 from tw_triton.errors import CheckpointError
 from tw_triton.ops.reference import buffers, copy_flat_range
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCKS = tuple(2**k for k in range(5, 13))
 F32_MAX = float(np.finfo(np.float32).max)

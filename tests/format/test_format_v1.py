@@ -14,7 +14,7 @@ import tw_triton
 from tw_triton import format as fmt
 from tw_triton.tree import flatten
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 
 
 def data(name: str) -> str:

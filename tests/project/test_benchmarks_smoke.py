@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 TOOLS = BENCH.parent / "tools"
 # Appended, not prepended: the benchmark scripts (codec.py among them) must not shadow
 # anything another test imports by a plain name.

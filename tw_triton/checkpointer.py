@@ -44,12 +44,12 @@ from .checkpoint_dir import (
     CheckpointInfo,
     checkpoint_name,
     parse_checkpoint_name,
-    wants_pinned,
 )
 from .deltas import delta_mode
 from .directory_claim import DirectoryClaim
 from .errors import CheckpointError, TwTritonError
 from .reference_chain import ReferenceChain
+from .resume import RESERVED_NAMES, check_restorable, default_device, load_from, restore_into
 from .retention import InFlight, retain
 from .rng import capture_rng_state, restore_rng_state
 from .save_pipeline import (  # noqa: F401 - KIND_* and collect_setup_garbage are re-exported
@@ -65,7 +65,6 @@ from .writer import AsyncWriter
 
 logger = logging.getLogger(__name__)
 
-RESERVED_NAMES = ("step", "rng")
 
 # The Checkpointer's default preset and delta mode (docs/training-loop.md).
 DEFAULT_RULES = "smallest"
@@ -388,27 +387,9 @@ class Checkpointer:
         verify: bool,
         into: dict[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, Any], CheckpointInfo]:
-        """:meth:`load`, and the info of the file it loaded.
-
-        For the latest checkpoint with ``verify``, the files are read once: the reads that
-        verified them (checksums checked as they come in) are the ones decoded. ``into``:
-        tensors to read exact entries into, by path (see :meth:`restore`).
-        """
-        dev = torch.device(device)
+        """:meth:`load`, and the info of the file it loaded (after the saves in flight)."""
         self._wait_inflight()
-        if step is None and verify:
-            if dev.type == "cuda" and not torch.cuda.is_available():
-                raise TwTritonError(f"cannot load from {self.directory!r} to {dev}: CUDA is not available")
-            found, info, reads = self._dir.latest_read(pin=wants_pinned(dev), into=into)
-        else:
-            found, info = self._dir.find(step, verify=verify)
-            reads = {}
-        state = self._dir.decode(info, found, reads, dev, verify=verify, into=into)
-        if not isinstance(state, dict) or "step" not in state:
-            raise CheckpointError(
-                f"{info.path}: not a Checkpointer checkpoint (expected a dict with 'step' at the top)"
-            )
-        return state, info
+        return load_from(self._dir, step, device=device, verify=verify, into=into)
 
     def restore(
         self,
@@ -445,25 +426,12 @@ class Checkpointer:
             CheckpointError: a name that the checkpoint lacks, an object without
                 ``load_state_dict``, or anything :meth:`load` raises.
         """
-        for name, obj in objects.items():
-            if not callable(getattr(obj, "load_state_dict", None)):
-                raise CheckpointError(
-                    f"cannot restore {name!r}: {type(obj).__name__} has no load_state_dict(); "
-                    f"plain values are in the dict restore() returns"
-                )
+        check_restorable(objects)
         if device is None:
-            device = _default_device(objects)
+            device = default_device(objects)
         into = decode_targets(objects) if torch.device(device).type == "cpu" else None
         state, info = self._load(step, device=device, verify=True, into=into)
-        for name, obj in objects.items():
-            if name not in state:
-                saved = sorted(k for k in state if k not in RESERVED_NAMES)
-                raise CheckpointError(f"{info.path}: holds no state named {name!r}; it holds {saved}")
-            obj.load_state_dict(state[name])
-        if rng:
-            if "rng" not in state:
-                raise CheckpointError(f"{info.path}: holds no RNG states")
-            restore_rng_state(state["rng"], source=info.path)
+        restore_into(state, info.path, objects, rng=rng)
         return state
 
     # ---------------------------------------------------------------- internals
@@ -490,16 +458,6 @@ def _named_state(state: dict[str, Any]) -> dict[str, Any]:
                 f"{'step number' if name == 'step' else 'RNG states'}); use another name"
             )
     return {name: state_of(value) for name, value in state.items()}
-
-
-def _default_device(objects: dict[str, Any]) -> torch.device:
-    candidates = [objects["model"]] if "model" in objects else []
-    candidates += [o for o in objects.values() if isinstance(o, torch.nn.Module)]
-    for obj in candidates:
-        if isinstance(obj, torch.nn.Module):
-            for p in obj.parameters():
-                return p.device
-    return torch.device("cpu")
 
 
 __all__ = [

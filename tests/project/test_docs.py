@@ -74,7 +74,9 @@ def test_python_blocks_run_or_say_why_not(page, tmp_path, monkeypatch):
     scope = {"__name__": "docs_example"}
     for mark, code in blocks:
         if mark:
-            assert re.search(r"tests/(?:\w+/)?test_\w+\.py", mark), f"{_rel(page)}: {mark} names no covering test"
+            assert re.search(r"tests/(?:\w+/)?test_\w+\.py", mark), (
+                f"{_rel(page)}: {mark} names no covering test"
+            )
             continue
         exec(compile(code, _rel(page), "exec"), scope)
 
@@ -90,9 +92,7 @@ def test_not_run_marks_name_existing_tests():
     for page in PAGES:
         for mark, _ in _PYTHON.findall(page.read_text()):
             for test in re.findall(r"tests/(?:\w+/)?test_\w+\.py", mark):
-                assert (ROOT / test).exists(), (
-                    f"{_rel(page)}: {test} does not exist"
-                )
+                assert (ROOT / test).exists(), f"{_rel(page)}: {test} does not exist"
 
 
 _CITED_TEST = re.compile(r"`(test_\w+\.py)::(test_\w+)`")

@@ -46,7 +46,7 @@ from .. import ops
 from ..errors import CheckpointError, QuantizationError
 
 # The spec and CPU backend under their names of this module, which benchmarks and tests use.
-from ..ops.backends.native import dequantize_blockwise_cpu, quantize_blockwise_cpu  # noqa: F401,E402
+from ..ops.backends.cpu import dequantize_blockwise_cpu, quantize_blockwise_cpu  # noqa: F401,E402
 from ..ops.layout import (  # noqa: F401 (re-exported: the codec's parameters)
     FLOAT_DTYPES,
     MAX_BLOCK,

@@ -50,7 +50,7 @@ from .. import ops
 from ..errors import QuantizationError
 
 # The spec and CPU backend under their names of this module, which benchmarks and tests use.
-from ..ops.backends.native import dequantize_log2_cpu, quantize_log2_cpu  # noqa: F401,E402
+from ..ops.backends.cpu import dequantize_log2_cpu, quantize_log2_cpu  # noqa: F401,E402
 from ..ops.layout import FLOAT_DTYPES, check_params, num_blocks, packed_nbytes
 from ..ops.reference.log2 import CHUNK_ELEMENTS, dequantize_log2_torch, levels, quantize_log2_torch  # noqa: F401,E402
 from ..qstate import EncodedEntry

@@ -4,7 +4,7 @@ Four ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`)
 :func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2` and
 :func:`dequantize_log2`. Each has one reference implementation in plain torch
 (:mod:`tw_triton.ops.reference`, the spec, serving any device) and backends registered per
-device type: the compiled C codec for ``"cpu"`` (:mod:`~tw_triton.ops.backends.native`,
+device type: the compiled C codec for ``"cpu"`` (:mod:`~tw_triton.ops.backends.cpu`,
 falling back to the reference where it does not take a tensor) and the Triton kernels for
 ``"cuda"`` (:mod:`~tw_triton.ops.backends.triton`, which imports triton on first use). Every
 backend gives the reference's bytes and decoded values, bit for bit. The ops check no
@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from .backends import native as native_backend
+from .backends import cpu as cpu_backend
 from .backends import triton as triton_backend
 from .reference import REFERENCE
 from .registry import OPS, backends, lookup, register, using
 
 for _op, _fn in REFERENCE.items():
     registry.register_reference(_op, _fn)
-for _backend in (native_backend, triton_backend):
+for _backend in (cpu_backend, triton_backend):
     for _op, _fn in _backend.BACKEND.items():
         register(_op, _backend.DEVICE_TYPE, _fn)
 

@@ -1,0 +1,141 @@
+"""The "cpu" backend of the codec ops: the compiled codec where it takes the tensors, else
+the plain-torch reference.
+
+The reference serves without the built library, with ``TW_TRITON_NATIVE=0``, for float16, a
+non-contiguous tensor or another device: slower then, never different (docs/codecs.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import blockwise_buffers, check_qmax, log2_buffers
+from ..reference import (
+    dequantize_blockwise_torch,
+    dequantize_log2_torch,
+    quantize_blockwise_torch,
+    quantize_log2_torch,
+)
+from ..reference.buffers import decode_output, encode_outputs
+from .native import decode_blockwise, decode_log2, encode_blockwise, encode_log2, range_slices
+
+DEVICE_TYPE = "cpu"
+
+
+def quantize_blockwise_cpu(
+    x: torch.Tensor,
+    reference: torch.Tensor | None,
+    bits: int,
+    block: int,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qmax: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU encode: the compiled codec where it takes the tensors, else
+    :func:`~tw_triton.ops.reference.quantize_blockwise_torch`. Same signature, same bytes."""
+    n = x.numel()
+    dev = x.device
+    out, (codes, scales) = encode_outputs(out, dev, blockwise_buffers(n, bits, block))
+    flat = x.reshape(-1) if x.is_contiguous() else x
+    ref = reference.reshape(-1) if reference is not None and reference.is_contiguous() else reference
+    if encode_blockwise(flat, ref, bits, block, check_qmax(bits, qmax), codes, scales):
+        return out
+    return quantize_blockwise_torch(x, reference, bits, block, out=out, qmax=qmax)
+
+
+def dequantize_blockwise_cpu(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    reference: torch.Tensor | None,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The CPU decode: the compiled codec where it takes the tensors, else
+    :func:`~tw_triton.ops.reference.dequantize_blockwise_torch` (which also finishes any
+    blocks the compiled one leaves, see :func:`decode_blockwise`). Same signature, same
+    values; ``out`` may be ``reference`` itself."""
+    out, flat_out = decode_output(out, numel, dtype, codes.device)
+    ref = reference.reshape(-1) if reference is not None and reference.is_contiguous() else reference
+    left = decode_blockwise(codes, scales, numel, bits, block, ref, flat_out)
+    if left is None:
+        return dequantize_blockwise_torch(codes, scales, numel, bits, block, reference, dtype, out=out)
+    for start, stop in left:
+        code_bytes, blocks = range_slices(start, stop, bits, block)
+        dequantize_blockwise_torch(
+            codes[code_bytes],
+            scales[blocks],
+            stop - start,
+            bits,
+            block,
+            None if ref is None else ref[start:stop],
+            dtype,
+            out=flat_out[start:stop],
+        )
+    return out
+
+
+def quantize_log2_cpu(
+    x: torch.Tensor, bits: int, block: int, *, out: tuple[torch.Tensor, ...] | None = None
+) -> tuple[torch.Tensor, ...]:
+    """The CPU encode: the compiled codec where it takes the tensor, else
+    :func:`~tw_triton.ops.reference.quantize_log2_torch`. Same signature, same bytes."""
+    out, (codes, lo, hi) = encode_outputs(out, x.device, log2_buffers(x.numel(), bits, block))
+    if encode_log2(x.reshape(-1) if x.is_contiguous() else x, bits, block, codes, lo, hi):
+        return out
+    return quantize_log2_torch(x, bits, block, out=out)
+
+
+def dequantize_log2_cpu(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The CPU decode: the compiled codec where it takes the tensors, else
+    :func:`~tw_triton.ops.reference.dequantize_log2_torch` (which also finishes any blocks
+    the compiled one leaves). Same signature, same values."""
+    out, flat_out = decode_output(out, numel, dtype, codes.device)
+    left = decode_log2(codes, lo, hi, numel, bits, block, flat_out)
+    if left is None:
+        return dequantize_log2_torch(codes, lo, hi, numel, bits, block, dtype, out=out)
+    for start, stop in left:
+        code_bytes, blocks = range_slices(start, stop, bits, block)
+        dequantize_log2_torch(
+            codes[code_bytes],
+            lo[blocks],
+            hi[blocks],
+            stop - start,
+            bits,
+            block,
+            dtype,
+            out=flat_out[start:stop],
+        )
+    return out
+
+
+# The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
+BACKEND = {
+    "quantize_blockwise": quantize_blockwise_cpu,
+    "dequantize_blockwise": dequantize_blockwise_cpu,
+    "quantize_log2": quantize_log2_cpu,
+    "dequantize_log2": dequantize_log2_cpu,
+}
+
+
+__all__ = [
+    "BACKEND",
+    "DEVICE_TYPE",
+    "dequantize_blockwise_cpu",
+    "dequantize_log2_cpu",
+    "quantize_blockwise_cpu",
+    "quantize_log2_cpu",
+]

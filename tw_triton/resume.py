@@ -1,0 +1,103 @@
+"""Loading a Checkpointer's checkpoint, and putting it back into live objects.
+
+:class:`~tw_triton.checkpointer.Checkpointer` ``.load`` and ``.restore`` are these steps
+after the saves in flight; the why (what is decoded in place, the RNG states):
+docs/training-loop.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .checkpoint_dir import CheckpointDirectory, CheckpointInfo, wants_pinned
+from .errors import CheckpointError, TwTritonError
+from .rng import restore_rng_state
+
+# Names a Checkpointer stores beside the user's own.
+RESERVED_NAMES = ("step", "rng")
+
+
+def load_from(
+    directory: CheckpointDirectory,
+    step: int | None,
+    *,
+    device: torch.device | str,
+    verify: bool,
+    into: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, Any], CheckpointInfo]:
+    """Load the checkpoint of ``step`` (``None``: the latest good one) from ``directory``.
+
+    For the latest checkpoint with ``verify``, the files are read once: the reads that
+    verified them (checksums checked as they come in) are the ones decoded.
+
+    Args:
+        directory: the Checkpointer's directory.
+        step: which checkpoint; ``None`` for the latest that verifies.
+        device: where the tensors are loaded.
+        verify: check the checksums (and, for the latest, pass over checkpoints that fail).
+        into: tensors to read exact entries into, by path (CPU only).
+
+    Returns:
+        The state as saved, and the info of the file it came from.
+
+    Raises:
+        CheckpointError: no good checkpoint, no checkpoint for ``step``, a bad file, or a
+            file that is not a Checkpointer's.
+    """
+    dev = torch.device(device)
+    if step is None and verify:
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise TwTritonError(f"cannot load from {directory.path!r} to {dev}: CUDA is not available")
+        found, info, reads = directory.latest_read(pin=wants_pinned(dev), into=into)
+    else:
+        found, info = directory.find(step, verify=verify)
+        reads = {}
+    state = directory.decode(info, found, reads, dev, verify=verify, into=into)
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(
+            f"{info.path}: not a Checkpointer checkpoint (expected a dict with 'step' at the top)"
+        )
+    return state, info
+
+
+def check_restorable(objects: dict[str, Any]) -> None:
+    """Raise :class:`CheckpointError` for an object without ``load_state_dict``."""
+    for name, obj in objects.items():
+        if not callable(getattr(obj, "load_state_dict", None)):
+            raise CheckpointError(
+                f"cannot restore {name!r}: {type(obj).__name__} has no load_state_dict(); "
+                f"plain values are in the dict restore() returns"
+            )
+
+
+def restore_into(state: dict[str, Any], source: str, objects: dict[str, Any], *, rng: bool) -> None:
+    """Call each object's ``load_state_dict`` with the state saved under its name, and
+    (with ``rng``) put back the RNG states.
+
+    Raises:
+        CheckpointError: ``state`` (read from ``source``) holds no state of that name, or
+            no RNG states.
+    """
+    for name, obj in objects.items():
+        if name not in state:
+            saved = sorted(k for k in state if k not in RESERVED_NAMES)
+            raise CheckpointError(f"{source}: holds no state named {name!r}; it holds {saved}")
+        obj.load_state_dict(state[name])
+    if rng:
+        if "rng" not in state:
+            raise CheckpointError(f"{source}: holds no RNG states")
+        restore_rng_state(state["rng"], source=source)
+
+
+def default_device(objects: dict[str, Any]) -> torch.device:
+    """Where a restore loads to by default: the device of the first parameter of the object
+    named ``model`` (or of any module given), else the CPU."""
+    candidates = [objects["model"]] if "model" in objects else []
+    candidates += [o for o in objects.values() if isinstance(o, torch.nn.Module)]
+    for obj in candidates:
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                return p.device
+    return torch.device("cpu")

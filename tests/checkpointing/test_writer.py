@@ -288,10 +288,10 @@ def test_context_manager_does_not_mask_the_loop_exception(tmp_path, monkeypatch,
 def test_pinned_pool_reuses_and_bounds_bytes(monkeypatch):
     from types import SimpleNamespace
 
-    from tw_triton import writer as writer_mod
+    from tw_triton import pinned_staging
 
     clock = [0.0]  # the pool's clock moves on a second each time acquire() waits
-    monkeypatch.setattr(writer_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(pinned_staging, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     pool = PinnedPool(3 << 20, pin_memory=False)
     a, waited = pool.acquire(1000)
     assert a.numel() >= 1000 and waited == 0.0

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
-from ..format import verify_file
+from ..format import MAX_EXPANSION, verify_file
 from . import api
 from .directory import find_keyframe, is_complete
 from .keyframe import Keyframe
@@ -38,13 +38,16 @@ _STEP_RE = re.compile(r"step_(\d{8,})")
 logger = logging.getLogger(__name__)
 
 
-def chain_problem(path: str, *, verify: bool = False) -> str | None:
+def chain_problem(
+    path: str, *, verify: bool = False, max_expansion: float | None = MAX_EXPANSION
+) -> str | None:
     """Why the complete checkpoint in ``path`` cannot be loaded, or ``None`` if it can.
 
     Args:
         path: a complete checkpoint directory.
         verify: also read every rank file of the checkpoint and of its keyframe and check
             their checksums.
+        max_expansion: with ``verify``, the decoded-size bound of each file.
 
     Returns:
         ``None``, or the reason: a delta whose keyframe (a complete checkpoint with the id
@@ -58,7 +61,7 @@ def chain_problem(path: str, *, verify: bool = False) -> str | None:
         if verify:
             for directory in chain:
                 for name in read_record(directory).files:
-                    verify_file(os.path.join(directory, name))
+                    verify_file(os.path.join(directory, name), max_expansion=max_expansion)
     except CheckpointError as exc:
         return str(exc)
     except OSError as exc:  # a file removed or unreadable while it is checked
@@ -76,6 +79,9 @@ class DistributedCheckpointer:
             against the last keyframe (1: every save is a keyframe).
         keep: how many complete checkpoints to keep (plus keyframes they need).
         process_group: the group DCP uses (default: the default group, if initialized).
+        max_expansion: the bound on what a file's compressed buffers may decode to, times
+            its size, for every load and verification (:func:`tw_triton.format.read_file`);
+            ``None`` lifts it, for states that hold large constant tensors on purpose.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class DistributedCheckpointer:
         keyframe_every: int = 4,
         keep: int = 2,
         process_group: Any = None,
+        max_expansion: float | None = MAX_EXPANSION,
     ) -> None:
         if keyframe_every < 1 or keep < 1:
             raise CheckpointError(f"keyframe_every and keep must be >= 1, got {keyframe_every}, {keep}")
@@ -95,6 +102,7 @@ class DistributedCheckpointer:
         self.rules, self.bits, self.block = rules, bits, block
         self.keyframe_every, self.keep = keyframe_every, keep
         self.process_group = process_group
+        self.max_expansion = max_expansion
         self._keyframe: Keyframe | None = None
         self._since_keyframe = 0
         self._pending: Future | None = None
@@ -134,7 +142,7 @@ class DistributedCheckpointer:
                 load that follows checks them anyway).
         """
         for _, path in reversed(self.complete()):
-            problem = chain_problem(path, verify=verify)
+            problem = chain_problem(path, verify=verify, max_expansion=self.max_expansion)
             if problem is None:
                 return path
             logger.warning("skipping checkpoint %s: %s", path, problem)
@@ -192,7 +200,7 @@ class DistributedCheckpointer:
 
     def _finish_save(self) -> None:
         if self._pending_keyframe is not None:
-            self._keyframe = Keyframe(self._pending_keyframe)
+            self._keyframe = Keyframe(self._pending_keyframe, max_expansion=self.max_expansion)
             self._pending_keyframe = None
         if self._rank() == 0:
             self.retain()
@@ -232,7 +240,7 @@ class DistributedCheckpointer:
         path = path or self.latest()
         if path is None:
             return None
-        api.load(state, path, no_dist=not dist.is_initialized())
+        api.load(state, path, no_dist=not dist.is_initialized(), max_expansion=self.max_expansion)
         m = _STEP_RE.fullmatch(os.path.basename(path))
         return int(m.group(1)) if m else None
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import ReferenceMismatchError
-from ..format import read_file
+from ..format import MAX_EXPANSION, read_file
 from ..state import dequantize_state_dict
 from ..tree import flatten
 from .meta import Record, read_record
@@ -26,10 +26,11 @@ RegionKey = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
 def decode_file(
-    path: str, *, reference: Any = None, verify: bool = True
+    path: str, *, reference: Any = None, verify: bool = True, max_expansion: float | None = MAX_EXPANSION
 ) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Read and decode one tw_triton file of a DCP checkpoint: ``(qstate, {entry: tensor})``."""
-    qstate = read_file(path, verify=verify)
+    """Read and decode one tw_triton file of a DCP checkpoint: ``(qstate, {entry: tensor})``
+    (``max_expansion``: the decoded-size bound of :func:`tw_triton.format.read_file`)."""
+    qstate = read_file(path, verify=verify, max_expansion=max_expansion)
     decoded = dequantize_state_dict(qstate, reference=reference, source=path, verify=verify)
     tensors, _ = flatten(decoded)
     return qstate, tensors
@@ -41,15 +42,20 @@ class Keyframe:
     Args:
         path: the keyframe's checkpoint directory.
         verify: check every buffer's CRC-32 when its file is read.
+        max_expansion: the bound on what a rank file's compressed buffers may decode to,
+            times its size (:func:`tw_triton.format.read_file`); ``None`` lifts it.
 
     Raises:
         CheckpointError: the directory is not a complete tw_triton DCP checkpoint.
         ReferenceMismatchError: the directory is itself a delta (chains are not followed).
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, verify: bool = True, max_expansion: float | None = MAX_EXPANSION
+    ) -> None:
         self.path = os.fspath(path)
         self.verify = verify
+        self.max_expansion = max_expansion
         self.record: Record = read_record(self.path)
         if self.record.reference is not None:
             raise ReferenceMismatchError(
@@ -129,7 +135,7 @@ class Keyframe:
                 against.
         """
         path = os.path.join(self.path, name)
-        qstate = read_file(path, verify=self.verify)
+        qstate = read_file(path, verify=self.verify, max_expansion=self.max_expansion)
         if qstate.checkpoint_id != self.checkpoint_id:
             raise ReferenceMismatchError(
                 f"{path}: a file of checkpoint {qstate.checkpoint_id!r}, but reference "
@@ -139,11 +145,14 @@ class Keyframe:
         return tensors
 
 
-def open_reference(reference: str | os.PathLike | Keyframe | None) -> Keyframe | None:
-    """``reference`` as a :class:`Keyframe` (``None`` stays ``None``)."""
+def open_reference(
+    reference: str | os.PathLike | Keyframe | None, *, max_expansion: float | None = MAX_EXPANSION
+) -> Keyframe | None:
+    """``reference`` as a :class:`Keyframe` (``None`` stays ``None``; a path is opened with
+    ``max_expansion``)."""
     if reference is None or isinstance(reference, Keyframe):
         return reference
-    return Keyframe(reference)
+    return Keyframe(reference, max_expansion=max_expansion)
 
 
 __all__ = ["Keyframe", "open_reference", "decode_file"]

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CheckpointError, ReferenceMismatchError
-from ..format import read_file
+from ..format import MAX_EXPANSION, read_file
 from ..state import dequantize_state_dict
 from ..tree import flatten
 from .chunks import CHUNK_TABLE_KEY, is_delta_entry, nest
@@ -42,6 +42,9 @@ class StorageReader(FileSystemReader):
             default: the checkpoint with the recorded keyframe id, looked for beside
             ``path`` first, then at the recorded path (see :func:`find_keyframe`).
         verify: check per-buffer CRC-32 while reading.
+        max_expansion: the bound on what a file's compressed buffers may decode to, times
+            its size, checked before anything is decompressed (the keyframe's files too);
+            ``None`` lifts it (:func:`tw_triton.format.read_file`).
 
     Raises (during ``dcp.load``):
         CheckpointError: not a tw_triton DCP checkpoint (e.g. plain DCP), a missing rank
@@ -55,10 +58,12 @@ class StorageReader(FileSystemReader):
         *,
         reference: str | os.PathLike | Keyframe | None = None,
         verify: bool = True,
+        max_expansion: float | None = MAX_EXPANSION,
     ) -> None:
         super().__init__(path)
         self._reference_arg = reference
         self.verify = verify
+        self.max_expansion = max_expansion
         self._record = None
         self._keyframe: Keyframe | None = None
 
@@ -101,7 +106,7 @@ class StorageReader(FileSystemReader):
             if ref is None:
                 ref = find_keyframe(directory, rec.reference)
             try:
-                self._keyframe = open_reference(ref)
+                self._keyframe = open_reference(ref, max_expansion=self.max_expansion)
             except ReferenceMismatchError:
                 raise
             except CheckpointError as exc:
@@ -119,7 +124,7 @@ class StorageReader(FileSystemReader):
     def _decode(self, name: str) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
         rec = self._record
         path = os.path.join(os.fspath(self.path), name)
-        qstate = read_file(path, verify=self.verify)
+        qstate = read_file(path, verify=self.verify, max_expansion=self.max_expansion)
         if qstate.checkpoint_id != rec.checkpoint_id:
             raise CheckpointError(
                 f"{path}: file of checkpoint {qstate.checkpoint_id!r}, but {METADATA_NAME} "

@@ -241,3 +241,99 @@ def test_state_api_reads_device_flags_once_per_checkpoint_not_per_tensor(monkeyp
     assert len(batched) == 3, batched
     assert batched[1] >= 2 * len(coded) - 12  # flags of every coded tensor + delta fingerprints
     assert back["step"] == 7
+
+
+# Issue 29, item 11: a restore to CUDA leaves AdamW's 0-dim ``step`` tensors on the CPU, as
+# torch.optim's own load_state_dict does (capturable=False), so that later steps do not read
+# each one back from the GPU. "meta" stands in for the GPU: decoding to it is a real device
+# move on a machine without one.
+
+
+def _adamw_state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_optimizer_steps_decode_on_the_host_and_everything_else_on_the_device():
+    model, opt = _adamw_state()
+    q = tw_triton.quantize_state_dict({"model": model.state_dict(), "optim": opt.state_dict(), "step": 7})
+    steps = {f"optim/state/{i}/step" for i in range(4)}
+    from tw_triton.state.decode import host_leaf_paths
+
+    assert host_leaf_paths(q) == steps
+    back = tw_triton.dequantize_state_dict(q, device="meta")
+    for i, s in back["optim"]["state"].items():
+        assert s["step"].device.type == "cpu" and s["step"].dim() == 0, i
+        assert float(s["step"]) == float(opt.state_dict()["state"][i]["step"])
+        assert s["exp_avg"].device.type == "meta" and s["exp_avg_sq"].device.type == "meta", i
+    assert all(t.device.type == "meta" for t in back["model"].values())
+
+
+def test_only_optimizer_steps_stay_on_the_host(monkeypatch):
+    """A ``step`` outside an optimizer's ``state``, or not 0-dim, goes to the device; the
+    spy on ``Tensor.to`` sees every decoded tensor but the optimizer's steps moved."""
+    model, opt = _adamw_state()
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = torch.tensor([1.0, 2.0])  # not 0-dim: not a torch.optim step
+    state = {"optim": sd, "other": {"state": {0: {"step": torch.tensor(3.0)}}}, "step": torch.tensor(4.0)}
+    q = tw_triton.quantize_state_dict(state)
+    moved: list[tuple[torch.Size, str]] = []
+    real_to = torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        out = real_to(self, *args, **kwargs)
+        if out.device.type == "meta":
+            moved.append((tuple(self.shape), str(out.dtype)))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    back = tw_triton.dequantize_state_dict(q, device="meta")
+    assert back["optim"]["state"][0]["step"].device.type == "meta"
+    assert [back["optim"]["state"][i]["step"].device.type for i in (1, 2, 3)] == ["cpu"] * 3
+    assert back["other"]["state"][0]["step"].device.type == "meta"  # no param_groups beside it
+    assert back["step"].device.type == "meta"
+    assert ((), "torch.float32") in moved and (2,) in [s for s, _ in moved]
+
+
+def test_torch_optim_keeps_a_cpu_step_where_it_is_unless_capturable():
+    """The rule mirrored: load_state_dict moves exp_avg to the parameter's device but leaves
+    a non-capturable group's step as given; a capturable group's step it moves itself."""
+    for capturable, want in ((False, "cpu"), (True, "meta")):
+        model, opt = _adamw_state()  # a capturable AdamW cannot step on the CPU
+        sd = opt.state_dict()
+        sd["param_groups"][0]["capturable"] = capturable
+        for s in sd["state"].values():
+            s["step"] = s["step"].cpu()
+        model = model.to("meta")
+        fresh = torch.optim.AdamW(model.parameters(), capturable=capturable)
+        fresh.load_state_dict(sd)
+        for p in model.parameters():
+            assert fresh.state[p]["exp_avg"].device.type == "meta"
+            assert fresh.state[p]["step"].device.type == want, capturable
+
+
+def test_malformed_skeletons_place_nothing_on_the_host():
+    from tw_triton.qstate import QuantizedState
+    from tw_triton.state.decode import host_leaf_paths
+
+    for skeleton in (
+        None,
+        {"dict": "x"},
+        {"dict": [("param_groups", 1), ("state", {"dict": [(0, {"dict": [("step", 5)]}), 3]})]},
+        {
+            "list": [
+                {
+                    "dict": [
+                        ("param_groups", []),
+                        ("state", {"dict": [(0, {"dict": [("step", {"tensor": 1})]})]}),
+                    ]
+                }
+            ]
+        },
+    ):
+        q = QuantizedState(entries={}, skeleton=skeleton, checkpoint_id="c")
+        assert host_leaf_paths(q) == set(), skeleton

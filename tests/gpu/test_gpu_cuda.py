@@ -131,3 +131,28 @@ def test_encode_and_load_on_a_device_that_is_not_current(tmp_path):
     want = tw_triton.dequantize_state_dict(cpu)["model"]["w"]
     assert torch.equal(back["model"]["w"].cpu().view(torch.int16), want.view(torch.int16))
     assert torch.cuda.current_device() == 0
+
+
+def test_restore_to_cuda_keeps_adamw_steps_on_the_cpu(tmp_path):
+    """Issue 29, item 11: after a restore to CUDA the optimizer's 0-dim ``step`` tensors
+    are where torch.optim keeps them (the CPU), its moments on the GPU, and a later step
+    runs without reading a step back from the device."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    assert all(s["step"].device.type == "cpu" for s in opt.state.values())
+    with tw_triton.Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, model=model, optimizer=opt)
+    fresh_model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)).cuda()
+    fresh = torch.optim.AdamW(fresh_model.parameters())
+    with tw_triton.Checkpointer(tmp_path / "ck") as ck:
+        ck.restore(device="cuda", rng=False, model=fresh_model, optimizer=fresh)
+    for p in fresh_model.parameters():
+        assert fresh.state[p]["step"].device.type == "cpu"
+        assert float(fresh.state[p]["step"]) == 1.0
+        assert fresh.state[p]["exp_avg"].device.type == "cuda"
+    fresh_model(torch.randn(4, 64, device="cuda")).sum().backward()
+    fresh.step()
+    assert all(float(s["step"]) == 2.0 and s["step"].device.type == "cpu" for s in fresh.state.values())

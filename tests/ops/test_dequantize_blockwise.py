@@ -230,7 +230,20 @@ def test_numel_zero_and_one() -> None:
 
 
 def test_int64_offsets_past_2_31_and_2_32_elements() -> None:
-    run_offset_check("decode")
+    """Shifted pointers under the interpreter (8 windows, to 2**37 elements); real
+    allocations on a GPU (7 windows, up to 43 GiB each: see tests/_offsets64.py)."""
+    out = run_offset_check("decode")
+    if KERNEL_DEVICE.type == "cuda":
+        assert "checked 7 windows (real placement)" in out, out
+    else:
+        assert "checked 8 windows (shifted placement)" in out, out
+
+
+def test_int64_offset_check_with_real_allocations_runs_on_small_windows() -> None:
+    """The GPU variant's code (full-size buffers, NaN-filled around the window) end to
+    end through the child's command line, on windows a few tiles from the start."""
+    out = run_offset_check("decode", "--placement", "real", "--small")
+    assert "checked 8 windows (real placement)" in out, out
 
 
 def test_launcher_rejects_bad_buffers() -> None:

@@ -241,3 +241,183 @@ def test_state_api_reads_device_flags_once_per_checkpoint_not_per_tensor(monkeyp
     assert len(batched) == 3, batched
     assert batched[1] >= 2 * len(coded) - 12  # flags of every coded tensor + delta fingerprints
     assert back["step"] == 7
+
+
+# Issue 29, item 11: a restore to CUDA leaves AdamW's 0-dim ``step`` tensors on the CPU, as
+# torch.optim's own load_state_dict does (capturable=False), so that later steps do not read
+# each one back from the GPU. "meta" stands in for the GPU: decoding to it is a real device
+# move on a machine without one.
+
+
+def _adamw_state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_optimizer_steps_decode_on_the_host_and_everything_else_on_the_device():
+    model, opt = _adamw_state()
+    q = tw_triton.quantize_state_dict({"model": model.state_dict(), "optim": opt.state_dict(), "step": 7})
+    steps = {f"optim/state/{i}/step" for i in range(4)}
+    from tw_triton.state.decode import host_leaf_paths
+
+    assert host_leaf_paths(q) == steps
+    back = tw_triton.dequantize_state_dict(q, device="meta")
+    for i, s in back["optim"]["state"].items():
+        assert s["step"].device.type == "cpu" and s["step"].dim() == 0, i
+        assert float(s["step"]) == float(opt.state_dict()["state"][i]["step"])
+        assert s["exp_avg"].device.type == "meta" and s["exp_avg_sq"].device.type == "meta", i
+    assert all(t.device.type == "meta" for t in back["model"].values())
+
+
+def test_only_optimizer_steps_stay_on_the_host(monkeypatch):
+    """A ``step`` outside an optimizer's ``state``, or not 0-dim, goes to the device; the
+    spy on ``Tensor.to`` sees every decoded tensor but the optimizer's steps moved."""
+    model, opt = _adamw_state()
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = torch.tensor([1.0, 2.0])  # not 0-dim: not a torch.optim step
+    state = {"optim": sd, "other": {"state": {0: {"step": torch.tensor(3.0)}}}, "step": torch.tensor(4.0)}
+    q = tw_triton.quantize_state_dict(state)
+    moved: list[tuple[torch.Size, str]] = []
+    real_to = torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        out = real_to(self, *args, **kwargs)
+        if out.device.type == "meta":
+            moved.append((tuple(self.shape), str(out.dtype)))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    back = tw_triton.dequantize_state_dict(q, device="meta")
+    assert back["optim"]["state"][0]["step"].device.type == "meta"
+    assert [back["optim"]["state"][i]["step"].device.type for i in (1, 2, 3)] == ["cpu"] * 3
+    assert back["other"]["state"][0]["step"].device.type == "meta"  # no param_groups beside it
+    assert back["step"].device.type == "meta"
+    assert ((), "torch.float32") in moved and (2,) in [s for s, _ in moved]
+
+
+def test_torch_optim_keeps_a_cpu_step_where_it_is_unless_capturable():
+    """The rule mirrored: load_state_dict moves exp_avg to the parameter's device but leaves
+    a non-capturable group's step as given; a capturable group's step it moves itself."""
+    for capturable, want in ((False, "cpu"), (True, "meta")):
+        model, opt = _adamw_state()  # a capturable AdamW cannot step on the CPU
+        sd = opt.state_dict()
+        sd["param_groups"][0]["capturable"] = capturable
+        for s in sd["state"].values():
+            s["step"] = s["step"].cpu()
+        model = model.to("meta")
+        fresh = torch.optim.AdamW(model.parameters(), capturable=capturable)
+        fresh.load_state_dict(sd)
+        for p in model.parameters():
+            assert fresh.state[p]["exp_avg"].device.type == "meta"
+            assert fresh.state[p]["step"].device.type == want, capturable
+
+
+def test_malformed_skeletons_place_nothing_on_the_host():
+    from tw_triton.qstate import QuantizedState
+    from tw_triton.state.decode import host_leaf_paths
+
+    for skeleton in (
+        None,
+        {"dict": "x"},
+        {"dict": [("param_groups", 1), ("state", {"dict": [(0, {"dict": [("step", 5)]}), 3]})]},
+        {
+            "list": [
+                {
+                    "dict": [
+                        ("param_groups", []),
+                        ("state", {"dict": [(0, {"dict": [("step", {"tensor": 1})]})]}),
+                    ]
+                }
+            ]
+        },
+    ):
+        q = QuantizedState(entries={}, skeleton=skeleton, checkpoint_id="c")
+        assert host_leaf_paths(q) == set(), skeleton
+
+
+# Issue 29, item 4: on a GPU the int64-offset check (tests/_offsets64.py) uses real
+# allocations, since Triton's launcher rejects the shifted pointers the interpreter takes.
+# Its planner, its index math and its placement run here; the kernels at those offsets on
+# a GPU are checked by the kernel tests there (test_int64_offsets_past_2_31_and_2_32_elements).
+
+
+def _offsets64():
+    return importlib.import_module("_offsets64")
+
+
+def test_offset_windows_cross_the_32_bit_limits():
+    o64 = _offsets64()
+    for w in o64.windows():
+        assert w.elem0 % w.block == 0 and w.row0 >= 0
+        assert w.elem0 + 2 * w.tile <= w.start < w.n, w  # two whole tiles, then the tail
+        assert w.n - w.elem0 == w.m and w.m % w.tile != 0
+        elem = torch.empty(0, dtype=w.dtype).element_size()
+        assert w.elem0 < 2**31 * (w.start // 2**31) < w.n or w.first_byte >= 2**31, w
+        assert (w.n - 1) * elem >= 2**32  # the last element's byte offset needs 33 bits
+    crossings = sorted({w.start for w in o64.windows()})
+    assert crossings == [2**31, 2**32, 2**33 + 2**31, 2**37]
+    [blockwise] = [w for w in o64.windows() if w.start == 2**37]
+    assert blockwise.row0 >= 2**31  # the block index itself past int32
+    [codes] = [w for w in o64.windows() if w.start == 2**33 + 2**31]
+    assert codes.bits == 2 and codes.first_byte >= 2**31
+
+
+def test_device_windows_are_those_an_80_gb_gpu_can_allocate():
+    o64 = _offsets64()
+    device = o64.device_windows()
+    assert [w for w in o64.windows() if w not in device] == [w for w in o64.windows() if w.start == 2**37]
+    h100_free = 78 * o64.GIB
+    for op in ("encode", "decode"):
+        run, reasons = o64.plan(op, device, h100_free)
+        assert run == device and reasons == []
+        assert max(o64.bytes_needed(op, w) for w in device) < 44 * o64.GIB
+        big = [w for w in o64.windows() if w not in device][0]
+        assert o64.bytes_needed(op, big) > 128 * o64.GIB
+
+
+def test_offset_plan_names_the_windows_that_do_not_fit():
+    o64 = _offsets64()
+    run, reasons = o64.plan("encode", o64.device_windows(), 20 * o64.GIB)
+    assert [w.start for w in run] == [2**31] * 3
+    assert len(reasons) == 4 and all(r.startswith("not run: window (bits ") for r in reasons)
+    assert "GiB free" in reasons[0] and "20.0 GiB free" in reasons[-1]
+    run, reasons = o64.plan("decode", o64.device_windows(), o64.GIB)
+    assert run == [] and len(reasons) == len(o64.device_windows())
+
+
+@pytest.mark.parametrize("op", ["encode", "decode"])
+def test_real_placement_allocates_what_the_planner_counts_and_detects_a_misplaced_read(op, monkeypatch):
+    """The ``real`` placement on small windows, as on a GPU: every buffer a full-size
+    allocation, the planner's bytes exactly what it allocates, each window like the torch
+    path's; and a launch that reads one block off (what a wrapped offset does) differs."""
+    o64 = _offsets64()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    allocated: list[int] = []
+    real_place = o64.place
+
+    def counting(data, offset, total, dev, placement):
+        out = real_place(data, offset, total, dev, placement)
+        allocated.append(out[0].numel() * out[0].element_size())
+        assert out[0].numel() == total and torch.equal(out[1].cpu(), data)
+        return out
+
+    monkeypatch.setattr(o64, "place", counting)
+    gen = torch.Generator().manual_seed(0)
+    for w in o64.small_windows():
+        allocated.clear()
+        assert o64.check_window(op, w, device, "real", gen), w
+        assert sum(allocated) == o64.bytes_needed(op, w), w
+
+    name = "launch_quantize" if op == "encode" else "launch_dequantize"
+    real_launch = getattr(o64, name)
+
+    def off_by_one_block(*args):
+        first = args[0]
+        return real_launch(first[args[6] :], *args[1:])  # the first buffer read one block off
+
+    monkeypatch.setattr(o64, name, off_by_one_block)
+    assert not o64.check_window(op, o64.small_windows()[0], device, "real", gen)

@@ -133,3 +133,50 @@ def test_log2_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, variant:
     else:
         assert not [op for op in loads if op.endswith((".b8", ".b16"))], loads
         assert set(stores) == {"st.global.v4.b32"}, stores
+
+
+# Item 5 of issue 29: bit-exactness on subnormals is proven for triton >= 3.6 only (older
+# versions lowered ``tl.div_rn`` to ``div.rn.ftz.f32``). The PTX rules above check the
+# installed triton; the guard below refuses the older ones at the first CUDA tensor coded.
+
+
+@pytest.mark.parametrize("version", ["3.5.1", "3.2.0", "2.3.0", "3.5.0+git1234", "nightly"])
+def test_triton_guard_refuses_versions_before_3_6(version: str) -> None:
+    from tw_triton.errors import CheckpointError
+    from tw_triton.ops.backends.triton import check_triton_version
+
+    with pytest.raises(CheckpointError, match=re.escape(f"triton {version} is installed")) as info:
+        check_triton_version(version)
+    assert "triton>=3.6" in str(info.value)
+
+
+@pytest.mark.parametrize("version", ["3.6.0", "3.6.0+git5a4c1f2", "3.9.0", "3.10.1", "4.0.0"])
+def test_triton_guard_accepts_3_6_and_later(version: str) -> None:
+    from tw_triton.ops.backends.triton import check_triton_version
+
+    check_triton_version(version)
+
+
+def test_triton_guard_runs_before_the_kernels_are_returned(monkeypatch) -> None:
+    import triton
+
+    from tw_triton.errors import CheckpointError
+    from tw_triton.ops.backends import triton as backend
+
+    monkeypatch.setattr(backend, "_version_checked", [])
+    monkeypatch.setattr(triton, "__version__", "3.5.0")
+    with pytest.raises(CheckpointError, match="triton 3.5.0 is installed"):
+        backend.kernels()
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert backend.kernels().__name__.endswith("kernels")
+    assert backend._version_checked == [True]
+
+
+def test_the_installed_triton_is_the_one_the_ptx_rules_prove() -> None:
+    """The PTX checks (no ``.ftz`` anywhere, ``div.rn.f32``) ran with this triton, which
+    the guard accepts."""
+    import triton
+
+    from tw_triton.ops.backends.triton import check_triton_version
+
+    check_triton_version(triton.__version__)

@@ -170,6 +170,44 @@ def dequantize_entries(
     return {p: out[qstate.aliases.get(p, p)] for p in wanted}
 
 
+def host_leaf_paths(qstate: QuantizedState) -> set[str]:
+    """The entries decoded on the host whatever the device: numpy leaves, and the 0-dim
+    ``step`` of each parameter in an optimizer state dict (a dict with ``state`` and
+    ``param_groups``).
+
+    torch.optim keeps ``step`` on the CPU unless the group is capturable or fused, and its
+    ``load_state_dict`` moves state to the parameter's device except ``step`` for those
+    others (``Optimizer._process_value_according_to_param_policy``); a ``step`` loaded to
+    the GPU would cost a ``.item()`` sync per parameter at every later step.
+    """
+    out = set(skeleton_ndarray_paths(qstate.skeleton))
+    nodes = [qstate.skeleton]
+    while nodes:
+        node = nodes.pop()
+        pairs = _pairs(node)
+        state = next((v for k, v in pairs if k == "state"), None)
+        if any(k == "param_groups" for k, _ in pairs):
+            for _, param_state in _pairs(state):
+                for key, leaf in _pairs(param_state):
+                    path = leaf.get("tensor") if key == "step" and isinstance(leaf, dict) else None
+                    entry = qstate.entries.get(path) if isinstance(path, str) else None
+                    if entry is not None and tuple(entry.shape) == ():
+                        out.add(path)
+        nodes.extend(v for _, v in pairs)
+        if isinstance(node, dict):
+            nodes.extend(v for key in ("list", "tuple") if isinstance(node.get(key), list) for v in node[key])
+    return out
+
+
+def _pairs(node: Any) -> list[tuple[Any, Any]]:
+    # The (key, value) pairs of a skeleton's dict node; none for anything else (malformed
+    # nodes included: unflatten() reports those).
+    items = node.get("dict", node.get("odict")) if isinstance(node, dict) else None
+    if not isinstance(items, list):
+        return []
+    return [(p[0], p[1]) for p in items if isinstance(p, (list, tuple)) and len(p) == 2]
+
+
 def decode_entries(
     qstate: QuantizedState,
     only: set[str] | None,
@@ -215,8 +253,9 @@ def decode_entries(
             reference, qstate.reference_id, delta, dev, verify, where, ref_into, max_expansion
         )
 
-    # numpy leaves come back as arrays: decode them on the host, not via the GPU.
-    host_paths = set(skeleton_ndarray_paths(qstate.skeleton))
+    # numpy leaves come back as arrays: decode them on the host, not via the GPU; so do
+    # optimizers' 0-dim steps (see host_leaf_paths).
+    host_paths = host_leaf_paths(qstate)
     host = torch.device("cpu")
     total = len(qstate.entries)
     indexed = [(i, path) for i, path in enumerate(qstate.entries) if only is None or path in only]

@@ -8,6 +8,7 @@ the reference's bytes and values (docs/codecs.md, "Bit-exact across devices").
 
 from __future__ import annotations
 
+import re
 import types
 
 import torch
@@ -17,12 +18,39 @@ from ..layout import check_qmax
 
 DEVICE_TYPE = "cuda"
 
+# The oldest triton whose kernels are proven bit-exact with the CPU path: before 3.6,
+# ``tl.div_rn`` lowered to a flush-to-zero division (``div.rn.ftz.f32``), so a block with
+# subnormal values would encode differently from the CPU (tests/ops/test_ptx.py checks the
+# installed triton's PTX for ``.ftz``).
+MIN_TRITON = (3, 6)
+
+
+def check_triton_version(version: str) -> None:
+    """Raise :class:`CheckpointError` unless ``version`` (``triton.__version__``) is at
+    least :data:`MIN_TRITON`.
+
+    Raises:
+        CheckpointError: an older or unparseable version; the message names both.
+    """
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None or (int(m.group(1)), int(m.group(2))) < MIN_TRITON:
+        need = ".".join(map(str, MIN_TRITON))
+        raise CheckpointError(
+            f"coding a CUDA tensor needs triton>={need} (older versions flush subnormals to "
+            f"zero in the kernels' division, so the bytes would differ from the CPU path); "
+            f"triton {version} is installed: pip install 'triton>={need}'"
+        )
+
+
+_version_checked: list[bool] = []  # non-empty once the installed triton passed
+
 
 def kernels() -> types.ModuleType:
     """The module :mod:`tw_triton.kernels`, imported on first use.
 
     Raises:
-        CheckpointError: triton is not installed (a CUDA tensor cannot be coded without it).
+        CheckpointError: triton is not installed (a CUDA tensor cannot be coded without it),
+            or is older than :data:`MIN_TRITON`.
     """
     try:
         from ... import kernels as module
@@ -31,8 +59,13 @@ def kernels() -> types.ModuleType:
             raise
         raise CheckpointError(
             "coding a CUDA tensor needs triton, which is not installed here "
-            "(pip install 'triton>=3.2'; CPU tensors need no triton)"
+            "(pip install 'triton>=3.6'; CPU tensors need no triton)"
         ) from exc
+    if not _version_checked:
+        import triton  # imported by the kernels already
+
+        check_triton_version(triton.__version__)
+        _version_checked.append(True)
     return module
 
 

@@ -52,12 +52,14 @@ class Case:
     layout: str  # "contiguous", "transposed" or "offset"
     ref_dtype: torch.dtype | None  # None: no reference
     numel: int | None = None  # None: the default size for the block
+    extra: tuple[tuple[str, Any], ...] = ()  # more codec params (e.g. qmax), sorted
 
     def label(self) -> str:
         ref = "none" if self.ref_dtype is None else _short(self.ref_dtype)
         n = "" if self.numel is None else f" n={self.numel}"
+        more = "".join(f" {k}={v}" for k, v in self.extra)
         return (
-            f"{self.codec} bits={self.bits} block={self.block} {_short(self.dtype)} ref={ref} "
+            f"{self.codec} bits={self.bits} block={self.block}{more} {_short(self.dtype)} ref={ref} "
             f"{self.variant} {self.layout}{n}"
         )
 
@@ -172,7 +174,7 @@ def lay_out(t: torch.Tensor, layout: str, device: torch.device) -> torch.Tensor:
 # ------------------------------------------------------------------------------ compare
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> str | None:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """``None`` if ``a`` and ``b`` (CPU) hold the same bits, else a short description."""
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         return f"{a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
@@ -195,7 +197,7 @@ def run_case(codec: Codec, case: Case, device: torch.device, seed: int) -> list[
     x_cpu = lay_out(x_host, case.layout, torch.device("cpu"))
     ref_dev = None if ref_host is None else lay_out(ref_host, case.layout, device)
     ref_cpu = None if ref_host is None else lay_out(ref_host, case.layout, torch.device("cpu"))
-    params = codec.resolve_params({}, bits=case.bits, block=case.block)
+    params = codec.resolve_params(dict(case.extra), bits=case.bits, block=case.block)
     if not codec.accepts(x_cpu):
         return []
     use_ref = codec.uses_reference(params)
@@ -208,7 +210,7 @@ def run_case(codec: Codec, case: Case, device: torch.device, seed: int) -> list[
     for name in sorted(bufs_cpu):
         d = bufs_dev[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         c = bufs_cpu[name].detach().contiguous().reshape(-1).view(torch.uint8)
-        bad = _same_bits(d, c)
+        bad = same_bits(d, c)
         if bad:
             problems.append(f"buffer {name!r}: {bad}")
     if enc_dev.entry.params != enc_cpu.entry.params:
@@ -221,7 +223,7 @@ def run_case(codec: Codec, case: Case, device: torch.device, seed: int) -> list[
     dec_cpu = codec.decode(enc_cpu.entry, ref_cpu if use_ref else None, torch.device("cpu"), ctx)
     if dec_dev.device.type != device.type:
         problems.append(f"decoded on {dec_dev.device}, expected {device}")
-    bad = _same_bits(dec_dev.cpu(), dec_cpu)
+    bad = same_bits(dec_dev.cpu(), dec_cpu)
     if bad:
         problems.append(f"decoded tensor: {bad}")
     return problems
@@ -275,6 +277,20 @@ def plan(codecs: list[str], dry_run: bool) -> Iterator[Case]:
             yield Case(name, bits, block, dtype, "adversarial", "contiguous", ref_options(name, dtype)[-1])
 
 
+def plan_grid(grid: list[Any]) -> list[Case]:
+    """The smoke test's cases: each entry of the default kernel grid (``_precompile.Entry``:
+    the variants the presets launch) on random, adversarial and non-negative inputs, in the
+    sizes that launch whole tiles and a masked tail. The same fixed grid on every device."""
+    out = []
+    for e in grid:
+        extra = tuple((k, v) for k, v in e.params if k not in ("bits", "block", "packing"))
+        dtype = getattr(torch, e.dtype)
+        for variant in ("finite", "adversarial", "nonneg"):
+            ref = dtype if e.has_ref else None
+            out.append(Case(e.codec, e.bits, e.block, dtype, variant, "contiguous", ref, extra=extra))
+    return out
+
+
 def run_identity(
     device: torch.device,
     *,
@@ -282,12 +298,16 @@ def run_identity(
     budget_s: float,
     log: Callable[[str], None] = lambda _: None,
     codecs: list[str] | None = None,
+    cases: list[Case] | None = None,
 ) -> IdentityReport:
-    """Run the plan until done or ``budget_s`` is spent; a failure never stops the sweep."""
+    """Run the plan (or ``cases``) until done or ``budget_s`` is spent; a failure never
+    stops the sweep."""
     with_k, without = kernel_codecs()
     names = with_k if codecs is None else codecs
+    if cases is not None:
+        names = sorted({c.codec for c in cases})
     report = IdentityReport(codecs=names, without_kernel=without)
-    cases = list(plan(names, dry_run))
+    cases = list(plan(names, dry_run)) if cases is None else cases
     report.planned = len(cases)
     start = time.perf_counter()
     for i, case in enumerate(cases):

@@ -1,29 +1,33 @@
-"""The GPU validation in one command: correctness, throughput and end to end, one report.
+"""The GPU validation in three phases, each one command of under 8 minutes.
 
-Run ``bash benchmarks/gpu/validate.sh`` (installs what is missing, then runs this) or
-``python benchmarks/gpu/validate.py``. Steps, in this order:
+Run ``bash benchmarks/gpu/validate.sh --phase P`` (installs offline what is missing, then
+runs this) or ``python benchmarks/gpu/validate.py --phase P``; docs/gpu-validation.md.
 
-(b) ``identity``     device vs CPU byte identity of every codec with a kernel (``_identity.py``)
-(e) ``concurrency``  saves while training overwrites the state (``_end_to_end.py``)
-(a) ``pytest``       ``pytest -m cuda tests``: every CUDA test; a skip with a GPU fails
-(c) ``throughput``   codecs beside a device-to-device copy (``_throughput.py``)
-(d) ``end_to_end``   a ~2.2 GB transformer + AdamW state: save/load vs torch, safetensors, DCP
+``smoke`` (1, at most 3 minutes): the essentials, its table written before anything runs
+  ``precompile``     the kernel variants every preset uses, compiled by a process pool
+  ``identity_grid``  device vs CPU byte identity on that grid, random and adversarial inputs
+  ``save_load``      a real model state saved and loaded on the device, decoded as on the CPU
+``kernels`` (2): ``precompile_all`` (also the sweep's variants), ``identity`` (the full
+  sweep, ``_identity.py``), ``pytest`` (``-m cuda``; a skip with a GPU fails), ``throughput``
+``end-to-end`` (3): ``concurrency`` (saves while training overwrites the state) and
+  ``end_to_end`` (a ~2.2 GB transformer + AdamW: save/load vs torch, safetensors, DCP)
 
-Correctness first: if time is short, the steps that can fail the run have run. Each step has
-a time budget (``--budget-scale`` stretches them all); the defaults sum to under 8 minutes on
-one H100 by design, not by measurement (no GPU was available when this was written).
+Without ``--phase`` all three run in order. Each step has a time budget (``--budget-scale``
+stretches them) and each phase one (``PHASES``): a step is not started when its budget
+would overrun the phase's, and the table says so. The budgets fit one H100 by design, not
+by measurement (no GPU was available when this was written).
 
-Everything goes to ``benchmarks/results/gpu/<device-name-slug>/``: ``results.json`` (all
-numbers), ``summary.md`` (the PASS/FAIL table and the tables), ``pytest.log`` and
-``pytest.xml``. A rerun replaces them (idempotent); checkpoints are written to a temporary
-directory that is removed at the end. The exit status is 0 only when every correctness step
-passed (``identity``, ``concurrency``, ``pytest``, and the timing steps ran to completion);
-performance goals are reported beside them and fail the run only with ``--strict-goals``.
+Results go to ``--out``, else ``$OUT`` when set, else ``benchmarks/results/gpu/<device>/``:
+``summary-<phase>.md`` (the table), ``results-<phase>.json`` and ``steps-<phase>.jsonl``
+(one line per finished step, flushed as it finishes: a command killed at its limit still
+returns what it did), and for phase 2 ``pytest.log`` and ``pytest.xml``; without
+``--phase`` the names are ``summary.md``, ``results.json`` and ``steps.jsonl``. A rerun of a
+phase replaces its files. The exit status is 0 only when every step passed; performance
+goals fail the run only with ``--strict-goals``.
 
 Without CUDA, or with ``--dry-run``, every step runs on the CPU through the same code with
-tiny sizes (the pytest step only collects ``-m cuda``): the results then go to
-``benchmarks/results/gpu/cpu-dry-run/`` (or ``--out``) and are marked ``dry_run``, and
-``make_results.py`` ignores them.
+tiny sizes (precompile lists its grid, pytest only collects): results then go to
+``benchmarks/results/gpu/cpu-dry-run/`` (or ``--out``/``$OUT``), marked ``dry_run``.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import _end_to_end  # noqa: E402
 import _identity  # noqa: E402
+import _precompile  # noqa: E402
+import _smoke  # noqa: E402
 import _throughput  # noqa: E402
 import torch  # noqa: E402
 from harness.common import device_slug as slug  # noqa: E402
@@ -60,8 +66,26 @@ RESULTS_ROOT = REPO / "benchmarks" / "results" / "gpu"
 DRY_RUN_SLUG = "cpu-dry-run"
 
 # Seconds per step on a GPU (x --budget-scale). Steps check the clock between cases; the
-# pytest step is killed at its budget.
-BUDGETS = {"identity": 150.0, "concurrency": 40.0, "pytest": 170.0, "throughput": 50.0, "end_to_end": 70.0}
+# pytest step is killed at its budget; precompile and the save/load steps run to the end.
+BUDGETS = {
+    "precompile": 60.0,
+    "identity_grid": 50.0,
+    "save_load": 40.0,
+    "precompile_all": 90.0,
+    "identity": 140.0,
+    "pytest": 150.0,
+    "throughput": 50.0,
+    "concurrency": 40.0,
+    "end_to_end": 300.0,
+}
+# The phases: steps in order and the phase's own budget in seconds (x --budget-scale), under
+# the 10-minute limit of one command with room for the install and the interpreter start.
+PHASES: dict[str, tuple[tuple[str, ...], float]] = {
+    "smoke": (("precompile", "identity_grid", "save_load"), 170.0),
+    "kernels": (("precompile_all", "identity", "pytest", "throughput"), 450.0),
+    "end-to-end": (("concurrency", "end_to_end"), 420.0),
+}
+PHASE_ALIASES = {"1": "smoke", "2": "kernels", "3": "end-to-end", "end_to_end": "end-to-end"}
 
 
 @dataclass
@@ -77,6 +101,17 @@ class Step:
     goal: str | None = None  # "MET", "MISSED" or None (no goal, or not on a GPU)
 
 
+@dataclass
+class Ctx:
+    """What a step runs with."""
+
+    device: torch.device
+    dry: bool
+    budget: float
+    work: Path
+    out: Path
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -84,9 +119,67 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------ steps
 
 
+def step_precompile(c: Ctx, grid: list[_precompile.Entry] | None = None) -> Step:
+    s = Step("precompile", "(1) precompile the kernel variants the presets use, in parallel")
+    grid = _precompile.default_grid() if grid is None else grid
+    r = _precompile.precompile(grid, c.device, budget_s=c.budget)
+    s.data = r
+    s.status = "PASS" if grid else "FAIL"
+    if r["ran"]:
+        done = len(r["seconds"])
+        s.detail = f"{done} of {len(grid)} grid entries in {r['workers']} processes, {r['wall_s']} s"
+        if done < len(grid):
+            s.status, s.detail = "INCOMPLETE", s.detail + " (budget spent: the rest compiles on first use)"
+    else:
+        s.detail = f"{len(grid)} grid entries listed in {r['workers']} shares; nothing compiles here"
+    return s
+
+
+def step_precompile_all(c: Ctx) -> Step:
+    cases = list(_identity.plan(_identity.kernel_codecs()[0], c.dry))
+    extra = {
+        _precompile.Entry(
+            k.codec,
+            tuple(sorted({"bits": k.bits, "block": k.block, **dict(k.extra)}.items())),
+            str(k.dtype).removeprefix("torch."),
+            k.ref_dtype is not None,
+        ): None
+        for k in cases
+        if k.layout == "contiguous" and k.ref_dtype in (None, k.dtype)
+    }
+    grid = list(dict.fromkeys(_precompile.default_grid() + list(extra)))
+    s = step_precompile(c, grid)
+    s.name, s.title = "precompile_all", "(2) precompile the grid and the identity sweep's variants"
+    return s
+
+
+def step_identity_grid(c: Ctx) -> Step:
+    cases = _identity.plan_grid(_precompile.default_grid())
+    rep = _identity.run_identity(c.device, dry_run=c.dry, budget_s=c.budget, log=log, cases=cases)
+    s = _identity_step(rep)
+    s.name, s.title = "identity_grid", "(1) device vs CPU byte identity on the default grid"
+    return s
+
+
+def step_save_load(c: Ctx) -> Step:
+    s = Step("save_load", "(1) a model state saved and loaded on the device, as on the CPU")
+    r = _smoke.save_load_once(c.device, c.work, size="tiny" if c.dry else "medium", log=log)
+    s.data = r
+    if r["problem_count"]:
+        s.status, s.detail = "FAIL", f"{r['problem_count']} problem(s); first: {r['problems'][0]}"
+    else:
+        s.status = "PASS"
+        s.detail = f"{r['parameters'] / 1e6:.1f} M parameters, keyframe and delta: {r['tensors_compared']} tensors identical"
+    return s
+
+
 def step_identity(device: torch.device, dry: bool, budget: float, work: Path) -> Step:
-    s = Step("identity", "(b) device vs CPU byte identity, every codec with a kernel")
     rep = _identity.run_identity(device, dry_run=dry, budget_s=budget, log=log)
+    return _identity_step(rep)
+
+
+def _identity_step(rep: _identity.IdentityReport) -> Step:
+    s = Step("identity", "(b) device vs CPU byte identity, every codec with a kernel")
     s.data = _identity.as_json(rep)
     if not rep.codecs:
         s.status, s.detail = "FAIL", "no registered codec declares a kernel"
@@ -286,13 +379,54 @@ def device_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def write_report(out: Path, steps: list[Step], info: dict[str, Any], dry: bool, started: float) -> None:
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a kill mid-write leaves the last one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def append_row(path: Path, step: Step) -> None:
+    """One finished step as a JSON line, flushed to the disk before the next step starts."""
+    row = {"name": step.name, "title": step.title, "status": step.status, "goal": step.goal}
+    row.update(seconds=round(step.seconds, 2), detail=step.detail, data=step.data)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def report_names(phase: str) -> dict[str, str]:
+    """File names of a phase's results (``all``: the names of the one-command run)."""
+    suffix = "" if phase == "all" else f"-{phase}"
+    return {
+        k: f"{k}{suffix}.{ext}" for k, ext in (("summary", "md"), ("results", "json"), ("steps", "jsonl"))
+    }
+
+
+def write_report(
+    out: Path,
+    steps: list[Step],
+    info: dict[str, Any],
+    dry: bool,
+    started: float,
+    phase: str = "all",
+    planned: list[str] | None = None,
+) -> None:
+    """The table and the JSON of the steps so far; the planned ones not run yet as PENDING."""
+    done = {s.name for s in steps}
+    pending = [Step(n, n, "PENDING", detail="not run yet") for n in (planned or []) if n not in done]
+    names = report_names(phase)
     payload = {
         "dry_run": dry,
+        "phase": phase,
         "device": info,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "seconds": round(time.time() - started, 1),
-        "passed": all(s.status == "PASS" for s in steps),
+        "passed": bool(steps) and not pending and all(s.status == "PASS" for s in steps),
         "steps": {
             s.name: {
                 "title": s.title,
@@ -302,10 +436,10 @@ def write_report(out: Path, steps: list[Step], info: dict[str, Any], dry: bool, 
                 "detail": s.detail,
                 "data": s.data,
             }
-            for s in steps
+            for s in steps + pending
         },
     }
-    (out / "results.json").write_text(json.dumps(payload, indent=1, default=str) + "\n", encoding="utf-8")
+    _replace(out / names["results"], json.dumps(payload, indent=1, default=str) + "\n")
     by = {s.name: s for s in steps}
     md = [
         f"# GPU validation: {info['device_name']}",
@@ -317,10 +451,11 @@ def write_report(out: Path, steps: list[Step], info: dict[str, Any], dry: bool, 
             f"compute capability {info.get('capability')}."
         ),
         "",
-        f"Overall: **{'PASS' if payload['passed'] else 'FAIL'}** in {payload['seconds']} s "
-        f"(`python benchmarks/gpu/validate.py{' --dry-run' if dry else ''}`).",
+        f"Overall: **{'PASS' if payload['passed'] else 'RUNNING' if pending else 'FAIL'}** in "
+        f"{payload['seconds']} s (`python benchmarks/gpu/validate.py"
+        f"{'' if phase == 'all' else ' --phase ' + phase}{' --dry-run' if dry else ''}`).",
         "",
-        status_table(steps),
+        status_table(steps + pending),
     ]
     if "throughput" in by and by["throughput"].data:
         md += [
@@ -340,67 +475,113 @@ def write_report(out: Path, steps: list[Step], info: dict[str, Any], dry: bool, 
             "",
             f"Goals: {json.dumps(by['end_to_end'].data.get('goals'))}",
         ]
-    (out / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    _replace(out / names["summary"], "\n".join(md) + "\n")
 
 
 # ------------------------------------------------------------------------------ main
 
 
+RUNNERS: dict[str, Callable[[Ctx], Step]] = {
+    "precompile": step_precompile,
+    "identity_grid": step_identity_grid,
+    "save_load": step_save_load,
+    "precompile_all": step_precompile_all,
+    "identity": lambda c: step_identity(c.device, c.dry, c.budget, c.work),
+    "pytest": lambda c: step_pytest(c.device, c.dry, c.budget, c.work, c.out),
+    "throughput": lambda c: step_throughput(c.device, c.dry, c.budget, c.work),
+    "concurrency": lambda c: step_concurrency(c.device, c.dry, c.budget, c.work),
+    "end_to_end": lambda c: step_end_to_end(c.device, c.dry, c.budget, c.work),
+}
+
+
+def plan_phase(phase: str, steps: str | None) -> tuple[list[str], float]:
+    """The steps of ``phase`` (``all``: every phase in order) and its budget in seconds."""
+    if phase == "all":
+        names = [n for p in PHASES.values() for n in p[0]]
+        budget = sum(p[1] for p in PHASES.values())
+    else:
+        names, budget = list(PHASES[phase][0]), PHASES[phase][1]
+    if steps:
+        names = [n.strip() for n in steps.split(",") if n.strip()]
+    return names, budget
+
+
+def results_dir(arg: Path | None, dry: bool, device_name: str) -> Path:
+    """``--out``, else ``$OUT`` (what comes back from a lent GPU machine), else by device."""
+    if arg is not None:
+        return arg
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"])
+    return RESULTS_ROOT / (DRY_RUN_SLUG if dry else slug(device_name))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--phase", default="all", help="smoke|kernels|end-to-end (or 1|2|3); default all")
     p.add_argument("--dry-run", action="store_true", help="run on the CPU with tiny sizes")
-    p.add_argument("--out", type=Path, default=None, help="results folder (default: by device name)")
-    p.add_argument(
-        "--steps",
-        default="identity,concurrency,pytest,throughput,end_to_end",
-        help="comma-separated subset, in the order given",
-    )
-    p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every step's time budget")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default: $OUT, else by device)")
+    p.add_argument("--steps", default=None, help="comma-separated subset, in the order given")
+    p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every time budget")
+    p.add_argument("--phase-budget", type=float, default=None, help="the phase's budget in seconds")
     p.add_argument("--strict-goals", action="store_true", help="a missed performance goal fails the run")
     args = p.parse_args(argv)
+    phase = PHASE_ALIASES.get(args.phase, args.phase)
+    if phase != "all" and phase not in PHASES:
+        p.error(f"unknown phase {args.phase!r}; phases: {', '.join(PHASES)} (or 1, 2, 3)")
+    names, phase_budget = plan_phase(phase, args.steps)
+    unknown = [n for n in names if n not in RUNNERS]
+    if unknown:
+        p.error(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join(RUNNERS)}")
+    phase_budget = (args.phase_budget or phase_budget) * args.budget_scale
 
     dry = args.dry_run or not torch.cuda.is_available()
     if not args.dry_run and dry:
         log("no CUDA device: running the dry run on the CPU")
     device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
     info = device_info(device)
-    out = args.out or RESULTS_ROOT / (DRY_RUN_SLUG if dry else slug(info["device_name"]))
+    out = results_dir(args.out, dry, info["device_name"])
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("results.json", "summary.md", "pytest.log", "pytest.xml"):
-        (out / stale).unlink(missing_ok=True)
+    files = report_names(phase)
+    stale = list(files.values()) + (["pytest.log", "pytest.xml"] if "pytest" in names else [])
+    for name in stale:
+        (out / name).unlink(missing_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tw-validate-"))
     started = time.time()
-    runners: dict[str, Callable[..., Step]] = {
-        "identity": step_identity,
-        "concurrency": step_concurrency,
-        "pytest": lambda d, dr, b, w: step_pytest(d, dr, b, w, out),
-        "throughput": step_throughput,
-        "end_to_end": step_end_to_end,
-    }
+    clock0 = time.perf_counter()
     steps: list[Step] = []
+    # The table first, every step PENDING: a command killed at once still says what it planned.
+    write_report(out, steps, info, dry, started, phase, names)
     try:
-        for name in [n.strip() for n in args.steps.split(",") if n.strip()]:
-            if name not in runners:
-                p.error(f"unknown step {name!r}; steps: {', '.join(runners)}")
+        for name in names:
             budget = BUDGETS[name] * args.budget_scale
-            log(f"--- {name} (budget {budget:.0f} s)")
-            t0 = time.perf_counter()
-            try:
-                step = runners[name](device, dry, budget, work)
-            except Exception as exc:  # noqa: BLE001 - one broken step must not hide the others
-                step = Step(
-                    name,
-                    name,
-                    "FAIL",
-                    detail=f"raised {type(exc).__name__}: {exc}",
-                    data={"traceback": traceback.format_exc()},
+            elapsed = time.perf_counter() - clock0
+            if elapsed + budget > phase_budget:
+                step = Step(name, name, "SKIPPED")
+                step.detail = (
+                    f"phase budget: {phase_budget - elapsed:.0f} of {phase_budget:.0f} s left, "
+                    f"the step's budget is {budget:.0f} s"
                 )
-                log(traceback.format_exc())
-            step.seconds = time.perf_counter() - t0
+                log(f"--- {name}: skipped ({step.detail})")
+            else:
+                log(f"--- {name} (budget {budget:.0f} s)")
+                t0 = time.perf_counter()
+                try:
+                    step = RUNNERS[name](Ctx(device, dry, budget, work, out))
+                except Exception as exc:  # noqa: BLE001 - one broken step must not hide the others
+                    step = Step(
+                        name,
+                        name,
+                        "FAIL",
+                        detail=f"raised {type(exc).__name__}: {exc}",
+                        data={"traceback": traceback.format_exc()},
+                    )
+                    log(traceback.format_exc())
+                step.seconds = time.perf_counter() - t0
             steps.append(step)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            write_report(out, steps, info, dry, started)  # partial results survive a crash
+            append_row(out / files["steps"], step)
+            write_report(out, steps, info, dry, started, phase, names)  # partial results survive a kill
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(status_table(steps))
@@ -408,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [s for s in steps if s.status != "PASS"]
     missed = [s for s in steps if s.goal == "MISSED"]
     print(
-        "VALIDATION "
+        f"VALIDATION{'' if phase == 'all' else ' ' + phase} "
         + ("FAILED: " + ", ".join(s.name for s in failed) if failed else "PASSED")
         + (f"; goals missed: {', '.join(s.name for s in missed)}" if missed else "")
     )

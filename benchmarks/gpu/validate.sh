@@ -1,28 +1,27 @@
 #!/usr/bin/env bash
-# The GPU validation in one command (see validate.py): installs what is missing, then runs
-# every step and writes benchmarks/results/gpu/<device>/. Non-interactive and idempotent.
-#   bash benchmarks/gpu/validate.sh              # on a GPU machine
-#   bash benchmarks/gpu/validate.sh --dry-run    # anywhere: the CPU dry run
+# The GPU validation in three commands of under 8 minutes each (see validate.py and
+# docs/gpu-validation.md): installs offline what is missing, then runs one phase.
+#   bash benchmarks/gpu/validate.sh --phase smoke        # 1: <= 3 min, the essentials
+#   bash benchmarks/gpu/validate.sh --phase kernels      # 2: identity sweep, pytest -m cuda, throughput
+#   bash benchmarks/gpu/validate.sh --phase end-to-end   # 3: concurrency, the 2.2 GB state
+#   bash benchmarks/gpu/validate.sh --dry-run            # anywhere: the CPU dry run, every phase
+# Results go to $OUT when it is set, else benchmarks/results/gpu/<device>/. Never reaches
+# the network: wheels come from .whl/ (tools/gpu_wheels.sh), see install.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PY="${PYTHON:-python}"
+export PYTHON="${PYTHON:-python3}"
 
 # torch (a CUDA build) must be there already: installing it here would fetch GBs, or a CPU build.
-"$PY" -c "import torch" || { echo "validate.sh: torch is not installed" >&2; exit 2; }
+"$PYTHON" -c "import torch" || { echo "validate.sh: torch is not installed" >&2; exit 2; }
 
-# The project and its test extra. Installed only when something is missing, so a rerun
-# changes nothing. An install of another checkout is left alone (it may be someone else's):
-# this checkout's package then comes first on the path, with a warning.
-if ! "$PY" -c "import hypothesis, pytest, safetensors, triton, tw_triton.kernels" 2>/dev/null; then
-    echo "validate.sh: installing this checkout with its test extra" >&2
-    # Offline first (the build backend already installed), then with build isolation.
-    "$PY" -m pip install --quiet --no-build-isolation -e ".[test]" \
-        || "$PY" -m pip install --quiet -e ".[test]"
+# The offline install (idempotent: a rerun finds everything and installs only .whl/ again).
+if ! "$PYTHON" -c "import hypothesis, pytest, safetensors, triton, zstandard, tw_triton.kernels" 2>/dev/null; then
+    bash benchmarks/gpu/install.sh
 fi
-where="$("$PY" -c "import pathlib, tw_triton.kernels as k; print(pathlib.Path(k.__file__).resolve().parent.parent)")"
+where="$("$PYTHON" -c "import pathlib, tw_triton.kernels as k; print(pathlib.Path(k.__file__).resolve().parent.parent)")"
 if [ "$where" != "$(pwd -P)" ]; then
     echo "validate.sh: warning: tw_triton.kernels comes from $where, not this checkout" >&2
     export PYTHONPATH="$(pwd -P)${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-exec "$PY" benchmarks/gpu/validate.py "$@"
+exec "$PYTHON" benchmarks/gpu/validate.py "$@"

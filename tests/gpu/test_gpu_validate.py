@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,8 @@ sys.path.insert(0, str(GPU_DIR))
 
 import _end_to_end  # noqa: E402
 import _identity  # noqa: E402
+import _precompile  # noqa: E402
+import validate  # noqa: E402
 
 
 def _env() -> dict[str, str]:
@@ -58,7 +61,9 @@ def test_dry_run_passes_and_writes_its_report(dry_run):
     result = json.loads((out / "results.json").read_text())
     assert result["dry_run"] is True and result["passed"] is True
     steps = result["steps"]
-    assert list(steps) == ["identity", "concurrency", "pytest", "throughput", "end_to_end"]
+    assert list(steps) == [
+        n for phase in ("smoke", "kernels", "end-to-end") for n in validate.PHASES[phase][0]
+    ]
     assert all(s["status"] == "PASS" for s in steps.values())
     ident = steps["identity"]["data"]
     assert set(ident["codecs"]) >= {"blockwise", "log2"} and "exact" in ident["codecs_without_kernel"]
@@ -67,6 +72,10 @@ def test_dry_run_passes_and_writes_its_report(dry_run):
     assert steps["concurrency"]["data"]["runs"][1]["device_branch_forced"] is True
     summary = (out / "summary.md").read_text()
     assert "Dry run on the CPU" in summary and "| **PASS** |" in summary
+    rows = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in rows] == list(steps)
+    assert steps["identity_grid"]["data"]["cases_run"] == 3 * len(_precompile.default_grid())
+    assert steps["save_load"]["data"]["tensors_compared"] > 0
 
 
 def test_results_page_shows_gpu_runs_and_says_not_run_otherwise(dry_run, tmp_path):
@@ -269,3 +278,206 @@ def test_cuda_marker_skips_without_a_gpu_and_fails_a_skip_with_one(tmp_path):
     assert with_gpu.returncode == 1, with_gpu.stdout
     assert "1 failed, 1 passed" in with_gpu.stdout
     assert "skipped although a CUDA device is present" in with_gpu.stdout
+
+
+# ------------------------------------------------------------------ issue 29: install, phases, grid
+
+
+def test_install_step_installs_a_wheel_folder_offline_into_a_target(tmp_path):
+    """install.sh's wheel step, as validate.sh runs it on the GPU machine, with pip
+    --no-index --no-deps: a wheel built here from a tiny local package lands in the target
+    and imports from there; a module nothing provides is named as missing."""
+    src = tmp_path / "src"
+    (src / "tw_tiny_wheel").mkdir(parents=True)
+    (src / "tw_tiny_wheel" / "__init__.py").write_text("VALUE = 29\n")
+    (src / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "tw-tiny-wheel"\nversion = "0.1"\n'
+    )
+    wheels = tmp_path / "whl"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--no-build-isolation"]
+        + ["-w", str(wheels), str(src)],
+        check=True,
+        timeout=120,
+    )
+    assert [p.suffix for p in wheels.iterdir()] == [".whl"]
+    env = dict(_env(), PYTHON=sys.executable, INSTALL_CHECK="tw_tiny_wheel", PIP_NO_INDEX="1")
+    target = tmp_path / "site"
+    cmd = [
+        "bash",
+        str(GPU_DIR / "install.sh"),
+        "--wheels",
+        str(wheels),
+        "--target",
+        str(target),
+        "--no-project",
+    ]
+    ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "installing 1 wheel(s)" in ok.stderr and "ok (tw_tiny_wheel import)" in ok.stderr
+    probe = "import tw_tiny_wheel as m; print(m.VALUE, m.__file__)"
+    got = subprocess.run(
+        [sys.executable, "-c", probe], env=dict(env, PYTHONPATH=str(target)), capture_output=True, text=True
+    )
+    assert got.stdout.split()[0] == "29" and got.stdout.split()[1].startswith(str(target)), got.stderr
+    env["INSTALL_CHECK"] = "tw_tiny_wheel tw_not_in_any_wheel"
+    bad = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 4 and "MISSING after the offline install: tw_not_in_any_wheel" in bad.stderr
+
+
+def test_wheel_script_and_validate_sh_never_reach_the_network():
+    wheels = (REPO / "tools" / "gpu_wheels.sh").read_text()
+    assert "--only-binary=:all:" in wheels and "--python-version 3.12" in wheels and "--no-deps" in wheels
+    assert "--platform manylinux2014_x86_64" in wheels and '"zstandard==' in wheels
+    install = (GPU_DIR / "install.sh").read_text()
+    assert "pip install --quiet --no-index --no-deps" in install and "--no-build-isolation -e ." in install
+    sh = (GPU_DIR / "validate.sh").read_text()
+    assert "pip install" not in sh and "install.sh" in sh
+    assert ".whl/" in (REPO / ".gitignore").read_text()
+
+
+def test_phases_split_every_step_in_three_and_fit_their_limits():
+    all_steps = [n for steps, _ in validate.PHASES.values() for n in steps]
+    assert sorted(all_steps) == sorted(validate.RUNNERS) and len(set(all_steps)) == len(all_steps)
+    assert list(validate.PHASES) == ["smoke", "kernels", "end-to-end"]
+    assert validate.PHASES["smoke"][1] <= 180 and all(b < 480 for _, b in validate.PHASES.values())
+    for steps, budget in validate.PHASES.values():
+        assert sum(validate.BUDGETS[n] for n in steps) <= budget, steps
+    for alias, phase in (("1", "smoke"), ("2", "kernels"), ("3", "end-to-end")):
+        assert validate.PHASE_ALIASES[alias] == phase
+    assert validate.plan_phase("smoke", None) == (["precompile", "identity_grid", "save_load"], 170.0)
+    assert validate.plan_phase("all", None)[0] == all_steps
+
+
+def _run_validate(args: list[str], env_extra: dict[str, str], code: str | None = None):
+    env = dict(_env(), **env_extra)
+    cmd = [sys.executable, str(GPU_DIR / "validate.py"), *args]
+    if code is not None:  # run main() after ``code`` (e.g. a runner replaced)
+        prog = f"import sys; sys.path.insert(0, {str(GPU_DIR)!r}); import os, validate\n{code}\n"
+        prog += f"sys.exit(validate.main({args!r}))"
+        cmd = [sys.executable, "-c", prog]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_smoke_phase_goes_to_out_and_writes_only_its_files(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _run_validate(["--phase", "1", "--dry-run"], {"OUT": str(out)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "VALIDATION smoke PASSED" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
+        "results-smoke.json",
+        "steps-smoke.jsonl",
+        "summary-smoke.md",
+    ]
+    result = json.loads((out / "results-smoke.json").read_text())
+    assert result["phase"] == "smoke" and list(result["steps"]) == [
+        "precompile",
+        "identity_grid",
+        "save_load",
+    ]
+    assert result["steps"]["precompile"]["data"]["grid"] == [e.label() for e in _precompile.default_grid()]
+
+
+def test_a_run_killed_midway_leaves_the_finished_rows_and_the_plan(tmp_path):
+    """The table is written before the first step, and each finished step's row is on the
+    disk before the next starts: a process that dies in step 2 returns step 1's result."""
+    out = tmp_path / "partial"
+    code = "validate.RUNNERS['identity_grid'] = lambda c: os._exit(7)"
+    proc = _run_validate(["--phase", "smoke", "--dry-run", "--out", str(out)], {}, code)
+    assert proc.returncode == 7, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "steps-smoke.jsonl").read_text().splitlines()]
+    assert [(r["name"], r["status"]) for r in rows] == [("precompile", "PASS")]
+    result = json.loads((out / "results-smoke.json").read_text())
+    status = {n: s["status"] for n, s in result["steps"].items()}
+    assert status == {"precompile": "PASS", "identity_grid": "PENDING", "save_load": "PENDING"}
+    assert result["passed"] is False
+    summary = (out / "summary-smoke.md").read_text()
+    assert "Overall: **RUNNING**" in summary and summary.count("| **PENDING** |") == 2
+    assert not list(out.glob("*.tmp"))
+
+
+def test_a_step_that_raises_fails_and_the_phase_goes_on(tmp_path):
+    out = tmp_path / "raised"
+    code = "def boom(c):\n    raise RuntimeError('injected')\nvalidate.RUNNERS['identity_grid'] = boom"
+    proc = _run_validate(["--phase", "smoke", "--dry-run", "--out", str(out)], {}, code)
+    assert proc.returncode == 1
+    steps = json.loads((out / "results-smoke.json").read_text())["steps"]
+    assert steps["identity_grid"]["status"] == "FAIL" and "injected" in steps["identity_grid"]["detail"]
+    assert steps["save_load"]["status"] == "PASS"
+
+
+def test_the_phase_budget_stops_starting_steps(tmp_path, monkeypatch):
+    ran = []
+
+    def fake(name):
+        def run(c):
+            ran.append(name)
+            time.sleep(0.2)
+            return validate.Step(name, name, "PASS")
+
+        return run
+
+    for name in validate.PHASES["smoke"][0]:
+        monkeypatch.setitem(validate.RUNNERS, name, fake(name))
+    # The time spent so far plus a step's budget must fit the phase's: after precompile's
+    # 0.2 s, identity_grid's 99.9 s does not fit 100 s, save_load's 40 s does.
+    monkeypatch.setitem(validate.BUDGETS, "identity_grid", 99.9)
+    rc = validate.main(["--phase", "smoke", "--dry-run", "--out", str(tmp_path), "--phase-budget", "100"])
+    assert rc == 1 and ran == ["precompile", "save_load"]
+    steps = json.loads((tmp_path / "results-smoke.json").read_text())["steps"]
+    assert [s["status"] for s in steps.values()] == ["PASS", "SKIPPED", "PASS"]
+    assert "phase budget" in steps["identity_grid"]["detail"]
+    assert "**SKIPPED**" in (tmp_path / "summary-smoke.md").read_text()
+
+
+def test_the_grid_is_what_the_presets_code_with_a_kernel():
+    """Derived from tw_triton.rules, not listed: every preset's rule whose codec has a
+    kernel is in it on every dtype (with a reference when the rule codes deltas), and it
+    holds nothing else. The hand list below is only a cross-check of today's presets."""
+    from tw_triton.rules import PRESETS
+
+    assert _precompile.default_bits_block() == (8, 128)
+    grid = _precompile.default_grid()
+    assert len(set(grid)) == len(grid)
+    rules = _precompile.preset_rules()
+    assert set(rules) == set(PRESETS)
+    derived = set()
+    for preset_rules in rules.values():
+        for r in preset_rules:
+            codec = get_codec(r.codec)
+            if not codec.has_kernel:
+                continue
+            kparams = tuple(sorted((k, v) for k, v in r.params.items() if k != "delta"))
+            for dtype in _precompile.DTYPES:
+                derived.add(_precompile.Entry(r.codec, kparams, dtype, False))
+                if codec.uses_reference(r.params):
+                    derived.add(_precompile.Entry(r.codec, kparams, dtype, True))
+    assert set(grid) == derived
+    today = {(e.codec, e.bits, e.block, e.has_ref) for e in grid}
+    assert today == {("blockwise", b, 128, ref) for b in (8, 4, 2) for ref in (False, True)} | {
+        ("log2", b, 128, False) for b in (8, 4)
+    }
+    cases = _identity.plan_grid(grid)
+    assert {(c.codec, c.bits, c.block, c.dtype, c.ref_dtype is not None) for c in cases} == {
+        (e.codec, e.bits, e.block, getattr(torch, e.dtype), e.has_ref) for e in grid
+    }
+    assert {c.variant for c in cases} == {"finite", "adversarial", "nonneg"}
+
+
+def test_the_precompile_plan_splits_the_grid_over_the_workers(tmp_path, monkeypatch):
+    grid = _precompile.default_grid()
+    for workers in (1, 2, 5, 16, 100):
+        parts = _precompile.shares(grid, workers)
+        assert len(parts) == min(workers, len(grid)) and all(parts)
+        assert sorted(e.label() for p in parts for e in p) == sorted(e.label() for e in grid)
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    listed = _precompile.precompile(grid, torch.device("cpu"), workers=16)
+    assert listed["ran"] is False and listed["grid"] == [e.label() for e in grid]
+    assert listed["workers"] == 16 and listed["cache_dir"] == str(tmp_path / "cache")
+    assert _precompile.sizes(128) == (8192, 8256, 8259)  # whole tiles; a tail with n % 16 == 0 and != 0
+    # The pool itself, on the CPU codec: spawned workers each run their share.
+    ran = _precompile.precompile(grid[:4], torch.device("cpu"), workers=2, force_pool=True)
+    assert ran["ran"] is True and set(ran["seconds"]) == {e.label() for e in grid[:4]}

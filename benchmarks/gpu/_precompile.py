@@ -1,0 +1,194 @@
+"""The kernel variant grid the defaults use, and its parallel precompile (GPU validation).
+
+Triton compiles one binary per specialization of a kernel: its ``constexpr`` arguments
+(``BITS``, ``BLOCK``, ``ROWS``, ``HAS_REF``, ``QMAX``, ``MASKED``), its pointer dtypes and
+alignment, and whether ``n`` is a multiple of 16. On a cold cache each costs about a second
+or more, one after the other in the process that launches; the grid the defaults use is
+compiled here first, by a pool of processes (one per core) that each run a share of it on
+the device and so fill the shared on-disk cache (``TRITON_CACHE_DIR``), before anything is
+timed. Running each variant through the codec (instead of triton's AOT API) makes the
+specialization exactly the one a save or a load launches.
+
+The grid is derived, not listed: the rules of every preset in ``tw_triton.rules.PRESETS``
+(``Checkpointer``'s default ``bits`` and ``block``), resolved on an LM-shaped state; each
+rule whose codec has a kernel gives an entry per float dtype, with and without a reference
+if the codec codes deltas. Each entry runs encode and decode at three sizes: whole tiles
+only, and with a masked tail at an ``n`` that is and is not a multiple of 16.
+
+Under ``TRITON_INTERPRET=1`` or without CUDA nothing compiles: :func:`precompile` lists the
+grid and its shares and returns (the pool itself is tested on the CPU by running the CPU
+codec in it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tw_triton import Checkpointer
+from tw_triton.codecs import get_codec
+from tw_triton.rules import PRESETS, resolve_rules
+
+DTYPES = ("bfloat16", "float32", "float16")
+# Rule params that select no kernel variant: ``delta`` only decides whether a reference is
+# passed, which ``Entry.has_ref`` records (a delta rule codes its keyframe without one).
+NOT_KERNEL_PARAMS = ("delta",)
+TILE = 4096  # elements per program (kernels/tiles.py TILE_ELEMENTS)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One codec configuration on one dtype: what a save or load with the defaults codes."""
+
+    codec: str
+    params: tuple[tuple[str, Any], ...]  # resolved codec params, sorted
+    dtype: str
+    has_ref: bool
+
+    @property
+    def bits(self) -> int:
+        return dict(self.params)["bits"]
+
+    @property
+    def block(self) -> int:
+        return dict(self.params)["block"]
+
+    def label(self) -> str:
+        extra = {k: v for k, v in self.params if k not in ("bits", "block", "packing")}
+        more = "".join(f" {k}={v}" for k, v in sorted(extra.items()))
+        return (
+            f"{self.codec} bits={self.bits} block={self.block}{more} {self.dtype} "
+            f"{'ref' if self.has_ref else 'noref'}"
+        )
+
+
+def default_bits_block() -> tuple[int, int]:
+    """``Checkpointer``'s default ``bits`` and ``block`` (read from its signature)."""
+    sig = inspect.signature(Checkpointer.__init__).parameters
+    return sig["bits"].default, sig["block"].default
+
+
+def _lm_state() -> dict[str, Any]:
+    """An LM-shaped state (a model and AdamW moments) for resolving the presets' rules."""
+    w = torch.zeros(64, 64)
+    return {
+        "model": {"layer.weight": w},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(1.0), "exp_avg": w, "exp_avg_sq": w}},
+            "param_groups": [{"params": [0], "lr": 1e-3}],
+        },
+    }
+
+
+def preset_rules() -> dict[str, list]:
+    """Every preset's resolved rules at the default bits and block."""
+    bits, block = default_bits_block()
+    return {p: resolve_rules(p, _lm_state(), bits=bits, block=block) for p in PRESETS}
+
+
+def default_grid() -> list[Entry]:
+    """The distinct kernel configurations of every preset's rules, in a stable order."""
+    seen: dict[Entry, None] = {}
+    for rules in preset_rules().values():
+        for rule in rules:
+            codec = get_codec(rule.codec)
+            if not getattr(codec, "has_kernel", False):
+                continue
+            params = tuple(sorted((k, v) for k, v in rule.params.items() if k not in NOT_KERNEL_PARAMS))
+            refs = (False, True) if codec.uses_reference(rule.params) else (False,)
+            for dtype in DTYPES:
+                for has_ref in refs:
+                    seen.setdefault(Entry(rule.codec, params, dtype, has_ref), None)
+    return list(seen)
+
+
+def sizes(block: int) -> tuple[int, ...]:
+    """Element counts that launch every specialization of an entry: whole tiles only, then
+    a masked tail with ``n`` a multiple of 16 and not."""
+    return (2 * TILE, 2 * TILE + block // 2, 2 * TILE + block // 2 + 3)
+
+
+def shares(grid: list[Entry], workers: int) -> list[list[Entry]]:
+    """``grid`` split round-robin over at most ``workers`` (no empty share)."""
+    n = max(1, min(workers, len(grid)))
+    return [grid[i::n] for i in range(n)]
+
+
+def run_entry(entry: Entry, device: torch.device) -> None:
+    """Encode and decode through the codec at each of :func:`sizes`: every launch of the
+    entry, so every specialization it needs is compiled (or loaded from the cache)."""
+    codec = get_codec(entry.codec)
+    params = codec.resolve_params(dict(entry.params), bits=entry.bits, block=entry.block)
+    dtype = getattr(torch, entry.dtype)
+    gen = torch.Generator().manual_seed(0)
+    for n in sizes(entry.block):
+        x = torch.randn(n, generator=gen).to(dtype).to(device)
+        ref = (x * 0.99).contiguous() if entry.has_ref else None
+        enc = codec.encode(x, params, ref)
+        codec.decode(enc.entry, ref, device, f"precompile {entry.label()}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_share(entries: list[Entry], device: str, deadline: float) -> list[tuple[str, float]]:
+    dev = torch.device(device)
+    out = []
+    for e in entries:
+        if time.time() > deadline:
+            break
+        t0 = time.perf_counter()
+        run_entry(e, dev)
+        out.append((e.label(), round(time.perf_counter() - t0, 3)))
+    return out
+
+
+def compiling(device: torch.device) -> bool:
+    """Whether launches compile here (a CUDA device, not the interpreter)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def precompile(
+    grid: list[Entry],
+    device: torch.device,
+    *,
+    workers: int | None = None,
+    budget_s: float = 600.0,
+    force_pool: bool = False,
+) -> dict[str, Any]:
+    """Run ``grid`` in a pool of ``workers`` processes (default: one per core) that share
+    ``TRITON_CACHE_DIR``, each starting no entry after ``budget_s``; a no-op that lists the
+    grid and its shares where nothing compiles (``force_pool`` runs the pool anyway, on
+    ``device``: the CPU test of the mechanism). ``seconds`` has the entries run."""
+    workers = workers or os.cpu_count() or 1
+    parts = shares(grid, workers)
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
+    result: dict[str, Any] = {
+        "grid": [e.label() for e in grid],
+        "workers": len(parts),
+        "shares": [[e.label() for e in p] for p in parts],
+        "cache_dir": os.environ["TRITON_CACHE_DIR"],
+        "ran": False,
+        "seconds": {},
+    }
+    if not (compiling(device) or force_pool):
+        result["note"] = "nothing compiles here (interpreter or no CUDA): grid listed, not run"
+        return result
+    t0 = time.perf_counter()
+    deadline = time.time() + budget_s
+    # spawn: a forked child cannot use CUDA once the parent has initialized it.
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=len(parts), mp_context=ctx) as pool:
+        futures = [pool.submit(_run_share, p, str(device), deadline) for p in parts]
+        for f in futures:
+            result["seconds"].update(dict(f.result()))
+    # The launching process loads each binary from the disk cache on its first use.
+    result["ran"] = True
+    result["wall_s"] = round(time.perf_counter() - t0, 2)
+    return result

@@ -14,13 +14,34 @@ from harness.common import RESULTS_DIR, fmt_table, mib
 
 
 def _gpu_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
-    """``(folder, results.json)`` of every GPU validation under ``root``; dry runs left out."""
+    """``(folder, results)`` of every GPU validation under ``root``; dry runs left out. A
+    validation run phase by phase (``results-<phase>.json``) counts as one run, its steps
+    in phase order."""
     runs = []
-    for path in sorted(root.glob("*/results.json")):
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not data.get("dry_run", True):
-            runs.append((path.parent, data))
+    for folder in sorted(p for p in root.glob("*") if p.is_dir()):
+        data = _folder_results(folder)
+        if data is not None and not data.get("dry_run", True):
+            runs.append((folder, data))
     return runs
+
+
+def _folder_results(folder: Path) -> dict[str, Any] | None:
+    """The results of the validation in ``folder``: ``results.json``, or the phases' files
+    merged (the summary link goes to the first phase's)."""
+    whole = folder / "results.json"
+    if whole.exists():
+        return json.loads(whole.read_text(encoding="utf-8"))
+    order = {"smoke": 0, "kernels": 1, "end-to-end": 2}
+    phases = sorted(folder.glob("results-*.json"), key=lambda p: order.get(p.stem[len("results-") :], 9))
+    if not phases:
+        return None
+    parts = [json.loads(p.read_text(encoding="utf-8")) for p in phases]
+    merged = dict(parts[0])
+    merged["steps"] = {k: v for part in parts for k, v in part["steps"].items()}
+    merged["passed"] = all(part["passed"] for part in parts)
+    merged["dry_run"] = any(part.get("dry_run", True) for part in parts)
+    merged["summary"] = f"summary-{phases[0].stem[len('results-') :]}.md"
+    return merged
 
 
 def _gpu_device_block(folder: Path, data: dict[str, Any]) -> list[str]:
@@ -33,7 +54,7 @@ def _gpu_device_block(folder: Path, data: dict[str, Any]) -> list[str]:
         "",
         f"Validation of {data['started_at']}: **{'PASS' if data['passed'] else 'FAIL'}** "
         f"(torch {dev['torch']}, triton {dev.get('triton')}, CUDA {dev.get('cuda')}; "
-        f"[summary]({rel}/summary.md)).",
+        f"[summary]({rel}/{data.get('summary', 'summary.md')})).",
         "",
         fmt_table(
             ["step", "status", "goal", "detail"],

@@ -98,6 +98,16 @@ def test_results_page_shows_gpu_runs_and_says_not_run_otherwise(dry_run, tmp_pat
     assert "Not run" not in page and "### Test Device 1" in page
     assert "(d) ~2.2 GB state" in page and "| blockwise | encode |" in page
     assert page.count("### ") == 1
+    # The same validation run phase by phase: one device block with every phase's steps.
+    (root / "test-device-1" / "results.json").unlink()
+    names = list(data["steps"])
+    for phase, part in (("end-to-end", names[len(names) // 2 :]), ("smoke", names[: len(names) // 2])):
+        one = dict(data, steps={k: data["steps"][k] for k in part})
+        (root / "test-device-1" / f"results-{phase}.json").write_text(json.dumps(one))
+    phased = make_results.gpu_section(root)
+    assert phased.count("### Test Device 1") == 1 and "summary-smoke.md" in phased
+    assert all(data["steps"][k]["title"] in phased for k in names)
+    assert phased.index(data["steps"][names[0]]["title"]) < phased.index(data["steps"][names[-1]]["title"])
 
 
 class _NoisyCodec(BlockwiseCodec):

@@ -115,3 +115,17 @@ def test_cited_tests_exist():
                 missing.append(f"{_rel(page)}: {file}::{func}")
     assert not missing, "docs cite tests that do not exist:\n" + "\n".join(missing)
     assert any(_CITED_TEST.search(p.read_text()) for p in PAGES), "no page cites a test"
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    """The README's second command (a newcomer's test run) installs the extras CI installs
+    and runs the same pytest command as .ci/run."""
+    first_block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    readme = [line for line in first_block.splitlines() if line.strip()]
+    assert len(readme) == 2, "the README opens with two commands: the main job, and the tests"
+    ci = (ROOT / ".ci" / "run").read_text()
+    extras = re.compile(r'-e "\.\[([^\]]*)\]"')
+    assert extras.findall(readme[1]) == extras.findall(ci), "the README and .ci/run install other extras"
+    readme_test = readme[1].rsplit("&&", 1)[1].strip()
+    ci_tests = [line.strip() for line in ci.splitlines() if line.strip().startswith("python -m pytest")]
+    assert ci_tests == [readme_test], f"CI runs {ci_tests}, the README says {readme_test!r}"

@@ -342,21 +342,10 @@ def encode_delta(
     moves them on before the writer thread gets here). A closed-loop reference is advanced
     to this delta's reconstruction before returning.
     """
-    deferred = checkpoint_id is not None
+    encode = functools.partial(_encode, snapshot, rules, bits, block, meta, checkpoint_id, allocate)
     if reference is not None:
         ref_id, ref_step = ref_at if ref_at is not None else (reference.checkpoint_id, reference.step)
-        q = quantize_state_dict(
-            snapshot,
-            reference=reference.tree,
-            reference_id=ref_id,
-            rules=rules,
-            bits=bits,
-            block=block,
-            metadata=meta,
-            checkpoint_id=checkpoint_id,
-            allocate=allocate,
-            copy=not deferred,
-        )
+        q = encode(reference=reference.tree, reference_id=ref_id)
         q.metadata["kind"] = KIND_DELTA if q.reference_id is not None else KIND_STANDALONE
         if q.reference_id is not None:
             q.metadata["reference_step"] = ref_step
@@ -364,16 +353,7 @@ def encode_delta(
                 q.metadata["delta_mode"] = "closed"
                 advance(reference, q)
     else:
-        q = quantize_state_dict(
-            snapshot,
-            rules=rules,
-            bits=bits,
-            block=block,
-            metadata=meta,
-            checkpoint_id=checkpoint_id,
-            allocate=allocate,
-            copy=not deferred,
-        )
+        q = encode()
         q.metadata["kind"] = KIND_STANDALONE
     return q
 
@@ -393,19 +373,34 @@ def encode_keyframe(
     With ``checkpoint_id`` it runs on the writer thread over ``snapshot``, a private copy
     (exact entries hold its tensors); without, in ``save`` over the live state.
     """
-    deferred = checkpoint_id is not None
-    q = quantize_state_dict(
+    q = _encode(snapshot, rules, bits, block, meta, checkpoint_id, allocate)
+    q.metadata["kind"] = KIND_KEYFRAME
+    return q
+
+
+def _encode(
+    snapshot: Any,
+    rules: Any,
+    bits: int,
+    block: int,
+    meta: dict[str, Any],
+    checkpoint_id: str | None,
+    allocate: SnapshotLease | None,
+    **reference: Any,
+) -> QuantizedState:
+    """:func:`quantize_state_dict` of a save: on the writer thread (``checkpoint_id`` given)
+    over a private snapshot, kept as it is; in ``save`` over the live state, copied."""
+    return quantize_state_dict(
         snapshot,
+        **reference,
         rules=rules,
         bits=bits,
         block=block,
         metadata=meta,
         checkpoint_id=checkpoint_id,
         allocate=allocate,
-        copy=not deferred,
+        copy=checkpoint_id is None,
     )
-    q.metadata["kind"] = KIND_KEYFRAME
-    return q
 
 
 def collect_setup_garbage() -> None:

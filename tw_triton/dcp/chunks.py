@@ -116,12 +116,6 @@ def encode_chunks(
     )
 
 
-def to_host(qstate: QuantizedState) -> QuantizedState:
-    for entry in qstate.entries.values():
-        entry.buffers = {k: v.to("cpu") for k, v in entry.buffers.items()}
-    return qstate
-
-
 def is_delta_entry(entry: EncodedEntry) -> bool:
     codec = get_codec(entry.codec)
     return codec is not None and codec.uses_reference(entry.params)
@@ -165,7 +159,6 @@ __all__ = [
     "entry_path",
     "nest",
     "encode_chunks",
-    "to_host",
     "is_delta_entry",
     "file_state",
 ]

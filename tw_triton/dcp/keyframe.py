@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ReferenceMismatchError
 from ..format import MAX_EXPANSION, read_file
-from ..state import dequantize_state_dict
+from ..state import dequantize_entries, dequantize_state_dict
 from ..tree import flatten
 from .meta import Record, read_record
 
@@ -72,7 +72,9 @@ class Keyframe:
     def regions(self, wanted: list[RegionKey], device: torch.device | None = None) -> list[torch.Tensor]:
         """The keyframe's values over each ``(fqn, offsets, sizes)``, decoded, on ``device``.
 
-        Each needed file is read and decoded once per call; results are cached per device.
+        Regions are assembled on ``device`` from the keyframe chunks decoded there; each
+        needed file is read once per call, and only its entries that overlap a region are
+        decoded (one file's at a time). Results are cached per device.
 
         Raises:
             ReferenceMismatchError: a tensor the keyframe lacks, or a region it does not
@@ -80,15 +82,28 @@ class Keyframe:
         """
         dev = torch.device(device) if device is not None else torch.device("cpu")
         out: list[torch.Tensor | None] = [self._regions.get((k, str(dev))) for k in wanted]
-        files: dict[str, dict[str, torch.Tensor]] = {}
+        pieces: dict[str, list[tuple[int, str, tuple[slice, ...], tuple[slice, ...]]]] = {}
         for i, key in enumerate(wanted):
             if out[i] is None:
-                region = self._assemble(key, files).to(dev)
-                self._regions[(key, str(dev))] = region
-                out[i] = region
+                dtype = self._pieces(key, i, pieces)
+                out[i] = torch.empty(key[2], dtype=dtype, device=dev)
+        for name, file_pieces in pieces.items():
+            tensors = self._decode(name, {entry for _, entry, _, _ in file_pieces}, dev)
+            for i, entry, dst_sl, src_sl in file_pieces:
+                out[i][dst_sl] = tensors[entry][src_sl]  # type: ignore[index]
+        for i, key in enumerate(wanted):
+            self._regions.setdefault((key, str(dev)), out[i])  # type: ignore[arg-type]
         return out  # type: ignore[return-value]
 
-    def _assemble(self, key: RegionKey, files: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
+    def _pieces(
+        self, key: RegionKey, i: int, pieces: dict[str, list[tuple[int, str, tuple, tuple]]]
+    ) -> torch.dtype:
+        """Add to ``pieces[file]`` the keyframe chunks that overlap region ``key`` (the
+        ``i``-th asked for), as ``(i, entry, region slices, chunk slices)``; its dtype.
+
+        Raises:
+            ReferenceMismatchError: as :meth:`regions`.
+        """
         fqn, offsets, sizes = key
         md = self.record.metadata.state_dict_metadata.get(fqn)
         where = f"reference {self.path} (checkpoint {self.checkpoint_id!r})"
@@ -99,7 +114,6 @@ class Keyframe:
                 f"{where}: tensor {fqn!r} has size {list(md.size)}, which does not hold the "
                 f"region at {list(offsets)} of size {list(sizes)}"
             )
-        out = torch.empty(sizes, dtype=md.properties.dtype)
         covered = 0
         for index, info in self.record.metadata.storage_data.items():
             if index.fqn != fqn:
@@ -112,27 +126,26 @@ class Keyframe:
             hi = [min(a + s, b + t) for a, s, b, t in zip(offsets, sizes, c_off, chunk_md.sizes)]
             if any(h <= a for a, h in zip(lo, hi)):
                 continue
-            if info.file not in files:
-                files[info.file] = self._decode(info.file)
-            src = files[info.file][info.entry]
             dst_sl = tuple(slice(a - o, h - o) for a, h, o in zip(lo, hi, offsets))
             src_sl = tuple(slice(a - o, h - o) for a, h, o in zip(lo, hi, c_off))
-            out[dst_sl] = src[src_sl]
+            pieces.setdefault(info.file, []).append((i, info.entry, dst_sl, src_sl))
             covered += math.prod(h - a for a, h in zip(lo, hi))
-        if covered != out.numel():
+        if covered != math.prod(sizes):
             raise ReferenceMismatchError(
-                f"{where}: its chunks cover {covered} of the {out.numel()} elements of "
+                f"{where}: its chunks cover {covered} of the {math.prod(sizes)} elements of "
                 f"{fqn!r} at {list(offsets)} size {list(sizes)}"
             )
-        return out
+        return md.properties.dtype
 
-    def _decode(self, name: str) -> dict[str, torch.Tensor]:
-        """The decoded entries of rank file ``name``, which must be of this checkpoint.
+    def _decode(self, name: str, entries: set[str], device: torch.device) -> dict[str, torch.Tensor]:
+        """The ``entries`` of rank file ``name``, which must be of this checkpoint, decoded
+        on ``device``.
 
         Raises:
             ReferenceMismatchError: the file belongs to another checkpoint (copied in, or
                 left by another run), so its values are not the ones the deltas were coded
                 against.
+            CheckpointError: the file lacks one of ``entries``.
         """
         path = os.path.join(self.path, name)
         qstate = read_file(path, verify=self.verify, max_expansion=self.max_expansion)
@@ -141,8 +154,7 @@ class Keyframe:
                 f"{path}: a file of checkpoint {qstate.checkpoint_id!r}, but reference "
                 f"{self.path} is checkpoint {self.checkpoint_id!r} (files and metadata do not match)"
             )
-        tensors, _ = flatten(dequantize_state_dict(qstate, source=path, verify=self.verify))
-        return tensors
+        return dequantize_entries(qstate, entries, device=device, source=path, verify=self.verify)
 
 
 def open_reference(

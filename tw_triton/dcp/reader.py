@@ -21,8 +21,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointError, ReferenceMismatchError
 from ..format import MAX_EXPANSION, read_file
-from ..state import dequantize_state_dict
-from ..tree import flatten
+from ..state import dequantize_entries
 from .chunks import CHUNK_TABLE_KEY, is_delta_entry, nest
 from .directory import complete_record, find_keyframe
 from .keyframe import Keyframe, open_reference
@@ -121,7 +120,11 @@ class StorageReader(FileSystemReader):
             )
         return self._keyframe
 
-    def _decode(self, name: str) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
+    def _decode(
+        self, name: str, wanted: dict[str, torch.device]
+    ) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
+        """Decode the entries of rank file ``name`` in ``wanted``, each on its device (the
+        keyframe regions of delta entries too); ``{entry: (tensor, chunk table row)}``."""
         rec = self._record
         path = os.path.join(os.fspath(self.path), name)
         qstate = read_file(path, verify=self.verify, max_expansion=self.max_expansion)
@@ -133,37 +136,54 @@ class StorageReader(FileSystemReader):
         table = qstate.metadata.get(CHUNK_TABLE_KEY, {}).get("chunks")
         if not isinstance(table, dict) or set(table) != set(qstate.entries) | set(qstate.aliases):
             raise CheckpointError(f"{path}: no valid DCP chunk table in the manifest metadata")
-        reference = None
-        if qstate.reference_id is not None:
-            kf = self._reference()
-            if qstate.reference_id != kf.checkpoint_id:
-                raise ReferenceMismatchError(
-                    f"{path}: deltas from {qstate.reference_id!r}, reference is {kf.checkpoint_id!r}"
+        by_device: dict[torch.device, list[str]] = {}
+        for p, dev in wanted.items():
+            if p in table:  # a missing entry is the caller's to report, with its request
+                by_device.setdefault(dev, []).append(p)
+        decoded: dict[str, torch.Tensor] = {}
+        for dev, paths in by_device.items():
+            targets = {qstate.aliases.get(p, p) for p in paths}
+            delta = sorted(p for p in targets if is_delta_entry(qstate.entries[p]))
+            reference = None
+            if delta:
+                kf = self._reference()
+                if qstate.reference_id != kf.checkpoint_id:
+                    raise ReferenceMismatchError(
+                        f"{path}: deltas from {qstate.reference_id!r}, reference is {kf.checkpoint_id!r}"
+                    )
+                keys = [
+                    (table[p]["fqn"], tuple(table[p]["offsets"]), tuple(qstate.entries[p].shape))
+                    for p in delta
+                ]
+                regions = kf.regions(keys, dev)
+                reference = nest({tuple(table[p]["obj_path"]): r for p, r in zip(delta, regions)})
+            decoded.update(
+                dequantize_entries(
+                    qstate, paths, reference=reference, device=dev, source=path, verify=self.verify
                 )
-            delta = [p for p, e in qstate.entries.items() if is_delta_entry(e)]
-            keys = [
-                (table[p]["fqn"], tuple(table[p]["offsets"]), tuple(qstate.entries[p].shape)) for p in delta
-            ]
-            regions = kf.regions(keys)
-            reference = nest({tuple(table[p]["obj_path"]): r for p, r in zip(delta, regions)})
-        decoded, _ = flatten(
-            dequantize_state_dict(qstate, reference=reference, source=path, verify=self.verify)
-        )
-        return {p: (decoded[p], table[p]) for p in decoded}
+            )
+        return {p: (t, table[p]) for p, t in decoded.items()}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         rec = self._record
         md = rec.metadata
+        host = torch.device("cpu")
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
             info = md.storage_data.get(req.storage_index)
             if info is None:
                 raise CheckpointError(f"{self.path}: {METADATA_NAME} has no storage for {req.storage_index}")
-            per_file.setdefault(info.file, []).append((req, info))
+            # Each chunk is decoded where its target lives: on a GPU rank the encoded bytes
+            # go to the device, not the decoded values.
+            target = None if req.type == LoadItemType.BYTE_IO else planner.resolve_tensor(req).detach()
+            per_file.setdefault(info.file, []).append((req, info, target))
         for name, reqs in per_file.items():
-            decoded = self._decode(name)
+            wanted: dict[str, torch.device] = {}
+            for _, info, target in reqs:
+                wanted.setdefault(info.entry, host if target is None else target.device)
+            decoded = self._decode(name, wanted)
             fpath = os.path.join(os.fspath(self.path), name)
-            for req, info in reqs:
+            for req, info, target in reqs:
                 got = decoded.get(info.entry)
                 if got is None:
                     raise CheckpointError(
@@ -193,7 +213,6 @@ class StorageReader(FileSystemReader):
                     )
                 for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
                     tensor = tensor.narrow(dim, o, n)
-                target = planner.resolve_tensor(req).detach()
                 if target.size() != tensor.size():
                     raise CheckpointError(
                         f"{fpath}: entry {info.entry!r}: read {tuple(tensor.size())}, the target needs {tuple(target.size())}"

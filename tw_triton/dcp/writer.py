@@ -4,8 +4,9 @@ Each rank writes its chunks as one tw_triton safetensors file (``__<rank>_0.tw.s
 a second file only if a rank holds two chunks of one tensor); non-tensor items (DCP
 serializes them) are stored exact as bytes. The coordinator writes ``tw_dcp.json`` last
 (:mod:`.meta`): a directory is a checkpoint only once it exists. As DCP's ``AsyncStager``,
-``stage`` encodes every chunk on its own device and copies only the encoded buffers to the
-host. See docs/distributed.md.
+``stage`` encodes every chunk on its own device and enqueues the copies of the encoded
+buffers into pinned host memory (:mod:`.staging`); the write waits for them. See
+docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from torch.futures import Future
 
 from ..errors import CheckpointError, CheckpointIOError
 from ..format import write_file
+from ..pinned_staging import DeviceStaging
 from ..qstate import QuantizedState
 from ..state import quantize_state_dict
 from . import compat
-from .chunks import FILE_SUFFIX, Chunk, encode_chunks, entry_path, file_state, nest, to_host
+from .chunks import FILE_SUFFIX, Chunk, encode_chunks, entry_path, file_state, nest
 from .keyframe import Keyframe, open_reference
 from .meta import METADATA_NAME, StorageInfo, to_json, write_json
+from .staging import HostCopy, shared_staging, start_host_copy
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class StorageWriter(FileSystemWriter):
             of later deltas), keeping the codecs of entries coded on their own.
         sync_files: fsync every file and the directory.
         overwrite: replace a tw_triton checkpoint already in ``path``.
+        staging: the pinned pool and side streams that copy encoded CUDA buffers to the
+            host (default: one shared by the process's writers, so saves reuse its pinned
+            buffers).
 
     Raises (during ``dcp.save``):
         QuantizationError: bad rules or parameters.
@@ -76,6 +82,7 @@ class StorageWriter(FileSystemWriter):
         as_keyframe: bool = False,
         sync_files: bool = True,
         overwrite: bool = True,
+        staging: DeviceStaging | None = None,
     ) -> None:
         super().__init__(path, sync_files=sync_files, overwrite=overwrite)
         self.as_keyframe = as_keyframe
@@ -83,16 +90,18 @@ class StorageWriter(FileSystemWriter):
         self.bits = bits
         self.block = block
         self.keyframe = open_reference(reference)
+        self.staging = staging if staging is not None else shared_staging()
         self._staged: dict[str, Chunk] | None = None
-        self._staged_qstate: QuantizedState | None = None
+        self._staged_copy: HostCopy | None = None
 
     # -- staging (AsyncStager) -------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Encode every local tensor now and return a state dict safe to plan from.
 
         The returned dict holds the same tensor objects (only their shapes and placements
-        are read again, by the planner) and deep copies of every other leaf; the encoded
-        buffers, already on the host, are what the save writes.
+        are read again, by the planner) and deep copies of every other leaf. The encoded
+        buffers are what the save writes: on CUDA their copies into pinned host memory are
+        enqueued behind the encode (no wait here), and ``write_data`` waits for them.
         """
         flat, mappings = compat.flatten_state_dict(state_dict)
         chunks = []
@@ -109,13 +118,16 @@ class StorageWriter(FileSystemWriter):
             checkpoint_id="staged",
             as_keyframe=self.as_keyframe,
         )
-        self._staged_qstate = to_host(encoded)
+        if self._staged_copy is not None:  # staged twice without a write: the first is moot
+            self._staged_copy.release()
+        self._staged_copy = start_host_copy(encoded, self.staging, f"{self.path} (staged)")
         self._staged = {c.fqn: c for c in chunks}
         memo = {id(v): v for v in flat.values() if isinstance(v, torch.Tensor)}
         return copy.deepcopy(state_dict, memo)
 
     def synchronize_staging(self) -> None:
-        """Nothing to wait for: ``stage`` returns once the encoded buffers are on the host."""
+        """Nothing to wait for: the encode reads the state on its device's stream, ahead of
+        whatever the loop queues next, and only the encoded buffers are copied afterwards."""
 
     # -- planning --------------------------------------------------------------------
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -144,10 +156,41 @@ class StorageWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         pdata: PlanData = plan.storage_data
         rank = int(pdata.prefix.strip("_"))
-        mappings = getattr(planner, "mappings", None) or {}
-        staged, staged_qstate = self._staged, self._staged_qstate
-        self._staged = self._staged_qstate = None
+        staged, host_copy = self._staged, self._staged_copy
+        self._staged, self._staged_copy = None, None
+        try:
+            tensor_chunks, byte_chunks, items = self._chunks(plan, planner, staged)
+            ckpt_id = pdata.checkpoint_id
+            if host_copy is None:
+                encoded = encode_chunks(
+                    tensor_chunks,
+                    rules=self.rules,
+                    bits=self.bits,
+                    block=self.block,
+                    keyframe=self.keyframe,
+                    checkpoint_id=ckpt_id,
+                    as_keyframe=self.as_keyframe,
+                )
+                host_copy = start_host_copy(encoded, self.staging, os.fspath(self.path))
+            encoded = host_copy.wait()
+            if byte_chunks:
+                raw = quantize_state_dict(nest({c.obj_path: c.tensor for c in byte_chunks}), rules="exact")
+                encoded = dataclasses.replace(encoded, entries={**encoded.entries, **raw.entries})
+            results = self._write_files(pdata, rank, items, encoded)
+        finally:
+            # After the files are written (or failed): the pinned buffer serves the next save.
+            if host_copy is not None:
+                host_copy.release()
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
 
+    def _chunks(
+        self, plan: SavePlan, planner: SavePlanner, staged: dict[str, Chunk] | None
+    ) -> tuple[list[Chunk], list[Chunk], list[tuple[Any, Chunk]]]:
+        """The plan's tensor chunks, its non-tensor items (as uint8 chunks), and every
+        ``(write item, chunk)``; tensor chunks are the staged ones when ``stage`` ran."""
+        mappings = getattr(planner, "mappings", None) or {}
         tensor_chunks: list[Chunk] = []
         byte_chunks: list[Chunk] = []
         items: list[tuple[Any, Chunk]] = []
@@ -182,25 +225,13 @@ class StorageWriter(FileSystemWriter):
                     )
                 tensor_chunks.append(chunk)
             items.append((item, chunk))
+        return tensor_chunks, byte_chunks, items
 
+    def _write_files(
+        self, pdata: PlanData, rank: int, items: list[tuple[Any, Chunk]], encoded: QuantizedState
+    ) -> list[WriteResult]:
+        """Write this rank's file(s) from the host ``encoded`` state; their write results."""
         ckpt_id = pdata.checkpoint_id
-        if staged_qstate is not None:
-            encoded = staged_qstate
-        else:
-            encoded = to_host(
-                encode_chunks(
-                    tensor_chunks,
-                    rules=self.rules,
-                    bits=self.bits,
-                    block=self.block,
-                    keyframe=self.keyframe,
-                    checkpoint_id=ckpt_id,
-                    as_keyframe=self.as_keyframe,
-                )
-            )
-        if byte_chunks:
-            raw = quantize_state_dict(nest({c.obj_path: c.tensor for c in byte_chunks}), rules="exact")
-            encoded = dataclasses.replace(encoded, entries={**encoded.entries, **raw.entries})
         ref_id = self.keyframe.checkpoint_id if self.keyframe is not None else None
 
         # One file per rank, unless a rank holds two chunks of one tensor.
@@ -225,9 +256,7 @@ class StorageWriter(FileSystemWriter):
                         storage_data=StorageInfo(name, entry_path(chunk.obj_path)),
                     )
                 )
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write ``tw_dcp.json`` (coordinator only, after every rank's files are durable)."""

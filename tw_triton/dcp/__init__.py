@@ -11,7 +11,7 @@ chunk with its codecs and writes tw_triton files::
 
 ``tw_triton.dcp.save`` / ``load`` do the same and re-raise tw_triton's errors out of DCP's
 ``CheckpointException``. Modules: :mod:`.writer`, :mod:`.reader`, :mod:`.chunks` (chunk to
-entry), :mod:`.meta` (``tw_dcp.json``), :mod:`.directory` (completeness, keyframe lookup),
+entry), :mod:`.staging` (pinned copies to the host), :mod:`.meta` (``tw_dcp.json``), :mod:`.directory` (completeness, keyframe lookup),
 :mod:`.keyframe`, :mod:`.checkpointer`, :mod:`.api`; DCP's private and experimental points
 only in :mod:`.compat`. The why: docs/distributed.md.
 """

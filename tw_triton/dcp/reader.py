@@ -2,7 +2,8 @@
 
 Every file is validated and its checksums verified as it is read; its checkpoint id and
 chunk table must match ``tw_dcp.json``. Loaded values are the decoded chunks, narrowed to
-what each rank asks for, so any number of ranks gets the same values. Non-tensor items
+what each rank asks for, so any number of ranks gets the same values; each is decoded on
+its target's device. Non-tensor items
 must be plain data (``torch.load(weights_only=True)``) before DCP unpickles them. See
 docs/distributed.md.
 """

@@ -3,13 +3,22 @@
 Without a GPU the kernels run under Triton's interpreter on CPU tensors (conftest.py sets
 ``TRITON_INTERPRET=1``); with one they run compiled on CUDA tensors. Either way the result
 is compared with the torch path on the CPU, which is the specification.
+
+Compiled, every distinct set of constexprs and pointer dtypes is a Triton compile of its
+own, so on a GPU the kernel tests draw their parameters (bits, block, dtype, reference
+dtype; the default ``qmax``) from the fixed grid that the GPU validation precompiles
+(``benchmarks/gpu/_precompile.py``, :func:`grid_variants`): :data:`ON_GRID`. Under the
+interpreter they draw from the whole range. ``TW_TRITON_TEST_KERNEL_GRID=1`` makes a run
+on the CPU draw as a GPU run does (tests/ops/test_kernel_grid.py checks it that way).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +28,58 @@ KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 BLOCKS = tuple(2**k for k in range(5, 13))  # 32 .. 4096
 INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+ON_GRID = KERNEL_DEVICE.type == "cuda" or os.environ.get("TW_TRITON_TEST_KERNEL_GRID") == "1"
+GPU_BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The kernel parameters of one grid entry (a reference has the tensor's dtype)."""
+
+    bits: int
+    block: int
+    dtype: torch.dtype
+    ref_dtype: torch.dtype | None
+
+
+@functools.cache
+def grid_variants(codec: str) -> tuple[Variant, ...]:
+    """The variants of ``codec`` ("blockwise", "log2") in the GPU validation's grid."""
+    if str(GPU_BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(GPU_BENCH_DIR))
+    from _precompile import default_grid
+
+    out = []
+    for e in default_grid():
+        extra = {k for k, _ in e.params} - {"bits", "block", "packing"}
+        if e.codec == codec and not extra:
+            dtype = getattr(torch, e.dtype)
+            out.append(Variant(e.bits, e.block, dtype, dtype if e.has_ref else None))
+    assert out, f"the GPU grid has no plain {codec!r} entry"
+    return tuple(out)
+
+
+def grid_bits(codec: str) -> tuple[int, ...]:
+    """The code widths of ``codec`` in the grid, widest first."""
+    return tuple(sorted({v.bits for v in grid_variants(codec)}, reverse=True))
+
+
+def grid_block(codec: str) -> int:
+    """The block of ``codec``'s grid variants (the grid uses one)."""
+    (block,) = {v.block for v in grid_variants(codec)}
+    return block
+
+
+def block_for(codec: str, block: int) -> int:
+    """``block`` under the interpreter; the grid's block on a GPU."""
+    return grid_block(codec) if ON_GRID else block
+
+
+def max_examples(n: int) -> int:
+    """Hypothesis examples of a kernel test: ``n``, or fewer where
+    ``TW_TRITON_TEST_MAX_EXAMPLES`` says (the grid check, which only records launches)."""
+    return min(n, int(os.environ.get("TW_TRITON_TEST_MAX_EXAMPLES", n)))
 
 
 def require_runnable_kernels() -> None:

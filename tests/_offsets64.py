@@ -39,6 +39,11 @@ from tw_triton.codecs.blockwise import dequantize_blockwise_torch, quantize_bloc
 from tw_triton.kernels.dequantize_blockwise import launch_dequantize  # noqa: E402
 from tw_triton.kernels.quantize_blockwise import launch_quantize, rows_per_program  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _kernel_testing import grid_block  # noqa: E402
+
+GRID_BLOCK = grid_block("blockwise")
+
 GIB = 2**30
 # Kept free beside the planned buffers: the window's own tensors, the CUDA context's
 # workspace, the caching allocator's rounding.
@@ -122,8 +127,14 @@ def windows() -> list[Window]:
 def device_windows() -> list[Window]:
     """The windows checked on a GPU with real allocations: all but the block-index one,
     whose fp16 tensor alone is 256 GiB (no GPU holds it; the interpreter checks it, and
-    tests/ops/test_ptx.py checks that the program id is widened before any arithmetic)."""
-    return [w for w in windows() if w.start < 2**36]
+    tests/ops/test_ptx.py checks that the program id is widened before any arithmetic).
+    Each with the kernel parameters of a GPU grid variant (tests/_kernel_testing.py): the
+    grid's block, a reference in the tensor's dtype; the offsets cross the same bounds."""
+    return [
+        Window(w.bits, GRID_BLOCK, w.dtype, w.dtype if w.ref_dtype is not None else None, w.start)
+        for w in windows()
+        if w.start < 2**36
+    ]
 
 
 def small_windows() -> list[Window]:

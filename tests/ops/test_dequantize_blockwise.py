@@ -1,7 +1,9 @@
 """The Triton decode kernel against the torch path (the spec): bit-identical tensors.
 
 Without a GPU the kernel runs under ``TRITON_INTERPRET=1`` on CPU tensors (conftest.py);
-with one it runs compiled on CUDA tensors and is compared with the CPU torch path.
+with one it runs compiled on CUDA tensors and is compared with the CPU torch path, with
+parameters from the precompiled grid (``ON_GRID``, tests/_kernel_testing.py): there the
+output and the reference have the entry's dtype, as in a load.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from _kernel_testing import (
     BLOCKS,
     FLOATS,
     KERNEL_DEVICE,
+    ON_GRID,
     assert_same_bits,
+    block_for,
     exponent_range,
+    grid_variants,
+    max_examples,
     numels,
     on_kernel_device,
     random_floats,
@@ -73,17 +79,21 @@ def random_scales(gen: torch.Generator, count: int, exp_lo: int, special: float)
 @st.composite
 def decode_cases(draw):
     numel = draw(numels())
-    bits = draw(st.sampled_from((8, 4, 2)))
-    block = draw(st.sampled_from(BLOCKS))
-    out_dtype = draw(st.sampled_from(FLOATS))
-    ref_dtype = draw(st.sampled_from((None,) + FLOATS))
+    if ON_GRID:
+        v = draw(st.sampled_from(grid_variants("blockwise")))
+        bits, block, out_dtype, ref_dtype = v.bits, v.block, v.dtype, v.ref_dtype
+    else:
+        bits = draw(st.sampled_from((8, 4, 2)))
+        block = draw(st.sampled_from(BLOCKS))
+        out_dtype = draw(st.sampled_from(FLOATS))
+        ref_dtype = draw(st.sampled_from((None,) + FLOATS))
     exp_lo = draw(st.integers(-38, 35))
     special = draw(st.sampled_from((0.0, 0.1, 0.5)))
     seed = draw(st.integers(0, 2**31 - 1))
     return numel, bits, block, out_dtype, ref_dtype, exp_lo, special, seed
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=max_examples(250), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(decode_cases())
 def test_kernel_decode_of_arbitrary_codes_is_bit_identical_to_torch(case) -> None:
     """Any bytes, any scales (0, inf, subnormal, huge), any reference, every output dtype."""
@@ -99,12 +109,12 @@ def test_kernel_decode_of_arbitrary_codes_is_bit_identical_to_torch(case) -> Non
     assert_decodes_like_torch(codes, scales, numel, bits, block, ref, out_dtype)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=max_examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     numel=numels(),
     dtype=st.sampled_from(FLOATS),
     bits=st.sampled_from((8, 4, 2)),
-    block=st.sampled_from(BLOCKS),
+    block=st.sampled_from((block_for("blockwise", 128),) if ON_GRID else BLOCKS),
     with_ref=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -120,7 +130,7 @@ def test_round_trip_decodes_identically_in_every_output_dtype(
     ref = (x.double() + random_floats(gen, numel, torch.float64, exp - 3, exp - 2)).to(dtype)
     ref = ref if with_ref else None
     codes, scales = quantize_blockwise_torch(x, ref, bits, block)
-    for out_dtype in FLOATS:
+    for out_dtype in (dtype,) if ON_GRID else FLOATS:
         assert_decodes_like_torch(codes, scales, numel, bits, block, ref, out_dtype)
 
 
@@ -146,6 +156,9 @@ def test_bf16_and_fp16_output_rounding_ties_and_saturation() -> None:
         ],
         dtype=torch.float32,
     )
+    if ON_GRID:
+        _output_rounding_on_the_grid(values, one_ulp_bf16)
+        return
     numel = values.numel()
     # Encode nothing: code `offset` means q = 0, so the output is the reference itself
     # (0 * scale + ref), saturated and cast by the kernel's rounding.
@@ -167,12 +180,42 @@ def test_bf16_and_fp16_output_rounding_ties_and_saturation() -> None:
     assert fp16[5].item() == 65504.0 and fp16[11].item() == 65504.0
 
 
+def _output_rounding_on_the_grid(values: torch.Tensor, one_ulp_bf16: float) -> None:
+    """The same fp32 values, as products instead of an fp32 reference (the grid decodes
+    bf16 and fp16 entries without one): value i is code +-1 times scale |v_i| in the first
+    element of block i; NaN is 0 times an infinite scale, -inf is -1 times one (clamped to
+    the fp32 maximum, like an infinite reference)."""
+    block = block_for("blockwise", 32)
+    count = values.numel()
+    numel = count * block
+    q = torch.zeros(numel, dtype=torch.int64)
+    scales = values.abs()
+    first = torch.arange(count) * block
+    q[first] = torch.where(values < 0, -1, 1)
+    zero_q = torch.isnan(values) | (values == 0)
+    q[first[zero_q]] = 0
+    scales[torch.isnan(values)] = math.inf
+    codes = (q + 128).to(torch.uint8)
+    for out_dtype in (torch.bfloat16, torch.float16):
+        out = assert_decodes_like_torch(codes, scales, numel, 8, block, None, out_dtype)[first]
+        big = torch.finfo(out_dtype).max
+        assert_same_bits(out, (0.0 + values).clamp(-big, big).to(out_dtype), "vs .to()")
+        assert out[10].item() == -big
+    bf = dequantize_blockwise_torch(codes, scales, numel, 8, block, None, torch.bfloat16)[first]
+    assert bf[0].item() == 1.0 and bf[1].item() == 1.0 + 2 * one_ulp_bf16
+    assert bf[4].item() == torch.finfo(torch.bfloat16).max and bf[6].item() != 0.0
+    assert math.isnan(bf[9].item())
+    fp16 = dequantize_blockwise_torch(codes, scales, numel, 8, block, None, torch.float16)[first]
+    assert fp16[5].item() == 65504.0 and fp16[11].item() == 65504.0
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_overflowing_products_and_sums_saturate(bits: int) -> None:
     """q * scale past the fp32 maximum (8 and 4 bits here) is clamped before the reference
     is added, so a reference of the other sign brings it back (no inf + r); the sum is
-    clamped to the output dtype's range; NaN (q = 0 times an infinite scale) stays NaN."""
-    block = 32
+    clamped to the output dtype's range; NaN (q = 0 times an infinite scale) stays NaN.
+    On the GPU grid the reference has the output's dtype (fp16 cannot hold it)."""
+    block = block_for("blockwise", 32)
     qmax, offset = (1 << (bits - 1)) - 1, 1 << (bits - 1)
     f32_max = torch.finfo(torch.float32).max
     numel = 3 * block
@@ -182,8 +225,9 @@ def test_overflowing_products_and_sums_saturate(bits: int) -> None:
     codes = packed.to(torch.uint8)
     # Block 0: qmax * scale overflows fp32; block 1: it does not; block 2: infinite scale.
     scales = torch.tensor([f32_max, f32_max / (2 * qmax), math.inf])
-    ref = torch.full((numel,), -f32_max / 2)
-    for out_dtype in FLOATS:
+    ref32 = torch.full((numel,), -f32_max / 2)
+    for out_dtype in (torch.float32, torch.bfloat16) if ON_GRID else FLOATS:
+        ref = ref32.to(out_dtype) if ON_GRID else ref32
         out = assert_decodes_like_torch(codes, scales, numel, bits, block, ref, out_dtype)
         big = torch.finfo(out_dtype).max
         want0 = torch.tensor(f32_max / 2).clamp(-big, big).to(out_dtype)
@@ -195,12 +239,13 @@ def test_overflowing_products_and_sums_saturate(bits: int) -> None:
 
 
 def test_infinite_scale_decodes_to_nan_and_zero_scale_to_the_reference() -> None:
-    block = 32
+    block = block_for("blockwise", 32)
     codes = torch.randint(0, 256, (3 * block,), dtype=torch.uint8)
     codes[:block] = 128  # what the encoder stores in an unquantizable block: q = 0
     scales = torch.tensor([math.inf, 0.0, 0.25])
-    ref = torch.randn(3 * block)
+    ref32 = torch.randn(3 * block)
     for out_dtype in FLOATS:
+        ref = ref32.to(out_dtype) if ON_GRID else ref32
         out = assert_decodes_like_torch(codes, scales, 3 * block, 8, block, ref, out_dtype)
         assert torch.isnan(out[:block]).all()
         assert_same_bits(out[block : 2 * block], ref[block : 2 * block].to(out_dtype))
@@ -223,7 +268,7 @@ def test_numel_zero_and_one() -> None:
             torch.tensor([0.75]),
             1,
             2,
-            32,
+            block_for("blockwise", 32),
             torch.tensor([1.0]).to(dtype),
             dtype,
         )
@@ -274,7 +319,7 @@ def test_tw_triton_dequantize_dispatches_to_the_kernel(monkeypatch) -> None:
 
     x = torch.randn(40, 50)
     ref_base = torch.randn(50, 40, dtype=torch.bfloat16)
-    q = tw_triton.quantize(x, bits=2, block=32, reference=ref_base.t())  # torch path (CPU)
+    q = tw_triton.quantize(x, bits=2, block=block_for("blockwise", 32), reference=ref_base.t())  # CPU
     expected = tw_triton.dequantize(q, reference=ref_base.t(), dtype=torch.bfloat16)
 
     monkeypatch.setattr(tw_triton.kernels, "dequantize_blockwise", spy)

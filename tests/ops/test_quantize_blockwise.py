@@ -1,7 +1,8 @@
 """The Triton encode kernel against the torch path (the spec): byte-identical codes and scales.
 
 Without a GPU the kernel runs under ``TRITON_INTERPRET=1`` on CPU tensors (conftest.py);
-with one it runs compiled on CUDA tensors and is compared with the CPU torch path.
+with one it runs compiled on CUDA tensors and is compared with the CPU torch path, with
+parameters from the precompiled grid (``ON_GRID``, tests/_kernel_testing.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from _kernel_testing import (
     BLOCKS,
     FLOATS,
     KERNEL_DEVICE,
+    ON_GRID,
+    block_for,
     exponent_range,
+    grid_bits,
+    grid_variants,
+    max_examples,
     numels,
     on_kernel_device,
     random_floats,
@@ -62,12 +68,16 @@ def assert_encodes_like_torch(
 def encode_cases(draw):
     numel = draw(numels())
     shape = draw(shapes(numel))
-    dtype = draw(st.sampled_from(FLOATS))
-    ref_dtype = draw(st.sampled_from((None,) + FLOATS))
-    bits = draw(st.sampled_from((8, 4, 2)))
-    # Fewer levels than the container (int3 = 4 bits, qmax 3) in a quarter of the cases.
-    qmax = draw(st.sampled_from((None, None, None, draw(st.integers(1, (1 << (bits - 1)) - 1)))))
-    block = draw(st.sampled_from(BLOCKS))
+    if ON_GRID:
+        v = draw(st.sampled_from(grid_variants("blockwise")))
+        dtype, ref_dtype, bits, qmax, block = v.dtype, v.ref_dtype, v.bits, None, v.block
+    else:
+        dtype = draw(st.sampled_from(FLOATS))
+        ref_dtype = draw(st.sampled_from((None,) + FLOATS))
+        bits = draw(st.sampled_from((8, 4, 2)))
+        # Fewer levels than the container (int3 = 4 bits, qmax 3) in a quarter of the cases.
+        qmax = draw(st.sampled_from((None, None, None, draw(st.integers(1, (1 << (bits - 1)) - 1)))))
+        block = draw(st.sampled_from(BLOCKS))
     lo, hi = exponent_range(dtype)
     exp_lo = draw(st.integers(lo, hi))
     exp_span = draw(st.integers(0, 6))
@@ -77,7 +87,7 @@ def encode_cases(draw):
     return shape, dtype, ref_dtype, bits, qmax, block, exp_lo, exp_span, zero_fraction, ref_mode, seed
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=max_examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(encode_cases())
 def test_kernel_encode_is_byte_identical_to_torch(case) -> None:
     shape, dtype, ref_dtype, bits, qmax, block, exp_lo, exp_span, zero_fraction, ref_mode, seed = case
@@ -97,14 +107,15 @@ def test_kernel_encode_is_byte_identical_to_torch(case) -> None:
     assert_encodes_like_torch(x, ref, bits, block, qmax)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=max_examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    bits=st.sampled_from((8, 4, 2, "int3")),
-    block=st.sampled_from(BLOCKS),
+    # The ties are fp32 values: on the GPU grid, an fp32 tensor and reference.
+    bits=st.sampled_from(grid_bits("blockwise") if ON_GRID else (8, 4, 2, "int3")),
+    block=st.sampled_from((block_for("blockwise", 128),) if ON_GRID else BLOCKS),
     nblocks=st.integers(1, 3),
     tail=st.integers(0, 31),
     log2_scale=st.integers(-149, 120),
-    ref_dtype=st.sampled_from((None,) + FLOATS),
+    ref_dtype=st.sampled_from((None, torch.float32) if ON_GRID else (None,) + FLOATS),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_kernel_encode_of_near_ties_is_byte_identical_to_torch(
@@ -135,7 +146,7 @@ def test_kernel_encode_of_near_ties_is_byte_identical_to_torch(
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_edge_blocks(bits: int, dtype: torch.dtype) -> None:
     """Zero, subnormal, huge, NaN and Inf blocks side by side in one tensor."""
-    block = 32
+    block = block_for("blockwise", 32)
     big = 1e38 if dtype != torch.float16 else 6.0e4
     tiny = 1e-40 if dtype != torch.float16 else 1e-7  # subnormal in each dtype
     parts = [
@@ -168,13 +179,15 @@ def test_delta_overflowing_to_inf_marks_the_block(ref_dtype: torch.dtype) -> Non
     """Finite x and finite ref whose fp32 difference overflows: that block is unusable.
 
     (An fp16 reference cannot do this: |ref| <= 65504 is far below half an ulp of the fp32
-    maximum, so only references in fp32 and bf16 are tried.)
+    maximum, so only references in fp32 and bf16 are tried; on the GPU grid, a tensor of
+    the reference's dtype.)
     """
-    block = 32
+    block = block_for("blockwise", 32)
     x = torch.randn(3 * block)
     ref = torch.randn(3 * block)
     x[block + 3], ref[block + 3] = 3.0e38, -3.0e38
     ref = ref.to(ref_dtype)
+    x = x.to(ref_dtype) if ON_GRID else x
     assert torch.isfinite(ref).all()
     _, scales = assert_encodes_like_torch(x, ref, 8, block)
     assert torch.isinf(scales[1]) and torch.isfinite(scales[[0, 2]]).all()
@@ -184,7 +197,7 @@ def test_delta_overflowing_to_inf_marks_the_block(ref_dtype: torch.dtype) -> Non
 def test_ties_round_half_to_even(bits: int) -> None:
     """Values exactly halfway between codes: the kernel's magic-constant rounding is RNE."""
     qmax = (1 << (bits - 1)) - 1
-    block = 32
+    block = block_for("blockwise", 32)
     # Scale 1 per block (absmax = qmax); the other entries are exact halves.
     halves = torch.tensor([0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 3.5, -3.5, 4.5, 6.5, -6.5])
     halves = halves[halves.abs() < qmax]
@@ -198,10 +211,11 @@ def test_ties_round_half_to_even(bits: int) -> None:
 def test_numel_zero_and_one() -> None:
     for dtype in FLOATS:
         empty = on_kernel_device(torch.empty(0, dtype=dtype))
-        codes, scales = quantize_blockwise(empty, None, 4, 64)
+        codes, scales = quantize_blockwise(empty, None, 4, 64)  # no launch
         assert codes.numel() == 0 and scales.numel() == 0
-        assert_encodes_like_torch(torch.tensor([-2.75]).to(dtype), None, 2, 32)
-        assert_encodes_like_torch(torch.tensor([1e-30]), torch.tensor([0.5]).to(dtype), 8, 4096)
+        assert_encodes_like_torch(torch.tensor([-2.75]).to(dtype), None, 2, block_for("blockwise", 32))
+        x = torch.tensor([1e-30]).to(dtype) if ON_GRID else torch.tensor([1e-30])
+        assert_encodes_like_torch(x, torch.tensor([0.5]).to(dtype), 8, block_for("blockwise", 4096))
 
 
 def test_int64_offsets_past_2_31_and_2_32_elements() -> None:
@@ -248,10 +262,11 @@ def test_tw_triton_quantize_dispatches_contiguous_tensors_to_the_kernel(monkeypa
     monkeypatch.setattr(tw_triton.kernels, "quantize_blockwise", spy)
     base = torch.randn(96, 70, dtype=torch.bfloat16)
     x = on_kernel_device(base.t())  # non-contiguous
-    ref = on_kernel_device(torch.randn(70, 96))
+    ref = on_kernel_device(torch.randn(70, 96, dtype=torch.bfloat16 if ON_GRID else torch.float32))
+    block = block_for("blockwise", 64)
     with ops.using("quantize_blockwise", x.device.type, ops.lookup("quantize_blockwise", "cuda")):
-        q = tw_triton.quantize(x, bits=4, block=64, reference=ref)
+        q = tw_triton.quantize(x, bits=4, block=block, reference=ref)
     assert calls == [(True, True, 7)]
-    t_codes, t_scales = quantize_blockwise_torch(base.t().contiguous(), ref.cpu(), 4, 64)
+    t_codes, t_scales = quantize_blockwise_torch(base.t().contiguous(), ref.cpu(), 4, block)
     assert torch.equal(q.codes.cpu(), t_codes) and torch.equal(q.scales.cpu(), t_scales)
     assert q.shape == (70, 96) and q.dtype == torch.bfloat16

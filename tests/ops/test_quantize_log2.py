@@ -1,7 +1,8 @@
 """The ``log2`` encode and decode kernels against the torch path (the spec): identical bytes.
 
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` on CPU tensors (conftest.py);
-with one they run compiled on CUDA tensors and are compared with the CPU torch path.
+with one they run compiled on CUDA tensors and are compared with the CPU torch path, with
+parameters from the precompiled grid (``ON_GRID``, tests/_kernel_testing.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from _kernel_testing import (
     BLOCKS,
     FLOATS,
     KERNEL_DEVICE,
+    ON_GRID,
     assert_same_bits,
+    block_for,
+    grid_bits,
+    grid_variants,
+    max_examples,
     numels,
     on_kernel_device,
     random_floats,
@@ -48,23 +54,26 @@ def second_moments(gen: torch.Generator, n: int, dtype: torch.dtype, span: int, 
     return random_floats(gen, n, dtype, lo, hi, zero_fraction=zeros).abs()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=max_examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     numel=numels(),
     dtype=st.sampled_from(FLOATS),
     bits=st.sampled_from((8, 4, 2)),
     block=st.sampled_from(BLOCKS),
+    grid=st.sampled_from(grid_variants("log2") if ON_GRID else (None,)),
     span=st.integers(0, 40),
     zeros=st.sampled_from((0.0, 0.2, 0.99)),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_log2_kernels_are_byte_identical_to_torch(numel, dtype, bits, block, span, zeros, seed) -> None:
+def test_log2_kernels_are_byte_identical_to_torch(numel, dtype, bits, block, grid, span, zeros, seed) -> None:
+    if grid is not None:
+        dtype, bits, block = grid.dtype, grid.bits, grid.block
     gen = torch.Generator().manual_seed(seed)
     assert_round_trips_like_torch(second_moments(gen, numel, dtype, span, zeros), bits, block)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("bits", (8, 4, 2))
+@pytest.mark.parametrize("bits", grid_bits("log2") if ON_GRID else (8, 4, 2))
 def test_log2_kernels_on_adversarial_values(dtype: torch.dtype, bits: int) -> None:
     """Subnormals, the largest finite value, one-value blocks, all-zero blocks, -0.0, and
     blocks that cannot be coded (negative, NaN, +-inf), with a partial last block."""
@@ -93,15 +102,17 @@ def test_log2_kernels_on_adversarial_values(dtype: torch.dtype, bits: int) -> No
         torch.tensor([float(info.tiny)] * 16 + [float(info.max)] * 16, dtype=torch.float64),
         torch.tensor(special[:7], dtype=torch.float64),  # partial last block
     ]
-    x = torch.cat(blocks).to(dtype)
-    assert_round_trips_like_torch(x, bits, 32)
+    # On the GPU grid's larger block, each 32-value block repeated to fill one.
+    block = block_for("log2", 32)
+    x = torch.cat([b.repeat(block // 32) for b in blocks[:-1]] + blocks[-1:]).to(dtype)
+    assert_round_trips_like_torch(x, bits, block)
 
 
 def test_log2_kernel_tiles_and_tails() -> None:
     """Sizes across whole tiles (4096 elements per program) and a masked tail program."""
     gen = torch.Generator().manual_seed(7)
     for n in (4096, 4096 * 2 + 1, 4096 * 3 - 5):
-        for block in (32, 4096):
+        for block in sorted({block_for("log2", 32), block_for("log2", 4096)}):
             assert_round_trips_like_torch(second_moments(gen, n, torch.float32, 30, 0.1), 4, block)
 
 

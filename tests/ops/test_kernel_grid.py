@@ -1,0 +1,96 @@
+"""The GPU half of the kernel tests compiles only what the GPU validation precompiled.
+
+On a GPU each distinct kernel specialization is a Triton compile, so the kernel tests
+draw their parameters there from the fixed grid of benchmarks/gpu/_precompile.py (issue 29,
+item 3; ``ON_GRID`` in tests/_kernel_testing.py). Checked on the CPU: the kernel test
+modules run as a GPU run draws (``TW_TRITON_TEST_KERNEL_GRID=1``, interpreted, few
+hypothesis examples) with every launch recorded (tests/_kernel_launches.py), and each
+launch's specialization must be one that the precompile's own run of the grid launches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import _kernel_launches as launches
+import _offsets64
+import torch
+from _kernel_testing import GPU_BENCH_DIR, Variant, grid_variants
+
+from tw_triton import ops
+
+REPO = Path(__file__).resolve().parents[2]
+KERNEL_TESTS = [
+    "tests/ops/test_quantize_blockwise.py",
+    "tests/ops/test_dequantize_blockwise.py",
+    "tests/ops/test_quantize_log2.py",
+]
+KERNEL_OPS = ("quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2")
+
+
+def precompiled_launches() -> set:
+    """What the precompile launches: each grid entry through its codec, with the kernels
+    standing in for the CPU backend (run by the interpreter)."""
+    sys.path.insert(0, str(GPU_BENCH_DIR))
+    from _precompile import default_grid, run_entry
+
+    with launches.recording() as seen, contextlib.ExitStack() as stack:
+        for op in KERNEL_OPS:
+            stack.enter_context(ops.using(op, "cpu", ops.lookup(op, "cuda")))
+        for entry in default_grid():
+            run_entry(entry, torch.device("cpu"))
+    return set(seen)
+
+
+def test_the_gpu_kernel_tests_launch_only_precompiled_variants(tmp_path):
+    grid = precompiled_launches()
+    assert {name for name, _, _ in grid} == set(launches.KERNELS.values())
+    out = tmp_path / "launches.json"
+    env = dict(os.environ)
+    env.update(
+        TW_TRITON_TEST_KERNEL_GRID="1",
+        TW_TRITON_TEST_MAX_EXAMPLES="5",
+        TW_TRITON_LAUNCHES_OUT=str(out),
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")]),
+    )
+    # The int64 offset checks run in a child of their own; their windows are checked below.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "_kernel_launches", "-p", "no:cacheprovider"]
+    proc = subprocess.run(
+        [*cmd, "-k", "not int64", *KERNEL_TESTS],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    tested = launches.from_json(json.loads(out.read_text()))
+    assert {name for name, _, _ in tested} == set(launches.KERNELS.values())
+    off_grid = sorted(tested - grid)
+    assert not off_grid, f"{len(off_grid)} launches the precompile does not make, e.g. {off_grid[:3]}"
+
+
+def test_an_off_grid_launch_is_told_apart():
+    """The key tells a block, a reference dtype or a qmax outside the grid from the grid's."""
+    grid = precompiled_launches()
+    from tw_triton.kernels import quantize_blockwise
+
+    x = torch.randn(300)
+    for ref, block, qmax in ((None, 32, None), (x.to(torch.bfloat16), 128, None), (None, 128, 3)):
+        with launches.recording() as seen:
+            quantize_blockwise(x, ref, 4, block, qmax)
+        assert seen and not seen & grid, (block, ref, qmax)
+    with launches.recording() as seen:
+        quantize_blockwise(x, x.clone(), 4, 128)
+    assert seen and seen <= grid
+
+
+def test_the_gpu_offset_windows_are_grid_variants():
+    for w in _offsets64.device_windows():
+        assert Variant(w.bits, w.block, w.dtype, w.ref_dtype) in grid_variants("blockwise"), w.label()

@@ -229,3 +229,13 @@ def test_keyframe_regions_are_decoded_where_they_are_asked_for(tmp_path, monkeyp
     assert [(d.type, sorted(out)) for d, out in calls] == [("meta", ["model/w"])]
     (full,) = kf.regions([("model.w", (0, 0), (96, 64))])
     assert torch.equal(full, _state()["model"]["w"])  # exact in a keyframe
+
+
+def test_cpu_saves_share_the_process_staging_and_pin_nothing(tmp_path):
+    from tw_triton.dcp.staging import shared_staging
+
+    writers = [StorageWriter(str(tmp_path / name), rules="small") for name in ("a", "b")]
+    assert writers[0].staging is writers[1].staging is shared_staging()
+    dcp.save(_state(), storage_writer=writers[0], no_dist=True)
+    dcp.async_save(_state(), storage_writer=writers[1], no_dist=True).result()
+    assert shared_staging().pool.held_bytes == 0  # CPU buffers are written as they are

@@ -13,6 +13,7 @@ and a spy on the decode sees which device the reader asks for.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -52,6 +53,7 @@ def _tensors(state: dict) -> dict[str, torch.Tensor]:
 class _Event:
     def __init__(self, log: list[str]) -> None:
         self.log = log
+        self.handle = threading.Lock()  # a CUDA event does not pickle either
 
     def synchronize(self) -> None:
         self.log.append("sync")
@@ -72,6 +74,7 @@ class FakeStaging:
     def __init__(self, log: list[str]) -> None:
         self.log = log
         self.pool = _Pool(log)
+        self.lock = threading.Lock()  # nor does the real one (its pool's condition)
         self.host: dict[int, torch.Tensor] = {}
         self.staged_buffers: list[int] = []
 
@@ -239,3 +242,21 @@ def test_cpu_saves_share_the_process_staging_and_pin_nothing(tmp_path):
     dcp.save(_state(), storage_writer=writers[0], no_dist=True)
     dcp.async_save(_state(), storage_writer=writers[1], no_dist=True).result()
     assert shared_staging().pool.held_bytes == 0  # CPU buffers are written as they are
+
+
+def test_a_staged_writer_travels_to_another_process_as_plain_bytes(plain, on_meta, tmp_path):
+    """DCP's process-based async save pickles the writer after ``stage``: the staged bytes
+    go along (no pinned buffer, stream or event), and the copy writes the same checkpoint."""
+    import pickle
+
+    staging, log = on_meta
+    path = str(tmp_path / "ckpt")
+    writer = StorageWriter(path, rules="small", staging=staging)
+    staged = writer.stage(_state())
+    moved = pickle.loads(pickle.dumps(writer))
+    assert log == ["stage", "sync"] and moved.staging is not staging
+    dcp.save(staged, storage_writer=moved, no_dist=True)
+    got = _zeros_like(_state())
+    tw_dcp.load(got, path, no_dist=True)
+    for k, t in _tensors(plain).items():
+        assert torch.equal(_tensors(got)[k], t), k

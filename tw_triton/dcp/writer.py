@@ -94,6 +94,25 @@ class StorageWriter(FileSystemWriter):
         self._staged: dict[str, Chunk] | None = None
         self._staged_copy: HostCopy | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's process-based async save sends the writer to another process: pinned
+        # buffers, streams and events stay here, the staged bytes travel as plain tensors.
+        state = self.__dict__.copy()
+        state["staging"] = None
+        if self._staged_copy is not None:
+            host = self._staged_copy.wait()
+            entries = {
+                name: dataclasses.replace(e, buffers={k: v.clone() for k, v in e.buffers.items()})
+                for name, e in host.entries.items()
+            }
+            state["_staged_copy"] = HostCopy(dataclasses.replace(host, entries=entries))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.staging is None:
+            self.staging = shared_staging()
+
     # -- staging (AsyncStager) -------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Encode every local tensor now and return a state dict safe to plan from.

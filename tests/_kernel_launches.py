@@ -4,7 +4,7 @@ plugin (``-p _kernel_launches``) that writes a session's launches as JSON to the
 
 A launch's key is what makes Triton compile a binary of its own: the kernel, the dtypes of
 its tensor arguments and its constexprs (``BITS``, ``BLOCK``, ``ROWS``, ``QMAX``,
-``HAS_REF``, ``MASKED``). The launch itself still runs.
+``HAS_REF``, ``MASKED``). The launch itself still runs, unless ``run=False``.
 """
 
 from __future__ import annotations
@@ -36,26 +36,27 @@ def launch_key(name: str, args: tuple, meta: dict[str, Any]) -> LaunchKey:
 
 
 class _Recording:
-    def __init__(self, name: str, kernel: Any, seen: set[LaunchKey]) -> None:
-        self.name, self.kernel, self.seen = name, kernel, seen
+    def __init__(self, name: str, kernel: Any, seen: set[LaunchKey], run: bool) -> None:
+        self.name, self.kernel, self.seen, self.run = name, kernel, seen, run
 
     def __getitem__(self, grid: Any):
         def launch(*args: Any, **meta: Any) -> Any:
             self.seen.add(launch_key(self.name, args, meta))
-            return self.kernel[grid](*args, **meta)
+            return self.kernel[grid](*args, **meta) if self.run else None
 
         return launch
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[set[LaunchKey]]:
-    """Record the launches of the four kernels while the block runs (they still run)."""
+def recording(run: bool = True) -> Iterator[set[LaunchKey]]:
+    """Record the launches of the four kernels while the block runs (``run``: launch them
+    too; without, their outputs are left as allocated)."""
     seen: set[LaunchKey] = set()
     modules = {m: importlib.import_module(m) for m in KERNELS}
     real = {m: getattr(mod, KERNELS[m]) for m, mod in modules.items()}
     try:
         for m, mod in modules.items():
-            setattr(mod, KERNELS[m], _Recording(KERNELS[m], real[m], seen))
+            setattr(mod, KERNELS[m], _Recording(KERNELS[m], real[m], seen, run))
         yield seen
     finally:
         for m, mod in modules.items():

@@ -6,6 +6,7 @@ item 3; ``ON_GRID`` in tests/_kernel_testing.py). Checked on the CPU: the kernel
 modules run as a GPU run draws (``TW_TRITON_TEST_KERNEL_GRID=1``, interpreted, few
 hypothesis examples) with every launch recorded (tests/_kernel_launches.py), and each
 launch's specialization must be one that the precompile's own run of the grid launches.
+With a GPU the same runs happen there, compiled.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import _kernel_launches as launches
 import _offsets64
 import torch
-from _kernel_testing import GPU_BENCH_DIR, Variant, grid_variants
+from _kernel_testing import GPU_BENCH_DIR, KERNEL_DEVICE, Variant, grid_variants, on_kernel_device
 
 from tw_triton import ops
 
@@ -34,16 +35,17 @@ KERNEL_OPS = ("quantize_blockwise", "dequantize_blockwise", "quantize_log2", "de
 
 
 def precompiled_launches() -> set:
-    """What the precompile launches: each grid entry through its codec, with the kernels
-    standing in for the CPU backend (run by the interpreter)."""
+    """What the precompile launches: each grid entry through its codec on the kernel
+    device (without a GPU, the kernels stand in for the CPU backend, interpreted)."""
     sys.path.insert(0, str(GPU_BENCH_DIR))
     from _precompile import default_grid, run_entry
 
     with launches.recording() as seen, contextlib.ExitStack() as stack:
-        for op in KERNEL_OPS:
-            stack.enter_context(ops.using(op, "cpu", ops.lookup(op, "cuda")))
+        if KERNEL_DEVICE.type == "cpu":
+            for op in KERNEL_OPS:
+                stack.enter_context(ops.using(op, "cpu", ops.lookup(op, "cuda")))
         for entry in default_grid():
-            run_entry(entry, torch.device("cpu"))
+            run_entry(entry, KERNEL_DEVICE)
     return set(seen)
 
 
@@ -56,9 +58,10 @@ def test_the_gpu_kernel_tests_launch_only_precompiled_variants(tmp_path):
         TW_TRITON_TEST_KERNEL_GRID="1",
         TW_TRITON_TEST_MAX_EXAMPLES="5",
         TW_TRITON_LAUNCHES_OUT=str(out),
-        TRITON_INTERPRET="1",
         PYTHONPATH=os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")]),
     )
+    if KERNEL_DEVICE.type == "cpu":
+        env["TRITON_INTERPRET"] = "1"  # before the plugin imports triton
     # The int64 offset checks run in a child of their own; their windows are checked below.
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "_kernel_launches", "-p", "no:cacheprovider"]
     proc = subprocess.run(
@@ -81,12 +84,12 @@ def test_an_off_grid_launch_is_told_apart():
     grid = precompiled_launches()
     from tw_triton.kernels import quantize_blockwise
 
-    x = torch.randn(300)
+    x = on_kernel_device(torch.randn(300))
     for ref, block, qmax in ((None, 32, None), (x.to(torch.bfloat16), 128, None), (None, 128, 3)):
-        with launches.recording() as seen:
+        with launches.recording(run=False) as seen:  # on a GPU, nothing compiled off the grid
             quantize_blockwise(x, ref, 4, block, qmax)
         assert seen and not seen & grid, (block, ref, qmax)
-    with launches.recording() as seen:
+    with launches.recording(run=False) as seen:
         quantize_blockwise(x, x.clone(), 4, 128)
     assert seen and seen <= grid
 

@@ -159,8 +159,12 @@ class DeviceStaging:
         self.side_streams: dict[int, torch.cuda.Stream] = {}
         self.wait_log_threshold_s = wait_log_threshold_s
 
-    def stage(self, qstate: QuantizedState, path: str) -> Staged | None:
+    def stage(self, qstate: QuantizedState, path: str, *, live: bool = False) -> Staged | None:
         """Enqueue the D2H copies of ``qstate``'s CUDA buffers; ``None``: it has none.
+
+        ``live``: some buffers are the training state's own tensors (exact entries not
+        copied on the device): the current stream then waits for the copies before any
+        later work, so that the next step cannot change them first.
 
         Raises:
             CheckpointError: buffers on a device that is neither the CPU nor CUDA, or more
@@ -191,7 +195,7 @@ class DeviceStaging:
             )
         try:
             views = carve(pinned, tensors)
-            events = self.copy_to_host(tensors, views)
+            events = self.copy_to_host(tensors, views, live=live)
         except BaseException:
             # Copies enqueued before the failure (e.g. for another device) still write into
             # the buffer: it goes back to the pool only once they are done.
@@ -205,11 +209,14 @@ class DeviceStaging:
             entries[name] = EncodedEntry(entry.codec, entry.params, entry.shape, entry.dtype, bufs)
         return Staged(replace(qstate, entries=entries), events, pinned)
 
-    def copy_to_host(self, tensors: list[torch.Tensor], views: list[torch.Tensor]) -> list:
+    def copy_to_host(
+        self, tensors: list[torch.Tensor], views: list[torch.Tensor], *, live: bool = False
+    ) -> list:
         """Enqueue each CUDA tensor's copy into its pinned view, per device on a side stream
         that first waits for the work already queued on the current stream (the encode
         kernels that produced the buffers). Returns one event per device marking the copies
-        done; the caller keeps the device tensors alive until they have fired."""
+        done; the caller keeps the device tensors alive until they have fired. ``live``: the
+        current stream waits for them too (see :meth:`stage`)."""
         by_device: dict[int, list[int]] = {}
         for i, t in enumerate(tensors):
             by_device.setdefault(t.device.index, []).append(i)
@@ -225,6 +232,8 @@ class DeviceStaging:
             # a CPU core that the training loop may need while the copy runs.
             done = torch.cuda.Event(blocking=True)
             done.record(side)
+            if live:
+                producer.wait_event(done)
             events.append(done)
         return events
 

@@ -1,0 +1,243 @@
+"""Device memory of the Checkpointer: the documented formula, what is held, the device save
+path (exact entries copied to the host from the state's own tensors, the reference copied
+once), the closed-loop advance in place after the keyframe's copies, and a host reference.
+
+Without a GPU the device path runs on CPU tensors: the pipeline's device branch is taken
+by declaring the state off the CPU, and the CUDA stream calls are replaced by spies."""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+import tw_triton
+from tw_triton import Checkpointer, save_pipeline
+from tw_triton import format as fmt
+from tw_triton.checkpoint_files import checkpoint_name
+from tw_triton.codecs import ExactCodec
+from tw_triton.deltas import advance, make_reference
+from tw_triton.pinned_staging import DeviceStaging
+
+
+def _run(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt
+
+
+def _step(model, opt):
+    model(torch.randn(8, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _blockwise(numel, bits, block=128):
+    return (numel * bits + 7) // 8 + -(-numel // block) * 4
+
+
+def _log2(numel, bits, block=128):
+    return (numel * bits + 7) // 8 + 2 * -(-numel // block) * 4
+
+
+# The state of _run under the preset "smallest" at block 128, by hand: two 256x64 fp32
+# weights are delta-coded (int2 deltas); their AdamW moments are exp_avg int4 and
+# exp_avg_sq log2 4 bits; biases and their moments (< 4096 elements) are exact.
+W = 256 * 64
+REFERENCE = 2 * W * 4
+MOMENTS = 2 * (_blockwise(W, 4) + _log2(W, 4))
+KEYFRAME = MOMENTS  # weights exact: copied to the host from the reference itself
+DELTA = MOMENTS + 2 * _blockwise(W, 2)
+SCRATCH = W * 4  # the largest delta-coded tensor, decoded then copied into the reference
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_the_bound_is_the_documented_formula_and_the_reference_is_what_is_held(tmp_path, async_write):
+    model, opt = _run()
+    _step(model, opt)
+    with Checkpointer(tmp_path, keyframe_every=3, fsync=False, async_write=async_write) as ck:
+        bound = ck.device_memory_bound(model=model, optimizer=opt)
+        in_flight = 2 if async_write else 1
+        assert bound == {
+            "reference": REFERENCE,
+            "keyframe": KEYFRAME,
+            "delta": DELTA,
+            "scratch": SCRATCH,
+            "saves_in_flight": in_flight,
+            "peak": REFERENCE + in_flight * DELTA + SCRATCH,
+        }
+        assert ck.device_memory() == {"reference": 0, "staging": 0}
+        for step in range(4):  # keyframe, delta, delta, keyframe
+            ck.save(step, model=model, optimizer=opt)
+            ck.flush()
+            # One copy of the delta-coded tensors, never two: the advance is in place.
+            assert ck.device_memory() == {"reference": REFERENCE, "staging": 0}
+            _step(model, opt)
+    # What a save encodes is what the formula counts: the buffers of the files' coded
+    # entries (the CPU codec's buffers are the kernels', byte for byte).
+    for step, want in ((0, KEYFRAME), (1, DELTA)):
+        q = fmt.read_file(tmp_path / checkpoint_name(step))
+        coded = sum(
+            t.numel() * t.element_size()
+            for e in q.entries.values()
+            if e.codec != "exact"
+            for t in e.buffers.values()
+        )
+        assert coded == want
+
+
+def test_the_bound_follows_the_options(tmp_path):
+    model, opt = _run()
+    _step(model, opt)
+    with Checkpointer(tmp_path, fsync=False, reference_device="cpu", max_pending=3) as ck:
+        b = ck.device_memory_bound(model=model, optimizer=opt)
+        # A host reference: nothing held between saves; on the device while a delta is
+        # coded against it, one tensor at a time (and once more for the advance).
+        assert (b["reference"], b["scratch"], b["saves_in_flight"]) == (0, 2 * SCRATCH, 4)
+    with Checkpointer(tmp_path / "o", fsync=False, delta="open") as ck:
+        assert ck.device_memory_bound(model=model, optimizer=opt)["scratch"] == 0
+    with Checkpointer(tmp_path / "n", fsync=False, delta="none", rules="small") as ck:
+        b = ck.device_memory_bound(model=model, optimizer=opt)
+        assert (b["reference"], b["scratch"]) == (0, 0)
+        assert b["delta"] == 2 * _blockwise(W, 8) + MOMENTS  # int8 weights on their own
+
+
+def test_reference_device_must_be_known(tmp_path):
+    with pytest.raises(tw_triton.CheckpointError, match="reference_device"):
+        Checkpointer(tmp_path, reference_device="cuda:1")
+
+
+def _entries(path):
+    q = fmt.read_file(path)
+    return {
+        p: (
+            e.codec,
+            {k: v for k, v in e.params.items() if k != "ref_fp"},
+            {b: t.clone() for b, t in e.buffers.items()},
+        )
+        for p, e in q.entries.items()
+    }
+
+
+def _same_files(a, b, steps):
+    for step in steps:
+        ea, eb = _entries(a / checkpoint_name(step)), _entries(b / checkpoint_name(step))
+        assert ea.keys() == eb.keys()
+        for p in ea:
+            assert ea[p][:2] == eb[p][:2], p
+            for name, t in ea[p][2].items():
+                assert torch.equal(t.view(-1).view(torch.uint8), eb[p][2][name].view(-1).view(torch.uint8)), p
+
+
+def _saves(directory, monkeypatch=None, **options):
+    """Five saves (keyframe, 3 deltas, keyframe) of one run; returns what write_file got."""
+    model, opt = _run(1)
+    written = []
+    if monkeypatch is not None:
+        real = save_pipeline._format.write_file
+
+        def spy(q, path, **kw):
+            written.append((q, {p: t.data_ptr() for p, t in model.state_dict().items()}))
+            return real(q, path, **kw)
+
+        monkeypatch.setattr(save_pipeline._format, "write_file", spy)
+    with Checkpointer(directory, keyframe_every=4, fsync=False, async_write=False, **options) as ck:
+        refs = []
+        for step in range(5):
+            _step(model, opt)
+            ck.save(step, model=model, optimizer=opt)
+            ref = ck._chain.reference
+            refs.append({k: t.data_ptr() for k, t in ref.tree["model"].items()})
+    return written, refs
+
+
+@pytest.mark.parametrize("reference_device", [None, "cpu"])
+def test_the_device_save_path_gives_the_same_files_without_copying_exact_entries(
+    tmp_path, monkeypatch, reference_device
+):
+    _saves(tmp_path / "plain")
+    # The branch a device state takes, on CPU tensors (written before save returns).
+    monkeypatch.setattr(save_pipeline, "all_on_cpu", lambda tree: False)
+    clones = []
+    real_encode = ExactCodec.encode
+    monkeypatch.setattr(ExactCodec, "encode", lambda self, *a: clones.append(1) or real_encode(self, *a))
+    written, refs = _saves(tmp_path / "device", monkeypatch, reference_device=reference_device)
+    _same_files(tmp_path / "plain", tmp_path / "device", range(5))
+    assert clones == []  # no exact entry was copied on the device
+    (kf, live), (d1, _) = written[0], written[1]
+    for p in ("0.bias", "2.bias"):
+        # An exact entry holds the state's own tensor: the writer copies it to the host.
+        assert kf.entries[f"model/{p}"].buffers["data"].data_ptr() == live[p]
+    for p in ("0.weight", "2.weight"):
+        # A delta-coded one holds the reference's copy, which the next delta advances.
+        data = kf.entries[f"model/{p}"].buffers["data"].data_ptr()
+        assert data != live[p] and data == refs[0][p]
+        assert refs[1][p] == refs[2][p] == refs[3][p] == data  # in place, save after save
+    assert d1.entries["model/0.weight"].codec == "blockwise"
+
+
+class _Event:
+    def __init__(self, log=None, **_):
+        self.log = log if log is not None else []
+
+    def record(self, stream=None):
+        self.log.append(("record", stream))
+
+    def wait(self, stream=None):
+        self.log.append(("wait", stream))
+
+
+class _Stream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "wait_stream", other.name))
+
+    def wait_event(self, event):
+        self.log.append((self.name, "wait_event", event))
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_live_buffers_hold_the_loop_until_their_copy(monkeypatch, live):
+    log: list = []
+    producer, side = _Stream("producer", log), _Stream("side", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: producer)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: _Event(log))
+    staging = DeviceStaging(None)
+    monkeypatch.setattr(staging, "side_stream", lambda index: side)
+    src = [torch.arange(10.0), torch.arange(3, dtype=torch.int32)]
+    views = [torch.empty_like(t) for t in src]
+    (event,) = staging.copy_to_host(src, views, live=live)
+    assert all(torch.equal(a, b) for a, b in zip(src, views))
+    # The copies wait for the work that made the buffers; with live buffers (the state's
+    # own tensors) the loop's next work waits for the copies.
+    assert log[0] == ("side", "wait_stream", "producer")
+    assert (("producer", "wait_event", event) in log) == live
+
+
+def test_the_advance_decodes_over_the_keyframe_once_its_copies_are_done():
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(64, 128, generator=g)
+    w1 = w0 + 1e-3 * torch.randn(64, 128, generator=g)
+    want = None
+    for copied in (None, [_Event()]):
+        keyframe = w0.clone()
+        ref = make_reference("k", {"model/w": keyframe}, 0, Future(), closed=True)  # still writing
+        ref.copied = copied
+        q = tw_triton.quantize_state_dict(
+            {"model": {"w": w1}}, reference=ref.tree, reference_id="k", rules="default", bits=4, block=128
+        )
+        advance(ref, q)
+        got = ref.tree["model"]["w"]
+        want = got.clone() if want is None else want
+        assert torch.equal(got, want)
+        # With the copies' events, the device waits for them and decodes in place; without,
+        # the keyframe's tensor may still be read: a fresh tensor.
+        assert (got.data_ptr() == keyframe.data_ptr()) == (copied is not None)
+        if copied is not None:
+            assert copied[0].log == [("wait", None)]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .errors import CheckpointError
+from .pinned_memory import HostSlab
 from .qstate import EncodedEntry, QuantizedState
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,11 @@ class PinnedPool:
         cap_bytes: most pinned bytes held at once (in use or free), or ``None`` for no
             byte cap (then ``max_pending`` of the writer alone bounds the pool: at most
             that many buffers exist).
-        pin_memory: allocate page-locked memory (the point of the pool; ``False`` only
-            lets its bookkeeping be tested on a machine without CUDA).
+        pin_memory: page-lock the buffers (the point of the pool; ``False`` only lets its
+            bookkeeping be tested on a machine without CUDA). Each buffer is a
+            :class:`~tw_triton.pinned_memory.HostSlab`, registered with CUDA, not from the
+            caching host allocator: exactly the size asked (a whole number of
+            :data:`PINNED_GRANULE`), and given back to the system when the pool drops it.
     """
 
     def __init__(self, cap_bytes: int | None, *, pin_memory: bool = True) -> None:
@@ -81,6 +85,7 @@ class PinnedPool:
         self.cap_bytes = cap_bytes
         self.pin_memory = pin_memory
         self._free: list[torch.Tensor] = []
+        self._slabs: dict[int, HostSlab] = {}  # by data pointer: every buffer the pool made
         self._held_bytes = 0
         self._cond = threading.Condition()
 
@@ -117,11 +122,13 @@ class PinnedPool:
                 # before pinning a new one, so at most max_pending buffers exist.
                 for b in self._free:
                     self._held_bytes -= b.numel()
+                    self._slabs.pop(b.data_ptr()).close()
                 self._free.clear()
                 if self.cap_bytes is None or self._held_bytes + want <= self.cap_bytes:
-                    buf = torch.empty(want, dtype=torch.uint8, pin_memory=self.pin_memory)
+                    slab = HostSlab(want, register=self.pin_memory)
+                    self._slabs[slab.tensor.data_ptr()] = slab
                     self._held_bytes += want
-                    return buf, time.perf_counter() - start
+                    return slab.tensor, time.perf_counter() - start
                 self._cond.wait()
 
     def release(self, buf: torch.Tensor) -> None:

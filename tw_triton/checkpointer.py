@@ -225,7 +225,8 @@ class Checkpointer:
         a second copy of the tensors the rules delta-code (the first delta copies the state
         while the keyframe's copies stay held as its reference); reserving again adds only
         what is missing; ``snapshot_pool_bytes`` caps it. It also runs Python's full garbage
-        collection now (unless disabled), so that it does not run inside an early save.
+        collection now (unless disabled), so that it does not run inside an early save, and,
+        for a CUDA state, compiles the kernels the first keyframe and delta will launch.
         Why: docs/training-loop.md ("The first save", "Python's garbage collector").
 
         Returns:
@@ -241,6 +242,7 @@ class Checkpointer:
             raise CheckpointError(f"cannot prepare: the Checkpointer of {self.directory!r} is closed")
         tree = _named_state(state)
         collect_setup_garbage()
+        self._pipeline.precompile(tree)
         if not self._pipeline.copies(tree):
             return 0
         self._collect_finished()  # written saves' buffers are free again: count them

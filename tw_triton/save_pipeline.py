@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import format as _format
+from . import kernel_variants
 from .deltas import Reference, advance, check_reference, delta_coded
 from .qstate import QuantizedState
 from .reference_chain import ReferenceChain, depends_on, ref_at
@@ -340,6 +341,19 @@ class SavePipeline:
         """Whether a save of ``tree`` copies it into pooled host memory (else: nothing to
         reserve for it)."""
         return self.writer is not None and all_on_cpu(tree)
+
+    def precompile(self, tree: dict[str, Any]) -> int:
+        """Compile the kernels the first keyframe and delta of ``tree`` (the named state)
+        launch, now (docs/training-loop.md, "The first save"); returns how many variants
+        ran (0: no tensor the kernels code)."""
+        device = kernel_variants.kernel_device(leaf_tensors(tree))
+        if device is None:
+            return 0
+        mode, state = self.chain.mode, {"step": 0, **tree}
+        variants = kernel_variants.save_variants(
+            state, self.rules, bits=self.bits, block=self.block, delta_mode=mode
+        )
+        return kernel_variants.precompile(variants, device)
 
     def reserve(self, tree: dict[str, Any]) -> int:
         """Reserve pooled host memory for the first save's copy of ``tree`` (see

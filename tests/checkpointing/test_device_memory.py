@@ -241,3 +241,86 @@ def test_the_advance_decodes_over_the_keyframe_once_its_copies_are_done():
         assert (got.data_ptr() == keyframe.data_ptr()) == (copied is not None)
         if copied is not None:
             assert copied[0].log == [("wait", None)]
+
+
+class _Gate:
+    """A copy event whose synchronize() blocks until the test opens it."""
+
+    def __init__(self):
+        import threading
+
+        self.open = threading.Event()
+        self.waited = []
+
+    def synchronize(self):
+        assert self.open.wait(10)
+
+    def wait(self, stream=None):
+        self.waited.append(stream)
+
+
+def _fake_staging(monkeypatch, writer, gate):
+    """Stage every save as if its buffers were on a device: the writer keeps the save (and
+    counts its device bytes) until ``gate`` fires; the bytes written are the host ones."""
+    from tw_triton.pinned_staging import Staged
+
+    seen = []
+
+    def stage(q, path, *, live=False):
+        seen.append(live)
+        return Staged(q, [gate], torch.empty(1, dtype=torch.uint8))
+
+    monkeypatch.setattr(writer.staging, "stage", stage)
+    return seen
+
+
+def test_staging_counts_the_encoded_buffers_until_their_copies_are_waited_for(tmp_path, monkeypatch):
+    from tw_triton.qstate import EncodedEntry, QuantizedState
+    from tw_triton.writer import AsyncWriter
+
+    gate = _Gate()
+    meta = torch.empty(1000, dtype=torch.float32, device="meta")
+    codes = torch.empty(300, dtype=torch.uint8, device="meta")
+    q = QuantizedState(
+        entries={
+            "w": EncodedEntry("exact", {}, (1000,), torch.float32, {"data": meta}),
+            "m": EncodedEntry("blockwise", {}, (600,), torch.float32, {"codes": codes}),
+        },
+        skeleton=None,
+        checkpoint_id="x",
+    )
+    with AsyncWriter(fsync=False, max_pending=2) as w:
+        live = _fake_staging(monkeypatch, w, gate)
+        monkeypatch.setattr(fmt, "write_file", lambda *a, **k: 0)
+        f1 = w.submit(q, tmp_path / "a")
+        f2 = w.submit(q, tmp_path / "b", live=True)
+        # Both held: all of the first; of the second (its exact entry is the state's own
+        # tensor), the codes only.
+        assert w.device_bytes_held == 4000 + 300 + 300
+        assert w.copy_events(f1) == [gate] and live == [False, True]
+        gate.open.set()
+        f1.result(10), f2.result(10)
+        assert w.device_bytes_held == 0
+
+
+def test_a_device_keyframe_hands_its_copy_events_to_the_reference(tmp_path, monkeypatch):
+    """With an async writer, the first delta's advance waits for the keyframe's copies (the
+    device waits; the host does not) and decodes over the reference in place, even while
+    the keyframe is still being written."""
+    gate = _Gate()
+    monkeypatch.setattr(save_pipeline, "all_on_cpu", lambda tree: False)
+    model, opt = _run(2)
+    _step(model, opt)
+    with Checkpointer(tmp_path, keyframe_every=4, fsync=False, max_pending=2) as ck:
+        live = _fake_staging(monkeypatch, ck._writer, gate)
+        ck.save(0, model=model, optimizer=opt)
+        ref = ck._chain.reference
+        assert ref.copied == [gate] and not ref.future.done()  # the writer waits at the gate
+        before = {k: t.data_ptr() for k, t in ref.tree["model"].items()}
+        _step(model, opt)
+        ck.save(1, model=model, optimizer=opt)  # encoded here: advances the reference now
+        assert gate.waited == [None]
+        assert {k: t.data_ptr() for k, t in ref.tree["model"].items()} == before
+        assert live == [True, True]
+        gate.open.set()
+    assert Checkpointer(tmp_path).infos()[-1].kind == "delta"

@@ -18,6 +18,15 @@ from .ops.layout import blockwise_buffers, log2_buffers
 from .rules import keyframe_rules, resolve_rules, select_rule
 from .tree import Flattened
 
+# The CUDA caching allocator rounds every allocation up to a multiple of this.
+ALLOC_BYTES = 512
+# Scalars each coded entry keeps on the device until the save's one host sync: its NaN/Inf
+# flag and reference fingerprint, and their int64 copies for the transfer.
+SCALAR_BYTES_PER_ENTRY = 4 * ALLOC_BYTES
+# A fingerprint's temporaries (a sample of 2048 elements, widened to int64, its weights,
+# their product), one entry at a time.
+FINGERPRINT_SCRATCH = 64 << 10
+
 # Buffers of the codecs whose layout is known: (numel, bits, block) -> [(name, elements, dtype)].
 _LAYOUTS = {"blockwise": blockwise_buffers, "log2": log2_buffers}
 
@@ -32,9 +41,11 @@ class DeviceMemoryBound:
         keyframe: the device buffers a keyframe encodes (its quantized entries' codes and
             per-block values, and copies of exact tensors that are not contiguous).
         delta: the same for a save between keyframes.
-        scratch: a save's temporaries beside its buffers: the largest delta-coded tensor
-            once for a closed-loop advance (decoded, then copied into the reference) and
-            once more for a host reference (its copy on the device while it is used).
+        scalars: the coded entries' flags and fingerprints, until the save's host sync.
+        scratch: a save's temporaries beside its buffers, one entry at a time: the
+            largest delta-coded tensor once for a closed-loop advance (decoded, then copied
+            into the reference) and once more for a host reference (its copy on the device
+            while it is used); a fingerprint's temporaries; the largest NaN/Inf check.
         saves_in_flight: saves whose device buffers can exist at once (``max_pending``
             queued, whose copies the writer thread has not waited for yet, plus the one
             being encoded).
@@ -43,19 +54,22 @@ class DeviceMemoryBound:
     reference: int
     keyframe: int
     delta: int
+    scalars: int
     scratch: int
     saves_in_flight: int
 
     @property
     def peak(self) -> int:
         """The most the Checkpointer holds on the device at any moment of a save."""
-        return self.reference + self.saves_in_flight * max(self.keyframe, self.delta) + self.scratch
+        encoded = self.saves_in_flight * max(self.keyframe, self.delta)
+        return self.reference + encoded + self.scalars + self.scratch
 
     def as_dict(self) -> dict[str, int]:
         return {
             "reference": self.reference,
             "keyframe": self.keyframe,
             "delta": self.delta,
+            "scalars": self.scalars,
             "scratch": self.scratch,
             "saves_in_flight": self.saves_in_flight,
             "peak": self.peak,
@@ -75,13 +89,21 @@ def held_nbytes(tensors: Iterable[torch.Tensor]) -> int:
 def encoded_nbytes(codec_name: str, params: Mapping[str, Any], x: torch.Tensor) -> int:
     """Bytes of the buffers ``codec_name`` encodes ``x`` into on its device.
 
-    A codec whose layout is not known here counts the tensor's own bytes (a codec that
-    shrinks nothing; every built-in one that is not listed here is exact).
+    Each buffer counts as the caching allocator rounds it (:data:`ALLOC_BYTES`). A codec
+    whose layout is not known here counts the tensor's own bytes (a codec that shrinks
+    nothing; every built-in one that is not listed here is exact).
     """
     layout = _LAYOUTS.get(codec_name)
     if layout is None:
-        return x.numel() * x.element_size()
-    return sum(n * dtype.itemsize for _, n, dtype in layout(x.numel(), params["bits"], params["block"]))
+        return allocated(x.numel() * x.element_size())
+    return sum(
+        allocated(n * dtype.itemsize) for _, n, dtype in layout(x.numel(), params["bits"], params["block"])
+    )
+
+
+def allocated(nbytes: int) -> int:
+    """``nbytes`` as the caching allocator rounds it."""
+    return -(-nbytes // ALLOC_BYTES) * ALLOC_BYTES
 
 
 def device_memory_bound(
@@ -113,26 +135,32 @@ def device_memory_bound(
         key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         distinct.setdefault(key, (path, t))
     key_rules = keyframe_rules(rule_list)
-    reference = keyframe = delta = largest = 0
+    reference = keyframe = delta = largest = flag = 0
+    coded = {True: 0, False: 0}  # coded entries of a keyframe, of a delta
     for path, t in distinct.values():
         rule = select_rule(rule_list, path, t)
         codec = get_codec(rule.codec)
         uses_ref = codec is not None and codec.uses_reference(rule.params) and delta_mode != "none"
-        nbytes = t.numel() * t.element_size()
+        nbytes = allocated(t.numel() * t.element_size())
         if uses_ref:
             reference += nbytes
             largest = max(largest, nbytes)
+        for key, r in ((True, select_rule(key_rules, path, t)), (False, rule)):
+            if r.codec != "exact":
+                coded[key] += 1
+                flag = max(flag, allocated(-(-t.numel() // r.params.get("block", 1))))
         delta += _save_nbytes(rule, t)
-        keyframe += (
-            _save_nbytes(select_rule(key_rules, path, t), t)
-            if delta_mode != "none"
-            else _save_nbytes(rule, t)
-        )
-    scratch = largest * ((delta_mode == "closed") + host_reference)
+        keyframe += _save_nbytes(select_rule(key_rules, path, t), t)
+    entries = max(coded.values())
+    scalars = entries * SCALAR_BYTES_PER_ENTRY + allocated(8 * entries)
+    scratch = largest * ((delta_mode == "closed") + host_reference) + flag
+    if largest:
+        scratch += FINGERPRINT_SCRATCH
     return DeviceMemoryBound(
         reference=0 if host_reference else reference,
         keyframe=keyframe,
         delta=delta,
+        scalars=scalars,
         scratch=scratch,
         saves_in_flight=max_pending + 1,
     )
@@ -157,7 +185,7 @@ def _save_nbytes(rule: Any, t: torch.Tensor) -> int:
     """Device bytes a save encodes ``t`` into with ``rule``: an exact entry of a contiguous
     tensor is copied to the host from the tensor itself (nothing on the device)."""
     if rule.codec == "exact":
-        return 0 if t.is_contiguous() else t.numel() * t.element_size()
+        return 0 if t.is_contiguous() else allocated(t.numel() * t.element_size())
     return encoded_nbytes(rule.codec, rule.params, t)
 
 

@@ -52,6 +52,12 @@ MOMENTS = 2 * (_blockwise(W, 4) + _log2(W, 4))
 KEYFRAME = MOMENTS  # weights exact: copied to the host from the reference itself
 DELTA = MOMENTS + 2 * _blockwise(W, 2)
 SCRATCH = W * 4  # the largest delta-coded tensor, decoded then copied into the reference
+# On the device, one entry at a time: a fingerprint's temporaries (2048 samples widened to
+# int64, their weights, the product) and a NaN/Inf check of one byte per block.
+TEMPORARIES = 64 * 1024 + 512
+# Each coded entry's flag and fingerprint (and their int64 copies), 512 B per allocation,
+# until the save's one host sync; a delta codes 6 entries (4 moments, 2 weight deltas).
+SCALARS = 6 * 4 * 512 + 512
 
 
 @pytest.mark.parametrize("async_write", [True, False])
@@ -65,9 +71,10 @@ def test_the_bound_is_the_documented_formula_and_the_reference_is_what_is_held(t
             "reference": REFERENCE,
             "keyframe": KEYFRAME,
             "delta": DELTA,
-            "scratch": SCRATCH,
+            "scalars": SCALARS,
+            "scratch": SCRATCH + TEMPORARIES,
             "saves_in_flight": in_flight,
-            "peak": REFERENCE + in_flight * DELTA + SCRATCH,
+            "peak": REFERENCE + in_flight * DELTA + SCALARS + SCRATCH + TEMPORARIES,
         }
         assert ck.device_memory() == {"reference": 0, "staging": 0}
         for step in range(4):  # keyframe, delta, delta, keyframe
@@ -96,12 +103,12 @@ def test_the_bound_follows_the_options(tmp_path):
         b = ck.device_memory_bound(model=model, optimizer=opt)
         # A host reference: nothing held between saves; on the device while a delta is
         # coded against it, one tensor at a time (and once more for the advance).
-        assert (b["reference"], b["scratch"], b["saves_in_flight"]) == (0, 2 * SCRATCH, 4)
+        assert (b["reference"], b["scratch"], b["saves_in_flight"]) == (0, 2 * SCRATCH + TEMPORARIES, 4)
     with Checkpointer(tmp_path / "o", fsync=False, delta="open") as ck:
-        assert ck.device_memory_bound(model=model, optimizer=opt)["scratch"] == 0
+        assert ck.device_memory_bound(model=model, optimizer=opt)["scratch"] == TEMPORARIES
     with Checkpointer(tmp_path / "n", fsync=False, delta="none", rules="small") as ck:
         b = ck.device_memory_bound(model=model, optimizer=opt)
-        assert (b["reference"], b["scratch"]) == (0, 0)
+        assert (b["reference"], b["scratch"]) == (0, 512)  # no fingerprint: no reference
         assert b["delta"] == 2 * _blockwise(W, 8) + MOMENTS  # int8 weights on their own
 
 
@@ -324,3 +331,35 @@ def test_a_device_keyframe_hands_its_copy_events_to_the_reference(tmp_path, monk
         assert live == [True, True]
         gate.open.set()
     assert Checkpointer(tmp_path).infos()[-1].kind == "delta"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reference_device", [None, "cpu"])
+def test_a_cuda_save_stays_within_the_bound(tmp_path, reference_device):
+    """The goal of the formula, measured: the most a save adds to the device's allocated
+    memory, over a keyframe cycle and the next keyframe, is within the bound."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024)
+    ).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 1024, device="cuda")).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with Checkpointer(tmp_path, keyframe_every=3, fsync=False, reference_device=reference_device) as ck:
+        bound = ck.device_memory_bound(model=model, optimizer=opt)
+        ck.prepare(model=model, optimizer=opt)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        peak = 0
+        for step in range(5):
+            torch.cuda.reset_peak_memory_stats()
+            ck.save(step, model=model, optimizer=opt)
+            torch.cuda.synchronize()
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+            assert ck.device_memory()["reference"] == bound["reference"]
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-3)
+        ck.flush()
+    assert 0 < peak <= bound["peak"], (peak, bound)

@@ -123,3 +123,25 @@ def test_a_representative_length_launches_as_the_tensor(block):
     for n in [1, 15, 16, 4096, 4097, 4096 * 31 + 5, 4096 * 32, 4096 * 33 + 48, 4096 * 1000 + 7, 10**7 + 3]:
         r = representative_numel(n, block)
         assert r <= 32 * max(block, TILE_ELEMENTS) and _launches(r, block) == _launches(n, block), n
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("delta", ["closed", "open"])
+def test_after_prepare_the_first_saves_compile_nothing(tmp_path, monkeypatch, delta):
+    """On a GPU: every kernel the first keyframe and deltas launch is already in the
+    process's cache after prepare (Triton calls its cache hook on every miss)."""
+    import triton
+
+    model, opt = _state(torch.bfloat16)
+    model = {k: v.cuda() for k, v in model.items()}
+    opt["state"] = {i: {k: v.cuda() for k, v in s.items()} for i, s in opt["state"].items()}
+    misses = []
+    with Checkpointer(tmp_path, keyframe_every=5, delta=delta, fsync=False) as ck:
+        assert ck._pipeline.precompile({"model": model, "optimizer": opt}) > 0
+        monkeypatch.setattr(
+            triton.knobs.runtime, "jit_cache_hook", lambda *a, **kw: misses.append(kw) and False
+        )
+        for step in range(3):
+            ck.save(step, model={k: v * (1 + step / 1000) for k, v in model.items()}, optimizer=opt)
+        ck.flush()
+    assert misses == []

@@ -196,3 +196,17 @@ def test_a_corrupted_buffer_read_through_the_ring_is_refused(tmp_path):
         with MappedCheckpoint(path, verify=True, pin=False, entries=None, device=torch.device("cpu")) as ck:
             for s in ck.layout.buffers:
                 ck.read_buffer(s)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_slabs_are_pinned_and_a_read_to_the_device_is_the_same(tmp_path):
+    slab = HostSlab(3 << 20)
+    assert slab.registered and slab.tensor.is_pinned()
+    slab.close()
+    path = _file(tmp_path)
+    want = fmt.read_file(path)
+    got = fmt.read_file(path, device="cuda")
+    for name, entry in want.entries.items():
+        for b, t in entry.buffers.items():
+            assert got.entries[name].buffers[b].is_cuda
+            assert torch.equal(got.entries[name].buffers[b].cpu(), t), (name, b)

@@ -7,7 +7,7 @@ parts, and why each is there: docs/training-loop.md ("Memory").
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +181,33 @@ def bound_of(
     ).as_dict()
 
 
+def private_copies(
+    flat: Flattened,
+    coded: Mapping[str, torch.Tensor],
+    *,
+    host_reference: bool,
+    on_device: Callable[[torch.Tensor], bool],
+) -> Flattened:
+    """A device state's ``flat`` with copies of what the writer would otherwise read after
+    ``save`` returns (tied tensors stay tied): its host tensors (step counts, RNG states:
+    the writer stages only device buffers), and the keyframe's delta-coded tensors
+    (``coded``, by path), which it stores and the deltas after it are coded against: on
+    their device, or in host memory with ``host_reference``. Every other tensor is the
+    state's own: the writer copies it to the host (docs/training-loop.md, "Memory")."""
+    copies: dict[int, torch.Tensor] = {}
+    tensors = dict(flat.tensors)
+    for path, t in flat.tensors.items():
+        if on_device(t) and path not in coded:
+            continue
+        c = copies.get(id(t))
+        if c is None:
+            to_host = host_reference or not on_device(t)
+            c = t.detach().to("cpu", copy=True) if to_host else t.detach().clone()
+            copies[id(t)] = c
+        tensors[path] = c
+    return Flattened(tensors, flat.skeleton)
+
+
 def _save_nbytes(rule: Any, t: torch.Tensor) -> int:
     """Device bytes a save encodes ``t`` into with ``rule``: an exact entry of a contiguous
     tensor is copied to the host from the tensor itself (nothing on the device)."""
@@ -189,4 +216,11 @@ def _save_nbytes(rule: Any, t: torch.Tensor) -> int:
     return encoded_nbytes(rule.codec, rule.params, t)
 
 
-__all__ = ["DeviceMemoryBound", "bound_of", "device_memory_bound", "encoded_nbytes", "held_nbytes"]
+__all__ = [
+    "DeviceMemoryBound",
+    "bound_of",
+    "device_memory_bound",
+    "encoded_nbytes",
+    "held_nbytes",
+    "private_copies",
+]

@@ -27,6 +27,7 @@ import torch
 from . import format as _format
 from . import kernel_variants
 from .deltas import Reference, advance, check_reference, delta_coded
+from .device_memory import private_copies
 from .qstate import QuantizedState
 from .reference_chain import ReferenceChain, depends_on, ref_at
 from .retention import InFlight, NotedFile, SaveInFlight
@@ -231,10 +232,12 @@ class SavePipeline:
         # A device state's exact entries are copied to the host from the tensors themselves
         # (docs/training-loop.md, "Memory"); a keyframe's delta-coded ones are copied first,
         # on the device (or to the host) as the reference.
-        live = not all_on_cpu(state)
+        live = not all_on_cpu(job.tree)
+        if live:
+            flat = Flattened.of(state)
+            coded = delta_coded(flat.tensors, job.rule_list) if job.keyframe and self.chain.delta else {}
+            state = private_copies(flat, coded, host_reference=self.host_reference, on_device=on_device)
         if job.keyframe:
-            if live and self.chain.delta:
-                state = self.reference_copies(Flattened.of(state), job.rule_list)
             q = encode_keyframe(
                 state,
                 rules_as_specs(keyframe_rules(job.rule_list)),
@@ -273,20 +276,6 @@ class SavePipeline:
             ref_values,
             warm_up,
         )
-
-    def reference_copies(self, flat: Flattened, rule_list: Any) -> Flattened:
-        """``flat`` with its delta-coded tensors replaced by copies (tied ones stay tied): on
-        their device, or in host memory with ``host_reference``; a keyframe stores them
-        and the deltas after it are coded against them."""
-        copies: dict[int, torch.Tensor] = {}
-        tensors = dict(flat.tensors)
-        for path, t in delta_coded(flat.tensors, rule_list).items():
-            c = copies.get(id(t))
-            if c is None:
-                c = t.detach().to("cpu", copy=True) if self.host_reference else t.detach().clone()
-                copies[id(t)] = c
-            tensors[path] = c
-        return Flattened(tensors, flat.skeleton)
 
     def write(
         self,
@@ -480,9 +469,14 @@ def nbytes_each(tensors: Iterable[torch.Tensor]) -> list[int]:
     return [t.numel() * t.element_size() for t in tensors]
 
 
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` is device memory, whose buffers the writer stages (not the CPU's)."""
+    return t.device.type != "cpu"
+
+
 def all_on_cpu(tree: Any) -> bool:
     """Whether every tensor of ``tree`` is on the CPU (the branch that copies and queues)."""
-    return all(t.device.type == "cpu" for t in leaf_tensors(tree))
+    return not any(on_device(t) for t in leaf_tensors(tree))
 
 
 __all__ = ["SavePipeline", "collect_setup_garbage", "encode_delta", "encode_keyframe"]

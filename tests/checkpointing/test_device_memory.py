@@ -167,7 +167,7 @@ def test_the_device_save_path_gives_the_same_files_without_copying_exact_entries
 ):
     _saves(tmp_path / "plain")
     # The branch a device state takes, on CPU tensors (written before save returns).
-    monkeypatch.setattr(save_pipeline, "all_on_cpu", lambda tree: False)
+    monkeypatch.setattr(save_pipeline, "on_device", lambda t: True)
     clones = []
     real_encode = ExactCodec.encode
     monkeypatch.setattr(ExactCodec, "encode", lambda self, *a: clones.append(1) or real_encode(self, *a))
@@ -315,7 +315,7 @@ def test_a_device_keyframe_hands_its_copy_events_to_the_reference(tmp_path, monk
     device waits; the host does not) and decodes over the reference in place, even while
     the keyframe is still being written."""
     gate = _Gate()
-    monkeypatch.setattr(save_pipeline, "all_on_cpu", lambda tree: False)
+    monkeypatch.setattr(save_pipeline, "on_device", lambda t: True)
     model, opt = _run(2)
     _step(model, opt)
     with Checkpointer(tmp_path, keyframe_every=4, fsync=False, max_pending=2) as ck:
@@ -363,3 +363,22 @@ def test_a_cuda_save_stays_within_the_bound(tmp_path, reference_device):
                     p.add_(1e-3)
         ck.flush()
     assert 0 < peak <= bound["peak"], (peak, bound)
+
+
+def test_host_tensors_of_a_device_state_are_copied_in_save(tmp_path, monkeypatch):
+    """The writer stages only device buffers: a device state's host tensors (AdamW's step
+    counts) are copied in save(), so the next step cannot change what is written."""
+    gate = _Gate()
+    monkeypatch.setattr(save_pipeline, "on_device", lambda t: t.dim() > 0)  # 0-dim: "host"
+    model, opt = _run(3)
+    _step(model, opt)
+    steps = [s["step"] for s in opt.state.values()]
+    with Checkpointer(tmp_path, keyframe_every=4, fsync=False, max_pending=2, rules="default") as ck:
+        _fake_staging(monkeypatch, ck._writer, gate)
+        ck.save(0, model=model, optimizer=opt)
+        saved = steps[0].item()
+        for s in steps:
+            s += 1  # what the next optimizer step does, in place, before the write
+        gate.open.set()
+    got = Checkpointer(tmp_path).load(0)["optimizer"]["state"][0]["step"]
+    assert got.item() == saved

@@ -170,7 +170,7 @@ class CheckpointDirectory:
         return checkpoint_temp_files(self.path)
 
     def latest_read(
-        self, *, pin: bool, into: Mapping[str, torch.Tensor] | None = None
+        self, *, upload: torch.device | None, into: Mapping[str, torch.Tensor] | None = None
     ) -> tuple[dict[int, CheckpointInfo], CheckpointInfo, dict[str, VerifiedRead]]:
         """:meth:`latest` with ``verify``, keeping the verified reads of the files it chose.
 
@@ -179,7 +179,8 @@ class CheckpointDirectory:
         to be decoded. A delta's keyframe (and each earlier link of a closed-loop chain) is
         read only at the entries the next link is a delta of; the CRC-32 of its other
         buffers is checked without decoding them, so the whole file is still known intact.
-        Same choice, same warnings as :meth:`latest`. ``into``: as for
+        Same choice, same warnings as :meth:`latest`. ``upload``: the CUDA device the reads
+        stream to (:func:`~tw_triton.format.read_file`'s ``device``). ``into``: as for
         :func:`~tw_triton.format.read_file` (the reads of the chosen checkpoint come last,
         so what its files hold is what is left in those tensors).
 
@@ -193,7 +194,7 @@ class CheckpointDirectory:
         newest = ""
         for step in sorted(found, reverse=True):
             info = found[step]
-            problem = self._problem(info, by_id, verified, True, reads=reads, pin=pin, into=into)
+            problem = self._problem(info, by_id, verified, True, reads=reads, upload=upload, into=into)
             if problem is None:
                 return found, info, reads
             reads.pop(info.path, None)  # good, but its keyframe is not: keep no memory for it
@@ -238,7 +239,7 @@ class CheckpointDirectory:
         successor names; the per-entry fingerprints are checked by the decode.
         """
         chain = chain_of(info, _by_id(found), self.path)
-        pin = wants_pinned(device)
+        upload = device if wants_pinned(device) else None
 
         def read(item: CheckpointInfo, entries: list[str] | None) -> QuantizedState:
             held = reads.pop(item.path, None)
@@ -249,7 +250,7 @@ class CheckpointDirectory:
             return _format.read_file(
                 item.path,
                 verify=verify,
-                pin_memory=pin,
+                device=upload,
                 entries=entries,
                 headers=self.headers,
                 into=into,
@@ -296,7 +297,7 @@ class CheckpointDirectory:
         verify: bool,
         *,
         reads: dict[str, VerifiedRead] | None = None,
-        pin: bool = False,
+        upload: torch.device | None = None,
         into: Mapping[str, torch.Tensor] | None = None,
     ) -> str | None:
         """Why ``info`` cannot be loaded, or ``None`` if it (and its keyframe) verify.
@@ -329,7 +330,7 @@ class CheckpointDirectory:
                         q = _format.read_file(
                             item.path,
                             verify=True,
-                            pin_memory=pin,
+                            device=upload,
                             headers=self.headers,
                             entries=needs,
                             check_others=True,

@@ -46,9 +46,10 @@ from .checkpoint_dir import (
     parse_checkpoint_name,
 )
 from .deltas import delta_mode
+from .device_memory import bound_of, held_nbytes
 from .directory_claim import DirectoryClaim
 from .errors import CheckpointError, TwTritonError
-from .reference_chain import ReferenceChain
+from .reference_chain import ReferenceChain, leaves
 from .resume import RESERVED_NAMES, check_restorable, default_device, load_from, restore_into
 from .retention import InFlight, retain
 from .rng import capture_rng_state, restore_rng_state
@@ -105,6 +106,9 @@ class Checkpointer:
             links included, so that the checkpoint ``latest()`` picks is the one
             ``restore()`` loads. A state holding a large constant tensor on purpose needs
             a larger value, or ``None`` for no bound.
+        reference_device: where a device state's delta reference lives: ``None`` (default)
+            on its devices; ``"cpu"``: in host memory, where device memory is tight (same
+            files; docs/training-loop.md, "Memory").
     """
 
     def __init__(
@@ -123,8 +127,11 @@ class Checkpointer:
         fsync: bool = True,
         snapshot_pool_bytes: int | None = None,
         max_expansion: float | None = _format.MAX_EXPANSION,
+        reference_device: str | None = None,
     ) -> None:
         self.delta_mode = delta_mode(delta)
+        if reference_device not in (None, "cpu"):
+            raise CheckpointError(f"reference_device must be None or 'cpu', got {reference_device!r}")
         if keyframe_every < 1:
             raise CheckpointError(f"keyframe_every must be at least 1, got {keyframe_every}")
         if keep_last is not None and keep_last < 1:
@@ -135,7 +142,7 @@ class Checkpointer:
         self._claim = DirectoryClaim(self.directory)
         self._claim.sweep(self._dir.temp_files)
         self.keyframe_every, self.keep_last = keyframe_every, keep_last
-        self.rules, self.bits, self.block = rules, bits, block
+        self.rules, self.bits, self.block, self.reference_device = rules, bits, block, reference_device
         self.delta = self.delta_mode != "none"
         self.fsync = fsync
         self._writer = (
@@ -157,6 +164,7 @@ class Checkpointer:
             block=block,
             fsync=fsync,
             directory=self.directory,
+            host_reference=reference_device == "cpu",
         )
         self._closed = False
 
@@ -217,7 +225,8 @@ class Checkpointer:
         a second copy of the tensors the rules delta-code (the first delta copies the state
         while the keyframe's copies stay held as its reference); reserving again adds only
         what is missing; ``snapshot_pool_bytes`` caps it. It also runs Python's full garbage
-        collection now (unless disabled), so that it does not run inside an early save.
+        collection now (unless disabled), so that it does not run inside an early save, and,
+        for a CUDA state, compiles the kernels the first keyframe and delta will launch.
         Why: docs/training-loop.md ("The first save", "Python's garbage collector").
 
         Returns:
@@ -233,6 +242,7 @@ class Checkpointer:
             raise CheckpointError(f"cannot prepare: the Checkpointer of {self.directory!r} is closed")
         tree = _named_state(state)
         collect_setup_garbage()
+        self._pipeline.precompile(tree)
         if not self._pipeline.copies(tree):
             return 0
         self._collect_finished()  # written saves' buffers are free again: count them
@@ -285,6 +295,23 @@ class Checkpointer:
         """Bytes the current keyframe reference holds on its devices (0 without one)."""
         ref = self._chain.reference
         return ref.nbytes if ref is not None else 0
+
+    def device_memory(self) -> dict[str, int]:
+        """Bytes held beside the state on its devices (a CPU state's: the host), by part:
+        ``reference`` (0 with ``reference_device="cpu"``), ``staging`` (encoded buffers of
+        queued saves not yet copied to the host). See :meth:`device_memory_bound`."""
+        ref, host = self._chain.reference, self.reference_device == "cpu"
+        staging = self._writer.device_bytes_held if self._writer is not None else 0
+        return {"reference": held_nbytes(leaves(ref.tree)) if ref and not host else 0, "staging": staging}
+
+    def device_memory_bound(self, **state: Any) -> dict[str, int]:
+        """The bound on what saving ``state`` holds on its devices, by part, ``peak`` the most
+        at any moment (:class:`~tw_triton.device_memory.DeviceMemoryBound`)."""
+        tree = {"step": 0, **_named_state(state)}
+        pending = self._writer.max_pending if self._writer is not None else 0
+        return bound_of(
+            tree, self.rules, self.bits, self.block, self.delta_mode, pending, self.reference_device
+        )
 
     @property
     def reference_id(self) -> str | None:

@@ -98,6 +98,9 @@ class Reference:
     # them (the keyframe's are its snapshot buffers, which its write reads until ``future``
     # is done).
     owned: bool = False
+    # The events of the keyframe's device-to-host copies (a device state with an async
+    # writer): once they have fired, its write reads the host copies, not ``tree``.
+    copied: list | None = None
 
     def lost(self) -> bool:
         """Whether a write this reference depends on failed (the keyframe, or a chain link)."""
@@ -164,15 +167,17 @@ def advance(reference: Reference, q: QuantizedState) -> None:
     Every tensor of the reference becomes what a loader decodes from ``q`` at its path
     (the delta decoded against the old reference; an entry stored exact because it held
     NaN/Inf decodes to its own values), on the reference tensor's device and in its
-    dtype. Each delta is decoded over the old tensor where the codec can
-    (:meth:`~tw_triton.codecs.Codec.decode_over`; tied tensors excepted), which saves
-    allocating (and page-faulting) a full-size copy per save, once nothing else can read
-    the old tensors: after the first advance only this reference holds them, and before
-    it they are the keyframe's snapshot, which its write reads until ``reference.future``
-    is done (the writer thread runs saves in order, so on the CPU with an async writer it
-    always is by now; a save encoded on the caller's thread may find it still writing,
-    and then decodes into fresh tensors). The caller keeps the keyframe's pooled buffers
-    with the reference for as long as it lives (``reference.lease``).
+    dtype. Each one is decoded over the old tensor, one at a time (in place where the
+    codec can, :meth:`~tw_triton.codecs.Codec.decode_over`, else decoded and copied in;
+    tied tensors excepted), so the reference is never held twice, once nothing else can
+    read the old tensors: after the first advance only this reference holds them, and
+    before it they are the keyframe's snapshot, which its write reads until
+    ``reference.future`` is done, or, for a device state, until its device-to-host copies
+    are (``reference.copied``: the device waits for their events before it decodes). A
+    keyframe still read otherwise leaves its tensors alone, and the advance decodes into
+    fresh ones. A reference held on the host for a device state (``reference_device``) is
+    decoded on the delta's device and copied back. The caller keeps the keyframe's pooled
+    buffers with the reference for as long as it lives (``reference.lease``).
     """
     old, _ = flatten(reference.tree)
     first: dict[str, torch.Tensor] = {}  # entry path -> a reference tensor decoded to it
@@ -184,7 +189,7 @@ def advance(reference: Reference, q: QuantizedState) -> None:
             )
         first.setdefault(target, r)
     refs = {t: old[t] if t in old else r for t, r in first.items()}
-    owned = reference.owned or reference.future.done()
+    owned = reference.owned or reference.future.done() or after_copies(reference)
     over = disjoint_paths(refs, refs) if owned else set()
 
     def decode(target: str) -> torch.Tensor:
@@ -193,11 +198,23 @@ def advance(reference: Reference, q: QuantizedState) -> None:
         context = f"checkpoint {q.checkpoint_id}: entry {target!r}"
         if codec is None:
             raise CheckpointError(f"{context}: unknown codec {entry.codec!r}")
-        if codec.uses_reference(entry.params):
-            if target in over:
-                return codec.decode_over(entry, refs[target], r.device, context)
-            return codec.decode(entry, refs[target], r.device, context)
-        return codec.decode(entry, None, r.device, context).clone()
+        where = entry_device(entry, r.device)
+        ref = refs[target]
+        if not codec.uses_reference(entry.params):
+            out = codec.decode(entry, None, where, context)  # the entry's own buffer
+        elif where != r.device:
+            # A host reference of a device delta: decoded where the codes are.
+            out = codec.decode(entry, ref.to(where), where, context)
+        elif target in over:
+            out = codec.decode_over(entry, ref, r.device, context)
+            if out.data_ptr() == ref.data_ptr():
+                return out
+        else:
+            return codec.decode(entry, ref, r.device, context)
+        if target in over and _fits(ref, out):
+            # Into the old tensor, before the next one is decoded: one tensor of scratch.
+            return ref.copy_(out.reshape(ref.shape))
+        return out.to(r.device, copy=True)
 
     # Host tensors decode on the worker threads, as a load does; device ones here.
     targets = list(first)
@@ -218,6 +235,28 @@ def advance(reference: Reference, q: QuantizedState) -> None:
     # By entry path, so tied tensors stay tied.
     reference.tree = nest({path: decoded[q.aliases.get(path, path)] for path in old})
     reference.owned = True
+
+
+def after_copies(reference: Reference) -> bool:
+    """Whether the keyframe under ``reference`` is read only through host copies made on the
+    device: then the device's current stream waits for those copies (their events), and
+    the reference may be decoded over. ``False`` where none were recorded."""
+    if not reference.copied:
+        return False
+    for event in reference.copied:
+        event.wait()  # on CUDA: the current stream waits; the host does not
+    return True
+
+
+def entry_device(entry: Any, default: torch.device) -> torch.device:
+    """The device of an encoded entry's buffers (``default`` when it has none)."""
+    for buf in entry.buffers.values():
+        return buf.device
+    return default
+
+
+def _fits(dest: torch.Tensor, src: torch.Tensor) -> bool:
+    return dest.dtype == src.dtype and dest.numel() == src.numel() and dest.is_contiguous()
 
 
 def chain_of(info: Any, by_id: Mapping[str, Any], directory: str) -> list[Any]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .errors import CheckpointError
+from .pinned_memory import HostSlab
 from .qstate import EncodedEntry, QuantizedState
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,11 @@ class PinnedPool:
         cap_bytes: most pinned bytes held at once (in use or free), or ``None`` for no
             byte cap (then ``max_pending`` of the writer alone bounds the pool: at most
             that many buffers exist).
-        pin_memory: allocate page-locked memory (the point of the pool; ``False`` only
-            lets its bookkeeping be tested on a machine without CUDA).
+        pin_memory: page-lock the buffers (the point of the pool; ``False`` only lets its
+            bookkeeping be tested on a machine without CUDA). Each buffer is a
+            :class:`~tw_triton.pinned_memory.HostSlab`, registered with CUDA, not from the
+            caching host allocator: exactly the size asked (a whole number of
+            :data:`PINNED_GRANULE`), and given back to the system when the pool drops it.
     """
 
     def __init__(self, cap_bytes: int | None, *, pin_memory: bool = True) -> None:
@@ -81,6 +85,7 @@ class PinnedPool:
         self.cap_bytes = cap_bytes
         self.pin_memory = pin_memory
         self._free: list[torch.Tensor] = []
+        self._slabs: dict[int, HostSlab] = {}  # by data pointer: every buffer the pool made
         self._held_bytes = 0
         self._cond = threading.Condition()
 
@@ -117,11 +122,13 @@ class PinnedPool:
                 # before pinning a new one, so at most max_pending buffers exist.
                 for b in self._free:
                     self._held_bytes -= b.numel()
+                    self._slabs.pop(b.data_ptr()).close()
                 self._free.clear()
                 if self.cap_bytes is None or self._held_bytes + want <= self.cap_bytes:
-                    buf = torch.empty(want, dtype=torch.uint8, pin_memory=self.pin_memory)
+                    slab = HostSlab(want, register=self.pin_memory)
+                    self._slabs[slab.tensor.data_ptr()] = slab
                     self._held_bytes += want
-                    return buf, time.perf_counter() - start
+                    return slab.tensor, time.perf_counter() - start
                 self._cond.wait()
 
     def release(self, buf: torch.Tensor) -> None:
@@ -159,8 +166,12 @@ class DeviceStaging:
         self.side_streams: dict[int, torch.cuda.Stream] = {}
         self.wait_log_threshold_s = wait_log_threshold_s
 
-    def stage(self, qstate: QuantizedState, path: str) -> Staged | None:
+    def stage(self, qstate: QuantizedState, path: str, *, live: bool = False) -> Staged | None:
         """Enqueue the D2H copies of ``qstate``'s CUDA buffers; ``None``: it has none.
+
+        ``live``: some buffers are the training state's own tensors (exact entries not
+        copied on the device): the current stream then waits for the copies before any
+        later work, so that the next step cannot change them first.
 
         Raises:
             CheckpointError: buffers on a device that is neither the CPU nor CUDA, or more
@@ -191,7 +202,7 @@ class DeviceStaging:
             )
         try:
             views = carve(pinned, tensors)
-            events = self.copy_to_host(tensors, views)
+            events = self.copy_to_host(tensors, views, live=live)
         except BaseException:
             # Copies enqueued before the failure (e.g. for another device) still write into
             # the buffer: it goes back to the pool only once they are done.
@@ -205,11 +216,14 @@ class DeviceStaging:
             entries[name] = EncodedEntry(entry.codec, entry.params, entry.shape, entry.dtype, bufs)
         return Staged(replace(qstate, entries=entries), events, pinned)
 
-    def copy_to_host(self, tensors: list[torch.Tensor], views: list[torch.Tensor]) -> list:
+    def copy_to_host(
+        self, tensors: list[torch.Tensor], views: list[torch.Tensor], *, live: bool = False
+    ) -> list:
         """Enqueue each CUDA tensor's copy into its pinned view, per device on a side stream
         that first waits for the work already queued on the current stream (the encode
         kernels that produced the buffers). Returns one event per device marking the copies
-        done; the caller keeps the device tensors alive until they have fired."""
+        done; the caller keeps the device tensors alive until they have fired. ``live``: the
+        current stream waits for them too (see :meth:`stage`)."""
         by_device: dict[int, list[int]] = {}
         for i, t in enumerate(tensors):
             by_device.setdefault(t.device.index, []).append(i)
@@ -225,6 +239,8 @@ class DeviceStaging:
             # a CPU core that the training loop may need while the copy runs.
             done = torch.cuda.Event(blocking=True)
             done.record(side)
+            if live:
+                producer.wait_event(done)
             events.append(done)
         return events
 

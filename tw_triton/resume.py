@@ -50,7 +50,7 @@ def load_from(
     if step is None and verify:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise TwTritonError(f"cannot load from {directory.path!r} to {dev}: CUDA is not available")
-        found, info, reads = directory.latest_read(pin=wants_pinned(dev), into=into)
+        found, info, reads = directory.latest_read(upload=dev if wants_pinned(dev) else None, into=into)
     else:
         found, info = directory.find(step, verify=verify)
         reads = {}

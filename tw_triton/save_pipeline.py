@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 from . import format as _format
+from . import kernel_variants
 from .deltas import Reference, advance, check_reference, delta_coded
+from .device_memory import private_copies
 from .qstate import QuantizedState
 from .reference_chain import ReferenceChain, depends_on, ref_at
 from .retention import InFlight, NotedFile, SaveInFlight
@@ -77,6 +79,7 @@ class SavePipeline:
         rules, bits, block: how tensors are coded (:func:`~tw_triton.rules.resolve_rules`).
         fsync: fsync what is written without a writer.
         directory: the directory, for the warning about too coarse rules.
+        host_reference: keep the delta reference of a device state in host memory.
     """
 
     def __init__(
@@ -91,8 +94,10 @@ class SavePipeline:
         block: int,
         fsync: bool,
         directory: str,
+        host_reference: bool = False,
     ) -> None:
         self.writer, self.saves, self.chain, self.inflight = writer, saves, chain, inflight
+        self.host_reference = host_reference
         self.rules, self.bits, self.block, self.fsync = rules, bits, block, fsync
         self.directory = directory
         # Whether the pool got (or is getting) room for the first delta's copy of what the
@@ -137,6 +142,10 @@ class SavePipeline:
         self.inflight.add(step, SaveInFlight(future, queued.checkpoint_id, queued.reference_id, job.noted))
         if keyframe:
             chain.start(queued.checkpoint_id, queued.ref_values, step, future, lease)
+            ref = chain.reference
+            if ref is not None and self.writer is not None and not all_on_cpu(ref.tree):
+                # Its write reads the host copies once these fire: advance need not wait for it.
+                ref.copied = self.writer.copy_events(future)
             if queued.warm_up is not None:
                 self.warm_up(queued.warm_up, lease, future)
         else:
@@ -219,15 +228,25 @@ class SavePipeline:
         writer (or write it now). ``flat``: the state already flattened; ``warm_up``: the
         sizes of the snapshot that found no pooled memory (see :meth:`warm_up`)."""
         ref_values: dict[str, torch.Tensor] = {}
+        state: Any = job.tree if flat is None else flat
+        # A device state's exact entries are copied to the host from the tensors themselves
+        # (docs/training-loop.md, "Memory"); a keyframe's delta-coded ones are copied first,
+        # on the device (or to the host) as the reference.
+        live = not all_on_cpu(job.tree)
+        if live:
+            flat = Flattened.of(state)
+            coded = delta_coded(flat.tensors, job.rule_list) if job.keyframe and self.chain.delta else {}
+            state = private_copies(flat, coded, host_reference=self.host_reference, on_device=on_device)
         if job.keyframe:
             q = encode_keyframe(
-                job.tree if flat is None else flat,
+                state,
                 rules_as_specs(keyframe_rules(job.rule_list)),
                 self.bits,
                 self.block,
                 job.meta,
                 None,
                 allocate=job.lease,
+                live=live,
             )
             # The tensors deltas are coded against are exact entries of the keyframe, under
             # every path that names them: a tied weight's alias is coded against it too.
@@ -237,7 +256,7 @@ class SavePipeline:
                 ref_values = delta_coded(exact, job.rule_list)
         else:
             q = encode_delta(
-                job.tree,
+                state,
                 job.reference,
                 self.rules,
                 self.bits,
@@ -246,21 +265,32 @@ class SavePipeline:
                 None,
                 allocate=job.lease,
                 ref_at=ref_at(job.reference),
+                live=live,
             )
         job.noted.note(q)
         reference = job.reference if q.reference_id is not None else None
         return Queued(
-            self.write(q, job.path, reference), q.checkpoint_id, q.reference_id, ref_values, warm_up
+            self.write(q, job.path, reference, live=live),
+            q.checkpoint_id,
+            q.reference_id,
+            ref_values,
+            warm_up,
         )
 
     def write(
-        self, q: QuantizedState | Callable[[], QuantizedState], path: str, reference: Reference | None
+        self,
+        q: QuantizedState | Callable[[], QuantizedState],
+        path: str,
+        reference: Reference | None,
+        *,
+        live: bool = False,
     ) -> Future:
         """Write (or queue) ``q``; a delta's write waits for the saves it is coded against
         and fails if one of them did (:meth:`AsyncWriter.submit`), so that no Future
-        reports success for a file that could never load."""
+        reports success for a file that could never load. ``live``: exact entries hold the
+        state's own tensors (copied to the host before the loop's next work)."""
         if self.writer is not None:
-            return self.writer.submit(q, path, after=depends_on(reference))
+            return self.writer.submit(q, path, after=depends_on(reference), live=live)
         assert not callable(q), "only the async writer encodes on its thread"
         f: Future = Future()
         f.set_result(_format.write_file(q, path, fsync=self.fsync))
@@ -301,6 +331,19 @@ class SavePipeline:
         reserve for it)."""
         return self.writer is not None and all_on_cpu(tree)
 
+    def precompile(self, tree: dict[str, Any]) -> int:
+        """Compile the kernels the first keyframe and delta of ``tree`` (the named state)
+        launch, now (docs/training-loop.md, "The first save"); returns how many variants
+        ran (0: no tensor the kernels code)."""
+        device = kernel_variants.kernel_device(leaf_tensors(tree))
+        if device is None:
+            return 0
+        mode, state = self.chain.mode, {"step": 0, **tree}
+        variants = kernel_variants.save_variants(
+            state, self.rules, bits=self.bits, block=self.block, delta_mode=mode
+        )
+        return kernel_variants.precompile(variants, device)
+
     def reserve(self, tree: dict[str, Any]) -> int:
         """Reserve pooled host memory for the first save's copy of ``tree`` (see
         :meth:`Checkpointer.prepare <tw_triton.checkpointer.Checkpointer.prepare>`).
@@ -332,6 +375,7 @@ def encode_delta(
     *,
     allocate: SnapshotLease | None = None,
     ref_at: tuple[str, int] | None = None,
+    live: bool = False,
 ) -> QuantizedState:
     """Encode a save between keyframes: a delta from ``reference``, or on its own without.
 
@@ -340,9 +384,10 @@ def encode_delta(
     runs in ``save`` over the live state (copies into ``allocate``). ``ref_at`` is the id
     and step of the reference as they were at ``save`` (in closed loop the main thread
     moves them on before the writer thread gets here). A closed-loop reference is advanced
-    to this delta's reconstruction before returning.
+    to this delta's reconstruction before returning. ``live``: exact entries hold the live
+    state's tensors, which the writer copies to the host before the loop goes on.
     """
-    encode = functools.partial(_encode, snapshot, rules, bits, block, meta, checkpoint_id, allocate)
+    encode = functools.partial(_encode, snapshot, rules, bits, block, meta, checkpoint_id, allocate, live)
     if reference is not None:
         ref_id, ref_step = ref_at if ref_at is not None else (reference.checkpoint_id, reference.step)
         q = encode(reference=reference.tree, reference_id=ref_id)
@@ -367,13 +412,15 @@ def encode_keyframe(
     checkpoint_id: str | None,
     *,
     allocate: SnapshotLease | None = None,
+    live: bool = False,
 ) -> QuantizedState:
     """Encode a keyframe with ``rules`` (the keyframe rules: delta-coded tensors exact).
 
     With ``checkpoint_id`` it runs on the writer thread over ``snapshot``, a private copy
-    (exact entries hold its tensors); without, in ``save`` over the live state.
+    (exact entries hold its tensors); without, in ``save`` over the live state (``live``:
+    exact entries hold its tensors, which the writer copies to the host).
     """
-    q = _encode(snapshot, rules, bits, block, meta, checkpoint_id, allocate)
+    q = _encode(snapshot, rules, bits, block, meta, checkpoint_id, allocate, live)
     q.metadata["kind"] = KIND_KEYFRAME
     return q
 
@@ -386,10 +433,12 @@ def _encode(
     meta: dict[str, Any],
     checkpoint_id: str | None,
     allocate: SnapshotLease | None,
+    live: bool = False,
     **reference: Any,
 ) -> QuantizedState:
     """:func:`quantize_state_dict` of a save: on the writer thread (``checkpoint_id`` given)
-    over a private snapshot, kept as it is; in ``save`` over the live state, copied."""
+    over a private snapshot, kept as it is; in ``save`` over the live state, copied, unless
+    ``live`` (the writer copies a device state's exact entries to the host)."""
     return quantize_state_dict(
         snapshot,
         **reference,
@@ -399,7 +448,7 @@ def _encode(
         metadata=meta,
         checkpoint_id=checkpoint_id,
         allocate=allocate,
-        copy=checkpoint_id is None,
+        copy=checkpoint_id is None and not live,
     )
 
 
@@ -420,9 +469,14 @@ def nbytes_each(tensors: Iterable[torch.Tensor]) -> list[int]:
     return [t.numel() * t.element_size() for t in tensors]
 
 
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` is device memory, whose buffers the writer stages (not the CPU's)."""
+    return t.device.type != "cpu"
+
+
 def all_on_cpu(tree: Any) -> bool:
     """Whether every tensor of ``tree`` is on the CPU (the branch that copies and queues)."""
-    return all(t.device.type == "cpu" for t in leaf_tensors(tree))
+    return not any(on_device(t) for t in leaf_tensors(tree))
 
 
 __all__ = ["SavePipeline", "collect_setup_garbage", "encode_delta", "encode_keyframe"]

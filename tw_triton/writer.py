@@ -123,6 +123,10 @@ class AsyncWriter:
         # weak map, so a Future forgotten by everyone else is forgotten here too.
         self._paths: weakref.WeakKeyDictionary[Future, str] = weakref.WeakKeyDictionary()
         self._tasks: set[Future] = set()
+        # A staged save's copy events (weakly, by its Future), and the device bytes of its
+        # buffers the writer holds until the thread has waited for those copies.
+        self._copies: weakref.WeakKeyDictionary[Future, list] = weakref.WeakKeyDictionary()
+        self._device_held: dict[Future, int] = {}
         self._errors: list[tuple[str, BaseException]] = []
         self._closed = False
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -142,6 +146,7 @@ class AsyncWriter:
         path: str | os.PathLike,
         *,
         after: Iterable[Future] = (),
+        live: bool = False,
     ) -> Future:
         """Queue ``qstate`` to be written to ``path``; return a Future of the bytes written.
 
@@ -160,6 +165,10 @@ class AsyncWriter:
         (a delta's keyframe and earlier links). If one of them failed when this one's turn
         comes, this one is neither encoded nor written, and its Future fails with a
         :class:`~tw_triton.errors.CheckpointError` naming the file it needed.
+
+        ``live``: some of ``qstate``'s CUDA buffers are the training state's own tensors,
+        not copies (exact entries): the current stream waits for their copy to the host
+        before any work queued after this call (:meth:`DeviceStaging.stage`).
 
         Returns:
             A Future that resolves to the number of bytes written, or holds the exception
@@ -198,7 +207,7 @@ class AsyncWriter:
             if callable(qstate):
                 job = _Job(qstate=None, path=path, future=future, encode=qstate)
             else:
-                job = self._stage(qstate, path, future)
+                job = self._stage(qstate, path, future, live)
         except BaseException:
             self._slots.release()
             raise
@@ -276,6 +285,20 @@ class AsyncWriter:
         with self._lock:
             return len(self._pending)
 
+    def copy_events(self, future: Future) -> list | None:
+        """The events of the device-to-host copies of the save ``future`` is of (``None``:
+        it had no CUDA buffers, or is unknown): once they have fired, its write reads only
+        host memory."""
+        with self._lock:
+            return self._copies.get(future)
+
+    @property
+    def device_bytes_held(self) -> int:
+        """Device bytes of encoded buffers (codes, per-block values; not the state's own
+        tensors) that queued saves hold until the writer thread has waited for their copies."""
+        with self._lock:
+            return sum(self._device_held.values())
+
     @property
     def pinned_bytes_held(self) -> int:
         """Pinned host bytes the pool holds now (0 when no CUDA buffer was ever saved)."""
@@ -297,11 +320,20 @@ class AsyncWriter:
 
     # ------------------------------------------------------------- caller thread
 
-    def _stage(self, qstate: QuantizedState, path: str, future: Future) -> _Job:
+    def _stage(self, qstate: QuantizedState, path: str, future: Future, live: bool = False) -> _Job:
         """Build the job; on CUDA, enqueue the D2H copies into a pinned buffer."""
-        staged = self.staging.stage(qstate, path)
+        staged = self.staging.stage(qstate, path, live=live)
         if staged is None:
             return _Job(qstate=qstate, path=path, future=future)
+        device_bytes = sum(
+            t.numel() * t.element_size()
+            for e in qstate.entries.values()
+            for t in e.buffers.values()
+            if t.device.type != "cpu" and not (live and e.codec == "exact")  # live: the state's own
+        )
+        with self._lock:
+            self._copies[future] = staged.copy_done
+            self._device_held[future] = device_bytes
         return _Job(
             qstate=staged.qstate,
             path=path,
@@ -361,6 +393,8 @@ class AsyncWriter:
             for event in job.copy_done:
                 event.synchronize()
             job.device_state = None  # the copies are done; let the device memory go
+            with self._lock:
+                self._device_held.pop(job.future, None)
             if job.encode is not None:
                 job.qstate, job.encode = job.encode(), None
             nbytes = _format.write_file(job.qstate, job.path, fsync=self.fsync, entropy=self.entropy)
@@ -376,6 +410,9 @@ class AsyncWriter:
         # caller who waits on it can submit again at once without blocking.
         job.qstate = None
         job.encode = None
+        job.device_state = None
+        with self._lock:
+            self._device_held.pop(job.future, None)
         if job.pinned is not None:
             self.staging.pool.release(job.pinned)
             job.pinned = None

@@ -118,7 +118,7 @@ def _flip_buffer_byte(path: str, entry: str, buffer: str) -> None:
 def test_latest_read_keeps_of_a_keyframe_only_what_its_delta_needs(tmp_path, monkeypatch):
     ck, _ = _training_chain(tmp_path, 2, keyframe_every=10)
     asked = spy_on_reads(monkeypatch)
-    found, info, reads = ck._dir.latest_read(pin=False)
+    found, info, reads = ck._dir.latest_read(upload=None)
     keyframe = ck.path_for(0)
     assert info.step == 1 and reads[info.path].entries is None  # the delta itself: whole
     assert reads[keyframe].entries == {"model/w"}  # of its keyframe: the weights alone

@@ -12,7 +12,7 @@ import logging
 import mmap
 import os
 import zlib
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -120,6 +120,44 @@ def decode_staged(
     tensor = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin) if out is None else out
     spec.stage.decode(stored, spec.stage_params, byte_view(tensor), where)
     return tensor
+
+
+def upload_raw(
+    f: BinaryIO,
+    spec: BufferSpec,
+    offset: int,
+    path: str,
+    *,
+    verify: bool,
+    ring: Any,
+    device: torch.device,
+) -> torch.Tensor:
+    """Read a raw buffer into a new tensor on ``device`` through ``ring`` (a
+    :class:`~tw_triton.pinned_memory.PinnedRing`): chunk by chunk into a pinned slot, each
+    copied on from there, its CRC checked as it goes."""
+    tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+    crc = [0]
+
+    def fill(view: torch.Tensor, at: int) -> None:
+        chunk = byte_view(view)
+        read_exact_into(f, chunk, offset + at, path, spec)
+        if verify:
+            crc[0] = zlib.crc32(chunk, crc[0])
+
+    ring.upload(tensor, fill)
+    if verify:
+        check_crc(path, spec, crc[0])
+    return tensor
+
+
+def upload_host(host: torch.Tensor, ring: Any, device: torch.device) -> torch.Tensor:
+    """A copy of the CPU tensor ``host`` on ``device``, through ``ring`` (see :func:`upload_raw`)."""
+    src = host.reshape(-1).view(torch.uint8)
+
+    def fill(view: torch.Tensor, at: int) -> None:
+        view.copy_(src[at : at + view.numel()])
+
+    return ring.upload(torch.empty(host.shape, dtype=host.dtype, device=device), fill)
 
 
 def check_crc(path: str, spec: BufferSpec, crc: int) -> None:

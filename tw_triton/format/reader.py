@@ -23,6 +23,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..parallel import parallel_map
+from ..pinned_memory import PinnedRing
 from ..qstate import QuantizedState
 from .buffer_io import (
     POSITIONAL_READS,
@@ -32,6 +33,8 @@ from .buffer_io import (
     read_exact_into,
     read_raw,
     unmap_pages,
+    upload_host,
+    upload_raw,
 )
 from .files import IO_CHUNK_BYTES, open_for_reading
 from .header import HeaderCache, Layout, layout_of
@@ -47,6 +50,9 @@ logger = logging.getLogger(__name__)
 # zero-initialised adapter) in a small file.
 MAX_EXPANSION = 32.0
 EXPANSION_SLACK_BYTES = 64 << 20
+
+# A read to a device streams through this many pinned slots of IO_CHUNK_BYTES each.
+RING_SLOTS = 4
 
 
 def check_expansion(layout: Layout, path: str, max_expansion: float | None) -> None:
@@ -105,8 +111,10 @@ def read_file(
     check_others: bool = False,
     into: Mapping[str, torch.Tensor] | None = None,
     max_expansion: float | None = MAX_EXPANSION,
+    device: torch.device | str | None = None,
 ) -> QuantizedState:
-    """Read a checkpoint into a :class:`QuantizedState` whose buffers are CPU tensors.
+    """Read a checkpoint into a :class:`QuantizedState` whose buffers are CPU tensors
+    (or tensors on ``device``).
 
     The header is validated completely before anything is allocated; then each buffer is
     read into a freshly allocated tensor of its dtype and shape, on several threads
@@ -142,6 +150,11 @@ def read_file(
             The default, :data:`MAX_EXPANSION`, is far above what real checkpoints
             reach; pass a larger value, or ``None`` for no bound, to load a file that
             stores large constant tensors on purpose.
+        device: a device to read the buffers to (CUDA): each one goes there chunk by
+            chunk through a bounded ring of pinned host memory
+            (:class:`~tw_triton.pinned_memory.PinnedRing`, :data:`RING_SLOTS` chunks of
+            ``IO_CHUNK_BYTES``), instead of the whole file being pinned; ``pin_memory`` and
+            ``into`` are then ignored. ``None`` or the CPU: host memory.
 
     Returns:
         The state as written: entries in their original order with codec, params, shape,
@@ -153,15 +166,18 @@ def read_file(
         CheckpointIOError: the operating system failed.
     """
     path = os.fspath(path)
-    pin = pin_memory and can_pin(path)
+    dev = torch.device(device) if device is not None else None
+    to_device = dev is not None and dev.type != "cpu"
+    pin = pin_memory and not to_device and can_pin(path)
     with MappedCheckpoint(
         path,
         verify=verify,
         pin=pin,
         entries=entries,
         headers=headers,
-        into=into,
+        into=None if to_device else into,
         max_expansion=max_expansion,
+        device=dev if to_device else None,
     ) as ck:
         specs = [s for s in ck.layout.buffers if ck.wanted is None or s.entry in ck.wanted]
         others = (
@@ -258,8 +274,11 @@ class MappedCheckpoint:
         headers: HeaderCache | None = None,
         into: Mapping[str, torch.Tensor] | None = None,
         max_expansion: float | None = MAX_EXPANSION,
+        device: torch.device | None = None,
     ) -> None:
         self.path = path
+        self.device = device  # buffers go there through a ring of pinned slots
+        self.ring: PinnedRing | None = None
         self._max_expansion = max_expansion
         self._headers = headers
         self.verify = verify
@@ -288,6 +307,8 @@ class MappedCheckpoint:
                 except (OSError, ValueError) as exc:
                     # A file system that cannot map files: the same bytes, read instead.
                     logger.debug("checkpoint %s: cannot memory-map it (%s); reading it", self.path, exc)
+            if self.device is not None:
+                self.ring = PinnedRing(RING_SLOTS, IO_CHUNK_BYTES)
         except BaseException as exc:
             self._opener.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -295,6 +316,8 @@ class MappedCheckpoint:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
+            if self.ring is not None:
+                self.ring.close()  # after the copies still reading its slots
             if self.file_map is not None:
                 try:
                     self.file_map.close()
@@ -314,7 +337,14 @@ class MappedCheckpoint:
                 self.stored(spec), spec, self.path, verify=self.verify, pin=self.pin, out=out
             )
             self.done_with(spec)
+            if self.ring is not None and self.device is not None:
+                return upload_host(tensor, self.ring, self.device)
             return tensor
+        if self.ring is not None and self.device is not None:
+            start = self.layout.data_start + spec.begin
+            return upload_raw(
+                self.file, spec, start, self.path, verify=self.verify, ring=self.ring, device=self.device
+            )
         return read_raw(
             self.file,
             spec,

@@ -148,19 +148,27 @@ def quantize_state_dict(
         ref = None
         if ref_tensors is not None and codec.uses_reference(rule.params):
             ref = reference_tensor(ref_tensors, path, tuple(x.shape), "quantize_state_dict", ref_what)
-            if ref.device != x.device:
-                ref = ref.to(x.device, non_blocking=ref.is_pinned())
         return x, rule, codec, ref
 
     jobs = [plan_one(path) for path in canonical]
 
-    def finish(i: int, enc: Encoded) -> tuple[Encoded, torch.Tensor | None]:
-        _, rule, codec, ref = jobs[i]
+    def on_device(ref: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+        # Moved only while its tensor is encoded: a host reference of a device state is
+        # never on the device whole (docs/training-loop.md, "Memory").
+        if ref is None or ref.device == x.device:
+            return ref
+        return ref.to(x.device, non_blocking=ref.is_pinned())
+
+    def finish(i: int, enc: Encoded, ref: torch.Tensor | None) -> tuple[Encoded, torch.Tensor | None]:
+        """The entry, and the fingerprint of the reference it used (a device scalar)."""
+        _, rule, codec, _ = jobs[i]
         enc.entry.codec = rule.codec
-        return enc, ref if ref is not None and codec.uses_reference(enc.entry.params) else None
+        used = ref is not None and codec.uses_reference(enc.entry.params)
+        return enc, fingerprints.fingerprint(ref) if used else None
 
     def encode_alone(i: int) -> tuple[Encoded, torch.Tensor | None]:
         x, rule, codec, ref = jobs[i]
+        ref = on_device(ref, x)
         try:
             if not copy and isinstance(codec, ExactCodec) and x.is_contiguous():
                 enc: Encoded = codec.wrap(x)
@@ -170,19 +178,21 @@ def quantize_state_dict(
                 enc = codec.encode_with(x, rule.params, ref, allocate)
         except QuantizationError as e:
             raise QuantizationError(f"entry {canonical[i]!r} (codec {rule.codec!r}): {e}") from e
-        return finish(i, enc)
+        return finish(i, enc, ref)
 
     def encode_item(item: tuple[int, ...]) -> list[tuple[Encoded, torch.Tensor | None]]:
         if len(item) == 1:
             return [encode_alone(item[0])]
         _, rule, codec, ref = jobs[item[0]]
-        refs = None if ref is None else [jobs[i][3] for i in item]
+        refs = None if ref is None else [on_device(jobs[i][3], jobs[i][0]) for i in item]
         try:
             encs = codec.encode_many([jobs[i][0] for i in item], rule.params, refs, allocate)
         except QuantizationError:
             # One at a time, so that the error names the entry it is about.
             return [encode_alone(i) for i in item]
-        return [finish(i, enc) for i, enc in zip(item, encs)]
+        return [
+            finish(i, enc, None if refs is None else refs[k]) for k, (i, enc) in enumerate(zip(item, encs))
+        ]
 
     # On the CPU the entries are encoded on several threads (each alone, or small ones of
     # one kind together: the bytes do not depend on it, see tw_triton.batching); device
@@ -215,12 +225,12 @@ def quantize_state_dict(
     flagged: list[tuple[str, torch.Tensor]] = []
     fingerprinted: list[tuple[str, torch.Tensor]] = []
     exact = codec_or_raise("exact", QuantizationError, "quantize_state_dict")
-    for path, (enc, used_ref) in zip(canonical, encoded):
+    for path, (enc, ref_fp) in zip(canonical, encoded):
         entries[path] = enc.entry
         if enc.unusable is not None:
             flagged.append((path, enc.unusable))
-        if used_ref is not None:
-            fingerprinted.append((path, fingerprints.fingerprint(used_ref)))
+        if ref_fp is not None:
+            fingerprinted.append((path, ref_fp))
 
     # The one host sync: every NaN/Inf flag and every reference fingerprint together.
     values = fingerprints.read_device_scalars([f for _, f in flagged] + [f for _, f in fingerprinted])

@@ -105,7 +105,7 @@ def load(
         qstate = read_file(
             path,
             verify=verify,
-            pin_memory=wants_pinned(dev),
+            device=dev if wants_pinned(dev) else None,
             into=targets,
             headers=headers,
             max_expansion=max_expansion,

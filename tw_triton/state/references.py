@@ -76,7 +76,7 @@ def flat_reference(
         rq = read_file(
             reference,
             verify=verify,
-            pin_memory=wants_pinned(device),
+            device=device if wants_pinned(device) else None,
             entries=wanted,
             headers=headers,
             into=into,

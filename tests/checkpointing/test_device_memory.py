@@ -1,0 +1,384 @@
+"""Device memory of the Checkpointer: the documented formula, what is held, the device save
+path (exact entries copied to the host from the state's own tensors, the reference copied
+once), the closed-loop advance in place after the keyframe's copies, and a host reference.
+
+Without a GPU the device path runs on CPU tensors: the pipeline's device branch is taken
+by declaring the state off the CPU, and the CUDA stream calls are replaced by spies."""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+import tw_triton
+from tw_triton import Checkpointer, save_pipeline
+from tw_triton import format as fmt
+from tw_triton.checkpoint_files import checkpoint_name
+from tw_triton.codecs import ExactCodec
+from tw_triton.deltas import advance, make_reference
+from tw_triton.pinned_staging import DeviceStaging
+
+
+def _run(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt
+
+
+def _step(model, opt):
+    model(torch.randn(8, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _blockwise(numel, bits, block=128):
+    return (numel * bits + 7) // 8 + -(-numel // block) * 4
+
+
+def _log2(numel, bits, block=128):
+    return (numel * bits + 7) // 8 + 2 * -(-numel // block) * 4
+
+
+# The state of _run under the preset "smallest" at block 128, by hand: two 256x64 fp32
+# weights are delta-coded (int2 deltas); their AdamW moments are exp_avg int4 and
+# exp_avg_sq log2 4 bits; biases and their moments (< 4096 elements) are exact.
+W = 256 * 64
+REFERENCE = 2 * W * 4
+MOMENTS = 2 * (_blockwise(W, 4) + _log2(W, 4))
+KEYFRAME = MOMENTS  # weights exact: copied to the host from the reference itself
+DELTA = MOMENTS + 2 * _blockwise(W, 2)
+SCRATCH = W * 4  # the largest delta-coded tensor, decoded then copied into the reference
+# On the device, one entry at a time: a fingerprint's temporaries (2048 samples widened to
+# int64, their weights, the product) and a NaN/Inf check of one byte per block.
+TEMPORARIES = 64 * 1024 + 512
+# Each coded entry's flag and fingerprint (and their int64 copies), 512 B per allocation,
+# until the save's one host sync; a delta codes 6 entries (4 moments, 2 weight deltas).
+SCALARS = 6 * 4 * 512 + 512
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_the_bound_is_the_documented_formula_and_the_reference_is_what_is_held(tmp_path, async_write):
+    model, opt = _run()
+    _step(model, opt)
+    with Checkpointer(tmp_path, keyframe_every=3, fsync=False, async_write=async_write) as ck:
+        bound = ck.device_memory_bound(model=model, optimizer=opt)
+        in_flight = 2 if async_write else 1
+        assert bound == {
+            "reference": REFERENCE,
+            "keyframe": KEYFRAME,
+            "delta": DELTA,
+            "scalars": SCALARS,
+            "scratch": SCRATCH + TEMPORARIES,
+            "saves_in_flight": in_flight,
+            "peak": REFERENCE + in_flight * DELTA + SCALARS + SCRATCH + TEMPORARIES,
+        }
+        assert ck.device_memory() == {"reference": 0, "staging": 0}
+        for step in range(4):  # keyframe, delta, delta, keyframe
+            ck.save(step, model=model, optimizer=opt)
+            ck.flush()
+            # One copy of the delta-coded tensors, never two: the advance is in place.
+            assert ck.device_memory() == {"reference": REFERENCE, "staging": 0}
+            _step(model, opt)
+    # What a save encodes is what the formula counts: the buffers of the files' coded
+    # entries (the CPU codec's buffers are the kernels', byte for byte).
+    for step, want in ((0, KEYFRAME), (1, DELTA)):
+        q = fmt.read_file(tmp_path / checkpoint_name(step))
+        coded = sum(
+            t.numel() * t.element_size()
+            for e in q.entries.values()
+            if e.codec != "exact"
+            for t in e.buffers.values()
+        )
+        assert coded == want
+
+
+def test_the_bound_follows_the_options(tmp_path):
+    model, opt = _run()
+    _step(model, opt)
+    with Checkpointer(tmp_path, fsync=False, reference_device="cpu", max_pending=3) as ck:
+        b = ck.device_memory_bound(model=model, optimizer=opt)
+        # A host reference: nothing held between saves; on the device while a delta is
+        # coded against it, one tensor at a time (and once more for the advance).
+        assert (b["reference"], b["scratch"], b["saves_in_flight"]) == (0, 2 * SCRATCH + TEMPORARIES, 4)
+    with Checkpointer(tmp_path / "o", fsync=False, delta="open") as ck:
+        assert ck.device_memory_bound(model=model, optimizer=opt)["scratch"] == TEMPORARIES
+    with Checkpointer(tmp_path / "n", fsync=False, delta="none", rules="small") as ck:
+        b = ck.device_memory_bound(model=model, optimizer=opt)
+        assert (b["reference"], b["scratch"]) == (0, 512)  # no fingerprint: no reference
+        assert b["delta"] == 2 * _blockwise(W, 8) + MOMENTS  # int8 weights on their own
+
+
+def test_reference_device_must_be_known(tmp_path):
+    with pytest.raises(tw_triton.CheckpointError, match="reference_device"):
+        Checkpointer(tmp_path, reference_device="cuda:1")
+
+
+def _entries(path):
+    q = fmt.read_file(path)
+    return {
+        p: (
+            e.codec,
+            {k: v for k, v in e.params.items() if k != "ref_fp"},
+            {b: t.clone() for b, t in e.buffers.items()},
+        )
+        for p, e in q.entries.items()
+    }
+
+
+def _same_files(a, b, steps):
+    for step in steps:
+        ea, eb = _entries(a / checkpoint_name(step)), _entries(b / checkpoint_name(step))
+        assert ea.keys() == eb.keys()
+        for p in ea:
+            assert ea[p][:2] == eb[p][:2], p
+            for name, t in ea[p][2].items():
+                assert torch.equal(t.view(-1).view(torch.uint8), eb[p][2][name].view(-1).view(torch.uint8)), p
+
+
+def _saves(directory, monkeypatch=None, **options):
+    """Five saves (keyframe, 3 deltas, keyframe) of one run; returns what write_file got."""
+    model, opt = _run(1)
+    written = []
+    if monkeypatch is not None:
+        real = save_pipeline._format.write_file
+
+        def spy(q, path, **kw):
+            written.append((q, {p: t.data_ptr() for p, t in model.state_dict().items()}))
+            return real(q, path, **kw)
+
+        monkeypatch.setattr(save_pipeline._format, "write_file", spy)
+    with Checkpointer(directory, keyframe_every=4, fsync=False, async_write=False, **options) as ck:
+        refs = []
+        for step in range(5):
+            _step(model, opt)
+            ck.save(step, model=model, optimizer=opt)
+            ref = ck._chain.reference
+            refs.append({k: t.data_ptr() for k, t in ref.tree["model"].items()})
+    return written, refs
+
+
+@pytest.mark.parametrize("reference_device", [None, "cpu"])
+def test_the_device_save_path_gives_the_same_files_without_copying_exact_entries(
+    tmp_path, monkeypatch, reference_device
+):
+    _saves(tmp_path / "plain")
+    # The branch a device state takes, on CPU tensors (written before save returns).
+    monkeypatch.setattr(save_pipeline, "on_device", lambda t: True)
+    clones = []
+    real_encode = ExactCodec.encode
+    monkeypatch.setattr(ExactCodec, "encode", lambda self, *a: clones.append(1) or real_encode(self, *a))
+    written, refs = _saves(tmp_path / "device", monkeypatch, reference_device=reference_device)
+    _same_files(tmp_path / "plain", tmp_path / "device", range(5))
+    assert clones == []  # no exact entry was copied on the device
+    (kf, live), (d1, _) = written[0], written[1]
+    for p in ("0.bias", "2.bias"):
+        # An exact entry holds the state's own tensor: the writer copies it to the host.
+        assert kf.entries[f"model/{p}"].buffers["data"].data_ptr() == live[p]
+    for p in ("0.weight", "2.weight"):
+        # A delta-coded one holds the reference's copy, which the next delta advances.
+        data = kf.entries[f"model/{p}"].buffers["data"].data_ptr()
+        assert data != live[p] and data == refs[0][p]
+        assert refs[1][p] == refs[2][p] == refs[3][p] == data  # in place, save after save
+    assert d1.entries["model/0.weight"].codec == "blockwise"
+
+
+class _Event:
+    def __init__(self, log=None, **_):
+        self.log = log if log is not None else []
+
+    def record(self, stream=None):
+        self.log.append(("record", stream))
+
+    def wait(self, stream=None):
+        self.log.append(("wait", stream))
+
+
+class _Stream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "wait_stream", other.name))
+
+    def wait_event(self, event):
+        self.log.append((self.name, "wait_event", event))
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_live_buffers_hold_the_loop_until_their_copy(monkeypatch, live):
+    log: list = []
+    producer, side = _Stream("producer", log), _Stream("side", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: producer)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: _Event(log))
+    staging = DeviceStaging(None)
+    monkeypatch.setattr(staging, "side_stream", lambda index: side)
+    src = [torch.arange(10.0), torch.arange(3, dtype=torch.int32)]
+    views = [torch.empty_like(t) for t in src]
+    (event,) = staging.copy_to_host(src, views, live=live)
+    assert all(torch.equal(a, b) for a, b in zip(src, views))
+    # The copies wait for the work that made the buffers; with live buffers (the state's
+    # own tensors) the loop's next work waits for the copies.
+    assert log[0] == ("side", "wait_stream", "producer")
+    assert (("producer", "wait_event", event) in log) == live
+
+
+def test_the_advance_decodes_over_the_keyframe_once_its_copies_are_done():
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(64, 128, generator=g)
+    w1 = w0 + 1e-3 * torch.randn(64, 128, generator=g)
+    want = None
+    for copied in (None, [_Event()]):
+        keyframe = w0.clone()
+        ref = make_reference("k", {"model/w": keyframe}, 0, Future(), closed=True)  # still writing
+        ref.copied = copied
+        q = tw_triton.quantize_state_dict(
+            {"model": {"w": w1}}, reference=ref.tree, reference_id="k", rules="default", bits=4, block=128
+        )
+        advance(ref, q)
+        got = ref.tree["model"]["w"]
+        want = got.clone() if want is None else want
+        assert torch.equal(got, want)
+        # With the copies' events, the device waits for them and decodes in place; without,
+        # the keyframe's tensor may still be read: a fresh tensor.
+        assert (got.data_ptr() == keyframe.data_ptr()) == (copied is not None)
+        if copied is not None:
+            assert copied[0].log == [("wait", None)]
+
+
+class _Gate:
+    """A copy event whose synchronize() blocks until the test opens it."""
+
+    def __init__(self):
+        import threading
+
+        self.open = threading.Event()
+        self.waited = []
+
+    def synchronize(self):
+        assert self.open.wait(10)
+
+    def wait(self, stream=None):
+        self.waited.append(stream)
+
+
+def _fake_staging(monkeypatch, writer, gate):
+    """Stage every save as if its buffers were on a device: the writer keeps the save (and
+    counts its device bytes) until ``gate`` fires; the bytes written are the host ones."""
+    from tw_triton.pinned_staging import Staged
+
+    seen = []
+
+    def stage(q, path, *, live=False):
+        seen.append(live)
+        return Staged(q, [gate], torch.empty(1, dtype=torch.uint8))
+
+    monkeypatch.setattr(writer.staging, "stage", stage)
+    return seen
+
+
+def test_staging_counts_the_encoded_buffers_until_their_copies_are_waited_for(tmp_path, monkeypatch):
+    from tw_triton.qstate import EncodedEntry, QuantizedState
+    from tw_triton.writer import AsyncWriter
+
+    gate = _Gate()
+    meta = torch.empty(1000, dtype=torch.float32, device="meta")
+    codes = torch.empty(300, dtype=torch.uint8, device="meta")
+    q = QuantizedState(
+        entries={
+            "w": EncodedEntry("exact", {}, (1000,), torch.float32, {"data": meta}),
+            "m": EncodedEntry("blockwise", {}, (600,), torch.float32, {"codes": codes}),
+        },
+        skeleton=None,
+        checkpoint_id="x",
+    )
+    with AsyncWriter(fsync=False, max_pending=2) as w:
+        live = _fake_staging(monkeypatch, w, gate)
+        monkeypatch.setattr(fmt, "write_file", lambda *a, **k: 0)
+        f1 = w.submit(q, tmp_path / "a")
+        f2 = w.submit(q, tmp_path / "b", live=True)
+        # Both held: all of the first; of the second (its exact entry is the state's own
+        # tensor), the codes only.
+        assert w.device_bytes_held == 4000 + 300 + 300
+        assert w.copy_events(f1) == [gate] and live == [False, True]
+        gate.open.set()
+        f1.result(10), f2.result(10)
+        assert w.device_bytes_held == 0
+
+
+def test_a_device_keyframe_hands_its_copy_events_to_the_reference(tmp_path, monkeypatch):
+    """With an async writer, the first delta's advance waits for the keyframe's copies (the
+    device waits; the host does not) and decodes over the reference in place, even while
+    the keyframe is still being written."""
+    gate = _Gate()
+    monkeypatch.setattr(save_pipeline, "on_device", lambda t: True)
+    model, opt = _run(2)
+    _step(model, opt)
+    with Checkpointer(tmp_path, keyframe_every=4, fsync=False, max_pending=2) as ck:
+        live = _fake_staging(monkeypatch, ck._writer, gate)
+        ck.save(0, model=model, optimizer=opt)
+        ref = ck._chain.reference
+        assert ref.copied == [gate] and not ref.future.done()  # the writer waits at the gate
+        before = {k: t.data_ptr() for k, t in ref.tree["model"].items()}
+        _step(model, opt)
+        ck.save(1, model=model, optimizer=opt)  # encoded here: advances the reference now
+        assert gate.waited == [None]
+        assert {k: t.data_ptr() for k, t in ref.tree["model"].items()} == before
+        assert live == [True, True]
+        gate.open.set()
+    assert Checkpointer(tmp_path).infos()[-1].kind == "delta"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reference_device", [None, "cpu"])
+def test_a_cuda_save_stays_within_the_bound(tmp_path, reference_device):
+    """The goal of the formula, measured: the most a save adds to the device's allocated
+    memory, over a keyframe cycle and the next keyframe, is within the bound."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024)
+    ).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 1024, device="cuda")).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with Checkpointer(tmp_path, keyframe_every=3, fsync=False, reference_device=reference_device) as ck:
+        bound = ck.device_memory_bound(model=model, optimizer=opt)
+        ck.prepare(model=model, optimizer=opt)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        peak = 0
+        for step in range(5):
+            torch.cuda.reset_peak_memory_stats()
+            ck.save(step, model=model, optimizer=opt)
+            torch.cuda.synchronize()
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+            assert ck.device_memory()["reference"] == bound["reference"]
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-3)
+        ck.flush()
+    assert 0 < peak <= bound["peak"], (peak, bound)
+
+
+def test_host_tensors_of_a_device_state_are_copied_in_save(tmp_path, monkeypatch):
+    """The writer stages only device buffers: a device state's host tensors (AdamW's step
+    counts) are copied in save(), so the next step cannot change what is written."""
+    gate = _Gate()
+    monkeypatch.setattr(save_pipeline, "on_device", lambda t: t.dim() > 0)  # 0-dim: "host"
+    model, opt = _run(3)
+    _step(model, opt)
+    steps = [s["step"] for s in opt.state.values()]
+    with Checkpointer(tmp_path, keyframe_every=4, fsync=False, max_pending=2, rules="default") as ck:
+        _fake_staging(monkeypatch, ck._writer, gate)
+        ck.save(0, model=model, optimizer=opt)
+        saved = steps[0].item()
+        for s in steps:
+            s += 1  # what the next optimizer step does, in place, before the write
+        gate.open.set()
+    got = Checkpointer(tmp_path).load(0)["optimizer"]["state"][0]["step"]
+    assert got.item() == saved

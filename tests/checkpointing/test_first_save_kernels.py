@@ -1,0 +1,147 @@
+"""prepare() runs ahead the kernel variants the first keyframe and delta launch.
+
+Without a GPU the kernels' device type is set to the CPU's, and the codec ops are spied
+on: each call is reduced to what Triton specializes a launch on (op, dtypes, bits, block,
+the largest code, and per launch of the row tiles whether it is masked and which integer
+arguments are multiples of 16 or 1). prepare must make exactly the calls the saves make."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tw_triton import Checkpointer, kernel_variants, ops
+from tw_triton.kernel_variants import TILE_ELEMENTS, representative_numel, save_variants
+from tw_triton.state import encode as state_encode
+
+
+def _launches(n, block):
+    """The row-tile launches of an ``n``-element op (kernels/tiles.py), as specialized."""
+    rows = max(1, TILE_ELEMENTS // block)
+    full = n // (rows * block)
+    out = []
+    if full:
+        out.append(("full", n % 16 == 0, n == 1))
+    if full * rows * block < n:
+        row0 = full * rows
+        out.append(("tail", n % 16 == 0, n == 1, row0 % 16 == 0, row0 == 1))
+    return tuple(out)
+
+
+def _dt(t):
+    return None if t is None else t.dtype
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every codec op call, reduced to its specialization."""
+    seen: set = set()
+    real = {
+        name: getattr(ops, name)
+        for name in ("quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2")
+    }
+
+    def qb(x, reference, bits, block, *, out=None, qmax=None):
+        seen.add(("qb", x.dtype, _dt(reference), bits, block, qmax, _launches(x.numel(), block)))
+        return real["quantize_blockwise"](x, reference, bits, block, out=out, qmax=qmax)
+
+    def db(codes, scales, numel, bits, block, reference, dtype, *, out=None):
+        seen.add(("db", _dt(reference), dtype, bits, block, _launches(numel, block)))
+        return real["dequantize_blockwise"](codes, scales, numel, bits, block, reference, dtype, out=out)
+
+    def ql(x, bits, block, *, out=None):
+        seen.add(("ql", x.dtype, bits, block, _launches(x.numel(), block)))
+        return real["quantize_log2"](x, bits, block, out=out)
+
+    def dl(codes, lo, hi, numel, bits, block, dtype, *, out=None):
+        seen.add(("dl", dtype, bits, block, _launches(numel, block)))
+        return real["dequantize_log2"](codes, lo, hi, numel, bits, block, dtype, out=out)
+
+    for name, fn in (
+        ("quantize_blockwise", qb),
+        ("dequantize_blockwise", db),
+        ("quantize_log2", ql),
+        ("dequantize_log2", dl),
+    ):
+        monkeypatch.setattr(ops, name, fn)
+    # A GPU codes each tensor alone; the CPU would code small ones of a kind together.
+    monkeypatch.setattr(state_encode, "batch_key", lambda *a: None)
+    return seen
+
+
+def _state(dtype):
+    g = torch.Generator().manual_seed(0)
+    model = {
+        "embed": torch.randn(3 * 4096 + 80, generator=g).to(dtype),  # a masked tail, n % 16 == 0
+        "w": torch.randn(40, 4096, generator=g).to(dtype),  # whole tiles only, many of them
+        "odd": torch.randn(4099, generator=g).to(dtype),  # n % 16 != 0
+        "b": torch.randn(64, generator=g).to(dtype),  # exact: no kernel
+    }
+    moments = {k: {"exp_avg": v.float().clone(), "exp_avg_sq": v.float().square()} for k, v in model.items()}
+    state = dict(enumerate(moments.values()))
+    return model, {"state": state, "param_groups": [{"params": list(state), "lr": 1e-3}]}
+
+
+@pytest.mark.parametrize(
+    ("rules", "delta", "dtype"),
+    [
+        ("smallest", "closed", torch.float32),
+        ("small", "open", torch.bfloat16),
+        ("smallest", "none", torch.float16),
+    ],
+)
+def test_prepare_launches_exactly_what_the_first_keyframe_and_delta_launch(
+    tmp_path, monkeypatch, launches, rules, delta, dtype
+):
+    monkeypatch.setattr(kernel_variants, "KERNEL_DEVICE_TYPE", "cpu")
+    compiled = []
+    real = kernel_variants.compile_variant
+    monkeypatch.setattr(kernel_variants, "compile_variant", lambda v, d: compiled.append(v) or real(v, d))
+    model, opt = _state(dtype)
+    with Checkpointer(
+        tmp_path, keyframe_every=5, rules=rules, delta=delta, async_write=False, fsync=False
+    ) as ck:
+        ck.prepare(model=model, optimizer=opt)
+        ahead = set(launches)
+        launches.clear()
+        ck.save(0, model=model, optimizer=opt)
+        ck.save(1, model={k: v * 1.001 for k, v in model.items()}, optimizer=opt)
+    assert compiled and len(compiled) == len(set(compiled))
+    assert ahead == launches
+
+
+def test_save_variants_count_only_the_kernels_device():
+    model, opt = _state(torch.float32)
+    state = {"step": 0, "model": model, "optimizer": opt}
+    assert save_variants(state, "smallest", bits=8, block=128, delta_mode="closed") == []
+    cpu = save_variants(state, "smallest", bits=8, block=128, delta_mode="closed", device_type="cpu")
+    assert {v.has_ref for v in cpu} == {False, True} and all(v.decode == v.has_ref for v in cpu)
+
+
+@pytest.mark.parametrize("block", [32, 128, 4096])
+def test_a_representative_length_launches_as_the_tensor(block):
+    for n in [1, 15, 16, 4096, 4097, 4096 * 31 + 5, 4096 * 32, 4096 * 33 + 48, 4096 * 1000 + 7, 10**7 + 3]:
+        r = representative_numel(n, block)
+        assert r <= 32 * max(block, TILE_ELEMENTS) and _launches(r, block) == _launches(n, block), n
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("delta", ["closed", "open"])
+def test_after_prepare_the_first_saves_compile_nothing(tmp_path, monkeypatch, delta):
+    """On a GPU: every kernel the first keyframe and deltas launch is already in the
+    process's cache after prepare (Triton calls its cache hook on every miss)."""
+    import triton
+
+    model, opt = _state(torch.bfloat16)
+    model = {k: v.cuda() for k, v in model.items()}
+    opt["state"] = {i: {k: v.cuda() for k, v in s.items()} for i, s in opt["state"].items()}
+    misses = []
+    with Checkpointer(tmp_path, keyframe_every=5, delta=delta, fsync=False) as ck:
+        assert ck._pipeline.precompile({"model": model, "optimizer": opt}) > 0
+        monkeypatch.setattr(
+            triton.knobs.runtime, "jit_cache_hook", lambda *a, **kw: misses.append(kw) and False
+        )
+        for step in range(3):
+            ck.save(step, model={k: v * (1 + step / 1000) for k, v in model.items()}, optimizer=opt)
+        ck.flush()
+    assert misses == []

@@ -1,0 +1,212 @@
+"""Pinned host memory: registered slabs instead of the caching host allocator, and the
+bounded ring a load to a device streams through.
+
+Without a GPU, registration is replaced by spies and the ring runs on plain memory with a
+CPU destination (the same code; only the copies are synchronous)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tw_triton
+from tw_triton import format as fmt
+from tw_triton import pinned_memory
+from tw_triton.errors import CheckpointError
+from tw_triton.format.reader import MappedCheckpoint
+from tw_triton.pinned_memory import HostSlab, PinnedRing
+from tw_triton.pinned_staging import PINNED_GRANULE, PinnedPool
+
+
+class _Events:
+    """An event factory that logs record and synchronize, by event number."""
+
+    def __init__(self):
+        self.log: list[tuple[str, int]] = []
+        self.count = 0
+
+    def __call__(self):
+        n = self.count
+        self.count += 1
+        log = self.log
+
+        class Event:
+            def record(self, stream=None):
+                log.append(("record", n))
+
+            def synchronize(self):
+                log.append(("sync", n))
+
+        return Event()
+
+
+@settings(max_examples=30, deadline=None)
+@given(nbytes=st.integers(0, 700), slots=st.integers(1, 3), slot_bytes=st.integers(1, 100))
+def test_the_ring_copies_everything_in_order_through_its_slots_only(nbytes, slots, slot_bytes):
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    events = _Events()
+    ring = PinnedRing(slots, slot_bytes, register=False, event=events)
+    seen = []
+    base = ring.slab.tensor.data_ptr()
+
+    def fill(view, at):
+        # Every chunk lands in the one slab, in a slot of its own size at most.
+        assert base <= view.data_ptr() < base + slots * slot_bytes and view.numel() <= slot_bytes
+        seen.append((at, view.data_ptr()))
+        view.copy_(src[at : at + view.numel()])
+
+    out = ring.upload(torch.empty(nbytes, dtype=torch.uint8), fill)
+    assert torch.equal(out, src)
+    assert [at for at, _ in seen] == list(range(0, nbytes, slot_bytes))
+    assert ring.slab.nbytes == slots * slot_bytes and ring.in_use_peak <= 1
+    # A slot is filled again only after the event behind its last copy has fired.
+    chunks = len(seen)
+    assert [e for e in events.log if e[0] == "record"] == [("record", k) for k in range(chunks)]
+    for k in range(chunks):
+        reuse = [j for j in range(k) if seen[j][1] == seen[k][1]]
+        if reuse:
+            assert events.log.index(("sync", reuse[-1])) < events.log.index(("record", k))
+    ring.close()
+
+
+def test_the_ring_bounds_the_slots_held_by_concurrent_readers():
+    ring = PinnedRing(2, 16, register=False, event=_Events())
+    held, peak, lock = [0], [0], threading.Lock()
+    srcs = [torch.arange(200, dtype=torch.int32) * (k + 1) for k in range(6)]
+    outs = [None] * len(srcs)
+
+    def reader(k):
+        flat = srcs[k].view(torch.uint8)
+
+        def fill(view, at):
+            with lock:
+                held[0] += 1
+                peak[0] = max(peak[0], held[0])
+            view.copy_(flat[at : at + view.numel()])
+            with lock:
+                held[0] -= 1
+
+        outs[k] = ring.upload(torch.empty_like(srcs[k]), fill)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(len(srcs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(a, b) for a, b in zip(outs, srcs))
+    assert peak[0] <= 2 and ring.in_use_peak <= 2
+
+
+def test_a_failing_fill_gives_its_slot_back():
+    ring = PinnedRing(1, 8, register=False)
+
+    def fill(view, at):
+        raise CheckpointError("boom")
+
+    with pytest.raises(CheckpointError):
+        ring.upload(torch.empty(20, dtype=torch.uint8), fill)
+    assert torch.equal(
+        ring.upload(torch.empty(3, dtype=torch.uint8), lambda v, at: v.fill_(7)), torch.full((3,), 7)
+    )
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """Registration spies: {ptr: nbytes} registered now, and every call."""
+    live: dict[int, int] = {}
+    calls: list = []
+
+    def register(ptr, nbytes):
+        calls.append(("register", ptr, nbytes))
+        live[ptr] = nbytes
+
+    def unregister(ptr):
+        calls.append(("unregister", ptr))
+        del live[ptr]
+
+    monkeypatch.setattr(pinned_memory, "register_host", register)
+    monkeypatch.setattr(pinned_memory, "unregister_host", unregister)
+    monkeypatch.setattr(pinned_memory, "can_register", lambda: True)
+    return live, calls
+
+
+def test_a_slab_registers_exactly_its_size_and_unregisters_once(registry):
+    live, calls = registry
+    slab = HostSlab(1000)
+    assert live == {slab.tensor.data_ptr(): 1000}
+    slab.close()
+    slab.close()
+    assert live == {} and [c[0] for c in calls] == ["register", "unregister"]
+    gone = HostSlab(3000)
+    ptr = gone.tensor.data_ptr()
+    del gone  # collected: unregistered too
+    assert ptr not in live
+
+
+def test_the_staging_pool_pins_registered_slabs_and_lets_dropped_ones_go(registry):
+    live, _ = registry
+    pool = PinnedPool(None)
+    small, _ = pool.acquire(1000)
+    # Registered, at the pool's granule (not the caching allocator's power of two).
+    assert live == {small.data_ptr(): PINNED_GRANULE}
+    pool.release(small)
+    big, _ = pool.acquire(3 * PINNED_GRANULE + 1)
+    # The too-small buffer is unregistered (and freed), not kept by an allocator.
+    assert live == {big.data_ptr(): 4 * PINNED_GRANULE} and pool.held_bytes == 4 * PINNED_GRANULE
+
+
+def _file(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "model": {"w": torch.randn(300, 70, generator=g), "b": torch.randn(70, generator=g).bfloat16()},
+        "optimizer": {"m": torch.randn(300, 70, generator=g), "step": torch.tensor(4)},
+    }
+    q = tw_triton.quantize_state_dict(state, rules="smallest")
+    path = tmp_path / "a.tw.safetensors"
+    fmt.write_file(q, path, fsync=False)
+    return path
+
+
+@pytest.mark.parametrize("entropy", ["auto", "none"])
+def test_a_read_to_a_device_through_the_ring_gives_the_same_buffers(tmp_path, monkeypatch, entropy):
+    path = _file(tmp_path)
+    if entropy == "none":
+        fmt.write_file(fmt.read_file(path), path, fsync=False, entropy=None)
+    monkeypatch.setattr(fmt.reader, "IO_CHUNK_BYTES", 4096)  # many chunks per buffer
+    want = fmt.read_file(path)
+    with MappedCheckpoint(path, verify=True, pin=False, entries=None, device=torch.device("cpu")) as ck:
+        assert ck.ring is not None and ck.ring.slab.nbytes == fmt.reader.RING_SLOTS * 4096
+        got = {(s.entry, s.name): ck.read_buffer(s) for s in ck.layout.buffers}
+        assert ck.ring.in_use_peak <= fmt.reader.RING_SLOTS
+    for (entry, name), t in got.items():
+        assert torch.equal(t, want.entries[entry].buffers[name]), (entry, name)
+
+
+def test_a_corrupted_buffer_read_through_the_ring_is_refused(tmp_path):
+    path = _file(tmp_path)
+    fmt.write_file(fmt.read_file(path), path, fsync=False, entropy=None)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum"):
+        with MappedCheckpoint(path, verify=True, pin=False, entries=None, device=torch.device("cpu")) as ck:
+            for s in ck.layout.buffers:
+                ck.read_buffer(s)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_slabs_are_pinned_and_a_read_to_the_device_is_the_same(tmp_path):
+    slab = HostSlab(3 << 20)
+    assert slab.registered and slab.tensor.is_pinned()
+    slab.close()
+    path = _file(tmp_path)
+    want = fmt.read_file(path)
+    got = fmt.read_file(path, device="cuda")
+    for name, entry in want.entries.items():
+        for b, t in entry.buffers.items():
+            assert got.entries[name].buffers[b].is_cuda
+            assert torch.equal(got.entries[name].buffers[b].cpu(), t), (name, b)

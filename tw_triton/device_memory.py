@@ -1,0 +1,226 @@
+"""The device memory a Checkpointer holds beside the training state, and its bound.
+
+:func:`device_memory_bound` is the documented formula, computed from a state and the
+Checkpointer's settings; :func:`held_nbytes` measures tensors (each storage once). The
+parts, and why each is there: docs/training-loop.md ("Memory").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .codecs import get_codec
+from .ops.layout import blockwise_buffers, log2_buffers
+from .rules import keyframe_rules, resolve_rules, select_rule
+from .tree import Flattened
+
+# The CUDA caching allocator rounds every allocation up to a multiple of this.
+ALLOC_BYTES = 512
+# Scalars each coded entry keeps on the device until the save's one host sync: its NaN/Inf
+# flag and reference fingerprint, and their int64 copies for the transfer.
+SCALAR_BYTES_PER_ENTRY = 4 * ALLOC_BYTES
+# A fingerprint's temporaries (a sample of 2048 elements, widened to int64, its weights,
+# their product), one entry at a time.
+FINGERPRINT_SCRATCH = 64 << 10
+
+# Buffers of the codecs whose layout is known: (numel, bits, block) -> [(name, elements, dtype)].
+_LAYOUTS = {"blockwise": blockwise_buffers, "log2": log2_buffers}
+
+
+@dataclass(frozen=True)
+class DeviceMemoryBound:
+    """The formula's parts, in bytes (docs/training-loop.md, "Memory").
+
+    Attributes:
+        reference: held between saves: one copy of the delta-coded tensors (0 with a host
+            reference or without deltas).
+        keyframe: the device buffers a keyframe encodes (its quantized entries' codes and
+            per-block values, and copies of exact tensors that are not contiguous).
+        delta: the same for a save between keyframes.
+        scalars: the coded entries' flags and fingerprints, until the save's host sync.
+        scratch: a save's temporaries beside its buffers, one entry at a time: the
+            largest delta-coded tensor once for a closed-loop advance (decoded, then copied
+            into the reference) and once more for a host reference (its copy on the device
+            while it is used); a fingerprint's temporaries; the largest NaN/Inf check.
+        saves_in_flight: saves whose device buffers can exist at once (``max_pending``
+            queued, whose copies the writer thread has not waited for yet, plus the one
+            being encoded).
+    """
+
+    reference: int
+    keyframe: int
+    delta: int
+    scalars: int
+    scratch: int
+    saves_in_flight: int
+
+    @property
+    def peak(self) -> int:
+        """The most the Checkpointer holds on the device at any moment of a save."""
+        encoded = self.saves_in_flight * max(self.keyframe, self.delta)
+        return self.reference + encoded + self.scalars + self.scratch
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "reference": self.reference,
+            "keyframe": self.keyframe,
+            "delta": self.delta,
+            "scalars": self.scalars,
+            "scratch": self.scratch,
+            "saves_in_flight": self.saves_in_flight,
+            "peak": self.peak,
+        }
+
+
+def held_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under ``tensors`` (tied tensors count once)."""
+    seen: dict[tuple[torch.device, int], int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        seen[key] = max(seen.get(key, 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def encoded_nbytes(codec_name: str, params: Mapping[str, Any], x: torch.Tensor) -> int:
+    """Bytes of the buffers ``codec_name`` encodes ``x`` into on its device.
+
+    Each buffer counts as the caching allocator rounds it (:data:`ALLOC_BYTES`). A codec
+    whose layout is not known here counts the tensor's own bytes (a codec that shrinks
+    nothing; every built-in one that is not listed here is exact).
+    """
+    layout = _LAYOUTS.get(codec_name)
+    if layout is None:
+        return allocated(x.numel() * x.element_size())
+    return sum(
+        allocated(n * dtype.itemsize) for _, n, dtype in layout(x.numel(), params["bits"], params["block"])
+    )
+
+
+def allocated(nbytes: int) -> int:
+    """``nbytes`` as the caching allocator rounds it."""
+    return -(-nbytes // ALLOC_BYTES) * ALLOC_BYTES
+
+
+def device_memory_bound(
+    state: Any,
+    rules: Any,
+    *,
+    bits: int,
+    block: int,
+    delta_mode: str,
+    max_pending: int,
+    host_reference: bool,
+) -> DeviceMemoryBound:
+    """The formula of docs/training-loop.md ("Memory") for saving ``state``.
+
+    Args:
+        state: the saved state (nested, or :class:`~tw_triton.tree.Flattened`).
+        rules, bits, block: how its tensors are coded (as :func:`~tw_triton.rules.resolve_rules`).
+        delta_mode: ``"open"``, ``"closed"`` or ``"none"``.
+        max_pending: the writer's ``max_pending`` (0: no async writer).
+        host_reference: the reference is kept in host memory (``reference_device="cpu"``).
+
+    Returns:
+        The parts of the bound; tensors already on the CPU count as if on a device.
+    """
+    rule_list = resolve_rules(rules, state, bits=bits, block=block)
+    flat = Flattened.of(state)
+    distinct: dict[tuple[Any, ...], tuple[str, torch.Tensor]] = {}
+    for path, t in flat.tensors.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        distinct.setdefault(key, (path, t))
+    key_rules = keyframe_rules(rule_list)
+    reference = keyframe = delta = largest = flag = 0
+    coded = {True: 0, False: 0}  # coded entries of a keyframe, of a delta
+    for path, t in distinct.values():
+        rule = select_rule(rule_list, path, t)
+        codec = get_codec(rule.codec)
+        uses_ref = codec is not None and codec.uses_reference(rule.params) and delta_mode != "none"
+        nbytes = allocated(t.numel() * t.element_size())
+        if uses_ref:
+            reference += nbytes
+            largest = max(largest, nbytes)
+        for key, r in ((True, select_rule(key_rules, path, t)), (False, rule)):
+            if r.codec != "exact":
+                coded[key] += 1
+                flag = max(flag, allocated(-(-t.numel() // r.params.get("block", 1))))
+        delta += _save_nbytes(rule, t)
+        keyframe += _save_nbytes(select_rule(key_rules, path, t), t)
+    entries = max(coded.values())
+    scalars = entries * SCALAR_BYTES_PER_ENTRY + allocated(8 * entries)
+    scratch = largest * ((delta_mode == "closed") + host_reference) + flag
+    if largest:
+        scratch += FINGERPRINT_SCRATCH
+    return DeviceMemoryBound(
+        reference=0 if host_reference else reference,
+        keyframe=keyframe,
+        delta=delta,
+        scalars=scalars,
+        scratch=scratch,
+        saves_in_flight=max_pending + 1,
+    )
+
+
+def bound_of(
+    state: Any, rules: Any, bits: int, block: int, mode: str, max_pending: int, reference_device: str | None
+) -> dict[str, int]:
+    """:func:`device_memory_bound` with a Checkpointer's settings, as a dict."""
+    return device_memory_bound(
+        state,
+        rules,
+        bits=bits,
+        block=block,
+        delta_mode=mode,
+        max_pending=max_pending,
+        host_reference=reference_device == "cpu",
+    ).as_dict()
+
+
+def private_copies(
+    flat: Flattened,
+    coded: Mapping[str, torch.Tensor],
+    *,
+    host_reference: bool,
+    on_device: Callable[[torch.Tensor], bool],
+) -> Flattened:
+    """A device state's ``flat`` with copies of what the writer would otherwise read after
+    ``save`` returns (tied tensors stay tied): its host tensors (step counts, RNG states:
+    the writer stages only device buffers), and the keyframe's delta-coded tensors
+    (``coded``, by path), which it stores and the deltas after it are coded against: on
+    their device, or in host memory with ``host_reference``. Every other tensor is the
+    state's own: the writer copies it to the host (docs/training-loop.md, "Memory")."""
+    copies: dict[int, torch.Tensor] = {}
+    tensors = dict(flat.tensors)
+    for path, t in flat.tensors.items():
+        if on_device(t) and path not in coded:
+            continue
+        c = copies.get(id(t))
+        if c is None:
+            to_host = host_reference or not on_device(t)
+            c = t.detach().to("cpu", copy=True) if to_host else t.detach().clone()
+            copies[id(t)] = c
+        tensors[path] = c
+    return Flattened(tensors, flat.skeleton)
+
+
+def _save_nbytes(rule: Any, t: torch.Tensor) -> int:
+    """Device bytes a save encodes ``t`` into with ``rule``: an exact entry of a contiguous
+    tensor is copied to the host from the tensor itself (nothing on the device)."""
+    if rule.codec == "exact":
+        return 0 if t.is_contiguous() else allocated(t.numel() * t.element_size())
+    return encoded_nbytes(rule.codec, rule.params, t)
+
+
+__all__ = [
+    "DeviceMemoryBound",
+    "bound_of",
+    "device_memory_bound",
+    "encoded_nbytes",
+    "held_nbytes",
+    "private_copies",
+]

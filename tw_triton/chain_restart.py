@@ -58,8 +58,11 @@ def seed_chain(
     chain.restart()
     if not chain.delta:
         return False
-    found = directory.scan()
-    why, since = _why_not(chain, directory, found, info, state, rules=rules, bits=bits, block=block)
+    try:
+        found = directory.scan()
+        why, since = _why_not(chain, directory, found, info, state, rules=rules, bits=bits, block=block)
+    except (CheckpointError, OSError) as exc:  # the restore itself succeeded: not its failure
+        why, since = f"its chain cannot be read again: {exc}", 0
     if why is None and since + 1 >= chain.keyframe_every:
         return False  # the next save is the keyframe it would be anyway
     if why is not None:

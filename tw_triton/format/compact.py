@@ -31,8 +31,8 @@ from .spec import (
     READABLE_VERSIONS,
 )
 
-# Level 9: within a few percent of zstd's best on manifests, at a millisecond per 100 KB
-# (level 19 takes 50 times as long for 15% less; docs/format.md).
+# Level 9: level 19 stores 7-16% less on real manifests but takes 15-50 times as long on
+# the writer thread (docs/format.md, "Compact manifest").
 MANIFEST_ZSTD_LEVEL = 9
 # A compressed manifest may decode to at most this many times its stored size plus the
 # slack (and never past MAX_HEADER_BYTES); real manifests compress 5 to 10 times.

@@ -113,6 +113,28 @@ def test_a_run_restarted_after_every_save_writes_the_same_codes(tmp_path, async_
         assert torch.equal(la["model"][key], lb["model"][key])
 
 
+def test_every_entry_the_chain_keeps_as_reference_is_restored(tmp_path):
+    """Rules that delta-code a first moment too: the restored chain keeps it as reference
+    like the weights, and the codes are still those of the run that never stopped."""
+    rules = [("optimizer/state/*/exp_avg", {"codec": "blockwise", "bits": 8, "delta": True, "min_numel": 0})]
+    run(tmp_path / "a", None, steps=6, rules=rules)
+    run(tmp_path / "b", 1, steps=6, rules=rules)
+    for name in sorted(os.listdir(tmp_path / "a")):
+        a, b = codes(str(tmp_path / "a" / name)), codes(str(tmp_path / "b" / name))
+        assert a == b, name
+        moment = a["entries"]["optimizer/state/0/exp_avg"]
+        assert moment[0] == "blockwise" if a["kind"] == "delta" else moment[0] == "exact"
+    # What a restore keeps: the large weights (the default rules) and every first moment.
+    model, opt = make_objects()
+    ck = tw_triton.Checkpointer(tmp_path / "b", keep_last=None, rules=rules)
+    ck.restore(model=model, optimizer=opt)
+    weights = [p for p in model.parameters() if p.numel() >= 4096]
+    assert ck.reference_nbytes == 4 * (
+        sum(p.numel() for p in weights) + sum(p.numel() for p in model.parameters())
+    )
+    ck.close()
+
+
 def test_a_preempted_run_writes_at_most_a_quarter_more(tmp_path):
     """Restored after every 5th save, with the defaults but for the keyframe interval."""
     plain = run(tmp_path / "a", None, steps=30, keyframe_every=10)

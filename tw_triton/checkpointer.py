@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from . import format as _format
+from .chain_restart import check_seeded, seed_chain
 from .checkpoint_dir import (
     CheckpointDirectory,
     CheckpointInfo,
@@ -167,6 +168,7 @@ class Checkpointer:
             host_reference=reference_device == "cpu",
         )
         self._closed = False
+        self._seeded = False  # the chain continues from a restore (chain_restart)
 
     # ------------------------------------------------------------------- saving
 
@@ -209,6 +211,9 @@ class Checkpointer:
                 raise
         self._retain()
         tree: dict[str, Any] = {"step": step, **named, "rng": capture_rng_state()}
+        if self._seeded:  # the first save after a restore: does the state fit it?
+            self._seeded = False
+            check_seeded(self._chain, tree, rules=self.rules, bits=self.bits, block=self.block)
         future = self._pipeline.save(step, tree, self._dir.path_for(step))
         if self._writer is None:
             self._collect_finished()
@@ -432,6 +437,9 @@ class Checkpointer:
         each object's ``load_state_dict`` with the state saved under the same name, and
         (with ``rng``) puts back the RNG states, so that the run continues as the saved one
         would have: bit for bit from a keyframe, within quantization error from a delta.
+        The next save continues the restored checkpoint's chain as a delta against it where
+        that writes what a run that never stopped would (:mod:`tw_triton.chain_restart`);
+        where not, it is a keyframe and the reason is logged.
 
         On the CPU, tensors are decoded into the objects' own where they can be (contiguous,
         sharing no memory with another, stored exact or decoded over such a one; see
@@ -459,6 +467,9 @@ class Checkpointer:
         into = decode_targets(objects) if torch.device(device).type == "cpu" else None
         state, info = self._load(step, device=device, verify=True, into=into)
         restore_into(state, info.path, objects, rng=rng)
+        self._seeded = seed_chain(
+            self._chain, self._dir, info, state, rules=self.rules, bits=self.bits, block=self.block
+        )
         return state
 
     # ---------------------------------------------------------------- internals

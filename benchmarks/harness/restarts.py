@@ -14,9 +14,11 @@ Per seed, three kinds of run train the same model from the same initial state:
   (data-order seed, step), so the data order survives restarts.
 
 Restart points alternate between ``keyframe_every`` and ``keyframe_every + 1`` saves after
-the previous one. A restarted Checkpointer writes a keyframe first, so the first kind of
-restart loads the delta farthest from its keyframe (the worst case for open-loop deltas) and
-the second loads a keyframe.
+the previous one. A restarted Checkpointer used to write a keyframe first, so that the first
+kind of restart loaded the delta farthest from its keyframe (the worst case for open-loop
+deltas) and the second a keyframe. Since a restored chain continues (docs/training-loop.md,
+"Restarts": keyframes stay every ``keyframe_every`` saves, counted across restarts), where a
+restart lands in the chain follows from that count instead.
 
 Measured: the held-out loss every ``eval_every`` steps and at the end (same fixed batches in
 every run), the training loss of every step, and every file the Checkpointer wrote (bytes

@@ -326,7 +326,10 @@ def test_keep_last_none_keeps_everything(tmp_path):
         assert ckpt.steps() == [0, 1, 2, 3, 4]
 
 
-def test_resume_in_existing_directory_starts_with_a_keyframe(tmp_path):
+def test_resume_in_existing_directory_continues_the_chain(tmp_path):
+    """After restore() the next save is a delta against the restored checkpoint
+    (tests/checkpointing/test_chain_restart.py has the rest); a Checkpointer that did not
+    restore starts with a keyframe."""
     model = torch.nn.Linear(64, 64)
     with Checkpointer(tmp_path, keyframe_every=10, keep_last=10, fsync=False) as first:
         for step in range(3):
@@ -336,12 +339,17 @@ def test_resume_in_existing_directory_starts_with_a_keyframe(tmp_path):
     assert again.latest() == 2
     state = again.restore(model=torch.nn.Linear(64, 64))
     assert state["step"] == 2
+    assert again.reference_id == {i.step: i for i in again.infos()}[2].checkpoint_id
     again.save(3, model=model)
     again.save(4, model=model)
     again.close()
     infos = {i.step: i for i in again.infos()}
-    assert [infos[s].kind for s in range(5)] == ["keyframe", "delta", "delta", "keyframe", "delta"]
+    assert [infos[s].kind for s in range(5)] == ["keyframe", "delta", "delta", "delta", "delta"]
+    assert infos[3].reference_id == infos[2].checkpoint_id
     assert infos[4].reference_id == infos[3].checkpoint_id
+    with Checkpointer(tmp_path, keyframe_every=10, keep_last=10, fsync=False) as third:
+        third.save(5, model=model)
+    assert {i.step: i for i in third.infos()}[5].kind == "keyframe"
 
 
 def test_saving_a_step_again_replaces_it(tmp_path):

@@ -185,5 +185,6 @@ def test_file_size_is_entries_plus_header_and_beats_torch_save(trained, capsys):
             f"tw default (int8 model) {ratios['default']:.3f}x of torch.save"
         )
     assert ratios["default"] < 1
-    # No quantization: the same tensor bytes as torch.save plus a JSON header, give or take.
-    assert 0.9 < ratios["exact"] < 1.25
+    # No quantization: the same tensor bytes as torch.save, less what the entropy stage
+    # saves, plus a header (compressed since format version 3), give or take.
+    assert 0.8 < ratios["exact"] < 1.25

@@ -9,7 +9,6 @@ import io
 import json
 import os
 import struct
-import zlib
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import tw_triton
+from tw_triton import format as fmt
 from tw_triton.checkpoint_dir import CheckpointDirectory, checkpoint_name
 from tw_triton.cli import EXIT_CHECKPOINT, EXIT_OK, EXIT_USAGE, main
 from tw_triton.errors import CheckpointError, ReferenceMismatchError
@@ -73,9 +73,11 @@ def rewrite_header(src, dst, edit):
     well-formed (what a crafted file looks like)."""
     raw = open(src, "rb").read()
     n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(edit(raw[8 : 8 + n].decode("utf-8")))
-    meta = header["__metadata__"]
-    meta["tw_triton.crc32"] = f"{zlib.crc32(meta['tw_triton'].encode('utf-8', 'surrogatepass')):08x}"
+    # The edit sees the manifest as JSON text inside the header (where version 2 kept it).
+    header = json.loads(raw[8 : 8 + n].decode("utf-8"))
+    header["__metadata__"] = {"manifest": fmt.manifest_text(header["__metadata__"], str(src))[0]}
+    header = json.loads(edit(json.dumps(header)))
+    header["__metadata__"] = fmt.manifest_metadata(header["__metadata__"]["manifest"])
     text = json.dumps(header).encode("utf-8")
     with open(dst, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text + raw[8 + n :])

@@ -676,7 +676,7 @@ def test_write_file_entropy_modes_round_trip(tmp_path, entropy_arg):
     fmt.write_file(state, path, fsync=False, entropy=entropy_arg)
     assert_same_state(state, fmt.read_file(path))
     fmt.verify_file(path)
-    assert fmt.read_manifest(path)["version"] == 2
+    assert fmt.read_manifest(path)["version"] == fmt.FORMAT_VERSION
     staged = _stages(path)
     nonempty = [
         fmt.tensor_key(p, n) for p, e in state.entries.items() for n, b in e.buffers.items() if b.numel()

@@ -8,7 +8,6 @@ import logging
 import mmap
 import os
 import struct
-import zlib
 
 import pytest
 import safetensors
@@ -218,7 +217,7 @@ def test_safe_open_lists_every_buffer_and_reads_the_same_bytes(tmp_path, entropy
     expected = {fmt.tensor_key(p, name): t for p, e in state.entries.items() for name, t in e.buffers.items()}
     with safetensors.safe_open(str(path), framework="pt") as f:
         assert sorted(f.keys()) == sorted(expected)
-        manifest = json.loads(f.metadata()[fmt.MANIFEST_KEY])
+        manifest = json.loads(fmt.manifest_text(f.metadata(), str(path))[0])
         for key, t in expected.items():
             got = _unstage(manifest, key, f.get_tensor(key))
             assert got.dtype == t.dtype and got.shape == t.shape
@@ -324,7 +323,7 @@ def test_file_size_is_buffers_plus_header(tmp_path):
     )
     assert size == path.stat().st_size == buffer_bytes + 8 + n
     assert (8 + n) % 8 == 0
-    manifest = json.loads(header["__metadata__"][fmt.MANIFEST_KEY])
+    manifest = json.loads(fmt.manifest_text(header["__metadata__"], "x")[0])
     assert manifest["stats"]["stored_bytes"] == buffer_bytes
     assert manifest["stats"]["raw_bytes"] == sum(e.raw_nbytes for e in state.entries.values())
 
@@ -334,7 +333,7 @@ def test_staged_file_size_is_stored_bytes_plus_header(tmp_path):
     path = tmp_path / "ckpt.safetensors"
     size = fmt.write_file(state, path)
     n, header = header_of(path)
-    manifest = json.loads(header.pop("__metadata__")[fmt.MANIFEST_KEY])
+    manifest = json.loads(fmt.manifest_text(header.pop("__metadata__"), "x")[0])
     stored = sum(info["data_offsets"][1] - info["data_offsets"][0] for info in header.values())
     raw = sum(t.numel() * t.element_size() for e in state.entries.values() for t in e.buffers.values())
     assert size == path.stat().st_size == stored + 8 + n
@@ -511,12 +510,7 @@ def _reference_header(plan) -> bytes:
             },
         }
     )
-    header = {
-        "__metadata__": {
-            fmt.MANIFEST_KEY: manifest,
-            fmt.MANIFEST_CRC_KEY: f"{zlib.crc32(manifest.encode('utf-8')):08x}",
-        }
-    }
+    header = {"__metadata__": fmt.manifest_metadata(manifest)}
     for b in plan.buffers:
         header[b.key] = {"dtype": b.table_dtype, "shape": b.table_shape, "data_offsets": [b.begin, b.end]}
     raw = dumps(header).encode("ascii")
@@ -563,7 +557,7 @@ def test_header_writes_params_that_compare_equal_as_they_are():
     plan = plan_file(state, "x", None)
     header = writer.encode_header(plan, "x")
     assert header == _reference_header(plan)
-    manifest = json.loads(json.loads(header[8:])["__metadata__"][fmt.MANIFEST_KEY])
+    manifest = json.loads(fmt.manifest_text(json.loads(header[8:])["__metadata__"], "x")[0])
     written = [json.dumps(manifest["entries"][f"p{i}"]["params"]) for i in range(len(variants))]
     assert written == [json.dumps(p) for p in variants]
 

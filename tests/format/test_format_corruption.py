@@ -60,7 +60,7 @@ def good(tmp_path_factory) -> tuple[QuantizedState, bytes]:
 def split(blob: bytes) -> tuple[dict, dict, bytes]:
     (n,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8 : 8 + n])
-    manifest = json.loads(header["__metadata__"][fmt.MANIFEST_KEY])
+    manifest = json.loads(fmt.manifest_text(header["__metadata__"], "x")[0])
     return header, manifest, blob[8 + n :]
 
 
@@ -69,9 +69,14 @@ def assemble(header: dict, manifest: dict | str | None, data: bytes, *, fix_crc:
     header = json.loads(json.dumps(header))
     if manifest is not None:
         text = manifest if isinstance(manifest, str) else json.dumps(manifest)
-        header["__metadata__"][fmt.MANIFEST_KEY] = text
-        if fix_crc:
-            header["__metadata__"][fmt.MANIFEST_CRC_KEY] = f"{zlib.crc32(text.encode()):08x}"
+        crc = header["__metadata__"][fmt.MANIFEST_CRC_KEY]
+        # Stored as its version stores it; a version this reader does not know, as JSON
+        # (so that the manifest's own version is what the reader refuses).
+        version = manifest.get("version") if isinstance(manifest, dict) else fmt.FORMAT_VERSION
+        compact = type(version) is int and version >= fmt.COMPACT_VERSION and version in fmt.READABLE_VERSIONS
+        header["__metadata__"] = fmt.manifest_metadata(text, fmt.COMPACT_VERSION if compact else 2)
+        if not fix_crc:
+            header["__metadata__"][fmt.MANIFEST_CRC_KEY] = crc
     raw = json.dumps(header).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
     return struct.pack("<Q", len(raw)) + raw + data
@@ -400,7 +405,7 @@ def test_wrong_tensor_key(tmp_path, good):
 @pytest.mark.parametrize(
     "version, match",
     [
-        (3, "unknown format version 3.*reads versions 1, 2.*newer"),
+        (4, "unknown format version 4.*reads versions 1, 2, 3.*newer"),
         (2**70, "version 1180591620717411303424.*newer"),
         (0, "unknown format version 0"),
         ("1", "version '1'"),

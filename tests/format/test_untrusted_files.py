@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +32,9 @@ def edit_manifest(path: Path, edit) -> None:
     blob = path.read_bytes()
     (n,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8 : 8 + n])
-    manifest = json.loads(header["__metadata__"][fmt.MANIFEST_KEY])
+    manifest = json.loads(fmt.manifest_text(header["__metadata__"], str(path))[0])
     edit(manifest)
-    text = json.dumps(manifest)
-    header["__metadata__"][fmt.MANIFEST_KEY] = text
-    header["__metadata__"][fmt.MANIFEST_CRC_KEY] = f"{zlib.crc32(text.encode()):08x}"
+    header["__metadata__"] = fmt.manifest_metadata(json.dumps(manifest))
     raw = json.dumps(header).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + n :])

@@ -29,11 +29,11 @@ def read_input(path: str) -> Any:
         from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file
 
-        from ..format import MANIFEST_KEY
+        from ..format import is_checkpoint_metadata
 
         try:
             with safe_open(path, framework="pt") as f:
-                if MANIFEST_KEY in (f.metadata() or {}):
+                if is_checkpoint_metadata(f.metadata()):
                     raise ConvertError(
                         f"{path} is already a tw_triton checkpoint; `tw export` it first to "
                         "re-encode it with other settings"

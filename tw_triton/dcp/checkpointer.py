@@ -241,8 +241,36 @@ class DistributedCheckpointer:
         if path is None:
             return None
         api.load(state, path, no_dist=not dist.is_initialized(), max_expansion=self.max_expansion)
+        self._continue_from(path)
         m = _STEP_RE.fullmatch(os.path.basename(path))
         return int(m.group(1)) if m else None
+
+    def _continue_from(self, path: str) -> None:
+        """After loading ``path``: the next saves are deltas against its keyframe (read from
+        its files, as before the restart), counted on from the deltas of that keyframe in
+        the directory; unless ``path`` is not the newest complete checkpoint (the saves
+        after it would mix two histories), then the next save is a keyframe (logged).
+        Retention may have removed deltas of the keyframe: the count is then low, and the
+        chain runs longer than ``keyframe_every`` once (docs/distributed.md)."""
+        self._keyframe, self._since_keyframe = None, 0
+        done = self.complete()
+        if done and os.path.abspath(done[-1][1]) != os.path.abspath(path):
+            logger.info(
+                "loaded %s, not the newest checkpoint (%s): the next save is a keyframe", path, done[-1][1]
+            )
+            return
+        ref = read_record(path).reference
+        if ref is None:
+            keyframe, since = path, 0
+        else:
+            keyframe = find_keyframe(path, ref)
+            since = sum(
+                1
+                for _, p in done
+                if (r := read_record(p).reference) is not None and r["checkpoint_id"] == ref["checkpoint_id"]
+            )
+        self._keyframe = Keyframe(keyframe, max_expansion=self.max_expansion)
+        self._since_keyframe = since
 
 
 __all__ = ["DistributedCheckpointer"]

@@ -8,12 +8,20 @@ before they allocate anything, check every buffer's CRC-32, and raise
 file holds JSON and raw little-endian bytes only.
 
 Modules: ``spec`` (constants, dtypes, key syntax, the layout and manifest schema),
-``header`` (parse and validate), ``manifest`` (write and check the manifest), ``plan`` and
+``header`` (parse and validate), ``compact`` (where the manifest text is stored: compressed
+from version 3), ``manifest`` (write and check the manifest), ``plan`` and
 ``writer`` (write a file; ``writeback``, the early-writeback hint), ``buffer_io`` and
 ``reader`` (read and verify; the decompression-bomb bound), ``files`` (temporary names,
 OS errors). The guarantees and the why: docs/format.md.
 """
 
+from .compact import (
+    MANIFEST_SLACK_BYTES,
+    MAX_MANIFEST_EXPANSION,
+    is_checkpoint_metadata,
+    manifest_metadata,
+    manifest_text,
+)
 from .files import IO_CHUNK_BYTES, is_temp_file, remove_quietly, temp_path_for
 from .header import HeaderCache
 from .reader import EXPANSION_SLACK_BYTES, MAX_EXPANSION, read_file, read_manifest, verify_file
@@ -21,11 +29,14 @@ from .spec import (
     BUFFER_DTYPES,
     BUFFER_NAME_RE,
     CHECKSUM_NAME,
+    COMPACT_VERSION,
     ENTRY_DTYPES,
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_CRC_KEY,
     MANIFEST_KEY,
+    MANIFEST_VERSION_KEY,
+    MANIFEST_ZSTD_KEY,
     MAX_HEADER_BYTES,
     READABLE_VERSIONS,
     tensor_key,
@@ -36,6 +47,7 @@ __all__ = [
     "BUFFER_DTYPES",
     "BUFFER_NAME_RE",
     "CHECKSUM_NAME",
+    "COMPACT_VERSION",
     "ENTRY_DTYPES",
     "EXPANSION_SLACK_BYTES",
     "FORMAT_NAME",
@@ -44,10 +56,17 @@ __all__ = [
     "IO_CHUNK_BYTES",
     "MANIFEST_CRC_KEY",
     "MANIFEST_KEY",
+    "MANIFEST_SLACK_BYTES",
+    "MANIFEST_VERSION_KEY",
+    "MANIFEST_ZSTD_KEY",
     "MAX_EXPANSION",
     "MAX_HEADER_BYTES",
+    "MAX_MANIFEST_EXPANSION",
     "READABLE_VERSIONS",
+    "is_checkpoint_metadata",
     "is_temp_file",
+    "manifest_metadata",
+    "manifest_text",
     "read_file",
     "read_manifest",
     "remove_quietly",

@@ -15,19 +15,18 @@ import json
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError
+from .compact import manifest_text as stored_manifest
 from .files import io_error
 from .manifest import BufferSpec, check_fields, check_stats, validate_manifest
 from .spec import (
     BUFFER_DTYPE_NAMES,
-    CRC_RE,
-    MANIFEST_CRC_KEY,
-    MANIFEST_KEY,
+    COMPACT_VERSION,
+    MANIFEST_ZSTD_KEY,
     MAX_HEADER_BYTES,
     STAGED_DTYPE,
     TENSOR_INFO_FIELDS,
@@ -133,25 +132,19 @@ def read_layout(f: BinaryIO, path: str) -> Layout:
             f"checkpoint {path}: expected __metadata__ to be a map of str to str "
             "(not a tw_triton checkpoint?)"
         )
-    if MANIFEST_KEY not in meta:
-        raise CheckpointError(
-            f"checkpoint {path}: no {MANIFEST_KEY!r} manifest in __metadata__ "
-            "(a plain safetensors file, not a tw_triton checkpoint)"
-        )
-    manifest_text = meta[MANIFEST_KEY]
-    stored_crc = meta.get(MANIFEST_CRC_KEY)
-    if not isinstance(stored_crc, str) or not CRC_RE.fullmatch(stored_crc):
-        raise CheckpointError(
-            f"checkpoint {path}: expected __metadata__[{MANIFEST_CRC_KEY!r}] to be 8 hex digits"
-        )
-    actual_crc = zlib.crc32(manifest_text.encode("utf-8", "surrogatepass"))
-    if actual_crc != int(stored_crc, 16):
-        raise CheckpointError(
-            f"checkpoint {path}: manifest checksum mismatch (expected crc32 {stored_crc}, "
-            f"computed {actual_crc:08x}): the header is corrupted"
-        )
+    manifest_text, version = stored_manifest(meta, path)
     manifest = _parse_json(manifest_text, path, "the manifest", allow_nan=True)
     buffers = validate_manifest(manifest, path)
+    if version is not None and manifest.get("version") != version:
+        raise CheckpointError(
+            f"checkpoint {path}: __metadata__ says format version {version}, the manifest "
+            f"says {manifest.get('version')!r}"
+        )
+    if version is None and manifest.get("version", 0) >= COMPACT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path}: a format version {manifest['version']} manifest must be stored compressed "
+            f"under __metadata__[{MANIFEST_ZSTD_KEY!r}]"
+        )
     _validate_tensor_table(header, buffers, data_size, path)
     check_stats(manifest, buffers, data_size, path)
     buffers.sort(key=lambda s: (s.begin, s.end))

@@ -7,11 +7,16 @@ Layout (the safetensors layout, so stock ``safetensors`` opens every file writte
     [data: every buffer's bytes, back to back, no gaps]
 
 The header maps each tensor key to ``{"dtype", "shape", "data_offsets"}`` (offsets relative
-to the start of the data) and holds ``__metadata__`` (str -> str) with two keys:
+to the start of the data) and holds ``__metadata__`` (str -> str) with, from version 3:
 
-* ``"tw_triton"``: the manifest, a JSON document (schema below);
-* ``"tw_triton.crc32"``: CRC-32 of the manifest's UTF-8 bytes, 8 lowercase hex digits, so a
+* ``"tw_triton.version"``: the format version (decimal), read before anything else;
+* ``"tw_triton.zstd"``: the manifest, a JSON document (schema below), as one zstd frame
+  stating its content size, base64-encoded;
+* ``"tw_triton.crc32"``: CRC-32 of the stored manifest string, 8 lowercase hex digits, so a
   flipped bit anywhere in the manifest is caught even where the JSON stays valid.
+
+Versions 1 and 2 store the manifest's JSON text as it is under ``"tw_triton"`` (and its CRC
+under ``"tw_triton.crc32"``): :mod:`tw_triton.format.compact` reads both.
 
 Tensor keys are ``"<entry path>:<buffer name>"``. Buffer names match ``[A-Za-z0-9_.-]+``
 (no colon), so the last colon splits a key unambiguously whatever the entry path holds.
@@ -20,9 +25,9 @@ Buffers are laid out by decreasing element size (stable in entry order; a staged
 counts as bytes), so with the data section starting 8-byte aligned every buffer starts
 aligned to its element size, as safetensors' own writer does.
 
-Manifest, version 2::
+Manifest, versions 2 and 3::
 
-    {"format": "tw_triton", "version": 2,
+    {"format": "tw_triton", "version": 3,
      "checkpoint_id": str, "reference_id": str | null, "checksum": "crc32",
      "entries": {path: {"codec": str, "params": {...}, "dtype": "bfloat16", "shape": [..],
                         "buffers": {name: {"key": str, "dtype": "U8", "shape": [..],
@@ -34,12 +39,13 @@ Manifest, version 2::
 
 A buffer record's ``dtype`` and ``shape`` are those of the buffer as the codec made it (what
 a read returns); ``data_offsets`` and ``crc32`` are those of the bytes stored in the file.
-``"stage"`` is optional (version 2 only): the buffer went through the lossless entropy stage
+``"stage"`` is optional (version 2 on): the buffer went through the lossless entropy stage
 ``name`` of :mod:`tw_triton.codecs.entropy` with ``params``, and ``raw_nbytes`` (shape x
 dtype size) is its size before the stage. A staged buffer is, in the safetensors tensor
 table, a 1-D ``U8`` tensor of its stored bytes. ``stats.stored_bytes`` is the data section,
-``raw_bytes`` the original tensors. Version 1 is version 2 without stage records; both are
-read, any other version is refused.
+``raw_bytes`` the original tensors. Version 1 is version 2 without stage records; version 3
+is version 2 with the manifest compressed. All three are read, any other version is refused
+(naming it).
 
 The format knows no codec: it stores an entry's codec name, params and buffers as they are.
 The why of these choices: docs/format.md and docs/design.md.
@@ -56,13 +62,19 @@ import torch
 from ..errors import CheckpointError
 
 FORMAT_NAME = "tw_triton"
-FORMAT_VERSION = 2
-# Versions this reader reads: 1 (no entropy stage) and 2 (buffers may carry a stage).
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+# Versions this reader reads: 1 (no entropy stage), 2 (buffers may carry a stage) and 3
+# (version 2 with the manifest compressed).
+READABLE_VERSIONS = (1, 2, 3)
+# The first version whose manifest is stored compressed (format.compact).
+COMPACT_VERSION = 3
 
 # Keys of the safetensors ``__metadata__`` map.
 MANIFEST_KEY = "tw_triton"
 MANIFEST_CRC_KEY = "tw_triton.crc32"
+# Version 3 on: the format version, and the manifest zstd-compressed and base64-encoded.
+MANIFEST_VERSION_KEY = "tw_triton.version"
+MANIFEST_ZSTD_KEY = "tw_triton.zstd"
 CHECKSUM_NAME = "crc32"
 
 # safetensors refuses headers above this size; staying under it keeps files readable there.

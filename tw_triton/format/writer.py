@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from typing import BinaryIO
 
 from ..codecs.entropy import EntropyPolicy, resolve_policy
 from ..errors import CheckpointError
 from ..qstate import QuantizedState
+from .compact import manifest_metadata
 from .files import (
     IO_CHUNK_BYTES,
     fsync_directory,
@@ -26,7 +26,7 @@ from .files import (
 )
 from .manifest import json_ints, manifest_json, quote, to_json
 from .plan import Plan, plan_file
-from .spec import MANIFEST_CRC_KEY, MANIFEST_KEY, MAX_HEADER_BYTES
+from .spec import MAX_HEADER_BYTES
 from .writeback import can_start_writeback, start_writeback
 
 
@@ -117,7 +117,7 @@ def encode_header(plan: Plan, path: str) -> bytes:
             manifest is not JSON.
     """
     manifest = manifest_json(plan, path)
-    metadata = {MANIFEST_KEY: manifest, MANIFEST_CRC_KEY: f"{zlib.crc32(manifest.encode('utf-8')):08x}"}
+    metadata = manifest_metadata(manifest)
     parts = ['{"__metadata__":', to_json(metadata)]
     for b in plan.buffers:
         parts.append(

@@ -1,0 +1,81 @@
+"""DistributedCheckpointer.load continues the chain: the saves after a load are deltas
+against the loaded checkpoint's keyframe, and a run loaded after every save writes the same
+codes as one that never stopped, given the same training values (one process)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import _dcp_workers as W
+import torch
+
+from tw_triton import format as fmt
+from tw_triton.dcp import DistributedCheckpointer, compat
+
+STEPS = 7
+
+
+def fresh() -> dict:
+    model = W.make_model(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    W.train_step(model, opt, 0)
+    return W.app_state(model, opt)
+
+
+def set_values(state: dict, step: int) -> None:
+    flat, _ = compat.flatten_state_dict(state)
+    base, drift = torch.Generator().manual_seed(1), torch.Generator().manual_seed(100 + step)
+    with torch.no_grad():
+        for t in flat.values():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.copy_(
+                    torch.randn(t.shape, generator=base) + 0.02 * step * torch.randn(t.shape, generator=drift)
+                )
+
+
+def run(directory: str, restart: bool, steps: int = STEPS, keep: int = 10) -> None:
+    ckpt = DistributedCheckpointer(directory, keyframe_every=3, keep=keep)
+    state = fresh()
+    for step in range(steps):
+        if restart and step:
+            ckpt = DistributedCheckpointer(directory, keyframe_every=3, keep=keep)
+            state = fresh()
+            assert ckpt.load(state) == step - 1
+        set_values(state, step)
+        ckpt.save(state, step)
+
+
+def files(directory: str) -> dict:
+    """Every rank file's codes by checkpoint step (not ids)."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        for f in sorted(os.listdir(os.path.join(directory, name))):
+            if f.endswith(".safetensors"):
+                q = fmt.read_file(os.path.join(directory, name, f))
+                out[(name, f)] = {
+                    p: (e.codec, e.params, {n: b.numpy().tobytes() for n, b in e.buffers.items()})
+                    for p, e in q.entries.items()
+                } | {"reference": q.reference_id is not None}
+    return out
+
+
+def test_a_run_loaded_after_every_save_writes_the_same_codes(tmp_path):
+    run(str(tmp_path / "a"), restart=False)
+    run(str(tmp_path / "b"), restart=True)
+    a, b = files(str(tmp_path / "a")), files(str(tmp_path / "b"))
+    assert a.keys() == b.keys()
+    assert [v["reference"] for v in a.values()] == [False, True, True, False, True, True, False]
+    for key in a:
+        assert a[key] == b[key], key
+
+
+def test_loading_an_older_checkpoint_saves_a_keyframe_next(tmp_path, caplog):
+    run(str(tmp_path), restart=False, steps=2)
+    ckpt = DistributedCheckpointer(str(tmp_path), keyframe_every=3, keep=10)
+    state = fresh()
+    with caplog.at_level(logging.INFO, logger="tw_triton"):
+        assert ckpt.load(state, ckpt.path_for(0)) == 0
+    assert "not the newest checkpoint" in caplog.text
+    ckpt.save(state, 5)
+    assert files(str(tmp_path))[("step_00000005", "__0_0.tw.safetensors")]["reference"] is False

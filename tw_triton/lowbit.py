@@ -103,6 +103,13 @@ def stored_as_is(path: str) -> bool:
     return BNB_STATE_KEY in comps or any(c[:1] == INNER_MARK and c[1:2].isalpha() for c in comps)
 
 
+def outer_path(path: str) -> str:
+    """The path of the tensor an entry belongs to: the subclass's for an inner tensor, else
+    ``path`` itself."""
+    head, sep, last = path.rpartition(PATH_SEPARATOR)
+    return head if last[:1] == INNER_MARK and last[1:2].isalpha() else path
+
+
 def flatten_subclass(t: torch.Tensor, path: str, flatten_inner: Callable[[torch.Tensor, str], Any]) -> Any:
     """The skeleton node of an allowlisted subclass at ``path``; its inner tensors go
     through ``flatten_inner(tensor, inner_path)``.

@@ -21,8 +21,9 @@ from torch.futures import Future
 
 from ..errors import CheckpointError, ReferenceMismatchError
 from ..format import MAX_EXPANSION, read_file
+from ..lowbit import outer_path
 from ..state import dequantize_state_dict
-from ..tree import flatten
+from ..tree import join_path
 from .chunks import CHUNK_TABLE_KEY, is_delta_entry, nest
 from .directory import complete_record, find_keyframe
 from .keyframe import Keyframe, open_reference
@@ -131,7 +132,8 @@ class StorageReader(FileSystemReader):
                 f"describes checkpoint {rec.checkpoint_id!r} (files and metadata do not match)"
             )
         table = qstate.metadata.get(CHUNK_TABLE_KEY, {}).get("chunks")
-        if not isinstance(table, dict) or set(table) != set(qstate.entries) | set(qstate.aliases):
+        stored = {outer_path(p) for p in (*qstate.entries, *qstate.aliases)}
+        if not isinstance(table, dict) or set(table) != stored:
             raise CheckpointError(f"{path}: no valid DCP chunk table in the manifest metadata")
         reference = None
         if qstate.reference_id is not None:
@@ -146,8 +148,9 @@ class StorageReader(FileSystemReader):
             ]
             regions = kf.regions(keys)
             reference = nest({tuple(table[p]["obj_path"]): r for p, r in zip(delta, regions)})
-        decoded, _ = flatten(
-            dequantize_state_dict(qstate, reference=reference, source=path, verify=self.verify)
+        decoded: dict[str, torch.Tensor] = {}
+        _leaves(
+            dequantize_state_dict(qstate, reference=reference, source=path, verify=self.verify), "", decoded
         )
         return {p: (decoded[p], table[p]) for p in decoded}
 
@@ -192,7 +195,10 @@ class StorageReader(FileSystemReader):
                         f"{fpath}: entry {info.entry!r} is the chunk at {row['offsets']}, {METADATA_NAME} says {list(want)}"
                     )
                 for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    tensor = tensor.narrow(dim, o, n)
+                    # A whole dimension stays as it is: a low-bit optimizer's state (torchao)
+                    # narrows along its first dimension only.
+                    if o != 0 or n != tensor.size(dim):
+                        tensor = tensor.narrow(dim, o, n)
                 target = planner.resolve_tensor(req).detach()
                 if target.size() != tensor.size():
                     raise CheckpointError(
@@ -203,6 +209,16 @@ class StorageReader(FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+def _leaves(node: Any, path: str, out: dict[str, Any]) -> None:
+    """The leaves of a decoded file by entry path, a tensor subclass (a low-bit optimizer's
+    state, rebuilt) as one leaf: what a chunk's ``copy_`` takes."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _leaves(value, join_path(path, str(key)), out)
+    else:
+        out[path] = node
 
 
 __all__ = ["StorageReader"]

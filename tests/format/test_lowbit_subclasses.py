@@ -158,8 +158,11 @@ def test_inner_tensor_paths_are_exact_and_no_key_gives_them():
     smallest = rules.resolve_rules("smallest", {"optimizer": {}}, bits=8, block=128)
     x = torch.randn(8192)
     assert rules.select_rule(smallest, "optimizer/state/0/exp_avg_sq", x).codec == "log2"
+    everything = rules.resolve_rules([("*", "int4")], {}, bits=8, block=128)
     for path in ("optimizer/state/0/exp_avg_sq/%scale", "exp_avg/%codes", f"a/{lowbit.BNB_STATE_KEY}/x"):
-        assert lowbit.stored_as_is(path) and rules.select_rule(smallest, path, x).codec == "exact"
+        assert lowbit.stored_as_is(path)
+        assert {rules.select_rule(r, path, x).codec for r in (smallest, everything)} == {"exact"}
+    assert rules.select_rule(everything, "exp_avg/codes", x).codec == "blockwise"
     # A "%" in a key is escaped, so a user's key never reads as an inner tensor.
     tensors, _ = tw_triton.tree.flatten({"exp_avg": {"%codes": x, "%": x, "": x}})
     assert not any(lowbit.stored_as_is(p) for p in tensors)

@@ -96,14 +96,15 @@ def test_save_load_resumes_bit_for_bit_and_is_no_larger_than_torch_save(tmp_path
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_already_quantized_states_are_stored_exact_under_the_smallest_preset(tmp_path, case):
+@pytest.mark.parametrize("preset", ["smallest", [("*", "int4")]], ids=["smallest", "all-int4"])
+def test_already_quantized_states_are_stored_exact_under_any_rules(tmp_path, case, preset):
     run = make(case)
     train(*run, range(STEPS))
     state = state_of(*run)
     flat, _ = tw_triton.tree.flatten(state)
     inner = quantized_paths(flat)
     assert len(inner) >= 4  # the quantized moments of the 128x128 weight
-    q = tw_triton.quantize_state_dict(state, rules="smallest")
+    q = tw_triton.quantize_state_dict(state, rules=preset)
     assert {q.entries[q.aliases.get(p, p)].codec for p in inner} == {"exact"}
     assert q.entries["model/0.weight"].codec == "blockwise"  # the preset did apply
     tw_triton.save(q, tmp_path / "s.tw.safetensors")

@@ -159,3 +159,34 @@ def test_dcp_save_load_resumes_bit_for_bit(tmp_path, case, preset):
     train(*run, range(STEPS, 2 * STEPS))
     train(*resumed, range(STEPS, 2 * STEPS))
     assert_same_run(run, resumed)
+
+
+@pytest.mark.parametrize("case", ["torchao-AdamW4bit", "bnb-AdamW8bit"])
+def test_distributed_checkpointer_async_delta_and_keyframe_restore(tmp_path, case):
+    """DistributedCheckpointer (preset "small"): an asynchronous delta (DCP's stager encodes
+    the states) keeps the optimizer's states as they were; a keyframe resumes bit for bit."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from tw_triton.dcp import DistributedCheckpointer
+
+    run = make(case)
+    ckpt = DistributedCheckpointer(tmp_path / "run", keyframe_every=2)
+    saved = {}
+    for step in range(STEPS):  # keyframes at 0 and 2, an asynchronous delta at 1
+        train(*run, [step])
+        model_sd, optim_sd = get_state_dict(*run)
+        saved[step] = {k: v.clone() for k, v in tw_triton.tree.flatten(run[1].state_dict())[0].items()}
+        future = ckpt.save({"model": model_sd, "optim": optim_sd}, step=step, asynchronous=step == 1)
+        if future is not None:
+            future.result()
+    for step in (1, STEPS - 1):
+        resumed = make(case, seed=1)
+        model_sd, optim_sd = get_state_dict(*resumed)
+        target = {"model": model_sd, "optim": optim_sd}
+        assert ckpt.load(target, ckpt.path_for(step)) == step
+        set_state_dict(*resumed, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        got = tw_triton.tree.flatten(resumed[1].state_dict())[0]
+        assert all(torch.equal(got[k], saved[step][k]) for k in saved[step] if "param_groups" not in k)
+    train(*run, range(STEPS, 2 * STEPS))
+    train(*resumed, range(STEPS, 2 * STEPS))
+    assert_same_run(run, resumed)

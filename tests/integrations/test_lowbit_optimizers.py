@@ -134,7 +134,7 @@ def test_checkpointer_restores_a_keyframe_bit_for_bit(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("preset", ["exact", "small"])
+@pytest.mark.parametrize("preset", ["exact", "small", [("*", "int4")]], ids=["exact", "small", "all-int4"])
 def test_dcp_save_load_resumes_bit_for_bit(tmp_path, case, preset):
     # DCP's own state-dict API: parameters named by FQN, a fresh optimizer's states created.
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -151,9 +151,10 @@ def test_dcp_save_load_resumes_bit_for_bit(tmp_path, case, preset):
     dcp.load(target, tmp_path / "dcp", no_dist=True)
     set_state_dict(*resumed, model_state_dict=target["model"], optim_state_dict=target["optimizer"])
     if preset != "exact":
-        # "small" quantizes the weights; the optimizer's states come back as they were.
+        # The weights (and a catch-all rule's plain float states) are quantized; the states
+        # the optimizer quantized come back as they were.
         ta, tb = (tw_triton.tree.flatten(r[1].state_dict())[0] for r in (run, resumed))
-        assert all(torch.equal(ta[k], tb[k]) for k in ta)
+        assert quantized_paths(ta) and all(torch.equal(ta[k], tb[k]) for k in quantized_paths(ta))
         return
     assert_same_run(run, resumed)
     train(*run, range(STEPS, 2 * STEPS))
@@ -162,15 +163,17 @@ def test_dcp_save_load_resumes_bit_for_bit(tmp_path, case, preset):
 
 
 @pytest.mark.parametrize("case", ["torchao-AdamW4bit", "bnb-AdamW8bit"])
-def test_distributed_checkpointer_async_delta_and_keyframe_restore(tmp_path, case):
-    """DistributedCheckpointer (preset "small"): an asynchronous delta (DCP's stager encodes
-    the states) keeps the optimizer's states as they were; a keyframe resumes bit for bit."""
+@pytest.mark.parametrize("preset", ["small", [("*", "int8")]], ids=["small", "all-int8-deltas"])
+def test_distributed_checkpointer_async_delta_and_keyframe_restore(tmp_path, case, preset):
+    """DistributedCheckpointer: an asynchronous delta (DCP's stager encodes the states) keeps
+    the states the optimizer quantized as they were, never as deltas from the keyframe (a
+    catch-all delta rule included); a keyframe resumes bit for bit."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from tw_triton.dcp import DistributedCheckpointer
 
     run = make(case)
-    ckpt = DistributedCheckpointer(tmp_path / "run", keyframe_every=2)
+    ckpt = DistributedCheckpointer(tmp_path / "run", keyframe_every=2, rules=preset)
     saved = {}
     for step in range(STEPS):  # keyframes at 0 and 2, an asynchronous delta at 1
         train(*run, [step])
@@ -186,7 +189,8 @@ def test_distributed_checkpointer_async_delta_and_keyframe_restore(tmp_path, cas
         assert ckpt.load(target, ckpt.path_for(step)) == step
         set_state_dict(*resumed, model_state_dict=target["model"], optim_state_dict=target["optim"])
         got = tw_triton.tree.flatten(resumed[1].state_dict())[0]
-        assert all(torch.equal(got[k], saved[step][k]) for k in saved[step] if "param_groups" not in k)
+        keys = quantized_paths(got) if step == 1 else [k for k in got if "param_groups" not in k]
+        assert keys and all(torch.equal(got[k], saved[step][k]) for k in keys)
     train(*run, range(STEPS, 2 * STEPS))
     train(*resumed, range(STEPS, 2 * STEPS))
     assert_same_run(run, resumed)

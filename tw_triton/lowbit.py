@@ -25,6 +25,7 @@ docs/format.md.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -81,6 +82,19 @@ KNOWN_SUBCLASSES: dict[str, KnownSubclass] = {
         KnownSubclass("torchao.optim.subclass_fp8", "OptimStateFp8", ("codes", "scale"), "torchao"),
     )
 }
+
+
+def installed_classes() -> list[type]:
+    """The classes of :data:`KNOWN_SUBCLASSES` whose package is installed (imported here):
+    what ``tw convert`` lets ``torch.load(weights_only=True)`` build."""
+    out = []
+    for spec in KNOWN_SUBCLASSES.values():
+        if importlib.util.find_spec(spec.package) is not None:
+            try:
+                out.append(spec.load_class(spec.key))
+            except CheckpointError:
+                continue  # another version of the package: its files are refused as before
+    return out
 
 
 def is_wrapper(t: torch.Tensor) -> bool:

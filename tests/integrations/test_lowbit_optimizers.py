@@ -194,3 +194,28 @@ def test_distributed_checkpointer_async_delta_and_keyframe_restore(tmp_path, cas
     train(*run, range(STEPS, 2 * STEPS))
     train(*resumed, range(STEPS, 2 * STEPS))
     assert_same_run(run, resumed)
+
+
+def test_tw_convert_reads_a_torch_save_of_a_low_bit_state(tmp_path):
+    """``tw convert`` (in a fresh process, where nothing imported torchao yet) lets
+    torch.load(weights_only=True) build the allowlisted subclasses, and stores them as they
+    are."""
+    import subprocess
+    import sys
+
+    run = make("torchao-AdamW8bit")
+    train(*run, range(STEPS))
+    state = state_of(*run)
+    torch.save(state, tmp_path / "in.pt")
+    out = tmp_path / "out.tw.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-m", "tw_triton", "convert", str(tmp_path / "in.pt"), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    got = tw_triton.load(out)["optimizer"]["state"][0]["exp_avg"]
+    want = state["optimizer"]["state"][0]["exp_avg"]
+    assert (
+        type(got) is type(want) and torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
+    )

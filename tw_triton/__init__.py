@@ -9,6 +9,7 @@ from .errors import (
     QuantizationError,
     ReferenceMismatchError,
     TwTritonError,
+    UnsupportedTensorError,
 )
 from .snapshot_pool import SnapshotPool
 from .state import decode_targets, dequantize_state_dict, load, quantize_state_dict, save
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointIOError",
     "ReferenceMismatchError",
+    "UnsupportedTensorError",
     "quantize_state_dict",
     "dequantize_state_dict",
     "save",

@@ -24,6 +24,12 @@ class CheckpointError(TwTritonError):
     """
 
 
+class UnsupportedTensorError(QuantizationError, CheckpointError):
+    """A tensor the format cannot hold: a tensor subclass tw_triton does not know (it names
+    the path and the type). Both a :class:`QuantizationError` (what a save raises for any
+    other unsupported leaf) and a :class:`CheckpointError`."""
+
+
 class ReferenceMismatchError(CheckpointError):
     """A delta checkpoint was loaded with a missing or different reference checkpoint."""
 

@@ -28,6 +28,9 @@ match gets the default treatment:
 * everything else is exact: integer and bool tensors, small tensors (biases, norms), step
   counters, RNG states, and optimizer moments (unless a rule or a preset says otherwise).
 
+States a low-bit optimizer already quantized (torchao's subclasses, bitsandbytes' 8-bit
+states: :mod:`tw_triton.lowbit`) are exact whatever the rules say.
+
 "Under the model" means: if the state's top level is a dict with a key ``"model"``,
 ``"model_state_dict"`` or ``"state_dict"`` holding a dict, the paths under those keys
 (``model/*``). Otherwise, if the top level is a flat dict (no value is a dict, list or tuple:
@@ -77,6 +80,7 @@ import torch
 
 from .codecs import Codec, codec_names, get_codec
 from .errors import QuantizationError
+from .lowbit import stored_as_is
 from .tree import Flattened
 
 DEFAULT_MIN_NUMEL = 4096
@@ -339,7 +343,11 @@ def resolve_rules(rules: Any, state: Any, *, bits: int, block: int) -> list[Rule
 
 
 def select_rule(rules: Sequence[Rule], path: str, tensor: torch.Tensor) -> Rule:
-    """The first rule that matches ``tensor`` at ``path``; exact if none does."""
+    """The first rule that matches ``tensor`` at ``path``; exact if none does, and exact
+    whatever the rules for a state its optimizer already quantized
+    (:func:`tw_triton.lowbit.stored_as_is`)."""
+    if stored_as_is(path):
+        return Rule("*", "exact")
     for rule in rules:
         codec = get_codec(rule.codec)
         if codec is not None and rule.matches(path, tensor, codec):

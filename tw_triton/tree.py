@@ -30,6 +30,9 @@ Skeleton nodes (JSON)
         {"odict": [[key, node], ...], "meta": ...}
                                                 an OrderedDict, with the ``_metadata``
                                                 attribute ``nn.Module.state_dict()`` attaches
+        {"subclass": name, "inner": [[name, node], ...], "meta": ..., "size": [...],
+         "stride": [...]}                       a known tensor subclass (torchao's low-bit
+                                                optimizer states), see :mod:`tw_triton.lowbit`
 
 Anything else (namedtuples, sets, arbitrary objects, complex numbers, ...) is rejected with a
 :class:`~tw_triton.errors.QuantizationError` naming its path: there is no pickle fallback.
@@ -48,6 +51,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError, QuantizationError
+from .lowbit import flatten_subclass, is_wrapper, rebuild_subclass
 
 # The path helpers are part of this module's API too (tw_triton.dcp uses escape_component).
 from .skeleton import (  # noqa: F401
@@ -112,7 +116,8 @@ def flatten(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
     Raises:
         QuantizationError: an unsupported leaf or key type, a sparse or otherwise
             non-strided tensor, or two keys that map to the same path; the message names
-            the path.
+            the path (a tensor subclass tw_triton does not know:
+            :class:`~tw_triton.errors.UnsupportedTensorError`, also a CheckpointError).
     """
     tensors: dict[str, torch.Tensor] = {}
     try:
@@ -124,6 +129,8 @@ def flatten(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
 
 def _flatten_node(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(node, torch.Tensor):
+        if is_wrapper(node):
+            return flatten_subclass(node, path, lambda t, p: _flatten_node(t, p, tensors))
         if node.layout != torch.strided or node.is_quantized or node.device.type == "meta":
             raise QuantizationError(
                 f"tensor at {describe_path(path)} has layout {node.layout} on {node.device}: "
@@ -206,7 +213,7 @@ def _flatten_plain(node: Any, path: str) -> Any:
     return out
 
 
-def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, build: bool = True) -> Any:
     """Rebuild the nested state from its skeleton and tensors by path.
 
     ``ndarray`` leaves come back as numpy arrays of their original dtype (copied to the
@@ -215,7 +222,8 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 
     The skeleton comes from a file, so it is checked as it is read: it must be one that
     :func:`flatten` writes (node shapes, leaf values in range for their numpy dtype, dict
-    keys that give distinct path components).
+    keys that give distinct path components, tensor subclasses of the allowlist only).
+    ``build=False`` checks the skeleton without rebuilding tensor subclasses.
 
     Raises:
         CheckpointError: the skeleton is malformed or names a path missing from ``tensors``;
@@ -224,7 +232,7 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             as malformed too).
     """
     try:
-        return _unflatten_node(skeleton, tensors, "")
+        return _unflatten_node(skeleton, tensors, "", build)
     except CheckpointError:
         raise
     except MemoryError:
@@ -244,7 +252,7 @@ def check_skeleton(skeleton: Any, dtypes: Mapping[str, torch.dtype]) -> None:
     """
     empty = {d: torch.empty(0, dtype=d) for d in set(dtypes.values())}
     placeholders = {p: empty[d] for p, d in dtypes.items()}
-    unflatten(skeleton, placeholders)
+    unflatten(skeleton, placeholders, build=False)
 
 
 def _lookup(tensors: Mapping[str, torch.Tensor], node: dict[str, Any], key: str, path: str) -> torch.Tensor:
@@ -264,6 +272,7 @@ _NODE_KEYS = {
     "tuple": ({"tuple"},),
     "dict": ({"dict"},),
     "odict": ({"odict"}, {"odict", "meta"}),
+    "subclass": ({"subclass", "inner", "meta", "size", "stride"},),
 }
 
 
@@ -281,7 +290,7 @@ def _node_kind(node: dict[str, Any], path: str) -> str | None:
     return None
 
 
-def _unflatten_node(node: Any, tensors: Mapping[str, torch.Tensor], path: str) -> Any:
+def _unflatten_node(node: Any, tensors: Mapping[str, torch.Tensor], path: str, build: bool = True) -> Any:
     kind = _node_kind(node, path) if isinstance(node, dict) else None
     if kind is None:
         return decode_scalar(node, describe_path(path))
@@ -298,9 +307,25 @@ def _unflatten_node(node: Any, tensors: Mapping[str, torch.Tensor], path: str) -
                 f"{t.dtype}: numpy has no such dtype"
             ) from None
         return arr if want is None or arr.dtype == want else arr.astype(want)
+    if kind == "subclass":
+        inner = {}
+        for pair in _as_list(node["inner"], path):
+            if (
+                not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str))
+                or pair[0] in inner
+            ):
+                raise CheckpointError(
+                    f"skeleton at {describe_path(path)}: inner tensor {short_repr(pair)}, expected [name, node]"
+                )
+            if not isinstance(pair[1], dict) or _node_kind(pair[1], path) != "tensor":
+                raise CheckpointError(
+                    f"skeleton at {describe_path(path)}: inner {pair[0]!r} is not a tensor node"
+                )
+            inner[pair[0]] = _lookup(tensors, pair[1], "tensor", path)
+        return rebuild_subclass(node, inner, path, build=build)
     if kind in ("list", "tuple"):
         kids = [
-            _unflatten_node(v, tensors, join_path(path, str(i)))
+            _unflatten_node(v, tensors, join_path(path, str(i)), build)
             for i, v in enumerate(_as_list(node[kind], path))
         ]
         return kids if kind == "list" else tuple(kids)
@@ -316,7 +341,7 @@ def _unflatten_node(node: Any, tensors: Mapping[str, torch.Tensor], path: str) -
         if comp in seen or key in out:
             raise CheckpointError(f"skeleton at {describe_path(path)}: key {key!r} appears twice")
         seen.add(comp)
-        out[key] = _unflatten_node(pair[1], tensors, join_path(path, comp))
+        out[key] = _unflatten_node(pair[1], tensors, join_path(path, comp), build)
     if "meta" in node:
         out._metadata = _unflatten_node(node["meta"], tensors, join_path(path, "_metadata"))  # type: ignore[attr-defined]
     return out
@@ -358,7 +383,7 @@ def _collect_paths(node: Any, out: list[str], kinds: tuple[str, ...]) -> None:
             for v in node[key]:
                 _collect_paths(v, out, kinds)
             return
-    for key in ("dict", "odict"):
+    for key in ("dict", "odict", "inner"):
         if isinstance(node.get(key), list):
             for pair in node[key]:
                 if isinstance(pair, (list, tuple)) and len(pair) == 2:

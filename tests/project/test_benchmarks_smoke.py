@@ -152,6 +152,20 @@ def test_resume_script_runs_the_gpt_quick_and_names_the_ablation_settings(capsys
     assert resume_fidelity.task_config("minilm", True, steps=3).steps == 3
 
 
+def test_lowbit_sizes_quick_compares_every_installed_low_bit_optimizer() -> None:
+    """lowbit_sizes.py on a small MLP: tw_triton's exact file is no larger than torch.save of
+    the same low-bit optimizer state, and a delta is smaller than its keyframe."""
+    if importlib.util.find_spec("torchao") is None and importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip(
+            "needs the optional 'lowbit' extra (pip install -e \".[lowbit]\"): torchao or bitsandbytes"
+        )
+    import lowbit_sizes
+
+    rows = lowbit_sizes.measure(64)
+    assert rows and all(r["tw_exact"] <= r["torch_save"] and r["tw_delta"] < r["tw_keyframe"] for r in rows)
+    assert "| torch.save MiB |" in lowbit_sizes.table(rows)
+
+
 def test_restart_points_alternate_between_a_far_delta_and_a_keyframe() -> None:
     from harness.restarts import Plan
 

@@ -10,6 +10,7 @@ from typing import Any, TextIO
 import torch
 
 from ..errors import TwTritonError
+from ..lowbit import installed_classes
 from ..state import quantize_state_dict, save
 from .exits import EXIT_OK, UsageError
 from .output import ProgressBar, codec_label, plural, say
@@ -45,8 +46,10 @@ def read_input(path: str) -> Any:
 
     try:
         # The one place a torch pickle is read, and only with weights_only=True: torch's
-        # restricted unpickler, which builds tensors and containers and nothing else.
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # restricted unpickler, which builds tensors and containers and nothing else, and
+        # the low-bit optimizer states tw_triton stores (its own allowlist, if installed).
+        with torch.serialization.safe_globals(installed_classes()):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
         raise ConvertError(f"{path}: not a weights-only torch checkpoint: {e}") from e
 

@@ -16,6 +16,7 @@ import torch
 
 from ..codecs import get_codec
 from ..errors import CheckpointError
+from ..lowbit import is_wrapper
 from ..qstate import EncodedEntry, QuantizedState
 from ..rules import Rule, keyframe_rules, resolve_rules, rules_as_specs, select_rule, warn_if_too_coarse
 from ..state import quantize_state_dict
@@ -78,8 +79,15 @@ def encode_chunks(
         # DCP deltas are open loop (against the keyframe directory).
         warn_if_too_coarse(rule_list, "open", f"checkpoint {checkpoint_id}")
     groups: dict[int, tuple[Rule, list[Chunk]]] = {}
+    # A low-bit optimizer's state (a tensor subclass) is stored as it is, its inner tensors
+    # exact: never a delta from the keyframe.
+    as_is = Rule("*", "exact")
     for c in chunks:
-        rule = select_rule(rule_list, entry_path(c.obj_path), full[c.obj_path])
+        rule = (
+            as_is
+            if is_wrapper(c.tensor)
+            else select_rule(rule_list, entry_path(c.obj_path), full[c.obj_path])
+        )
         groups.setdefault(id(rule), (rule, []))[1].append(c)
     entries: dict[str, EncodedEntry] = {}
     aliases: dict[str, str] = {}
@@ -124,23 +132,28 @@ def is_delta_entry(entry: EncodedEntry) -> bool:
 def file_state(
     chunks: list[Chunk], encoded: QuantizedState, *, checkpoint_id: str, reference_id: str | None, rank: int
 ) -> QuantizedState:
-    """The entries of ``chunks`` from ``encoded``, as one file's state."""
+    """The entries of ``chunks`` from ``encoded``, as one file's state (a tensor subclass's
+    chunk is the entries of its inner tensors, under one row of the chunk table)."""
     entries: dict[str, EncodedEntry] = {}
     table: dict[str, Any] = {}
-    for c in chunks:
-        path = entry_path(c.obj_path)
+    # Only a subclass's metadata is read here: its data are the encoded buffers.
+    paths, skeleton = flatten(
+        nest({c.obj_path: c.tensor if is_wrapper(c.tensor) else torch.empty(0) for c in chunks})
+    )
+    for path in paths:
         entry = encoded.entries.get(path)
         if entry is None:
             # Shared storage (tied weights) was encoded once; this file needs its own copy.
             entry = encoded.entries[encoded.aliases[path]]
-        if tuple(entry.shape) != tuple(c.tensor.shape):
+        entries[path] = entry
+    for c in chunks:
+        path = entry_path(c.obj_path)
+        if path in entries and tuple(entries[path].shape) != tuple(c.tensor.shape):
             raise CheckpointError(
-                f"tw_triton DCP: {c.fqn!r} was staged with shape {tuple(entry.shape)} but the "
+                f"tw_triton DCP: {c.fqn!r} was staged with shape {tuple(entries[path].shape)} but the "
                 f"plan writes a chunk of shape {tuple(c.tensor.shape)} (state changed after stage?)"
             )
-        entries[path] = entry
         table[path] = {"fqn": c.fqn, "obj_path": list(c.obj_path), "offsets": list(c.offsets)}
-    _, skeleton = flatten(nest({c.obj_path: torch.empty(0) for c in chunks}))
     has_delta = any(is_delta_entry(e) for e in entries.values())
     return QuantizedState(
         entries=entries,

@@ -22,7 +22,9 @@ from torch.futures import Future
 
 from ..errors import CheckpointError, ReferenceMismatchError
 from ..format import MAX_EXPANSION, read_file
-from ..state import dequantize_entries
+from ..lowbit import outer_path
+from ..state import dequantize_entries, dequantize_state_dict
+from ..tree import join_path
 from .chunks import CHUNK_TABLE_KEY, is_delta_entry, nest
 from .directory import complete_record, find_keyframe
 from .keyframe import Keyframe, open_reference
@@ -135,12 +137,18 @@ class StorageReader(FileSystemReader):
                 f"describes checkpoint {rec.checkpoint_id!r} (files and metadata do not match)"
             )
         table = qstate.metadata.get(CHUNK_TABLE_KEY, {}).get("chunks")
-        if not isinstance(table, dict) or set(table) != set(qstate.entries) | set(qstate.aliases):
+        stored = {outer_path(p) for p in (*qstate.entries, *qstate.aliases)}
+        if not isinstance(table, dict) or set(table) != stored:
             raise CheckpointError(f"{path}: no valid DCP chunk table in the manifest metadata")
         by_device: dict[torch.device, list[str]] = {}
+        subclassed: dict[str, torch.device] = {}  # stored as its inner entries (lowbit)
         for p, dev in wanted.items():
-            if p in table:  # a missing entry is the caller's to report, with its request
+            if p not in table:  # a missing entry is the caller's to report, with its request
+                continue
+            if p in qstate.entries or p in qstate.aliases:
                 by_device.setdefault(dev, []).append(p)
+            else:
+                subclassed[p] = dev
         decoded: dict[str, torch.Tensor] = {}
         for dev, paths in by_device.items():
             targets = {qstate.aliases.get(p, p) for p in paths}
@@ -163,7 +171,33 @@ class StorageReader(FileSystemReader):
                     qstate, paths, reference=reference, device=dev, source=path, verify=self.verify
                 )
             )
+        if subclassed:
+            decoded.update(self._decode_subclassed(qstate, table, subclassed, path))
         return {p: (t, table[p]) for p, t in decoded.items()}
+
+    def _decode_subclassed(
+        self, qstate: Any, table: dict[str, Any], wanted: dict[str, torch.device], path: str
+    ) -> dict[str, torch.Tensor]:
+        """The tensor subclasses (a low-bit optimizer's state) in ``wanted``, rebuilt from the
+        whole file's skeleton, each moved to its device."""
+        reference = None
+        if qstate.reference_id is not None:
+            kf = self._reference()
+            if qstate.reference_id != kf.checkpoint_id:
+                raise ReferenceMismatchError(
+                    f"{path}: deltas from {qstate.reference_id!r}, reference is {kf.checkpoint_id!r}"
+                )
+            delta = [p for p, e in qstate.entries.items() if is_delta_entry(e)]
+            keys = [
+                (table[p]["fqn"], tuple(table[p]["offsets"]), tuple(qstate.entries[p].shape)) for p in delta
+            ]
+            regions = kf.regions(keys, torch.device("cpu"))
+            reference = nest({tuple(table[p]["obj_path"]): r for p, r in zip(delta, regions)})
+        leaves: dict[str, Any] = {}
+        _leaves(
+            dequantize_state_dict(qstate, reference=reference, source=path, verify=self.verify), "", leaves
+        )
+        return {p: leaves[p].to(dev) for p, dev in wanted.items()}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         rec = self._record
@@ -213,7 +247,10 @@ class StorageReader(FileSystemReader):
                         f"{fpath}: entry {info.entry!r} is the chunk at {row['offsets']}, {METADATA_NAME} says {list(want)}"
                     )
                 for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    tensor = tensor.narrow(dim, o, n)
+                    # A whole dimension stays as it is: a low-bit optimizer's state (torchao)
+                    # narrows along its first dimension only.
+                    if o != 0 or n != tensor.size(dim):
+                        tensor = tensor.narrow(dim, o, n)
                 if target.size() != tensor.size():
                     raise CheckpointError(
                         f"{fpath}: entry {info.entry!r}: read {tuple(tensor.size())}, the target needs {tuple(target.size())}"
@@ -223,6 +260,16 @@ class StorageReader(FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+def _leaves(node: Any, path: str, out: dict[str, Any]) -> None:
+    """The leaves of a decoded file by entry path, a tensor subclass (a low-bit optimizer's
+    state, rebuilt) as one leaf: what a chunk's ``copy_`` takes."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _leaves(value, join_path(path, str(key)), out)
+    else:
+        out[path] = node
 
 
 __all__ = ["StorageReader"]

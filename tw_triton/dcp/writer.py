@@ -28,6 +28,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointError, CheckpointIOError
 from ..format import write_file
+from ..lowbit import outer_path
 from ..pinned_staging import DeviceStaging
 from ..qstate import QuantizedState
 from ..state import quantize_state_dict
@@ -266,12 +267,14 @@ class StorageWriter(FileSystemWriter):
                 [c for _, c in group], encoded, checkpoint_id=ckpt_id, reference_id=ref_id, rank=rank
             )
             write_file(fstate, os.path.join(os.fspath(self.path), name), fsync=self.sync_files)
+            nbytes: Counter[str] = Counter()
+            for path, entry in fstate.entries.items():
+                nbytes[outer_path(path)] += entry.nbytes  # a subclass: its inner entries
             for item, chunk in group:
-                entry = fstate.entries[entry_path(chunk.obj_path)]
                 results.append(
                     WriteResult(
                         index=item.index,
-                        size_in_bytes=entry.nbytes,
+                        size_in_bytes=nbytes[entry_path(chunk.obj_path)],
                         storage_data=StorageInfo(name, entry_path(chunk.obj_path)),
                     )
                 )

@@ -16,8 +16,9 @@ moved. The entry's params record the bits chosen.
 The choice must be the same on every device, or a CPU and a GPU save of one state would
 differ. Sums in floating point depend on their order, so the bound is computed from exact
 quantities only: the maxima ``A = max_b s_b`` and ``B = max |x|`` (fp32, exact), and the
-integer sums ``sum_b floor(4096 s_b / A)**2`` and ``sum_i floor(4096 |x_i| / B)**2`` (int64,
-exact; the divisions are correctly rounded fp32 on every device). All of a state's statistics
+integer sums ``sum_b floor(s_b * (4096 / A))**2`` and ``sum_i floor(|x_i| * (256 / B))**2``
+(exact: every fp32 operation is correctly rounded on every device, and the sums are of
+integers small enough that fp32 and float64 add them exactly in any order). All of a state's statistics
 are read with one transfer per device, before its tensors are encoded.
 """
 
@@ -35,29 +36,48 @@ from .state.fingerprints import read_device_scalars
 
 # Candidate bits above a rule's own, in order.
 WIDER_BITS = (4, 8)
-_SCALE = 4096.0
+_BLOCK_LEVELS, _ELEMENT_LEVELS, _GROUP = 4096.0, 256.0, 256
+_CHUNK = 1 << 28
 
 
 def _as_float(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
+def _square_sum(q: torch.Tensor, group: int) -> torch.Tensor:
+    """``sum(q**2)`` of integers held in fp32 whose squares, summed ``group`` at a time, stay
+    below ``2**24``: those fp32 partial sums are exact in any order, and so are float64 sums of
+    at most ``2**28`` of them; returned as an int64 0-dim tensor."""
+    pad = (-q.numel()) % group
+    q = torch.nn.functional.pad(q, (0, pad)) if pad else q
+    partial = q.square_().view(-1, group).sum(dim=1)
+    parts = [c.sum(dtype=torch.float64).to(torch.int64) for c in partial.split(_CHUNK)]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+def _levels(v: torch.Tensor, top: torch.Tensor, scale: float) -> torch.Tensor:
+    """``floor(v * (scale / top))``: one correctly rounded quotient, then fp32 products, which
+    are exact IEEE operations on every device; in place."""
+    return v.mul_(scale / top.clamp_min(torch.finfo(torch.float32).tiny)).floor_()
+
+
 def statistics(x: torch.Tensor, ref: torch.Tensor | None, block: int) -> list[torch.Tensor]:
     """The four exact 0-dim int64 device scalars of ``x`` (delta from ``ref``) that
     :func:`error_bound` takes: the fp32 bits of ``A`` and ``B``, and the two integer sums."""
     xf = x.detach().reshape(-1).float()
-    d = (xf if ref is None else xf - ref.detach().reshape(-1).float()).abs()
+    d = xf.abs() if ref is None else torch.sub(xf, ref.detach().reshape(-1).float()).abs_()
     pad = (-d.numel()) % block
     if pad:
         d = torch.nn.functional.pad(d, (0, pad))
     s = d.view(-1, block).amax(dim=1)
+    del d
     a = s.amax()
     xa = xf.abs()
     b = xa.amax()
-    tiny = torch.finfo(torch.float32).tiny
-    qs = (s / a.clamp_min(tiny) * _SCALE).to(torch.int64)
-    qx = (xa / b.clamp_min(tiny) * _SCALE).to(torch.int64)
-    return [a.view(torch.int32), b.view(torch.int32), (qs * qs).sum(), (qx * qx).sum()]
+    # Block maxima at 12 bits, one at a time (4096**2 < 2**24); elements at 8 bits, 256 at a time.
+    qs = _square_sum(_levels(s, a, _BLOCK_LEVELS), 1)
+    qx = _square_sum(_levels(xa, b, _ELEMENT_LEVELS), _GROUP)
+    return [a.view(torch.int32).long(), b.view(torch.int32).long(), qs, qx]
 
 
 def error_bound(values: Sequence[int], block: int, bits: int) -> float:
@@ -70,8 +90,8 @@ def error_bound(values: Sequence[int], block: int, bits: int) -> float:
         return 0.0
     if b == 0.0 or values[3] == 0:
         return math.inf
-    delta_norm = a * math.sqrt(block * values[2])
-    return delta_norm / (2 * qmax_for(bits) * b * math.sqrt(values[3]))
+    delta_norm = a / _BLOCK_LEVELS * math.sqrt(block * values[2])
+    return delta_norm / (2 * qmax_for(bits) * b / _ELEMENT_LEVELS * math.sqrt(values[3]))
 
 
 def choose(values: Sequence[int], block: int, bits: int, max_error: float) -> int:

@@ -152,6 +152,19 @@ def test_resume_script_runs_the_gpt_quick_and_names_the_ablation_settings(capsys
     assert resume_fidelity.task_config("minilm", True, steps=3).steps == 3
 
 
+def test_optimizers_script_measures_sizes_restores_and_resumes(capsys) -> None:
+    """optimizers.py: per optimizer, ratios against torch.save, the codecs by role, the restore."""
+    import optimizers
+
+    rows = optimizers.main(["--quick", "--only", "SGD,AdamW"])
+    assert "| SGD | `momentum_buffer` int4 |" in capsys.readouterr().out
+    by_name = {r["optimizer"]: r for r in rows}
+    assert by_name["AdamW"]["states"]["exp_avg_sq"] == ["log2 4-bit"]
+    for r in rows:
+        assert r["keyframe_ratio"] > 1 and r["delta_ratio"] > r["keyframe_ratio"]
+        assert 0 < r["restored_weight_error"] < 0.01 and r["weight_bits"]
+
+
 def test_restart_points_alternate_between_a_far_delta_and_a_keyframe() -> None:
     from harness.restarts import Plan
 

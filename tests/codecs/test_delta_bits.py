@@ -93,3 +93,31 @@ def test_max_error_rule_option_round_trips_and_is_checked():
         resolve_rules([("model/*", {"codec": "int3", "max_error": 0.1})], state, bits=8, block=128)
     # Rules without it record what they did before.
     assert "max_error" not in resolve_rules("small", state, bits=8, block=128)[-2].to_json()
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 70000), scale=st.floats(1e-30, 1e30))
+def test_statistics_are_exact_integers_whatever_the_summation_order(seed, n, scale):
+    # The choice of bits must not depend on the device or its reduction order: the sums are
+    # those of the exact integers, computed here in Python, and the same on one thread or two.
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g) * scale).float()
+    ref = (x + torch.randn(n, generator=g) * scale * 0.01).float()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = read_device_scalars(delta_bits.statistics(x, ref, 128))
+        torch.set_num_threads(2)
+        two = read_device_scalars(delta_bits.statistics(x, ref, 128))
+    finally:
+        torch.set_num_threads(before)
+    assert one == two
+    b = x.abs().amax()
+    levels = (
+        x.abs().mul(256.0 / b.clamp_min(torch.finfo(torch.float32).tiny)).floor().to(torch.int64).tolist()
+    )
+    assert one[3] == sum(v * v for v in levels)
+    d = torch.nn.functional.pad((x - ref).abs(), (0, (-n) % 128)).view(-1, 128).amax(1)
+    a = d.amax()
+    blocks = d.mul(4096.0 / a.clamp_min(torch.finfo(torch.float32).tiny)).floor().to(torch.int64).tolist()
+    assert one[2] == sum(v * v for v in blocks)

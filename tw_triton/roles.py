@@ -88,10 +88,11 @@ def role_of(name: str) -> str | None:
 
 def role_globs(role: str) -> list[str]:
     """Globs of the flattened paths of the optimizer state of ``role``: the legacy globs,
-    then ``*/<name>`` for each other name (a whole path component, so that no model tensor
-    such as ``model/layer.sum`` matches)."""
+    then ``*/state/*/<name>`` for each other name: per-parameter state as ``torch.optim``,
+    DCP and Lightning lay it out, and never a model tensor (``model/layer.sum``, or a root
+    buffer ``model/variance``)."""
     names = sorted(n for n, r in STATE_ROLES.items() if r == role and n not in _LEGACY_NAMES)
-    return LEGACY_GLOBS.get(role, []) + [f"*/{n}" for n in names]
+    return LEGACY_GLOBS.get(role, []) + [f"*/state/*/{n}" for n in names]
 
 
 def optimizer_state_names(state: Any, optimizer_keys: tuple[str, ...]) -> set[str]:

@@ -14,7 +14,10 @@ Codec specs:
 * ``"int8"``, ``"int4"``, ``"int2"``: the blockwise codec at 8, 4 or 2 bits; ``"int3"``:
   seven levels (``qmax`` 3) in a 4-bit container, which the entropy stage stores in about
   their entropy;
-* a dict ``{"codec": "blockwise", "bits": 4, "block": 64, "delta": False, "min_numel": 0}``.
+* a dict ``{"codec": "blockwise", "bits": 4, "block": 64, "delta": False, "min_numel": 0}``;
+  a blockwise dict may add ``"max_error": 0.015``: per tensor, the fewest bits from its
+  ``bits`` up (then 4, 8) whose error bound relative to the tensor stays under it
+  (:mod:`tw_triton.delta_bits`; each entry records the bits chosen).
 
 Parameters a spec leaves out (``bits``, ``block``) come from the call
 (``quantize_state_dict(..., bits=8, block=128)``). ``delta`` defaults to true: quantized
@@ -47,16 +50,21 @@ Presets (``rules="int4-delta"``), each followed by the defaults:
 square of the gradient's range, so linear 8-bit codes round its small values to zero (and a
 delta can make them negative), and a resumed AdamW then takes huge or NaN steps.
 
-Presets by intent, for a whole training state (model and AdamW), each followed by the
-defaults. Weights are deltas from the keyframe; the moments are coded on their own (``exp_avg``
-blockwise without a reference, ``exp_avg_sq`` by the ``log2`` codec, which never decodes a
-negative value nor a zero where there was none), both from 4096 elements up:
+Presets by intent, for a whole training state (model and optimizer), each followed by the
+defaults. Weights are deltas from the keyframe; the optimizer state is coded on its own by its
+role (:mod:`tw_triton.roles`, any optimizer of ``torch.optim``): *signed* running averages
+(``exp_avg``, ``momentum_buffer``, ...) blockwise without a reference, *non-negative* ones
+(``exp_avg_sq``, ``square_avg``, Adagrad's ``sum``, ...) by the ``log2`` codec, which never
+decodes a negative value nor a zero where there was none, both from 4096 elements up;
+everything else, and any name no optimizer of ``torch.optim`` uses, exact:
 
-``"safe"``      weight deltas int8, ``exp_avg`` int8, ``exp_avg_sq`` log2 8 bits;
-``"small"``     weight deltas int8, ``exp_avg`` int4, ``exp_avg_sq`` log2 4 bits (the
+``"safe"``      weight deltas int8, signed int8, non-negative log2 8 bits;
+``"small"``     weight deltas int8, signed int4, non-negative log2 4 bits (the
                 default of :class:`~tw_triton.dcp.DistributedCheckpointer`);
-``"smallest"``  weight deltas int2, ``exp_avg`` int4, ``exp_avg_sq`` log2 4 bits (the
-                :class:`~tw_triton.checkpointer.Checkpointer` default). Its 2-bit weight
+``"smallest"``  weight deltas int2, signed int4, non-negative log2 4 bits (the
+                :class:`~tw_triton.checkpointer.Checkpointer` default); a tensor whose
+                change 2 bits would code with a relative error above
+                :data:`DELTA_MAX_ERROR` gets 4 or 8 (``max_error``, below). Its 2-bit weight
                 deltas need *closed-loop* deltas
                 (``Checkpointer(delta="closed")``, the default; see
                 :mod:`tw_triton.deltas`): against a keyframe many saves back (open loop)
@@ -78,6 +86,7 @@ from typing import Any
 
 import torch
 
+from . import roles
 from .codecs import Codec, codec_names, get_codec
 from .errors import QuantizationError
 from .lowbit import stored_as_is
@@ -114,10 +123,11 @@ MOMENT_PRESETS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
     "small": (8, {"codec": "int4"}, {"bits": 4}),
     "smallest": (2, {"codec": "int4"}, {"bits": 4}),
 }
+# Presets whose weight deltas take more bits for a tensor whose change the preset's bits would
+# code with a larger relative error than this bound (tw_triton.delta_bits; the value: docs/codecs.md).
+DELTA_MAX_ERROR = {"smallest": 0.015}
 # Weight-delta bits that need closed-loop deltas (see "smallest" above).
 CLOSED_LOOP_BITS = 2
-FIRST_MOMENT_GLOB = "*exp_avg"
-SECOND_MOMENT_GLOB = "*exp_avg_sq"
 
 
 @dataclass(frozen=True)
@@ -128,15 +138,21 @@ class Rule:
     codec: str
     params: dict[str, Any] = field(default_factory=dict)
     min_numel: int = 0
+    # Blockwise deltas: more bits per tensor where ``params["bits"]`` would leave a larger
+    # relative error than this (tw_triton.delta_bits); ``None``: the rule's bits always.
+    max_error: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The rule as recorded in the manifest."""
-        return {
+        out = {
             "pattern": self.pattern,
             "codec": self.codec,
             "params": dict(self.params),
             "min_numel": self.min_numel,
         }
+        if self.max_error is not None:
+            out["max_error"] = self.max_error
+        return out
 
     def matches(self, path: str, tensor: torch.Tensor, codec: Codec) -> bool:
         """Whether this rule applies to ``tensor`` at ``path``."""
@@ -168,11 +184,11 @@ def model_patterns(state: Any) -> list[str]:
     return []
 
 
-def _parse_spec(spec: Any, where: str) -> tuple[str, dict[str, Any], int]:
+def _parse_spec(spec: Any, where: str) -> tuple[str, dict[str, Any], int, float | None]:
     if isinstance(spec, str):
         if spec in _BITS_ALIASES:
-            return "blockwise", dict(_BITS_ALIASES[spec]), 0
-        return spec, {}, 0
+            return "blockwise", dict(_BITS_ALIASES[spec]), 0, None
+        return spec, {}, 0, None
     if isinstance(spec, Mapping):
         params = dict(spec)
         name = params.pop("codec", None)
@@ -185,7 +201,20 @@ def _parse_spec(spec: Any, where: str) -> tuple[str, dict[str, Any], int]:
         min_numel = params.pop("min_numel", 0)
         if not isinstance(min_numel, int) or isinstance(min_numel, bool) or min_numel < 0:
             raise QuantizationError(f"{where}: min_numel must be a non-negative int, got {min_numel!r}")
-        return name, params, min_numel
+        max_error = params.pop("max_error", None)
+        if max_error is not None:
+            if (
+                isinstance(max_error, bool)
+                or not isinstance(max_error, (int, float))
+                or not 0 < max_error < 1
+            ):
+                raise QuantizationError(f"{where}: max_error must be a number in (0, 1), got {max_error!r}")
+            if name != "blockwise" or "qmax" in params:
+                raise QuantizationError(
+                    f"{where}: max_error applies to the blockwise codec's full-range bits only"
+                )
+            max_error = float(max_error)
+        return name, params, min_numel, max_error
     raise QuantizationError(f"{where}: a codec spec is a name or a dict, got {spec!r}")
 
 
@@ -197,7 +226,7 @@ def make_rule(pattern: str, spec: Any, *, bits: int, block: int, where: str = "r
     """
     if not isinstance(pattern, str) or not pattern:
         raise QuantizationError(f"{where}: the glob must be a non-empty string, got {pattern!r}")
-    name, params, min_numel = _parse_spec(spec, where)
+    name, params, min_numel, max_error = _parse_spec(spec, where)
     codec = get_codec(name)
     if codec is None:
         raise QuantizationError(
@@ -208,7 +237,7 @@ def make_rule(pattern: str, spec: Any, *, bits: int, block: int, where: str = "r
         resolved = codec.resolve_params(params, bits=bits, block=block)
     except QuantizationError as e:
         raise QuantizationError(f"{where} ({pattern!r}): {e}") from e
-    return Rule(pattern, name, resolved, min_numel)
+    return Rule(pattern, name, resolved, min_numel, max_error)
 
 
 def default_rules(state: Any, *, bits: int, block: int) -> list[Rule]:
@@ -243,23 +272,24 @@ def _preset_rules(name: str, state: Any, *, bits: int, block: int) -> list[Rule]
     if name in MOMENT_PRESETS:
         w_bits, m_spec, v_spec = MOMENT_PRESETS[name]
         where = f"preset {name}"
-        moments = [
-            make_rule(
-                SECOND_MOMENT_GLOB,
-                {"codec": "log2", **v_spec, "min_numel": DEFAULT_MIN_NUMEL},
-                bits=bits,
-                block=block,
-                where=where,
-            ),
-            make_rule(
-                FIRST_MOMENT_GLOB,
-                {**m_spec, "delta": False, "min_numel": DEFAULT_MIN_NUMEL},
-                bits=bits,
-                block=block,
-                where=where,
-            ),
-        ]
-        return moments + default_rules(state, bits=w_bits, block=block)
+        roles.log_unknown(state, OPTIMIZER_KEYS)
+        by_role = {
+            roles.NON_NEGATIVE: {"codec": "log2", **v_spec, "min_numel": DEFAULT_MIN_NUMEL},
+            roles.SIGNED: {**m_spec, "delta": False, "min_numel": DEFAULT_MIN_NUMEL},
+        }
+        # The legacy globs first, in their old order (AdamW's files record the same rules).
+        globs = [(g, r) for r in by_role for g in roles.LEGACY_GLOBS[r]]
+        globs += [(g, r) for r in by_role for g in roles.role_globs(r) if g not in roles.LEGACY_GLOBS[r]]
+        moments = [make_rule(g, by_role[r], bits=bits, block=block, where=where) for g, r in globs]
+        weights = default_rules(state, bits=w_bits, block=block)
+        if name in DELTA_MAX_ERROR:
+            weights = [
+                Rule(r.pattern, r.codec, r.params, r.min_numel, DELTA_MAX_ERROR[name])
+                if r.codec == "blockwise"
+                else r
+                for r in weights
+            ]
+        return moments + weights
     raise QuantizationError(f"unknown rules preset {name!r}; presets: {', '.join(PRESETS)}")
 
 
@@ -310,7 +340,13 @@ def keyframe_rules(rules: Sequence[Rule]) -> list[Rule]:
 
 def rules_as_specs(rules: Sequence[Rule]) -> list[tuple[str, dict[str, Any]]]:
     """Resolved rules as ``(glob, spec)`` pairs that :func:`resolve_rules` takes back."""
-    return [(r.pattern, {"codec": r.codec, **r.params, "min_numel": r.min_numel}) for r in rules]
+    out = []
+    for r in rules:
+        spec = {"codec": r.codec, **r.params, "min_numel": r.min_numel}
+        if r.max_error is not None:
+            spec["max_error"] = r.max_error
+        out.append((r.pattern, spec))
+    return out
 
 
 def resolve_rules(rules: Any, state: Any, *, bits: int, block: int) -> list[Rule]:

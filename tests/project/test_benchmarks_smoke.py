@@ -166,6 +166,19 @@ def test_lowbit_sizes_quick_compares_every_installed_low_bit_optimizer() -> None
     assert "| torch.save MiB |" in lowbit_sizes.table(rows)
 
 
+def test_optimizers_script_measures_sizes_restores_and_resumes(capsys) -> None:
+    """optimizers.py: per optimizer, ratios against torch.save, the codecs by role, the restore."""
+    import optimizers
+
+    rows = optimizers.main(["--quick", "--only", "SGD,AdamW"])
+    assert "| SGD | `momentum_buffer` int4 |" in capsys.readouterr().out
+    by_name = {r["optimizer"]: r for r in rows}
+    assert by_name["AdamW"]["states"]["exp_avg_sq"] == ["log2 4-bit"]
+    for r in rows:
+        assert r["keyframe_ratio"] > 1 and r["delta_ratio"] > r["keyframe_ratio"]
+        assert 0 < r["restored_weight_error"] < 0.01 and r["weight_bits"]
+
+
 def test_restart_points_alternate_between_a_far_delta_and_a_keyframe() -> None:
     from harness.restarts import Plan
 

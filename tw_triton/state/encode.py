@@ -19,6 +19,7 @@ import torch
 from ..batching import group_batches
 from ..codecs import Codec, Encoded, ExactCodec
 from ..codecs.blockwise import check_params
+from ..delta_bits import adapt as adapt_delta_bits
 from ..errors import QuantizationError
 from ..format import MAX_EXPANSION
 from ..parallel import parallel_map
@@ -150,7 +151,8 @@ def quantize_state_dict(
             ref = reference_tensor(ref_tensors, path, tuple(x.shape), "quantize_state_dict", ref_what)
         return x, rule, codec, ref
 
-    jobs = [plan_one(path) for path in canonical]
+    # Rules with max_error pick each tensor's bits here (one transfer per device).
+    jobs = adapt_delta_bits([plan_one(path) for path in canonical])
 
     def on_device(ref: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
         # Moved only while its tensor is encoded: a host reference of a device state is
@@ -236,10 +238,13 @@ def quantize_state_dict(
     values = fingerprints.read_device_scalars([f for _, f in flagged] + [f for _, f in fingerprinted])
     for (path, _), bad in zip(flagged, values[: len(flagged)]):
         if bad:
+            # log2 also refuses a negative value (a "non-negative" state that is not).
+            why = "a negative value, NaN or Inf" if entries[path].codec == "log2" else "NaN or Inf"
             logger.warning(
-                "entry %r holds NaN or Inf (in the tensor, its reference or their "
+                "entry %r holds %s (in the tensor, its reference or their "
                 "difference); stored exact instead of with codec %r",
                 path,
+                why,
                 entries[path].codec,
             )
             x = tensors[path]

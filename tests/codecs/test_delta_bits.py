@@ -1,0 +1,123 @@
+"""Weight-delta bits that follow the change (tw_triton.delta_bits): the bound, the choice, the
+rule option ``max_error`` and what the file records."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tw_triton
+from tw_triton import delta_bits
+from tw_triton.errors import QuantizationError
+from tw_triton.rules import DELTA_MAX_ERROR, resolve_rules, rules_as_specs
+from tw_triton.state.fingerprints import read_device_scalars
+
+
+def bound(x, ref, bits=2, block=128):
+    return delta_bits.error_bound(read_device_scalars(delta_bits.statistics(x, ref, block)), block, bits)
+
+
+def two_bit_error(x, ref):
+    q = tw_triton.quantize(x, bits=2, block=128, reference=ref)
+    return float((tw_triton.dequantize(q, reference=ref) - x).norm() / x.norm())
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.floats(1e-4, 1.0), n=st.integers(1, 3000))
+def test_the_bound_holds_and_is_close(seed, scale, n):
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randn(n, generator=g)
+    x = ref + scale * torch.randn(n, generator=g) ** 3
+    e = bound(x, ref)
+    # Integer sums of 12-bit magnitudes: the bound is within a few percent of the exact one.
+    s = torch.nn.functional.pad((x - ref).abs(), (0, (-n) % 128)).view(-1, 128).amax(1).double()
+    exact = 0.5 * math.sqrt(128 * float((s * s).sum())) / float(x.double().norm())
+    assert e == pytest.approx(exact, rel=0.05, abs=1e-6)
+    assert two_bit_error(x, ref) <= exact * (1 + 1e-5)
+
+
+def test_more_bits_for_a_large_change_and_two_for_a_small_one():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, 128, generator=g)
+    small = ref + 1e-4 * torch.randn(64, 128, generator=g)
+    large = ref + 0.05 * torch.randn(64, 128, generator=g)
+    huge = ref + 2.0 * torch.randn(64, 128, generator=g)
+    state = {"model": {"small": small, "large": large, "huge": huge}}
+    q = tw_triton.quantize_state_dict(
+        state, reference={"model": {"small": ref, "large": ref, "huge": ref}}, rules="smallest"
+    )
+    bits = {p.split("/")[-1]: e.params["bits"] for p, e in q.entries.items()}
+    assert bits == {"small": 2, "large": 4, "huge": 8}
+    # The file records each entry's bits and the rule's bound.
+    assert any(r.get("max_error") == DELTA_MAX_ERROR["smallest"] for r in q.rules)
+
+
+def test_choice_is_the_fewest_bits_within_the_bound():
+    values = [0] * 4
+    # A zero delta keeps the rule's bits; a zero tensor with a change takes the widest.
+    assert delta_bits.choose([0, 1065353216, 0, 1], 128, 2, 0.01) == 2
+    assert delta_bits.choose([1065353216, 0, 1, 0], 128, 2, 0.01) == 8
+    assert delta_bits.error_bound(values, 128, 2) == 0.0
+    ref = torch.zeros(4096)
+    x = torch.ones(4096)  # no reference: the delta is the tensor, e(2) = 0.5
+    stats = read_device_scalars(delta_bits.statistics(x, ref, 128))
+    assert delta_bits.error_bound(stats, 128, 2) == pytest.approx(0.5)
+    assert delta_bits.choose(stats, 128, 2, 0.5) == 2 and delta_bits.choose(stats, 128, 2, 0.4) == 4
+    assert delta_bits.choose(stats, 128, 2, 0.5 / 7 - 1e-9) == 8
+
+
+def test_nonfinite_tensor_keeps_a_choice_and_is_stored_exact():
+    x = torch.randn(8192)
+    x[3] = float("nan")
+    q = tw_triton.quantize_state_dict(
+        {"model": {"w": x}}, reference={"model": {"w": torch.zeros(8192)}}, rules="smallest"
+    )
+    assert q.entries["model/w"].codec == "exact"
+
+
+def test_max_error_rule_option_round_trips_and_is_checked():
+    state = {"model": {"w": torch.randn(8192)}}
+    rules = resolve_rules([("model/*", {"codec": "int2", "max_error": 0.05})], state, bits=8, block=128)
+    assert rules[0].max_error == 0.05 and rules[0].params["bits"] == 2
+    assert resolve_rules(rules_as_specs(rules), state, bits=8, block=128)[: len(rules)] == rules
+    for bad in (0, 1.5, "x", True):
+        with pytest.raises(QuantizationError, match="max_error"):
+            resolve_rules([("model/*", {"codec": "int2", "max_error": bad})], state, bits=8, block=128)
+    with pytest.raises(QuantizationError, match="max_error"):
+        resolve_rules([("model/*", {"codec": "log2", "max_error": 0.1})], state, bits=8, block=128)
+    with pytest.raises(QuantizationError, match="max_error"):
+        resolve_rules([("model/*", {"codec": "int3", "max_error": 0.1})], state, bits=8, block=128)
+    # Rules without it record what they did before.
+    assert "max_error" not in resolve_rules("small", state, bits=8, block=128)[-2].to_json()
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 70000), scale=st.floats(1e-30, 1e30))
+def test_statistics_are_exact_integers_whatever_the_summation_order(seed, n, scale):
+    # The choice of bits must not depend on the device or its reduction order: the sums are
+    # those of the exact integers, computed here in Python, and the same on one thread or two.
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g) * scale).float()
+    ref = (x + torch.randn(n, generator=g) * scale * 0.01).float()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = read_device_scalars(delta_bits.statistics(x, ref, 128))
+        torch.set_num_threads(2)
+        two = read_device_scalars(delta_bits.statistics(x, ref, 128))
+    finally:
+        torch.set_num_threads(before)
+    assert one == two
+    b = x.abs().amax()
+    levels = (
+        x.abs().mul(256.0 / b.clamp_min(torch.finfo(torch.float32).tiny)).floor().to(torch.int64).tolist()
+    )
+    assert one[3] == sum(v * v for v in levels)
+    d = torch.nn.functional.pad((x - ref).abs(), (0, (-n) % 128)).view(-1, 128).amax(1)
+    a = d.amax()
+    blocks = d.mul(4096.0 / a.clamp_min(torch.finfo(torch.float32).tiny)).floor().to(torch.int64).tolist()
+    assert one[2] == sum(v * v for v in blocks)

@@ -8,7 +8,17 @@ optional) and match its plain-torch reference bit for bit (docs/codecs.md).
 
 from .dequantize_blockwise import dequantize_blockwise
 from .dequantize_log2 import dequantize_log2
+from .fingerprint import fingerprints
 from .quantize_blockwise import quantize_blockwise
+from .quantize_blockwise_grouped import aligned, quantize_blockwise_grouped
 from .quantize_log2 import quantize_log2
 
-__all__ = ["quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2"]
+__all__ = [
+    "aligned",
+    "dequantize_blockwise",
+    "dequantize_log2",
+    "fingerprints",
+    "quantize_blockwise",
+    "quantize_blockwise_grouped",
+    "quantize_log2",
+]

@@ -36,7 +36,7 @@ difference) decodes to NaN: such a tensor could not be quantized, which
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -346,6 +346,56 @@ class BlockwiseCodec(Codec):
             lambda n: {"codes": n * bits // 8, "scales": n // block}, lambda b: nonfinite_flag(b["scales"])
         )
 
+    def group_key(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Hashable | None:
+        # The grouped op splits by dtypes itself; a group is all deltas or none.
+        return ("delta" if reference is not None else "plain",)
+
+    def encode_group(
+        self,
+        xs: Sequence[torch.Tensor],
+        params: Mapping[str, Any],
+        references: Sequence[torch.Tensor] | None,
+        flags: torch.Tensor,
+    ) -> list[Encoded]:
+        refs = [None] * len(xs) if references is None else references
+        for x, r in zip(xs, refs):
+            check_input(x, r)
+        bits, block = params["bits"], params["block"]
+        check_params(bits, block)
+        pairs = ops.quantize_blockwise_many(
+            list(xs),
+            None if references is None else list(references),
+            bits,
+            block,
+            flags=flags,
+            qmax=check_qmax(bits, params.get("qmax")),
+        )
+        return [
+            Encoded(self._entry(x, params, r is not None, codes, scales), unusable=flags[i])
+            for i, (x, r, (codes, scales)) in enumerate(zip(xs, refs, pairs))
+        ]
+
+    def _entry(
+        self,
+        x: torch.Tensor,
+        params: Mapping[str, Any],
+        delta: bool,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> EncodedEntry:
+        stored = {"bits": params["bits"], "block": params["block"], "packing": PACKING, "delta": delta}
+        if "qmax" in params:
+            stored["qmax"] = params["qmax"]
+        return EncodedEntry(
+            codec=self.name,
+            params=stored,
+            shape=tuple(x.shape),
+            dtype=x.dtype,
+            buffers={"codes": codes, "scales": scales},
+        )
+
     def _encoded(
         self,
         x: torch.Tensor,
@@ -361,21 +411,7 @@ class BlockwiseCodec(Codec):
             qmax=params.get("qmax"),
             out=out,
         )
-        stored = {
-            "bits": q.bits,
-            "block": q.block,
-            "packing": PACKING,
-            "delta": reference is not None,
-        }
-        if "qmax" in params:
-            stored["qmax"] = params["qmax"]
-        entry = EncodedEntry(
-            codec=self.name,
-            params=stored,
-            shape=q.shape,
-            dtype=q.dtype,
-            buffers={"codes": q.codes, "scales": q.scales},
-        )
+        entry = self._entry(x, params, reference is not None, q.codes, q.scales)
         return Encoded(entry, unusable=q.nonfinite)
 
     def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:

@@ -29,6 +29,7 @@ from ..tree import Flattened
 from . import fingerprints
 from .entries import codec_or_raise
 from .fingerprints import FINGERPRINT_PREFIX
+from .grouped import DeviceEncode, groups_launches
 from .references import flat_reference, reference_tensor
 
 logger = logging.getLogger(__name__)
@@ -186,44 +187,57 @@ def quantize_state_dict(
 
     # On the CPU the entries are encoded on several threads (each alone, or small ones of
     # one kind together: the bytes do not depend on it, see tw_triton.batching); device
-    # tensors are encoded here, where their launches are queued.
-    on_host = all(t.device.type == "cpu" for t in tensors.values())
-    keys = [batch_key(*job) if on_host else None for job in jobs]
-    # Tuples of ints: the collector stops tracking them, so a save's few hundred work items
-    # are not promoted towards a full collection while the encode runs.
-    work = [tuple(item) for item in group_batches(keys, [job[0].numel() for job in jobs])]
-    counted = [0]
-
-    def report(k: int) -> None:
-        for _ in work[k]:
-            counted[0] += 1
-            progress(counted[0], len(canonical))  # type: ignore[misc]
-
-    results = parallel_map(
-        encode_item,
-        work,
-        sizes=[sum(jobs[i][0].numel() * jobs[i][0].element_size() for i in item) for item in work],
-        threads=None if on_host else 1,
-        done=None if progress is None else report,
-    )
+    # tensors are encoded here, where their launches are queued, in groups (grouped.py).
+    on_host = all(not groups_launches(t.device) for t in tensors.values())
     encoded: list[tuple[Encoded, torch.Tensor | None]] = [None] * len(canonical)  # type: ignore[list-item]
-    for item, result in zip(work, results):
-        for i, r in zip(item, result):
-            encoded[i] = r
+    fps: dict[int, torch.Tensor] = {}
+    scalar_buffers: list[torch.Tensor] = []
+    if on_host:
+        keys = [batch_key(*job) for job in jobs]
+        # Tuples of ints: the collector stops tracking them, so a save's few hundred work
+        # items are not promoted towards a full collection while the encode runs.
+        work = [tuple(item) for item in group_batches(keys, [job[0].numel() for job in jobs])]
+        counted = [0]
+
+        def report(k: int) -> None:
+            for _ in work[k]:
+                counted[0] += 1
+                progress(counted[0], len(canonical))  # type: ignore[misc]
+
+        results = parallel_map(
+            encode_item,
+            work,
+            sizes=[sum(jobs[i][0].numel() * jobs[i][0].element_size() for i in item) for item in work],
+            done=None if progress is None else report,
+        )
+        for item, result in zip(work, results):
+            for i, r in zip(item, result):
+                encoded[i] = r
+    else:
+        grouped = DeviceEncode(jobs, lambda i: encode_alone(i)[0], lambda i: True)
+        encs, fps = grouped.run()
+        scalar_buffers = list(grouped.buffers.values())
+        for i, enc in enumerate(encs):
+            encoded[i] = finish(i, enc)
+            if progress is not None:
+                progress(i + 1, len(canonical))
 
     entries: dict[str, EncodedEntry] = {}
     flagged: list[tuple[str, torch.Tensor]] = []
     fingerprinted: list[tuple[str, torch.Tensor]] = []
     exact = codec_or_raise("exact", QuantizationError, "quantize_state_dict")
-    for path, (enc, used_ref) in zip(canonical, encoded):
+    for i, (path, (enc, used_ref)) in enumerate(zip(canonical, encoded)):
         entries[path] = enc.entry
         if enc.unusable is not None:
             flagged.append((path, enc.unusable))
         if used_ref is not None:
-            fingerprinted.append((path, fingerprints.fingerprint(used_ref)))
+            fingerprinted.append((path, fps[i] if i in fps else fingerprints.fingerprint(used_ref)))
 
-    # The one host sync: every NaN/Inf flag and every reference fingerprint together.
-    values = fingerprints.read_device_scalars([f for _, f in flagged] + [f for _, f in fingerprinted])
+    # The one host sync: every NaN/Inf flag and every reference fingerprint together, one
+    # copy per device and an event that fires when it is done.
+    values = fingerprints.read_device_scalars(
+        [f for _, f in flagged] + [f for _, f in fingerprinted], scalar_buffers
+    )
     for (path, _), bad in zip(flagged, values[: len(flagged)]):
         if bad:
             logger.warning(

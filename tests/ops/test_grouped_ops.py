@@ -1,0 +1,128 @@
+"""The grouped ops (many tensors per launch) against the single-tensor torch path.
+
+``quantize_blockwise_many``'s kernel walks a table of tensors; each tensor's codes and
+scales must be the bytes the torch path gives it alone, and its NaN/Inf flag raised
+exactly where one of its scales is infinite. ``fingerprints``' kernel must give the
+reference's int64 per tensor. Without a GPU the kernels run under ``TRITON_INTERPRET=1``
+on CPU tensors (the Triton backend's functions called directly); with one, compiled.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from _kernel_testing import FLOATS, KERNEL_DEVICE, on_kernel_device, random_floats, require_runnable_kernels
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tw_triton.ops.backends.triton import fingerprints_cuda, quantize_blockwise_many_cuda
+from tw_triton.ops.reference import fingerprint_torch, quantize_blockwise_torch
+
+require_runnable_kernels()
+
+grouped_module = importlib.import_module("tw_triton.kernels.quantize_blockwise_grouped")
+
+
+def assert_group_encodes_like_torch(
+    xs: list[torch.Tensor], refs: list[torch.Tensor] | None, bits: int, block: int, qmax: int | None = None
+) -> torch.Tensor:
+    """Encode ``xs`` as one group on the kernel device and each alone with torch on the CPU."""
+    flags = torch.zeros(len(xs), dtype=torch.int64, device=KERNEL_DEVICE)
+    pairs = quantize_blockwise_many_cuda(
+        [on_kernel_device(x) for x in xs],
+        None if refs is None else [on_kernel_device(r) for r in refs],
+        bits,
+        block,
+        flags=flags,
+        qmax=qmax,
+    )
+    assert len(pairs) == len(xs)
+    for i, (x, (codes, scales)) in enumerate(zip(xs, pairs)):
+        ref = None if refs is None else refs[i]
+        t_codes, t_scales = quantize_blockwise_torch(x, ref, bits, block, qmax=qmax)
+        assert torch.equal(codes.cpu(), t_codes), f"tensor {i}: codes differ"
+        assert torch.equal(scales.cpu().view(torch.int32), t_scales.view(torch.int32)), (
+            f"tensor {i}: scales differ"
+        )
+        assert int(flags[i]) == int(torch.isinf(t_scales).any()), f"tensor {i}: flag {int(flags[i])}"
+    return flags
+
+
+# Sizes around the tile (4096 elements) and block boundaries: whole tiles only, a tail
+# only, both, one element, none.
+SIZES = (4096, 5000, 33, 9000, 4096 * 3 + 7, 1, 0, 128)
+
+
+@pytest.mark.parametrize("bits,block", [(8, 128), (4, 32), (2, 4096), (4, 1024)])
+@pytest.mark.parametrize("with_ref", [False, True])
+def test_group_of_mixed_dtypes_and_sizes_gives_each_tensors_own_bytes(bits, block, with_ref) -> None:
+    gen = torch.Generator().manual_seed(bits * block)
+    dtypes = [FLOATS[i % 3] for i in range(len(SIZES))]
+    xs = [random_floats(gen, n, d, -3, 2) for n, d in zip(SIZES, dtypes)]
+    refs = None
+    if with_ref:
+        refs = [(x.double() + 1e-3 * torch.randn(x.shape, generator=gen, dtype=torch.float64)) for x in xs]
+        refs = [r.to(FLOATS[(i + 1) % 3]) for i, r in enumerate(refs)]
+    assert_group_encodes_like_torch(xs, refs, bits, block)
+
+
+def test_views_that_are_not_aligned_or_not_contiguous_are_read_in_order() -> None:
+    gen = torch.Generator().manual_seed(3)
+    base = random_floats(gen, 9001, torch.bfloat16, -2, 2)
+    matrix = random_floats(gen, 100 * 90, torch.float32, -2, 2).view(100, 90)
+    xs = [base[1:], matrix.t(), base[8:4104]]  # 2 bytes off, transposed, 16 bytes off
+    assert not grouped_module.aligned(xs[0]) and not xs[1].is_contiguous() and grouped_module.aligned(xs[2])
+    refs = [torch.zeros_like(x) + 0.5 for x in xs]
+    assert_group_encodes_like_torch(xs, refs, 4, 128)
+
+
+def test_flags_are_raised_only_for_tensors_with_a_nonfinite_block_and_never_cleared() -> None:
+    gen = torch.Generator().manual_seed(4)
+    xs = [random_floats(gen, n, torch.float32, -1, 1) for n in (5000, 4096, 70, 9000)]
+    xs[1][4000] = float("inf")  # in a whole tile
+    xs[3][8999] = float("nan")  # in the tail tile
+    flags = assert_group_encodes_like_torch(xs, None, 8, 128)
+    assert flags.tolist() == [0, 1, 0, 1]
+    # A reference whose difference overflows flags the tensor too.
+    big = torch.full((300,), 3e38)
+    flags = assert_group_encodes_like_torch([big], [-big], 8, 32)
+    assert flags.tolist() == [1]
+    raised = torch.tensor([1, 0], dtype=torch.int64, device=KERNEL_DEVICE)
+    quantize_blockwise_many_cuda([on_kernel_device(xs[0])] * 2, None, 8, 128, flags=raised)
+    assert raised.tolist() == [1, 0]
+
+
+def test_narrowed_qmax_is_applied_to_every_tensor() -> None:
+    gen = torch.Generator().manual_seed(5)
+    xs = [random_floats(gen, n, torch.bfloat16, -1, 1) for n in (4096, 300)]
+    assert_group_encodes_like_torch(xs, None, 4, 64, qmax=3)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(0, 9000), min_size=1, max_size=5),
+    bits=st.sampled_from([8, 4, 2]),
+    block=st.sampled_from([32, 128, 512, 4096]),
+    dtype=st.sampled_from(FLOATS),
+    ref_dtype=st.sampled_from((None, *FLOATS)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_any_group_matches_the_torch_path(sizes, bits, block, dtype, ref_dtype, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    xs = [random_floats(gen, n, dtype, -6, 4, zero_fraction=0.1) for n in sizes]
+    refs = None if ref_dtype is None else [random_floats(gen, n, ref_dtype, -6, 4) for n in sizes]
+    assert_group_encodes_like_torch(xs, refs, bits, block)
+
+
+def test_fingerprints_match_the_reference_in_one_call_per_dtype() -> None:
+    gen = torch.Generator().manual_seed(6)
+    sizes = (0, 1, 2047, 2048, 2049, 4096 * 3 + 1, 100_000)
+    ts = [random_floats(gen, n, FLOATS[i % 3], -40, 30, zero_fraction=0.1) for i, n in enumerate(sizes)]
+    ts.append(torch.randn(5000, generator=gen, dtype=torch.float64))  # no kernel: the reference
+    ts.append(random_floats(gen, 64 * 64, torch.float32, -1, 1).view(64, 64).t())  # not contiguous
+    out = torch.full((len(ts),), -1, dtype=torch.int64, device=KERNEL_DEVICE)
+    fingerprints_cuda([on_kernel_device(t) for t in ts], out=out)
+    want = [int(fingerprint_torch(t)) for t in ts]
+    assert out.tolist() == want

@@ -1,0 +1,176 @@
+"""Launches and host syncs per save: a fixed small number, whatever the number of tensors.
+
+A GPU is not needed to count them. The state API encodes a device state in groups
+(``tw_triton.state.grouped``); here that path is forced for CPU tensors
+(``groups_launches`` patched), the grouped ops' Triton backend is registered for the CPU
+(so its kernels run under ``TRITON_INTERPRET=1``, table building and all), and a spy counts:
+
+* kernel launches: every launch of a Triton kernel, plus every torch op the save issues
+  outside the kernels that computes something (allocations and views launch nothing);
+* host syncs: every read of device values on the host, i.e. calls of
+  ``fingerprints.to_host`` (the one copy + event) and any ``item``/``nonzero``-like op.
+
+What this proves: the orchestration issues the same operations for 10 and for 200 coded
+tensors. What it does not: on CUDA the table copies are pinned-memory copies and the
+wait is a CUDA event (those lines run only on a GPU: benchmarks/gpu).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tw_triton import Checkpointer, ops, quantize_state_dict
+from tw_triton.ops.backends import triton as triton_backend
+from tw_triton.state import encode as encode_module
+from tw_triton.state import fingerprints
+
+# Host reads of tensor values: any of these is a sync on a device.
+SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
+NOT_LAUNCHES = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.detach.default"}
+
+BLOCKWISE = [("*", {"codec": "blockwise", "bits": 4, "block": 32})]
+
+
+class LaunchSpy(TorchDispatchMode):
+    """Counts the torch ops issued while active, except inside spied kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.kernels: Counter = Counter()
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and not func.is_view and str(func) not in NOT_LAUNCHES:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def launches(self) -> int:
+        torch_ops = sum(n for op, n in self.ops.items() if op not in SYNC_OPS and op != "to_host")
+        return sum(self.kernels.values()) + torch_ops
+
+    def syncs(self) -> int:
+        return self.ops["to_host"] + sum(self.ops[op] for op in SYNC_OPS)
+
+
+class SpiedKernel:
+    """A Triton kernel whose launches count on ``spy`` (its inner torch work does not)."""
+
+    def __init__(self, kernel, name: str, spy: LaunchSpy) -> None:
+        self.kernel, self.name, self.spy = kernel, name, spy
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.spy.kernels[self.name] += 1
+            self.spy.paused = True
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                self.spy.paused = False
+
+        return launch
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The grouped device path forced on CPU tensors, with its launches and syncs counted."""
+    spy = LaunchSpy()
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: True)
+    for module, name in [
+        ("tw_triton.kernels.quantize_blockwise_grouped", "quantize_blockwise_grouped_kernel"),
+        ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
+    ]:
+        mod = importlib.import_module(module)
+        monkeypatch.setattr(mod, name, SpiedKernel(getattr(mod, name), name, spy))
+    real_to_host = fingerprints.to_host
+
+    def to_host(buf):
+        spy.ops["to_host"] += 1
+        return real_to_host(buf)
+
+    monkeypatch.setattr(fingerprints, "to_host", to_host)
+    with (
+        ops.using("quantize_blockwise_many", "cpu", triton_backend.quantize_blockwise_many_cuda),
+        ops.using("fingerprints", "cpu", triton_backend.fingerprints_cuda),
+    ):
+        yield spy
+
+
+def make_state(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """``n`` small tensors of two dtypes and many sizes (a tail tile each, some whole tiles)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(n):
+        size = 5000 if i % 7 == 0 else 40 + 13 * i
+        out[f"layer{i}.weight"] = torch.randn(size, generator=gen).to(
+            torch.bfloat16 if i % 2 else torch.float32
+        )
+    return out
+
+
+def counted_save(spy: LaunchSpy, n: int):
+    state = make_state(n, seed=n)
+    ref = {k: v + 0.01 for k, v in state.items()}
+    spy.ops.clear()
+    spy.kernels.clear()
+    with spy:
+        q = quantize_state_dict({"model": state}, reference={"model": ref}, rules=BLOCKWISE)
+    return q, (spy.launches(), spy.syncs(), dict(spy.kernels), dict(spy.ops))
+
+
+def test_a_delta_save_launches_and_syncs_the_same_for_10_and_200_tensors(spy) -> None:
+    _, small = counted_save(spy, 10)
+    _, large = counted_save(spy, 200)
+    assert small == large, f"10 tensors: {small}\n200 tensors: {large}"
+    launches, syncs, kernels, torch_ops = large
+    # Two dtype pairs: at most two encode launches each; two reference dtypes: one
+    # fingerprint launch each; one zero-fill of the flags and fingerprints.
+    assert kernels["quantize_blockwise_grouped_kernel"] <= 4
+    assert kernels["fingerprint_kernel"] == 2
+    assert torch_ops == {"aten.zeros.default": 1, "to_host": 1}
+    assert launches <= 7 and syncs == 1
+
+
+def test_the_grouped_path_gives_the_bytes_of_the_per_tensor_path(spy, monkeypatch) -> None:
+    state = make_state(30, seed=1)
+    state["layer3.weight"][5] = float("nan")  # stored exact, as on the per-tensor path
+    ref = {k: v + 0.01 for k, v in state.items()}
+    grouped = quantize_state_dict({"model": state}, reference={"model": ref}, rules=BLOCKWISE)
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
+    alone = quantize_state_dict({"model": state}, reference={"model": ref}, rules=BLOCKWISE)
+    assert grouped.entries.keys() == alone.entries.keys()
+    assert grouped.entries["model/layer3.weight"].codec == "exact"
+    for path, entry in alone.entries.items():
+        other = grouped.entries[path]
+        assert (other.codec, other.params) == (entry.codec, entry.params), path
+        for name, buf in entry.buffers.items():
+            got, want = (b.reshape(-1).view(torch.uint8) for b in (other.buffers[name], buf))
+            assert torch.equal(got, want), (path, name)
+    assert grouped.reference_id == alone.reference_id
+
+
+def test_an_open_loop_checkpointer_delta_costs_the_same_for_10_and_200_tensors(spy, tmp_path) -> None:
+    counts = []
+    for n in (10, 200):
+        state = make_state(n, seed=n)
+        with Checkpointer(
+            tmp_path / str(n), async_write=False, fsync=False, delta="open", rules=BLOCKWISE
+        ) as ckpt:
+            ckpt.save(0, model=state)  # the keyframe: exact copies
+            for t in state.values():
+                t.add_(0.01)
+            spy.ops.clear()
+            spy.kernels.clear()
+            with spy:
+                ckpt.save(1, model=state)
+            counts.append((spy.launches(), spy.syncs(), dict(spy.kernels)))
+            loaded = ckpt.load(1)["model"]
+        for path, t in state.items():
+            assert torch.allclose(loaded[path].float(), t.float(), atol=0.05), path
+    assert counts[0] == counts[1], counts
+    assert counts[1][1] == 1

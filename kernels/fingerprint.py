@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .quantize_blockwise import widen_to_f32
+from .tiles import NUM_WARPS
 
 COLUMNS = 5
 
@@ -53,4 +54,6 @@ def fingerprints(
     table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with on_device:
-        fingerprint_kernel[(len(ts),)](table, out, ts[0], SAMPLES=samples, num_warps=4)
+        fingerprint_kernel[(len(ts),)](
+            table, out, ts[0], SAMPLES=samples, num_warps=NUM_WARPS, enable_fp_fusion=False
+        )

@@ -10,8 +10,10 @@ from .dequantize_blockwise import dequantize_blockwise
 from .dequantize_log2 import dequantize_log2
 from .fingerprint import fingerprints
 from .quantize_blockwise import quantize_blockwise
-from .quantize_blockwise_grouped import aligned, quantize_blockwise_grouped
+from .quantize_blockwise_grouped import quantize_blockwise_grouped
 from .quantize_log2 import quantize_log2
+from .quantize_log2_grouped import quantize_log2_grouped
+from .tiles import aligned
 
 __all__ = [
     "aligned",
@@ -21,4 +23,5 @@ __all__ = [
     "quantize_blockwise",
     "quantize_blockwise_grouped",
     "quantize_log2",
+    "quantize_log2_grouped",
 ]

@@ -97,10 +97,17 @@ def grouped_variants() -> list[Variant]:
         for masked in (False, True)
         for cc in TARGETS
     ]
+    log2 = [
+        Variant("grouped-log2-encode", bits, 128, dtype, None, masked, cc)
+        for bits in BITS
+        for dtype in DTYPES
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
     fingerprint = [
         Variant("fingerprint", 32, 2048, dtype, None, False, cc) for dtype in DTYPES for cc in TARGETS
     ]
-    return encode + fingerprint
+    return encode + log2 + fingerprint
 
 
 def every_variant() -> list[Variant]:
@@ -113,6 +120,7 @@ def _grouped_source(v: Variant):
 
     from tw_triton.kernels.fingerprint import fingerprint_kernel
     from tw_triton.kernels.quantize_blockwise_grouped import quantize_blockwise_grouped_kernel
+    from tw_triton.kernels.quantize_log2_grouped import quantize_log2_grouped_kernel
     from tw_triton.kernels.tiles import rows_per_program
 
     if v.op == "fingerprint":
@@ -125,29 +133,32 @@ def _grouped_source(v: Variant):
         constexprs = {"SAMPLES": v.block}
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
         return ASTSource(fn=fingerprint_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    signature = {
-        "table_ptr": "*i64",
-        "flags_ptr": "*i64",
-        "x_type_ptr": f"*{v.dtype}",
-        "ref_type_ptr": f"*{v.ref_dtype or v.dtype}",
-        "T": "i32",
-    }
-    constexprs = {
-        "LOG_T": 4,
-        "MASKED": v.masked,
-        "HAS_REF": v.ref_dtype is not None,
-        "BITS": v.bits,
-        "QMAX": (1 << (v.bits - 1)) - 1,
-        "BLOCK": v.block,
-        "ROWS": rows_per_program(v.block),
-    }
+    if v.op == "grouped-log2-encode":
+        fn = quantize_log2_grouped_kernel
+        signature = {"table_ptr": "*i64", "flags_ptr": "*i64", "x_type_ptr": f"*{v.dtype}", "T": "i32"}
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "BITS": v.bits}
+    else:
+        fn = quantize_blockwise_grouped_kernel
+        signature = {
+            "table_ptr": "*i64",
+            "flags_ptr": "*i64",
+            "x_type_ptr": f"*{v.dtype}",
+            "ref_type_ptr": f"*{v.ref_dtype or v.dtype}",
+            "T": "i32",
+        }
+        constexprs = {
+            "LOG_T": 4,
+            "MASKED": v.masked,
+            "HAS_REF": v.ref_dtype is not None,
+            "BITS": v.bits,
+            "QMAX": (1 << (v.bits - 1)) - 1,
+        }
+    constexprs.update({"BLOCK": v.block, "ROWS": rows_per_program(v.block)})
+    # Pointers are 16-byte aligned (the tail launch's table slice starts 64 bytes per row
+    # in; the carriers of the element types are tensors of the group); T is not specialized.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(signature) - 1)}
     signature.update({name: "constexpr" for name in constexprs})
-    # The table slice of the tail launch starts 8 * 8 bytes per row in: not 16-aligned in
-    # general, so only the flags and the type carriers are declared divisible.
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (1, 2, 3)}
-    return ASTSource(
-        fn=quantize_blockwise_grouped_kernel, signature=signature, constexprs=constexprs, attrs=attrs
-    )
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
 def _log2_source(v: Variant):
@@ -176,7 +187,7 @@ def compile_variant(v: Variant):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if v.op.startswith("log2-") or v.op in ("grouped-encode", "fingerprint"):
+    if v.op.startswith("log2-") or v.op in ("grouped-encode", "grouped-log2-encode", "fingerprint"):
         from tw_triton.kernels.tiles import NUM_WARPS
 
         source = _log2_source(v) if v.op.startswith("log2-") else _grouped_source(v)

@@ -34,6 +34,8 @@ SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is
 NOT_LAUNCHES = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.detach.default"}
 
 BLOCKWISE = [("*", {"codec": "blockwise", "bits": 4, "block": 32})]
+# Weights as blockwise deltas, second moments by the log2 codec (no reference).
+MIXED = [("*exp_avg_sq", {"codec": "log2", "bits": 4, "block": 64}), *BLOCKWISE]
 
 
 class LaunchSpy(TorchDispatchMode):
@@ -83,6 +85,7 @@ def spy(monkeypatch):
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: True)
     for module, name in [
         ("tw_triton.kernels.quantize_blockwise_grouped", "quantize_blockwise_grouped_kernel"),
+        ("tw_triton.kernels.quantize_log2_grouped", "quantize_log2_grouped_kernel"),
         ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
     ]:
         mod = importlib.import_module(module)
@@ -96,20 +99,25 @@ def spy(monkeypatch):
     monkeypatch.setattr(fingerprints, "to_host", to_host)
     with (
         ops.using("quantize_blockwise_many", "cpu", triton_backend.quantize_blockwise_many_cuda),
+        ops.using("quantize_log2_many", "cpu", triton_backend.quantize_log2_many_cuda),
         ops.using("fingerprints", "cpu", triton_backend.fingerprints_cuda),
     ):
         yield spy
 
 
 def make_state(n: int, seed: int) -> dict[str, torch.Tensor]:
-    """``n`` small tensors of two dtypes and many sizes (a tail tile each, some whole tiles)."""
+    """``n`` small tensors of two dtypes and many sizes: weights and second moments, each
+    kind and dtype with whole tiles and a tail among the first eight (so that 10 and 200
+    tensors hold the same kinds, and differ in number only)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for i in range(n):
-        size = 5000 if i % 7 == 0 else 40 + 13 * i
-        out[f"layer{i}.weight"] = torch.randn(size, generator=gen).to(
-            torch.bfloat16 if i % 2 else torch.float32
-        )
+        size = 5000 if i < 8 else 40 + 13 * i
+        dtype = torch.bfloat16 if i % 2 else torch.float32
+        name = f"layer{i}.exp_avg_sq" if i % 4 in (1, 2) else f"layer{i}.weight"
+        out[name] = torch.randn(size, generator=gen).to(dtype)
+        if name.endswith("exp_avg_sq"):
+            out[name] = out[name].square()
     return out
 
 
@@ -119,7 +127,7 @@ def counted_save(spy: LaunchSpy, n: int):
     spy.ops.clear()
     spy.kernels.clear()
     with spy:
-        q = quantize_state_dict({"model": state}, reference={"model": ref}, rules=BLOCKWISE)
+        q = quantize_state_dict({"model": state}, reference={"model": ref}, rules=MIXED)
     return q, (spy.launches(), spy.syncs(), dict(spy.kernels), dict(spy.ops))
 
 
@@ -128,23 +136,28 @@ def test_a_delta_save_launches_and_syncs_the_same_for_10_and_200_tensors(spy) ->
     _, large = counted_save(spy, 200)
     assert small == large, f"10 tensors: {small}\n200 tensors: {large}"
     launches, syncs, kernels, torch_ops = large
-    # Two dtype pairs: at most two encode launches each; two reference dtypes: one
-    # fingerprint launch each; one zero-fill of the flags and fingerprints.
+    # Two dtype pairs (two dtypes for log2): at most two encode launches each; two
+    # reference dtypes: one fingerprint launch each; one zero-fill of the flags and
+    # fingerprints.
     assert kernels["quantize_blockwise_grouped_kernel"] <= 4
+    assert kernels["quantize_log2_grouped_kernel"] <= 4
     assert kernels["fingerprint_kernel"] == 2
     assert torch_ops == {"aten.zeros.default": 1, "to_host": 1}
-    assert launches <= 7 and syncs == 1
+    assert launches <= 11 and syncs == 1
 
 
 def test_the_grouped_path_gives_the_bytes_of_the_per_tensor_path(spy, monkeypatch) -> None:
     state = make_state(30, seed=1)
     state["layer3.weight"][5] = float("nan")  # stored exact, as on the per-tensor path
+    state["layer5.exp_avg_sq"][0] = -1.0  # likewise: log2 codes no negative value
     ref = {k: v + 0.01 for k, v in state.items()}
-    grouped = quantize_state_dict({"model": state}, reference={"model": ref}, rules=BLOCKWISE)
+    grouped = quantize_state_dict({"model": state}, reference={"model": ref}, rules=MIXED)
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
-    alone = quantize_state_dict({"model": state}, reference={"model": ref}, rules=BLOCKWISE)
+    alone = quantize_state_dict({"model": state}, reference={"model": ref}, rules=MIXED)
     assert grouped.entries.keys() == alone.entries.keys()
     assert grouped.entries["model/layer3.weight"].codec == "exact"
+    assert grouped.entries["model/layer5.exp_avg_sq"].codec == "exact"
+    assert grouped.entries["model/layer9.exp_avg_sq"].codec == "log2"
     for path, entry in alone.entries.items():
         other = grouped.entries[path]
         assert (other.codec, other.params) == (entry.codec, entry.params), path
@@ -159,7 +172,7 @@ def test_an_open_loop_checkpointer_delta_costs_the_same_for_10_and_200_tensors(s
     for n in (10, 200):
         state = make_state(n, seed=n)
         with Checkpointer(
-            tmp_path / str(n), async_write=False, fsync=False, delta="open", rules=BLOCKWISE
+            tmp_path / str(n), async_write=False, fsync=False, delta="open", rules=MIXED
         ) as ckpt:
             ckpt.save(0, model=state)  # the keyframe: exact copies
             for t in state.values():
@@ -170,7 +183,9 @@ def test_an_open_loop_checkpointer_delta_costs_the_same_for_10_and_200_tensors(s
                 ckpt.save(1, model=state)
             counts.append((spy.launches(), spy.syncs(), dict(spy.kernels)))
             loaded = ckpt.load(1)["model"]
+        # The weights' deltas decode close (the bytes are the per-tensor path's: above).
         for path, t in state.items():
-            assert torch.allclose(loaded[path].float(), t.float(), atol=0.05), path
+            if path.endswith("weight"):
+                assert torch.allclose(loaded[path].float(), t.float(), atol=0.05), path
     assert counts[0] == counts[1], counts
     assert counts[1][1] == 1

@@ -1,8 +1,8 @@
 """The grouped ops (many tensors per launch) against the single-tensor torch path.
 
-``quantize_blockwise_many``'s kernel walks a table of tensors; each tensor's codes and
-scales must be the bytes the torch path gives it alone, and its NaN/Inf flag raised
-exactly where one of its scales is infinite. ``fingerprints``' kernel must give the
+``quantize_blockwise_many``'s and ``quantize_log2_many``'s kernels walk a table of
+tensors; each tensor's buffers must be the bytes the torch path gives it alone, and its
+flag raised exactly where one of its blocks cannot be coded. ``fingerprints``' kernel must give the
 reference's int64 per tensor. Without a GPU the kernels run under ``TRITON_INTERPRET=1``
 on CPU tensors (the Triton backend's functions called directly); with one, compiled.
 """
@@ -17,12 +17,16 @@ from _kernel_testing import FLOATS, KERNEL_DEVICE, on_kernel_device, random_floa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tw_triton.ops.backends.triton import fingerprints_cuda, quantize_blockwise_many_cuda
-from tw_triton.ops.reference import fingerprint_torch, quantize_blockwise_torch
+from tw_triton.ops.backends.triton import (
+    fingerprints_cuda,
+    quantize_blockwise_many_cuda,
+    quantize_log2_many_cuda,
+)
+from tw_triton.ops.reference import fingerprint_torch, quantize_blockwise_torch, quantize_log2_torch
 
 require_runnable_kernels()
 
-grouped_module = importlib.import_module("tw_triton.kernels.quantize_blockwise_grouped")
+grouped_module = importlib.import_module("tw_triton.kernels.tiles")
 
 
 def assert_group_encodes_like_torch(
@@ -126,3 +130,25 @@ def test_fingerprints_match_the_reference_in_one_call_per_dtype() -> None:
     fingerprints_cuda([on_kernel_device(t) for t in ts], out=out)
     want = [int(fingerprint_torch(t)) for t in ts]
     assert out.tolist() == want
+
+
+def assert_log2_group_encodes_like_torch(xs: list[torch.Tensor], bits: int, block: int) -> torch.Tensor:
+    flags = torch.zeros(len(xs), dtype=torch.int64, device=KERNEL_DEVICE)
+    triples = quantize_log2_many_cuda([on_kernel_device(x) for x in xs], bits, block, flags=flags)
+    for i, (x, got) in enumerate(zip(xs, triples)):
+        want = quantize_log2_torch(x, bits, block)
+        for name, g, w in zip(("codes", "lo", "hi"), got, want):
+            assert torch.equal(g.cpu(), w), f"tensor {i}: {name} differ"
+        assert int(flags[i]) == int((want[2] < 0).any()), f"tensor {i}: flag {int(flags[i])}"
+    return flags
+
+
+@pytest.mark.parametrize("bits,block", [(4, 128), (8, 32), (2, 4096)])
+def test_log2_group_gives_each_tensors_own_bytes(bits, block) -> None:
+    gen = torch.Generator().manual_seed(bits + block)
+    xs = [random_floats(gen, n, FLOATS[i % 3], -12, 3, zero_fraction=0.2).abs() for i, n in enumerate(SIZES)]
+    xs[2][3] = -1.0  # a negative element: that tensor cannot be coded
+    xs[4][-1] = float("nan")  # in the tail tile
+    xs.append(xs[0][1:])  # not aligned
+    flags = assert_log2_group_encodes_like_torch(xs, bits, block)
+    assert flags[2] == 1 and flags[4] == 1 and flags[0] == 0

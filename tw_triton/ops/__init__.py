@@ -2,8 +2,8 @@
 
 Four ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2` and
-:func:`dequantize_log2`; two serve a save of many device tensors with a fixed number of
-launches: :func:`quantize_blockwise_many` and :func:`fingerprints`. Each has one reference implementation in plain torch
+:func:`dequantize_log2`; three serve a save of many device tensors with a fixed number of
+launches: :func:`quantize_blockwise_many`, :func:`quantize_log2_many` and :func:`fingerprints`. Each has one reference implementation in plain torch
 (:mod:`tw_triton.ops.reference`, the spec, serving any device) and backends registered per
 device type: the compiled C codec for ``"cpu"`` (:mod:`~tw_triton.ops.backends.cpu`,
 falling back to the reference where it does not take a tensor) and the Triton kernels for
@@ -149,6 +149,17 @@ def quantize_blockwise_many(
     )
 
 
+def quantize_log2_many(
+    xs: list[torch.Tensor], bits: int, block: int, *, flags: torch.Tensor
+) -> list[tuple[torch.Tensor, ...]]:
+    """:func:`quantize_log2` of many tensors on one device, in a number of launches that
+    does not grow with their count (on CUDA: two per dtype). ``flags`` as for
+    :func:`quantize_blockwise_many`, raised where a tensor has a negative, NaN or Inf."""
+    if not xs:
+        return []
+    return lookup("quantize_log2_many", xs[0].device.type)(xs, bits, block, flags=flags)
+
+
 def fingerprints(ts: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
     """Fingerprints of reference tensors (:func:`~tw_triton.ops.reference.fingerprint_torch`)
     into ``out`` (int64, one per tensor, on the tensors' device), in a number of launches
@@ -168,6 +179,7 @@ __all__ = [
     "quantize_blockwise",
     "quantize_blockwise_many",
     "quantize_log2",
+    "quantize_log2_many",
     "register",
     "using",
 ]

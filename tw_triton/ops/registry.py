@@ -22,6 +22,7 @@ OPS = (
     "quantize_log2",
     "dequantize_log2",
     "quantize_blockwise_many",
+    "quantize_log2_many",
     "fingerprints",
 )
 

@@ -171,6 +171,19 @@ def quantize_blockwise_many_cuda(
     return out
 
 
+def quantize_log2_many_cuda(
+    xs: list[torch.Tensor], bits: int, block: int, *, flags: torch.Tensor
+) -> list[tuple[torch.Tensor, ...]]:
+    """The grouped log2 encode kernel: one table copy and at most two launches per dtype."""
+    k = kernels()
+    out: list[tuple[torch.Tensor, ...]] = [None] * len(xs)  # type: ignore[list-item]
+    for members in _by_dtypes(xs, None).values():
+        gx = [_readable(xs[i]) for i in members]
+        for i, triple in zip(members, k.quantize_log2_grouped(gx, bits, block, flags, members)):
+            out[i] = triple
+    return out
+
+
 def fingerprints_cuda(ts: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
     """The grouped fingerprint kernel: one table copy and one launch per dtype."""
     from ..reference import FINGERPRINT_SAMPLES, fingerprint_torch
@@ -192,5 +205,6 @@ BACKEND = {
     "quantize_log2": quantize_log2_cuda,
     "dequantize_log2": dequantize_log2_cuda,
     "quantize_blockwise_many": quantize_blockwise_many_cuda,
+    "quantize_log2_many": quantize_log2_many_cuda,
     "fingerprints": fingerprints_cuda,
 }

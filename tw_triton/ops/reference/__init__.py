@@ -15,6 +15,7 @@ from .grouped import (
     fingerprint_torch,
     fingerprints_torch,
     quantize_blockwise_many_torch,
+    quantize_log2_many_torch,
 )
 from .log2 import dequantize_log2_torch, levels, quantize_log2_torch
 
@@ -25,6 +26,7 @@ REFERENCE = {
     "quantize_log2": quantize_log2_torch,
     "dequantize_log2": dequantize_log2_torch,
     "quantize_blockwise_many": quantize_blockwise_many_torch,
+    "quantize_log2_many": quantize_log2_many_torch,
     "fingerprints": fingerprints_torch,
 }
 
@@ -43,6 +45,7 @@ __all__ = [
     "pack_codes",
     "quantize_blockwise_many_torch",
     "quantize_blockwise_torch",
+    "quantize_log2_many_torch",
     "quantize_log2_torch",
     "release_scratch",
     "scratch",

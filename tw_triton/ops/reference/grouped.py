@@ -1,7 +1,8 @@
 """The grouped ops' reference: one tensor at a time.
 
-:func:`quantize_blockwise_many_torch` is the single-tensor op applied to each tensor (its
-bytes are the spec), with each tensor's NaN/Inf flag raised in the caller's buffer;
+:func:`quantize_blockwise_many_torch` and :func:`quantize_log2_many_torch` are the
+single-tensor ops applied to each tensor (their bytes are the spec), with each tensor's
+flag raised in the caller's buffer;
 :func:`fingerprints_torch` is :func:`fingerprint_torch` of each tensor. The Triton backend
 does each in a fixed number of launches (docs/design.md, "Launches and syncs per save").
 """
@@ -37,6 +38,20 @@ def quantize_blockwise_many_torch(
         bad.append(torch.isinf(scales).any())
     if bad:
         flags.copy_(torch.maximum(flags, torch.stack(bad).to(flags.device, torch.int64)))
+    return out
+
+
+def quantize_log2_many_torch(
+    xs: list[torch.Tensor], bits: int, block: int, *, flags: torch.Tensor
+) -> list[tuple[torch.Tensor, ...]]:
+    """:func:`tw_triton.ops.quantize_log2` of each tensor; ``flags[i]`` (int64) is raised
+    to 1 where tensor ``i`` has a block with bounds ``-1`` (a negative, NaN or Inf)."""
+    from .. import quantize_log2  # the single op, dispatched by device
+
+    out = [quantize_log2(x, bits, block) for x in xs]
+    if out:
+        bad = torch.stack([(hi < 0).any() for _, _, hi in out]).to(flags.device, torch.int64)
+        flags.copy_(torch.maximum(flags, bad))
     return out
 
 

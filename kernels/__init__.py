@@ -6,6 +6,7 @@ serve the "cuda" backend of :mod:`tw_triton.ops` (imported on first use, so trit
 optional) and match its plain-torch reference bit for bit (docs/codecs.md).
 """
 
+from .copy_grouped import copy_grouped
 from .dequantize_blockwise import dequantize_blockwise
 from .dequantize_log2 import dequantize_log2
 from .fingerprint import fingerprints
@@ -17,6 +18,7 @@ from .tiles import aligned
 
 __all__ = [
     "aligned",
+    "copy_grouped",
     "dequantize_blockwise",
     "dequantize_log2",
     "fingerprints",

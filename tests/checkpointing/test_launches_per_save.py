@@ -35,7 +35,8 @@ NOT_LAUNCHES = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.
 
 BLOCKWISE = [("*", {"codec": "blockwise", "bits": 4, "block": 32})]
 # Weights as blockwise deltas, second moments by the log2 codec (no reference).
-MIXED = [("*exp_avg_sq", {"codec": "log2", "bits": 4, "block": 64}), *BLOCKWISE]
+# and counters exact.
+MIXED = [("*exp_avg_sq", {"codec": "log2", "bits": 4, "block": 64}), ("*.step", "exact"), *BLOCKWISE]
 
 
 class LaunchSpy(TorchDispatchMode):
@@ -86,6 +87,7 @@ def spy(monkeypatch):
     for module, name in [
         ("tw_triton.kernels.quantize_blockwise_grouped", "quantize_blockwise_grouped_kernel"),
         ("tw_triton.kernels.quantize_log2_grouped", "quantize_log2_grouped_kernel"),
+        ("tw_triton.kernels.copy_grouped", "copy_grouped_kernel"),
         ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
     ]:
         mod = importlib.import_module(module)
@@ -101,6 +103,7 @@ def spy(monkeypatch):
         ops.using("quantize_blockwise_many", "cpu", triton_backend.quantize_blockwise_many_cuda),
         ops.using("quantize_log2_many", "cpu", triton_backend.quantize_log2_many_cuda),
         ops.using("fingerprints", "cpu", triton_backend.fingerprints_cuda),
+        ops.using("copy_many", "cpu", triton_backend.copy_many_cuda),
     ):
         yield spy
 
@@ -118,12 +121,14 @@ def make_state(n: int, seed: int) -> dict[str, torch.Tensor]:
         out[name] = torch.randn(size, generator=gen).to(dtype)
         if name.endswith("exp_avg_sq"):
             out[name] = out[name].square()
+        if i % 3 == 0:
+            out[f"layer{i}.step"] = torch.tensor([i, 7], dtype=torch.int64)
     return out
 
 
 def counted_save(spy: LaunchSpy, n: int):
     state = make_state(n, seed=n)
-    ref = {k: v + 0.01 for k, v in state.items()}
+    ref = {k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}
     spy.ops.clear()
     spy.kernels.clear()
     with spy:
@@ -141,16 +146,17 @@ def test_a_delta_save_launches_and_syncs_the_same_for_10_and_200_tensors(spy) ->
     # fingerprints.
     assert kernels["quantize_blockwise_grouped_kernel"] <= 4
     assert kernels["quantize_log2_grouped_kernel"] <= 4
+    assert kernels["copy_grouped_kernel"] == 1  # the counters: a tail each, no whole tile
     assert kernels["fingerprint_kernel"] == 2
     assert torch_ops == {"aten.zeros.default": 1, "to_host": 1}
-    assert launches <= 11 and syncs == 1
+    assert launches <= 12 and syncs == 1
 
 
 def test_the_grouped_path_gives_the_bytes_of_the_per_tensor_path(spy, monkeypatch) -> None:
     state = make_state(30, seed=1)
     state["layer3.weight"][5] = float("nan")  # stored exact, as on the per-tensor path
     state["layer5.exp_avg_sq"][0] = -1.0  # likewise: log2 codes no negative value
-    ref = {k: v + 0.01 for k, v in state.items()}
+    ref = {k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}
     grouped = quantize_state_dict({"model": state}, reference={"model": ref}, rules=MIXED)
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
     alone = quantize_state_dict({"model": state}, reference={"model": ref}, rules=MIXED)
@@ -167,25 +173,33 @@ def test_the_grouped_path_gives_the_bytes_of_the_per_tensor_path(spy, monkeypatc
     assert grouped.reference_id == alone.reference_id
 
 
-def test_an_open_loop_checkpointer_delta_costs_the_same_for_10_and_200_tensors(spy, tmp_path) -> None:
+def test_an_open_loop_checkpointer_costs_the_same_for_10_and_200_tensors(spy, tmp_path) -> None:
+    """Both kinds of save: the keyframe (every entry exact: grouped copies) and a delta."""
     counts = []
     for n in (10, 200):
         state = make_state(n, seed=n)
+        per_save = []
         with Checkpointer(
             tmp_path / str(n), async_write=False, fsync=False, delta="open", rules=MIXED
         ) as ckpt:
-            ckpt.save(0, model=state)  # the keyframe: exact copies
-            for t in state.values():
-                t.add_(0.01)
-            spy.ops.clear()
-            spy.kernels.clear()
-            with spy:
-                ckpt.save(1, model=state)
-            counts.append((spy.launches(), spy.syncs(), dict(spy.kernels)))
+            for step in (0, 1):
+                spy.ops.clear()
+                spy.kernels.clear()
+                with spy:
+                    ckpt.save(step, model=state)
+                per_save.append((spy.launches(), spy.syncs(), dict(spy.kernels)))
+                for t in state.values():
+                    if t.is_floating_point():
+                        t.add_(0.01)
             loaded = ckpt.load(1)["model"]
+        counts.append(per_save)
         # The weights' deltas decode close (the bytes are the per-tensor path's: above).
         for path, t in state.items():
             if path.endswith("weight"):
-                assert torch.allclose(loaded[path].float(), t.float(), atol=0.05), path
+                assert torch.allclose(loaded[path].float(), t.float() - 0.01, atol=0.05), path
     assert counts[0] == counts[1], counts
-    assert counts[1][1] == 1
+    keyframe, delta = counts[1]
+    # The keyframe stores the delta-coded entries exact (copies); log2 codes the moments.
+    assert keyframe[2] == {"copy_grouped_kernel": 2, "quantize_log2_grouped_kernel": 4}
+    assert keyframe[1] == 1
+    assert delta[1] == 1

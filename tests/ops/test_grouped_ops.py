@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tw_triton.ops.backends.triton import (
+    copy_many_cuda,
     fingerprints_cuda,
     quantize_blockwise_many_cuda,
     quantize_log2_many_cuda,
@@ -152,3 +153,23 @@ def test_log2_group_gives_each_tensors_own_bytes(bits, block) -> None:
     xs.append(xs[0][1:])  # not aligned
     flags = assert_log2_group_encodes_like_torch(xs, bits, block)
     assert flags[2] == 1 and flags[4] == 1 and flags[0] == 0
+
+
+def test_grouped_copy_gives_each_tensor_its_own_bytes() -> None:
+    gen = torch.Generator().manual_seed(7)
+    xs = [
+        torch.randint(-(2**62), 2**62, (1000,), generator=gen, dtype=torch.int64),
+        torch.randn(4096 * 2 + 3, generator=gen).to(torch.bfloat16),
+        torch.rand(37, generator=gen) > 0.5,
+        torch.randn(4096, generator=gen),
+        torch.randn(4097, generator=gen).to(torch.float16)[1:],  # not aligned: cloned alone
+        torch.randn(8, 9, generator=gen).t(),  # not contiguous: cloned alone
+        torch.empty(0, dtype=torch.int32),
+        torch.tensor(3.5, dtype=torch.float64),  # 0-dim
+    ]
+    copies = copy_many_cuda([on_kernel_device(x) for x in xs])
+    for x, c in zip(xs, copies):
+        assert c.dtype == x.dtype and c.shape == x.shape and c.is_contiguous()
+        assert torch.equal(c.cpu(), x), (x.dtype, x.shape)
+    if KERNEL_DEVICE.type == "cpu":  # the copies are new memory, not the inputs
+        assert all(c.data_ptr() != x.data_ptr() for x, c in zip(xs, copies) if x.numel())

@@ -2,8 +2,9 @@
 
 Four ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2` and
-:func:`dequantize_log2`; three serve a save of many device tensors with a fixed number of
-launches: :func:`quantize_blockwise_many`, :func:`quantize_log2_many` and :func:`fingerprints`. Each has one reference implementation in plain torch
+:func:`dequantize_log2`; four serve a save of many device tensors with a fixed number of
+launches: :func:`quantize_blockwise_many`, :func:`quantize_log2_many`, :func:`fingerprints`
+and :func:`copy_many`. Each has one reference implementation in plain torch
 (:mod:`tw_triton.ops.reference`, the spec, serving any device) and backends registered per
 device type: the compiled C codec for ``"cpu"`` (:mod:`~tw_triton.ops.backends.cpu`,
 falling back to the reference where it does not take a tensor) and the Triton kernels for
@@ -169,9 +170,18 @@ def fingerprints(ts: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
     return lookup("fingerprints", ts[0].device.type)(ts, out=out)
 
 
+def copy_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A contiguous copy of each of ``xs`` (tensors of any dtypes on one device), in a
+    number of launches that does not grow with their count (on CUDA: at most two)."""
+    if not xs:
+        return []
+    return lookup("copy_many", xs[0].device.type)(xs)
+
+
 __all__ = [
     "OPS",
     "backends",
+    "copy_many",
     "dequantize_blockwise",
     "dequantize_log2",
     "fingerprints",

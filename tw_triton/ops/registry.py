@@ -24,6 +24,7 @@ OPS = (
     "quantize_blockwise_many",
     "quantize_log2_many",
     "fingerprints",
+    "copy_many",
 )
 
 _REFERENCE: dict[str, Callable] = {}

@@ -214,7 +214,9 @@ def quantize_state_dict(
             for i, r in zip(item, result):
                 encoded[i] = r
     else:
-        grouped = DeviceEncode(jobs, lambda i: encode_alone(i)[0], lambda i: True)
+        # An exact entry kept as it is (a private snapshot) is no copy: not grouped.
+        kept = lambda i: not copy and isinstance(jobs[i][2], ExactCodec) and jobs[i][0].is_contiguous()  # noqa: E731
+        grouped = DeviceEncode(jobs, lambda i: encode_alone(i)[0], lambda i: True, kept)
         encs, fps = grouped.run()
         scalar_buffers = list(grouped.buffers.values())
         for i, enc in enumerate(encs):

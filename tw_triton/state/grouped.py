@@ -2,9 +2,10 @@
 
 On the CPU :func:`~tw_triton.state.quantize_state_dict` encodes entries on worker threads;
 on a GPU each call is a kernel launch queued on the training stream, so this module groups
-them instead: the entries whose codec has a grouped encode (:meth:`Codec.encode_group`) are
-grouped by device, codec, params and the codec's :meth:`Codec.group_key`, and each group
-is one grouped op (on CUDA a table copy and at most two launches per pair of dtypes). Their
+them instead: the entries whose codec has a grouped encode (:meth:`Codec.encode_group`:
+blockwise, log2, exact) are grouped by device, codec, params and the codec's
+:meth:`Codec.group_key`, and each group is one grouped op (on CUDA a table copy and at most
+two launches per pair of dtypes). Their
 NaN/Inf flags and the fingerprints of every reference are written into one int64 buffer
 per device (one zero-fill), which the state API reads with one copy and one event
 (:func:`~tw_triton.state.fingerprints.read_device_scalars`). Entries of other codecs are
@@ -53,6 +54,7 @@ class DeviceEncode:
         jobs: the entries, as planned by the state API.
         encode_alone: encodes entry ``i`` by itself (the path of ungrouped codecs).
         fingerprint: whether entry ``i``'s reference gets a fingerprint.
+        alone: whether entry ``i`` must be encoded by itself (e.g. kept as it is).
     """
 
     def __init__(
@@ -60,12 +62,13 @@ class DeviceEncode:
         jobs: Sequence[Job],
         encode_alone: Callable[[int], Encoded],
         fingerprint: Callable[[int], bool],
+        alone: Callable[[int], bool] = lambda i: False,
     ) -> None:
         self.jobs, self.encode_alone = jobs, encode_alone
         groups: dict[Any, list[int]] = {}
         self.alone: list[int] = []
         for i, job in enumerate(jobs):
-            key = group_of(job)
+            key = None if alone(i) else group_of(job)
             (self.alone.append(i) if key is None else groups.setdefault(key, []).append(i))
         self.groups = list(groups.values())
         # Slots of one int64 buffer per device: the grouped entries' flags, then the

@@ -184,6 +184,21 @@ def quantize_log2_many_cuda(
     return out
 
 
+def copy_many_cuda(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The grouped copy kernel for the tensors it can read in place (contiguous, 16-byte
+    aligned): one table copy and at most two launches; a clone for each other one."""
+    k = kernels()
+    out: list[torch.Tensor] = [None] * len(xs)  # type: ignore[list-item]
+    members = [i for i, x in enumerate(xs) if k.aligned(x)]
+    for i, x in enumerate(xs):
+        if i not in set(members):
+            out[i] = x.detach().clone(memory_format=torch.contiguous_format)
+    if members:
+        for i, copy in zip(members, k.copy_grouped([xs[i].detach() for i in members])):
+            out[i] = copy
+    return out
+
+
 def fingerprints_cuda(ts: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
     """The grouped fingerprint kernel: one table copy and one launch per dtype."""
     from ..reference import FINGERPRINT_SAMPLES, fingerprint_torch
@@ -207,4 +222,5 @@ BACKEND = {
     "quantize_blockwise_many": quantize_blockwise_many_cuda,
     "quantize_log2_many": quantize_log2_many_cuda,
     "fingerprints": fingerprints_cuda,
+    "copy_many": copy_many_cuda,
 }

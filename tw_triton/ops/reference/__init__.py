@@ -12,6 +12,7 @@ from .blockwise_encode import nearest_integer_at_ties, pack_codes, quantize_bloc
 from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, scratch_buffers
 from .grouped import (
     FINGERPRINT_SAMPLES,
+    copy_many_torch,
     fingerprint_torch,
     fingerprints_torch,
     quantize_blockwise_many_torch,
@@ -28,11 +29,13 @@ REFERENCE = {
     "quantize_blockwise_many": quantize_blockwise_many_torch,
     "quantize_log2_many": quantize_log2_many_torch,
     "fingerprints": fingerprints_torch,
+    "copy_many": copy_many_torch,
 }
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "FINGERPRINT_SAMPLES",
+    "copy_many_torch",
     "REFERENCE",
     "copy_flat_range",
     "crumb_table",

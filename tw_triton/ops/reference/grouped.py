@@ -55,6 +55,11 @@ def quantize_log2_many_torch(
     return out
 
 
+def copy_many_torch(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A contiguous copy of each tensor (the exact entries of a save)."""
+    return [x.detach().clone(memory_format=torch.contiguous_format) for x in xs]
+
+
 def fingerprint_torch(t: torch.Tensor) -> torch.Tensor:
     """A 0-dim int64 on ``t``'s device: position-weighted sum of sampled fp32 bit patterns.
 

@@ -107,7 +107,10 @@ def grouped_variants() -> list[Variant]:
     fingerprint = [
         Variant("fingerprint", 32, 2048, dtype, None, False, cc) for dtype in DTYPES for cc in TARGETS
     ]
-    return encode + log2 + fingerprint
+    copy = [
+        Variant("grouped-copy", 8, 4096, "u8", None, masked, cc) for masked in (False, True) for cc in TARGETS
+    ]
+    return encode + log2 + fingerprint + copy
 
 
 def every_variant() -> list[Variant]:
@@ -118,6 +121,7 @@ def every_variant() -> list[Variant]:
 def _grouped_source(v: Variant):
     from triton.compiler import ASTSource
 
+    from tw_triton.kernels.copy_grouped import copy_grouped_kernel
     from tw_triton.kernels.fingerprint import fingerprint_kernel
     from tw_triton.kernels.quantize_blockwise_grouped import quantize_blockwise_grouped_kernel
     from tw_triton.kernels.quantize_log2_grouped import quantize_log2_grouped_kernel
@@ -133,6 +137,12 @@ def _grouped_source(v: Variant):
         constexprs = {"SAMPLES": v.block}
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
         return ASTSource(fn=fingerprint_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    if v.op == "grouped-copy":
+        signature = {"table_ptr": "*i64", "flags_ptr": "*i64", "T": "i32"}
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "BLOCK": v.block, "ROWS": 1}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(2)}
+        signature.update({name: "constexpr" for name in constexprs})
+        return ASTSource(fn=copy_grouped_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     if v.op == "grouped-log2-encode":
         fn = quantize_log2_grouped_kernel
         signature = {"table_ptr": "*i64", "flags_ptr": "*i64", "x_type_ptr": f"*{v.dtype}", "T": "i32"}
@@ -187,7 +197,7 @@ def compile_variant(v: Variant):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if v.op.startswith("log2-") or v.op in ("grouped-encode", "grouped-log2-encode", "fingerprint"):
+    if v.op.startswith(("log2-", "grouped-")) or v.op == "fingerprint":
         from tw_triton.kernels.tiles import NUM_WARPS
 
         source = _log2_source(v) if v.op.startswith("log2-") else _grouped_source(v)

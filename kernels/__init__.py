@@ -8,6 +8,7 @@ optional) and match its plain-torch reference bit for bit (docs/codecs.md).
 
 from .copy_grouped import copy_grouped
 from .dequantize_blockwise import dequantize_blockwise
+from .dequantize_blockwise_grouped import dequantize_blockwise_grouped
 from .dequantize_log2 import dequantize_log2
 from .fingerprint import fingerprints
 from .quantize_blockwise import quantize_blockwise
@@ -20,6 +21,7 @@ __all__ = [
     "aligned",
     "copy_grouped",
     "dequantize_blockwise",
+    "dequantize_blockwise_grouped",
     "dequantize_log2",
     "fingerprints",
     "quantize_blockwise",

@@ -17,6 +17,7 @@ wait is a CUDA event (those lines run only on a GPU: benchmarks/gpu).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections import Counter
 
@@ -24,7 +25,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tw_triton import Checkpointer, ops, quantize_state_dict
+from tw_triton import Checkpointer, deltas, ops, quantize_state_dict
 from tw_triton.ops.backends import triton as triton_backend
 from tw_triton.state import encode as encode_module
 from tw_triton.state import fingerprints
@@ -53,6 +54,19 @@ class LaunchSpy(TorchDispatchMode):
             self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
+    def counted(self, name: str, fn):
+        """``fn``, counted as one launch per call (its inner torch work is not)."""
+
+        def run(*args, **kwargs):
+            self.kernels[name] += 1
+            self.paused = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused = False
+
+        return run
+
     def launches(self) -> int:
         torch_ops = sum(n for op, n in self.ops.items() if op not in SYNC_OPS and op != "to_host")
         return sum(self.kernels.values()) + torch_ops
@@ -68,15 +82,7 @@ class SpiedKernel:
         self.kernel, self.name, self.spy = kernel, name, spy
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.spy.kernels[self.name] += 1
-            self.spy.paused = True
-            try:
-                return self.kernel[grid](*args, **kwargs)
-            finally:
-                self.spy.paused = False
-
-        return launch
+        return self.spy.counted(self.name, self.kernel[grid])
 
 
 @pytest.fixture
@@ -84,10 +90,12 @@ def spy(monkeypatch):
     """The grouped device path forced on CPU tensors, with its launches and syncs counted."""
     spy = LaunchSpy()
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: True)
+    monkeypatch.setattr(deltas, "groups_launches", lambda device: True)
     for module, name in [
         ("tw_triton.kernels.quantize_blockwise_grouped", "quantize_blockwise_grouped_kernel"),
         ("tw_triton.kernels.quantize_log2_grouped", "quantize_log2_grouped_kernel"),
         ("tw_triton.kernels.copy_grouped", "copy_grouped_kernel"),
+        ("tw_triton.kernels.dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
         ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
     ]:
         mod = importlib.import_module(module)
@@ -99,12 +107,20 @@ def spy(monkeypatch):
         return real_to_host(buf)
 
     monkeypatch.setattr(fingerprints, "to_host", to_host)
-    with (
-        ops.using("quantize_blockwise_many", "cpu", triton_backend.quantize_blockwise_many_cuda),
-        ops.using("quantize_log2_many", "cpu", triton_backend.quantize_log2_many_cuda),
-        ops.using("fingerprints", "cpu", triton_backend.fingerprints_cuda),
-        ops.using("copy_many", "cpu", triton_backend.copy_many_cuda),
-    ):
+    grouped = {
+        "quantize_blockwise_many": triton_backend.quantize_blockwise_many_cuda,
+        "quantize_log2_many": triton_backend.quantize_log2_many_cuda,
+        "fingerprints": triton_backend.fingerprints_cuda,
+        "copy_many": triton_backend.copy_many_cuda,
+        "dequantize_blockwise_many": triton_backend.dequantize_blockwise_many_cuda,
+    }
+    with contextlib.ExitStack() as stack:
+        for op, fn in grouped.items():
+            stack.enter_context(ops.using(op, "cpu", fn))
+        # The single-tensor ops count as a launch each: on the CPU they run in the
+        # compiled codec, which the dispatch spy does not see.
+        for op in ("quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2"):
+            stack.enter_context(ops.using(op, "cpu", spy.counted(op, ops.lookup(op, "cpu"))))
         yield spy
 
 
@@ -203,3 +219,42 @@ def test_an_open_loop_checkpointer_costs_the_same_for_10_and_200_tensors(spy, tm
     assert keyframe[2] == {"copy_grouped_kernel": 2, "quantize_log2_grouped_kernel": 4}
     assert keyframe[1] == 1
     assert delta[1] == 1
+
+
+def closed_loop_saves(root, n: int, spy: LaunchSpy | None) -> tuple[list, dict[str, torch.Tensor]]:
+    """A keyframe and two closed-loop deltas of ``make_state(n)``: the counts of each save
+    (when spied) and what the last one loads to."""
+    state = make_state(n, seed=n)
+    per_save = []
+    with Checkpointer(root, async_write=False, fsync=False, delta="closed", rules=MIXED) as ckpt:
+        for step in (0, 1, 2):
+            if spy is not None:
+                spy.ops.clear()
+                spy.kernels.clear()
+                with spy:
+                    ckpt.save(step, model=state)
+                per_save.append((spy.launches(), spy.syncs(), dict(spy.kernels)))
+            else:
+                ckpt.save(step, model=state)
+            for t in state.values():
+                if t.is_floating_point():
+                    t.add_(0.01)
+        loaded = ckpt.load(2)["model"]
+    return per_save, loaded
+
+
+def test_a_closed_loop_delta_advances_its_reference_in_grouped_launches(spy, tmp_path, monkeypatch) -> None:
+    small, _ = closed_loop_saves(tmp_path / "10", 10, spy)
+    large, loaded = closed_loop_saves(tmp_path / "200", 200, spy)
+    assert small == large, (small, large)
+    for _, syncs, kernels in large[1:]:
+        assert syncs == 1
+        # The deltas decoded to advance the reference: two dtypes, at most two launches each.
+        assert 1 <= kernels["dequantize_blockwise_grouped_kernel"] <= 4
+    # The same files and reconstructions as the per-tensor path.
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
+    monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
+    _, alone = closed_loop_saves(tmp_path / "alone", 200, None)
+    assert loaded.keys() == alone.keys()
+    for path, t in alone.items():
+        assert torch.equal(loaded[path].view(torch.uint8), t.view(torch.uint8)), path

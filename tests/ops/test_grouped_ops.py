@@ -13,17 +13,30 @@ import importlib
 
 import pytest
 import torch
-from _kernel_testing import FLOATS, KERNEL_DEVICE, on_kernel_device, random_floats, require_runnable_kernels
+from _kernel_testing import (
+    FLOATS,
+    KERNEL_DEVICE,
+    assert_same_bits,
+    on_kernel_device,
+    random_floats,
+    require_runnable_kernels,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tw_triton.ops.backends.triton import (
     copy_many_cuda,
+    dequantize_blockwise_many_cuda,
     fingerprints_cuda,
     quantize_blockwise_many_cuda,
     quantize_log2_many_cuda,
 )
-from tw_triton.ops.reference import fingerprint_torch, quantize_blockwise_torch, quantize_log2_torch
+from tw_triton.ops.reference import (
+    dequantize_blockwise_torch,
+    fingerprint_torch,
+    quantize_blockwise_torch,
+    quantize_log2_torch,
+)
 
 require_runnable_kernels()
 
@@ -173,3 +186,29 @@ def test_grouped_copy_gives_each_tensor_its_own_bytes() -> None:
         assert torch.equal(c.cpu(), x), (x.dtype, x.shape)
     if KERNEL_DEVICE.type == "cpu":  # the copies are new memory, not the inputs
         assert all(c.data_ptr() != x.data_ptr() for x, c in zip(xs, copies) if x.numel())
+
+
+@pytest.mark.parametrize("bits,block", [(8, 128), (4, 32), (2, 4096)])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_grouped_decode_gives_each_tensor_its_own_values(bits, block, dtype) -> None:
+    gen = torch.Generator().manual_seed(bits * 7 + block)
+    xs = [random_floats(gen, n, dtype, -3, 2) for n in SIZES]
+    refs = [
+        (x.double() + 1e-2 * torch.randn(x.shape, generator=gen, dtype=torch.float64)).to(dtype) for x in xs
+    ]
+    refs.append(random_floats(gen, 4096 * 2, dtype, -3, 2)[8:])  # 16 bytes in, or not aligned
+    xs.append(refs[-1] * 1.5)
+    encoded = [quantize_blockwise_torch(x, r, bits, block) for x, r in zip(xs, refs)]
+    for with_ref in (True, False):
+        got = dequantize_blockwise_many_cuda(
+            [on_kernel_device(c) for c, _ in encoded],
+            [on_kernel_device(s) for _, s in encoded],
+            [x.numel() for x in xs],
+            bits,
+            block,
+            [on_kernel_device(r) for r in refs] if with_ref else None,
+            dtype,
+        )
+        for i, ((c, s), x, r) in enumerate(zip(encoded, xs, refs)):
+            want = dequantize_blockwise_torch(c, s, x.numel(), bits, block, r if with_ref else None, dtype)
+            assert_same_bits(got[i], want, f"tensor {i}")

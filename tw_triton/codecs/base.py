@@ -151,6 +151,23 @@ class Codec(ABC):
         """
         raise NotImplementedError(f"codec {self.name!r} has no grouped encode")
 
+    def decode_group_key(self, entry: EncodedEntry, reference: torch.Tensor | None) -> Hashable | None:
+        """A key under which the decode of ``entry`` (against ``reference``) on a device
+        may share launches with others of the same codec and key (:meth:`decode_group`);
+        ``None`` (the default): decode it alone."""
+        return None
+
+    def decode_group(
+        self,
+        entries: Sequence[EncodedEntry],
+        references: Sequence[torch.Tensor | None],
+        device: torch.device,
+        contexts: Sequence[str],
+    ) -> list[torch.Tensor]:
+        """:meth:`decode` of entries of one :meth:`decode_group_key` on ``device``, in a
+        number of launches that does not grow with their count."""
+        raise NotImplementedError(f"codec {self.name!r} has no grouped decode")
+
     def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:  # noqa: B027 - optional hook
         """Check the params an entry of this codec records in a file: every name known, each
         value of its type and in its range, so that a file edited to hold another value

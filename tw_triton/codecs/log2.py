@@ -214,11 +214,11 @@ class Log2Codec(Codec):
         check_params(params["bits"], params["block"])
         triples = ops.quantize_log2_many(list(xs), params["bits"], params["block"], flags=flags)
         return [
-            Encoded(self._entry(x, params, buffers), unusable=flags[i])
+            Encoded(self.entry_of(x, params, buffers), unusable=flags[i])
             for i, (x, buffers) in enumerate(zip(xs, triples))
         ]
 
-    def _entry(
+    def entry_of(
         self, x: torch.Tensor, params: Mapping[str, Any], buffers: tuple[torch.Tensor, ...]
     ) -> EncodedEntry:
         codes, lo, hi = buffers
@@ -234,7 +234,7 @@ class Log2Codec(Codec):
         self, x: torch.Tensor, params: Mapping[str, Any], out: tuple[torch.Tensor, ...] | None
     ) -> Encoded:
         q = quantize_log2(x, bits=params["bits"], block=params["block"], out=out)
-        return Encoded(self._entry(x, params, (q.codes, q.lo, q.hi)), unusable=q.unusable)
+        return Encoded(self.entry_of(x, params, (q.codes, q.lo, q.hi)), unusable=q.unusable)
 
     def decode(
         self,

@@ -2,9 +2,9 @@
 
 Four ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2` and
-:func:`dequantize_log2`; four serve a save of many device tensors with a fixed number of
-launches: :func:`quantize_blockwise_many`, :func:`quantize_log2_many`, :func:`fingerprints`
-and :func:`copy_many`. Each has one reference implementation in plain torch
+:func:`dequantize_log2`; five serve a save of many device tensors with a fixed number of
+launches: :func:`quantize_blockwise_many`, :func:`quantize_log2_many`, :func:`fingerprints`,
+:func:`copy_many` and :func:`dequantize_blockwise_many` (the closed-loop advance). Each has one reference implementation in plain torch
 (:mod:`tw_triton.ops.reference`, the spec, serving any device) and backends registered per
 device type: the compiled C codec for ``"cpu"`` (:mod:`~tw_triton.ops.backends.cpu`,
 falling back to the reference where it does not take a tensor) and the Triton kernels for
@@ -170,6 +170,25 @@ def fingerprints(ts: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
     return lookup("fingerprints", ts[0].device.type)(ts, out=out)
 
 
+def dequantize_blockwise_many(
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    numels: list[int],
+    bits: int,
+    block: int,
+    references: list[torch.Tensor] | None,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """:func:`dequantize_blockwise` of many tensors on one device (flat results of
+    ``dtype``), in a number of launches that does not grow with their count (on CUDA: two
+    per reference dtype)."""
+    if not codes:
+        return []
+    return lookup("dequantize_blockwise_many", codes[0].device.type)(
+        codes, scales, numels, bits, block, references, dtype
+    )
+
+
 def copy_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """A contiguous copy of each of ``xs`` (tensors of any dtypes on one device), in a
     number of launches that does not grow with their count (on CUDA: at most two)."""
@@ -183,6 +202,7 @@ __all__ = [
     "backends",
     "copy_many",
     "dequantize_blockwise",
+    "dequantize_blockwise_many",
     "dequantize_log2",
     "fingerprints",
     "lookup",

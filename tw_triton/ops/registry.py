@@ -25,6 +25,7 @@ OPS = (
     "quantize_log2_many",
     "fingerprints",
     "copy_many",
+    "dequantize_blockwise_many",
 )
 
 _REFERENCE: dict[str, Callable] = {}

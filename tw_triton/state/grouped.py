@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..codecs import Codec, Encoded
+from ..codecs import Codec, Encoded, get_codec
 from ..errors import QuantizationError
+from ..qstate import EncodedEntry
 
 # (tensor, rule, codec, reference or None): one entry to encode, as quantize_state_dict plans it.
 Job = tuple[torch.Tensor, Any, Codec, "torch.Tensor | None"]
@@ -122,4 +123,33 @@ class DeviceEncode:
         return encoded, fps
 
 
-__all__ = ["DeviceEncode", "group_of", "groups_launches"]
+def decode_grouped(
+    items: Sequence[tuple[EncodedEntry, torch.Tensor | None, torch.device, str]],
+    decode_alone: Callable[[int], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Decode ``(entry, reference, device, context)`` items on devices: those whose codec
+    has a grouped decode (:meth:`Codec.decode_group`) in one grouped op per codec, key and
+    device, the others with ``decode_alone(i)``. Results in the items' order."""
+    groups: dict[Any, list[int]] = {}
+    out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
+    for i, (entry, ref, device, _) in enumerate(items):
+        codec = get_codec(entry.codec)
+        key = None if codec is None else codec.decode_group_key(entry, ref)
+        if key is None:
+            out[i] = decode_alone(i)
+        else:
+            groups.setdefault((entry.codec, key, device), []).append(i)
+    for (name, _, device), members in groups.items():
+        codec = get_codec(name)
+        decoded = codec.decode_group(  # type: ignore[union-attr]
+            [items[i][0] for i in members],
+            [items[i][1] for i in members],
+            device,
+            [items[i][3] for i in members],
+        )
+        for i, t in zip(members, decoded):
+            out[i] = t
+    return out
+
+
+__all__ = ["DeviceEncode", "decode_grouped", "group_of", "groups_launches"]

@@ -184,6 +184,37 @@ def quantize_log2_many_cuda(
     return out
 
 
+def dequantize_blockwise_many_cuda(
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    numels: list[int],
+    bits: int,
+    block: int,
+    references: list[torch.Tensor] | None,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """The grouped decode kernel: one table copy and at most two launches per reference
+    dtype."""
+    k = kernels()
+    out: list[torch.Tensor] = [None] * len(codes)  # type: ignore[list-item]
+    groups: dict[torch.dtype | None, list[int]] = {}
+    for i in range(len(codes)):
+        groups.setdefault(None if references is None else references[i].dtype, []).append(i)
+    for members in groups.values():
+        decoded = k.dequantize_blockwise_grouped(
+            [_readable(codes[i]) for i in members],
+            [_readable(scales[i]) for i in members],
+            [numels[i] for i in members],
+            bits,
+            block,
+            None if references is None else [_readable(references[i]) for i in members],
+            dtype,
+        )
+        for i, t in zip(members, decoded):
+            out[i] = t
+    return out
+
+
 def copy_many_cuda(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The grouped copy kernel for the tensors it can read in place (contiguous, 16-byte
     aligned): one table copy and at most two launches; a clone for each other one."""
@@ -223,4 +254,5 @@ BACKEND = {
     "quantize_log2_many": quantize_log2_many_cuda,
     "fingerprints": fingerprints_cuda,
     "copy_many": copy_many_cuda,
+    "dequantize_blockwise_many": dequantize_blockwise_many_cuda,
 }

@@ -13,6 +13,7 @@ from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, 
 from .grouped import (
     FINGERPRINT_SAMPLES,
     copy_many_torch,
+    dequantize_blockwise_many_torch,
     fingerprint_torch,
     fingerprints_torch,
     quantize_blockwise_many_torch,
@@ -30,6 +31,7 @@ REFERENCE = {
     "quantize_log2_many": quantize_log2_many_torch,
     "fingerprints": fingerprints_torch,
     "copy_many": copy_many_torch,
+    "dequantize_blockwise_many": dequantize_blockwise_many_torch,
 }
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "REFERENCE",
     "copy_flat_range",
     "crumb_table",
+    "dequantize_blockwise_many_torch",
     "dequantize_blockwise_torch",
     "dequantize_log2_torch",
     "fingerprint_torch",

@@ -55,6 +55,24 @@ def quantize_log2_many_torch(
     return out
 
 
+def dequantize_blockwise_many_torch(
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    numels: list[int],
+    bits: int,
+    block: int,
+    references: list[torch.Tensor] | None,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """:func:`tw_triton.ops.dequantize_blockwise` of each tensor (flat results)."""
+    from .. import dequantize_blockwise  # the single op, dispatched by device
+
+    return [
+        dequantize_blockwise(c, s, n, bits, block, None if references is None else references[i], dtype)
+        for i, (c, s, n) in enumerate(zip(codes, scales, numels))
+    ]
+
+
 def copy_many_torch(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """A contiguous copy of each tensor (the exact entries of a save)."""
     return [x.detach().clone(memory_format=torch.contiguous_format) for x in xs]

@@ -110,7 +110,14 @@ def grouped_variants() -> list[Variant]:
     copy = [
         Variant("grouped-copy", 8, 4096, "u8", None, masked, cc) for masked in (False, True) for cc in TARGETS
     ]
-    return encode + log2 + fingerprint + copy
+    decode = [
+        Variant("grouped-decode", bits, 128, dtype, rotate[dtype], masked, cc)
+        for bits in BITS
+        for dtype in DTYPES
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+    return encode + log2 + fingerprint + copy + decode
 
 
 def every_variant() -> list[Variant]:
@@ -122,6 +129,7 @@ def _grouped_source(v: Variant):
     from triton.compiler import ASTSource
 
     from tw_triton.kernels.copy_grouped import copy_grouped_kernel
+    from tw_triton.kernels.dequantize_blockwise_grouped import dequantize_blockwise_grouped_kernel
     from tw_triton.kernels.fingerprint import fingerprint_kernel
     from tw_triton.kernels.quantize_blockwise_grouped import quantize_blockwise_grouped_kernel
     from tw_triton.kernels.quantize_log2_grouped import quantize_log2_grouped_kernel
@@ -143,7 +151,17 @@ def _grouped_source(v: Variant):
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(2)}
         signature.update({name: "constexpr" for name in constexprs})
         return ASTSource(fn=copy_grouped_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    if v.op == "grouped-log2-encode":
+    if v.op == "grouped-decode":
+        fn = dequantize_blockwise_grouped_kernel
+        signature = {
+            "table_ptr": "*i64",
+            "flags_ptr": "*i64",
+            "ref_type_ptr": f"*{v.ref_dtype}",
+            "out_type_ptr": f"*{v.dtype}",
+            "T": "i32",
+        }
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "HAS_REF": True, "BITS": v.bits}
+    elif v.op == "grouped-log2-encode":
         fn = quantize_log2_grouped_kernel
         signature = {"table_ptr": "*i64", "flags_ptr": "*i64", "x_type_ptr": f"*{v.dtype}", "T": "i32"}
         constexprs = {"LOG_T": 4, "MASKED": v.masked, "BITS": v.bits}

@@ -70,7 +70,10 @@ class DeviceEncode:
         self.alone: list[int] = []
         for i, job in enumerate(jobs):
             key = None if alone(i) else group_of(job)
-            (self.alone.append(i) if key is None else groups.setdefault(key, []).append(i))
+            if key is None:
+                self.alone.append(i)
+            else:
+                groups.setdefault(key, []).append(i)
         self.groups = list(groups.values())
         # Slots of one int64 buffer per device: the grouped entries' flags, then the
         # references' fingerprints.

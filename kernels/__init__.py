@@ -6,9 +6,26 @@ serve the "cuda" backend of :mod:`tw_triton.ops` (imported on first use, so trit
 optional) and match its plain-torch reference bit for bit (docs/codecs.md).
 """
 
+from .copy_grouped import copy_grouped
 from .dequantize_blockwise import dequantize_blockwise
+from .dequantize_blockwise_grouped import dequantize_blockwise_grouped
 from .dequantize_log2 import dequantize_log2
+from .fingerprint import fingerprints
 from .quantize_blockwise import quantize_blockwise
+from .quantize_blockwise_grouped import quantize_blockwise_grouped
 from .quantize_log2 import quantize_log2
+from .quantize_log2_grouped import quantize_log2_grouped
+from .tiles import aligned
 
-__all__ = ["quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2"]
+__all__ = [
+    "aligned",
+    "copy_grouped",
+    "dequantize_blockwise",
+    "dequantize_blockwise_grouped",
+    "dequantize_log2",
+    "fingerprints",
+    "quantize_blockwise",
+    "quantize_blockwise_grouped",
+    "quantize_log2",
+    "quantize_log2_grouped",
+]

@@ -106,6 +106,30 @@ def unpack_lsb_first(packed, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.c
     return u
 
 
+@triton.jit
+def dequantize_tile(
+    packed,
+    scale,
+    r,
+    HAS_REF: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+):
+    """The decoded ``(ROWS, BLOCK)`` tile of ``OUT_DTYPE`` from its packed codes, its row
+    scales and (``HAS_REF``) its reference tile: the codec's arithmetic, shared by the
+    single and the grouped decode."""
+    CODE_OFFSET: tl.constexpr = 1 << (BITS - 1)
+    q = (unpack_lsb_first(packed, ROWS, BLOCK, BITS) - CODE_OFFSET).to(tl.float32)
+    v = q * scale[:, None]
+    if HAS_REF:
+        # An overflowed product is brought back by a reference of the other sign only if
+        # it is saturated first (inf + r stays inf).
+        v = _saturate(v, _FP32_MAX) + widen_to_f32(r)
+    return narrow_from_f32(_saturate(v, _finite_max(OUT_DTYPE)), OUT_DTYPE)
+
+
 @triton.jit(do_not_specialize=["row0"])
 def dequantize_blockwise_kernel(
     codes_ptr,
@@ -125,7 +149,6 @@ def dequantize_blockwise_kernel(
     ``MASKED`` is False for tiles wholly inside the tensor (no bounds checks, vector
     accesses whatever ``n`` is); the launcher runs the partial tile at the end separately.
     """
-    CODE_OFFSET: tl.constexpr = 1 << (BITS - 1)
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
 
@@ -141,18 +164,14 @@ def dequantize_blockwise_kernel(
     else:
         packed = tl.load(codes_ptr + byte_offs)
         scale = tl.load(scales_ptr + rows)
-    q = (unpack_lsb_first(packed, ROWS, BLOCK, BITS) - CODE_OFFSET).to(tl.float32)
-    v = q * scale[:, None]
     if HAS_REF:
         if MASKED:
             r = tl.load(ref_ptr + offs, mask=in_bounds, other=0.0)
         else:
             r = tl.load(ref_ptr + offs)
-        # An overflowed product is brought back by a reference of the other sign only if
-        # it is saturated first (inf + r stays inf).
-        v = _saturate(v, _FP32_MAX) + widen_to_f32(r)
-    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
-    y = narrow_from_f32(_saturate(v, _finite_max(out_dtype)), out_dtype)
+    else:
+        r = 0.0
+    y = dequantize_tile(packed, scale, r, HAS_REF, BITS, BLOCK, ROWS, out_ptr.dtype.element_ty)
     if MASKED:
         tl.store(out_ptr + offs, y, mask=in_bounds)
     else:

@@ -86,49 +86,11 @@ def pack_lsb_first(u, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexp
     return packed.to(tl.uint8)
 
 
-@triton.jit(do_not_specialize=["row0"])
-def quantize_blockwise_kernel(
-    x_ptr,
-    ref_ptr,
-    codes_ptr,
-    scales_ptr,
-    n,
-    row0,
-    MASKED: tl.constexpr,
-    HAS_REF: tl.constexpr,
-    BITS: tl.constexpr,
-    QMAX: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """Encode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat input.
-
-    ``MASKED`` is False for tiles wholly inside the tensor, which then need no bounds
-    checks (and keep 16-byte vector loads whatever ``n`` is); the launcher runs the one
-    partial tile at the end as a separate ``MASKED`` launch. ``QMAX`` is the largest code
-    magnitude: ``2**(BITS-1) - 1``, or fewer levels in the same container (3 in 4 bits).
-    """
+@triton.jit
+def quantize_tile(d, QMAX: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """``(packed codes, scales)`` of a ``(ROWS, BLOCK)`` fp32 tile of ``d`` (one row per
+    block): the codec's arithmetic, shared by the single and the grouped encode."""
     CODE_OFFSET: tl.constexpr = 1 << (BITS - 1)
-    PER_BYTE: tl.constexpr = 8 // BITS
-    BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
-
-    # Widen before multiplying: pid * ROWS * BLOCK passes 2**31 on large tensors.
-    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
-    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    if MASKED:
-        in_bounds = offs < n
-        x = tl.load(x_ptr + offs, mask=in_bounds, other=0.0)
-    else:
-        x = tl.load(x_ptr + offs)
-    d = widen_to_f32(x)
-    if HAS_REF:
-        if MASKED:
-            r = tl.load(ref_ptr + offs, mask=in_bounds, other=0.0)
-        else:
-            r = tl.load(ref_ptr + offs)
-        d = d - widen_to_f32(r)
-
     a = tl.abs(d)
     a = tl.where(a == a, a, float("inf"))
     absmax = tl.max(a, axis=1)
@@ -151,6 +113,52 @@ def quantize_blockwise_kernel(
     v = tl.where(usable[:, None], v, 0.0)
     u = v.to(tl.int32) + CODE_OFFSET
     packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
+    return packed, scale
+
+
+@triton.jit(do_not_specialize=["row0"])
+def quantize_blockwise_kernel(
+    x_ptr,
+    ref_ptr,
+    codes_ptr,
+    scales_ptr,
+    n,
+    row0,
+    MASKED: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    BITS: tl.constexpr,
+    QMAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Encode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat input.
+
+    ``MASKED`` is False for tiles wholly inside the tensor, which then need no bounds
+    checks (and keep 16-byte vector loads whatever ``n`` is); the launcher runs the one
+    partial tile at the end as a separate ``MASKED`` launch. ``QMAX`` is the largest code
+    magnitude: ``2**(BITS-1) - 1``, or fewer levels in the same container (3 in 4 bits).
+    """
+    PER_BYTE: tl.constexpr = 8 // BITS
+    BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
+
+    # Widen before multiplying: pid * ROWS * BLOCK passes 2**31 on large tensors.
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if MASKED:
+        in_bounds = offs < n
+        x = tl.load(x_ptr + offs, mask=in_bounds, other=0.0)
+    else:
+        x = tl.load(x_ptr + offs)
+    d = widen_to_f32(x)
+    if HAS_REF:
+        if MASKED:
+            r = tl.load(ref_ptr + offs, mask=in_bounds, other=0.0)
+        else:
+            r = tl.load(ref_ptr + offs)
+        d = d - widen_to_f32(r)
+
+    packed, scale = quantize_tile(d, QMAX, BITS, BLOCK, ROWS)
 
     byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
     if MASKED:

@@ -32,31 +32,12 @@ _INT32_MAX = tl.constexpr((1 << 31) - 1)
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@triton.jit(do_not_specialize=["row0"])
-def quantize_log2_kernel(
-    x_ptr,
-    codes_ptr,
-    lo_ptr,
-    hi_ptr,
-    n,
-    row0,
-    MASKED: tl.constexpr,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """Encode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat input."""
+@triton.jit
+def log2_tile(x, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """``(packed codes, lo, hi)`` of a ``(ROWS, BLOCK)`` input tile (one row per block):
+    the codec's arithmetic, shared by the single and the grouped encode. A row holding a
+    negative, NaN or infinite element gets ``lo = hi = -1``."""
     N_STEPS: tl.constexpr = (1 << BITS) - 2
-    PER_BYTE: tl.constexpr = 8 // BITS
-    BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
-
-    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
-    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    if MASKED:
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    else:
-        x = tl.load(x_ptr + offs)
     t = widen_to_f32(x).to(tl.int32, bitcast=True)
 
     pos = (t > 0) & (t < _F32_INF_BITS)
@@ -78,6 +59,34 @@ def quantize_log2_kernel(
     q = tl.minimum(tl.maximum(q, 0.0), N_STEPS * 1.0)
     u = tl.where(pos, q.to(tl.int32) + 1, 0)
     packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
+    return packed, lo, hi
+
+
+@triton.jit(do_not_specialize=["row0"])
+def quantize_log2_kernel(
+    x_ptr,
+    codes_ptr,
+    lo_ptr,
+    hi_ptr,
+    n,
+    row0,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Encode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat input."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
+
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if MASKED:
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    else:
+        x = tl.load(x_ptr + offs)
+    packed, lo, hi = log2_tile(x, BITS, BLOCK, ROWS)
 
     byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
     if MASKED:

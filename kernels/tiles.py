@@ -4,13 +4,23 @@ Both kernels view a flat tensor as rows of ``BLOCK`` elements (one row per scale
 each program ``ROWS`` consecutive rows. Tiles wholly inside the tensor run as one launch
 without bounds masks, so their loads and stores stay 16-byte vectors whatever the length;
 the partial tile at the end, if any, is one masked program of its own.
+
+The grouped kernels do the same over many tensors (:func:`launch_grouped`): row ``j`` of
+an int64 table holds tensor ``j``'s four addresses (inputs and outputs), its element
+count, the first row of its first tile, the index of its first program and the slot of its
+flag; a program finds its row by a binary search of the programs' start indices
+(:func:`find_entry`). One launch runs every whole tile of every tensor unmasked, one the
+partial tile of each tensor that has one: two launches and one table copy per group.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 # Elements per program: large enough to amortize the program's scalar work, small enough to
 # keep the tile in registers (16 elements per thread with 8 warps).
@@ -49,3 +59,108 @@ def launch_row_tiles(
         tail_row0 = row0 + full_tiles * rows
         if tail_row0 * block < n:
             kernel[(1,)](*pointers, n, tail_row0, MASKED=True, **meta)
+
+
+# Columns of a grouped kernel's table row (int64): four addresses, then these.
+N_COL, ROW0_COL, START_COL, FLAG_COL = 4, 5, 6, 7
+TABLE_COLUMNS = 8
+# Every input and output region of a group starts on this many bytes: the kernels declare
+# the table's addresses 16-byte aligned, so whole tiles load and store 16-byte vectors.
+ALIGN = 16
+
+
+@triton.jit
+def find_entry(table_ptr, pid, T, LOG_T: tl.constexpr):
+    """The last row ``j < T`` of a grouped table whose start column is ``<= pid`` (starts
+    ascend): the tensor whose tile program ``pid`` encodes."""
+    j = pid * 0
+    for k in tl.static_range(LOG_T):
+        cand = j + (1 << (LOG_T - 1 - k))
+        start = tl.load(table_ptr + cand * 8 + 6, mask=cand < T, other=pid + 1)
+        j = tl.where(start <= pid, cand, j)
+    return j
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """Whether a grouped kernel may read ``t`` as it is: contiguous and 16-byte aligned."""
+    return t.is_contiguous() and t.data_ptr() % ALIGN == 0
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def group_outputs(
+    numels: Sequence[int], outputs: Sequence[tuple[torch.dtype, Callable[[int], int]]], device: torch.device
+) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
+    """One buffer per output kind (``(dtype, length for n elements)``) for a whole group,
+    each tensor's region ``ALIGN``-aligned; returns each tensor's views and addresses."""
+    views: list[list[torch.Tensor]] = [[] for _ in numels]
+    addrs: list[list[int]] = [[] for _ in numels]
+    for dtype, length in outputs:
+        size = torch.empty((), dtype=dtype).element_size()
+        offsets, total = [], 0
+        for n in numels:
+            offsets.append(total)
+            total += _round_up(length(n) * size, ALIGN)
+        buf = torch.empty(total // size, dtype=dtype, device=device)
+        for i, n in enumerate(numels):
+            start = offsets[i] // size
+            views[i].append(buf[start : start + length(n)])
+            addrs[i].append(buf.data_ptr() + offsets[i])
+    return views, addrs
+
+
+def launch_grouped(
+    kernel,
+    addresses: Sequence[Sequence[int]],
+    numels: Sequence[int],
+    block: int,
+    flags: torch.Tensor,
+    slots: Sequence[int],
+    type_carriers: tuple,
+    **constexprs,
+) -> None:
+    """Run a grouped ``kernel[grid](table, flags, *type_carriers, T, LOG_T=.., MASKED=..,
+    BLOCK, ROWS, ...)`` over tensors with four ``addresses`` each: the whole tiles in one
+    launch, the tails in another, after one copy of the table to the device (from pinned
+    memory on CUDA, so no sync)."""
+    rows = rows_per_program(block)
+    main: list[int] = []
+    tail: list[int] = []
+    programs = 0
+    for addr, n, slot in zip(addresses, numels, slots):
+        full = n // (rows * block)
+        if full:
+            main += [*addr, n, 0, programs, slot]
+            programs += full
+        if full * rows * block < n:
+            tail += [*addr, n, full * rows, len(tail) // TABLE_COLUMNS, slot]
+    if not main and not tail:
+        return
+    device = flags.device
+    host = torch.tensor(main + tail, dtype=torch.int64)
+    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    meta = dict(BLOCK=block, ROWS=rows, num_warps=NUM_WARPS, enable_fp_fusion=False, **constexprs)
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    n_main, n_tail = len(main) // TABLE_COLUMNS, len(tail) // TABLE_COLUMNS
+    with on_device:
+        if n_main:
+            kernel[(programs,)](
+                table, flags, *type_carriers, n_main, LOG_T=log_steps(n_main), MASKED=False, **meta
+            )
+        if n_tail:
+            kernel[(n_tail,)](
+                table[len(main) :],
+                flags,
+                *type_carriers,
+                n_tail,
+                LOG_T=log_steps(n_tail),
+                MASKED=True,
+                **meta,
+            )
+
+
+def log_steps(t: int) -> int:
+    """Binary-search steps over ``t`` table rows: the least ``k >= 1`` with ``2**k >= t``."""
+    return max(1, (t - 1).bit_length())

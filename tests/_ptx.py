@@ -85,9 +85,108 @@ def log2_variants() -> list[Variant]:
     ]
 
 
+def grouped_variants() -> list[Variant]:
+    """The grouped kernels: the encode over a table of tensors (bits x dtype pairs x
+    {main, tail} x targets, block 128) and the fingerprint (dtypes x targets)."""
+    rotate = {"fp32": "bf16", "fp16": "fp32", "bf16": "bf16"}
+    encode = [
+        Variant("grouped-encode", bits, 128, dtype, ref, masked, cc)
+        for bits in BITS
+        for dtype in DTYPES
+        for ref in (None, rotate[dtype])
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+    log2 = [
+        Variant("grouped-log2-encode", bits, 128, dtype, None, masked, cc)
+        for bits in BITS
+        for dtype in DTYPES
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+    fingerprint = [
+        Variant("fingerprint", 32, 2048, dtype, None, False, cc) for dtype in DTYPES for cc in TARGETS
+    ]
+    copy = [
+        Variant("grouped-copy", 8, 4096, "u8", None, masked, cc) for masked in (False, True) for cc in TARGETS
+    ]
+    decode = [
+        Variant("grouped-decode", bits, 128, dtype, rotate[dtype], masked, cc)
+        for bits in BITS
+        for dtype in DTYPES
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+    return encode + log2 + fingerprint + copy + decode
+
+
 def every_variant() -> list[Variant]:
     """Everything the children compile."""
-    return all_variants() + log2_variants()
+    return all_variants() + log2_variants() + grouped_variants()
+
+
+def _grouped_source(v: Variant):
+    from triton.compiler import ASTSource
+
+    from tw_triton.kernels.copy_grouped import copy_grouped_kernel
+    from tw_triton.kernels.dequantize_blockwise_grouped import dequantize_blockwise_grouped_kernel
+    from tw_triton.kernels.fingerprint import fingerprint_kernel
+    from tw_triton.kernels.quantize_blockwise_grouped import quantize_blockwise_grouped_kernel
+    from tw_triton.kernels.quantize_log2_grouped import quantize_log2_grouped_kernel
+    from tw_triton.kernels.tiles import rows_per_program
+
+    if v.op == "fingerprint":
+        signature = {
+            "table_ptr": "*i64",
+            "out_ptr": "*i64",
+            "type_ptr": f"*{v.dtype}",
+            "SAMPLES": "constexpr",
+        }
+        constexprs = {"SAMPLES": v.block}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
+        return ASTSource(fn=fingerprint_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    if v.op == "grouped-copy":
+        signature = {"table_ptr": "*i64", "flags_ptr": "*i64", "T": "i32"}
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "BLOCK": v.block, "ROWS": 1}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(2)}
+        signature.update({name: "constexpr" for name in constexprs})
+        return ASTSource(fn=copy_grouped_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    if v.op == "grouped-decode":
+        fn = dequantize_blockwise_grouped_kernel
+        signature = {
+            "table_ptr": "*i64",
+            "flags_ptr": "*i64",
+            "ref_type_ptr": f"*{v.ref_dtype}",
+            "out_type_ptr": f"*{v.dtype}",
+            "T": "i32",
+        }
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "HAS_REF": True, "BITS": v.bits}
+    elif v.op == "grouped-log2-encode":
+        fn = quantize_log2_grouped_kernel
+        signature = {"table_ptr": "*i64", "flags_ptr": "*i64", "x_type_ptr": f"*{v.dtype}", "T": "i32"}
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "BITS": v.bits}
+    else:
+        fn = quantize_blockwise_grouped_kernel
+        signature = {
+            "table_ptr": "*i64",
+            "flags_ptr": "*i64",
+            "x_type_ptr": f"*{v.dtype}",
+            "ref_type_ptr": f"*{v.ref_dtype or v.dtype}",
+            "T": "i32",
+        }
+        constexprs = {
+            "LOG_T": 4,
+            "MASKED": v.masked,
+            "HAS_REF": v.ref_dtype is not None,
+            "BITS": v.bits,
+            "QMAX": (1 << (v.bits - 1)) - 1,
+        }
+    constexprs.update({"BLOCK": v.block, "ROWS": rows_per_program(v.block)})
+    # Pointers are 16-byte aligned (the tail launch's table slice starts 64 bytes per row
+    # in; the carriers of the element types are tensors of the group); T is not specialized.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(signature) - 1)}
+    signature.update({name: "constexpr" for name in constexprs})
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
 def _log2_source(v: Variant):
@@ -116,11 +215,12 @@ def compile_variant(v: Variant):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if v.op.startswith("log2-"):
+    if v.op.startswith(("log2-", "grouped-")) or v.op == "fingerprint":
         from tw_triton.kernels.tiles import NUM_WARPS
 
+        source = _log2_source(v) if v.op.startswith("log2-") else _grouped_source(v)
         return triton.compile(
-            _log2_source(v),
+            source,
             target=GPUTarget("cuda", v.cc, 32),
             options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
         )

@@ -29,6 +29,7 @@ from .qstate import QuantizedState
 from .rules import select_rule
 from .snapshot_pool import SnapshotLease
 from .state import delta_paths, dequantize_entries, dequantize_state_dict, disjoint_paths
+from .state.grouped import decode_grouped, groups_launches
 from .tree import Flattened, flatten
 
 DELTA_MODES = ("open", "closed", "none")
@@ -216,22 +217,21 @@ def advance(reference: Reference, q: QuantizedState) -> None:
             return ref.copy_(out.reshape(ref.shape))
         return out.to(r.device, copy=True)
 
-    # Host tensors decode on the worker threads, as a load does; device ones here.
+    # Host tensors decode on the worker threads, as a load does; device ones here, the
+    # deltas in grouped launches (tw_triton.state.grouped).
     targets = list(first)
-    on_host = all(r.device.type == "cpu" for r in first.values()) and all(
-        b.device.type == "cpu" for t in targets for b in q.entries[t].buffers.values()
+    on_host = all(not groups_launches(r.device) for r in first.values()) and all(
+        not groups_launches(b.device) for t in targets for b in q.entries[t].buffers.values()
     )
-    decoded = dict(
-        zip(
-            targets,
-            parallel_map(
-                decode,
-                targets,
-                sizes=[q.entries[t].raw_nbytes for t in targets],
-                threads=None if on_host else 1,
-            ),
-        )
-    )
+    if on_host:
+        results = parallel_map(decode, targets, sizes=[q.entries[t].raw_nbytes for t in targets])
+    else:
+        items = [
+            (q.entries[t], refs[t], first[t].device, f"checkpoint {q.checkpoint_id}: entry {t!r}")
+            for t in targets
+        ]
+        results = decode_grouped(items, lambda i: decode(targets[i]))
+    decoded = dict(zip(targets, results))
     # By entry path, so tied tensors stay tied.
     reference.tree = nest({path: decoded[q.aliases.get(path, path)] for path in old})
     reference.owned = True

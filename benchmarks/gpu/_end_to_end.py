@@ -7,6 +7,10 @@ and DCP ``async_save``. Per method, medians over rounds that take turns:
 
 * ``blocked_s``: until the save call returns to the loop (the device synchronized before
   the clock starts, so no earlier training work is counted);
+* ``blocked_in_loop_s`` (tw_triton only): the same, with ``save()`` called as a training
+  loop calls it: right after a training step is queued, nothing synchronized (separate
+  Checkpointers, so the files and chains measured above do not change). A save that waits
+  for the whole device, rather than for its own kernels, counts that step here;
 * ``total_s``: until the file is durable (``torch.save`` and ``save_file`` followed by an
   fsync of the file; DCP and tw_triton fsync themselves);
 * ``peak_device_bytes``: ``torch.cuda.max_memory_allocated`` during the save above what was
@@ -149,6 +153,13 @@ def run_save_load(
     ck_kf = Checkpointer(workdir / "tw-keyframe", keyframe_every=1, keep_last=1)
     ck_delta = Checkpointer(workdir / "tw-delta", keyframe_every=1_000_000, keep_last=1)
     ck_delta.save(0, model=model, optimizer=opt).result()  # the keyframe the deltas use
+    # The same two kinds of save, timed as a loop calls them (blocked_in_loop_s).
+    in_loop = {
+        "tw keyframe": Checkpointer(workdir / "tw-loop-keyframe", keyframe_every=1, keep_last=1),
+        "tw delta": Checkpointer(workdir / "tw-loop-delta", keyframe_every=1_000_000, keep_last=1),
+    }
+    in_loop["tw delta"].save(0, model=model, optimizer=opt).result()
+    in_loop_s: dict[str, list[float]] = {m: [] for m in in_loop}
     saves: dict[str, list[dict[str, float]]] = {m: [] for m in SAVE_METHODS}
     loads: dict[str, list[float]] = {m: [] for m in LOAD_METHODS}
     last_step = 0
@@ -186,6 +197,15 @@ def run_save_load(
             peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else None
             if r:
                 saves[method].append({"blocked_s": blocked, "total_s": total, "peak_device_bytes": peak})
+        for method, ck in in_loop.items():
+            sync(device)  # the saves above are not counted
+            step()  # queued; save() follows at once, as in a training loop
+            t0 = time.perf_counter()
+            fut = ck.save(last_step, model=model, optimizer=opt)
+            blocked = time.perf_counter() - t0
+            fut.result()
+            if r:
+                in_loop_s[method].append(blocked)
         for method in LOAD_METHODS:
             sync(device)
             t0 = time.perf_counter()
@@ -211,6 +231,8 @@ def run_save_load(
     }
     ck_kf.close()
     ck_delta.close()
+    for ck in in_loop.values():
+        ck.close()
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     save_rows = {
         m: {
@@ -221,6 +243,8 @@ def run_save_load(
         }
         for m, v in saves.items()
     }
+    for m, v in in_loop_s.items():
+        save_rows[m]["blocked_in_loop_s"] = med(v)
     load_rows = {m: {"load_s": med(v)} for m, v in loads.items()}
     ts = save_rows["torch.save"]["blocked_s"]
     st = load_rows["safetensors"]["load_s"]

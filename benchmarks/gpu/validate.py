@@ -338,13 +338,15 @@ def end_to_end_table(data: dict[str, Any]) -> str:
     if not data.get("save"):
         return ""
     lines = [
-        "| method | blocks the loop (s) | total save (s) | peak device MiB | file MiB |",
-        "|---|---:|---:|---:|---:|",
+        "| method | blocks the loop (s) | right after a step (s) | total save (s) | peak device MiB | file MiB |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for m, r in data["save"].items():
         peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**20:.0f}"
+        after = r.get("blocked_in_loop_s")
         lines.append(
-            f"| {m} | {r['blocked_s']:.4f} | {r['total_s']:.4f} | {peak} | {r['file_bytes'] / 2**20:.1f} |"
+            f"| {m} | {r['blocked_s']:.4f} | {'-' if after is None else f'{after:.4f}'} | "
+            f"{r['total_s']:.4f} | {peak} | {r['file_bytes'] / 2**20:.1f} |"
         )
     lines += ["", "| load method | load to the device (s) |", "|---|---:|"]
     for m, r in data["load"].items():

@@ -114,7 +114,9 @@ def test_one_host_sync_for_the_whole_state(monkeypatch):
     """All NaN flags and fingerprints are read with one transfer; nothing else syncs."""
     calls = []
     real = state_fingerprints.read_device_scalars
-    monkeypatch.setattr(state_fingerprints, "read_device_scalars", lambda s: calls.append(len(s)) or real(s))
+    monkeypatch.setattr(
+        state_fingerprints, "read_device_scalars", lambda s, *b: calls.append(len(s)) or real(s, *b)
+    )
 
     # The tensor codec is checked on its own (its CPU path may read scalars: no device to
     # sync with); here the state-level glue around it must not read any device value.

@@ -76,6 +76,10 @@ def test_dry_run_passes_and_writes_its_report(dry_run):
     assert [r["name"] for r in rows] == list(steps)
     assert steps["identity_grid"]["data"]["cases_run"] == 3 * len(_precompile.default_grid())
     assert steps["save_load"]["data"]["tensors_compared"] > 0
+    # Issue 29, item 7: save() is also timed as a loop calls it, right after a step.
+    saves = steps["end_to_end"]["data"]["save"]
+    assert all(saves[m]["blocked_in_loop_s"] > 0 for m in ("tw keyframe", "tw delta"))
+    assert "right after a step" in summary
 
 
 def test_results_page_shows_gpu_runs_and_says_not_run_otherwise(dry_run, tmp_path):

@@ -210,10 +210,10 @@ def test_state_api_reads_device_flags_once_per_checkpoint_not_per_tensor(monkeyp
     batched: list[int] = []
     real_read = state_fingerprints.read_device_scalars
 
-    def counted_read(scalars):
+    def counted_read(scalars, *buffers):
         batched.append(len(scalars))
-        with reads.pause():  # its one .cpu() per device is the intended sync
-            return real_read(scalars)
+        with reads.pause():  # its one copy per device is the intended sync
+            return real_read(scalars, *buffers)
 
     monkeypatch.setattr(state_fingerprints, "read_device_scalars", counted_read)
     # Patch the classes, not the registered instances: undoing a patch of a method on an

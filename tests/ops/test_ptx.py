@@ -135,6 +135,60 @@ def test_log2_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, variant:
         assert set(stores) == {"st.global.v4.b32"}, stores
 
 
+GROUPED_VARIANTS = _ptx.grouped_variants()
+
+
+@pytest.mark.parametrize("variant", GROUPED_VARIANTS, ids=lambda v: v.label)
+def test_grouped_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, variant: _ptx.Variant) -> None:
+    """The kernels a save of many tensors launches (issue 29, item 6): the grouped encode
+    keeps the single-tensor encode's rules (its tensors' addresses come from the table,
+    declared 16-byte aligned, so whole tiles still load 16-byte vectors); the fingerprint
+    is integer work on sampled elements."""
+    facts = ptx_facts[variant.label]
+    ops = facts["opcodes"]
+    assert facts["cubin_bytes"] > 0
+    assert facts["ptx_target"].startswith(f"sm_{variant.cc}"), facts["ptx_target"]
+    assert not [op for op in ops if ".ftz" in op], ops
+    assert not [op for op in ops if op.startswith("fma")], ops
+    assert not _ops(facts, "div.full") and not _ops(facts, "div.approx"), _ops(facts, "div")
+    assert facts["ctaid_uses"], "program id register never read"
+    narrow = [op for op in facts["ctaid_uses"] if not _WIDE.match(op)]
+    assert not narrow, f"program id used in 32-bit arithmetic: {narrow}"
+    if variant.op == "fingerprint":
+        assert "st.global.b64" in _ops(facts, "st.global"), ops
+        return
+    if variant.op == "grouped-copy":
+        if not variant.masked:  # bytes move as 16-byte vectors both ways
+            assert set(_ops(facts, "ld.global")) == {"ld.global.b64", "ld.global.v4.b32"}, ops
+            assert set(_ops(facts, "st.global")) == {"st.global.v4.b32"}, ops
+        return
+    assert "mul.f32" not in ops and "add.f32" not in ops and "sub.f32" not in ops
+    if variant.op == "grouped-decode":
+        # A multiply then an add, each rounded; codes in words, the output in vectors.
+        assert ops.get("mul.rn.f32", 0) > 0 and ops.get("add.rn.f32", 0) > 0, ops
+        if not variant.masked:
+            loads, stores = _ops(facts, "ld.global"), _ops(facts, "st.global")
+            assert not [op for op in loads if op.endswith((".b8", ".b16"))], loads
+            assert "ld.global.v4.b32" in loads, loads
+            assert set(stores) == {"st.global.v4.b32"}, stores
+        return
+    assert ops.get("div.rn.f32", 0) > 0
+    if variant.op == "grouped-log2-encode":
+        assert ops.get("cvt.rn.f32.s32", 0) > 0, ops
+    # The flag: one atomic max per program, on 64-bit integers.
+    assert [op for op in ops if op.startswith("atom.") and op.endswith("max.s64")], ops
+    if variant.masked:
+        return
+    loads = _ops(facts, "ld.global")
+    stores = _ops(facts, "st.global")
+    # Table reads are scalar 64-bit loads; the input streams are 16-byte vectors only.
+    assert set(loads) == {"ld.global.b64", "ld.global.v4.b32"}, loads
+    assert not [op for op in stores if op.endswith((".b8", ".b16"))], stores
+    if variant.op == "grouped-encode":
+        widest = {8: "st.global.v4.b32", 4: "st.global.v2.b32", 2: "st.global.b32"}[variant.bits]
+        assert widest in stores, stores
+
+
 # Item 5 of issue 29: bit-exactness on subnormals is proven for triton >= 3.6 only (older
 # versions lowered ``tl.div_rn`` to ``div.rn.ftz.f32``). The PTX rules above check the
 # installed triton; the guard below refuses the older ones at the first CUDA tensor coded.

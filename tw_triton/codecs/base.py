@@ -129,6 +129,45 @@ class Codec(ABC):
         )
         return split_encoded(whole, xs, layout)
 
+    def group_key(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Hashable | None:
+        """A key under which the encode of a device tensor may share kernel launches with
+        others of the same codec, params and key (:meth:`encode_group`); ``None`` (the
+        default): encode it alone."""
+        return None
+
+    def encode_group(
+        self,
+        xs: Sequence[torch.Tensor],
+        params: Mapping[str, Any],
+        references: Sequence[torch.Tensor] | None,
+        flags: torch.Tensor,
+    ) -> list[Encoded]:
+        """Encode device tensors of one :meth:`group_key` in a number of launches that does
+        not grow with their count. Each result is what :meth:`encode` gives that tensor
+        alone, except its ``unusable`` flag: element ``i`` of ``flags`` (int64, zero on
+        entry, on the tensors' device), raised where tensor ``i`` cannot be coded.
+        """
+        raise NotImplementedError(f"codec {self.name!r} has no grouped encode")
+
+    def decode_group_key(self, entry: EncodedEntry, reference: torch.Tensor | None) -> Hashable | None:
+        """A key under which the decode of ``entry`` (against ``reference``) on a device
+        may share launches with others of the same codec and key (:meth:`decode_group`);
+        ``None`` (the default): decode it alone."""
+        return None
+
+    def decode_group(
+        self,
+        entries: Sequence[EncodedEntry],
+        references: Sequence[torch.Tensor | None],
+        device: torch.device,
+        contexts: Sequence[str],
+    ) -> list[torch.Tensor]:
+        """:meth:`decode` of entries of one :meth:`decode_group_key` on ``device``, in a
+        number of launches that does not grow with their count."""
+        raise NotImplementedError(f"codec {self.name!r} has no grouped decode")
+
     def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:  # noqa: B027 - optional hook
         """Check the params an entry of this codec records in a file: every name known, each
         value of its type and in its range, so that a file edited to hold another value

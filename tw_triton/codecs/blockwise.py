@@ -346,6 +346,47 @@ class BlockwiseCodec(Codec):
             lambda n: {"codes": n * bits // 8, "scales": n // block}, lambda b: nonfinite_flag(b["scales"])
         )
 
+    # Grouped encode and decode of device tensors (tw_triton.state.grouped): the bodies
+    # live in tw_triton.codecs.grouped, beside the log2 codec's.
+    def group_key(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Hashable | None:
+        return ("delta" if reference is not None else "plain",)  # the op splits by dtypes
+
+    def encode_group(self, xs, params, references, flags):  # type: ignore[no-untyped-def]
+        from .grouped import encode_blockwise_group
+
+        return encode_blockwise_group(self, xs, params, references, flags)
+
+    def decode_group_key(self, entry: EncodedEntry, reference: torch.Tensor | None) -> Hashable | None:
+        if not self.uses_reference(entry.params) or reference is None or entry.dtype not in FLOAT_DTYPES:
+            return None
+        return (entry.params.get("bits"), entry.params.get("block"), entry.dtype)
+
+    def decode_group(self, entries, references, device, contexts):  # type: ignore[no-untyped-def]
+        from .grouped import decode_blockwise_group
+
+        return decode_blockwise_group(self, entries, references, device, contexts)
+
+    def entry_of(
+        self,
+        x: torch.Tensor,
+        params: Mapping[str, Any],
+        delta: bool,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> EncodedEntry:
+        stored = {"bits": params["bits"], "block": params["block"], "packing": PACKING, "delta": delta}
+        if "qmax" in params:
+            stored["qmax"] = params["qmax"]
+        return EncodedEntry(
+            codec=self.name,
+            params=stored,
+            shape=tuple(x.shape),
+            dtype=x.dtype,
+            buffers={"codes": codes, "scales": scales},
+        )
+
     def _encoded(
         self,
         x: torch.Tensor,
@@ -361,21 +402,7 @@ class BlockwiseCodec(Codec):
             qmax=params.get("qmax"),
             out=out,
         )
-        stored = {
-            "bits": q.bits,
-            "block": q.block,
-            "packing": PACKING,
-            "delta": reference is not None,
-        }
-        if "qmax" in params:
-            stored["qmax"] = params["qmax"]
-        entry = EncodedEntry(
-            codec=self.name,
-            params=stored,
-            shape=q.shape,
-            dtype=q.dtype,
-            buffers={"codes": q.codes, "scales": q.scales},
-        )
+        entry = self.entry_of(x, params, reference is not None, q.codes, q.scales)
         return Encoded(entry, unusable=q.nonfinite)
 
     def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:
@@ -394,7 +421,7 @@ class BlockwiseCodec(Codec):
                 ) from None
         check_ref_fp(params, context)
 
-    def _stored(self, entry: EncodedEntry, context: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    def stored_parts(self, entry: EncodedEntry, context: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
         """``(bits, block, codes, scales)`` of a stored entry, checked."""
         self.check_stored_params(entry.params, context)
         bits, block, codes = stored_codes(entry, context)
@@ -408,7 +435,7 @@ class BlockwiseCodec(Codec):
         device: torch.device | None,
         context: str,
     ) -> torch.Tensor:
-        bits, block, codes, scales = self._stored(entry, context)
+        bits, block, codes, scales = self.stored_parts(entry, context)
         delta = self.uses_reference(entry.params)
         if delta and reference is None:
             raise CheckpointError(f"{context}: delta entry decoded without its reference tensor")
@@ -445,7 +472,7 @@ class BlockwiseCodec(Codec):
             or not reference.is_contiguous()
         ):
             return self.decode(entry, reference, device, context)
-        bits, block, codes, scales = self._stored(entry, context)
+        bits, block, codes, scales = self.stored_parts(entry, context)
         ops.dequantize_blockwise(
             move_to(codes.reshape(-1), dev),
             move_to(scales.reshape(-1), dev),

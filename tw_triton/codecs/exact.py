@@ -6,11 +6,12 @@ See docs/codecs.md for when the state API stores a tensor exact.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from .. import ops
 from ..errors import CheckpointError, QuantizationError
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
@@ -71,6 +72,22 @@ class ExactCodec(Codec):
         data = allocate(tuple(x.shape), x.dtype, x.device)
         data.copy_(x.detach())
         return self._entry(x, data)
+
+    def group_key(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Hashable | None:
+        return ()  # any dtypes: a copy is bytes
+
+    def encode_group(
+        self,
+        xs: Sequence[torch.Tensor],
+        params: Mapping[str, Any],
+        references: Sequence[torch.Tensor] | None,
+        flags: torch.Tensor,
+    ) -> list[Encoded]:
+        for x in xs:
+            self._check_dtype(x)
+        return [self._entry(x, data) for x, data in zip(xs, ops.copy_many(list(xs)))]
 
     def wrap(self, x: torch.Tensor) -> Encoded:
         """The entry of a contiguous ``x`` that holds ``x`` itself, not a copy.

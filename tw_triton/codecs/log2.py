@@ -40,7 +40,7 @@ per element: ``bits / 8 + 8 / block`` (two int32 bounds per block).
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,18 +197,44 @@ class Log2Codec(Codec):
             lambda b: unusable_flag(b["hi"]),
         )
 
+    def group_key(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Hashable | None:
+        return ()  # the grouped op splits by dtype itself
+
+    def encode_group(
+        self,
+        xs: Sequence[torch.Tensor],
+        params: Mapping[str, Any],
+        references: Sequence[torch.Tensor] | None,
+        flags: torch.Tensor,
+    ) -> list[Encoded]:
+        for x in xs:
+            check_input(x)
+        check_params(params["bits"], params["block"])
+        triples = ops.quantize_log2_many(list(xs), params["bits"], params["block"], flags=flags)
+        return [
+            Encoded(self.entry_of(x, params, buffers), unusable=flags[i])
+            for i, (x, buffers) in enumerate(zip(xs, triples))
+        ]
+
+    def entry_of(
+        self, x: torch.Tensor, params: Mapping[str, Any], buffers: tuple[torch.Tensor, ...]
+    ) -> EncodedEntry:
+        codes, lo, hi = buffers
+        return EncodedEntry(
+            codec=self.name,
+            params={"bits": params["bits"], "block": params["block"], "packing": PACKING},
+            shape=tuple(x.shape),
+            dtype=x.dtype,
+            buffers={"codes": codes, "lo": lo, "hi": hi},
+        )
+
     def _encoded(
         self, x: torch.Tensor, params: Mapping[str, Any], out: tuple[torch.Tensor, ...] | None
     ) -> Encoded:
         q = quantize_log2(x, bits=params["bits"], block=params["block"], out=out)
-        entry = EncodedEntry(
-            codec=self.name,
-            params={"bits": q.bits, "block": q.block, "packing": PACKING},
-            shape=q.shape,
-            dtype=q.dtype,
-            buffers={"codes": q.codes, "lo": q.lo, "hi": q.hi},
-        )
-        return Encoded(entry, unusable=q.unusable)
+        return Encoded(self.entry_of(x, params, (q.codes, q.lo, q.hi)), unusable=q.unusable)
 
     def decode(
         self,

@@ -2,7 +2,9 @@
 
 Four ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2` and
-:func:`dequantize_log2`. Each has one reference implementation in plain torch
+:func:`dequantize_log2`; five serve a save of many device tensors with a fixed number of
+launches: :func:`quantize_blockwise_many`, :func:`quantize_log2_many`, :func:`fingerprints`,
+:func:`copy_many` and :func:`dequantize_blockwise_many` (the closed-loop advance). Each has one reference implementation in plain torch
 (:mod:`tw_triton.ops.reference`, the spec, serving any device) and backends registered per
 device type: the compiled C codec for ``"cpu"`` (:mod:`~tw_triton.ops.backends.cpu`,
 falling back to the reference where it does not take a tensor) and the Triton kernels for
@@ -117,14 +119,97 @@ def dequantize_log2(
     return lookup("dequantize_log2", codes.device.type)(codes, lo, hi, numel, bits, block, dtype, out=out)
 
 
+def quantize_blockwise_many(
+    xs: list[torch.Tensor],
+    references: list[torch.Tensor] | None,
+    bits: int,
+    block: int,
+    *,
+    flags: torch.Tensor,
+    qmax: int | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`quantize_blockwise` of many tensors on one device, in a number of kernel
+    launches that does not grow with their count (on CUDA: two per pair of dtypes).
+
+    Args:
+        xs: float tensors on one device (any shapes and strides).
+        references: ``None``, or one float tensor per ``xs`` of its shape on its device.
+        bits, block, qmax: as for :func:`quantize_blockwise`, shared by all.
+        flags: int64, ``len(xs)`` elements on the device, zero where nothing raised them:
+            ``flags[i]`` becomes nonzero where tensor ``i`` has a NaN/Inf block (its scale
+            is infinite); nothing is read back here.
+
+    Returns:
+        ``(codes, scales)`` per tensor, the bytes :func:`quantize_blockwise` gives it alone
+        (on CUDA, views of one buffer per dtype pair).
+    """
+    if not xs:
+        return []
+    return lookup("quantize_blockwise_many", xs[0].device.type)(
+        xs, references, bits, block, flags=flags, qmax=qmax
+    )
+
+
+def quantize_log2_many(
+    xs: list[torch.Tensor], bits: int, block: int, *, flags: torch.Tensor
+) -> list[tuple[torch.Tensor, ...]]:
+    """:func:`quantize_log2` of many tensors on one device, in a number of launches that
+    does not grow with their count (on CUDA: two per dtype). ``flags`` as for
+    :func:`quantize_blockwise_many`, raised where a tensor has a negative, NaN or Inf."""
+    if not xs:
+        return []
+    return lookup("quantize_log2_many", xs[0].device.type)(xs, bits, block, flags=flags)
+
+
+def fingerprints(ts: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
+    """Fingerprints of reference tensors (:func:`~tw_triton.ops.reference.fingerprint_torch`)
+    into ``out`` (int64, one per tensor, on the tensors' device), in a number of launches
+    that does not grow with their count (on CUDA: one per dtype). Returns ``out``."""
+    if not ts:
+        return out
+    return lookup("fingerprints", ts[0].device.type)(ts, out=out)
+
+
+def dequantize_blockwise_many(
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    numels: list[int],
+    bits: int,
+    block: int,
+    references: list[torch.Tensor] | None,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """:func:`dequantize_blockwise` of many tensors on one device (flat results of
+    ``dtype``), in a number of launches that does not grow with their count (on CUDA: two
+    per reference dtype)."""
+    if not codes:
+        return []
+    return lookup("dequantize_blockwise_many", codes[0].device.type)(
+        codes, scales, numels, bits, block, references, dtype
+    )
+
+
+def copy_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A contiguous copy of each of ``xs`` (tensors of any dtypes on one device), in a
+    number of launches that does not grow with their count (on CUDA: at most two)."""
+    if not xs:
+        return []
+    return lookup("copy_many", xs[0].device.type)(xs)
+
+
 __all__ = [
     "OPS",
     "backends",
+    "copy_many",
     "dequantize_blockwise",
+    "dequantize_blockwise_many",
     "dequantize_log2",
+    "fingerprints",
     "lookup",
     "quantize_blockwise",
+    "quantize_blockwise_many",
     "quantize_log2",
+    "quantize_log2_many",
     "register",
     "using",
 ]

@@ -16,7 +16,17 @@ from collections.abc import Callable, Iterator
 from ..errors import QuantizationError
 
 # The op names of tw_triton.ops: a backend registering anything else is a typo.
-OPS = ("quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2")
+OPS = (
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "quantize_log2",
+    "dequantize_log2",
+    "quantize_blockwise_many",
+    "quantize_log2_many",
+    "fingerprints",
+    "copy_many",
+    "dequantize_blockwise_many",
+)
 
 _REFERENCE: dict[str, Callable] = {}
 _BACKENDS: dict[tuple[str, str], Callable] = {}

@@ -30,6 +30,7 @@ from ..tree import Flattened
 from . import fingerprints
 from .entries import codec_or_raise
 from .fingerprints import FINGERPRINT_PREFIX
+from .grouped import DeviceEncode, groups_launches
 from .references import flat_reference, reference_tensor
 
 logger = logging.getLogger(__name__)
@@ -161,12 +162,19 @@ def quantize_state_dict(
             return ref
         return ref.to(x.device, non_blocking=ref.is_pinned())
 
-    def finish(i: int, enc: Encoded, ref: torch.Tensor | None) -> tuple[Encoded, torch.Tensor | None]:
+    alone_fps: dict[int, torch.Tensor] = {}
+
+    def finish(
+        i: int, enc: Encoded, ref: torch.Tensor | None, fp: torch.Tensor | None = None
+    ) -> tuple[Encoded, torch.Tensor | None]:
         """The entry, and the fingerprint of the reference it used (a device scalar)."""
         _, rule, codec, _ = jobs[i]
         enc.entry.codec = rule.codec
-        used = ref is not None and codec.uses_reference(enc.entry.params)
-        return enc, fingerprints.fingerprint(ref) if used else None
+        if ref is None or not codec.uses_reference(enc.entry.params):
+            return enc, None
+        if fp is None:
+            fp = alone_fps[i] if i in alone_fps else fingerprints.fingerprint(ref)
+        return enc, fp
 
     def encode_alone(i: int) -> tuple[Encoded, torch.Tensor | None]:
         x, rule, codec, ref = jobs[i]
@@ -180,7 +188,11 @@ def quantize_state_dict(
                 enc = codec.encode_with(x, rule.params, ref, allocate)
         except QuantizationError as e:
             raise QuantizationError(f"entry {canonical[i]!r} (codec {rule.codec!r}): {e}") from e
-        return finish(i, enc, ref)
+        # Taken now: a host reference's device copy lives only while its tensor is encoded.
+        done = finish(i, enc, ref)
+        if done[1] is not None:
+            alone_fps[i] = done[1]
+        return done
 
     def encode_item(item: tuple[int, ...]) -> list[tuple[Encoded, torch.Tensor | None]]:
         if len(item) == 1:
@@ -198,30 +210,42 @@ def quantize_state_dict(
 
     # On the CPU the entries are encoded on several threads (each alone, or small ones of
     # one kind together: the bytes do not depend on it, see tw_triton.batching); device
-    # tensors are encoded here, where their launches are queued.
-    on_host = all(t.device.type == "cpu" for t in tensors.values())
-    keys = [batch_key(*job) if on_host else None for job in jobs]
-    # Tuples of ints: the collector stops tracking them, so a save's few hundred work items
-    # are not promoted towards a full collection while the encode runs.
-    work = [tuple(item) for item in group_batches(keys, [job[0].numel() for job in jobs])]
-    counted = [0]
-
-    def report(k: int) -> None:
-        for _ in work[k]:
-            counted[0] += 1
-            progress(counted[0], len(canonical))  # type: ignore[misc]
-
-    results = parallel_map(
-        encode_item,
-        work,
-        sizes=[sum(jobs[i][0].numel() * jobs[i][0].element_size() for i in item) for item in work],
-        threads=None if on_host else 1,
-        done=None if progress is None else report,
-    )
+    # tensors are encoded here, where their launches are queued, in groups (grouped.py).
+    on_host = all(not groups_launches(t.device) for t in tensors.values())
     encoded: list[tuple[Encoded, torch.Tensor | None]] = [None] * len(canonical)  # type: ignore[list-item]
-    for item, result in zip(work, results):
-        for i, r in zip(item, result):
-            encoded[i] = r
+    fps: dict[int, torch.Tensor] = {}
+    scalar_buffers: list[torch.Tensor] = []
+    if on_host:
+        keys = [batch_key(*job) for job in jobs]
+        # Tuples of ints: the collector stops tracking them, so a save's few hundred work
+        # items are not promoted towards a full collection while the encode runs.
+        work = [tuple(item) for item in group_batches(keys, [job[0].numel() for job in jobs])]
+        counted = [0]
+
+        def report(k: int) -> None:
+            for _ in work[k]:
+                counted[0] += 1
+                progress(counted[0], len(canonical))  # type: ignore[misc]
+
+        results = parallel_map(
+            encode_item,
+            work,
+            sizes=[sum(jobs[i][0].numel() * jobs[i][0].element_size() for i in item) for item in work],
+            done=None if progress is None else report,
+        )
+        for item, result in zip(work, results):
+            for i, r in zip(item, result):
+                encoded[i] = r
+    else:
+        # An exact entry kept as it is (a private snapshot) is no copy: not grouped.
+        kept = lambda i: not copy and isinstance(jobs[i][2], ExactCodec) and jobs[i][0].is_contiguous()  # noqa: E731
+        grouped = DeviceEncode(jobs, lambda i: encode_alone(i)[0], lambda i: True, kept)
+        encs, fps = grouped.run()
+        scalar_buffers = list(grouped.buffers.values())
+        for i, enc in enumerate(encs):
+            encoded[i] = finish(i, enc, jobs[i][3], fps.get(i))
+            if progress is not None:
+                progress(i + 1, len(canonical))
 
     entries: dict[str, EncodedEntry] = {}
     flagged: list[tuple[str, torch.Tensor]] = []
@@ -234,8 +258,11 @@ def quantize_state_dict(
         if ref_fp is not None:
             fingerprinted.append((path, ref_fp))
 
-    # The one host sync: every NaN/Inf flag and every reference fingerprint together.
-    values = fingerprints.read_device_scalars([f for _, f in flagged] + [f for _, f in fingerprinted])
+    # The one host sync: every NaN/Inf flag and every reference fingerprint together, one
+    # copy per device and an event that fires when it is done.
+    values = fingerprints.read_device_scalars(
+        [f for _, f in flagged] + [f for _, f in fingerprinted], scalar_buffers
+    )
     for (path, _), bad in zip(flagged, values[: len(flagged)]):
         if bad:
             # log2 also refuses a negative value (a "non-negative" state that is not).

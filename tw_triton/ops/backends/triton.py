@@ -130,10 +130,129 @@ def dequantize_log2_cuda(
     return _out(kernels().dequantize_log2(codes, lo, hi, numel, bits, block, dtype), out)
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _by_dtypes(xs: list[torch.Tensor], refs: list[torch.Tensor] | None) -> dict[tuple, list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(xs):
+        key = (x.dtype, None if refs is None else refs[i].dtype)
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the grouped kernels read it: contiguous and 16-byte aligned (a copy of a
+    view that is not; fresh allocations always are)."""
+    if kernels().aligned(t):
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def quantize_blockwise_many_cuda(
+    xs: list[torch.Tensor],
+    references: list[torch.Tensor] | None,
+    bits: int,
+    block: int,
+    *,
+    flags: torch.Tensor,
+    qmax: int | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The grouped encode kernel: one table copy and at most two launches per pair of
+    (input, reference) dtypes, whatever the number of tensors."""
+    k = kernels()
+    q = check_qmax(bits, qmax)
+    out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(xs)  # type: ignore[list-item]
+    for members in _by_dtypes(xs, references).values():
+        gx = [_readable(xs[i]) for i in members]
+        gr = None if references is None else [_readable(references[i]) for i in members]
+        for i, pair in zip(members, k.quantize_blockwise_grouped(gx, gr, bits, block, q, flags, members)):
+            out[i] = pair
+    return out
+
+
+def quantize_log2_many_cuda(
+    xs: list[torch.Tensor], bits: int, block: int, *, flags: torch.Tensor
+) -> list[tuple[torch.Tensor, ...]]:
+    """The grouped log2 encode kernel: one table copy and at most two launches per dtype."""
+    k = kernels()
+    out: list[tuple[torch.Tensor, ...]] = [None] * len(xs)  # type: ignore[list-item]
+    for members in _by_dtypes(xs, None).values():
+        gx = [_readable(xs[i]) for i in members]
+        for i, triple in zip(members, k.quantize_log2_grouped(gx, bits, block, flags, members)):
+            out[i] = triple
+    return out
+
+
+def dequantize_blockwise_many_cuda(
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    numels: list[int],
+    bits: int,
+    block: int,
+    references: list[torch.Tensor] | None,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """The grouped decode kernel: one table copy and at most two launches per reference
+    dtype."""
+    k = kernels()
+    out: list[torch.Tensor] = [None] * len(codes)  # type: ignore[list-item]
+    groups: dict[torch.dtype | None, list[int]] = {}
+    for i in range(len(codes)):
+        groups.setdefault(None if references is None else references[i].dtype, []).append(i)
+    for members in groups.values():
+        decoded = k.dequantize_blockwise_grouped(
+            [_readable(codes[i]) for i in members],
+            [_readable(scales[i]) for i in members],
+            [numels[i] for i in members],
+            bits,
+            block,
+            None if references is None else [_readable(references[i]) for i in members],
+            dtype,
+        )
+        for i, t in zip(members, decoded):
+            out[i] = t
+    return out
+
+
+def copy_many_cuda(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The grouped copy kernel for the tensors it can read in place (contiguous, 16-byte
+    aligned): one table copy and at most two launches; a clone for each other one."""
+    k = kernels()
+    out: list[torch.Tensor] = [None] * len(xs)  # type: ignore[list-item]
+    members = [i for i, x in enumerate(xs) if k.aligned(x)]
+    for i, x in enumerate(xs):
+        if i not in set(members):
+            out[i] = x.detach().clone(memory_format=torch.contiguous_format)
+    if members:
+        for i, copy in zip(members, k.copy_grouped([xs[i].detach() for i in members])):
+            out[i] = copy
+    return out
+
+
+def fingerprints_cuda(ts: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
+    """The grouped fingerprint kernel: one table copy and one launch per dtype."""
+    from ..reference import FINGERPRINT_SAMPLES, fingerprint_torch
+
+    k = kernels()
+    for (dtype, _), members in _by_dtypes(ts, None).items():
+        if dtype in _KERNEL_DTYPES:
+            k.fingerprints([_readable(ts[i].detach()) for i in members], out, FINGERPRINT_SAMPLES, members)
+        else:  # no kernel reads it: the reference, per tensor
+            for i in members:
+                out[i] = fingerprint_torch(ts[i])
+    return out
+
+
 # The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
 BACKEND = {
     "quantize_blockwise": quantize_blockwise_cuda,
     "dequantize_blockwise": dequantize_blockwise_cuda,
     "quantize_log2": quantize_log2_cuda,
     "dequantize_log2": dequantize_log2_cuda,
+    "quantize_blockwise_many": quantize_blockwise_many_cuda,
+    "quantize_log2_many": quantize_log2_many_cuda,
+    "fingerprints": fingerprints_cuda,
+    "copy_many": copy_many_cuda,
+    "dequantize_blockwise_many": dequantize_blockwise_many_cuda,
 }

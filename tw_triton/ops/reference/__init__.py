@@ -10,6 +10,15 @@ from __future__ import annotations
 from .blockwise_decode import crumb_table, dequantize_blockwise_torch, signed_codes
 from .blockwise_encode import nearest_integer_at_ties, pack_codes, quantize_blockwise_torch
 from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, scratch_buffers
+from .grouped import (
+    FINGERPRINT_SAMPLES,
+    copy_many_torch,
+    dequantize_blockwise_many_torch,
+    fingerprint_torch,
+    fingerprints_torch,
+    quantize_blockwise_many_torch,
+    quantize_log2_many_torch,
+)
 from .log2 import dequantize_log2_torch, levels, quantize_log2_torch
 
 # The ops this backend implements (registered by tw_triton.ops as the default of every device).
@@ -18,19 +27,31 @@ REFERENCE = {
     "dequantize_blockwise": dequantize_blockwise_torch,
     "quantize_log2": quantize_log2_torch,
     "dequantize_log2": dequantize_log2_torch,
+    "quantize_blockwise_many": quantize_blockwise_many_torch,
+    "quantize_log2_many": quantize_log2_many_torch,
+    "fingerprints": fingerprints_torch,
+    "copy_many": copy_many_torch,
+    "dequantize_blockwise_many": dequantize_blockwise_many_torch,
 }
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "FINGERPRINT_SAMPLES",
+    "copy_many_torch",
     "REFERENCE",
     "copy_flat_range",
     "crumb_table",
+    "dequantize_blockwise_many_torch",
     "dequantize_blockwise_torch",
     "dequantize_log2_torch",
+    "fingerprint_torch",
+    "fingerprints_torch",
     "levels",
     "nearest_integer_at_ties",
     "pack_codes",
+    "quantize_blockwise_many_torch",
     "quantize_blockwise_torch",
+    "quantize_log2_many_torch",
     "quantize_log2_torch",
     "release_scratch",
     "scratch",

@@ -1,0 +1,260 @@
+"""Launches and host syncs per save: a fixed small number, whatever the number of tensors.
+
+A GPU is not needed to count them. The state API encodes a device state in groups
+(``tw_triton.state.grouped``); here that path is forced for CPU tensors
+(``groups_launches`` patched), the grouped ops' Triton backend is registered for the CPU
+(so its kernels run under ``TRITON_INTERPRET=1``, table building and all), and a spy counts:
+
+* kernel launches: every launch of a Triton kernel, plus every torch op the save issues
+  outside the kernels that computes something (allocations and views launch nothing);
+* host syncs: every read of device values on the host, i.e. calls of
+  ``fingerprints.to_host`` (the one copy + event) and any ``item``/``nonzero``-like op.
+
+What this proves: the orchestration issues the same operations for 10 and for 200 coded
+tensors. What it does not: on CUDA the table copies are pinned-memory copies and the
+wait is a CUDA event (those lines run only on a GPU: benchmarks/gpu).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tw_triton import Checkpointer, deltas, ops, quantize_state_dict
+from tw_triton.ops.backends import triton as triton_backend
+from tw_triton.state import encode as encode_module
+from tw_triton.state import fingerprints
+
+# Host reads of tensor values: any of these is a sync on a device.
+SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
+NOT_LAUNCHES = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.detach.default"}
+
+BLOCKWISE = [("*", {"codec": "blockwise", "bits": 4, "block": 32})]
+# Weights as blockwise deltas, second moments by the log2 codec (no reference).
+# and counters exact.
+MIXED = [("*exp_avg_sq", {"codec": "log2", "bits": 4, "block": 64}), ("*.step", "exact"), *BLOCKWISE]
+
+
+class LaunchSpy(TorchDispatchMode):
+    """Counts the torch ops issued while active, except inside spied kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.kernels: Counter = Counter()
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and not func.is_view and str(func) not in NOT_LAUNCHES:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def counted(self, name: str, fn):
+        """``fn``, counted as one launch per call (its inner torch work is not)."""
+
+        def run(*args, **kwargs):
+            self.kernels[name] += 1
+            self.paused = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused = False
+
+        return run
+
+    def launches(self) -> int:
+        torch_ops = sum(n for op, n in self.ops.items() if op not in SYNC_OPS and op != "to_host")
+        return sum(self.kernels.values()) + torch_ops
+
+    def syncs(self) -> int:
+        return self.ops["to_host"] + sum(self.ops[op] for op in SYNC_OPS)
+
+
+class SpiedKernel:
+    """A Triton kernel whose launches count on ``spy`` (its inner torch work does not)."""
+
+    def __init__(self, kernel, name: str, spy: LaunchSpy) -> None:
+        self.kernel, self.name, self.spy = kernel, name, spy
+
+    def __getitem__(self, grid):
+        return self.spy.counted(self.name, self.kernel[grid])
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The grouped device path forced on CPU tensors, with its launches and syncs counted."""
+    spy = LaunchSpy()
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: True)
+    monkeypatch.setattr(deltas, "groups_launches", lambda device: True)
+    for module, name in [
+        ("tw_triton.kernels.quantize_blockwise_grouped", "quantize_blockwise_grouped_kernel"),
+        ("tw_triton.kernels.quantize_log2_grouped", "quantize_log2_grouped_kernel"),
+        ("tw_triton.kernels.copy_grouped", "copy_grouped_kernel"),
+        ("tw_triton.kernels.dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
+        ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
+    ]:
+        mod = importlib.import_module(module)
+        monkeypatch.setattr(mod, name, SpiedKernel(getattr(mod, name), name, spy))
+    real_to_host = fingerprints.to_host
+
+    def to_host(buf):
+        spy.ops["to_host"] += 1
+        return real_to_host(buf)
+
+    monkeypatch.setattr(fingerprints, "to_host", to_host)
+    grouped = {
+        "quantize_blockwise_many": triton_backend.quantize_blockwise_many_cuda,
+        "quantize_log2_many": triton_backend.quantize_log2_many_cuda,
+        "fingerprints": triton_backend.fingerprints_cuda,
+        "copy_many": triton_backend.copy_many_cuda,
+        "dequantize_blockwise_many": triton_backend.dequantize_blockwise_many_cuda,
+    }
+    with contextlib.ExitStack() as stack:
+        for op, fn in grouped.items():
+            stack.enter_context(ops.using(op, "cpu", fn))
+        # The single-tensor ops count as a launch each: on the CPU they run in the
+        # compiled codec, which the dispatch spy does not see.
+        for op in ("quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2"):
+            stack.enter_context(ops.using(op, "cpu", spy.counted(op, ops.lookup(op, "cpu"))))
+        yield spy
+
+
+def make_state(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """``n`` small tensors of two dtypes and many sizes: weights and second moments, each
+    kind and dtype with whole tiles and a tail among the first eight (so that 10 and 200
+    tensors hold the same kinds, and differ in number only)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(n):
+        size = 5000 if i < 8 else 40 + 13 * i
+        dtype = torch.bfloat16 if i % 2 else torch.float32
+        name = f"layer{i}.exp_avg_sq" if i % 4 in (1, 2) else f"layer{i}.weight"
+        out[name] = torch.randn(size, generator=gen).to(dtype)
+        if name.endswith("exp_avg_sq"):
+            out[name] = out[name].square()
+        if i % 3 == 0:
+            out[f"layer{i}.step"] = torch.tensor([i, 7], dtype=torch.int64)
+    return out
+
+
+def counted_save(spy: LaunchSpy, n: int):
+    state = make_state(n, seed=n)
+    ref = {k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}
+    spy.ops.clear()
+    spy.kernels.clear()
+    with spy:
+        q = quantize_state_dict({"model": state}, reference={"model": ref}, rules=MIXED)
+    return q, (spy.launches(), spy.syncs(), dict(spy.kernels), dict(spy.ops))
+
+
+def test_a_delta_save_launches_and_syncs_the_same_for_10_and_200_tensors(spy) -> None:
+    _, small = counted_save(spy, 10)
+    _, large = counted_save(spy, 200)
+    assert small == large, f"10 tensors: {small}\n200 tensors: {large}"
+    launches, syncs, kernels, torch_ops = large
+    # Two dtype pairs (two dtypes for log2): at most two encode launches each; two
+    # reference dtypes: one fingerprint launch each; one zero-fill of the flags and
+    # fingerprints.
+    assert kernels["quantize_blockwise_grouped_kernel"] <= 4
+    assert kernels["quantize_log2_grouped_kernel"] <= 4
+    assert kernels["copy_grouped_kernel"] == 1  # the counters: a tail each, no whole tile
+    assert kernels["fingerprint_kernel"] == 2
+    assert torch_ops == {"aten.zeros.default": 1, "to_host": 1}
+    assert launches <= 12 and syncs == 1
+
+
+def test_the_grouped_path_gives_the_bytes_of_the_per_tensor_path(spy, monkeypatch) -> None:
+    state = make_state(30, seed=1)
+    state["layer3.weight"][5] = float("nan")  # stored exact, as on the per-tensor path
+    state["layer5.exp_avg_sq"][0] = -1.0  # likewise: log2 codes no negative value
+    ref = {k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}
+    grouped = quantize_state_dict({"model": state}, reference={"model": ref}, rules=MIXED)
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
+    alone = quantize_state_dict({"model": state}, reference={"model": ref}, rules=MIXED)
+    assert grouped.entries.keys() == alone.entries.keys()
+    assert grouped.entries["model/layer3.weight"].codec == "exact"
+    assert grouped.entries["model/layer5.exp_avg_sq"].codec == "exact"
+    assert grouped.entries["model/layer9.exp_avg_sq"].codec == "log2"
+    for path, entry in alone.entries.items():
+        other = grouped.entries[path]
+        assert (other.codec, other.params) == (entry.codec, entry.params), path
+        for name, buf in entry.buffers.items():
+            got, want = (b.reshape(-1).view(torch.uint8) for b in (other.buffers[name], buf))
+            assert torch.equal(got, want), (path, name)
+    assert grouped.reference_id == alone.reference_id
+
+
+def test_an_open_loop_checkpointer_costs_the_same_for_10_and_200_tensors(spy, tmp_path) -> None:
+    """Both kinds of save: the keyframe (every entry exact: grouped copies) and a delta."""
+    counts = []
+    for n in (10, 200):
+        state = make_state(n, seed=n)
+        per_save = []
+        with Checkpointer(
+            tmp_path / str(n), async_write=False, fsync=False, delta="open", rules=MIXED
+        ) as ckpt:
+            for step in (0, 1):
+                spy.ops.clear()
+                spy.kernels.clear()
+                with spy:
+                    ckpt.save(step, model=state)
+                per_save.append((spy.launches(), spy.syncs(), dict(spy.kernels)))
+                for t in state.values():
+                    if t.is_floating_point():
+                        t.add_(0.01)
+            loaded = ckpt.load(1)["model"]
+        counts.append(per_save)
+        # The weights' deltas decode close (the bytes are the per-tensor path's: above).
+        for path, t in state.items():
+            if path.endswith("weight"):
+                assert torch.allclose(loaded[path].float(), t.float() - 0.01, atol=0.05), path
+    assert counts[0] == counts[1], counts
+    keyframe, delta = counts[1]
+    # The keyframe stores the delta-coded entries exact (copies); log2 codes the moments.
+    assert keyframe[2] == {"copy_grouped_kernel": 2, "quantize_log2_grouped_kernel": 4}
+    assert keyframe[1] == 1
+    assert delta[1] == 1
+
+
+def closed_loop_saves(root, n: int, spy: LaunchSpy | None) -> tuple[list, dict[str, torch.Tensor]]:
+    """A keyframe and two closed-loop deltas of ``make_state(n)``: the counts of each save
+    (when spied) and what the last one loads to."""
+    state = make_state(n, seed=n)
+    per_save = []
+    with Checkpointer(root, async_write=False, fsync=False, delta="closed", rules=MIXED) as ckpt:
+        for step in (0, 1, 2):
+            if spy is not None:
+                spy.ops.clear()
+                spy.kernels.clear()
+                with spy:
+                    ckpt.save(step, model=state)
+                per_save.append((spy.launches(), spy.syncs(), dict(spy.kernels)))
+            else:
+                ckpt.save(step, model=state)
+            for t in state.values():
+                if t.is_floating_point():
+                    t.add_(0.01)
+        loaded = ckpt.load(2)["model"]
+    return per_save, loaded
+
+
+def test_a_closed_loop_delta_advances_its_reference_in_grouped_launches(spy, tmp_path, monkeypatch) -> None:
+    small, _ = closed_loop_saves(tmp_path / "10", 10, spy)
+    large, loaded = closed_loop_saves(tmp_path / "200", 200, spy)
+    assert small == large, (small, large)
+    for _, syncs, kernels in large[1:]:
+        assert syncs == 1
+        # The deltas decoded to advance the reference: two dtypes, at most two launches each.
+        assert 1 <= kernels["dequantize_blockwise_grouped_kernel"] <= 4
+    # The same files and reconstructions as the per-tensor path.
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
+    monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
+    _, alone = closed_loop_saves(tmp_path / "alone", 200, None)
+    assert loaded.keys() == alone.keys()
+    for path, t in alone.items():
+        assert torch.equal(loaded[path].view(torch.uint8), t.view(torch.uint8)), path

@@ -1,0 +1,75 @@
+"""The blockwise codec's grouped encode and decode (the bodies of its
+:meth:`~tw_triton.codecs.Codec.encode_group` and :meth:`~tw_triton.codecs.Codec.decode_group`).
+
+A save of a device state encodes its blockwise entries in groups
+(:mod:`tw_triton.state.grouped`), and a closed-loop save decodes its deltas in groups to
+advance the reference (:func:`tw_triton.deltas.advance`): each group is one grouped op, a
+fixed number of kernel launches whatever the number of tensors, with each tensor's bytes
+and values what the codec gives it alone. Why: docs/design.md ("Launches and syncs per save").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..qstate import EncodedEntry
+from .base import Encoded, move_to
+from .blockwise import BlockwiseCodec, check_input, check_params, check_qmax
+
+
+def encode_blockwise_group(
+    codec: BlockwiseCodec,
+    xs: Sequence[torch.Tensor],
+    params: Mapping[str, Any],
+    references: Sequence[torch.Tensor] | None,
+    flags: torch.Tensor,
+) -> list[Encoded]:
+    """:meth:`BlockwiseCodec.encode` of each of ``xs`` (``references`` at the same
+    positions, or ``None``), with one grouped op; tensor ``i``'s flag is ``flags[i]``."""
+    refs: Sequence[torch.Tensor | None] = [None] * len(xs) if references is None else references
+    for x, r in zip(xs, refs):
+        check_input(x, r)
+    bits, block = params["bits"], params["block"]
+    check_params(bits, block)
+    pairs = ops.quantize_blockwise_many(
+        list(xs),
+        None if references is None else list(references),
+        bits,
+        block,
+        flags=flags,
+        qmax=check_qmax(bits, params.get("qmax")),
+    )
+    return [
+        Encoded(codec.entry_of(x, params, r is not None, codes, scales), unusable=flags[i])
+        for i, (x, r, (codes, scales)) in enumerate(zip(xs, refs, pairs))
+    ]
+
+
+def decode_blockwise_group(
+    codec: BlockwiseCodec,
+    entries: Sequence[EncodedEntry],
+    references: Sequence[torch.Tensor | None],
+    device: torch.device,
+    contexts: Sequence[str],
+) -> list[torch.Tensor]:
+    """:meth:`BlockwiseCodec.decode` of delta entries of one bits, block and dtype against
+    their references, on ``device``, with one grouped op."""
+    stored = [codec.stored_parts(e, c) for e, c in zip(entries, contexts)]
+    flat = ops.dequantize_blockwise_many(
+        [move_to(codes.reshape(-1), device) for _, _, codes, _ in stored],
+        [move_to(scales.reshape(-1), device) for _, _, _, scales in stored],
+        [math.prod(e.shape) for e in entries],
+        stored[0][0],
+        stored[0][1],
+        [move_to(r, device).reshape(-1) for r in references],  # type: ignore[arg-type]
+        entries[0].dtype,
+    )
+    return [t.view(tuple(e.shape)) for t, e in zip(flat, entries)]
+
+
+__all__ = ["decode_blockwise_group", "encode_blockwise_group"]

@@ -1,0 +1,158 @@
+"""The encode of a state on a device: a fixed number of kernel launches per save.
+
+On the CPU :func:`~tw_triton.state.quantize_state_dict` encodes entries on worker threads;
+on a GPU each call is a kernel launch queued on the training stream, so this module groups
+them instead: the entries whose codec has a grouped encode (:meth:`Codec.encode_group`:
+blockwise, log2, exact) are grouped by device, codec, params and the codec's
+:meth:`Codec.group_key`, and each group is one grouped op (on CUDA a table copy and at most
+two launches per pair of dtypes). Their
+NaN/Inf flags and the fingerprints of every reference are written into one int64 buffer
+per device (one zero-fill), which the state API reads with one copy and one event
+(:func:`~tw_triton.state.fingerprints.read_device_scalars`). Entries of other codecs are
+encoded alone, as on the CPU. Why: docs/design.md ("Launches and syncs per save").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..codecs import Codec, Encoded, get_codec
+from ..errors import QuantizationError
+from ..qstate import EncodedEntry
+
+# (tensor, rule, codec, reference or None): one entry to encode, as quantize_state_dict plans it.
+Job = tuple[torch.Tensor, Any, Codec, "torch.Tensor | None"]
+
+
+def groups_launches(device: torch.device) -> bool:
+    """Whether entries on ``device`` are encoded in groups (every device but the CPU, whose
+    encode runs on worker threads instead)."""
+    return device.type != "cpu"
+
+
+def group_of(job: Job) -> Any:
+    """The key of ``job``'s group, or ``None`` to encode it alone."""
+    x, rule, codec, ref = job
+    key = codec.group_key(x, rule.params, ref)
+    if key is None:
+        return None
+    try:
+        frozen = tuple(sorted(rule.params.items()))
+        hash(frozen)
+    except TypeError:  # params holding lists or dicts: encoded alone
+        return None
+    return (x.device, rule.codec, frozen, key)
+
+
+class DeviceEncode:
+    """The grouped encode of a state's entries on devices.
+
+    Args:
+        jobs: the entries, as planned by the state API.
+        encode_alone: encodes entry ``i`` by itself (the path of ungrouped codecs).
+        fingerprint: whether entry ``i``'s reference gets a fingerprint.
+        alone: whether entry ``i`` must be encoded by itself (e.g. kept as it is).
+    """
+
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        encode_alone: Callable[[int], Encoded],
+        fingerprint: Callable[[int], bool],
+        alone: Callable[[int], bool] = lambda i: False,
+    ) -> None:
+        self.jobs, self.encode_alone = jobs, encode_alone
+        groups: dict[Any, list[int]] = {}
+        self.alone: list[int] = []
+        for i, job in enumerate(jobs):
+            key = None if alone(i) else group_of(job)
+            if key is None:
+                self.alone.append(i)
+            else:
+                groups.setdefault(key, []).append(i)
+        self.groups = list(groups.values())
+        # Slots of one int64 buffer per device: the grouped entries' flags, then the
+        # references' fingerprints.
+        self.sizes: dict[torch.device, int] = {}
+        self.flag_at: dict[int, int] = {}
+        for members in self.groups:
+            for i in members:
+                self.flag_at[i] = self.slot(jobs[i][0].device)
+        self.fp_at: dict[int, int] = {}
+        for i, (_, _, _, ref) in enumerate(jobs):
+            if ref is not None and fingerprint(i):
+                self.fp_at[i] = self.slot(ref.device)
+        self.buffers = {d: torch.zeros(n, dtype=torch.int64, device=d) for d, n in self.sizes.items()}
+
+    def slot(self, device: torch.device) -> int:
+        n = self.sizes.get(device, 0)
+        self.sizes[device] = n + 1
+        return n
+
+    def run(self) -> tuple[list[Encoded], dict[int, torch.Tensor]]:
+        """Encode every entry; returns the encodings in the jobs' order and each
+        fingerprinted entry's fingerprint (a 0-dim view of its device's buffer)."""
+        encoded: list[Encoded] = [None] * len(self.jobs)  # type: ignore[list-item]
+        for members in self.groups:
+            x0, rule, codec, ref0 = self.jobs[members[0]]
+            first = self.flag_at[members[0]]
+            # A group's slots are consecutive: they were handed out group by group.
+            flags = self.buffers[x0.device][first : first + len(members)]
+            xs = [self.jobs[i][0] for i in members]
+            refs = None if ref0 is None else [self.jobs[i][3] for i in members]
+            try:
+                encs = codec.encode_group(xs, rule.params, refs, flags)
+            except QuantizationError:
+                # One at a time, so that the error names the entry it is about.
+                encs = [self.encode_alone(i) for i in members]
+            for i, enc in zip(members, encs):
+                encoded[i] = enc
+        for i in self.alone:
+            encoded[i] = self.encode_alone(i)
+        fps: dict[int, torch.Tensor] = {}
+        by_device: dict[torch.device, list[int]] = {}
+        for i in self.fp_at:
+            by_device.setdefault(self.jobs[i][3].device, []).append(i)  # type: ignore[union-attr]
+        for device, members in by_device.items():
+            first = self.fp_at[members[0]]
+            out = self.buffers[device][first : first + len(members)]
+            ops.fingerprints([self.jobs[i][3] for i in members], out=out)  # type: ignore[misc]
+            for k, i in enumerate(members):
+                fps[i] = out[k]
+        return encoded, fps
+
+
+def decode_grouped(
+    items: Sequence[tuple[EncodedEntry, torch.Tensor | None, torch.device, str]],
+    decode_alone: Callable[[int], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Decode ``(entry, reference, device, context)`` items on devices: those whose codec
+    has a grouped decode (:meth:`Codec.decode_group`) in one grouped op per codec, key and
+    device, the others with ``decode_alone(i)``. Results in the items' order."""
+    groups: dict[Any, list[int]] = {}
+    out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
+    for i, (entry, ref, device, _) in enumerate(items):
+        codec = get_codec(entry.codec)
+        key = None if codec is None else codec.decode_group_key(entry, ref)
+        if key is None:
+            out[i] = decode_alone(i)
+        else:
+            groups.setdefault((entry.codec, key, device), []).append(i)
+    for (name, _, device), members in groups.items():
+        codec = get_codec(name)
+        decoded = codec.decode_group(  # type: ignore[union-attr]
+            [items[i][0] for i in members],
+            [items[i][1] for i in members],
+            device,
+            [items[i][3] for i in members],
+        )
+        for i, t in zip(members, decoded):
+            out[i] = t
+    return out
+
+
+__all__ = ["DeviceEncode", "decode_grouped", "group_of", "groups_launches"]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .codecs import get_codec
+from .delta_bits import WIDER_BITS
 from .rules import keyframe_rules, resolve_rules, select_rule
 from .tree import Flattened
 
@@ -89,10 +90,17 @@ def save_variants(
                 continue
             # A keyframe codes without a reference; "none" codes every save so.
             has_ref = not keyframe and delta_mode != "none" and codec.uses_reference(rule.params)
-            params = tuple(sorted((k, v) for k, v in rule.params.items() if k not in NOT_KERNEL_PARAMS))
             n = representative_numel(t.numel(), rule.params["block"])
-            variant = Variant(rule.codec, params, t.dtype, has_ref, n, has_ref and delta_mode == "closed")
-            seen.setdefault(variant, None)
+            # A rule with max_error picks the bits from the values (delta_bits.py): every
+            # candidate may be launched.
+            bits_options = [rule.params.get("bits")]
+            if not keyframe and getattr(rule, "max_error", None) is not None:
+                bits_options += [b for b in WIDER_BITS if b > rule.params["bits"]]
+            for b in bits_options:
+                chosen = rule.params if b == rule.params.get("bits") else {**rule.params, "bits": b}
+                params = tuple(sorted((k, v) for k, v in chosen.items() if k not in NOT_KERNEL_PARAMS))
+                variant = Variant(rule.codec, params, t.dtype, has_ref, n, has_ref and delta_mode == "closed")
+                seen.setdefault(variant, None)
     return list(seen)
 
 

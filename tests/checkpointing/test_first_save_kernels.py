@@ -107,7 +107,12 @@ def test_prepare_launches_exactly_what_the_first_keyframe_and_delta_launch(
         ck.save(0, model=model, optimizer=opt)
         ck.save(1, model={k: v * 1.001 for k, v in model.items()}, optimizer=opt)
     assert compiled and len(compiled) == len(set(compiled))
-    assert ahead == launches
+    if rules == "smallest":
+        # Its weight deltas choose their bits from the values (max_error): prepare compiles
+        # every candidate, the saves launch some of them.
+        assert launches <= ahead and {v[3] for v in ahead} - {v[3] for v in launches}
+    else:
+        assert ahead == launches
 
 
 def test_save_variants_count_only_the_kernels_device():

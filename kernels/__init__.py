@@ -6,9 +6,17 @@ serve the "cuda" backend of :mod:`tw_triton.ops` (imported on first use, so trit
 optional) and match its plain-torch reference bit for bit (docs/codecs.md).
 """
 
+from .bitmask import bitmask_decode, bitmask_encode
 from .dequantize_blockwise import dequantize_blockwise
 from .dequantize_log2 import dequantize_log2
 from .quantize_blockwise import quantize_blockwise
 from .quantize_log2 import quantize_log2
 
-__all__ = ["quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2"]
+__all__ = [
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "quantize_log2",
+    "dequantize_log2",
+    "bitmask_encode",
+    "bitmask_decode",
+]

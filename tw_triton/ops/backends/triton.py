@@ -130,10 +130,27 @@ def dequantize_log2_cuda(
     return _out(kernels().dequantize_log2(codes, lo, hi, numel, bits, block, dtype), out)
 
 
+def bitmask_encode_cuda(
+    x: torch.Tensor, *, nnz: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two-pass bitmask encode (mask and counts, then the scatter of the values) on a
+    contiguous copy. ``out`` is ignored: the kernels allocate."""
+    return kernels().bitmask_encode(x.contiguous(), nnz)
+
+
+def bitmask_decode_cuda(
+    mask: torch.Tensor, values: torch.Tensor, numel: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The two-pass bitmask decode (popcounts, then the gather of the values)."""
+    return _out(kernels().bitmask_decode(mask.contiguous(), values.contiguous(), numel), out)
+
+
 # The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
 BACKEND = {
     "quantize_blockwise": quantize_blockwise_cuda,
     "dequantize_blockwise": dequantize_blockwise_cuda,
     "quantize_log2": quantize_log2_cuda,
     "dequantize_log2": dequantize_log2_cuda,
+    "bitmask_encode": bitmask_encode_cuda,
+    "bitmask_decode": bitmask_decode_cuda,
 }

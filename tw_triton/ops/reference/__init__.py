@@ -7,6 +7,7 @@ and values by the tests. The codecs' rules are stated in docs/codecs.md.
 
 from __future__ import annotations
 
+from .bitmask import bitmask_decode_torch, bitmask_encode_torch, nonzero_count
 from .blockwise_decode import crumb_table, dequantize_blockwise_torch, signed_codes
 from .blockwise_encode import nearest_integer_at_ties, pack_codes, quantize_blockwise_torch
 from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, scratch_buffers
@@ -18,16 +19,21 @@ REFERENCE = {
     "dequantize_blockwise": dequantize_blockwise_torch,
     "quantize_log2": quantize_log2_torch,
     "dequantize_log2": dequantize_log2_torch,
+    "bitmask_encode": bitmask_encode_torch,
+    "bitmask_decode": bitmask_decode_torch,
 }
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "REFERENCE",
+    "bitmask_decode_torch",
+    "bitmask_encode_torch",
     "copy_flat_range",
     "crumb_table",
     "dequantize_blockwise_torch",
     "dequantize_log2_torch",
     "levels",
+    "nonzero_count",
     "nearest_integer_at_ties",
     "pack_codes",
     "quantize_blockwise_torch",

@@ -85,9 +85,55 @@ def log2_variants() -> list[Variant]:
     ]
 
 
+BITMASK_OPS = ("bitmask-mask", "bitmask-scatter", "bitmask-popcount", "bitmask-gather")
+
+
+def bitmask_variants() -> list[Variant]:
+    """The sparse codec's four kernels: element widths (the launchers pass float tensors as
+    the integer of their width) x {main, tail} x targets. The popcount reads the mask only."""
+    return [
+        Variant(op, 0, 4096, dtype, None, masked, cc)
+        for op in BITMASK_OPS
+        for dtype in (("u8",) if op == "bitmask-popcount" else ("i16", "i32"))
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+
+
 def every_variant() -> list[Variant]:
     """Everything the children compile."""
-    return all_variants() + log2_variants()
+    return all_variants() + log2_variants() + bitmask_variants()
+
+
+def _bitmask_source(v: Variant):
+    from triton.compiler import ASTSource
+
+    from tw_triton.kernels import bitmask as k
+
+    elem = f"*{v.dtype}"
+    fn, signature = {
+        "bitmask-mask": (k.bitmask_mask_kernel, {"x_ptr": elem, "mask_ptr": "*u8", "counts_ptr": "*i64"}),
+        "bitmask-scatter": (
+            k.bitmask_scatter_kernel,
+            {"x_ptr": elem, "starts_ptr": "*i64", "values_ptr": elem},
+        ),
+        "bitmask-popcount": (k.bitmask_popcount_kernel, {"mask_ptr": "*u8", "counts_ptr": "*i64"}),
+        "bitmask-gather": (
+            k.bitmask_gather_kernel,
+            {"mask_ptr": "*u8", "starts_ptr": "*i64", "values_ptr": elem, "out_ptr": elem},
+        ),
+    }[v.op]
+    pointers = len(signature)
+    signature["n"] = "i32"
+    if v.op in ("bitmask-scatter", "bitmask-gather"):
+        signature["nnz"] = "i32"
+    signature["tile0"] = "i32"
+    constexprs = {"MASKED": v.masked, "TILE": v.block}
+    signature.update({name: "constexpr" for name in constexprs})
+    # The pointers and n are 16-divisible, as the JIT specializes them for fresh torch
+    # allocations and a length that is a multiple of 16; nnz and tile0 are not specialized.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(pointers + 1)}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
 def _log2_source(v: Variant):
@@ -116,11 +162,11 @@ def compile_variant(v: Variant):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if v.op.startswith("log2-"):
+    if v.op.startswith(("log2-", "bitmask-")):
         from tw_triton.kernels.tiles import NUM_WARPS
 
         return triton.compile(
-            _log2_source(v),
+            _log2_source(v) if v.op.startswith("log2-") else _bitmask_source(v),
             target=GPUTarget("cuda", v.cc, 32),
             options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
         )

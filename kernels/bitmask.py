@@ -112,7 +112,7 @@ def _unpack(mask_ptr, tile, n, MASKED: tl.constexpr, TILE: tl.constexpr):
     return nz
 
 
-def _launch(kernel, pointers: tuple, n: int, *scalars: int, device: torch.device) -> None:
+def launch_tiles(kernel, pointers: tuple, n: int, *scalars: int, device: torch.device) -> None:
     """``kernel`` over the whole tiles of ``n`` elements (unmasked), then the partial one."""
     full = n // TILE
     meta = dict(TILE=TILE, num_warps=NUM_WARPS)
@@ -154,13 +154,13 @@ def bitmask_encode(x: torch.Tensor, nnz: int | None = None) -> tuple[torch.Tenso
     mask = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
     counts = torch.zeros(ntiles, dtype=torch.int64, device=x.device)
     if n:
-        _launch(bitmask_mask_kernel, (flat, mask, counts), n, device=x.device)
+        launch_tiles(bitmask_mask_kernel, (flat, mask, counts), n, device=x.device)
     if nnz is None:
         nnz = int(counts.sum())
     values = torch.empty(nnz, dtype=x.dtype, device=x.device)
     if n and nnz:
         starts = _starts(counts)
-        _launch(bitmask_scatter_kernel, (flat, starts, values.view(flat.dtype)), n, nnz, device=x.device)
+        launch_tiles(bitmask_scatter_kernel, (flat, starts, values.view(flat.dtype)), n, nnz, device=x.device)
     return mask, values
 
 
@@ -179,8 +179,8 @@ def bitmask_decode(mask: torch.Tensor, values: torch.Tensor, n: int) -> torch.Te
     out = torch.empty(n, dtype=values.dtype, device=mask.device)
     if n:
         counts = torch.zeros(-(-n // TILE), dtype=torch.int64, device=mask.device)
-        _launch(bitmask_popcount_kernel, (mask, counts), n, device=mask.device)
+        launch_tiles(bitmask_popcount_kernel, (mask, counts), n, device=mask.device)
         starts = _starts(counts)
         pointers = (mask, starts, vals, out.view(vals.dtype))
-        _launch(bitmask_gather_kernel, pointers, n, vals.numel(), device=mask.device)
+        launch_tiles(bitmask_gather_kernel, pointers, n, vals.numel(), device=mask.device)
     return out

@@ -31,9 +31,29 @@ from .packed import PACKING
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
 
 
+# The state API stores a float tensor it would store exact with this codec instead when it
+# has at least SPARSE_MIN_NUMEL elements and the bitmask's raw bytes are at most
+# SPARSE_MAX_RATIO of the exact ones (at least 9.4 % zeros in fp32, 12.5 % in 16 bits).
+# Below that, the entropy stage gets nearly as much from the zeros of the exact bytes
+# (docs/codecs.md, "The sparse codec").
+SPARSE_MIN_NUMEL = 4096
+SPARSE_MAX_RATIO = 15 / 16
+
+
 def bitmask_nbytes(numel: int, nnz: int, itemsize: int) -> int:
     """Bytes of a bitmask entry of ``numel`` elements, ``nnz`` of them not zero."""
     return mask_nbytes(numel) + nnz * itemsize
+
+
+def sparse_candidate(x: torch.Tensor) -> bool:
+    """Whether the state API checks ``x`` (a tensor its rules store exact) for sparsity."""
+    return x.dtype in FLOAT_DTYPES and x.numel() >= SPARSE_MIN_NUMEL
+
+
+def sparse_pays(numel: int, nnz: int, itemsize: int) -> bool:
+    """Whether a tensor of ``numel`` elements, ``nnz`` of them not zero, is stored by this
+    codec rather than exact (see :data:`SPARSE_MAX_RATIO`)."""
+    return bitmask_nbytes(numel, nnz, itemsize) <= SPARSE_MAX_RATIO * numel * itemsize
 
 
 def mask_popcount(mask: torch.Tensor, numel: int) -> tuple[int, bool]:
@@ -154,4 +174,13 @@ class BitmaskCodec(Codec):
         return ops.bitmask_decode(mask, values, numel).view(shape)
 
 
-__all__ = ["BitmaskCodec", "bitmask_nbytes", "mask_popcount", "nonzero_count"]
+__all__ = [
+    "SPARSE_MAX_RATIO",
+    "SPARSE_MIN_NUMEL",
+    "BitmaskCodec",
+    "bitmask_nbytes",
+    "mask_popcount",
+    "nonzero_count",
+    "sparse_candidate",
+    "sparse_pays",
+]

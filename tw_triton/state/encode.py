@@ -2,7 +2,8 @@
 
 :func:`quantize_state_dict` flattens the state (:mod:`tw_triton.tree`), picks a codec per
 tensor (:mod:`tw_triton.rules`), encodes each on its own device (:mod:`tw_triton.codecs`)
-and returns a consistent snapshot; tied tensors are stored once, NaN/Inf tensors exact.
+and returns a consistent snapshot; tied tensors are stored once, NaN/Inf tensors exact,
+and sparse tensors that the rules store exact by the lossless ``bitmask`` codec.
 Why one host sync per state and how references are recorded: docs/design.md.
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from ..batching import group_batches
 from ..codecs import Codec, Encoded, ExactCodec
+from ..codecs.bitmask import BitmaskCodec, nonzero_count, sparse_candidate, sparse_pays
 from ..codecs.blockwise import check_params
 from ..errors import QuantizationError
 from ..format import MAX_EXPANSION
@@ -64,6 +66,13 @@ def batch_key(x: torch.Tensor, rule: Any, codec: Codec, ref: torch.Tensor | None
     return (rule.codec, frozen, key)
 
 
+def decided_after_sync(on_host: bool) -> bool:
+    """Whether the sparse candidates of a state are counted into the one host sync and
+    encoded after it (a state with device tensors), rather than each counted where it is
+    encoded (a state on the host, where reading a count costs nothing)."""
+    return not on_host
+
+
 def quantize_state_dict(
     state: Any,
     *,
@@ -78,6 +87,7 @@ def quantize_state_dict(
     allocate: Allocator | None = None,
     copy: bool = True,
     max_expansion: float | None = MAX_EXPANSION,
+    sparse: bool = True,
 ) -> QuantizedState:
     """Encode a nested training state into a consistent, writable snapshot.
 
@@ -106,6 +116,9 @@ def quantize_state_dict(
             those tensors instead of copies.
         max_expansion: for a ``reference`` given as a path, the bound on that file's
             compressed buffers and those of its chain, as for :func:`load`.
+        sparse: store a float tensor that the rules store exact with the lossless
+            ``bitmask`` codec where that is smaller (docs/codecs.md, "The sparse codec");
+            ``False``: exact, as the rules say (a snapshot that must stay a plain copy).
 
     Returns:
         A :class:`QuantizedState`; its buffers live where the source tensors did.
@@ -153,14 +166,49 @@ def quantize_state_dict(
         return x, rule, codec, ref
 
     jobs = [plan_one(path) for path in canonical]
+    on_host = all(t.device.type == "cpu" for t in tensors.values())
+    exact = codec_or_raise("exact", QuantizationError, "quantize_state_dict")
+    bitmask = codec_or_raise("bitmask", QuantizationError, "quantize_state_dict") if sparse else None
+    # Tensors the rules store exact that may be sparse: on the host each is counted and
+    # decided where it is encoded; on a device their counts join the one host sync below,
+    # and they are encoded after it.
+    sparse_jobs = {
+        i
+        for i, (x, _, codec, _) in enumerate(jobs)
+        if isinstance(bitmask, BitmaskCodec) and isinstance(codec, ExactCodec) and sparse_candidate(x)
+    }
+    deferred = sorted(sparse_jobs) if decided_after_sync(on_host) else []
+    later = set(deferred)
+    counts = [nonzero_count(jobs[i][0]) for i in deferred]
+
+    def exact_entry(x: torch.Tensor) -> EncodedEntry:
+        if not copy and isinstance(exact, ExactCodec) and x.is_contiguous():
+            entry = exact.wrap(x).entry
+        elif allocate is None:
+            entry = exact.encode(x, {}, None).entry
+        else:
+            entry = exact.encode_with(x, {}, None, allocate).entry
+        entry.codec = "exact"
+        return entry
+
+    def sparse_entry(x: torch.Tensor, nnz: int) -> EncodedEntry | None:
+        if not sparse_pays(x.numel(), nnz, x.element_size()):
+            return None
+        return bitmask.encode_counted(x, nnz, allocate).entry  # type: ignore[union-attr]
 
     def finish(i: int, enc: Encoded) -> tuple[Encoded, torch.Tensor | None]:
         _, rule, codec, ref = jobs[i]
         enc.entry.codec = rule.codec
         return enc, ref if ref is not None and codec.uses_reference(enc.entry.params) else None
 
-    def encode_alone(i: int) -> tuple[Encoded, torch.Tensor | None]:
+    def encode_alone(i: int) -> tuple[Encoded | None, torch.Tensor | None]:
         x, rule, codec, ref = jobs[i]
+        if i in later:
+            return None, None  # decided once the counts are read
+        if i in sparse_jobs:
+            entry = sparse_entry(x, int(nonzero_count(x)))
+            if entry is not None:
+                return Encoded(entry), None
         try:
             if not copy and isinstance(codec, ExactCodec) and x.is_contiguous():
                 enc: Encoded = codec.wrap(x)
@@ -187,7 +235,6 @@ def quantize_state_dict(
     # On the CPU the entries are encoded on several threads (each alone, or small ones of
     # one kind together: the bytes do not depend on it, see tw_triton.batching); device
     # tensors are encoded here, where their launches are queued.
-    on_host = all(t.device.type == "cpu" for t in tensors.values())
     keys = [batch_key(*job) if on_host else None for job in jobs]
     # Tuples of ints: the collector stops tracking them, so a save's few hundred work items
     # are not promoted towards a full collection while the encode runs.
@@ -206,7 +253,7 @@ def quantize_state_dict(
         threads=None if on_host else 1,
         done=None if progress is None else report,
     )
-    encoded: list[tuple[Encoded, torch.Tensor | None]] = [None] * len(canonical)  # type: ignore[list-item]
+    encoded: list[tuple[Encoded | None, torch.Tensor | None]] = [None] * len(canonical)  # type: ignore[list-item]
     for item, result in zip(work, results):
         for i, r in zip(item, result):
             encoded[i] = r
@@ -214,16 +261,24 @@ def quantize_state_dict(
     entries: dict[str, EncodedEntry] = {}
     flagged: list[tuple[str, torch.Tensor]] = []
     fingerprinted: list[tuple[str, torch.Tensor]] = []
-    exact = codec_or_raise("exact", QuantizationError, "quantize_state_dict")
     for path, (enc, used_ref) in zip(canonical, encoded):
+        if enc is None:
+            continue
         entries[path] = enc.entry
         if enc.unusable is not None:
             flagged.append((path, enc.unusable))
         if used_ref is not None:
             fingerprinted.append((path, fingerprints.fingerprint(used_ref)))
 
-    # The one host sync: every NaN/Inf flag and every reference fingerprint together.
-    values = fingerprints.read_device_scalars([f for _, f in flagged] + [f for _, f in fingerprinted])
+    # The one host sync: every NaN/Inf flag, reference fingerprint and sparsity count.
+    values = fingerprints.read_device_scalars(
+        [f for _, f in flagged] + [f for _, f in fingerprinted] + counts
+    )
+    for i, nnz in zip(deferred, values[len(flagged) + len(fingerprinted) :]):
+        x = jobs[i][0]
+        entries[canonical[i]] = sparse_entry(x, nnz) or exact_entry(x)
+    if deferred:
+        entries = {path: entries[path] for path in canonical}
     for (path, _), bad in zip(flagged, values[: len(flagged)]):
         if bad:
             logger.warning(
@@ -232,16 +287,9 @@ def quantize_state_dict(
                 path,
                 entries[path].codec,
             )
-            x = tensors[path]
-            if not copy and isinstance(exact, ExactCodec) and x.is_contiguous():
-                entries[path] = exact.wrap(x).entry
-            elif allocate is None:
-                entries[path] = exact.encode(x, {}, None).entry
-            else:
-                entries[path] = exact.encode_with(x, {}, None, allocate).entry
-            entries[path].codec = "exact"
+            entries[path] = exact_entry(tensors[path])
     fp_parts = []
-    for (path, _), fp in zip(fingerprinted, values[len(flagged) :]):
+    for (path, _), fp in zip(fingerprinted, values[len(flagged) : len(flagged) + len(fingerprinted)]):
         entry = entries[path]
         if entry.codec != "exact":
             # A copy: a codec may hand back its rule's params object, which must stay as is.

@@ -10,7 +10,7 @@ from _kernel_testing import same_bits
 
 import tw_triton
 from tw_triton.checkpointer import Checkpointer
-from tw_triton.codecs.bitmask import SPARSE_MIN_NUMEL, sparse_pays
+from tw_triton.codecs.bitmask import SPARSE_MIN_NUMEL, sparse_pays, zero_runs
 from tw_triton.state import encode as state_encode
 
 
@@ -38,7 +38,11 @@ def sample(gen: torch.Generator) -> dict[str, torch.Tensor]:
         "two_four": two_of_four(gen, (96, 64)).to(torch.bfloat16),
         "fp16": pruned(gen, (4096,), 0.3).half(),
         "special": special,
-        "zeros": torch.zeros(64, 64),
+        "zeros": torch.zeros(64, 64),  # a bit per element beats 32 (no value to cluster against)
+        # Whole rows of zeros (runs of 96): as well stored exact.
+        "rows": torch.where(
+            torch.rand(128, 1, generator=gen) < 0.5, torch.randn(128, 96, generator=gen), 0.0
+        ),
         "few": pruned(gen, (128, 96), 0.05),  # 5 % zeros: not worth a mask
         "dense": torch.randn(64, 96, generator=gen),
         "small": pruned(gen, (SPARSE_MIN_NUMEL - 1,), 0.9),
@@ -69,8 +73,23 @@ def test_exact_tensors_that_are_sparse_enough_are_stored_by_bitmask(tmp_path) ->
 def test_the_threshold() -> None:
     # fp32: the mask's bit per element against 32; 16-bit dtypes against 16.
     n = 1 << 16
-    assert sparse_pays(n, n - n * 3 // 32, 4) and not sparse_pays(n, n - n * 3 // 32 + 64, 4)
-    assert sparse_pays(n, n - n // 8, 2) and not sparse_pays(n, n - n // 8 + 1, 2)
+    runs = n // 8  # short runs
+    assert sparse_pays(n, n - n * 3 // 32, 4, runs) and not sparse_pays(n, n - n * 3 // 32 + 64, 4, runs)
+    assert sparse_pays(n, n - n // 8, 2, runs) and not sparse_pays(n, n - n // 8 + 1, 2, runs)
+    # Half zeros: at random their runs are 2 long on average; from 4 on, they cluster and are
+    # stored exact (its entropy stage stores them about as well).
+    assert sparse_pays(n, n // 2, 4, n // 8 + 1) and not sparse_pays(n, n // 2, 4, n // 8)
+    # 90 % zeros: runs of 10 at random, so up to 20 still count as scattered.
+    m = 65540
+    assert sparse_pays(m, m // 10, 2, 2950) and not sparse_pays(m, m // 10, 2, 2949)  # 58986 zeros
+
+
+def test_zero_runs() -> None:
+    z = torch.tensor
+    assert int(zero_runs(z([0.0, 0.0, 1.0, 0.0, 2.0, 0.0]))) == 3
+    assert int(zero_runs(z([1.0, -0.0, 1.0]))) == 0  # -0.0 is a value
+    assert int(zero_runs(z([[0.0, 1.0], [0.0, 0.0]]).t())) == 2  # row-major order of the view
+    assert int(zero_runs(torch.zeros(0))) == 0 and int(zero_runs(torch.zeros(5))) == 1
 
 
 def test_quantized_tensors_keep_their_codec() -> None:
@@ -99,7 +118,7 @@ def test_decided_after_the_host_sync_gives_the_same_entries(monkeypatch) -> None
     monkeypatch.setattr(state_encode, "decided_after_sync", lambda on_host: True)
     monkeypatch.setattr(state_encode.fingerprints, "read_device_scalars", counted)
     later = tw_triton.quantize_state_dict(state, rules="exact")
-    assert reads == [sum(1 for p in state if p not in ("small", "ints"))]
+    assert reads == [2 * sum(1 for p in state if p not in ("small", "ints"))]
     assert list(later.entries) == list(inline.entries)
     for p, e in inline.entries.items():
         f = later.entries[p]

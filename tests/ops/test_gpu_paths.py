@@ -479,5 +479,5 @@ def test_sparse_choice_on_a_device_state_reads_counts_with_the_flags(monkeypatch
     with reads:
         q = tw_triton.quantize_state_dict(state, rules="exact")
     assert reads.count == 0, reads.where[:3]
-    assert batched == [6]
+    assert batched == [12]  # two counts per tensor
     assert {e.codec for e in q.entries.values()} == {"bitmask"}

@@ -21,7 +21,7 @@ import torch
 from .. import ops
 from ..errors import CheckpointError, QuantizationError
 from ..ops.layout import FLOAT_DTYPES
-from ..ops.reference.bitmask import mask_nbytes, nonzero_count
+from ..ops.reference.bitmask import bit_view, mask_nbytes, nonzero_count
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
 from .base import Codec, Encoded, check_param_names, entry_buffer, host_outputs, move_to, param_error
@@ -32,12 +32,15 @@ _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.in
 
 
 # The state API stores a float tensor it would store exact with this codec instead when it
-# has at least SPARSE_MIN_NUMEL elements and the bitmask's raw bytes are at most
-# SPARSE_MAX_RATIO of the exact ones (at least 9.4 % zeros in fp32, 12.5 % in 16 bits).
-# Below that, the entropy stage gets nearly as much from the zeros of the exact bytes
+# has at least SPARSE_MIN_NUMEL elements, the bitmask's raw bytes are at most
+# SPARSE_MAX_RATIO of the exact ones (at least 9.4 % zeros in fp32, 12.5 % in 16 bits), and
+# its zeros are scattered: their runs are on average less than CLUSTERED_FACTOR times as
+# long as those of zeros placed at random (``numel / nnz``). Fewer zeros, or zeros that
+# cluster (whole rows), the entropy stage stores about as well in the exact bytes
 # (docs/codecs.md, "The sparse codec").
 SPARSE_MIN_NUMEL = 4096
 SPARSE_MAX_RATIO = 15 / 16
+CLUSTERED_FACTOR = 2
 
 
 def bitmask_nbytes(numel: int, nnz: int, itemsize: int) -> int:
@@ -50,10 +53,21 @@ def sparse_candidate(x: torch.Tensor) -> bool:
     return x.dtype in FLOAT_DTYPES and x.numel() >= SPARSE_MIN_NUMEL
 
 
-def sparse_pays(numel: int, nnz: int, itemsize: int) -> bool:
-    """Whether a tensor of ``numel`` elements, ``nnz`` of them not zero, is stored by this
-    codec rather than exact (see :data:`SPARSE_MAX_RATIO`)."""
-    return bitmask_nbytes(numel, nnz, itemsize) <= SPARSE_MAX_RATIO * numel * itemsize
+def zero_runs(x: torch.Tensor) -> torch.Tensor:
+    """The number of runs of consecutive zero bit patterns in ``x`` (row-major order): a
+    0-dim int64 tensor on ``x``'s device, no host sync."""
+    zero = bit_view(x).reshape(-1) == 0
+    if zero.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    return zero[:1].sum() + (zero[1:] & ~zero[:-1]).sum()
+
+
+def sparse_pays(numel: int, nnz: int, itemsize: int, runs: int) -> bool:
+    """Whether a tensor of ``numel`` elements, ``nnz`` of them not zero in ``runs`` runs of
+    zeros, is stored by this codec rather than exact (see :data:`SPARSE_MAX_RATIO`)."""
+    # Mean run ``zeros / runs`` against ``CLUSTERED_FACTOR * numel / nnz``, in integers.
+    scattered = (numel - nnz) * nnz < CLUSTERED_FACTOR * numel * runs
+    return scattered and bitmask_nbytes(numel, nnz, itemsize) <= SPARSE_MAX_RATIO * numel * itemsize
 
 
 def mask_popcount(mask: torch.Tensor, numel: int) -> tuple[int, bool]:
@@ -175,6 +189,7 @@ class BitmaskCodec(Codec):
 
 
 __all__ = [
+    "CLUSTERED_FACTOR",
     "SPARSE_MAX_RATIO",
     "SPARSE_MIN_NUMEL",
     "BitmaskCodec",
@@ -183,4 +198,5 @@ __all__ = [
     "nonzero_count",
     "sparse_candidate",
     "sparse_pays",
+    "zero_runs",
 ]

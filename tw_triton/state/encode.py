@@ -19,7 +19,7 @@ import torch
 
 from ..batching import group_batches
 from ..codecs import Codec, Encoded, ExactCodec
-from ..codecs.bitmask import BitmaskCodec, nonzero_count, sparse_candidate, sparse_pays
+from ..codecs.bitmask import BitmaskCodec, nonzero_count, sparse_candidate, sparse_pays, zero_runs
 from ..codecs.blockwise import check_params
 from ..errors import QuantizationError
 from ..format import MAX_EXPANSION
@@ -179,7 +179,7 @@ def quantize_state_dict(
     }
     deferred = sorted(sparse_jobs) if decided_after_sync(on_host) else []
     later = set(deferred)
-    counts = [nonzero_count(jobs[i][0]) for i in deferred]
+    counts = [c for i in deferred for c in (nonzero_count(jobs[i][0]), zero_runs(jobs[i][0]))]
 
     def exact_entry(x: torch.Tensor) -> EncodedEntry:
         if not copy and isinstance(exact, ExactCodec) and x.is_contiguous():
@@ -191,8 +191,8 @@ def quantize_state_dict(
         entry.codec = "exact"
         return entry
 
-    def sparse_entry(x: torch.Tensor, nnz: int) -> EncodedEntry | None:
-        if not sparse_pays(x.numel(), nnz, x.element_size()):
+    def sparse_entry(x: torch.Tensor, nnz: int, runs: int) -> EncodedEntry | None:
+        if not sparse_pays(x.numel(), nnz, x.element_size(), runs):
             return None
         return bitmask.encode_counted(x, nnz, allocate).entry  # type: ignore[union-attr]
 
@@ -206,7 +206,7 @@ def quantize_state_dict(
         if i in later:
             return None, None  # decided once the counts are read
         if i in sparse_jobs:
-            entry = sparse_entry(x, int(nonzero_count(x)))
+            entry = sparse_entry(x, int(nonzero_count(x)), int(zero_runs(x)))
             if entry is not None:
                 return Encoded(entry), None
         try:
@@ -274,9 +274,10 @@ def quantize_state_dict(
     values = fingerprints.read_device_scalars(
         [f for _, f in flagged] + [f for _, f in fingerprinted] + counts
     )
-    for i, nnz in zip(deferred, values[len(flagged) + len(fingerprinted) :]):
+    read = values[len(flagged) + len(fingerprinted) :]
+    for i, nnz, runs in zip(deferred, read[0::2], read[1::2]):
         x = jobs[i][0]
-        entries[canonical[i]] = sparse_entry(x, nnz) or exact_entry(x)
+        entries[canonical[i]] = sparse_entry(x, nnz, runs) or exact_entry(x)
     if deferred:
         entries = {path: entries[path] for path in canonical}
     for (path, _), bad in zip(flagged, values[: len(flagged)]):

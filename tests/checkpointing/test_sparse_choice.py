@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_testing import same_bits
+from _kernel_testing import bit_patterns, same_bits
 
 import tw_triton
 from tw_triton.checkpointer import Checkpointer
-from tw_triton.codecs.bitmask import SPARSE_MIN_NUMEL, sparse_pays, zero_runs
+from tw_triton.codecs import bitmask
+from tw_triton.codecs.bitmask import SPARSE_MIN_NUMEL, sparse_pays, sparsity_counts
 from tw_triton.state import encode as state_encode
 
 
@@ -84,12 +85,23 @@ def test_the_threshold() -> None:
     assert sparse_pays(m, m // 10, 2, 2950) and not sparse_pays(m, m // 10, 2, 2949)  # 58986 zeros
 
 
-def test_zero_runs() -> None:
+def counts(x: torch.Tensor) -> tuple[int, int]:
+    return tuple(int(c) for c in sparsity_counts(x))
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 1, 2, 3])
+def test_sparsity_counts(monkeypatch, chunk) -> None:
+    """Non-zero elements and runs of zeros, in row-major order, across chunk boundaries."""
+    monkeypatch.setattr(bitmask, "COUNT_CHUNK", chunk)
     z = torch.tensor
-    assert int(zero_runs(z([0.0, 0.0, 1.0, 0.0, 2.0, 0.0]))) == 3
-    assert int(zero_runs(z([1.0, -0.0, 1.0]))) == 0  # -0.0 is a value
-    assert int(zero_runs(z([[0.0, 1.0], [0.0, 0.0]]).t())) == 2  # row-major order of the view
-    assert int(zero_runs(torch.zeros(0))) == 0 and int(zero_runs(torch.zeros(5))) == 1
+    assert counts(z([0.0, 0.0, 1.0, 0.0, 2.0, 0.0])) == (2, 3)
+    assert counts(z([1.0, -0.0, 1.0])) == (3, 0)  # -0.0 is a value
+    assert counts(z([[0.0, 1.0], [0.0, 0.0]]).t()) == (1, 2)  # the view's order: 0 0 1 0
+    assert counts(torch.zeros(0)) == (0, 0) and counts(torch.zeros(5)) == (0, 1)
+    x = bit_patterns(torch.Generator().manual_seed(chunk), 1000, torch.bfloat16, 0.5)
+    zero = (x.view(torch.int16) == 0).tolist()
+    runs = sum(1 for i, v in enumerate(zero) if v and (i == 0 or not zero[i - 1]))
+    assert counts(x) == (1000 - sum(zero), runs)
 
 
 def test_quantized_tensors_keep_their_codec() -> None:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ..batching import group_batches
-from ..codecs import Codec, Encoded, ExactCodec
-from ..codecs.bitmask import BitmaskCodec, nonzero_count, sparse_candidate, sparse_pays, zero_runs
+from ..codecs import Codec, Encoded, ExactCodec, get_codec
+from ..codecs.bitmask import BitmaskCodec, sparse_candidate, sparse_pays, sparsity_counts
 from ..codecs.blockwise import check_params
 from ..errors import QuantizationError
 from ..format import MAX_EXPANSION
@@ -168,7 +168,7 @@ def quantize_state_dict(
     jobs = [plan_one(path) for path in canonical]
     on_host = all(t.device.type == "cpu" for t in tensors.values())
     exact = codec_or_raise("exact", QuantizationError, "quantize_state_dict")
-    bitmask = codec_or_raise("bitmask", QuantizationError, "quantize_state_dict") if sparse else None
+    bitmask = get_codec("bitmask") if sparse else None
     # Tensors the rules store exact that may be sparse: on the host each is counted and
     # decided where it is encoded; on a device their counts join the one host sync below,
     # and they are encoded after it.
@@ -179,7 +179,7 @@ def quantize_state_dict(
     }
     deferred = sorted(sparse_jobs) if decided_after_sync(on_host) else []
     later = set(deferred)
-    counts = [c for i in deferred for c in (nonzero_count(jobs[i][0]), zero_runs(jobs[i][0]))]
+    counts = [c for i in deferred for c in sparsity_counts(jobs[i][0])]
 
     def exact_entry(x: torch.Tensor) -> EncodedEntry:
         if not copy and isinstance(exact, ExactCodec) and x.is_contiguous():
@@ -206,7 +206,7 @@ def quantize_state_dict(
         if i in later:
             return None, None  # decided once the counts are read
         if i in sparse_jobs:
-            entry = sparse_entry(x, int(nonzero_count(x)), int(zero_runs(x)))
+            entry = sparse_entry(x, *(int(c) for c in sparsity_counts(x)))
             if entry is not None:
                 return Encoded(entry), None
         try:

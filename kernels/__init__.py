@@ -6,6 +6,7 @@ serve the "cuda" backend of :mod:`tw_triton.ops` (imported on first use, so trit
 optional) and match its plain-torch reference bit for bit (docs/codecs.md).
 """
 
+from .bitmask import bitmask_decode, bitmask_encode
 from .copy_grouped import copy_grouped
 from .dequantize_blockwise import dequantize_blockwise
 from .dequantize_blockwise_grouped import dequantize_blockwise_grouped
@@ -28,4 +29,6 @@ __all__ = [
     "quantize_blockwise_grouped",
     "quantize_log2",
     "quantize_log2_grouped",
+    "bitmask_decode",
+    "bitmask_encode",
 ]

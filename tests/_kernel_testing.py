@@ -201,3 +201,20 @@ def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     codes = codes.cpu()
     parts = [(codes >> (j * bits)) & ((1 << bits) - 1) for j in range(k)]
     return torch.stack(parts, dim=1).reshape(-1)
+
+
+def bit_patterns(gen: torch.Generator, n: int, dtype: torch.dtype, zeros: float) -> torch.Tensor:
+    """Random bit patterns of ``dtype``'s width (every NaN payload, -0.0, subnormals, inf),
+    with about ``zeros`` of them the all-zero pattern and some -0.0."""
+    view = INT_VIEW[dtype]
+    info = torch.iinfo(view)
+    bits = torch.randint(info.min, info.max, (n,), generator=gen, dtype=torch.int64).to(view)
+    u = torch.rand(n, generator=gen)
+    bits[u < zeros] = 0
+    bits[(u >= zeros) & (u < zeros + 0.05)] = info.min  # the sign bit alone: -0.0
+    return bits.view(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads included)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -120,9 +120,24 @@ def grouped_variants() -> list[Variant]:
     return encode + log2 + fingerprint + copy + decode
 
 
+BITMASK_OPS = ("bitmask-mask", "bitmask-scatter", "bitmask-popcount", "bitmask-gather")
+
+
+def bitmask_variants() -> list[Variant]:
+    """The sparse codec's four kernels: element widths (the launchers pass float tensors as
+    the integer of their width) x {main, tail} x targets. The popcount reads the mask only."""
+    return [
+        Variant(op, 0, 4096, dtype, None, masked, cc)
+        for op in BITMASK_OPS
+        for dtype in (("u8",) if op == "bitmask-popcount" else ("i16", "i32"))
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+
+
 def every_variant() -> list[Variant]:
     """Everything the children compile."""
-    return all_variants() + log2_variants() + grouped_variants()
+    return all_variants() + log2_variants() + grouped_variants() + bitmask_variants()
 
 
 def _grouped_source(v: Variant):
@@ -189,6 +204,37 @@ def _grouped_source(v: Variant):
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
+def _bitmask_source(v: Variant):
+    from triton.compiler import ASTSource
+
+    from tw_triton.kernels import bitmask as k
+
+    elem = f"*{v.dtype}"
+    fn, signature = {
+        "bitmask-mask": (k.bitmask_mask_kernel, {"x_ptr": elem, "mask_ptr": "*u8", "counts_ptr": "*i64"}),
+        "bitmask-scatter": (
+            k.bitmask_scatter_kernel,
+            {"x_ptr": elem, "starts_ptr": "*i64", "values_ptr": elem},
+        ),
+        "bitmask-popcount": (k.bitmask_popcount_kernel, {"mask_ptr": "*u8", "counts_ptr": "*i64"}),
+        "bitmask-gather": (
+            k.bitmask_gather_kernel,
+            {"mask_ptr": "*u8", "starts_ptr": "*i64", "values_ptr": elem, "out_ptr": elem},
+        ),
+    }[v.op]
+    pointers = len(signature)
+    signature["n"] = "i32"
+    if v.op in ("bitmask-scatter", "bitmask-gather"):
+        signature["nnz"] = "i32"
+    signature["tile0"] = "i32"
+    constexprs = {"MASKED": v.masked, "TILE": v.block}
+    signature.update({name: "constexpr" for name in constexprs})
+    # The pointers and n are 16-divisible, as the JIT specializes them for fresh torch
+    # allocations and a length that is a multiple of 16; nnz and tile0 are not specialized.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(pointers + 1)}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
 def _log2_source(v: Variant):
     from triton.compiler import ASTSource
 
@@ -215,10 +261,15 @@ def compile_variant(v: Variant):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if v.op.startswith(("log2-", "grouped-")) or v.op == "fingerprint":
+    if v.op.startswith(("log2-", "grouped-", "bitmask-")) or v.op == "fingerprint":
         from tw_triton.kernels.tiles import NUM_WARPS
 
-        source = _log2_source(v) if v.op.startswith("log2-") else _grouped_source(v)
+        if v.op.startswith("log2-"):
+            source = _log2_source(v)
+        elif v.op.startswith("bitmask-"):
+            source = _bitmask_source(v)
+        else:
+            source = _grouped_source(v)
         return triton.compile(
             source,
             target=GPUTarget("cuda", v.cc, 32),

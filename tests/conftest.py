@@ -39,6 +39,7 @@ KERNEL_MODULES = frozenset(
         "test_dequantize_blockwise.py",
         "test_quantize_log2.py",
         "test_grouped_ops.py",
+        "test_bitmask_kernels.py",
     }
 )
 

@@ -26,6 +26,7 @@ import torch
 
 from . import format as _format
 from . import kernel_variants
+from .codecs import get_codec
 from .deltas import Reference, advance, check_reference, delta_coded
 from .device_memory import private_copies
 from .qstate import QuantizedState
@@ -169,7 +170,9 @@ class SavePipeline:
             # faulting in a copy of them, and so pauses less. Deltas always copy: in closed
             # loop each one's encode advances the reference on the writer thread, in order.
             return self.encode_here(job, flat, warm_up=sizes)
-        snap_q = quantize_state_dict(flat, rules="exact", checkpoint_id=q_id, allocate=job.lease)
+        snap_q = quantize_state_dict(
+            flat, rules="exact", checkpoint_id=q_id, allocate=job.lease, sparse=False
+        )
         # The copy's tensors by path, in the state's order (tied ones shared): the exact
         # entries' buffers, allocated in the tensors' shapes.
         copies = snap_q.entries
@@ -252,6 +255,7 @@ class SavePipeline:
             # every path that names them: a tied weight's alias is coded against it too.
             if self.chain.delta:
                 exact = {p: e.buffers["data"] for p, e in q.entries.items() if e.codec == "exact"}
+                exact.update(sparse_values(q))
                 exact.update({alias: exact[target] for alias, target in q.aliases.items() if target in exact})
                 ref_values = delta_coded(exact, job.rule_list)
         else:
@@ -450,6 +454,17 @@ def _encode(
         allocate=allocate,
         copy=checkpoint_id is None and not live,
     )
+
+
+def sparse_values(q: QuantizedState) -> dict[str, torch.Tensor]:
+    """The tensors of ``q``'s ``bitmask`` entries (lossless: what a load gives back), by
+    path, decoded where their buffers are (no host sync)."""
+    codec = get_codec("bitmask")
+    return {
+        p: codec.decode(e, None, None, f"checkpoint {q.checkpoint_id}, entry {p!r}")
+        for p, e in q.entries.items()
+        if e.codec == "bitmask" and codec is not None
+    }
 
 
 def collect_setup_garbage() -> None:

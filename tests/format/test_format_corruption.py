@@ -1003,6 +1003,7 @@ def test_staged_fuzz_mutations_of_compressed_data_without_verify(tmp_path, stage
 _PARAM_RULES = [
     ("w", {"codec": "blockwise", "bits": 4, "block": 64, "min_numel": 0}),
     ("v", {"codec": "log2", "bits": 4, "block": 64, "min_numel": 0}),
+    ("s", "bitmask"),
     ("*", "exact"),
 ]
 
@@ -1010,10 +1011,12 @@ _PARAM_RULES = [
 @pytest.fixture(scope="module")
 def coded(tmp_path_factory) -> tuple[Path, Path, bytes]:
     """A delta file of the state API with a blockwise delta (with its reference
-    fingerprint), a log2 entry and an exact one, its reference file, and its bytes."""
+    fingerprint), a log2 entry, a bitmask entry and an exact one, its reference file, and its
+    bytes."""
     g = torch.Generator().manual_seed(5)
     ref = {"w": torch.randn(64, 64, generator=g), "v": torch.rand(64, 64, generator=g), "e": torch.arange(5)}
     state = {"w": ref["w"] + 0.01, "v": torch.rand(64, 64, generator=g), "e": torch.arange(5)}
+    state["s"] = torch.randn(63, 61, generator=g) * (torch.rand(63, 61, generator=g) < 0.3)
     d = tmp_path_factory.mktemp("coded")
     tw_triton.save(tw_triton.quantize_state_dict(ref, rules="exact"), d / "ref.safetensors", fsync=False)
     delta = d / "delta.safetensors"
@@ -1047,6 +1050,9 @@ _BAD_PARAMS = [
     ("v", "packing", 7, "param 'packing' is 7"),
     ("v", "delta", True, "codec 'log2' has no param\\(s\\) \\['delta'\\]"),
     ("e", "delta", True, "codec 'exact' has no param\\(s\\) \\['delta'\\]"),
+    ("s", "packing", "msb-first", "param 'packing' is 'msb-first', expected 'lsb-first'"),
+    ("s", "packing", None, "codec 'bitmask' params lack \\['packing'\\]"),
+    ("s", "delta", True, "codec 'bitmask' has no param\\(s\\) \\['delta'\\]"),
     ("e", "bits", 8, "codec 'exact' has no param\\(s\\) \\['bits'\\]"),
 ]
 
@@ -1091,6 +1097,36 @@ def test_a_delta_flag_edited_to_false_is_caught_by_the_reference_checks(tmp_path
     assert tw_triton.load(delta, reference=str(ref))["w"].shape == (64, 64)
 
 
+def _mask_edited(blob: bytes, change) -> bytes:
+    """``blob`` with the bitmask entry's mask bytes changed by ``change`` (its CRC fixed)."""
+    header, manifest, data = split(blob)
+    b, e = header[fmt.tensor_key("s", "mask")]["data_offsets"]
+    mask = bytearray(data[b:e])
+    change(mask)
+    return relayout(blob, "s", "mask", bytes(mask))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda m: m.__setitem__(0, m[0] ^ 0xFF), "mask has \\d+ set bits, expected \\d+"),
+        (lambda m: m.__setitem__(len(m) - 1, m[-1] | 0x80), "padding bits set"),
+    ],
+    ids=["popcount", "padding"],
+)
+def test_a_bitmask_whose_mask_does_not_fit_its_values(tmp_path, coded, change, match):
+    """A mask with more or fewer set bits than stored values (or a set padding bit), its
+    checksum made right: refused before decoding, naming the file and the entry."""
+    delta, ref, blob = coded
+    assert fmt.read_manifest(delta)["entries"]["s"]["codec"] == "bitmask"
+    path = tmp_path / "mask.safetensors"
+    put(path, _mask_edited(blob, change))
+    with pytest.raises(CheckpointError, match=match) as info:
+        tw_triton.load(path, reference=str(ref))
+    assert str(path) in str(info.value) and "entry 's'" in str(info.value)
+    assert tw_triton.load(delta, reference=str(ref))["s"].shape == (63, 61)
+
+
 @pytest.mark.parametrize("level", [23, -(2**17) - 1, 3.0, "3", None])
 def test_stage_level_is_checked_for_zstd_range(tmp_path, staged, level):
     def edit(h, m):
@@ -1105,7 +1141,7 @@ def test_fuzz_codec_params_raise_only_checkpoint_error(tmp_path, coded, data):
     """Any JSON in place of any param (or as the whole params) of any entry: a load
     returns or raises CheckpointError, never another exception."""
     delta, ref, blob = coded
-    entry = data.draw(st.sampled_from(["w", "v", "e"]))
+    entry = data.draw(st.sampled_from(["w", "v", "e", "s"]))
     key = data.draw(st.sampled_from([None, "bits", "block", "packing", "delta", "qmax", "ref_fp", "x"]))
     value = data.draw(_JSON_VALUES)
 

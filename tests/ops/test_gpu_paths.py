@@ -423,3 +423,63 @@ def test_real_placement_allocates_what_the_planner_counts_and_detects_a_misplace
 
     monkeypatch.setattr(o64, name, off_by_one_block)
     assert not o64.check_window(op, o64.small_windows()[0], device, "real", gen)
+
+
+kbitmask = importlib.import_module("tw_triton.kernels.bitmask")
+
+
+@pytest.mark.parametrize("numel", [0, 1, 4096 * 3 + 5])
+def test_bitmask_kernel_wrappers_read_nothing_back_given_the_count(monkeypatch, numel):
+    """With the count of non-zero elements given (the state API reads it in its one batched
+    read), the encode sizes ``values`` without a host read; the decode needs none."""
+    reads = HostReads()
+    launches = []
+    real = kbitmask.launch_tiles
+
+    def counted(kernel, pointers, n, *scalars, device):
+        launches.append(n)
+        with reads.pause():  # the interpreter itself is no part of the GPU path
+            return real(kernel, pointers, n, *scalars, device=device)
+
+    monkeypatch.setattr(kbitmask, "launch_tiles", counted)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x[1::3] = 0
+    nnz = int(torch.count_nonzero(x))
+    with reads:
+        mask, values = kbitmask.bitmask_encode(x, nnz)
+        out = kbitmask.bitmask_decode(mask, values, numel)
+    assert reads.count == 0, reads.where
+    assert launches == ([] if numel == 0 else [numel] * 4)
+    assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+
+
+def test_sparse_choice_on_a_device_state_reads_counts_with_the_flags(monkeypatch):
+    """A device state's sparse candidates are counted into the one batched read (forced
+    onto that path here, on the CPU): no read per tensor."""
+    from tw_triton.state import encode as state_encode
+
+    reads = HostReads()
+    batched: list[int] = []
+    real_read = state_fingerprints.read_device_scalars
+
+    def counted_read(scalars):
+        batched.append(len(scalars))
+        with reads.pause():
+            return real_read(scalars)
+
+    monkeypatch.setattr(state_fingerprints, "read_device_scalars", counted_read)
+    monkeypatch.setattr(state_encode, "decided_after_sync", lambda on_host: True)
+    for cls in {type(get_codec(name)) for name in codec_names()}:
+        for meth in ("encode", "encode_with", "encode_counted", "decode"):
+            if hasattr(cls, meth):
+                monkeypatch.setattr(cls, meth, _paused(reads, getattr(cls, meth)))
+    gen = torch.Generator().manual_seed(4)
+    state = {
+        f"w{i}": torch.randn(64, 96, generator=gen) * (torch.rand(64, 96, generator=gen) < 0.5)
+        for i in range(6)
+    }
+    with reads:
+        q = tw_triton.quantize_state_dict(state, rules="exact")
+    assert reads.count == 0, reads.where[:3]
+    assert batched == [12]  # two counts per tensor
+    assert {e.codec for e in q.entries.values()} == {"bitmask"}

@@ -1,7 +1,7 @@
 """Acceptance 3: every kernel variant compiles ahead of time for sm_80 and sm_90, and its PTX
 has the properties bit-exactness and bandwidth depend on.
 
-Variants: encode and decode x bits 8/4/2 x blocks 32/128/4096 x fp32/fp16/bf16 (input dtype
+Variants (the bitmask kernels are listed at their test below): encode and decode x bits 8/4/2 x blocks 32/128/4096 x fp32/fp16/bf16 (input dtype
 for encode, output dtype for decode) x without/with a reference x main/tail launch x
 sm_80/sm_90 (see ``_ptx.all_variants``). Compiling runs in two child processes, since this
 session runs kernels under the interpreter (see ``_ptx``'s docstring).
@@ -234,3 +234,44 @@ def test_the_installed_triton_is_the_one_the_ptx_rules_prove() -> None:
     from tw_triton.ops.backends.triton import check_triton_version
 
     check_triton_version(triton.__version__)
+
+
+BITMASK_VARIANTS = _ptx.bitmask_variants()
+
+
+def test_bitmask_variant_list_covers_every_kernel() -> None:
+    assert {v.op for v in BITMASK_VARIANTS} == set(_ptx.BITMASK_OPS)
+    assert len(BITMASK_VARIANTS) == (3 * 2 + 1) * 2 * 2
+
+
+@pytest.mark.parametrize("variant", BITMASK_VARIANTS, ids=lambda v: v.label)
+def test_bitmask_variant_compiles_to_integer_vectorized_ptx(ptx_facts: dict, variant: _ptx.Variant) -> None:
+    """The sparse codec's kernels move bit patterns: no float instruction at all (so no
+    rounding, no NaN canonicalization), int64 addressing, 16-byte vectors on the dense
+    streams (the input of the encode, the output of the decode)."""
+    facts = ptx_facts[variant.label]
+    ops = facts["opcodes"]
+    assert facts["cubin_bytes"] > 0
+    assert facts["ptx_target"].startswith(f"sm_{variant.cc}"), facts["ptx_target"]
+    floats = [op for op in ops if re.search(r"\.(f16|bf16|f32|f64)(x2)?(\.|$)", op)]
+    assert not floats, floats
+    assert not [op for op in ops if ".ftz" in op], ops
+    assert facts["ctaid_uses"], "program id register never read"
+    narrow = [op for op in facts["ctaid_uses"] if not _WIDE.match(op)]
+    assert not narrow, f"program id used in 32-bit arithmetic: {narrow}"
+    # The tile's start in ``values`` and its count are int64.
+    if variant.op in ("bitmask-scatter", "bitmask-gather"):
+        assert "ld.global.b64" in ops, ops
+    else:
+        assert "st.global.b64" in ops, ops
+    if variant.masked:
+        return
+    loads, stores = _ops(facts, "ld.global"), _ops(facts, "st.global")
+    if variant.op in ("bitmask-mask", "bitmask-scatter"):
+        assert "ld.global.v4.b32" in loads, loads
+        assert not [op for op in loads if op.endswith((".b8", ".b16"))], loads
+    if variant.op == "bitmask-mask":
+        assert not [op for op in stores if op.endswith(".b8")], stores
+    if variant.op == "bitmask-gather":
+        assert "st.global.v4.b32" in stores and "st.global.b64" not in stores, stores
+        assert not [op for op in stores if op.endswith((".b8", ".b16", ".b32")) and ".v" not in op], stores

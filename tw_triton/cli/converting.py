@@ -110,7 +110,8 @@ def convert_rules(args: argparse.Namespace) -> str:
 
 def _loss_line(qstate: Any, rules: str) -> str:
     """What the conversion kept: lossless, or which entries were quantized and how."""
-    lossy = {p: e for p, e in qstate.entries.items() if e.codec != "exact"}
+    # bitmask is lossless too: sparse tensors of an exact conversion.
+    lossy = {p: e for p, e in qstate.entries.items() if e.codec not in ("exact", "bitmask")}
     if not lossy:
         return f"lossless: every tensor stored exactly (rules {rules})"
     codecs = sorted({codec_label(e.codec, e.params) for e in lossy.values()})

@@ -28,6 +28,12 @@ Built in:
     smallest and largest positive value, code 0 reserved for exact zero. Buffers ``codes``
     (uint8), ``lo`` and ``hi`` (int32, one per block). Parameters ``bits``, ``block``,
     ``packing``. Never decodes a value below zero, nor zero where the input was not.
+``bitmask``
+    The lossless sparse codec of :mod:`tw_triton.codecs.bitmask`: buffers ``mask`` (uint8,
+    a bit per element, LSB-first, set where the bit pattern is not zero) and ``values``
+    (the non-zero elements in order, in the tensor's dtype). Parameter ``packing``. The
+    state API picks it by itself for a float tensor it would store exact when that is
+    smaller.
 
 The numeric work runs in the ops of :mod:`tw_triton.ops` (dispatched by device). Why each
 codec: docs/codecs.md.
@@ -37,13 +43,16 @@ from __future__ import annotations
 
 from ..errors import QuantizationError
 from .base import Codec, Encoded
+from .bitmask import BitmaskCodec
 from .blockwise import PACKING, BlockwiseCodec
 from .exact import EXACT_DTYPES, ExactCodec
 from .log2 import Log2Codec
 
 # The registry is the one piece of mutable module state: codecs are process-wide plug-ins,
 # looked up by the name a file records, so a registry object would have to be global anyway.
-_REGISTRY: dict[str, Codec] = {c.name: c for c in (ExactCodec(), BlockwiseCodec(), Log2Codec())}
+_REGISTRY: dict[str, Codec] = {
+    c.name: c for c in (ExactCodec(), BlockwiseCodec(), Log2Codec(), BitmaskCodec())
+}
 
 
 def register_codec(name: str, codec: Codec, *, replace: bool = False) -> None:
@@ -84,6 +93,7 @@ def codec_names() -> list[str]:
 __all__ = [
     "EXACT_DTYPES",
     "PACKING",
+    "BitmaskCodec",
     "BlockwiseCodec",
     "Codec",
     "Encoded",

@@ -148,7 +148,7 @@ class TwCheckpointIO(CheckpointIO):
                 # codes going into the same lease.
                 lease = self._saves.lease()
                 snapshot = dequantize_state_dict(
-                    quantize_state_dict(checkpoint, rules="exact", allocate=lease)
+                    quantize_state_dict(checkpoint, rules="exact", allocate=lease, sparse=False)
                 )
                 job: Any = functools.partial(
                     _encode, snapshot, specs, self.bits, self.block, meta, False, allocate=lease

@@ -4,7 +4,9 @@ Four ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`)
 :func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2` and
 :func:`dequantize_log2`; five serve a save of many device tensors with a fixed number of
 launches: :func:`quantize_blockwise_many`, :func:`quantize_log2_many`, :func:`fingerprints`,
-:func:`copy_many` and :func:`dequantize_blockwise_many` (the closed-loop advance). Each has one reference implementation in plain torch
+:func:`copy_many` and :func:`dequantize_blockwise_many` (the closed-loop advance); two more
+split a sparse tensor into a bitmask and its non-zero values and back
+(:func:`bitmask_encode`, :func:`bitmask_decode`). Each has one reference implementation in plain torch
 (:mod:`tw_triton.ops.reference`, the spec, serving any device) and backends registered per
 device type: the compiled C codec for ``"cpu"`` (:mod:`~tw_triton.ops.backends.cpu`,
 falling back to the reference where it does not take a tensor) and the Triton kernels for
@@ -197,9 +199,40 @@ def copy_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     return lookup("copy_many", xs[0].device.type)(xs)
 
 
+def bitmask_encode(
+    x: torch.Tensor, *, nnz: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``x`` into a bitmask of its non-zero elements and their values, on ``x``'s device.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor, any shape and strides (row-major order).
+            Zero is the all-zero bit pattern: ``-0.0`` and NaN are values.
+        nnz: the count of non-zero elements (``reference.nonzero_count``), which sizes
+            ``values``; without it the op counts, a host sync on a GPU.
+        out: optional ``(mask, values)`` to write into (honoured on the CPU).
+
+    Returns:
+        ``(mask, values)``: ``uint8`` of ``ceil(n / 8)`` bytes, bit ``i % 8`` of byte
+        ``i // 8`` set where element ``i`` is not zero; the ``nnz`` non-zero elements in
+        order, in ``x``'s dtype.
+    """
+    return lookup("bitmask_encode", x.device.type)(x, nnz=nnz, out=out)
+
+
+def bitmask_decode(
+    mask: torch.Tensor, values: torch.Tensor, numel: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The flat tensor of ``numel`` elements of ``values``' dtype that ``(mask, values)``
+    encode, on ``mask``'s device (``out``, contiguous of that size and dtype, when given).
+    The mask must hold ``values.numel()`` set bits among its first ``numel``."""
+    return lookup("bitmask_decode", mask.device.type)(mask, values, numel, out=out)
+
+
 __all__ = [
     "OPS",
     "backends",
+    "bitmask_decode",
+    "bitmask_encode",
     "copy_many",
     "dequantize_blockwise",
     "dequantize_blockwise_many",

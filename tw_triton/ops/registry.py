@@ -26,6 +26,8 @@ OPS = (
     "fingerprints",
     "copy_many",
     "dequantize_blockwise_many",
+    "bitmask_encode",
+    "bitmask_decode",
 )
 
 _REFERENCE: dict[str, Callable] = {}

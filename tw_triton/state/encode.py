@@ -2,7 +2,8 @@
 
 :func:`quantize_state_dict` flattens the state (:mod:`tw_triton.tree`), picks a codec per
 tensor (:mod:`tw_triton.rules`), encodes each on its own device (:mod:`tw_triton.codecs`)
-and returns a consistent snapshot; tied tensors are stored once, NaN/Inf tensors exact.
+and returns a consistent snapshot; tied tensors are stored once, NaN/Inf tensors exact,
+and sparse tensors that the rules store exact by the lossless ``bitmask`` codec.
 Why one host sync per state and how references are recorded: docs/design.md.
 """
 
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 
 from ..batching import group_batches
-from ..codecs import Codec, Encoded, ExactCodec
+from ..codecs import Codec, Encoded, ExactCodec, get_codec
+from ..codecs.bitmask import BitmaskCodec, sparse_candidate, sparse_pays, sparsity_counts
 from ..codecs.blockwise import check_params
 from ..delta_bits import adapt as adapt_delta_bits
 from ..errors import QuantizationError
@@ -66,6 +68,13 @@ def batch_key(x: torch.Tensor, rule: Any, codec: Codec, ref: torch.Tensor | None
     return (rule.codec, frozen, key)
 
 
+def decided_after_sync(on_host: bool) -> bool:
+    """Whether the sparse candidates of a state are counted into the one host sync and
+    encoded after it (a state with device tensors), rather than each counted where it is
+    encoded (a state on the host, where reading a count costs nothing)."""
+    return not on_host
+
+
 def quantize_state_dict(
     state: Any,
     *,
@@ -80,6 +89,7 @@ def quantize_state_dict(
     allocate: Allocator | None = None,
     copy: bool = True,
     max_expansion: float | None = MAX_EXPANSION,
+    sparse: bool = True,
 ) -> QuantizedState:
     """Encode a nested training state into a consistent, writable snapshot.
 
@@ -108,6 +118,9 @@ def quantize_state_dict(
             those tensors instead of copies.
         max_expansion: for a ``reference`` given as a path, the bound on that file's
             compressed buffers and those of its chain, as for :func:`load`.
+        sparse: store a float tensor that the rules store exact with the lossless
+            ``bitmask`` codec where that is smaller (docs/codecs.md, "The sparse codec");
+            ``False``: exact, as the rules say (a snapshot that must stay a plain copy).
 
     Returns:
         A :class:`QuantizedState`; its buffers live where the source tensors did.
@@ -154,6 +167,38 @@ def quantize_state_dict(
 
     # Rules with max_error pick each tensor's bits here (one transfer per device).
     jobs = adapt_delta_bits([plan_one(path) for path in canonical])
+    exact = codec_or_raise("exact", QuantizationError, "quantize_state_dict")
+    bitmask = get_codec("bitmask") if sparse else None
+    # Tensors the rules store exact that may be sparse: on the host each is counted and
+    # decided where it is encoded; on a device their counts join the one host sync below,
+    # and they are encoded after it.
+    sparse_jobs = {
+        i
+        for i, (x, _, codec, _) in enumerate(jobs)
+        if isinstance(bitmask, BitmaskCodec) and isinstance(codec, ExactCodec) and sparse_candidate(x)
+    }
+    deferred = (
+        sorted(sparse_jobs)
+        if decided_after_sync(all(t.device.type == "cpu" for t in tensors.values()))
+        else []
+    )
+    later = set(deferred)
+    counts = [c for i in deferred for c in sparsity_counts(jobs[i][0])]
+
+    def exact_entry(x: torch.Tensor) -> EncodedEntry:
+        if not copy and isinstance(exact, ExactCodec) and x.is_contiguous():
+            entry = exact.wrap(x).entry
+        elif allocate is None:
+            entry = exact.encode(x, {}, None).entry
+        else:
+            entry = exact.encode_with(x, {}, None, allocate).entry
+        entry.codec = "exact"
+        return entry
+
+    def sparse_entry(x: torch.Tensor, nnz: int, runs: int) -> EncodedEntry | None:
+        if not sparse_pays(x.numel(), nnz, x.element_size(), runs):
+            return None
+        return bitmask.encode_counted(x, nnz, allocate).entry  # type: ignore[union-attr]
 
     def on_device(ref: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
         # Moved only while its tensor is encoded: a host reference of a device state is
@@ -176,8 +221,14 @@ def quantize_state_dict(
             fp = alone_fps[i] if i in alone_fps else fingerprints.fingerprint(ref)
         return enc, fp
 
-    def encode_alone(i: int) -> tuple[Encoded, torch.Tensor | None]:
+    def encode_alone(i: int) -> tuple[Encoded | None, torch.Tensor | None]:
         x, rule, codec, ref = jobs[i]
+        if i in later:
+            return None, None  # decided once the counts are read
+        if i in sparse_jobs:
+            entry = sparse_entry(x, *(int(c) for c in sparsity_counts(x)))
+            if entry is not None:
+                return Encoded(entry), None
         ref = on_device(ref, x)
         try:
             if not copy and isinstance(codec, ExactCodec) and x.is_contiguous():
@@ -238,31 +289,43 @@ def quantize_state_dict(
                 encoded[i] = r
     else:
         # An exact entry kept as it is (a private snapshot) is no copy: not grouped.
-        kept = lambda i: not copy and isinstance(jobs[i][2], ExactCodec) and jobs[i][0].is_contiguous()  # noqa: E731
+        # A sparse candidate is decided after the sync: not grouped either.
+        def kept(i: int) -> bool:
+            return i in sparse_jobs or (
+                not copy and isinstance(jobs[i][2], ExactCodec) and jobs[i][0].is_contiguous()
+            )
+
         grouped = DeviceEncode(jobs, lambda i: encode_alone(i)[0], lambda i: True, kept)
         encs, fps = grouped.run()
         scalar_buffers = list(grouped.buffers.values())
         for i, enc in enumerate(encs):
-            encoded[i] = finish(i, enc, jobs[i][3], fps.get(i))
+            encoded[i] = (None, None) if enc is None else finish(i, enc, jobs[i][3], fps.get(i))
             if progress is not None:
                 progress(i + 1, len(canonical))
 
     entries: dict[str, EncodedEntry] = {}
     flagged: list[tuple[str, torch.Tensor]] = []
     fingerprinted: list[tuple[str, torch.Tensor]] = []
-    exact = codec_or_raise("exact", QuantizationError, "quantize_state_dict")
     for path, (enc, ref_fp) in zip(canonical, encoded):
+        if enc is None:
+            continue
         entries[path] = enc.entry
         if enc.unusable is not None:
             flagged.append((path, enc.unusable))
         if ref_fp is not None:
             fingerprinted.append((path, ref_fp))
 
-    # The one host sync: every NaN/Inf flag and every reference fingerprint together, one
-    # copy per device and an event that fires when it is done.
+    # The one host sync: every NaN/Inf flag, reference fingerprint and sparsity count
+    # together, one copy per device and an event that fires when it is done.
     values = fingerprints.read_device_scalars(
-        [f for _, f in flagged] + [f for _, f in fingerprinted], scalar_buffers
+        [f for _, f in flagged] + [f for _, f in fingerprinted] + counts, scalar_buffers
     )
+    read = values[len(flagged) + len(fingerprinted) :]
+    for i, nnz, runs in zip(deferred, read[0::2], read[1::2]):
+        x = jobs[i][0]
+        entries[canonical[i]] = sparse_entry(x, nnz, runs) or exact_entry(x)
+    if deferred:
+        entries = {path: entries[path] for path in canonical}
     for (path, _), bad in zip(flagged, values[: len(flagged)]):
         if bad:
             # log2 also refuses a negative value (a "non-negative" state that is not).
@@ -274,16 +337,9 @@ def quantize_state_dict(
                 why,
                 entries[path].codec,
             )
-            x = tensors[path]
-            if not copy and isinstance(exact, ExactCodec) and x.is_contiguous():
-                entries[path] = exact.wrap(x).entry
-            elif allocate is None:
-                entries[path] = exact.encode(x, {}, None).entry
-            else:
-                entries[path] = exact.encode_with(x, {}, None, allocate).entry
-            entries[path].codec = "exact"
+            entries[path] = exact_entry(tensors[path])
     fp_parts = []
-    for (path, _), fp in zip(fingerprinted, values[len(flagged) :]):
+    for (path, _), fp in zip(fingerprinted, values[len(flagged) : len(flagged) + len(fingerprinted)]):
         entry = entries[path]
         if entry.codec != "exact":
             # A copy: a codec may hand back its rule's params object, which must stay as is.

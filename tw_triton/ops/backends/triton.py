@@ -244,6 +244,21 @@ def fingerprints_cuda(ts: list[torch.Tensor], *, out: torch.Tensor) -> torch.Ten
     return out
 
 
+def bitmask_encode_cuda(
+    x: torch.Tensor, *, nnz: int | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two-pass bitmask encode (mask and counts, then the scatter of the values) on a
+    contiguous copy. ``out`` is ignored: the kernels allocate."""
+    return kernels().bitmask_encode(x.contiguous(), nnz)
+
+
+def bitmask_decode_cuda(
+    mask: torch.Tensor, values: torch.Tensor, numel: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The two-pass bitmask decode (popcounts, then the gather of the values)."""
+    return _out(kernels().bitmask_decode(mask.contiguous(), values.contiguous(), numel), out)
+
+
 # The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
 BACKEND = {
     "quantize_blockwise": quantize_blockwise_cuda,
@@ -255,4 +270,6 @@ BACKEND = {
     "fingerprints": fingerprints_cuda,
     "copy_many": copy_many_cuda,
     "dequantize_blockwise_many": dequantize_blockwise_many_cuda,
+    "bitmask_encode": bitmask_encode_cuda,
+    "bitmask_decode": bitmask_decode_cuda,
 }

@@ -7,6 +7,7 @@ and values by the tests. The codecs' rules are stated in docs/codecs.md.
 
 from __future__ import annotations
 
+from .bitmask import bitmask_decode_torch, bitmask_encode_torch, nonzero_count
 from .blockwise_decode import crumb_table, dequantize_blockwise_torch, signed_codes
 from .blockwise_encode import nearest_integer_at_ties, pack_codes, quantize_blockwise_torch
 from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, scratch_buffers
@@ -32,6 +33,8 @@ REFERENCE = {
     "fingerprints": fingerprints_torch,
     "copy_many": copy_many_torch,
     "dequantize_blockwise_many": dequantize_blockwise_many_torch,
+    "bitmask_encode": bitmask_encode_torch,
+    "bitmask_decode": bitmask_decode_torch,
 }
 
 __all__ = [
@@ -39,6 +42,8 @@ __all__ = [
     "FINGERPRINT_SAMPLES",
     "copy_many_torch",
     "REFERENCE",
+    "bitmask_decode_torch",
+    "bitmask_encode_torch",
     "copy_flat_range",
     "crumb_table",
     "dequantize_blockwise_many_torch",
@@ -47,6 +52,7 @@ __all__ = [
     "fingerprint_torch",
     "fingerprints_torch",
     "levels",
+    "nonzero_count",
     "nearest_integer_at_ties",
     "pack_codes",
     "quantize_blockwise_many_torch",

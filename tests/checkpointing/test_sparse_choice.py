@@ -123,9 +123,9 @@ def test_decided_after_the_host_sync_gives_the_same_entries(monkeypatch) -> None
     reads: list[int] = []
     real = state_encode.fingerprints.read_device_scalars
 
-    def counted(scalars):
+    def counted(scalars, buffers=()):
         reads.append(len(scalars))
-        return real(scalars)
+        return real(scalars, buffers)
 
     monkeypatch.setattr(state_encode, "decided_after_sync", lambda on_host: True)
     monkeypatch.setattr(state_encode.fingerprints, "read_device_scalars", counted)

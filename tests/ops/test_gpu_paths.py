@@ -462,10 +462,10 @@ def test_sparse_choice_on_a_device_state_reads_counts_with_the_flags(monkeypatch
     batched: list[int] = []
     real_read = state_fingerprints.read_device_scalars
 
-    def counted_read(scalars):
+    def counted_read(scalars, *buffers):
         batched.append(len(scalars))
         with reads.pause():
-            return real_read(scalars)
+            return real_read(scalars, *buffers)
 
     monkeypatch.setattr(state_fingerprints, "read_device_scalars", counted_read)
     monkeypatch.setattr(state_encode, "decided_after_sync", lambda on_host: True)

@@ -177,11 +177,9 @@ def quantize_state_dict(
         for i, (x, _, codec, _) in enumerate(jobs)
         if isinstance(bitmask, BitmaskCodec) and isinstance(codec, ExactCodec) and sparse_candidate(x)
     }
-    deferred = (
-        sorted(sparse_jobs)
-        if decided_after_sync(all(t.device.type == "cpu" for t in tensors.values()))
-        else []
-    )
+    # Where the launches are grouped (a device state) the counts join the one host read.
+    on_host = all(not groups_launches(t.device) for t in tensors.values())
+    deferred = sorted(sparse_jobs) if decided_after_sync(on_host) else []
     later = set(deferred)
     counts = [c for i in deferred for c in sparsity_counts(jobs[i][0])]
 
@@ -262,7 +260,6 @@ def quantize_state_dict(
     # On the CPU the entries are encoded on several threads (each alone, or small ones of
     # one kind together: the bytes do not depend on it, see tw_triton.batching); device
     # tensors are encoded here, where their launches are queued, in groups (grouped.py).
-    on_host = all(not groups_launches(t.device) for t in tensors.values())
     encoded: list[tuple[Encoded, torch.Tensor | None]] = [None] * len(canonical)  # type: ignore[list-item]
     fps: dict[int, torch.Tensor] = {}
     scalar_buffers: list[torch.Tensor] = []

@@ -13,18 +13,11 @@ Usage::
     state = Checkpointer("runs/ckpt").restore(model=model, optimizer=opt, scheduler=sched)
     start = state["step"] + 1
 
-Contract: ``save(step, **state)`` stores ``{"step": step, <your names>: ..., "rng": ...}``
-(objects by their ``state_dict()``, plain values as they are, the RNG states); every
-``keyframe_every``-th save (and the first of a process) is a keyframe, the others deltas
-(``delta``: closed or open loop, or none). A save's Future succeeds only when its file and
-every file it needs are written; a failure is raised once at the next call. Files appear
-only when complete; :meth:`Checkpointer.latest` and :meth:`Checkpointer.restore` pick the
-newest checkpoint whose chain verifies. One Checkpointer writes a directory at a time.
-
-The Checkpointer delegates: the save pipeline (:mod:`tw_triton.save_pipeline`), the delta
-reference (:mod:`tw_triton.reference_chain`), retention (:mod:`tw_triton.retention`) and
-the files (:mod:`tw_triton.checkpoint_dir`, :mod:`tw_triton.directory_claim`). The why
-(keyframes and deltas, memory, the first save, crash safety, retention):
+``save(step, **state)`` stores ``{"step": step, <your names>: ..., "rng": ...}``; every
+``keyframe_every``-th save is a keyframe, the others deltas. A save's Future succeeds only
+when its file and every file it needs are written. It delegates to
+:mod:`tw_triton.save_pipeline`, :mod:`~tw_triton.reference_chain`,
+:mod:`~tw_triton.retention` and :mod:`~tw_triton.checkpoint_dir`; the why:
 docs/training-loop.md.
 """
 
@@ -51,7 +44,7 @@ from .device_memory import bound_of, held_nbytes
 from .directory_claim import DirectoryClaim
 from .errors import CheckpointError, TwTritonError
 from .reference_chain import ReferenceChain, leaves
-from .resume import RESERVED_NAMES, check_restorable, default_device, load_from, restore_into
+from .resume import check_restorable, default_device, load_from, named_state, restore_into
 from .retention import InFlight, retain
 from .rng import capture_rng_state, restore_rng_state
 from .save_pipeline import (  # noqa: F401 - KIND_* and collect_setup_garbage are re-exported
@@ -62,7 +55,7 @@ from .save_pipeline import (  # noqa: F401 - KIND_* and collect_setup_garbage ar
     collect_setup_garbage,
 )
 from .snapshot_pool import SavePool
-from .state import decode_targets, state_of
+from .state import decode_targets
 from .writer import AsyncWriter
 
 logger = logging.getLogger(__name__)
@@ -201,7 +194,7 @@ class Checkpointer:
         step = operator.index(step)
         if step < 0:
             raise CheckpointError(f"step must be non-negative, got {step}")
-        named = _named_state(state)
+        named = named_state(state)
         self._collect_finished()
         if self._writer is not None:
             try:
@@ -245,7 +238,7 @@ class Checkpointer:
         """
         if self._closed:
             raise CheckpointError(f"cannot prepare: the Checkpointer of {self.directory!r} is closed")
-        tree = _named_state(state)
+        tree = named_state(state)
         collect_setup_garbage()
         self._pipeline.precompile(tree)
         if not self._pipeline.copies(tree):
@@ -312,7 +305,7 @@ class Checkpointer:
     def device_memory_bound(self, **state: Any) -> dict[str, int]:
         """The bound on what saving ``state`` holds on its devices, by part, ``peak`` the most
         at any moment (:class:`~tw_triton.device_memory.DeviceMemoryBound`)."""
-        tree = {"step": 0, **_named_state(state)}
+        tree = {"step": 0, **named_state(state)}
         pending = self._writer.max_pending if self._writer is not None else 0
         return bound_of(
             tree, self.rules, self.bits, self.block, self.delta_mode, pending, self.reference_device
@@ -485,17 +478,6 @@ class Checkpointer:
 
     def _retain(self) -> None:
         retain(self._dir, self.keep_last, self._inflight, self.reference_id, self._writer)
-
-
-def _named_state(state: dict[str, Any]) -> dict[str, Any]:
-    """What ``save(**state)`` stores under each name, after checking the reserved names."""
-    for name in RESERVED_NAMES:
-        if name in state:
-            raise CheckpointError(
-                f"'{name}' is a reserved name in a checkpoint (it holds the "
-                f"{'step number' if name == 'step' else 'RNG states'}); use another name"
-            )
-    return {name: state_of(value) for name, value in state.items()}
 
 
 __all__ = [

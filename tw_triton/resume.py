@@ -14,6 +14,7 @@ import torch
 from .checkpoint_dir import CheckpointDirectory, CheckpointInfo, wants_pinned
 from .errors import CheckpointError, TwTritonError
 from .rng import restore_rng_state
+from .state import state_of
 
 # Names a Checkpointer stores beside the user's own.
 RESERVED_NAMES = ("step", "rng")
@@ -101,3 +102,14 @@ def default_device(objects: dict[str, Any]) -> torch.device:
             for p in obj.parameters():
                 return p.device
     return torch.device("cpu")
+
+
+def named_state(state: dict[str, Any]) -> dict[str, Any]:
+    """What ``save(**state)`` stores under each name, after checking the reserved names."""
+    for name in RESERVED_NAMES:
+        if name in state:
+            raise CheckpointError(
+                f"'{name}' is a reserved name in a checkpoint (it holds the "
+                f"{'step number' if name == 'step' else 'RNG states'}); use another name"
+            )
+    return {name: state_of(value) for name, value in state.items()}

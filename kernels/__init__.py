@@ -8,7 +8,16 @@ optional) and match its plain-torch reference bit for bit (docs/codecs.md).
 
 from .dequantize_blockwise import dequantize_blockwise
 from .dequantize_log2 import dequantize_log2
+from .dequantize_log2_temporal import dequantize_log2_temporal
 from .quantize_blockwise import quantize_blockwise
 from .quantize_log2 import quantize_log2
+from .quantize_log2_temporal import quantize_log2_temporal
 
-__all__ = ["quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2"]
+__all__ = [
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "quantize_log2",
+    "dequantize_log2",
+    "quantize_log2_temporal",
+    "dequantize_log2_temporal",
+]

@@ -53,7 +53,9 @@ negative value nor a zero where there was none), both from 4096 elements up:
 ``"small"``     weight deltas int8, ``exp_avg`` int4, ``exp_avg_sq`` log2 4 bits (the
                 default of :class:`~tw_triton.dcp.DistributedCheckpointer`);
 ``"smallest"``  weight deltas int2, ``exp_avg`` int4, ``exp_avg_sq`` log2 4 bits (the
-                :class:`~tw_triton.checkpointer.Checkpointer` default). Its 2-bit weight
+                :class:`~tw_triton.checkpointer.Checkpointer` default), between keyframes
+                as ``log2-temporal`` changes against the last reconstruction (float32
+                moments; others stay log2). Its 2-bit weight
                 deltas need *closed-loop* deltas
                 (``Checkpointer(delta="closed")``, the default; see
                 :mod:`tw_triton.deltas`): against a keyframe many saves back (open loop)
@@ -110,6 +112,9 @@ MOMENT_PRESETS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
     "small": (8, {"codec": "int4"}, {"bits": 4}),
     "smallest": (2, {"codec": "int4"}, {"bits": 4}),
 }
+# The presets whose float32 second moments are coded between keyframes by ``log2-temporal``
+# against their last reconstruction (the keyframe keeps the log2 codes; docs/codecs.md).
+TEMPORAL_PRESETS = frozenset({"smallest"})
 # Weight-delta bits that need closed-loop deltas (see "smallest" above).
 CLOSED_LOOP_BITS = 2
 FIRST_MOMENT_GLOB = "*exp_avg"
@@ -239,7 +244,16 @@ def _preset_rules(name: str, state: Any, *, bits: int, block: int) -> list[Rule]
     if name in MOMENT_PRESETS:
         w_bits, m_spec, v_spec = MOMENT_PRESETS[name]
         where = f"preset {name}"
-        moments = [
+        temporal = [
+            make_rule(
+                SECOND_MOMENT_GLOB,
+                {"codec": "log2-temporal", **v_spec, "min_numel": DEFAULT_MIN_NUMEL},
+                bits=bits,
+                block=block,
+                where=where,
+            )
+        ]
+        moments = (temporal if name in TEMPORAL_PRESETS else []) + [
             make_rule(
                 SECOND_MOMENT_GLOB,
                 {"codec": "log2", **v_spec, "min_numel": DEFAULT_MIN_NUMEL},
@@ -299,7 +313,9 @@ def keyframe_rules(rules: Sequence[Rule]) -> list[Rule]:
     for rule in rules:
         codec = get_codec(rule.codec)
         if codec is not None and codec.uses_reference(rule.params):
-            rule = Rule(rule.pattern, "exact", {}, rule.min_numel)
+            # Exact, or what the codec names (log2-temporal: the absolute log2 codes).
+            name, params = codec.keyframe_spec(rule.params)
+            rule = Rule(rule.pattern, name, dict(params), rule.min_numel)
         out.append(rule)
     return out
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from . import format as _format
-from .deltas import Reference, advance, check_reference, delta_coded
+from .deltas import Reference, advance, check_reference, delta_coded, keyframe_values
 from .qstate import QuantizedState
 from .reference_chain import ReferenceChain, depends_on, ref_at
 from .retention import InFlight, NotedFile, SaveInFlight
@@ -172,6 +172,10 @@ class SavePipeline:
         # The writer thread's codecs write their codes and scales into this save's lease as
         # well: pooled, they do not page-fault fresh memory every save.
         if job.keyframe:
+            # Chosen before the writer thread starts: rule matching is Python, and once that
+            # thread runs it would wait on the GIL.
+            if self.chain.delta:
+                ref_values = delta_coded(snapshot.tensors, job.rule_list)
             encode = functools.partial(
                 encode_keyframe,
                 snapshot,
@@ -181,11 +185,8 @@ class SavePipeline:
                 job.meta,
                 q_id,
                 allocate=job.lease,
+                reconstruct=ref_values,
             )
-            # Chosen before the writer thread starts: rule matching is Python, and once that
-            # thread runs it would wait on the GIL.
-            if self.chain.delta:
-                ref_values = delta_coded(snapshot.tensors, job.rule_list)
         else:
             encode = functools.partial(
                 encode_delta,
@@ -231,10 +232,16 @@ class SavePipeline:
             )
             # The tensors deltas are coded against are exact entries of the keyframe, under
             # every path that names them: a tied weight's alias is coded against it too.
+            # A lossy one (log2-temporal's log2 keyframe codes) by its reconstruction.
             if self.chain.delta:
-                exact = {p: e.buffers["data"] for p, e in q.entries.items() if e.codec == "exact"}
-                exact.update({alias: exact[target] for alias, target in q.aliases.items() if target in exact})
-                ref_values = delta_coded(exact, job.rule_list)
+                kept = {
+                    p: e.buffers["data"]
+                    if e.codec == "exact"
+                    else torch.empty(e.shape, dtype=e.dtype, device="meta")
+                    for p, e in q.entries.items()
+                }
+                kept.update({alias: kept[target] for alias, target in q.aliases.items() if target in kept})
+                ref_values = keyframe_values(q, delta_coded(kept, job.rule_list), in_place=False)
         else:
             q = encode_delta(
                 job.tree,
@@ -367,14 +374,20 @@ def encode_keyframe(
     checkpoint_id: str | None,
     *,
     allocate: SnapshotLease | None = None,
+    reconstruct: dict[str, torch.Tensor] | None = None,
 ) -> QuantizedState:
     """Encode a keyframe with ``rules`` (the keyframe rules: delta-coded tensors exact).
 
     With ``checkpoint_id`` it runs on the writer thread over ``snapshot``, a private copy
     (exact entries hold its tensors); without, in ``save`` over the live state.
+    ``reconstruct``: the snapshot's tensors the next deltas are coded against, overwritten
+    with their reconstruction where the keyframe codes them lossily
+    (:func:`~tw_triton.deltas.keyframe_values`).
     """
     q = _encode(snapshot, rules, bits, block, meta, checkpoint_id, allocate)
     q.metadata["kind"] = KIND_KEYFRAME
+    if reconstruct:
+        keyframe_values(q, reconstruct, in_place=True)
     return q
 
 

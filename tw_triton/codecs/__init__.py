@@ -28,6 +28,12 @@ Built in:
     smallest and largest positive value, code 0 reserved for exact zero. Buffers ``codes``
     (uint8), ``lo`` and ``hi`` (int32, one per block). Parameters ``bits``, ``block``,
     ``packing``. Never decodes a value below zero, nor zero where the input was not.
+``log2-temporal``
+    The temporal codec of :mod:`tw_triton.codecs.log2_temporal` for the same moments between
+    keyframes: the change of the fp32 bit pattern against the last reconstruction, one
+    signed byte per element, absolute ``log2`` codes for the blocks it cannot code. Buffers
+    ``codes`` (uint8, one per element), ``lo``, ``hi`` (int32 per block). Parameters ``bits``,
+    ``block``, ``min_step``, ``delta``.
 
 The numeric work runs in the ops of :mod:`tw_triton.ops` (dispatched by device). Why each
 codec: docs/codecs.md.
@@ -40,10 +46,13 @@ from .base import Codec, Encoded
 from .blockwise import PACKING, BlockwiseCodec
 from .exact import EXACT_DTYPES, ExactCodec
 from .log2 import Log2Codec
+from .log2_temporal import Log2TemporalCodec
 
 # The registry is the one piece of mutable module state: codecs are process-wide plug-ins,
 # looked up by the name a file records, so a registry object would have to be global anyway.
-_REGISTRY: dict[str, Codec] = {c.name: c for c in (ExactCodec(), BlockwiseCodec(), Log2Codec())}
+_REGISTRY: dict[str, Codec] = {
+    c.name: c for c in (ExactCodec(), BlockwiseCodec(), Log2Codec(), Log2TemporalCodec())
+}
 
 
 def register_codec(name: str, codec: Codec, *, replace: bool = False) -> None:
@@ -89,6 +98,7 @@ __all__ = [
     "Encoded",
     "ExactCodec",
     "Log2Codec",
+    "Log2TemporalCodec",
     "codec_names",
     "get_codec",
     "register_codec",

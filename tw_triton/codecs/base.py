@@ -61,6 +61,13 @@ class Codec(ABC):
         """Whether an entry with these (resolved or stored) params is a delta."""
         return bool(params.get("delta", False))
 
+    def keyframe_spec(self, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """``(codec name, params)`` a keyframe stores a tensor with that this codec
+        delta-codes (:func:`~tw_triton.rules.keyframe_rules`): exact by default, so the
+        deltas after it decode against exact values. A codec that returns a lossy codec
+        here is coded against that codec's reconstruction of the keyframe."""
+        return "exact", {}
+
     @abstractmethod
     def encode(self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None) -> Encoded:
         """Encode ``x`` on its own device. The buffers must not alias ``x`` (a snapshot).

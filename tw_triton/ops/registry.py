@@ -16,7 +16,14 @@ from collections.abc import Callable, Iterator
 from ..errors import QuantizationError
 
 # The op names of tw_triton.ops: a backend registering anything else is a typo.
-OPS = ("quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2")
+OPS = (
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "quantize_log2",
+    "dequantize_log2",
+    "quantize_log2_temporal",
+    "dequantize_log2_temporal",
+)
 
 _REFERENCE: dict[str, Callable] = {}
 _BACKENDS: dict[tuple[str, str], Callable] = {}

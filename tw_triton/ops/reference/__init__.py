@@ -11,6 +11,7 @@ from .blockwise_decode import crumb_table, dequantize_blockwise_torch, signed_co
 from .blockwise_encode import nearest_integer_at_ties, pack_codes, quantize_blockwise_torch
 from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, scratch_buffers
 from .log2 import dequantize_log2_torch, levels, quantize_log2_torch
+from .log2_temporal import dequantize_log2_temporal_torch, quantize_log2_temporal_torch
 
 # The ops this backend implements (registered by tw_triton.ops as the default of every device).
 REFERENCE = {
@@ -18,6 +19,8 @@ REFERENCE = {
     "dequantize_blockwise": dequantize_blockwise_torch,
     "quantize_log2": quantize_log2_torch,
     "dequantize_log2": dequantize_log2_torch,
+    "quantize_log2_temporal": quantize_log2_temporal_torch,
+    "dequantize_log2_temporal": dequantize_log2_temporal_torch,
 }
 
 __all__ = [
@@ -26,11 +29,13 @@ __all__ = [
     "copy_flat_range",
     "crumb_table",
     "dequantize_blockwise_torch",
+    "dequantize_log2_temporal_torch",
     "dequantize_log2_torch",
     "levels",
     "nearest_integer_at_ties",
     "pack_codes",
     "quantize_blockwise_torch",
+    "quantize_log2_temporal_torch",
     "quantize_log2_torch",
     "release_scratch",
     "scratch",

@@ -38,6 +38,7 @@ KERNEL_MODULES = frozenset(
         "test_quantize_blockwise.py",
         "test_dequantize_blockwise.py",
         "test_quantize_log2.py",
+        "test_quantize_log2_temporal.py",
     }
 )
 

@@ -31,9 +31,9 @@ Built in:
 ``log2-temporal``
     The temporal codec of :mod:`tw_triton.codecs.log2_temporal` for the same moments between
     keyframes: the change of the fp32 bit pattern against the last reconstruction, one
-    signed byte per element, absolute ``log2`` codes for the blocks it cannot code. Buffers
-    ``codes`` (uint8, one per element), ``lo``, ``hi`` (int32 per block). Parameters ``bits``,
-    ``block``, ``min_step``, ``delta``.
+    signed byte per element, absolute ``log2`` codes for the blocks it cannot code. Buffer
+    ``codes`` (uint8: the int32 bounds ``lo`` and ``hi`` of every block, then one code per
+    element). Parameters ``bits``, ``block``, ``min_step``, ``delta``.
 
 The numeric work runs in the ops of :mod:`tw_triton.ops` (dispatched by device). Why each
 codec: docs/codecs.md.

@@ -16,6 +16,7 @@ why: docs/codecs.md ("The temporal second-moment codec").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,8 +24,8 @@ import torch
 
 from .. import ops
 from ..errors import CheckpointError, QuantizationError
-from ..ops.layout import MAX_BLOCK, MIN_BLOCK, SUPPORTED_BITS, check_params
-from ..ops.reference.log2_temporal import MIN_STEP, temporal_buffers, temporal_code_errors
+from ..ops.layout import MAX_BLOCK, MIN_BLOCK, SUPPORTED_BITS, check_params, num_blocks
+from ..ops.reference.log2_temporal import MIN_STEP, temporal_code_errors
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
 from .base import (
@@ -38,9 +39,34 @@ from .base import (
     param_error,
 )
 from .log2 import unusable_flag
-from .packed import PACKING, per_block_buffer
+from .packed import PACKING
 
 NAME = "log2-temporal"
+
+
+def stored_nbytes(numel: int, block: int) -> int:
+    """Bytes of the one stored buffer: two int32 bounds per block, then a code per element."""
+    return 8 * num_blocks(numel, block) + numel
+
+
+def split_stored(
+    buf: torch.Tensor, numel: int, block: int, *, copy_bounds: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, lo, hi)`` views of the stored ``uint8`` buffer: ``lo`` of every block
+    (int32, little-endian), then ``hi``, then the codes. One buffer, not three: the bounds
+    are mostly zero and would stay raw under the entropy stage's 4 KiB floor on their own.
+    ``copy_bounds``: read the bounds from a copy (a file's buffer may sit at any offset,
+    and an int32 view needs 4-byte alignment)."""
+    nb = num_blocks(numel, block)
+    bounds = buf[: 8 * nb]
+    if copy_bounds:
+        bounds = bounds.clone()
+    elif bounds.data_ptr() % 4:
+        raise QuantizationError(f"{NAME}: an output buffer must be 4-byte aligned")
+    words = bounds.view(torch.int32)
+    return buf[8 * nb :], words[:nb], words[nb:]
+
+
 # The step floor is at most a quarter of the int32 range: q * S stays far inside int64.
 _MAX_MIN_STEP = 1 << 29
 
@@ -115,15 +141,15 @@ class Log2TemporalCodec(Codec):
     def encode_with(
         self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None, allocate: Allocator
     ) -> Encoded:
-        sizes = [(n, dtype) for _, n, dtype in temporal_buffers(x.numel(), params["block"])]
-        return self._encoded(x, params, reference, host_outputs(x, allocate, sizes))
+        out = host_outputs(x, allocate, [(stored_nbytes(x.numel(), params["block"]), torch.uint8)])
+        return self._encoded(x, params, reference, None if out is None else out[0])
 
     def _encoded(
         self,
         x: torch.Tensor,
         params: Mapping[str, Any],
         reference: torch.Tensor | None,
-        out: tuple[torch.Tensor, ...] | None,
+        out: torch.Tensor | None,
     ) -> Encoded:
         if x.dtype != torch.float32:
             raise QuantizationError(f"codec {NAME!r} codes float32 tensors, got {x.dtype}")
@@ -135,32 +161,39 @@ class Log2TemporalCodec(Codec):
         # rest are absolute log2 blocks.
         ref = torch.zeros_like(x) if reference is None else reference.to(x.device, torch.float32)
         bits, block, min_step = params["bits"], params["block"], params["min_step"]
-        codes, lo, hi = ops.quantize_log2_temporal(x, ref, bits, block, min_step, out=out)
+        n = x.numel()
+        if out is None:
+            out = torch.empty(stored_nbytes(n, block), dtype=torch.uint8, device=x.device)
+        views = split_stored(out, n, block)
+        got = ops.quantize_log2_temporal(x, ref, bits, block, min_step, out=views)
+        for view, t in zip(views, got):
+            if t.data_ptr() != view.data_ptr():  # a backend that allocates its own (the kernels)
+                view.copy_(t)
         entry = EncodedEntry(
             codec=self.name,
             params={"bits": bits, "block": block, "min_step": min_step, "delta": reference is not None},
             shape=tuple(x.shape),
             dtype=x.dtype,
-            buffers={"codes": codes, "lo": lo, "hi": hi},
+            buffers={"codes": out},
         )
-        return Encoded(entry, unusable=unusable_flag(hi))
+        return Encoded(entry, unusable=unusable_flag(views[2]))
 
     def _stored(self, entry: EncodedEntry, context: str) -> tuple[int, int, int, torch.Tensor, ...]:
         self.check_stored_params(entry.params, context)
         p = entry.params
         if entry.dtype != torch.float32:
             raise CheckpointError(f"{context}: {NAME} entry has dtype {entry.dtype}, expected float32")
-        numel = 1
-        for s in entry.shape:
-            numel *= s
-        codes = entry_buffer(entry, "codes", context)
-        if codes.dtype != torch.uint8 or codes.numel() != numel:
+        numel = math.prod(tuple(entry.shape))
+        stored = entry_buffer(entry, "codes", context)
+        want = stored_nbytes(numel, p["block"])
+        if stored.dtype != torch.uint8 or stored.numel() != want:
             raise CheckpointError(
-                f"{context}: codes are {codes.dtype} x {codes.numel()}, expected uint8 x {numel} "
-                f"(one per element of shape {tuple(entry.shape)})"
+                f"{context}: codes are {stored.dtype} x {stored.numel()}, expected uint8 x {want} "
+                f"(two int32 bounds per block of {p['block']}, then one byte per element of shape "
+                f"{tuple(entry.shape)})"
             )
-        lo, hi = (per_block_buffer(entry, n, torch.int32, p["block"], context) for n in ("lo", "hi"))
-        return p["bits"], p["block"], p["min_step"], codes.reshape(-1), lo.reshape(-1), hi.reshape(-1)
+        codes, lo, hi = split_stored(stored.reshape(-1), numel, p["block"], copy_bounds=True)
+        return p["bits"], p["block"], p["min_step"], codes, lo, hi
 
     def decode(
         self, entry: EncodedEntry, reference: torch.Tensor | None, device: torch.device | None, context: str

@@ -294,3 +294,17 @@ def test_temporal_deltas_are_much_smaller_than_log2(tmp_path) -> None:
         return sum(b["data_offsets"][1] - b["data_offsets"][0] for b in bufs)
 
     assert stored(m[2]) * 4 < stored(m[0]), [stored(x) for x in m]
+
+
+def test_temporal_reconstruction_stays_positive_and_finite_at_the_ends() -> None:
+    """Rounding to a whole step could land at or below zero next to the smallest
+    subnormal, or past the largest finite value: the clamp keeps it positive and finite."""
+    top = 0x7F7FFFFF
+    t = torch.tensor([5] * 32 + [top] * 32, dtype=torch.int32)
+    r = torch.tensor([1000] * 32 + [top - 3600] * 32, dtype=torch.int32)  # step: min_step
+    x, ref = t.view(torch.float32), r.view(torch.float32)
+    codes, lo, hi = quantize_log2_temporal_torch(x, ref, 4, 32, 1000)
+    assert lo.tolist() == [0, 0] and hi.tolist() == [0, 0]
+    assert codes.view(torch.int8)[[0, 32]].tolist() == [-1, 4]  # 0 and top + 400 before the clamp
+    dec = dequantize_log2_temporal_torch(codes, lo, hi, ref, 64, 4, 32, 1000)
+    assert dec.view(torch.int32)[[0, 32]].tolist() == [1, top]

@@ -152,3 +152,11 @@ def test_log2_temporal_kernels_at_every_remainder(min_step: int) -> None:
     x = (base + torch.arange(-600, 600, dtype=torch.int32)).view(torch.float32)
     ref = torch.full_like(x, 1.5)
     assert_like_torch(x, ref, 4, 32, min_step)
+
+
+def test_log2_temporal_kernels_clamp_like_torch() -> None:
+    """Changes that round to zero or past the largest finite value: the clamps."""
+    top = 0x7F7FFFFF
+    t = torch.tensor([5] * 32 + [top] * 32, dtype=torch.int32)
+    r = torch.tensor([1000] * 32 + [top - 3600] * 32, dtype=torch.int32)
+    assert_like_torch(t.view(torch.float32), r.view(torch.float32), 4, 32, 1000)

@@ -308,3 +308,22 @@ def test_temporal_reconstruction_stays_positive_and_finite_at_the_ends() -> None
     assert codes.view(torch.int8)[[0, 32]].tolist() == [-1, 4]  # 0 and top + 400 before the clamp
     dec = dequantize_log2_temporal_torch(codes, lo, hi, ref, 64, 4, 32, 1000)
     assert dec.view(torch.int32)[[0, 32]].tolist() == [1, top]
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_a_moment_created_after_the_keyframe_is_coded_on_its_own(tmp_path, async_write) -> None:
+    """An optimizer saved before its first step has no moments in the keyframe: the deltas
+    after it code them against zero (``delta: false``) instead of refusing the save."""
+    states = _moments(3)
+    with Checkpointer(
+        tmp_path, keyframe_every=100, keep_last=None, async_write=async_write, fsync=False
+    ) as ck:
+        ck.save(0, model={"w": torch.ones(8)}, optimizer={"state": {}})
+        for step, s in enumerate(states, start=1):
+            ck.save(step, model={"w": torch.ones(8)}, optimizer={"state": {0: s}})
+    ck = Checkpointer(tmp_path, keep_last=None)
+    for step, s in enumerate(states, start=1):
+        entry = read_manifest(ck.path_for(step))["entries"]["optimizer/state/0/exp_avg_sq"]
+        assert entry["codec"] == "log2-temporal" and entry["params"]["delta"] is False
+        got = ck.load(step)["optimizer"]["state"][0]["exp_avg_sq"]
+        assert torch.equal(got == 0, s["exp_avg_sq"] == 0) and bool((got >= 0).all())

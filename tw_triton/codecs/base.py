@@ -44,6 +44,10 @@ class Codec(ABC):
     #: Whether encode/decode of CUDA tensors run Triton kernels that must match the torch
     #: path byte for byte (``benchmarks/gpu/validate.py`` compares every codec that says so).
     has_kernel: bool = False
+    #: Whether a tensor without a tensor of its shape in the reference is coded on its own
+    #: (stored ``delta: false``) instead of refused: for state that may appear after a
+    #: keyframe, such as an optimizer's moments (created at its first step).
+    reference_optional: bool = False
 
     @abstractmethod
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:

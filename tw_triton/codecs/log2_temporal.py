@@ -82,6 +82,7 @@ class Log2TemporalCodec(Codec):
 
     name = NAME
     has_kernel = True
+    reference_optional = True  # moments created after the keyframe: coded against zero
     _KEYS = frozenset({"bits", "block", "min_step", "delta"})
     _STORED = frozenset({"bits", "block", "min_step", "delta"})
 

@@ -117,6 +117,26 @@ def test_temporal_flags_what_it_cannot_code(bad: float) -> None:
     assert enc.entry.buffers["codes"][:16].view(torch.int32).tolist() == [0, -1, 0, -1]  # lo, then hi
 
 
+def test_an_uncodable_or_partial_block_decodes_as_the_encoder_wrote_it() -> None:
+    """What the encoder writes for a block it cannot code (bounds -1, codes 0) decodes to
+    zeros, as log2's does; a partial last block of absolute codes is no corruption."""
+    codec = get_codec("log2-temporal")
+    params = {"bits": 4, "block": 32, "min_step": MIN_STEP, "delta": True}
+    x = torch.rand(70) + 0.5
+    x[3] = float("nan")
+    ref = torch.rand(70) + 0.5
+    ref[65] = 0.0  # a zero that turns positive: the partial last block is absolute
+    enc = codec.encode(x, params, ref)
+    assert bool(enc.unusable)
+    dec = codec.decode(enc.entry, ref, None, "ctx")
+    assert bool((dec[:32] == 0).all()) and bool((dec[32:] > 0).all())
+    lo = enc.entry.buffers["codes"][:12].view(torch.int32)
+    assert lo[0] == -1 and lo[2] >= 1
+    enc.entry.buffers["codes"][24] = 1  # a code where the encoder writes 0
+    with pytest.raises(CheckpointError, match="element 0 has code 1"):
+        codec.decode(enc.entry, ref, None, "ctx")
+
+
 def test_temporal_state_with_nan_is_stored_exact_and_logged(caplog) -> None:
     rules = [("v", {"codec": "log2-temporal", "min_numel": 0})]
     v = torch.rand(256)

@@ -186,11 +186,14 @@ def dequantize_log2_temporal_torch(
 def temporal_code_errors(
     codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
 ) -> str | None:
-    """What no encoder writes, in stored buffers (``None`` if nothing): bounds that are
-    neither ``0, 0`` nor ``1 <= lo <= hi < +inf``, an absolute code above ``2**bits - 1``, a
-    temporal code other than ``-128`` over a reference value that is not positive finite."""
+    """What no encoder writes (``None`` if nothing): bounds other than ``0, 0``,
+    ``-1, -1`` (an uncodable block, all codes 0; it decodes to zeros, as in ``log2``, and a
+    file never holds one: such a tensor is stored exact) or ``1 <= lo <= hi < +inf``; an
+    absolute code above ``2**bits - 1``; a temporal code other than ``-128`` over a
+    reference value that is not positive finite."""
     temporal = (lo == 0) & (hi == 0)
-    bounds_ok = temporal | ((lo >= 1) & (lo <= hi) & (hi < F32_INF_BITS))
+    uncodable = (lo == -1) & (hi == -1)
+    bounds_ok = temporal | uncodable | ((lo >= 1) & (lo <= hi) & (hi < F32_INF_BITS))
     if not bool(bounds_ok.all()):
         b = int((~bounds_ok).nonzero()[0, 0])
         return f"block {b} has bounds lo={int(lo[b])}, hi={int(hi[b])}"
@@ -199,8 +202,9 @@ def temporal_code_errors(
     c = torch.nn.functional.pad(codes.to(torch.int32), (0, pad), value=0x80).view(-1, block)
     r = torch.nn.functional.pad(reference.reshape(-1).float(), (0, pad)).view(torch.int32).view(-1, block)
     rpos = (r > 0) & (r < F32_INF_BITS)
-    bad = torch.where(temporal.unsqueeze(1), (c != 0x80) & ~rpos, c > (1 << bits) - 1)
+    limit = torch.where(uncodable, 0, (1 << bits) - 1).unsqueeze(1)
+    bad = torch.where(temporal.unsqueeze(1), (c != 0x80) & ~rpos, c > limit).view(-1)[:n]
     if bool(bad.any()):
-        b, i = (int(v) for v in bad.nonzero()[0])
-        return f"element {b * block + i} has code {int(c[b, i])}, which no encoder writes there"
+        i = int(bad.nonzero()[0, 0])
+        return f"element {i} has code {int(codes[i])}, which no encoder writes there"
     return None

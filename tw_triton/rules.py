@@ -51,7 +51,8 @@ negative value nor a zero where there was none), both from 4096 elements up:
 
 ``"safe"``      weight deltas int8, ``exp_avg`` int8, ``exp_avg_sq`` log2 8 bits;
 ``"small"``     weight deltas int8, ``exp_avg`` int4, ``exp_avg_sq`` log2 4 bits (the
-                default of :class:`~tw_triton.dcp.DistributedCheckpointer`);
+                default of :class:`~tw_triton.dcp.DistributedCheckpointer`), between
+                keyframes as ``log2-temporal`` (float32 moments);
 ``"smallest"``  weight deltas int2, ``exp_avg`` int4, ``exp_avg_sq`` log2 4 bits (the
                 :class:`~tw_triton.checkpointer.Checkpointer` default), between keyframes
                 as ``log2-temporal`` changes against the last reconstruction (float32
@@ -114,7 +115,7 @@ MOMENT_PRESETS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
 }
 # The presets whose float32 second moments are coded between keyframes by ``log2-temporal``
 # against their last reconstruction (the keyframe keeps the log2 codes; docs/codecs.md).
-TEMPORAL_PRESETS = frozenset({"smallest"})
+TEMPORAL_PRESETS = frozenset({"small", "smallest"})
 # Weight-delta bits that need closed-loop deltas (see "smallest" above).
 CLOSED_LOOP_BITS = 2
 FIRST_MOMENT_GLOB = "*exp_avg"

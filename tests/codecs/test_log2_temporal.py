@@ -238,7 +238,11 @@ def test_keyframe_rules_keep_log2_for_the_temporal_rule() -> None:
     assert rules[0].codec == "log2-temporal" and rules[1].codec == "log2"
     kf = keyframe_rules(rules)
     assert kf[0].codec == "log2" and kf[0].params == {"bits": 4, "block": 128, "packing": "lsb-first"}
-    assert [r.codec for r in resolve_rules("small", state, bits=8, block=128)][:1] == ["log2"]
+    assert [r.codec for r in resolve_rules("small", state, bits=8, block=128)][:2] == [
+        "log2-temporal",
+        "log2",
+    ]
+    assert [r.codec for r in resolve_rules("safe", state, bits=8, block=128)][:1] == ["log2"]
 
 
 def _moments(steps: int, n: int = 8192, seed: int = 0) -> list[dict[str, torch.Tensor]]:

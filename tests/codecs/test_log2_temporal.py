@@ -178,7 +178,7 @@ def test_temporal_decode_checks_its_reference_and_codes() -> None:
     entry = codec.encode(ref * 1.1, params, ref).entry
     with pytest.raises(CheckpointError, match="ctx: delta entry decoded without its reference"):
         codec.decode(entry, None, None, "ctx")
-    with pytest.raises(CheckpointError, match="ctx: reference has shape"):
+    with pytest.raises(ReferenceMismatchError, match="ctx: reference has shape"):
         codec.decode(entry, torch.ones(65), None, "ctx")
     zeroed = ref.clone()
     zeroed[5] = 0.0

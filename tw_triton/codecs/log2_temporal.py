@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..errors import CheckpointError, QuantizationError
+from ..errors import CheckpointError, QuantizationError, ReferenceMismatchError
 from ..ops.layout import MAX_BLOCK, MIN_BLOCK, SUPPORTED_BITS, check_params, num_blocks
 from ..ops.reference.log2_temporal import MIN_STEP, temporal_code_errors
 from ..qstate import EncodedEntry
@@ -226,7 +226,7 @@ class Log2TemporalCodec(Codec):
         if delta:
             assert reference is not None
             if tuple(reference.shape) != tuple(entry.shape):
-                raise CheckpointError(
+                raise ReferenceMismatchError(
                     f"{context}: reference has shape {tuple(reference.shape)}, expected {tuple(entry.shape)}"
                 )
             ref = move_to(reference, dev)

@@ -11,11 +11,13 @@ from .copy_grouped import copy_grouped
 from .dequantize_blockwise import dequantize_blockwise
 from .dequantize_blockwise_grouped import dequantize_blockwise_grouped
 from .dequantize_log2 import dequantize_log2
+from .dequantize_log2_temporal import dequantize_log2_temporal
 from .fingerprint import fingerprints
 from .quantize_blockwise import quantize_blockwise
 from .quantize_blockwise_grouped import quantize_blockwise_grouped
 from .quantize_log2 import quantize_log2
 from .quantize_log2_grouped import quantize_log2_grouped
+from .quantize_log2_temporal import quantize_log2_temporal
 from .tiles import aligned
 
 __all__ = [
@@ -31,4 +33,6 @@ __all__ = [
     "quantize_log2_grouped",
     "bitmask_decode",
     "bitmask_encode",
+    "quantize_log2_temporal",
+    "dequantize_log2_temporal",
 ]

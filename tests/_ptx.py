@@ -135,9 +135,22 @@ def bitmask_variants() -> list[Variant]:
     ]
 
 
+def temporal_variants() -> list[Variant]:
+    """The ``log2-temporal`` codec's kernels: blocks x {main, tail} x targets, float32 with a
+    float32 reference (the codec takes nothing else), 4 bits (``BITS`` only sets the
+    constant ``N`` of the step)."""
+    return [
+        Variant(op, 4, block, "fp32", "fp32", masked, cc)
+        for op in ("temporal-encode", "temporal-decode")
+        for block in LOG2_BLOCKS
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+
+
 def every_variant() -> list[Variant]:
     """Everything the children compile."""
-    return all_variants() + log2_variants() + grouped_variants() + bitmask_variants()
+    return all_variants() + log2_variants() + grouped_variants() + bitmask_variants() + temporal_variants()
 
 
 def _grouped_source(v: Variant):
@@ -235,6 +248,30 @@ def _bitmask_source(v: Variant):
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
+def _temporal_source(v: Variant):
+    from triton.compiler import ASTSource
+
+    from tw_triton.kernels.dequantize_log2_temporal import dequantize_log2_temporal_kernel
+    from tw_triton.kernels.quantize_log2_temporal import quantize_log2_temporal_kernel
+    from tw_triton.kernels.tiles import rows_per_program
+
+    if v.op == "temporal-encode":
+        fn = quantize_log2_temporal_kernel
+        names = ("x_ptr", "ref_ptr", "codes_ptr", "lo_ptr", "hi_ptr")
+        kinds = ("*fp32", "*fp32", "*u8", "*i32", "*i32")
+    else:
+        fn = dequantize_log2_temporal_kernel
+        names = ("codes_ptr", "lo_ptr", "hi_ptr", "ref_ptr", "out_ptr")
+        kinds = ("*u8", "*i32", "*i32", "*fp32", "*fp32")
+    signature = dict(zip(names, kinds))
+    signature.update({"n": "i32", "row0": "i32", "min_step": "i32"})
+    constexprs = {"MASKED": v.masked, "BITS": v.bits, "BLOCK": v.block, "ROWS": rows_per_program(v.block)}
+    signature.update({name: "constexpr" for name in constexprs})
+    # The five pointers, n and min_step (a power of two) are 16-divisible.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7)}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
 def _log2_source(v: Variant):
     from triton.compiler import ASTSource
 
@@ -261,13 +298,15 @@ def compile_variant(v: Variant):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if v.op.startswith(("log2-", "grouped-", "bitmask-")) or v.op == "fingerprint":
+    if v.op.startswith(("log2-", "grouped-", "bitmask-", "temporal-")) or v.op == "fingerprint":
         from tw_triton.kernels.tiles import NUM_WARPS
 
         if v.op.startswith("log2-"):
             source = _log2_source(v)
         elif v.op.startswith("bitmask-"):
             source = _bitmask_source(v)
+        elif v.op.startswith("temporal-"):
+            source = _temporal_source(v)
         else:
             source = _grouped_source(v)
         return triton.compile(

@@ -40,6 +40,7 @@ KERNEL_MODULES = frozenset(
         "test_quantize_log2.py",
         "test_grouped_ops.py",
         "test_bitmask_kernels.py",
+        "test_quantize_log2_temporal.py",
     }
 )
 

@@ -138,6 +138,33 @@ def make_reference(
     return Reference(checkpoint_id, step, nest(dict(flat)), nbytes, future, closed=closed)
 
 
+def keyframe_values(
+    q: QuantizedState, values: dict[str, torch.Tensor], *, in_place: bool
+) -> dict[str, torch.Tensor]:
+    """Make ``values`` (by path, the tensors the deltas after keyframe ``q`` are coded
+    against) the keyframe's *reconstruction*: a path the keyframe stores with a lossy codec
+    (``log2-temporal``'s ``keyframe_spec``: the absolute ``log2`` codes) gets its decoded
+    entry, written into the tensor already there (``in_place``: the keyframe's snapshot,
+    which its write no longer reads) or in its place (a placeholder, say on the meta
+    device). Exact entries are left as they are. Returns ``values``.
+    """
+    for path, t in list(values.items()):
+        target = q.aliases.get(path, path)
+        entry = q.entries[target]
+        if entry.codec == "exact":
+            continue
+        codec = get_codec(entry.codec)
+        context = f"checkpoint {q.checkpoint_id}: entry {target!r}"
+        if codec is None:
+            raise CheckpointError(f"{context}: unknown codec {entry.codec!r}")
+        decoded = codec.decode(entry, None, None if t.device.type == "meta" else t.device, context)
+        if in_place:
+            t.copy_(decoded)
+        else:
+            values[path] = decoded
+    return values
+
+
 def check_reference(tree: Any, rule_list: Any, reference: Reference, path: str) -> None:
     """Raise now what encoding ``tree`` (nested, or :class:`~tw_triton.tree.Flattened`)
     against ``reference`` would raise on the writer thread.
@@ -154,6 +181,8 @@ def check_reference(tree: Any, rule_list: Any, reference: Reference, path: str) 
             continue
         r = ref_flat.get(entry)
         if r is None or tuple(r.shape) != tuple(x.shape):
+            if codec.reference_optional:
+                continue  # coded on its own (quantize_state_dict)
             found = "no tensor" if r is None else f"shape {tuple(r.shape)}"
             raise ReferenceMismatchError(
                 f"cannot save {path!r} as a delta: entry {entry!r} has shape {tuple(x.shape)} but "
@@ -391,6 +420,7 @@ __all__ = [
     "decode_chain",
     "delta_mode",
     "delta_coded",
+    "keyframe_values",
     "make_reference",
     "nest",
     "with_references",

@@ -60,9 +60,12 @@ everything else, and any name no optimizer of ``torch.optim`` uses, exact:
 
 ``"safe"``      weight deltas int8, signed int8, non-negative log2 8 bits;
 ``"small"``     weight deltas int8, signed int4, non-negative log2 4 bits (the
-                default of :class:`~tw_triton.dcp.DistributedCheckpointer`);
+                default of :class:`~tw_triton.dcp.DistributedCheckpointer`), between
+                keyframes the float32 non-negative moments as ``log2-temporal``;
 ``"smallest"``  weight deltas int2, signed int4, non-negative log2 4 bits (the
-                :class:`~tw_triton.checkpointer.Checkpointer` default); a tensor whose
+                :class:`~tw_triton.checkpointer.Checkpointer` default), between keyframes
+                the float32 non-negative moments as ``log2-temporal`` changes against
+                the last reconstruction (others stay log2); a tensor whose
                 change 2 bits would code with a relative error above
                 :data:`DELTA_MAX_ERROR` gets 4 or 8 (``max_error``, below). Its 2-bit weight
                 deltas need *closed-loop* deltas
@@ -126,6 +129,9 @@ MOMENT_PRESETS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
 # Presets whose weight deltas take more bits for a tensor whose change the preset's bits would
 # code with a larger relative error than this bound (tw_triton.delta_bits; the value: docs/codecs.md).
 DELTA_MAX_ERROR = {"smallest": 0.015}
+# The presets whose float32 second moments are coded between keyframes by ``log2-temporal``
+# against their last reconstruction (the keyframe keeps the log2 codes; docs/codecs.md).
+TEMPORAL_PRESETS = frozenset({"small", "smallest"})
 # Weight-delta bits that need closed-loop deltas (see "smallest" above).
 CLOSED_LOOP_BITS = 2
 
@@ -281,6 +287,12 @@ def _preset_rules(name: str, state: Any, *, bits: int, block: int) -> list[Rule]
         globs = [(g, r) for r in by_role for g in roles.LEGACY_GLOBS[r]]
         globs += [(g, r) for r in by_role for g in roles.role_globs(r) if g not in roles.LEGACY_GLOBS[r]]
         moments = [make_rule(g, by_role[r], bits=bits, block=block, where=where) for g, r in globs]
+        if name in TEMPORAL_PRESETS:
+            # Between keyframes: the change against the last reconstruction (float32; other
+            # dtypes fall through to log2; a keyframe codes log2, Codec.keyframe_spec).
+            temporal = {"codec": "log2-temporal", **v_spec, "min_numel": DEFAULT_MIN_NUMEL}
+            nonneg = [g for g, r in globs if r == roles.NON_NEGATIVE]
+            moments = [make_rule(g, temporal, bits=bits, block=block, where=where) for g in nonneg] + moments
         weights = default_rules(state, bits=w_bits, block=block)
         if name in DELTA_MAX_ERROR:
             weights = [
@@ -333,7 +345,9 @@ def keyframe_rules(rules: Sequence[Rule]) -> list[Rule]:
     for rule in rules:
         codec = get_codec(rule.codec)
         if codec is not None and codec.uses_reference(rule.params):
-            rule = Rule(rule.pattern, "exact", {}, rule.min_numel)
+            # Exact, or what the codec names (log2-temporal: the absolute log2 codes).
+            name, params = codec.keyframe_spec(rule.params)
+            rule = Rule(rule.pattern, name, dict(params), rule.min_numel)
         out.append(rule)
     return out
 

@@ -26,8 +26,7 @@ import torch
 
 from . import format as _format
 from . import kernel_variants
-from .codecs import get_codec
-from .deltas import Reference, advance, check_reference, delta_coded
+from .deltas import Reference, advance, check_reference, delta_coded, keyframe_values
 from .device_memory import private_copies
 from .qstate import QuantizedState
 from .reference_chain import ReferenceChain, depends_on, ref_at
@@ -184,6 +183,10 @@ class SavePipeline:
         # The writer thread's codecs write their codes and scales into this save's lease as
         # well: pooled, they do not page-fault fresh memory every save.
         if job.keyframe:
+            # Chosen before the writer thread starts: rule matching is Python, and once that
+            # thread runs it would wait on the GIL.
+            if self.chain.delta:
+                ref_values = delta_coded(snapshot.tensors, job.rule_list)
             encode = functools.partial(
                 encode_keyframe,
                 snapshot,
@@ -193,11 +196,8 @@ class SavePipeline:
                 job.meta,
                 q_id,
                 allocate=job.lease,
+                reconstruct=ref_values,
             )
-            # Chosen before the writer thread starts: rule matching is Python, and once that
-            # thread runs it would wait on the GIL.
-            if self.chain.delta:
-                ref_values = delta_coded(snapshot.tensors, job.rule_list)
         else:
             encode = functools.partial(
                 encode_delta,
@@ -253,11 +253,18 @@ class SavePipeline:
             )
             # The tensors deltas are coded against are exact entries of the keyframe, under
             # every path that names them: a tied weight's alias is coded against it too.
+            # A lossy one (log2-temporal's log2 keyframe codes) by its reconstruction.
             if self.chain.delta:
-                exact = {p: e.buffers["data"] for p, e in q.entries.items() if e.codec == "exact"}
-                exact.update(sparse_values(q))
-                exact.update({alias: exact[target] for alias, target in q.aliases.items() if target in exact})
-                ref_values = delta_coded(exact, job.rule_list)
+                # Placeholders for the others: keyframe_values decodes them (a bitmask entry
+                # to its exact values, log2 codes to their reconstruction).
+                kept = {
+                    p: e.buffers["data"]
+                    if e.codec == "exact"
+                    else torch.empty(e.shape, dtype=e.dtype, device="meta")
+                    for p, e in q.entries.items()
+                }
+                kept.update({alias: kept[target] for alias, target in q.aliases.items() if target in kept})
+                ref_values = keyframe_values(q, delta_coded(kept, job.rule_list), in_place=False)
         else:
             q = encode_delta(
                 state,
@@ -417,15 +424,21 @@ def encode_keyframe(
     *,
     allocate: SnapshotLease | None = None,
     live: bool = False,
+    reconstruct: dict[str, torch.Tensor] | None = None,
 ) -> QuantizedState:
     """Encode a keyframe with ``rules`` (the keyframe rules: delta-coded tensors exact).
 
     With ``checkpoint_id`` it runs on the writer thread over ``snapshot``, a private copy
     (exact entries hold its tensors); without, in ``save`` over the live state (``live``:
     exact entries hold its tensors, which the writer copies to the host).
+    ``reconstruct``: the snapshot's tensors the next deltas are coded against, overwritten
+    with their reconstruction where the keyframe codes them lossily
+    (:func:`~tw_triton.deltas.keyframe_values`).
     """
     q = _encode(snapshot, rules, bits, block, meta, checkpoint_id, allocate, live)
     q.metadata["kind"] = KIND_KEYFRAME
+    if reconstruct:
+        keyframe_values(q, reconstruct, in_place=True)
     return q
 
 
@@ -454,17 +467,6 @@ def _encode(
         allocate=allocate,
         copy=checkpoint_id is None and not live,
     )
-
-
-def sparse_values(q: QuantizedState) -> dict[str, torch.Tensor]:
-    """The tensors of ``q``'s ``bitmask`` entries (lossless: what a load gives back), by
-    path, decoded where their buffers are (no host sync)."""
-    codec = get_codec("bitmask")
-    return {
-        p: codec.decode(e, None, None, f"checkpoint {q.checkpoint_id}, entry {p!r}")
-        for p, e in q.entries.items()
-        if e.codec == "bitmask" and codec is not None
-    }
 
 
 def collect_setup_garbage() -> None:

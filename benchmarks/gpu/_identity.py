@@ -232,8 +232,17 @@ def run_case(codec: Codec, case: Case, device: torch.device, seed: int) -> list[
 # ------------------------------------------------------------------------------ plan
 
 
+def accepted(case: Case) -> bool:
+    """Whether the case's codec takes its dtype (``log2-temporal``: float32 only)."""
+    return get_codec(case.codec).accepts(torch.empty(1, dtype=case.dtype))
+
+
 def plan(codecs: list[str], dry_run: bool) -> Iterator[Case]:
-    """The cases, most important first (a budget cut loses the rarest ones)."""
+    """The cases the codecs take, most important first (a budget cut loses the rarest ones)."""
+    return filter(accepted, _plan(codecs, dry_run))
+
+
+def _plan(codecs: list[str], dry_run: bool) -> Iterator[Case]:
 
     def ref_options(name: str, dtype: torch.dtype) -> tuple[torch.dtype | None, ...]:
         codec = get_codec(name)

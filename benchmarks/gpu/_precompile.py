@@ -104,6 +104,8 @@ def default_grid() -> list[Entry]:
             params = tuple(sorted((k, v) for k, v in rule.params.items() if k not in NOT_KERNEL_PARAMS))
             refs = (False, True) if codec.uses_reference(rule.params) else (False,)
             for dtype in DTYPES:
+                if not codec.accepts(torch.empty(1, dtype=getattr(torch, dtype))):
+                    continue  # log2-temporal: float32 only
                 for has_ref in refs:
                     seen.setdefault(Entry(rule.codec, params, dtype, has_ref), None)
     return list(seen)

@@ -194,6 +194,13 @@ EXPLICIT_RULES: dict[str, list[Any]] = {
         _moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
         _moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096}),
     ],
+    # "smallest" with a coarser temporal step for exp_avg_sq: at least one octave (2**23
+    # bit-pattern units), about the absolute 4-bit codes' largest step on the tiny GPT.
+    "w2-m4-v4t23": [
+        _moment("exp_avg_sq", {"codec": "log2-temporal", "bits": 4, "min_step": 1 << 23, "min_numel": 4096}),
+        _moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
+        _moment("exp_avg", {"codec": "int4", "delta": False, "min_numel": 4096}),
+    ],
     "w2-m3-v4": [
         _moment("exp_avg_sq", {"codec": "log2", "bits": 4, "min_numel": 4096}),
         _moment("exp_avg", {"codec": "int3", "block": 256, "delta": False, "min_numel": 4096}),
@@ -208,6 +215,7 @@ EXPLICIT_BITS = {
     "w2-m3-v2-wider": 2,
     "w8-m3-v2-wide": 8,
     "w2-m4-v4": 2,
+    "w2-m4-v4t23": 2,
     "w2-m3-v4": 2,
 }
 

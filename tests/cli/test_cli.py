@@ -55,15 +55,26 @@ def test_inspect_table_and_totals(ckpts):
     assert f"checkpoint  {delta.checkpoint_id}" in text
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("entry"))
-    assert header.split() == ["entry", "shape", "dtype", "codec", "stage", "coded", "stored", "ratio"]
+    assert header.split() == [
+        "entry",
+        "shape",
+        "dtype",
+        "codec",
+        "stage",
+        "coded",
+        "stored",
+        "ratio",
+        "bits/el",
+    ]
     row = next(line for line in lines if line.startswith("model/0.weight"))
     # The codes (8 KiB) go through the entropy stage, the scales (512 B) stay raw.
     assert row.split()[:6] == ["model/0.weight", "256x64", "float32", "int4/128", "delta", "codes:zstd"]
     buffers = read_manifest(d / "delta.tw")["entries"]["model/0.weight"]["buffers"]
     stored = sum(b["data_offsets"][1] - b["data_offsets"][0] for b in buffers.values())
     assert stored < 256 * 64 // 2 + 4 * 128
-    assert row.split()[-1] == f"{256 * 64 * 4 / stored:.2f}x"
-    assert row.split()[-5:-3] == ["8.5", "KiB"]  # coded: codes + scales before the stage
+    assert row.split()[-2] == f"{256 * 64 * 4 / stored:.2f}x"
+    assert row.split()[-1] == f"{8 * stored / (256 * 64):.3g}"  # stored bits per element
+    assert row.split()[-6:-4] == ["8.5", "KiB"]  # coded: codes + scales before the stage
     assert any(line.startswith("model/2.weight") and "alias of model/0.weight" in line for line in lines)
     size = os.path.getsize(d / "delta.tw")
     with open(d / "delta.tw", "rb") as f:
@@ -71,6 +82,23 @@ def test_inspect_table_and_totals(ckpts):
     assert f"file        {size} bytes = {hdr} header + {size - hdr} data" in text
     # 0.weight, 1.weight, 1.bias, 2.bias; 2.weight is tied to 0.weight.
     assert "total       4 entries + 1 alias:" in text
+
+
+def test_inspect_shows_a_temporal_moment_with_its_stage_and_bits_per_element(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    v = torch.rand(256, 64, generator=g) + 0.1
+    state = {"optimizer": {"state": {0: {"exp_avg_sq": v}}}}
+    rules = [("*exp_avg_sq", {"codec": "log2-temporal", "bits": 4, "block": 128})]
+    later = {"optimizer": {"state": {0: {"exp_avg_sq": v * 1.001}}}}
+    tw_triton.save(tw_triton.quantize_state_dict(later, rules=rules, reference=state), tmp_path / "t.tw")
+    code, text = run(["inspect", tmp_path / "t.tw"])
+    assert code == EXIT_OK
+    row = next(line for line in text.splitlines() if line.startswith("optimizer/state/0/exp_avg_sq"))
+    cols = row.split()
+    assert cols[3:7] == ["log2-temporal", "4/128", "delta", "codes:zstd"]
+    entry = read_manifest(tmp_path / "t.tw")["entries"]["optimizer/state/0/exp_avg_sq"]
+    stored = entry["buffers"]["codes"]["data_offsets"][1] - entry["buffers"]["codes"]["data_offsets"][0]
+    assert cols[-1] == f"{8 * stored / v.numel():.3g}" and float(cols[-1]) < 0.5
 
 
 def test_verify_ok_corrupt_and_reference(ckpts):

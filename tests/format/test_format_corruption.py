@@ -1003,6 +1003,7 @@ def test_staged_fuzz_mutations_of_compressed_data_without_verify(tmp_path, stage
 _PARAM_RULES = [
     ("w", {"codec": "blockwise", "bits": 4, "block": 64, "min_numel": 0}),
     ("v", {"codec": "log2", "bits": 4, "block": 64, "min_numel": 0}),
+    ("t", {"codec": "log2-temporal", "bits": 4, "block": 64, "min_numel": 0}),
     ("s", "bitmask"),
     ("*", "exact"),
 ]
@@ -1014,8 +1015,18 @@ def coded(tmp_path_factory) -> tuple[Path, Path, bytes]:
     fingerprint), a log2 entry, a bitmask entry and an exact one, its reference file, and its
     bytes."""
     g = torch.Generator().manual_seed(5)
-    ref = {"w": torch.randn(64, 64, generator=g), "v": torch.rand(64, 64, generator=g), "e": torch.arange(5)}
-    state = {"w": ref["w"] + 0.01, "v": torch.rand(64, 64, generator=g), "e": torch.arange(5)}
+    ref = {
+        "w": torch.randn(64, 64, generator=g),
+        "v": torch.rand(64, 64, generator=g),
+        "t": torch.rand(32, 64, generator=g),
+        "e": torch.arange(5),
+    }
+    state = {
+        "w": ref["w"] + 0.01,
+        "v": torch.rand(64, 64, generator=g),
+        "t": ref["t"] * 1.01,
+        "e": torch.arange(5),
+    }
     state["s"] = torch.randn(63, 61, generator=g) * (torch.rand(63, 61, generator=g) < 0.3)
     d = tmp_path_factory.mktemp("coded")
     tw_triton.save(tw_triton.quantize_state_dict(ref, rules="exact"), d / "ref.safetensors", fsync=False)
@@ -1025,6 +1036,7 @@ def coded(tmp_path_factory) -> tuple[Path, Path, bytes]:
     return delta, d / "ref.safetensors", delta.read_bytes()
 
 
+PACKING_NAME = "lsb-first"
 _BAD_PARAMS = [
     # entry, param, value (None: remove it), expected text in the message
     ("w", "delta", 1, "param 'delta' is 1, expected true or false"),
@@ -1049,6 +1061,14 @@ _BAD_PARAMS = [
     ("v", "block", 0, "param 'block' is 0"),
     ("v", "packing", 7, "param 'packing' is 7"),
     ("v", "delta", True, "codec 'log2' has no param\\(s\\) \\['delta'\\]"),
+    ("t", "min_step", 0, "param 'min_step' is 0, expected an int from 1 to 536870912"),
+    ("t", "min_step", 2**30, "param 'min_step' is 1073741824"),
+    ("t", "min_step", 1.5, "param 'min_step' is 1.5"),
+    ("t", "min_step", None, "params lack \\['min_step'\\]"),
+    ("t", "bits", 3, "param 'bits' is 3, expected one of \\[8, 4, 2\\]"),
+    ("t", "block", 48, "param 'block' is 48"),
+    ("t", "delta", "yes", "param 'delta' is 'yes', expected true or false"),
+    ("t", "packing", PACKING_NAME, "codec 'log2-temporal' has no param\\(s\\) \\['packing'\\]"),
     ("e", "delta", True, "codec 'exact' has no param\\(s\\) \\['delta'\\]"),
     ("s", "packing", "msb-first", "param 'packing' is 'msb-first', expected 'lsb-first'"),
     ("s", "packing", None, "codec 'bitmask' params lack \\['packing'\\]"),
@@ -1127,6 +1147,37 @@ def test_a_bitmask_whose_mask_does_not_fit_its_values(tmp_path, coded, change, m
     assert tw_triton.load(delta, reference=str(ref))["s"].shape == (63, 61)
 
 
+_BAD_TEMPORAL = [
+    # buffer, byte offset, new bytes, expected text: stored data that no encoder writes,
+    # with a valid CRC, so the codec's own checks must refuse it
+    # (t is 2048 elements in 32 blocks: lo at bytes 0-127, hi at 128-255, then the codes)
+    ("lo", 0, struct.pack("<i", 7), "block 0 has bounds lo=7, hi=0"),
+    ("hi", 128 + 4, struct.pack("<i", -1), "block 1 has bounds lo=0, hi=-1"),
+    ("lo", 8, struct.pack("<i", 0x7F800000), "block 2 has bounds"),
+    ("codes", 256, bytes([0x80]), None),  # the zero code over a positive value: valid, loads
+]
+
+
+@pytest.mark.parametrize("buffer, offset, raw, match", _BAD_TEMPORAL)
+def test_corrupt_temporal_codes_raise_checkpoint_error(tmp_path, coded, buffer, offset, raw, match):
+    delta, ref, blob = coded
+    header, manifest, data = split(blob)
+    buf = _buf(manifest, "t", "codes")
+    assert "stage" not in buf  # small enough to be stored raw
+    b, _ = buf["data_offsets"]
+    data = data[: b + offset] + raw + data[b + offset + len(raw) :]
+    e = buf["data_offsets"][1]
+    buf["crc32"] = f"{zlib.crc32(data[b:e]):08x}"
+    path = tmp_path / "temporal.safetensors"
+    put(path, assemble(header, manifest, data))
+    if match is None:
+        assert float(tw_triton.load(path, reference=str(ref))["t"][0, 0]) == 0.0
+        return
+    with pytest.raises(CheckpointError, match=f"corrupt log2-temporal codes: {match}") as info:
+        tw_triton.load(path, reference=str(ref))
+    assert str(path) in str(info.value) and "entry 't'" in str(info.value)
+
+
 @pytest.mark.parametrize("level", [23, -(2**17) - 1, 3.0, "3", None])
 def test_stage_level_is_checked_for_zstd_range(tmp_path, staged, level):
     def edit(h, m):
@@ -1141,8 +1192,10 @@ def test_fuzz_codec_params_raise_only_checkpoint_error(tmp_path, coded, data):
     """Any JSON in place of any param (or as the whole params) of any entry: a load
     returns or raises CheckpointError, never another exception."""
     delta, ref, blob = coded
-    entry = data.draw(st.sampled_from(["w", "v", "e", "s"]))
-    key = data.draw(st.sampled_from([None, "bits", "block", "packing", "delta", "qmax", "ref_fp", "x"]))
+    entry = data.draw(st.sampled_from(["w", "v", "t", "e", "s"]))
+    key = data.draw(
+        st.sampled_from([None, "bits", "block", "packing", "delta", "qmax", "ref_fp", "min_step", "x"])
+    )
     value = data.draw(_JSON_VALUES)
 
     def edit(h, m):

@@ -135,6 +135,46 @@ def test_log2_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, variant:
         assert set(stores) == {"st.global.v4.b32"}, stores
 
 
+TEMPORAL_VARIANTS = _ptx.temporal_variants()
+
+
+@pytest.mark.parametrize("variant", TEMPORAL_VARIANTS, ids=lambda v: v.label)
+def test_temporal_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, variant: _ptx.Variant) -> None:
+    """The temporal codec's kernels: integer arithmetic for the change (64-bit division,
+    no float at all), the log2 rules for the absolute fallback, vectorized main launches."""
+    facts = ptx_facts[variant.label]
+    ops = facts["opcodes"]
+    assert facts["cubin_bytes"] > 0
+    assert facts["ptx_target"].startswith(f"sm_{variant.cc}"), facts["ptx_target"]
+    assert not _ops(facts, "div.full") and not _ops(facts, "div.approx"), _ops(facts, "div")
+    assert ops.get("div.rn.f32", 0) > 0  # the absolute fallback's step (and quotient)
+    assert not [op for op in ops if op.startswith("fma")], ops
+    assert not [op for op in ops if re.match(r"mad\.(rn|rz|rm|rp|f)", op)], ops
+    assert "mul.f32" not in ops and "add.f32" not in ops and "sub.f32" not in ops
+    assert not [op for op in ops if ".ftz" in op], ops
+    assert ops.get("cvt.rn.f32.s32", 0) > 0, ops
+    assert ops.get("cvt.rzi.s32.f32", 0) > 0, ops
+    if variant.op == "temporal-encode":
+        # The rounded change (|d| + S // 2) // S, in 64 bits: it does not fit 32.
+        assert ops.get("div.s64", 0) > 0 or ops.get("div.u64", 0) > 0, ops
+    else:
+        # r + q * S in 64 bits; the absolute level's multiply and add.
+        assert ops.get("mad.lo.s64", 0) + ops.get("mul.lo.s64", 0) > 0, ops
+        assert ops.get("mul.rn.f32", 0) > 0 and ops.get("add.rn.f32", 0) > 0, ops
+    assert facts["ctaid_uses"], "program id register never read"
+    narrow = [op for op in facts["ctaid_uses"] if not _WIDE.match(op)]
+    assert not narrow, f"program id used in 32-bit arithmetic: {narrow}"
+    if variant.masked:
+        return
+    loads, stores = _ops(facts, "ld.global"), _ops(facts, "st.global")
+    assert not [op for op in loads if op.endswith((".b8", ".b16"))], loads
+    assert not [op for op in stores if op.endswith((".b8", ".b16"))], stores
+    if variant.op == "temporal-encode":
+        assert loads.get("ld.global.v4.b32", 0) >= 2 and "st.global.v4.b32" in stores, (loads, stores)
+    else:
+        assert set(stores) == {"st.global.v4.b32"}, stores
+
+
 GROUPED_VARIANTS = _ptx.grouped_variants()
 
 

@@ -47,8 +47,9 @@ def inspect_lines(path: str) -> list[str]:
     entries = manifest["entries"]
     aliases = manifest["aliases"]
     # coded: the codec's buffers; stored: the same after the entropy stage, in the file;
-    # ratio: the original tensor over what is stored.
-    rows = [("entry", "shape", "dtype", "codec", "stage", "coded", "stored", "ratio")]
+    # ratio: the original tensor over what is stored; bits/el: stored bits per element
+    # (a temporal moment's changes come to a fraction of a bit after the stage).
+    rows = [("entry", "shape", "dtype", "codec", "stage", "coded", "stored", "ratio", "bits/el")]
     total_raw = total_coded = total_stored = 0
     for name, entry in entries.items():
         raw, coded, stored = _entry_sizes(entry)
@@ -57,6 +58,7 @@ def inspect_lines(path: str) -> list[str]:
         total_stored += stored
         shape = "x".join(map(str, entry["shape"])) or "scalar"
         ratio = f"{raw / stored:.2f}x" if stored else "-"
+        numel = math.prod(entry["shape"])
         rows.append(
             (
                 name,
@@ -67,10 +69,11 @@ def inspect_lines(path: str) -> list[str]:
                 human(coded),
                 human(stored),
                 ratio,
+                f"{8 * stored / numel:.3g}" if numel else "-",
             )
         )
     for name, target in aliases.items():
-        rows.append((name, "", "", f"alias of {target}", "-", "0 B", "0 B", "-"))
+        rows.append((name, "", "", f"alias of {target}", "-", "0 B", "0 B", "-", "-"))
 
     size = os.path.getsize(path)
     header = _header_bytes(path)
@@ -80,7 +83,7 @@ def inspect_lines(path: str) -> list[str]:
         f"reference   {manifest['reference_id'] or 'none (self-contained)'}",
         f"file        {size} bytes = {header} header + {total_stored} data",
         "",
-        *table(rows, right={5, 6, 7}),
+        *table(rows, right={5, 6, 7, 8}),
         "",
         f"total       {plural(len(entries), 'entry', 'entries')} + "
         f"{plural(len(aliases), 'alias', 'aliases')}: "

@@ -122,6 +122,9 @@ def codec_label(codec: str, params: dict[str, Any]) -> str:
     if codec == "blockwise":
         label = f"int{params.get('bits')}/{params.get('block')}"
         return label + (" delta" if params.get("delta") else "")
+    if codec == "log2-temporal":
+        label = f"log2-temporal {params.get('bits')}/{params.get('block')}"
+        return label + (" delta" if params.get("delta") else "")
     if not params:
         return codec
     shown = {k: v for k, v in params.items() if k != "ref_fp"}

@@ -34,6 +34,12 @@ Built in:
     (the non-zero elements in order, in the tensor's dtype). Parameter ``packing``. The
     state API picks it by itself for a float tensor it would store exact when that is
     smaller.
+``log2-temporal``
+    The temporal codec of :mod:`tw_triton.codecs.log2_temporal` for the same moments between
+    keyframes: the change of the fp32 bit pattern against the last reconstruction, one
+    signed byte per element, absolute ``log2`` codes for the blocks it cannot code. Buffer
+    ``codes`` (uint8: the int32 bounds ``lo`` and ``hi`` of every block, then one code per
+    element). Parameters ``bits``, ``block``, ``min_step``, ``delta``.
 
 The numeric work runs in the ops of :mod:`tw_triton.ops` (dispatched by device). Why each
 codec: docs/codecs.md.
@@ -47,11 +53,12 @@ from .bitmask import BitmaskCodec
 from .blockwise import PACKING, BlockwiseCodec
 from .exact import EXACT_DTYPES, ExactCodec
 from .log2 import Log2Codec
+from .log2_temporal import Log2TemporalCodec
 
 # The registry is the one piece of mutable module state: codecs are process-wide plug-ins,
 # looked up by the name a file records, so a registry object would have to be global anyway.
 _REGISTRY: dict[str, Codec] = {
-    c.name: c for c in (ExactCodec(), BlockwiseCodec(), Log2Codec(), BitmaskCodec())
+    c.name: c for c in (ExactCodec(), BlockwiseCodec(), Log2Codec(), Log2TemporalCodec(), BitmaskCodec())
 }
 
 
@@ -99,6 +106,7 @@ __all__ = [
     "Encoded",
     "ExactCodec",
     "Log2Codec",
+    "Log2TemporalCodec",
     "codec_names",
     "get_codec",
     "register_codec",

@@ -44,6 +44,10 @@ class Codec(ABC):
     #: Whether encode/decode of CUDA tensors run Triton kernels that must match the torch
     #: path byte for byte (``benchmarks/gpu/validate.py`` compares every codec that says so).
     has_kernel: bool = False
+    #: Whether a tensor without a tensor of its shape in the reference is coded on its own
+    #: (stored ``delta: false``) instead of refused: for state that may appear after a
+    #: keyframe, such as an optimizer's moments (created at its first step).
+    reference_optional: bool = False
 
     @abstractmethod
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:
@@ -60,6 +64,13 @@ class Codec(ABC):
     def uses_reference(self, params: Mapping[str, Any]) -> bool:
         """Whether an entry with these (resolved or stored) params is a delta."""
         return bool(params.get("delta", False))
+
+    def keyframe_spec(self, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """``(codec name, params)`` a keyframe stores a tensor with that this codec
+        delta-codes (:func:`~tw_triton.rules.keyframe_rules`): exact by default, so the
+        deltas after it decode against exact values. A codec that returns a lossy codec
+        here is coded against that codec's reconstruction of the keyframe."""
+        return "exact", {}
 
     @abstractmethod
     def encode(self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None) -> Encoded:

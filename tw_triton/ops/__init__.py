@@ -1,9 +1,10 @@
 """The codec operations, each declared once and dispatched by the device of its input.
 
-Four ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
-:func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2` and
-:func:`dequantize_log2`; five serve a save of many device tensors with a fixed number of
-launches: :func:`quantize_blockwise_many`, :func:`quantize_log2_many`, :func:`fingerprints`,
+Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
+:func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2`,
+:func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`;
+five serve a save of many device tensors with a fixed number of launches:
+:func:`quantize_blockwise_many`, :func:`quantize_log2_many`, :func:`fingerprints`,
 :func:`copy_many` and :func:`dequantize_blockwise_many` (the closed-loop advance); two more
 split a sparse tensor into a bitmask and its non-zero values and back
 (:func:`bitmask_encode`, :func:`bitmask_decode`). Each has one reference implementation in plain torch
@@ -228,6 +229,50 @@ def bitmask_decode(
     return lookup("bitmask_decode", mask.device.type)(mask, values, numel, out=out)
 
 
+def quantize_log2_temporal(
+    x: torch.Tensor,
+    reference: torch.Tensor,
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Encode a non-negative float32 tensor against ``reference`` (the reconstruction of the
+    last save) with the temporal codec, on ``x``'s device.
+
+    Args:
+        x, reference: float32 tensors of one shape on one device.
+        bits, block: the absolute codes' width (8, 4, 2) and elements per block.
+        min_step: the floor of the temporal step, in fp32 bit-pattern units.
+        out: optional ``(codes, lo, hi)`` to write into (honoured on the CPU).
+
+    Returns:
+        ``(codes, lo, hi)``: ``uint8``, one per element, and int32 per block (``0, 0`` for a
+        temporal block, ``-1, -1`` for one holding a negative, NaN or infinite element).
+    """
+    return lookup("quantize_log2_temporal", x.device.type)(x, reference, bits, block, min_step, out=out)
+
+
+def dequantize_log2_temporal(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    reference: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode temporal codes against ``reference`` to a flat float32 tensor of ``numel``
+    elements on ``codes``' device (``out`` when given; it may be ``reference`` itself)."""
+    return lookup("dequantize_log2_temporal", codes.device.type)(
+        codes, lo, hi, reference, numel, bits, block, min_step, out=out
+    )
+
+
 __all__ = [
     "OPS",
     "backends",
@@ -238,11 +283,13 @@ __all__ = [
     "dequantize_blockwise_many",
     "dequantize_log2",
     "fingerprints",
+    "dequantize_log2_temporal",
     "lookup",
     "quantize_blockwise",
     "quantize_blockwise_many",
     "quantize_log2",
     "quantize_log2_many",
+    "quantize_log2_temporal",
     "register",
     "using",
 ]

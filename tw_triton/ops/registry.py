@@ -28,6 +28,8 @@ OPS = (
     "dequantize_blockwise_many",
     "bitmask_encode",
     "bitmask_decode",
+    "quantize_log2_temporal",
+    "dequantize_log2_temporal",
 )
 
 _REFERENCE: dict[str, Callable] = {}

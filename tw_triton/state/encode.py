@@ -162,6 +162,9 @@ def quantize_state_dict(
         codec = codec_or_raise(rule.codec, QuantizationError, f"entry {path!r}")
         ref = None
         if ref_tensors is not None and codec.uses_reference(rule.params):
+            r = ref_tensors.get(path)
+            if codec.reference_optional and (r is None or tuple(r.shape) != tuple(x.shape)):
+                return x, rule, codec, None  # coded on its own, stored as no delta
             ref = reference_tensor(ref_tensors, path, tuple(x.shape), "quantize_state_dict", ref_what)
         return x, rule, codec, ref
 

@@ -259,6 +259,38 @@ def bitmask_decode_cuda(
     return _out(kernels().bitmask_decode(mask.contiguous(), values.contiguous(), numel), out)
 
 
+def quantize_log2_temporal_cuda(
+    x: torch.Tensor,
+    reference: torch.Tensor,
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The fused temporal encode kernel on contiguous copies. ``out`` is ignored."""
+    return kernels().quantize_log2_temporal(x.contiguous(), reference.contiguous(), bits, block, min_step)
+
+
+def dequantize_log2_temporal_cuda(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    reference: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The fused temporal decode kernel (``out`` may be ``reference``: the kernel writes a
+    fresh tensor, copied in afterwards)."""
+    return _out(
+        kernels().dequantize_log2_temporal(codes, lo, hi, reference, numel, bits, block, min_step), out
+    )
+
+
 # The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
 BACKEND = {
     "quantize_blockwise": quantize_blockwise_cuda,
@@ -272,4 +304,6 @@ BACKEND = {
     "dequantize_blockwise_many": dequantize_blockwise_many_cuda,
     "bitmask_encode": bitmask_encode_cuda,
     "bitmask_decode": bitmask_decode_cuda,
+    "quantize_log2_temporal": quantize_log2_temporal_cuda,
+    "dequantize_log2_temporal": dequantize_log2_temporal_cuda,
 }

@@ -21,6 +21,7 @@ from .grouped import (
     quantize_log2_many_torch,
 )
 from .log2 import dequantize_log2_torch, levels, quantize_log2_torch
+from .log2_temporal import dequantize_log2_temporal_torch, quantize_log2_temporal_torch
 
 # The ops this backend implements (registered by tw_triton.ops as the default of every device).
 REFERENCE = {
@@ -35,6 +36,8 @@ REFERENCE = {
     "dequantize_blockwise_many": dequantize_blockwise_many_torch,
     "bitmask_encode": bitmask_encode_torch,
     "bitmask_decode": bitmask_decode_torch,
+    "quantize_log2_temporal": quantize_log2_temporal_torch,
+    "dequantize_log2_temporal": dequantize_log2_temporal_torch,
 }
 
 __all__ = [
@@ -48,6 +51,7 @@ __all__ = [
     "crumb_table",
     "dequantize_blockwise_many_torch",
     "dequantize_blockwise_torch",
+    "dequantize_log2_temporal_torch",
     "dequantize_log2_torch",
     "fingerprint_torch",
     "fingerprints_torch",
@@ -58,6 +62,7 @@ __all__ = [
     "quantize_blockwise_many_torch",
     "quantize_blockwise_torch",
     "quantize_log2_many_torch",
+    "quantize_log2_temporal_torch",
     "quantize_log2_torch",
     "release_scratch",
     "scratch",

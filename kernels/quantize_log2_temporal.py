@@ -1,0 +1,161 @@
+"""Fused ``log2-temporal`` encode: reference step, integer delta, per-block fallback to the
+absolute ``log2`` codes, one byte per element.
+
+Same tile layout as ``quantize_log2`` (a ``(ROWS, BLOCK)`` tile per program, one row per
+codec block, whole tiles unmasked and the partial tile as one masked program; int64
+offsets). The spec is ``tw_triton.ops.reference.quantize_log2_temporal_torch``; the bytes
+must be identical, so the temporal part is integer arithmetic only (int64 for the step, the
+delta and the rounding by ``(|d| + S // 2) // S``, whose operands are non-negative: C's
+truncating division is then floor division), and the absolute fallback is the ``log2``
+kernel's own rule (``tl.div_rn``, ``cvt.rn`` and the ``1.5 * 2**23`` rounding trick).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tw_triton.errors import QuantizationError
+
+from .tiles import launch_row_tiles
+
+_RNE_MAGIC = tl.constexpr(12582912.0)
+_F32_INF_BITS = tl.constexpr(0x7F800000)
+_NEG_ZERO_BITS = tl.constexpr(-(1 << 31))
+_INT32_MAX = tl.constexpr((1 << 31) - 1)
+_ZERO_CODE = tl.constexpr(-128)
+_QMAX = tl.constexpr(127)
+
+
+@triton.jit
+def temporal_step(rb, N_STEPS: tl.constexpr, min_step):
+    """The int64 step of each row of reference patterns ``rb``: ``max((hi_r - lo_r) // N,
+    min_step)`` over the row's positive finite values (``min_step`` when there is none)."""
+    rpos = (rb > 0) & (rb < _F32_INF_BITS)
+    lo_r = tl.min(tl.where(rpos, rb, _INT32_MAX), axis=1)
+    hi_r = tl.max(tl.where(rpos, rb, 0), axis=1)
+    any_r = tl.max(rpos.to(tl.int32), axis=1) > 0
+    span = tl.where(any_r, hi_r.to(tl.int64) - lo_r.to(tl.int64), 0)
+    return tl.maximum(span // N_STEPS, min_step.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["row0"])
+def quantize_log2_temporal_kernel(
+    x_ptr,
+    ref_ptr,
+    codes_ptr,
+    lo_ptr,
+    hi_ptr,
+    n,
+    row0,
+    min_step,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Encode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat input."""
+    N_STEPS: tl.constexpr = (1 << BITS) - 2
+
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if MASKED:
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        r = tl.load(ref_ptr + offs, mask=offs < n, other=0.0)
+    else:
+        x = tl.load(x_ptr + offs)
+        r = tl.load(ref_ptr + offs)
+    t = x.to(tl.int32, bitcast=True)
+    rb = r.to(tl.int32, bitcast=True)
+
+    pos = (t > 0) & (t < _F32_INF_BITS)
+    zero = (t == 0) | (t == _NEG_ZERO_BITS)
+    bad = tl.max((~(pos | zero)).to(tl.int32), axis=1) > 0
+    rpos = (rb > 0) & (rb < _F32_INF_BITS)
+
+    # Temporal codes: the rounded change in steps of the reference block's log2 step.
+    step = temporal_step(rb, N_STEPS, min_step)[:, None]
+    d = t.to(tl.int64) - rb.to(tl.int64)
+    qa = (tl.where(d < 0, -d, d) + step // 2) // step
+    q = tl.where(d < 0, -qa, qa)
+    ok = zero | (pos & rpos & (qa <= _QMAX))
+    temporal = (tl.min(ok.to(tl.int32), axis=1) > 0) & ~bad
+    c_t = tl.where(zero, _ZERO_CODE, tl.where(ok, q, 0))
+
+    # Absolute log2 codes, for the rows that cannot be coded as a change.
+    lo = tl.min(tl.where(pos, t, _INT32_MAX), axis=1)
+    hi = tl.max(tl.where(pos, t, 0), axis=1)
+    a_step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
+    safe = tl.where(a_step > 0.0, a_step, 1.0)
+    ra = tl.div_rn((t - lo[:, None]).to(tl.float32), safe[:, None])
+    ra = (ra + _RNE_MAGIC) - _RNE_MAGIC
+    ra = tl.minimum(tl.maximum(ra, 0.0), N_STEPS * 1.0)
+    u = tl.where(pos, ra.to(tl.int32) + 1, 0)
+
+    absolute = ~temporal & ~bad
+    code = tl.where(temporal[:, None], c_t, tl.where(absolute[:, None], u.to(tl.int64), 0))
+    code = (code & 0xFF).to(tl.uint8)
+    lo = tl.where(bad, -1, tl.where(temporal, 0, lo))
+    hi = tl.where(bad, -1, tl.where(temporal, 0, hi))
+
+    if MASKED:
+        tl.store(codes_ptr + offs, code, mask=offs < n)
+        tl.store(lo_ptr + rows, lo, mask=rows * BLOCK < n)
+        tl.store(hi_ptr + rows, hi, mask=rows * BLOCK < n)
+    else:
+        tl.store(codes_ptr + offs, code)
+        tl.store(lo_ptr + rows, lo)
+        tl.store(hi_ptr + rows, hi)
+
+
+def check_temporal_args(x: torch.Tensor, reference: torch.Tensor, bits: int, block: int, what: str) -> None:
+    """Raise :class:`QuantizationError` unless the kernels can read ``x`` and ``reference``."""
+    for name, t in (("x", x), ("reference", reference)):
+        if (
+            t.dtype != torch.float32
+            or not t.is_contiguous()
+            or t.numel() != x.numel()
+            or t.device != x.device
+        ):
+            raise QuantizationError(
+                f"{what}: {name} must be a contiguous float32 tensor of {x.numel()} elements on "
+                f"{x.device}, got {t.dtype} x {t.numel()} on {t.device}"
+            )
+    if bits not in (8, 4, 2) or block < 32 or block > 4096 or block & (block - 1):
+        raise QuantizationError(
+            f"{what}: bits must be 8, 4 or 2 and block a power of two from 32 to 4096, "
+            f"got bits={bits!r}, block={block!r}"
+        )
+
+
+def quantize_log2_temporal(
+    x: torch.Tensor, reference: torch.Tensor, bits: int, block: int, min_step: int
+) -> tuple[torch.Tensor, ...]:
+    """Encode contiguous float32 ``x`` against ``reference`` with the fused kernel.
+
+    Returns:
+        ``(codes, lo, hi)``: ``uint8`` of ``n`` bytes and two int32 of ``ceil(n / block)``.
+
+    Raises:
+        QuantizationError: inputs the kernel cannot read.
+    """
+    check_temporal_args(x, reference, bits, block, "quantize_log2_temporal")
+    n = x.numel()
+    nblocks = -(-n // block)
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    lo = torch.empty(nblocks, dtype=torch.int32, device=x.device)
+    hi = torch.empty(nblocks, dtype=torch.int32, device=x.device)
+    if n:
+        launch_row_tiles(
+            quantize_log2_temporal_kernel,
+            (x, reference, codes, lo, hi),
+            n,
+            0,
+            block,
+            x.device,
+            min_step=min_step,
+            BITS=bits,
+        )
+    return codes, lo, hi

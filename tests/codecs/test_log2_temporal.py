@@ -234,15 +234,23 @@ def test_a_missing_or_reshaped_reference_entry_is_a_reference_mismatch(tmp_path)
 
 def test_keyframe_rules_keep_log2_for_the_temporal_rule() -> None:
     state = {"optimizer": {"state": {0: {"exp_avg_sq": torch.rand(8192)}}}, "model": {"w": torch.rand(8192)}}
+
+    def codecs_of(rules, glob):
+        return [r.codec for r in rules if r.pattern == glob]
+
     rules = resolve_rules("smallest", state, bits=8, block=128)
-    assert rules[0].codec == "log2-temporal" and rules[1].codec == "log2"
+    # Every non-negative role's glob: the temporal rule first, then log2 (other dtypes).
+    assert codecs_of(rules, "*exp_avg_sq") == ["log2-temporal", "log2"]
+    assert codecs_of(rules, "*/state/*/square_avg") == ["log2-temporal", "log2"]
+    assert codecs_of(rules, "*exp_avg") == ["blockwise"]
     kf = keyframe_rules(rules)
     assert kf[0].codec == "log2" and kf[0].params == {"bits": 4, "block": 128, "packing": "lsb-first"}
-    assert [r.codec for r in resolve_rules("small", state, bits=8, block=128)][:2] == [
+    assert "log2-temporal" not in {r.codec for r in kf}
+    assert codecs_of(resolve_rules("small", state, bits=8, block=128), "*exp_avg_sq") == [
         "log2-temporal",
         "log2",
     ]
-    assert [r.codec for r in resolve_rules("safe", state, bits=8, block=128)][:1] == ["log2"]
+    assert codecs_of(resolve_rules("safe", state, bits=8, block=128), "*exp_avg_sq") == ["log2"]
 
 
 def _moments(steps: int, n: int = 8192, seed: int = 0) -> list[dict[str, torch.Tensor]]:

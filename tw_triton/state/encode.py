@@ -329,7 +329,7 @@ def quantize_state_dict(
     for (path, _), bad in zip(flagged, values[: len(flagged)]):
         if bad:
             # log2 also refuses a negative value (a "non-negative" state that is not).
-            why = "a negative value, NaN or Inf" if entries[path].codec == "log2" else "NaN or Inf"
+            why = "a negative value, NaN or Inf" if entries[path].codec.startswith("log2") else "NaN or Inf"
             logger.warning(
                 "entry %r holds %s (in the tensor, its reference or their "
                 "difference); stored exact instead of with codec %r",

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from .codecs import get_codec
+from .codecs.log2_temporal import stored_nbytes as temporal_nbytes
+from .delta_bits import WIDER_BITS
 from .ops.layout import blockwise_buffers, log2_buffers
-from .rules import keyframe_rules, resolve_rules, select_rule
+from .rules import Rule, keyframe_rules, resolve_rules, select_rule
 from .tree import Flattened
 
 # The CUDA caching allocator rounds every allocation up to a multiple of this.
@@ -28,7 +30,11 @@ SCALAR_BYTES_PER_ENTRY = 4 * ALLOC_BYTES
 FINGERPRINT_SCRATCH = 64 << 10
 
 # Buffers of the codecs whose layout is known: (numel, bits, block) -> [(name, elements, dtype)].
-_LAYOUTS = {"blockwise": blockwise_buffers, "log2": log2_buffers}
+_LAYOUTS = {
+    "blockwise": blockwise_buffers,
+    "log2": log2_buffers,
+    "log2-temporal": lambda n, bits, block: [("codes", temporal_nbytes(n, block), torch.uint8)],
+}
 
 
 @dataclass(frozen=True)
@@ -135,11 +141,15 @@ def device_memory_bound(
         key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         distinct.setdefault(key, (path, t))
     key_rules = keyframe_rules(rule_list)
-    reference = keyframe = delta = largest = flag = 0
+    reference = keyframe = delta = largest = flag = temporal = 0
     coded = {True: 0, False: 0}  # coded entries of a keyframe, of a delta
     for path, t in distinct.values():
         rule = select_rule(rule_list, path, t)
         codec = get_codec(rule.codec)
+        if delta_mode == "none" and codec is not None and codec.reference_optional:
+            # No reference: coded as a keyframe codes it (state/encode.py).
+            name, params = codec.keyframe_spec(rule.params)
+            rule, codec = Rule(rule.pattern, name, dict(params), rule.min_numel), get_codec(name)
         uses_ref = codec is not None and codec.uses_reference(rule.params) and delta_mode != "none"
         nbytes = allocated(t.numel() * t.element_size())
         if uses_ref:
@@ -150,10 +160,13 @@ def device_memory_bound(
                 coded[key] += 1
                 flag = max(flag, allocated(-(-t.numel() // r.params.get("block", 1))))
         delta += _save_nbytes(rule, t)
+        if rule.codec == "log2-temporal":
+            # The kernel's outputs before they are packed into the one stored buffer.
+            temporal = max(temporal, encoded_nbytes(rule.codec, rule.params, t))
         keyframe += _save_nbytes(select_rule(key_rules, path, t), t)
     entries = max(coded.values())
     scalars = entries * SCALAR_BYTES_PER_ENTRY + allocated(8 * entries)
-    scratch = largest * ((delta_mode == "closed") + host_reference) + flag
+    scratch = largest * ((delta_mode == "closed") + host_reference) + flag + temporal
     if largest:
         scratch += FINGERPRINT_SCRATCH
     return DeviceMemoryBound(
@@ -210,10 +223,14 @@ def private_copies(
 
 def _save_nbytes(rule: Any, t: torch.Tensor) -> int:
     """Device bytes a save encodes ``t`` into with ``rule``: an exact entry of a contiguous
-    tensor is copied to the host from the tensor itself (nothing on the device)."""
+    tensor is copied to the host from the tensor itself (nothing on the device). A rule
+    with ``max_error`` counts the widest bits it may choose (delta_bits.py)."""
     if rule.codec == "exact":
         return 0 if t.is_contiguous() else allocated(t.numel() * t.element_size())
-    return encoded_nbytes(rule.codec, rule.params, t)
+    params = rule.params
+    if getattr(rule, "max_error", None) is not None:
+        params = {**params, "bits": max(WIDER_BITS)}
+    return encoded_nbytes(rule.codec, params, t)
 
 
 __all__ = [

@@ -148,9 +148,10 @@ def test_after_a_cold_keyframe_the_writer_faults_in_the_next_copy(tmp_path, monk
     _step(model, opt, 1)
     ckpt.save(1, model=model, optimizer=opt).result()
     # The delta's whole copy came from those buffers: nothing new for the snapshot (the
-    # writer's codes of the two weights may be new: they are 64 KiB each).
+    # writer's codes of the two weights and of the two second moments, log2-temporal in a
+    # delta, may be new).
     assert calls == [True, False]
-    assert ckpt._saves.pool.allocated - allocated <= 2
+    assert ckpt._saves.pool.allocated - allocated <= 4
     ckpt.close()
 
 

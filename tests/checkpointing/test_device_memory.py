@@ -43,15 +43,24 @@ def _log2(numel, bits, block=128):
     return (numel * bits + 7) // 8 + 2 * -(-numel // block) * 4
 
 
+def _temporal(numel, block=128):
+    return numel + 8 * -(-numel // block)  # two int32 bounds per block, a byte per element
+
+
 # The state of _run under the preset "smallest" at block 128, by hand: two 256x64 fp32
-# weights are delta-coded (int2 deltas); their AdamW moments are exp_avg int4 and
-# exp_avg_sq log2 4 bits; biases and their moments (< 4096 elements) are exact.
+# weights are delta-coded (int2 deltas, up to 8 bits by max_error: the bound counts 8);
+# their AdamW moments are exp_avg int4 and exp_avg_sq log2 4 bits in a keyframe and
+# log2-temporal between keyframes, coded against the reference too; biases and their
+# moments (< 4096 elements) are exact.
 W = 256 * 64
-REFERENCE = 2 * W * 4
+REFERENCE = 2 * W * 4 + 2 * W * 4  # the weights and the second moments
 MOMENTS = 2 * (_blockwise(W, 4) + _log2(W, 4))
 KEYFRAME = MOMENTS  # weights exact: copied to the host from the reference itself
-DELTA = MOMENTS + 2 * _blockwise(W, 2)
-SCRATCH = W * 4  # the largest delta-coded tensor, decoded then copied into the reference
+DELTA_MOMENTS = 2 * (_blockwise(W, 4) + _temporal(W))
+DELTA = DELTA_MOMENTS + 2 * _blockwise(W, 8)
+# The largest delta-coded tensor, decoded then copied into the reference; and the
+# temporal kernel's outputs before they are packed into one buffer.
+SCRATCH = W * 4 + _temporal(W)
 # On the device, one entry at a time: a fingerprint's temporaries (2048 samples widened to
 # int64, their weights, the product) and a NaN/Inf check of one byte per block.
 TEMPORARIES = 64 * 1024 + 512
@@ -85,8 +94,14 @@ def test_the_bound_is_the_documented_formula_and_the_reference_is_what_is_held(t
             _step(model, opt)
     # What a save encodes is what the formula counts: the buffers of the files' coded
     # entries (the CPU codec's buffers are the kernels', byte for byte).
-    for step, want in ((0, KEYFRAME), (1, DELTA)):
+    for step, want in ((0, KEYFRAME), (1, None)):
         q = fmt.read_file(tmp_path / checkpoint_name(step))
+        if want is None:  # the weights' bits as max_error chose them (at most the bound's 8)
+            bits = [
+                e.params["bits"] for p, e in q.entries.items() if e.codec == "blockwise" and "model/" in p
+            ]
+            assert len(bits) == 2 and max(bits) <= 8
+            want = DELTA_MOMENTS + sum(_blockwise(W, b) for b in bits)
         coded = sum(
             t.numel() * t.element_size()
             for e in q.entries.values()
@@ -103,9 +118,13 @@ def test_the_bound_follows_the_options(tmp_path):
         b = ck.device_memory_bound(model=model, optimizer=opt)
         # A host reference: nothing held between saves; on the device while a delta is
         # coded against it, one tensor at a time (and once more for the advance).
-        assert (b["reference"], b["scratch"], b["saves_in_flight"]) == (0, 2 * SCRATCH + TEMPORARIES, 4)
+        assert (b["reference"], b["scratch"], b["saves_in_flight"]) == (
+            0,
+            2 * W * 4 + _temporal(W) + TEMPORARIES,
+            4,
+        )
     with Checkpointer(tmp_path / "o", fsync=False, delta="open") as ck:
-        assert ck.device_memory_bound(model=model, optimizer=opt)["scratch"] == TEMPORARIES
+        assert ck.device_memory_bound(model=model, optimizer=opt)["scratch"] == TEMPORARIES + _temporal(W)
     with Checkpointer(tmp_path / "n", fsync=False, delta="none", rules="small") as ck:
         b = ck.device_memory_bound(model=model, optimizer=opt)
         assert (b["reference"], b["scratch"]) == (0, 512)  # no fingerprint: no reference

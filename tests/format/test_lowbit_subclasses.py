@@ -157,7 +157,7 @@ def test_bnb_states_are_stored_exact_whatever_the_rules(tmp_path, preset):
 def test_inner_tensor_paths_are_exact_and_no_key_gives_them():
     smallest = rules.resolve_rules("smallest", {"optimizer": {}}, bits=8, block=128)
     x = torch.randn(8192)
-    assert rules.select_rule(smallest, "optimizer/state/0/exp_avg_sq", x).codec == "log2"
+    assert rules.select_rule(smallest, "optimizer/state/0/exp_avg_sq", x).codec == "log2-temporal"
     everything = rules.resolve_rules([("*", "int4")], {}, bits=8, block=128)
     for path in ("optimizer/state/0/exp_avg_sq/%scale", "exp_avg/%codes", f"a/{lowbit.BNB_STATE_KEY}/x"):
         assert lowbit.stored_as_is(path)

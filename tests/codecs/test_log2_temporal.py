@@ -203,14 +203,20 @@ def test_temporal_decode_over_writes_into_its_reference() -> None:
 
 
 def test_without_a_reference_it_codes_against_zero() -> None:
-    q = tw_triton.quantize_state_dict(
-        {"v": torch.rand(300)}, rules=[("v", {"codec": "log2-temporal", "min_numel": 0})]
-    )
+    """A moment the reference lacks (created after the keyframe) is coded against zero; a
+    save with no reference at all codes it as a keyframe would (the same absolute codes,
+    at half the bytes)."""
+    rules = [("v", {"codec": "log2-temporal", "min_numel": 0})]
+    x = torch.rand(300)
+    q = tw_triton.quantize_state_dict({"v": x}, rules=rules, reference={"u": torch.rand(3)})
     e = q.entries["v"]
-    assert e.buffers["codes"].numel() == 300 + 8 * 3
+    assert e.codec == "log2-temporal" and e.buffers["codes"].numel() == 300 + 8 * 3
     assert e.params["delta"] is False and "ref_fp" not in e.params
     back = tw_triton.dequantize_state_dict(q)["v"]
     assert bool((back > 0).all())
+    alone = tw_triton.quantize_state_dict({"v": x}, rules=rules)
+    assert alone.entries["v"].codec == "log2"
+    assert torch.equal(tw_triton.dequantize_state_dict(alone)["v"], back)
 
 
 def test_a_missing_or_reshaped_reference_entry_is_a_reference_mismatch(tmp_path) -> None:

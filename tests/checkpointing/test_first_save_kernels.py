@@ -7,6 +7,8 @@ arguments are multiples of 16 or 1). prepare must make exactly the calls the sav
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -120,7 +122,10 @@ def test_save_variants_count_only_the_kernels_device():
     state = {"step": 0, "model": model, "optimizer": opt}
     assert save_variants(state, "smallest", bits=8, block=128, delta_mode="closed") == []
     cpu = save_variants(state, "smallest", bits=8, block=128, delta_mode="closed", device_type="cpu")
-    assert {v.has_ref for v in cpu} == {False, True} and all(v.decode == v.has_ref for v in cpu)
+    # A closed loop decodes every delta; without a reference only the keyframe's lossy
+    # entries (log2-temporal's keyframe codes) of delta-coded tensors are decoded.
+    assert {v.has_ref for v in cpu} == {False, True} and all(v.decode for v in cpu if v.has_ref)
+    assert {v.codec for v in cpu if v.decode and not v.has_ref} <= {"log2"}
 
 
 @pytest.mark.parametrize("block", [32, 128, 4096])
@@ -150,3 +155,116 @@ def test_after_prepare_the_first_saves_compile_nothing(tmp_path, monkeypatch, de
             ck.save(step, model={k: v * (1 + step / 1000) for k, v in model.items()}, optimizer=opt)
         ck.flush()
     assert misses == []
+
+
+# Every Triton kernel of the package: the grouped ones a device save launches, and the
+# single-tensor ones of the entries it encodes alone.
+KERNELS = [
+    ("quantize_blockwise_grouped", "quantize_blockwise_grouped_kernel"),
+    ("quantize_log2_grouped", "quantize_log2_grouped_kernel"),
+    ("copy_grouped", "copy_grouped_kernel"),
+    ("dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
+    ("fingerprint", "fingerprint_kernel"),
+    ("quantize_blockwise", "quantize_blockwise_kernel"),
+    ("dequantize_blockwise", "dequantize_blockwise_kernel"),
+    ("quantize_log2", "quantize_log2_kernel"),
+    ("dequantize_log2", "dequantize_log2_kernel"),
+    ("quantize_log2_temporal", "quantize_log2_temporal_kernel"),
+    ("dequantize_log2_temporal", "dequantize_log2_temporal_kernel"),
+    ("bitmask", "bitmask_mask_kernel"),
+    ("bitmask", "bitmask_scatter_kernel"),
+    ("bitmask", "bitmask_popcount_kernel"),
+    ("bitmask", "bitmask_gather_kernel"),
+]
+
+
+def _specialization(value):
+    """What Triton specializes an argument on: a tensor's dtype and 16-byte alignment, an
+    int's being 1 or a multiple of 16, a constexpr's value."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return ("int", value == 1, value % 16 == 0)
+    return value
+
+
+class _RecordedKernel:
+    def __init__(self, kernel, name, seen):
+        self.kernel, self.name, self.seen = kernel, name, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            key = tuple(_specialization(a) for a in args)
+            self.seen.add((self.name, key, tuple(sorted((k, _specialization(v)) for k, v in kwargs.items()))))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+@pytest.fixture
+def kernel_launches(monkeypatch):
+    """A device save forced on CPU tensors (grouped launches, every op on its Triton
+    backend, run by the interpreter), with each kernel launch recorded as specialized."""
+    import importlib
+
+    from tw_triton import deltas
+    from tw_triton.ops.backends import triton as triton_backend
+
+    seen: set = set()
+    monkeypatch.setattr(kernel_variants, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(state_encode, "groups_launches", lambda device: True)
+    monkeypatch.setattr(deltas, "groups_launches", lambda device: True)
+    for module, name in KERNELS:
+        mod = importlib.import_module(f"tw_triton.kernels.{module}")
+        monkeypatch.setattr(mod, name, _RecordedKernel(getattr(mod, name), name, seen))
+    with contextlib.ExitStack() as stack:
+        for op, fn in triton_backend.BACKEND.items():
+            stack.enter_context(ops.using(op, "cpu", fn))
+        yield seen
+
+
+def _small_state(dtype):
+    g = torch.Generator().manual_seed(1)
+    model = {
+        "embed": torch.randn(2 * 4096 + 80, generator=g).to(dtype),  # whole tiles and a tail
+        "w": torch.randn(5, 4096, generator=g).to(dtype),  # whole tiles only
+        "odd": torch.randn(4099, generator=g).to(dtype),
+        "b": torch.randn(64, generator=g).to(dtype),  # exact
+        # Mostly zeros: the keyframe, which stores it exact, stores it by the bitmask codec.
+        "sparse": torch.zeros(4096 + 48, dtype=dtype).index_fill_(0, torch.tensor([3, 4000]), 1.0),
+    }
+    moments = {k: {"exp_avg": v.float().clone(), "exp_avg_sq": v.float().square()} for k, v in model.items()}
+    state = dict(enumerate(moments.values()))
+    return model, {"state": state, "param_groups": [{"params": list(state), "lr": 1e-3}]}
+
+
+@pytest.mark.parametrize(
+    ("rules", "delta", "dtype"),
+    [
+        ("small", "closed", torch.bfloat16),
+        ("smallest", "closed", torch.float32),
+        ("small", "open", torch.float16),
+        ("smallest", "none", torch.bfloat16),
+    ],
+)
+def test_prepare_launches_the_grouped_kernels_the_first_device_saves_launch(
+    tmp_path, kernel_launches, rules, delta, dtype
+):
+    model, opt = _small_state(dtype)
+    with Checkpointer(
+        tmp_path, keyframe_every=5, rules=rules, delta=delta, async_write=False, fsync=False
+    ) as ck:
+        ck.prepare(model=model, optimizer=opt)
+        ahead = set(kernel_launches)
+        kernel_launches.clear()
+        ck.save(0, model=model, optimizer=opt)
+        ck.save(1, model={k: v * 1.001 for k, v in model.items()}, optimizer=opt)
+    assert kernel_launches, "the saves launched no kernel: the grouped path was not forced"
+    names = {key[0] for key in kernel_launches}
+    assert "fingerprint_kernel" in names or delta == "none"
+    assert names & {"quantize_blockwise_grouped_kernel", "quantize_log2_grouped_kernel"}
+    assert "bitmask_mask_kernel" in names
+    missing = kernel_launches - ahead
+    assert not missing, f"the saves launched kernels prepare did not: {sorted(missing, key=str)}"

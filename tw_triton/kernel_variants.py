@@ -2,16 +2,17 @@
 
 Triton compiles one binary per specialization of a kernel: its ``constexpr`` arguments
 (bits, block, rows, whether a reference is added, the largest code, whether the tile is
-masked), its pointers' dtypes, and whether integer arguments (the length, the first row of
-the tail) are multiples of 16. On a cold cache each costs about a second, on the thread
-that launches: the first keyframe and delta of a CUDA state would compile 8-16 of them in
-``save()``. :func:`save_variants` derives from the state and the rules what the first
-keyframe (its quantized moments), the first delta (the rules' codes, against a reference)
-and, in closed loop, its advance (decoding the deltas) launch; :func:`compile_variant`
-runs one through its codec on a small tensor of the same specialization, so the binary is
-compiled (or loaded from Triton's disk cache) once, before the first save.
-:meth:`Checkpointer.prepare <tw_triton.checkpointer.Checkpointer.prepare>` does both. Why:
-docs/training-loop.md ("The first save").
+masked, a grouped kernel's table bucket ``LOG_T``), its pointers' dtypes and alignment,
+and whether integer arguments are 1 or multiples of 16. On a cold cache each costs about a
+second, on the thread that launches. Where a device's launches are grouped
+(:mod:`tw_triton.state.grouped`), :func:`precompile_saves` runs the first keyframe's and
+first delta's encode (and the closed-loop advance's decode) through that path on small
+tensors: the saves' groups, member counts, slots and dtypes, each member with a whole
+tile and a tail where its tensor has them; entries encoded alone on tensors that launch as
+theirs. Elsewhere :func:`save_variants` lists the single-tensor variants and
+:func:`compile_variant` runs each. :meth:`Checkpointer.prepare
+<tw_triton.checkpointer.Checkpointer.prepare>` calls it. Why, and what it leaves out
+(``max_error`` tensors split across widths): docs/training-loop.md ("The first save").
 """
 
 from __future__ import annotations

@@ -344,8 +344,8 @@ class SavePipeline:
 
     def precompile(self, tree: dict[str, Any]) -> int:
         """Compile the kernels the first keyframe and delta of ``tree`` (the named state)
-        launch, now (docs/training-loop.md, "The first save"); returns how many variants
-        ran (0: no tensor the kernels code)."""
+        launch, now (docs/training-loop.md, "The first save"); returns how many variants or
+        encodes ran (0: no tensor the kernels code)."""
         device = kernel_variants.kernel_device(leaf_tensors(tree))
         if device is None:
             return 0

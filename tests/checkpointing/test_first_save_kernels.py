@@ -1,9 +1,13 @@
 """prepare() runs ahead the kernel variants the first keyframe and delta launch.
 
-Without a GPU the kernels' device type is set to the CPU's, and the codec ops are spied
-on: each call is reduced to what Triton specializes a launch on (op, dtypes, bits, block,
-the largest code, and per launch of the row tiles whether it is masked and which integer
-arguments are multiples of 16 or 1). prepare must make exactly the calls the saves make."""
+Without a GPU the kernels' device type is set to the CPU's. Where launches are not grouped
+(the CPU as it is) the codec ops are spied on: each call is reduced to what Triton
+specializes a launch on (op, dtypes, bits, block, the largest code, and per launch of the
+row tiles whether it is masked and which integer arguments are multiples of 16 or 1), and
+prepare must make exactly the calls the saves make. Where they are grouped (a device; here
+forced for CPU tensors, as tests/checkpointing/test_launches_per_save.py does) every
+kernel launch is recorded as Triton specializes it, and the saves must launch nothing
+prepare did not."""
 
 from __future__ import annotations
 
@@ -138,8 +142,9 @@ def test_a_representative_length_launches_as_the_tensor(block):
 @pytest.mark.cuda
 @pytest.mark.parametrize("delta", ["closed", "open"])
 def test_after_prepare_the_first_saves_compile_nothing(tmp_path, monkeypatch, delta):
-    """On a GPU: every kernel the first keyframe and deltas launch is already in the
-    process's cache after prepare (Triton calls its cache hook on every miss)."""
+    """On a GPU (where a save's launches are grouped): every kernel the first keyframe and
+    deltas launch is already in the process's cache after prepare (Triton calls its cache
+    hook on every miss)."""
     import triton
 
     model, opt = _state(torch.bfloat16)
@@ -147,7 +152,7 @@ def test_after_prepare_the_first_saves_compile_nothing(tmp_path, monkeypatch, de
     opt["state"] = {i: {k: v.cuda() for k, v in s.items()} for i, s in opt["state"].items()}
     misses = []
     with Checkpointer(tmp_path, keyframe_every=5, delta=delta, fsync=False) as ck:
-        assert ck._pipeline.precompile({"model": model, "optimizer": opt}) > 0
+        ck.prepare(model=model, optimizer=opt)  # the grouped path's kernels on a GPU
         monkeypatch.setattr(
             triton.knobs.runtime, "jit_cache_hook", lambda *a, **kw: misses.append(kw) and False
         )

@@ -240,7 +240,7 @@ class Checkpointer:
             raise CheckpointError(f"cannot prepare: the Checkpointer of {self.directory!r} is closed")
         tree = named_state(state)
         collect_setup_garbage()
-        self._pipeline.precompile(tree)
+        self._pipeline.precompile({**tree, "rng": capture_rng_state()})  # as save() lays it out
         if not self._pipeline.copies(tree):
             return 0
         self._collect_finished()  # written saves' buffers are free again: count them

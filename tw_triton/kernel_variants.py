@@ -2,16 +2,17 @@
 
 Triton compiles one binary per specialization of a kernel: its ``constexpr`` arguments
 (bits, block, rows, whether a reference is added, the largest code, whether the tile is
-masked), its pointers' dtypes, and whether integer arguments (the length, the first row of
-the tail) are multiples of 16. On a cold cache each costs about a second, on the thread
-that launches: the first keyframe and delta of a CUDA state would compile 8-16 of them in
-``save()``. :func:`save_variants` derives from the state and the rules what the first
-keyframe (its quantized moments), the first delta (the rules' codes, against a reference)
-and, in closed loop, its advance (decoding the deltas) launch; :func:`compile_variant`
-runs one through its codec on a small tensor of the same specialization, so the binary is
-compiled (or loaded from Triton's disk cache) once, before the first save.
-:meth:`Checkpointer.prepare <tw_triton.checkpointer.Checkpointer.prepare>` does both. Why:
-docs/training-loop.md ("The first save").
+masked, a grouped kernel's table bucket ``LOG_T``), its pointers' dtypes and alignment,
+and whether integer arguments are 1 or multiples of 16. On a cold cache each costs about a
+second, on the thread that launches. Where a device's launches are grouped
+(:mod:`tw_triton.state.grouped`), :func:`precompile_saves` runs the first keyframe's and
+first delta's encode (and the closed-loop advance's decode) through that path on small
+tensors: the saves' groups, member counts, slots and dtypes, each member with a whole
+tile and a tail where its tensor has them; entries encoded alone on tensors that launch as
+theirs. Elsewhere :func:`save_variants` lists the single-tensor variants and
+:func:`compile_variant` runs each. :meth:`Checkpointer.prepare
+<tw_triton.checkpointer.Checkpointer.prepare>` calls it. Why, and what it leaves out
+(``max_error`` tensors split across widths): docs/training-loop.md ("The first save").
 """
 
 from __future__ import annotations
@@ -21,13 +22,18 @@ from typing import Any
 
 import torch
 
-from .codecs import get_codec
+from .codecs import ExactCodec, get_codec
+from .codecs.bitmask import sparse_candidate
 from .delta_bits import WIDER_BITS
 from .rules import keyframe_rules, resolve_rules, select_rule
+from .state import encode as state_encode
+from .state.grouped import DeviceEncode, decode_grouped, group_of
 from .tree import Flattened
 
 # Elements per program of the row-tiled kernels (kernels/tiles.py TILE_ELEMENTS).
 TILE_ELEMENTS = 4096
+# Bytes per program of the grouped copy (kernels/copy_grouped.py COPY_BLOCK, one row).
+COPY_TILE_BYTES = 4096
 # The device type whose tensors the kernels code.
 KERNEL_DEVICE_TYPE = "cuda"
 # Rule params that select no kernel variant: ``delta`` only decides whether a reference is
@@ -81,10 +87,12 @@ def save_variants(
     for path, t in flat.tensors.items():
         if t.device.type != device_type:
             continue
-        for rule, keyframe in (
-            (select_rule(key_rules, path, t), True),
-            (select_rule(rule_list, path, t), False),
-        ):
+        later = select_rule(rule_list, path, t)
+        later_codec = get_codec(later.codec)
+        reconstructed = (
+            delta_mode != "none" and later_codec is not None and later_codec.uses_reference(later.params)
+        )
+        for rule, keyframe in ((select_rule(key_rules, path, t), True), (later, False)):
             codec = get_codec(rule.codec)
             if codec is None or not getattr(codec, "has_kernel", False):
                 continue
@@ -99,7 +107,10 @@ def save_variants(
             for b in bits_options:
                 chosen = rule.params if b == rule.params.get("bits") else {**rule.params, "bits": b}
                 params = tuple(sorted((k, v) for k, v in chosen.items() if k not in NOT_KERNEL_PARAMS))
-                variant = Variant(rule.codec, params, t.dtype, has_ref, n, has_ref and delta_mode == "closed")
+                # A closed loop decodes its deltas; a keyframe's lossy entries of tensors
+                # the deltas are coded against are decoded as their reference.
+                decode = has_ref and delta_mode == "closed" or keyframe and reconstructed
+                variant = Variant(rule.codec, params, t.dtype, has_ref, n, decode)
                 seen.setdefault(variant, None)
     return list(seen)
 
@@ -130,6 +141,147 @@ def precompile(variants: list[Variant], device: torch.device) -> int:
     return len(variants)
 
 
+def grouped_numel(n: int, tile: int) -> int:
+    """A length whose part in a grouped launch specializes as ``n``'s: a whole tile if ``n``
+    has any (the whole-tile launch), and ``n``'s tail (the masked launch). Every other
+    specialization of a grouped kernel (the table bucket ``LOG_T``, the count of rows,
+    the flag slots) is the group's, not the tensor's."""
+    full, tail = divmod(n, tile)
+    return min(full, 1) * tile + tail
+
+
+def _small(x: torch.Tensor, rule: Any, codec: Any, grouped: bool) -> torch.Tensor:
+    """A small tensor on ``x``'s device and of its dtype that launches as ``x`` does."""
+    n = x.numel()
+    if grouped and isinstance(codec, ExactCodec):
+        tile = COPY_TILE_BYTES // x.element_size()
+        n = grouped_numel(n, tile)
+    elif grouped:
+        block = rule.params["block"]
+        n = grouped_numel(n, max(1, TILE_ELEMENTS // block) * block)
+    else:  # the single-tensor kernels tile by block (bitmask: by TILE_ELEMENTS)
+        n = representative_numel(n, rule.params.get("block", TILE_ELEMENTS))
+    gen = torch.Generator().manual_seed(n)
+    if x.is_floating_point():  # positive: the log2 codecs code it
+        return (torch.rand(n, generator=gen) + 0.5).to(x.dtype).to(x.device)
+    return torch.ones(n, dtype=x.dtype, device=x.device)
+
+
+def _with_bits(rule: Any, bits: int) -> Any:
+    return type(rule)(rule.pattern, rule.codec, {**rule.params, "bits": bits}, rule.min_numel, rule.max_error)
+
+
+def _kept(job: tuple, copy: bool) -> bool:
+    """Whether the device encode leaves ``job`` out of the groups, as
+    :func:`~tw_triton.state.quantize_state_dict` does: a sparse candidate (decided after
+    the sync) or, with ``copy`` off, a contiguous exact entry (kept as it is)."""
+    x, _, codec, _ = job
+    return isinstance(codec, ExactCodec) and (sparse_candidate(x) or (not copy and x.is_contiguous()))
+
+
+def _encode_as_saved(jobs: list[tuple], small: list[tuple], copy: bool) -> list[Any]:
+    """The device encode :func:`~tw_triton.state.quantize_state_dict` runs for ``jobs``
+    (the state's), on ``small`` (their small tensors and references, in the same order):
+    the same groups, member counts and slots; entries it encodes alone, alone. A sparse
+    candidate is coded by the bitmask codec (the save does that where it pays)."""
+
+    def alone(i: int) -> Any:
+        x, rule, codec, ref = small[i]
+        if not _kept(jobs[i], copy):
+            enc = codec.encode(x, rule.params, ref)
+        elif sparse_candidate(jobs[i][0]):
+            x = x.clone()
+            x[::2] = 0
+            return get_codec("bitmask").encode_counted(x, x.numel() - x[::2].numel())
+        else:
+            return None
+        enc.entry.codec = rule.codec
+        return enc
+
+    # The small jobs group as the state's (group keys see devices, codecs, params and
+    # whether a reference is given): the same groups, member counts and slots.
+    encoded = DeviceEncode(small, alone, lambda i: True, lambda i: _kept(jobs[i], copy)).run()[0]
+    for enc, (_, rule, _, _) in zip(encoded, small):
+        if enc is not None and enc.entry.codec != "bitmask":
+            enc.entry.codec = rule.codec
+    return encoded
+
+
+def precompile_saves(
+    state: Any, rules: Any, *, bits: int, block: int, delta_mode: str, device: torch.device, copy: bool
+) -> int:
+    """Run the device encodes of the first keyframe and delta of ``state`` (and the
+    closed-loop advance's decode) on small tensors that launch as the state's do, where
+    the launches are grouped (:mod:`tw_triton.state.grouped`); else
+    :func:`precompile` of :func:`save_variants`. Returns how many encodes ran.
+
+    Args:
+        state, rules, bits, block, delta_mode: as :func:`save_variants`.
+        device: the kernels' device (:func:`kernel_device`).
+        copy: whether the saves copy exact entries (a device state's are kept as they are).
+    """
+    if not state_encode.groups_launches(device):
+        variants = save_variants(state, rules, bits=bits, block=block, delta_mode=delta_mode)
+        return precompile(variants, device)
+    flat = Flattened.of(state)
+    rule_list = resolve_rules(rules, state, bits=bits, block=block)
+    seen: set = set()
+    paths = []
+    for path, t in flat.tensors.items():  # tied tensors are encoded once, as in a save
+        key = state_encode.storage_key(t)
+        if key is None or key not in seen:
+            seen.add(key)
+            paths.append(path)
+    # A rule with max_error codes each tensor with one of its candidate bits: one pass of
+    # the first delta each, every such tensor at that width (docs/training-loop.md).
+    widths = [None] + [b for b in WIDER_BITS if any(r.max_error is not None for r in rule_list)]
+    passes = [(keyframe_rules(rule_list), False, None)]
+    passes += [(rule_list, delta_mode != "none", b) for b in widths]
+    for rule_set, deltas, width in passes:
+        jobs, small = [], []
+        for path in paths:
+            t = flat.tensors[path]
+            rule = select_rule(rule_set, path, t)
+            if width is not None and rule.max_error is not None and width > rule.params["bits"]:
+                rule = _with_bits(rule, width)
+            codec = get_codec(rule.codec)
+            has_ref = deltas and codec.uses_reference(rule.params)
+            jobs.append((t, rule, codec, t if has_ref else None))
+            x = _small(t, rule, codec, group_of(jobs[-1]) is not None and not _kept(jobs[-1], copy))
+            small.append((x, rule, codec, (x * 0.5).to(x.dtype) if has_ref else None))
+        encoded = _encode_as_saved(jobs, small, copy)
+        if deltas and delta_mode == "closed":
+            _advance_as_saved(small, encoded)
+        elif rule_set is not rule_list and delta_mode != "none":
+            # The deltas' reference is the keyframe's reconstruction: its lossy entries of
+            # delta-coded tensors are decoded (deltas.keyframe_values).
+            for path, (x, _, _, _), enc in zip(paths, small, encoded):
+                later = select_rule(rule_list, path, flat.tensors[path])
+                delta_coded = get_codec(later.codec).uses_reference(later.params)
+                if enc is not None and delta_coded and enc.entry.codec != "exact":
+                    get_codec(enc.entry.codec).decode(enc.entry, None, x.device, "precompile")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(passes)
+
+
+def _advance_as_saved(small: list[tuple], encoded: list[Any]) -> None:
+    """The closed-loop advance's decode of the delta-coded entries of ``small``."""
+    items, codecs = [], []
+    for (x, rule, codec, ref), enc in zip(small, encoded):
+        if ref is not None and enc is not None:
+            enc.entry.codec = rule.codec
+            items.append((enc.entry, ref, x.device, f"precompile {rule.codec}"))
+            codecs.append(codec)
+
+    def alone(i: int) -> torch.Tensor:
+        entry, ref, device, context = items[i]
+        uses = codecs[i].uses_reference(entry.params)
+        return codecs[i].decode(entry, ref if uses else None, device, context)
+
+    decode_grouped(items, alone)
+
+
 def kernel_device(tensors: Any) -> torch.device | None:
     """The first device of ``tensors`` whose type the kernels code, or ``None``."""
     return next((t.device for t in tensors if t.device.type == KERNEL_DEVICE_TYPE), None)
@@ -140,7 +292,9 @@ __all__ = [
     "Variant",
     "kernel_device",
     "compile_variant",
+    "grouped_numel",
     "precompile",
+    "precompile_saves",
     "representative_numel",
     "save_variants",
 ]

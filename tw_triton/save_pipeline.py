@@ -344,16 +344,15 @@ class SavePipeline:
 
     def precompile(self, tree: dict[str, Any]) -> int:
         """Compile the kernels the first keyframe and delta of ``tree`` (the named state)
-        launch, now (docs/training-loop.md, "The first save"); returns how many variants
-        ran (0: no tensor the kernels code)."""
+        launch, now (docs/training-loop.md, "The first save"); returns how many variants or
+        encodes ran (0: no tensor the kernels code)."""
         device = kernel_variants.kernel_device(leaf_tensors(tree))
         if device is None:
             return 0
-        mode, state = self.chain.mode, {"step": 0, **tree}
-        variants = kernel_variants.save_variants(
-            state, self.rules, bits=self.bits, block=self.block, delta_mode=mode
+        state, mode, copy = {"step": 0, **tree}, self.chain.mode, all_on_cpu(tree)
+        return kernel_variants.precompile_saves(
+            state, self.rules, bits=self.bits, block=self.block, delta_mode=mode, device=device, copy=copy
         )
-        return kernel_variants.precompile(variants, device)
 
     def reserve(self, tree: dict[str, Any]) -> int:
         """Reserve pooled host memory for the first save's copy of ``tree`` (see

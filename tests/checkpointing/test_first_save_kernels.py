@@ -1,11 +1,17 @@
 """prepare() runs ahead the kernel variants the first keyframe and delta launch.
 
-Without a GPU the kernels' device type is set to the CPU's, and the codec ops are spied
-on: each call is reduced to what Triton specializes a launch on (op, dtypes, bits, block,
-the largest code, and per launch of the row tiles whether it is masked and which integer
-arguments are multiples of 16 or 1). prepare must make exactly the calls the saves make."""
+Without a GPU the kernels' device type is set to the CPU's. Where launches are not grouped
+(the CPU as it is) the codec ops are spied on: each call is reduced to what Triton
+specializes a launch on (op, dtypes, bits, block, the largest code, and per launch of the
+row tiles whether it is masked and which integer arguments are multiples of 16 or 1), and
+prepare must make exactly the calls the saves make. Where they are grouped (a device; here
+forced for CPU tensors, as tests/checkpointing/test_launches_per_save.py does) every
+kernel launch is recorded as Triton specializes it, and the saves must launch nothing
+prepare did not."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -120,7 +126,10 @@ def test_save_variants_count_only_the_kernels_device():
     state = {"step": 0, "model": model, "optimizer": opt}
     assert save_variants(state, "smallest", bits=8, block=128, delta_mode="closed") == []
     cpu = save_variants(state, "smallest", bits=8, block=128, delta_mode="closed", device_type="cpu")
-    assert {v.has_ref for v in cpu} == {False, True} and all(v.decode == v.has_ref for v in cpu)
+    # A closed loop decodes every delta; without a reference only the keyframe's lossy
+    # entries (log2-temporal's keyframe codes) of delta-coded tensors are decoded.
+    assert {v.has_ref for v in cpu} == {False, True} and all(v.decode for v in cpu if v.has_ref)
+    assert {v.codec for v in cpu if v.decode and not v.has_ref} <= {"log2"}
 
 
 @pytest.mark.parametrize("block", [32, 128, 4096])
@@ -133,8 +142,9 @@ def test_a_representative_length_launches_as_the_tensor(block):
 @pytest.mark.cuda
 @pytest.mark.parametrize("delta", ["closed", "open"])
 def test_after_prepare_the_first_saves_compile_nothing(tmp_path, monkeypatch, delta):
-    """On a GPU: every kernel the first keyframe and deltas launch is already in the
-    process's cache after prepare (Triton calls its cache hook on every miss)."""
+    """On a GPU (where a save's launches are grouped): every kernel the first keyframe and
+    deltas launch is already in the process's cache after prepare (Triton calls its cache
+    hook on every miss)."""
     import triton
 
     model, opt = _state(torch.bfloat16)
@@ -142,7 +152,7 @@ def test_after_prepare_the_first_saves_compile_nothing(tmp_path, monkeypatch, de
     opt["state"] = {i: {k: v.cuda() for k, v in s.items()} for i, s in opt["state"].items()}
     misses = []
     with Checkpointer(tmp_path, keyframe_every=5, delta=delta, fsync=False) as ck:
-        assert ck._pipeline.precompile({"model": model, "optimizer": opt}) > 0
+        ck.prepare(model=model, optimizer=opt)  # the grouped path's kernels on a GPU
         monkeypatch.setattr(
             triton.knobs.runtime, "jit_cache_hook", lambda *a, **kw: misses.append(kw) and False
         )
@@ -150,3 +160,116 @@ def test_after_prepare_the_first_saves_compile_nothing(tmp_path, monkeypatch, de
             ck.save(step, model={k: v * (1 + step / 1000) for k, v in model.items()}, optimizer=opt)
         ck.flush()
     assert misses == []
+
+
+# Every Triton kernel of the package: the grouped ones a device save launches, and the
+# single-tensor ones of the entries it encodes alone.
+KERNELS = [
+    ("quantize_blockwise_grouped", "quantize_blockwise_grouped_kernel"),
+    ("quantize_log2_grouped", "quantize_log2_grouped_kernel"),
+    ("copy_grouped", "copy_grouped_kernel"),
+    ("dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
+    ("fingerprint", "fingerprint_kernel"),
+    ("quantize_blockwise", "quantize_blockwise_kernel"),
+    ("dequantize_blockwise", "dequantize_blockwise_kernel"),
+    ("quantize_log2", "quantize_log2_kernel"),
+    ("dequantize_log2", "dequantize_log2_kernel"),
+    ("quantize_log2_temporal", "quantize_log2_temporal_kernel"),
+    ("dequantize_log2_temporal", "dequantize_log2_temporal_kernel"),
+    ("bitmask", "bitmask_mask_kernel"),
+    ("bitmask", "bitmask_scatter_kernel"),
+    ("bitmask", "bitmask_popcount_kernel"),
+    ("bitmask", "bitmask_gather_kernel"),
+]
+
+
+def _specialization(value):
+    """What Triton specializes an argument on: a tensor's dtype and 16-byte alignment, an
+    int's being 1 or a multiple of 16, a constexpr's value."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return ("int", value == 1, value % 16 == 0)
+    return value
+
+
+class _RecordedKernel:
+    def __init__(self, kernel, name, seen):
+        self.kernel, self.name, self.seen = kernel, name, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            key = tuple(_specialization(a) for a in args)
+            self.seen.add((self.name, key, tuple(sorted((k, _specialization(v)) for k, v in kwargs.items()))))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+@pytest.fixture
+def kernel_launches(monkeypatch):
+    """A device save forced on CPU tensors (grouped launches, every op on its Triton
+    backend, run by the interpreter), with each kernel launch recorded as specialized."""
+    import importlib
+
+    from tw_triton import deltas
+    from tw_triton.ops.backends import triton as triton_backend
+
+    seen: set = set()
+    monkeypatch.setattr(kernel_variants, "KERNEL_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(state_encode, "groups_launches", lambda device: True)
+    monkeypatch.setattr(deltas, "groups_launches", lambda device: True)
+    for module, name in KERNELS:
+        mod = importlib.import_module(f"tw_triton.kernels.{module}")
+        monkeypatch.setattr(mod, name, _RecordedKernel(getattr(mod, name), name, seen))
+    with contextlib.ExitStack() as stack:
+        for op, fn in triton_backend.BACKEND.items():
+            stack.enter_context(ops.using(op, "cpu", fn))
+        yield seen
+
+
+def _small_state(dtype):
+    g = torch.Generator().manual_seed(1)
+    model = {
+        "embed": torch.randn(2 * 4096 + 80, generator=g).to(dtype),  # whole tiles and a tail
+        "w": torch.randn(5, 4096, generator=g).to(dtype),  # whole tiles only
+        "odd": torch.randn(4099, generator=g).to(dtype),
+        "b": torch.randn(64, generator=g).to(dtype),  # exact
+        # Mostly zeros: the keyframe, which stores it exact, stores it by the bitmask codec.
+        "sparse": torch.zeros(4096 + 48, dtype=dtype).index_fill_(0, torch.tensor([3, 4000]), 1.0),
+    }
+    moments = {k: {"exp_avg": v.float().clone(), "exp_avg_sq": v.float().square()} for k, v in model.items()}
+    state = dict(enumerate(moments.values()))
+    return model, {"state": state, "param_groups": [{"params": list(state), "lr": 1e-3}]}
+
+
+@pytest.mark.parametrize(
+    ("rules", "delta", "dtype"),
+    [
+        ("small", "closed", torch.bfloat16),
+        ("smallest", "closed", torch.float32),
+        ("small", "open", torch.float16),
+        ("smallest", "none", torch.bfloat16),
+    ],
+)
+def test_prepare_launches_the_grouped_kernels_the_first_device_saves_launch(
+    tmp_path, kernel_launches, rules, delta, dtype
+):
+    model, opt = _small_state(dtype)
+    with Checkpointer(
+        tmp_path, keyframe_every=5, rules=rules, delta=delta, async_write=False, fsync=False
+    ) as ck:
+        ck.prepare(model=model, optimizer=opt)
+        ahead = set(kernel_launches)
+        kernel_launches.clear()
+        ck.save(0, model=model, optimizer=opt)
+        ck.save(1, model={k: v * 1.001 for k, v in model.items()}, optimizer=opt)
+    assert kernel_launches, "the saves launched no kernel: the grouped path was not forced"
+    names = {key[0] for key in kernel_launches}
+    assert "fingerprint_kernel" in names or delta == "none"
+    assert names & {"quantize_blockwise_grouped_kernel", "quantize_log2_grouped_kernel"}
+    assert "bitmask_mask_kernel" in names
+    missing = kernel_launches - ahead
+    assert not missing, f"the saves launched kernels prepare did not: {sorted(missing, key=str)}"

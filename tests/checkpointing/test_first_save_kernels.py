@@ -75,6 +75,13 @@ def launches(monkeypatch):
     return seen
 
 
+def _adamw_state(model):
+    """An AdamW-like optimizer state dict for ``model``'s tensors."""
+    moments = {k: {"exp_avg": v.float().clone(), "exp_avg_sq": v.float().square()} for k, v in model.items()}
+    state = dict(enumerate(moments.values()))
+    return {"state": state, "param_groups": [{"params": list(state), "lr": 1e-3}]}
+
+
 def _state(dtype):
     g = torch.Generator().manual_seed(0)
     model = {
@@ -83,9 +90,7 @@ def _state(dtype):
         "odd": torch.randn(4099, generator=g).to(dtype),  # n % 16 != 0
         "b": torch.randn(64, generator=g).to(dtype),  # exact: no kernel
     }
-    moments = {k: {"exp_avg": v.float().clone(), "exp_avg_sq": v.float().square()} for k, v in model.items()}
-    state = dict(enumerate(moments.values()))
-    return model, {"state": state, "param_groups": [{"params": list(state), "lr": 1e-3}]}
+    return model, _adamw_state(model)
 
 
 @pytest.mark.parametrize(
@@ -240,9 +245,7 @@ def _small_state(dtype):
         # Mostly zeros: the keyframe, which stores it exact, stores it by the bitmask codec.
         "sparse": torch.zeros(4096 + 48, dtype=dtype).index_fill_(0, torch.tensor([3, 4000]), 1.0),
     }
-    moments = {k: {"exp_avg": v.float().clone(), "exp_avg_sq": v.float().square()} for k, v in model.items()}
-    state = dict(enumerate(moments.values()))
-    return model, {"state": state, "param_groups": [{"params": list(state), "lr": 1e-3}]}
+    return model, _adamw_state(model)
 
 
 @pytest.mark.parametrize(

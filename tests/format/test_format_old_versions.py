@@ -1,5 +1,6 @@
-"""Files written by format version 2 (tests/data, made by make_v2_files.py at the last
-version-2 commit: the manifest as plain JSON) still read, verify and load bit for bit."""
+"""Files written by earlier format versions (tests/data: version 1 made by make_v1_files.py
+at the last version-1 commit, version 2 by make_v2_files.py at the last version-2 commit)
+still read and load, bit for bit, whatever the writer writes today."""
 
 from __future__ import annotations
 
@@ -29,6 +30,31 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(
         a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
     )
+
+
+def test_v1_files_are_version_1():
+    for name in ("v1_format", "v1_keyframe", "v1_delta"):
+        manifest = fmt.read_manifest(data(f"{name}.safetensors"))
+        assert manifest["version"] == 1
+        for entry in manifest["entries"].values():
+            for buf in entry["buffers"].values():
+                assert "stage" not in buf
+
+
+def test_v1_format_file_reads_every_buffer_back():
+    got = fmt.read_file(data("v1_format.safetensors"))
+    expected = safetensors.torch.load_file(data("v1_format_expected.safetensors"))
+    keys = {fmt.tensor_key(p, n) for p, e in got.entries.items() for n in e.buffers}
+    assert keys == set(expected)
+    for path, entry in got.entries.items():
+        for name, buf in entry.buffers.items():
+            assert same_bytes(buf, expected[fmt.tensor_key(path, name)]), (path, name)
+    assert got.checkpoint_id == "v1-format-0001" and got.reference_id == "v1-keyframe-0000"
+    assert got.aliases == {"model/w8_tied": "model/w8"}
+    assert got.entries["model/w4"].params == {"bits": 4, "block": 32, "packing": "lsb-first", "delta": False}
+    assert got.entries["model/w4"].dtype == torch.bfloat16
+    assert got.skeleton["betas"] == {"__tuple__": [0.9, 0.999]}
+    fmt.verify_file(data("v1_format.safetensors"))
 
 
 @pytest.mark.parametrize("name", ["v2_format", "v2_keyframe", "v2_delta"])
@@ -61,22 +87,24 @@ def test_v2_format_file_reads_every_buffer_back():
     assert len(headers) == 1
 
 
-@pytest.mark.parametrize("name, reference", [("v2_keyframe", None), ("v2_delta", "v2_keyframe")])
-def test_v2_training_states_load_bit_for_bit(name, reference):
-    ref = data(f"{reference}.safetensors") if reference else None
-    state = tw_triton.load(data(f"{name}.safetensors"), reference=ref)
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("kind, reference", [("keyframe", None), ("delta", "keyframe")])
+def test_old_training_states_load_bit_for_bit(version, kind, reference):
+    ref = data(f"{version}_{reference}.safetensors") if reference else None
+    state = tw_triton.load(data(f"{version}_{kind}.safetensors"), reference=ref)
     flat, _ = flatten(state)
-    expected = safetensors.torch.load_file(data(f"{name}_expected.safetensors"))
+    expected = safetensors.torch.load_file(data(f"{version}_{kind}_expected.safetensors"))
     assert set(flat) == set(expected)
     for path, tensor in flat.items():
         assert same_bytes(tensor, expected[path]), path
     assert state["step"] == (8 if reference else 5)
 
 
-def test_a_v2_keyframe_serves_as_reference_for_a_new_delta(tmp_path):
-    """A delta written today (the compact version) against a v2 keyframe loads against it."""
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_an_old_keyframe_serves_as_reference_for_a_new_delta(tmp_path, version):
+    """A delta written today (the current version) against an old keyframe loads against it."""
     key = tmp_path / "key.safetensors"
-    shutil.copyfile(data("v2_keyframe.safetensors"), key)
+    shutil.copyfile(data(f"{version}_keyframe.safetensors"), key)
     state = tw_triton.load(key)
     state["model"]["0.weight"] = state["model"]["0.weight"] + 0.01
     rules = [("model/*.weight", {"codec": "blockwise", "bits": 8, "block": 32, "min_numel": 0})]
@@ -84,4 +112,6 @@ def test_a_v2_keyframe_serves_as_reference_for_a_new_delta(tmp_path):
     tw_triton.save(q, tmp_path / "delta.safetensors", fsync=False)
     assert fmt.read_manifest(tmp_path / "delta.safetensors")["version"] == fmt.FORMAT_VERSION
     back = tw_triton.load(tmp_path / "delta.safetensors", reference=str(key))
-    assert (back["model"]["0.weight"] - state["model"]["0.weight"]).abs().max() < 1e-3
+    err = (back["model"]["0.weight"] - state["model"]["0.weight"]).abs().max()
+    assert err < 1e-3
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])

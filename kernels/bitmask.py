@@ -152,7 +152,7 @@ def bitmask_encode(x: torch.Tensor, nnz: int | None = None) -> tuple[torch.Tenso
     n = flat.numel()
     ntiles = -(-n // TILE)
     mask = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
-    counts = torch.zeros(ntiles, dtype=torch.int64, device=x.device)
+    counts = torch.empty(ntiles, dtype=torch.int64, device=x.device)  # pass 1 writes every tile
     if n:
         launch_tiles(bitmask_mask_kernel, (flat, mask, counts), n, device=x.device)
     if nnz is None:
@@ -178,7 +178,7 @@ def bitmask_decode(mask: torch.Tensor, values: torch.Tensor, n: int) -> torch.Te
         )
     out = torch.empty(n, dtype=values.dtype, device=mask.device)
     if n:
-        counts = torch.zeros(-(-n // TILE), dtype=torch.int64, device=mask.device)
+        counts = torch.empty(-(-n // TILE), dtype=torch.int64, device=mask.device)  # every tile written
         launch_tiles(bitmask_popcount_kernel, (mask, counts), n, device=mask.device)
         starts = _starts(counts)
         pointers = (mask, starts, vals, out.view(vals.dtype))

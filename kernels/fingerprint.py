@@ -19,7 +19,8 @@ import triton.language as tl
 from .quantize_blockwise import widen_to_f32
 from .tiles import NUM_WARPS
 
-COLUMNS = 5
+# A table row (int64, 5 columns: the kernel reads row pid * 5): address, length, sampling
+# step, number of samples, output slot.
 
 
 @triton.jit

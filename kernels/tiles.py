@@ -61,8 +61,8 @@ def launch_row_tiles(
             kernel[(1,)](*pointers, n, tail_row0, MASKED=True, **meta)
 
 
-# Columns of a grouped kernel's table row (int64): four addresses, then these.
-N_COL, ROW0_COL, START_COL, FLAG_COL = 4, 5, 6, 7
+# A grouped kernel's table row (int64): four addresses, then the length, the first row,
+# the row's index and the flag slot (the kernels read them at row + 4 .. row + 7).
 TABLE_COLUMNS = 8
 # Every input and output region of a group starts on this many bytes: the kernels declare
 # the table's addresses 16-byte aligned, so whole tiles load and store 16-byte vectors.

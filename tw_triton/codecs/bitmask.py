@@ -87,9 +87,9 @@ def sparse_pays(numel: int, nnz: int, itemsize: int, runs: int) -> bool:
 
 def mask_popcount(mask: torch.Tensor, numel: int) -> tuple[int, bool]:
     """``(set bits among the first numel, whether a padding bit past numel is set)`` of a
-    mask on the host."""
+    mask on any device (one read back to the host)."""
     flat = mask.reshape(-1)
-    count = int(torch.dot(torch.bincount(flat, minlength=256), _POPCOUNT))
+    count = int((torch.bincount(flat, minlength=256) * _POPCOUNT.to(flat.device)).sum())
     tail = numel % 8
     padded = bool(tail) and flat.numel() > 0 and int(flat[-1]) >> tail != 0
     return count, padded
@@ -188,16 +188,15 @@ class BitmaskCodec(Codec):
                 f"{context}: values are {values.dtype} x {values.numel()}, expected {entry.dtype} "
                 f"x at most {numel} for shape {shape}"
             )
-        # A file's buffers are on the host: check there, before anything moves. (Buffers
-        # already on a GPU were encoded in this process; the kernels stay inside them.)
-        if mask.device.type == "cpu":
-            count, padded = mask_popcount(mask, numel)
-            if count != values.numel() or padded:
-                raise CheckpointError(
-                    f"{context}: bitmask mask has {count} set bits"
-                    f"{' and padding bits set' if padded else ''}, expected {values.numel()} "
-                    "(one per stored value) and clear padding"
-                )
+        # Checked wherever the buffers are: a file read to a GPU (read_file(device=...))
+        # reaches here with its buffers already there.
+        count, padded = mask_popcount(mask, numel)
+        if count != values.numel() or padded:
+            raise CheckpointError(
+                f"{context}: bitmask mask has {count} set bits"
+                f"{' and padding bits set' if padded else ''}, expected {values.numel()} "
+                "(one per stored value) and clear padding"
+            )
         dev = mask.device if device is None else device
         mask, values = move_to(mask.reshape(-1), dev), move_to(values.reshape(-1), dev)
         return ops.bitmask_decode(mask, values, numel).view(shape)

@@ -197,10 +197,7 @@ def dequantize_blockwise_many_cuda(
     dtype."""
     k = kernels()
     out: list[torch.Tensor] = [None] * len(codes)  # type: ignore[list-item]
-    groups: dict[torch.dtype | None, list[int]] = {}
-    for i in range(len(codes)):
-        groups.setdefault(None if references is None else references[i].dtype, []).append(i)
-    for members in groups.values():
+    for members in _by_dtypes(codes, references).values():
         decoded = k.dequantize_blockwise_grouped(
             [_readable(codes[i]) for i in members],
             [_readable(scales[i]) for i in members],
@@ -220,9 +217,11 @@ def copy_many_cuda(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     aligned): one table copy and at most two launches; a clone for each other one."""
     k = kernels()
     out: list[torch.Tensor] = [None] * len(xs)  # type: ignore[list-item]
-    members = [i for i, x in enumerate(xs) if k.aligned(x)]
+    members = []
     for i, x in enumerate(xs):
-        if i not in set(members):
+        if k.aligned(x):
+            members.append(i)
+        else:
             out[i] = x.detach().clone(memory_format=torch.contiguous_format)
     if members:
         for i, copy in zip(members, k.copy_grouped([xs[i].detach() for i in members])):

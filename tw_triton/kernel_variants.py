@@ -200,7 +200,7 @@ def _encode_as_saved(jobs: list[tuple], small: list[tuple], copy: bool) -> list[
 
     # The small jobs group as the state's (group keys see devices, codecs, params and
     # whether a reference is given): the same groups, member counts and slots.
-    encoded = DeviceEncode(small, alone, lambda i: True, lambda i: _kept(jobs[i], copy)).run()[0]
+    encoded = DeviceEncode(small, alone, lambda i: _kept(jobs[i], copy)).run()[0]
     for enc, (_, rule, _, _) in zip(encoded, small):
         if enc is not None and enc.entry.codec != "bitmask":
             enc.entry.codec = rule.codec

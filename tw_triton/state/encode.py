@@ -214,8 +214,6 @@ def quantize_state_dict(
             return ref
         return ref.to(x.device, non_blocking=ref.is_pinned())
 
-    alone_fps: dict[int, torch.Tensor] = {}
-
     def finish(
         i: int, enc: Encoded, ref: torch.Tensor | None, fp: torch.Tensor | None = None
     ) -> tuple[Encoded, torch.Tensor | None]:
@@ -224,18 +222,24 @@ def quantize_state_dict(
         enc.entry.codec = rule.codec
         if ref is None or not codec.uses_reference(enc.entry.params):
             return enc, None
-        if fp is None:
-            fp = alone_fps[i] if i in alone_fps else fingerprints.fingerprint(ref)
-        return enc, fp
+        return enc, fingerprints.fingerprint(ref) if fp is None else fp
 
     def encode_alone(i: int) -> tuple[Encoded | None, torch.Tensor | None]:
-        x, rule, codec, ref = jobs[i]
-        if i in later:
-            return None, None  # decided once the counts are read
-        if i in sparse_jobs:
+        """Entry ``i`` by itself, and its reference's fingerprint (the host path)."""
+        if i in sparse_jobs and i not in later:
+            x = jobs[i][0]
             entry = sparse_entry(x, *(int(c) for c in sparsity_counts(x)))
             if entry is not None:
                 return Encoded(entry), None
+        enc, ref = encode_one(i)
+        return (None, None) if enc is None else finish(i, enc, ref)
+
+    def encode_one(i: int) -> tuple[Encoded | None, torch.Tensor | None]:
+        """Entry ``i`` by itself and the reference it used; ``None`` for one decided after
+        the host read (a device's sparse candidates)."""
+        x, rule, codec, ref = jobs[i]
+        if i in later:
+            return None, None
         ref = on_device(ref, x)
         try:
             if not copy and isinstance(codec, ExactCodec) and x.is_contiguous():
@@ -246,11 +250,7 @@ def quantize_state_dict(
                 enc = codec.encode_with(x, rule.params, ref, allocate)
         except QuantizationError as e:
             raise QuantizationError(f"entry {canonical[i]!r} (codec {rule.codec!r}): {e}") from e
-        # Taken now: a host reference's device copy lives only while its tensor is encoded.
-        done = finish(i, enc, ref)
-        if done[1] is not None:
-            alone_fps[i] = done[1]
-        return done
+        return enc, ref
 
     def encode_item(item: tuple[int, ...]) -> list[tuple[Encoded, torch.Tensor | None]]:
         if len(item) == 1:
@@ -301,7 +301,7 @@ def quantize_state_dict(
                 not copy and isinstance(jobs[i][2], ExactCodec) and jobs[i][0].is_contiguous()
             )
 
-        grouped = DeviceEncode(jobs, lambda i: encode_alone(i)[0], lambda i: True, kept)
+        grouped = DeviceEncode(jobs, lambda i: encode_one(i)[0], kept)
         encs, fps = grouped.run()
         scalar_buffers = list(grouped.buffers.values())
         for i, enc in enumerate(encs):

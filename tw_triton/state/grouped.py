@@ -37,6 +37,8 @@ def groups_launches(device: torch.device) -> bool:
 def group_of(job: Job) -> Any:
     """The key of ``job``'s group, or ``None`` to encode it alone."""
     x, rule, codec, ref = job
+    if ref is not None and ref.device != x.device:
+        return None  # a host reference (reference_device="cpu") moves per tensor: alone
     key = codec.group_key(x, rule.params, ref)
     if key is None:
         return None
@@ -54,7 +56,6 @@ class DeviceEncode:
     Args:
         jobs: the entries, as planned by the state API.
         encode_alone: encodes entry ``i`` by itself (the path of ungrouped codecs).
-        fingerprint: whether entry ``i``'s reference gets a fingerprint.
         alone: whether entry ``i`` must be encoded by itself (e.g. kept as it is).
     """
 
@@ -62,7 +63,6 @@ class DeviceEncode:
         self,
         jobs: Sequence[Job],
         encode_alone: Callable[[int], Encoded],
-        fingerprint: Callable[[int], bool],
         alone: Callable[[int], bool] = lambda i: False,
     ) -> None:
         self.jobs, self.encode_alone = jobs, encode_alone
@@ -84,7 +84,7 @@ class DeviceEncode:
                 self.flag_at[i] = self.slot(jobs[i][0].device)
         self.fp_at: dict[int, int] = {}
         for i, (_, _, _, ref) in enumerate(jobs):
-            if ref is not None and fingerprint(i):
+            if ref is not None:
                 self.fp_at[i] = self.slot(ref.device)
         self.buffers = {d: torch.zeros(n, dtype=torch.int64, device=d) for d, n in self.sizes.items()}
 

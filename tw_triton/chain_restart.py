@@ -42,8 +42,10 @@ def seed_chain(
     rules: Any,
     bits: int,
     block: int,
+    host_reference: bool = False,
 ) -> bool:
-    """After restoring ``info`` (decoded as ``state``), continue ``chain`` from it.
+    """After restoring ``info`` (decoded as ``state``), continue ``chain`` from it; with
+    ``host_reference`` (``reference_device="cpu"``) the kept copy is in host memory.
 
     The chain's current reference is dropped either way. Not continued, with the reason
     logged: delta mode ``"none"``; a newer checkpoint in the directory (the saves after it
@@ -72,7 +74,10 @@ def seed_chain(
     rule_list = resolve_rules(rules, state, bits=bits, block=block)
     kept = delta_coded(flat, rule_list)
     copies: dict[int, torch.Tensor] = {}  # tied tensors stay tied
-    values = {p: copies.setdefault(id(t), t.detach().clone()) for p, t in kept.items()}
+    values = {
+        p: copies.setdefault(id(t), t.detach().to("cpu", copy=True) if host_reference else t.detach().clone())
+        for p, t in kept.items()
+    }
     nbytes = sum(t.numel() * t.element_size() for t in copies.values())
     written: Future = Future()
     written.set_result(info.nbytes)
@@ -144,7 +149,9 @@ def check_seeded(chain: ReferenceChain, tree: dict[str, Any], *, rules: Any, bit
     else:
         for path, x in wanted.items():
             r = held[path]
-            if (x.shape, x.dtype, x.device) != (r.shape, r.dtype, r.device):
+            # A reference in host memory (reference_device="cpu") serves a device state.
+            elsewhere = r.device != x.device and r.device.type != "cpu"
+            if (x.shape, x.dtype) != (r.shape, r.dtype) or elsewhere:
                 why = (
                     f"entry {path!r} is {tuple(x.shape)} {x.dtype} on {x.device}, the restored one "
                     f"{tuple(r.shape)} {r.dtype} on {r.device}"

@@ -461,7 +461,14 @@ class Checkpointer:
         state, info = self._load(step, device=device, verify=True, into=into)
         restore_into(state, info.path, objects, rng=rng)
         self._seeded = seed_chain(
-            self._chain, self._dir, info, state, rules=self.rules, bits=self.bits, block=self.block
+            self._chain,
+            self._dir,
+            info,
+            state,
+            rules=self.rules,
+            bits=self.bits,
+            block=self.block,
+            host_reference=self.reference_device == "cpu",
         )
         return state
 

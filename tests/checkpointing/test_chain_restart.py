@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tw_triton
+from tw_triton import chain_restart
 from tw_triton import format as fmt
 
 STEPS = 12
@@ -111,6 +112,32 @@ def test_a_run_restarted_after_every_save_writes_the_same_codes(tmp_path, async_
     la, lb = ca.load(), cb.load()
     for key in la["model"]:
         assert torch.equal(la["model"][key], lb["model"][key])
+
+
+def test_a_host_reference_continues_the_chain_across_restarts(tmp_path, monkeypatch):
+    """reference_device="cpu": a restore keeps its copy in host memory and the chain goes
+    on, with the codes of the run that never stopped."""
+    seen = []
+    real = chain_restart.seed_chain
+    monkeypatch.setattr(
+        tw_triton.checkpointer,
+        "seed_chain",
+        lambda *a, **k: seen.append(k.get("host_reference")) or real(*a, **k),
+    )
+    run(tmp_path / "a", None, steps=6, reference_device="cpu")
+    run(tmp_path / "b", 1, steps=6, reference_device="cpu")
+    assert seen and all(seen)
+    assert (
+        kinds(tmp_path / "b")
+        == kinds(tmp_path / "a")
+        == ["keyframe", "delta", "delta", "delta"]
+        + [
+            "keyframe",
+            "delta",
+        ]
+    )
+    for name in sorted(os.listdir(tmp_path / "a")):
+        assert codes(str(tmp_path / "a" / name)) == codes(str(tmp_path / "b" / name)), name
 
 
 def test_every_entry_the_chain_keeps_as_reference_is_restored(tmp_path):

@@ -153,19 +153,7 @@ class StorageReader(FileSystemReader):
         for dev, paths in by_device.items():
             targets = {qstate.aliases.get(p, p) for p in paths}
             delta = sorted(p for p in targets if is_delta_entry(qstate.entries[p]))
-            reference = None
-            if delta:
-                kf = self._reference()
-                if qstate.reference_id != kf.checkpoint_id:
-                    raise ReferenceMismatchError(
-                        f"{path}: deltas from {qstate.reference_id!r}, reference is {kf.checkpoint_id!r}"
-                    )
-                keys = [
-                    (table[p]["fqn"], tuple(table[p]["offsets"]), tuple(qstate.entries[p].shape))
-                    for p in delta
-                ]
-                regions = kf.regions(keys, dev)
-                reference = nest({tuple(table[p]["obj_path"]): r for p, r in zip(delta, regions)})
+            reference = self._regions_of(qstate, table, delta, dev, path)
             decoded.update(
                 dequantize_entries(
                     qstate, paths, reference=reference, device=dev, source=path, verify=self.verify
@@ -175,24 +163,29 @@ class StorageReader(FileSystemReader):
             decoded.update(self._decode_subclassed(qstate, table, subclassed, path))
         return {p: (t, table[p]) for p, t in decoded.items()}
 
+    def _regions_of(
+        self, qstate: Any, table: dict[str, Any], delta: list[str], device: torch.device, path: str
+    ) -> Any:
+        """The keyframe regions the ``delta`` entries of rank file ``path`` are coded
+        against, nested as the file's state, on ``device``; ``None`` without any."""
+        if not delta:
+            return None
+        kf = self._reference()
+        if qstate.reference_id != kf.checkpoint_id:
+            raise ReferenceMismatchError(
+                f"{path}: deltas from {qstate.reference_id!r}, reference is {kf.checkpoint_id!r}"
+            )
+        keys = [(table[p]["fqn"], tuple(table[p]["offsets"]), tuple(qstate.entries[p].shape)) for p in delta]
+        regions = kf.regions(keys, device)
+        return nest({tuple(table[p]["obj_path"]): r for p, r in zip(delta, regions)})
+
     def _decode_subclassed(
         self, qstate: Any, table: dict[str, Any], wanted: dict[str, torch.device], path: str
     ) -> dict[str, torch.Tensor]:
         """The tensor subclasses (a low-bit optimizer's state) in ``wanted``, rebuilt from the
-        whole file's skeleton, each moved to its device."""
-        reference = None
-        if qstate.reference_id is not None:
-            kf = self._reference()
-            if qstate.reference_id != kf.checkpoint_id:
-                raise ReferenceMismatchError(
-                    f"{path}: deltas from {qstate.reference_id!r}, reference is {kf.checkpoint_id!r}"
-                )
-            delta = [p for p, e in qstate.entries.items() if is_delta_entry(e)]
-            keys = [
-                (table[p]["fqn"], tuple(table[p]["offsets"]), tuple(qstate.entries[p].shape)) for p in delta
-            ]
-            regions = kf.regions(keys, torch.device("cpu"))
-            reference = nest({tuple(table[p]["obj_path"]): r for p, r in zip(delta, regions)})
+        whole file's skeleton (its delta entries decoded too), each moved to its device."""
+        delta = [p for p, e in qstate.entries.items() if is_delta_entry(e)]
+        reference = self._regions_of(qstate, table, delta, torch.device("cpu"), path)
         leaves: dict[str, Any] = {}
         _leaves(
             dequantize_state_dict(qstate, reference=reference, source=path, verify=self.verify), "", leaves

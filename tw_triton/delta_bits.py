@@ -107,11 +107,7 @@ def choose(values: Sequence[int], block: int, bits: int, max_error: float) -> in
 def adapt(jobs: list[tuple[torch.Tensor, Any, Any, torch.Tensor | None]]) -> list[tuple[Any, ...]]:
     """``jobs`` (``(tensor, rule, codec, reference)`` of one encode) with the bits of each
     rule that sets ``max_error`` chosen for its tensor; one transfer per device."""
-    todo = [
-        i
-        for i, (x, rule, _, _) in enumerate(jobs)
-        if getattr(rule, "max_error", None) is not None and x.numel()
-    ]
+    todo = [i for i, (x, rule, _, _) in enumerate(jobs) if rule.max_error is not None and x.numel()]
     if not todo:
         return jobs
     scalars = [s for i in todo for s in statistics(jobs[i][0], jobs[i][3], jobs[i][1].params["block"])]

@@ -17,7 +17,7 @@ from .codecs import get_codec
 from .codecs.log2_temporal import stored_nbytes as temporal_nbytes
 from .delta_bits import WIDER_BITS
 from .ops.layout import blockwise_buffers, log2_buffers
-from .rules import Rule, keyframe_rules, resolve_rules, select_rule
+from .rules import keyframe_rule, keyframe_rules, resolve_rules, select_rule
 from .tree import Flattened
 
 # The CUDA caching allocator rounds every allocation up to a multiple of this.
@@ -148,8 +148,8 @@ def device_memory_bound(
         codec = get_codec(rule.codec)
         if delta_mode == "none" and codec is not None and codec.reference_optional:
             # No reference: coded as a keyframe codes it (state/encode.py).
-            name, params = codec.keyframe_spec(rule.params)
-            rule, codec = Rule(rule.pattern, name, dict(params), rule.min_numel), get_codec(name)
+            rule = keyframe_rule(rule)
+            codec = get_codec(rule.codec)
         uses_ref = codec is not None and codec.uses_reference(rule.params) and delta_mode != "none"
         nbytes = allocated(t.numel() * t.element_size())
         if uses_ref:
@@ -228,7 +228,7 @@ def _save_nbytes(rule: Any, t: torch.Tensor) -> int:
     if rule.codec == "exact":
         return 0 if t.is_contiguous() else allocated(t.numel() * t.element_size())
     params = rule.params
-    if getattr(rule, "max_error", None) is not None:
+    if rule.max_error is not None:
         params = {**params, "bits": max(WIDER_BITS)}
     return encoded_nbytes(rule.codec, params, t)
 

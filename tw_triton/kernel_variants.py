@@ -102,7 +102,7 @@ def save_variants(
             # A rule with max_error picks the bits from the values (delta_bits.py): every
             # candidate may be launched.
             bits_options = [rule.params.get("bits")]
-            if not keyframe and getattr(rule, "max_error", None) is not None:
+            if not keyframe and rule.max_error is not None:
                 bits_options += [b for b in WIDER_BITS if b > rule.params["bits"]]
             for b in bits_options:
                 chosen = rule.params if b == rule.params.get("bits") else {**rule.params, "bits": b}

@@ -35,7 +35,6 @@ from .tree import Flattened
 SIGNED = "signed"
 NON_NEGATIVE = "non-negative"
 EXACT = "exact"
-ROLES = (SIGNED, NON_NEGATIVE, EXACT)
 logger = logging.getLogger(__name__)
 
 _LBFGS = (

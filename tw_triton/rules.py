@@ -84,7 +84,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -251,7 +251,7 @@ def default_rules(state: Any, *, bits: int, block: int) -> list[Rule]:
     rules = [
         make_rule(p, "blockwise", bits=bits, block=block, where="default rule") for p in model_patterns(state)
     ]
-    rules = [Rule(r.pattern, r.codec, r.params, DEFAULT_MIN_NUMEL) for r in rules]
+    rules = [replace(r, min_numel=DEFAULT_MIN_NUMEL) for r in rules]
     rules.append(Rule("*", "exact"))
     return rules
 
@@ -296,10 +296,7 @@ def _preset_rules(name: str, state: Any, *, bits: int, block: int) -> list[Rule]
         weights = default_rules(state, bits=w_bits, block=block)
         if name in DELTA_MAX_ERROR:
             weights = [
-                Rule(r.pattern, r.codec, r.params, r.min_numel, DELTA_MAX_ERROR[name])
-                if r.codec == "blockwise"
-                else r
-                for r in weights
+                replace(r, max_error=DELTA_MAX_ERROR[name]) if r.codec == "blockwise" else r for r in weights
             ]
         return moments + weights
     raise QuantizationError(f"unknown rules preset {name!r}; presets: {', '.join(PRESETS)}")
@@ -341,15 +338,18 @@ def keyframe_rules(rules: Sequence[Rule]) -> list[Rule]:
     their codec, so a keyframe is smaller than an exact one and a delta decodes against
     exact values.
     """
-    out = []
-    for rule in rules:
-        codec = get_codec(rule.codec)
-        if codec is not None and codec.uses_reference(rule.params):
-            # Exact, or what the codec names (log2-temporal: the absolute log2 codes).
-            name, params = codec.keyframe_spec(rule.params)
-            rule = Rule(rule.pattern, name, dict(params), rule.min_numel)
-        out.append(rule)
-    return out
+    return [keyframe_rule(rule) for rule in rules]
+
+
+def keyframe_rule(rule: Rule) -> Rule:
+    """``rule`` as a keyframe (or a save with no reference) codes what it matches: a rule
+    that codes a delta becomes exact, or what its codec names (log2-temporal: the absolute
+    log2 codes); any other rule is returned as it is."""
+    codec = get_codec(rule.codec)
+    if codec is None or not codec.uses_reference(rule.params):
+        return rule
+    name, params = codec.keyframe_spec(rule.params)
+    return Rule(rule.pattern, name, dict(params), rule.min_numel)
 
 
 def rules_as_specs(rules: Sequence[Rule]) -> list[tuple[str, dict[str, Any]]]:

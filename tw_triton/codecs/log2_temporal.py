@@ -24,7 +24,7 @@ import torch
 
 from .. import ops
 from ..errors import CheckpointError, QuantizationError, ReferenceMismatchError
-from ..ops.layout import MAX_BLOCK, MIN_BLOCK, SUPPORTED_BITS, check_params, num_blocks
+from ..ops.layout import check_params, num_blocks
 from ..ops.reference.log2_temporal import MIN_STEP, temporal_code_errors
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
@@ -39,7 +39,7 @@ from .base import (
     param_error,
 )
 from .log2 import unusable_flag
-from .packed import PACKING
+from .packed import PACKING, check_bits_block
 
 NAME = "log2-temporal"
 
@@ -83,8 +83,7 @@ class Log2TemporalCodec(Codec):
     name = NAME
     has_kernel = True
     reference_optional = True  # moments created after the keyframe: coded against zero
-    _KEYS = frozenset({"bits", "block", "min_step", "delta"})
-    _STORED = frozenset({"bits", "block", "min_step", "delta"})
+    _KEYS = frozenset({"bits", "block", "min_step", "delta"})  # given, and stored
 
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:
         unknown = set(params) - self._KEYS
@@ -120,16 +119,8 @@ class Log2TemporalCodec(Codec):
         return "log2", {"bits": params["bits"], "block": params["block"], "packing": PACKING}
 
     def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:
-        check_param_names(params, self.name, self._STORED, frozenset({"ref_fp"}), context)
-        bits, block = params["bits"], params["block"]
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
-            raise param_error(context, "bits", bits, f"one of {list(SUPPORTED_BITS)}")
-        try:
-            check_params(bits, block)
-        except QuantizationError:
-            raise param_error(
-                context, "block", block, f"a power of two from {MIN_BLOCK} to {MAX_BLOCK}"
-            ) from None
+        check_param_names(params, self.name, self._KEYS, frozenset({"ref_fp"}), context)
+        check_bits_block(params, context)
         if not _check_min_step(params["min_step"]):
             raise param_error(context, "min_step", params["min_step"], f"an int from 1 to {_MAX_MIN_STEP}")
         if not isinstance(params["delta"], bool):

@@ -57,8 +57,8 @@ def stored_codes(entry: EncodedEntry, context: str) -> tuple[int, int, torch.Ten
     return bits, block, codes  # type: ignore[return-value]
 
 
-def check_packed_params(params: Mapping[str, Any], context: str) -> None:
-    """The stored params every packed-code codec shares: ``bits``, ``block``, ``packing``.
+def check_bits_block(params: Mapping[str, Any], context: str) -> None:
+    """Stored ``bits`` and ``block``: a supported width and a power of two in range.
 
     Raises:
         CheckpointError: naming ``context``, the param and what was expected.
@@ -72,6 +72,15 @@ def check_packed_params(params: Mapping[str, Any], context: str) -> None:
         raise param_error(
             context, "block", block, f"a power of two from {MIN_BLOCK} to {MAX_BLOCK}"
         ) from None
+
+
+def check_packed_params(params: Mapping[str, Any], context: str) -> None:
+    """The stored params every packed-code codec shares: ``bits``, ``block``, ``packing``.
+
+    Raises:
+        CheckpointError: naming ``context``, the param and what was expected.
+    """
+    check_bits_block(params, context)
     if params.get("packing") != PACKING or not isinstance(params.get("packing"), str):
         raise param_error(context, "packing", params.get("packing"), repr(PACKING))
 

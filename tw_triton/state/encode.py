@@ -26,7 +26,7 @@ from ..errors import QuantizationError
 from ..format import MAX_EXPANSION
 from ..parallel import parallel_map
 from ..qstate import EncodedEntry, QuantizedState
-from ..rules import Rule, resolve_rules, select_rule
+from ..rules import keyframe_rule, resolve_rules, select_rule
 from ..snapshot_pool import Allocator
 from ..tree import Flattened
 from . import fingerprints
@@ -164,9 +164,8 @@ def quantize_state_dict(
         if ref_tensors is None and codec.reference_optional and codec.uses_reference(rule.params):
             # No reference at all (a keyframe-less, standalone save): code it as a keyframe
             # would (log2-temporal: its absolute log2 codes, half the bytes of codes vs zero).
-            name, params = codec.keyframe_spec(rule.params)
-            rule = Rule(rule.pattern, name, dict(params), rule.min_numel)
-            codec = codec_or_raise(name, QuantizationError, f"entry {path!r}")
+            rule = keyframe_rule(rule)
+            codec = codec_or_raise(rule.codec, QuantizationError, f"entry {path!r}")
         if ref_tensors is not None and codec.uses_reference(rule.params):
             r = ref_tensors.get(path)
             if codec.reference_optional and (r is None or tuple(r.shape) != tuple(x.shape)):

@@ -2,7 +2,8 @@
 
 A fingerprint (:func:`fingerprint`) is a cheap, deterministic digest of a reference tensor
 recorded per delta entry (``ref_fp``): it detects a wrong reference, it is not a checksum.
-Every NaN/Inf flag and fingerprint of a state is read with :func:`read_device_scalars`:
+Every NaN/Inf flag, fingerprint and sparsity count of a state is read with
+:func:`read_device_scalars`:
 one copy per device into pinned memory and one CUDA event waited on. Why: docs/design.md.
 """
 

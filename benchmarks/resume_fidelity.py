@@ -119,6 +119,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keyframe-every", type=int, default=None, help="for settings that do not set k=")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--save-every", type=int, default=None)
+    parser.add_argument("--eval-every", type=int, default=None)
+    parser.add_argument(
+        "--restart-every",
+        type=int,
+        default=None,
+        help="saves between restarts, alternately N and N+1 (default: each setting's keyframe_every)",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny run: a smoke test of seconds")
     check = parser.add_mutually_exclusive_group()
     check.add_argument(
@@ -143,7 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = MODELS[args.model]
-    cfg = task_config(args.model, args.quick, steps=args.steps, save_every=args.save_every)
+    cfg = task_config(
+        args.model,
+        args.quick,
+        steps=args.steps,
+        save_every=args.save_every,
+        eval_every=args.eval_every,
+        restart_every=args.restart_every,
+    )
     out = spec["out"]
     settings_spec = args.settings or (args.quick and spec["quick_settings"]) or spec["settings"]
     if settings_spec == "ablation":
@@ -165,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"{result['task']}: {result['params']} parameters; {cfg.steps} steps, a save every "
-        f"{cfg.save_every}; seeds {seeds}"
+        f"{cfg.save_every}, a restart every {cfg.restart_every or 'keyframe_every'} saves; seeds {seeds}"
     )
     print(tables(result))
     name = args.out or (None if args.quick else out)

@@ -38,9 +38,11 @@ class Config:
     eval_batches: int = 4
     max_length: int = 48
 
+    restart_every: int | None = None
+
     def plan(self, min_restarts: int = 8) -> Plan:
         """When the runs save, evaluate and restart."""
-        return Plan(self.steps, self.save_every, self.eval_every, min_restarts)
+        return Plan(self.steps, self.save_every, self.eval_every, min_restarts, self.restart_every)
 
 
 QUICK = Config(batch=4, steps=6, save_every=1, eval_every=3, eval_batches=1, max_length=16)

@@ -14,7 +14,7 @@ Per seed, three kinds of run train the same model from the same initial state:
   (data-order seed, step), so the data order survives restarts.
 
 Restart points alternate between ``keyframe_every`` and ``keyframe_every + 1`` saves after
-the previous one. A restarted Checkpointer used to write a keyframe first, so that the first
+the previous one (``restart_every`` and one more, where the run sets it). A restarted Checkpointer used to write a keyframe first, so that the first
 kind of restart loaded the delta farthest from its keyframe (the worst case for open-loop
 deltas) and the second a keyframe. Since a restored chain continues (docs/training-loop.md,
 "Restarts": keyframes stay every ``keyframe_every`` saves, counted across restarts), where a
@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
+from harness import update_domain
 from harness.common import fmt_table, log, median
 from harness.settings import DEFAULT_KEYFRAME_EVERY, PARTS, ResumeSetting, stored_split
 from tw_triton.checkpointer import capture_rng_state
@@ -71,12 +72,17 @@ class Plan:
     save_every: int
     eval_every: int
     min_restarts: int = 8
+    # Saves between restarts (alternately n and n + 1); None: the setting's keyframe_every.
+    # Long save intervals restart every few saves so that 8 restarts fit in a run of
+    # thousands of steps rather than tens of thousands.
+    restart_every: int | None = None
 
     def restart_steps(self, keyframe_every: int) -> list[int]:
         """Steps after which the run is killed and restored (see the module doc)."""
+        n = self.restart_every or keyframe_every
         out, step, i = [], 0, 0
         while True:
-            step += (keyframe_every + i % 2) * self.save_every
+            step += (n + i % 2) * self.save_every
             if step >= self.steps:
                 return out
             out.append(step)
@@ -141,7 +147,13 @@ def restarted(
             if step % plan.save_every:
                 continue
             ckpt.save(step, **run.objects())
-            files.append(stored_split(ckpt.path_for(step)))
+            path = Path(ckpt.path_for(step))
+            split = stored_split(path)
+            if setting.exp_avg_domain:
+                split = update_domain.file_split(
+                    split, path, ckpt.load(step), setting.exp_avg_domain, workdir
+                )
+            files.append(split)
             if torch_bytes is None:
                 torch_bytes = _torch_save_bytes(run, step, workdir / "state.pt")
             if step not in restarts_at:
@@ -159,6 +171,8 @@ def restarted(
                     f"{newest.step}) at the restart after step {step}"
                 )
             run.step = step
+            if setting.exp_avg_domain:
+                update_domain.apply_on_restore(run.objects()["optimizer"], setting.exp_avg_domain, workdir)
             found = _moment_damage(run)
             damage = {k: max(damage[k], found[k]) for k in damage}
             restarts.append({"step": step, "kind": newest.kind})

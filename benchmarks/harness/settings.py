@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import tw_triton
+from harness import update_domain
 from tw_triton.checkpointer import DEFAULT_DELTA
 from tw_triton.rules import PRESETS, resolve_rules
 
@@ -230,6 +231,8 @@ class ResumeSetting:
         bits, block: the Checkpointer's defaults for quantizing rules.
         keyframe_every: one save in this many is a keyframe.
         delta: delta mode, a key of :data:`DELTA_MODES`.
+        exp_avg_domain: a setting of :mod:`harness.update_domain` (``exp_avg`` in the
+            update's domain, simulated), or ``None``.
     """
 
     label: str
@@ -238,6 +241,8 @@ class ResumeSetting:
     block: int = 128
     keyframe_every: int = DEFAULT_KEYFRAME_EVERY
     delta: str = DEFAULT_DELTA
+    # A key of harness.update_domain.SETTINGS: exp_avg as that simulation codes it.
+    exp_avg_domain: str | None = None
 
     def checkpointer(self, directory: str | os.PathLike[str]) -> tw_triton.Checkpointer:
         """A Checkpointer on ``directory`` with this setting, as a (re)started process makes it.
@@ -288,13 +293,18 @@ def parse_setting(token: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY) -
     name, *mods = token.split(":")
     if name in PRESETS:
         setting = ResumeSetting(token, name, keyframe_every=keyframe_every)
+    elif name in update_domain.SETTINGS:
+        setting = ResumeSetting(
+            token, update_domain.rules(name), bits=2, keyframe_every=keyframe_every, exp_avg_domain=name
+        )
     elif name in EXPLICIT_RULES:
         setting = ResumeSetting(
             token, EXPLICIT_RULES[name], bits=EXPLICIT_BITS.get(name, 8), keyframe_every=keyframe_every
         )
     else:
         raise ValueError(
-            f"unknown setting {name!r}: presets {', '.join(PRESETS)}; rule lists {', '.join(EXPLICIT_RULES)}"
+            f"unknown setting {name!r}: presets {', '.join(PRESETS)}; rule lists "
+            f"{', '.join([*EXPLICIT_RULES, *update_domain.SETTINGS])}"
         )
     fields = {"k": "keyframe_every", "bits": "bits", "block": "block", "delta": "delta"}
     for mod in mods:

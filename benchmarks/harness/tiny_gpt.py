@@ -105,9 +105,11 @@ class Config:
     eval_every: int = 20
     eval_batches: int = 8
 
+    restart_every: int | None = None
+
     def plan(self, min_restarts: int = 8) -> Plan:
         """When the runs save, evaluate and restart."""
-        return Plan(self.steps, self.save_every, self.eval_every, min_restarts)
+        return Plan(self.steps, self.save_every, self.eval_every, min_restarts, self.restart_every)
 
 
 QUICK = Config(

@@ -186,6 +186,53 @@ def test_restart_points_alternate_between_a_far_delta_and_a_keyframe() -> None:
     assert plan.restart_steps(4) == [20, 45, 65, 90]
     assert plan.eval_steps() == list(range(10, 101, 10))
     assert Plan(steps=23, save_every=1, eval_every=5).eval_steps() == [5, 10, 15, 20, 23]
+    # Long save intervals restart every few saves instead, whatever keyframe_every is.
+    long = Plan(steps=4400, save_every=200, eval_every=100, restart_every=2)
+    assert long.restart_steps(10) == [400, 1000, 1400, 2000, 2400, 3000, 3400, 4000]
+
+
+def test_update_domain_setting_counts_coded_bytes_and_decodes_through_v_hat(tmp_path: Path) -> None:
+    """exp_avg in the update's domain (simulated): the file's exact exp_avg bytes are swapped
+    for the coded u's, and a restore returns u_hat * (sqrt(v_hat) + eps), not the exact m."""
+    from harness import update_domain
+    from harness.settings import parse_setting, stored_split
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-8)
+    for _ in range(3):
+        model(torch.randn(16, 128)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    setting = parse_setting("smallest-u3")
+    ckpt = setting.checkpointer(tmp_path / "ckpt")
+    ckpt.save(1, model=model, optimizer=opt)
+    path = Path(ckpt.path_for(1))
+    split = stored_split(path)
+    loaded = ckpt.load(1)
+    sim = update_domain.file_split(split, path, loaded, "smallest-u3", tmp_path)
+    weight_m = opt.state[model.weight]["exp_avg"]
+    # The file keeps exp_avg exact; int3 codes of u cost well under a byte per element.
+    assert split["exp_avg"] >= 2 * weight_m.numel()
+    assert sim["exp_avg"] < split["exp_avg"] / 3
+    assert sim["total"] - sim["exp_avg"] == split["total"] - split["exp_avg"]
+    exact_m = weight_m.clone()
+    # A restarted process: a fresh model and optimizer restored from the file.
+    model2 = torch.nn.Linear(128, 64)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, eps=1e-8)
+    ckpt.restore(model=model2, optimizer=opt2)
+    assert torch.equal(opt2.state[model2.weight]["exp_avg"], exact_m)
+    v_hat = opt2.state[model2.weight]["exp_avg_sq"]
+    assert torch.equal(v_hat, loaded["optimizer"]["state"][0]["exp_avg_sq"])
+    update_domain.apply_on_restore(opt2, "smallest-u3", tmp_path)
+    m = opt2.state[model2.weight]["exp_avg"]
+    assert not torch.equal(m, exact_m)
+    u = exact_m / (v_hat.sqrt() + 1e-8)
+    u_hat = m / (v_hat.sqrt() + 1e-8)
+    # int3 blockwise: at most half a step (absmax / 3 / 2) per element of u, per block.
+    bound = u.reshape(-1, 128).abs().amax(1, keepdim=True) / 6
+    assert bool(((u_hat - u).reshape(-1, 128).abs() <= bound * 1.001 + 1e-6).all())
+    ckpt.close()
 
 
 def test_settings_parse_every_preset_and_fail_loudly(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -308,6 +308,27 @@ def test_resume_page_and_summary_rows_from_the_results(gpt_quick: dict) -> None:
     assert mr.resume_safe([gpt_quick, worse]) == []
 
 
+def test_interval_and_domain_pages_read_every_row(gpt_quick: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    import make_results as mr
+
+    env = {"machine": "test VM"}
+    files = {
+        "resume_gpt_every50": {**gpt_quick, "environment": env},
+        "resume_minilm_every50": {**gpt_quick, "environment": env},
+        "exp_avg_domain_gpt": {**gpt_quick, "environment": env},
+    }
+    monkeypatch.setattr(mr, "read_result", lambda name: files[name])
+    page = mr.intervals_page(["resume_gpt_every50", "resume_minilm_every50"])
+    for row in gpt_quick["rows"]:
+        b = row["bytes_per_param"]
+        line = f"| tiny GPT | {gpt_quick['config']['save_every']} | {row['setting']} | {row['restarts']} | "
+        assert line + f"{b['x_keyframe']:.1f}x / {b['x_delta']:.1f}x / {b['x_cycle']:.1f}x" in page
+        assert f"| MiniLM fine-tune | {gpt_quick['config']['save_every']} | {row['setting']} |" in page
+    assert "## MiniLM fine-tune, a save every" in page and "--model minilm" in page
+    domain = mr.domain_page("exp_avg_domain_gpt")
+    assert all(f"| {row['setting']} |" in domain for row in gpt_quick["rows"])
+
+
 def test_rules_for_settings_quantize_what_they_name(tmp_path: Path) -> None:
     from harness.settings import Setting, load_setting, save_setting
 

@@ -81,7 +81,7 @@ INTERVAL_RUNS = (
 INTERVAL_RESULTS = tuple(f"resume_{model}_every{every}" for model, every, _ in INTERVAL_RUNS)
 # exp_avg in the update's domain against its blockwise codes (harness/update_domain.py).
 DOMAIN_RUN = ("--settings", "smallest,smallest-m3,smallest-u4,smallest-u3", "--seeds", "0", "1", "2")
-DOMAIN_RESULT = "exp_avg_domain_gpt"
+DOMAIN_RESULTS = {"exp_avg_domain_gpt": ("--no-exact-check",), "exp_avg_domain_minilm": ("--model", "minilm")}
 
 RUNS = (
     ("fidelity_minilm.py", []),
@@ -92,7 +92,7 @@ RUNS = (
         ("resume_fidelity.py", [*extra, "--out", name])
         for (_, _, extra), name in zip(INTERVAL_RUNS, INTERVAL_RESULTS)
     ),
-    ("resume_fidelity.py", [*DOMAIN_RUN, "--no-exact-check", "--out", DOMAIN_RESULT]),
+    *(("resume_fidelity.py", [*DOMAIN_RUN, *extra, "--out", name]) for name, extra in DOMAIN_RESULTS.items()),
     ("speed_compare.py", []),
 )
 
@@ -604,27 +604,32 @@ def intervals_page(names: list[str]) -> str:
     return "\n".join(head + parts)
 
 
-def domain_page(name: str) -> str:
+def domain_page(names: list[str]) -> str:
     """``results/exp_avg_domain.md``: exp_avg coded in the update's domain vs blockwise."""
     from harness.restarts import tables
 
-    res = _with_own_floor(read_result(name))
-    return "\n".join(
-        [
-            "# `exp_avg` in the update's domain",
+    parts = [
+        "# `exp_avg` in the update's domain",
+        "",
+        "Written by `python benchmarks/make_results.py` from the JSON files named below "
+        f"(`python benchmarks/resume_fidelity.py {' '.join(DOMAIN_RUN)} [--model minilm] --out NAME`). "
+        "`smallest` codes `exp_avg` blockwise at int4 (block 128); `smallest-m3` at int3; "
+        "`smallest-u4` and `smallest-u3` code `u = exp_avg / (sqrt(v_hat) + eps)` with the "
+        "same codecs, `v_hat` being the `exp_avg_sq` a loader reconstructs: simulated by the "
+        "harness (`benchmarks/harness/update_domain.py`), bytes from real files of `u`.",
+        "",
+    ]
+    for name in names:
+        res = _with_own_floor(read_result(name))
+        parts += [
+            f"## {res['task']}",
             "",
-            "Written by `python benchmarks/make_results.py` from `exp_avg_domain_gpt.json` "
-            f"(`python benchmarks/resume_fidelity.py {' '.join(DOMAIN_RUN)} --no-exact-check "
-            f"--out {name}`); {res['environment']['machine']}; {_restart_words(res)}. "
-            "`smallest` codes `exp_avg` blockwise at int4 (block 128); `smallest-m3` at int3; "
-            "`smallest-u4` and `smallest-u3` code `u = exp_avg / (sqrt(v_hat) + eps)` with the "
-            "same codecs, `v_hat` being the `exp_avg_sq` a loader reconstructs: simulated by the "
-            "harness (`benchmarks/harness/update_domain.py`), bytes from real files of `u`.",
+            f"`{name}.json`; {res['environment']['machine']}; {_restart_words(res)}.",
             "",
             tables(res),
             "",
         ]
-    )
+    return "\n".join(parts)
 
 
 def write_page() -> str:
@@ -667,8 +672,9 @@ def write_page() -> str:
     intervals = [n for n in INTERVAL_RESULTS if (RESULTS_DIR / f"{n}.json").exists()]
     if intervals:
         (RESULTS_DIR / "save_intervals.md").write_text(intervals_page(intervals), encoding="utf-8")
-    if (RESULTS_DIR / f"{DOMAIN_RESULT}.json").exists():
-        (RESULTS_DIR / "exp_avg_domain.md").write_text(domain_page(DOMAIN_RESULT), encoding="utf-8")
+    domains = [n for n in DOMAIN_RESULTS if (RESULTS_DIR / f"{n}.json").exists()]
+    if domains:
+        (RESULTS_DIR / "exp_avg_domain.md").write_text(domain_page(domains), encoding="utf-8")
     ablations = sorted(p.stem for p in RESULTS_DIR.glob("moment_ablation_*.json"))
     if ablations:
         (RESULTS_DIR / "moment_ablation.md").write_text(ablation_page(ablations), encoding="utf-8")

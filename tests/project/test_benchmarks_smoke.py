@@ -325,7 +325,7 @@ def test_interval_and_domain_pages_read_every_row(gpt_quick: dict, monkeypatch: 
         assert line + f"{b['x_keyframe']:.1f}x / {b['x_delta']:.1f}x / {b['x_cycle']:.1f}x" in page
         assert f"| MiniLM fine-tune | {gpt_quick['config']['save_every']} | {row['setting']} |" in page
     assert "## MiniLM fine-tune, a save every" in page and "--model minilm" in page
-    domain = mr.domain_page("exp_avg_domain_gpt")
+    domain = mr.domain_page(["exp_avg_domain_gpt"])
     assert all(f"| {row['setting']} |" in domain for row in gpt_quick["rows"])
 
 

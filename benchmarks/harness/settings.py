@@ -293,9 +293,10 @@ def parse_setting(token: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY) -
     name, *mods = token.split(":")
     if name in PRESETS:
         setting = ResumeSetting(token, name, keyframe_every=keyframe_every)
-    elif name in update_domain.SETTINGS:
+    elif name in update_domain.SETTINGS or name in update_domain.COARSE_STEP:
+        domain = name if name in update_domain.SETTINGS else None
         setting = ResumeSetting(
-            token, update_domain.rules(name), bits=2, keyframe_every=keyframe_every, exp_avg_domain=name
+            token, update_domain.rules(name), bits=2, keyframe_every=keyframe_every, exp_avg_domain=domain
         )
     elif name in EXPLICIT_RULES:
         setting = ResumeSetting(
@@ -304,7 +305,7 @@ def parse_setting(token: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY) -
     else:
         raise ValueError(
             f"unknown setting {name!r}: presets {', '.join(PRESETS)}; rule lists "
-            f"{', '.join([*EXPLICIT_RULES, *update_domain.SETTINGS])}"
+            f"{', '.join([*EXPLICIT_RULES, *update_domain.SETTINGS, *update_domain.COARSE_STEP])}"
         )
     fields = {"k": "keyframe_every", "bits": "bits", "block": "block", "delta": "delta"}
     for mod in mods:

@@ -21,32 +21,38 @@ TW_INLINE int64_t tw_temporal_step(const int32_t *r, int count, int64_t n_steps,
     return s > min_step ? s : min_step;
 }
 
-/* The temporal codes of a block: q (two's complement) of each positive element over a
- * positive reference, 0x80 for a zero, 0 for the rest. Returns bit 0 set when some element
- * does not code temporally (not a zero, nor a positive over a positive with |q| <= 127),
- * bit 1 when some element is negative, NaN or infinite.
- *
- * |d| is taken in uint32 and is only exact where both patterns are positive finite (< 2**31),
- * the only elements whose q is kept; there |d| + S / 2 < 2**31 + 2**30. The quotient is taken
- * in double: both operands are integers below 2**33, so the correctly rounded quotient is
- * never rounded up across an integer and truncating it gives the floor exactly. */
-TW_INLINE int32_t tw_temporal_codes(const int32_t *t, const int32_t *r, int count, uint32_t half, double step,
-                                    uint8_t *c) {
+/* qa = floor((|t - r| + S / 2) / S) of each element, capped at 255; only exact where both
+ * patterns are positive finite (< 2**31), the only elements whose q is kept: |d| is taken in
+ * uint32, and there |d| + S / 2 < 2**31 + 2**30. The quotient is taken in double: both
+ * operands are integers below 2**33, so the correctly rounded quotient is never rounded up
+ * across an integer, and truncating it gives the floor exactly. A loop of its own: GCC does
+ * not vectorize doubles in a loop that also stores bytes. */
+TW_INLINE void tw_temporal_quotients(const int32_t *t, const int32_t *r, int count, uint32_t half, double step,
+                                     int32_t *qa) {
+    for (int i = 0; i < count; i++) {
+        const int32_t v = t[i], w = r[i];
+        const uint32_t a = v < w ? (uint32_t)w - (uint32_t)v : (uint32_t)v - (uint32_t)w;
+        const uint32_t x = a + half;
+        /* uint32 -> double exactly through a signed conversion (which vectorizes). */
+        double qd = ((double)(int32_t)(x ^ 0x80000000u) + 2147483648.0) / step;
+        qd = qd < 255.0 ? qd : 255.0;
+        qa[i] = (int32_t)qd;
+    }
+}
+
+/* The temporal codes of a block from its quotients: q (two's complement) of each positive
+ * element over a positive reference, 0x80 for a zero, 0 for the rest. Returns bit 0 set when
+ * some element does not code temporally (not a zero, nor a positive over a positive with
+ * |q| <= 127), bit 1 when some element is negative, NaN or infinite. */
+TW_INLINE int32_t tw_temporal_codes(const int32_t *t, const int32_t *r, const int32_t *qa, int count, uint8_t *c) {
     uint32_t notok = 0, bad = 0;
     for (int i = 0; i < count; i++) {
         const int32_t v = t[i], w = r[i];
         const uint32_t pos = (uint32_t)v - 1u < (uint32_t)(TW_F32_INF_BITS - 1);
         const uint32_t zero = ((uint32_t)v & 0x7FFFFFFFu) == 0u;
         const uint32_t rpos = (uint32_t)w - 1u < (uint32_t)(TW_F32_INF_BITS - 1);
-        const uint32_t neg = v < w;
-        const uint32_t a = neg ? (uint32_t)w - (uint32_t)v : (uint32_t)v - (uint32_t)w;
-        const uint32_t x = a + half;
-        /* uint32 -> double exactly through a signed conversion (which vectorizes). */
-        double qd = ((double)(int32_t)(x ^ 0x80000000u) + 2147483648.0) / step;
-        qd = qd < 255.0 ? qd : 255.0;
-        const int32_t qa = (int32_t)qd;
-        const uint32_t ok = zero | (pos & rpos & (qa <= TW_TEMPORAL_QMAX));
-        const uint8_t q = (uint8_t)(neg ? -qa : qa);
+        const uint32_t ok = zero | (pos & rpos & (qa[i] <= TW_TEMPORAL_QMAX));
+        const uint8_t q = (uint8_t)(v < w ? -qa[i] : qa[i]);
         c[i] = zero ? (uint8_t)TW_TEMPORAL_ZERO : (ok ? q : 0);
         notok |= ok ^ 1u;
         bad |= (pos | zero) ^ 1u;
@@ -65,6 +71,7 @@ int64_t tw_log2_temporal_encode(const float *x, const float *ref, int64_t n, int
         return -1;
     float v[TW_MAX_BLOCK] __attribute__((aligned(64)));
     float w[TW_MAX_BLOCK] __attribute__((aligned(64)));
+    int32_t qa[TW_MAX_BLOCK] __attribute__((aligned(64)));
     uint8_t c[TW_MAX_BLOCK] __attribute__((aligned(64)));
     const int32_t *t = (const int32_t *)v, *r = (const int32_t *)w;
     const int64_t levels = (1 << bits) - 2;
@@ -81,7 +88,8 @@ int64_t tw_log2_temporal_encode(const float *x, const float *ref, int64_t n, int
             memset(w + m, 0, (size_t)(block - m) * 4);
         }
         const int64_t s = tw_temporal_step(r, block, levels, min_step);
-        const int32_t flags = tw_temporal_codes(t, r, block, (uint32_t)(s / 2), (double)s, c);
+        tw_temporal_quotients(t, r, block, (uint32_t)(s / 2), (double)s, qa);
+        const int32_t flags = tw_temporal_codes(t, r, qa, block, c);
         int32_t lo = 0, hi = 0;
         if (flags & 2) {
             lo = hi = -1;

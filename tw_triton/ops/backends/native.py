@@ -9,7 +9,9 @@ and the reference otherwise.
 A tensor of at least :data:`SPLIT_MIN_ELEMENTS` is split into ranges of whole blocks that
 run on ``torch.get_num_threads()`` threads (ctypes lets go of the GIL during each call).
 The library also merges the byte planes of the entropy stage (:func:`merge_planes`, for
-:mod:`tw_triton.codecs.entropy`). Why a C twin: docs/performance.md.
+:mod:`tw_triton.codecs.entropy`); the ``log2-temporal`` wrappers, built on the range
+helpers here, are in :mod:`tw_triton.ops.backends.native_temporal`. Why a C twin:
+docs/performance.md.
 """
 
 from __future__ import annotations

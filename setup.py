@@ -19,7 +19,10 @@ if sys.platform == "win32":
 else:
     CFLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 SOURCES = ["tw_triton/csrc/native.c"]
-DEPENDS = [f"tw_triton/csrc/{name}" for name in ("native.h", "module.c", "blockwise.c", "log2.c", "planes.c")]
+DEPENDS = [
+    f"tw_triton/csrc/{name}"
+    for name in ("native.h", "module.c", "blockwise.c", "log2.c", "log2_temporal.c", "planes.c")
+]
 
 extensions = [
     Extension("tw_triton._native", sources=SOURCES, depends=DEPENDS, extra_compile_args=CFLAGS, optional=True)

@@ -3,4 +3,5 @@
 #include "module.c"
 #include "blockwise.c"
 #include "log2.c"
+#include "log2_temporal.c"
 #include "planes.c"

@@ -100,5 +100,9 @@ int64_t tw_log2_encode(const void *x, int x_dtype, int64_t n, int32_t block, int
                        int32_t *lo_out, int32_t *hi_out);
 int64_t tw_log2_decode(const uint8_t *codes, const int32_t *lo, const int32_t *hi, int64_t n, int32_t bits,
                        int32_t block, void *out, int out_dtype);
+int64_t tw_log2_temporal_encode(const float *x, const float *ref, int64_t n, int32_t block, int32_t bits,
+                                int64_t min_step, uint8_t *codes, int32_t *lo_out, int32_t *hi_out);
+int64_t tw_log2_temporal_decode(const uint8_t *codes, const int32_t *lo, const int32_t *hi, const float *ref,
+                                int64_t n, int32_t bits, int32_t block, int64_t min_step, float *out);
 
 #endif

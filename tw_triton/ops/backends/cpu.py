@@ -12,12 +12,16 @@ import torch
 from ..layout import blockwise_buffers, check_qmax, log2_buffers
 from ..reference import (
     dequantize_blockwise_torch,
+    dequantize_log2_temporal_torch,
     dequantize_log2_torch,
     quantize_blockwise_torch,
+    quantize_log2_temporal_torch,
     quantize_log2_torch,
 )
 from ..reference.buffers import decode_output, encode_outputs
+from ..reference.log2_temporal import temporal_buffers
 from .native import decode_blockwise, decode_log2, encode_blockwise, encode_log2, range_slices
+from .native_temporal import decode_log2_temporal, encode_log2_temporal
 
 DEVICE_TYPE = "cpu"
 
@@ -122,12 +126,70 @@ def dequantize_log2_cpu(
     return out
 
 
+def quantize_log2_temporal_cpu(
+    x: torch.Tensor,
+    reference: torch.Tensor,
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The CPU encode: the compiled codec where it takes the tensors, else
+    :func:`~tw_triton.ops.reference.quantize_log2_temporal_torch`. Same signature, same bytes."""
+    out, (codes, lo, hi) = encode_outputs(out, x.device, temporal_buffers(x.numel(), block))
+    flat = x.reshape(-1) if x.is_contiguous() else x
+    ref = reference.reshape(-1) if reference.is_contiguous() else reference
+    if encode_log2_temporal(flat, ref, bits, block, min_step, codes, lo, hi):
+        return out
+    return quantize_log2_temporal_torch(x, reference, bits, block, min_step, out=out)
+
+
+def dequantize_log2_temporal_cpu(
+    codes: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    reference: torch.Tensor,
+    numel: int,
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The CPU decode: the compiled codec where it takes the tensors, else
+    :func:`~tw_triton.ops.reference.dequantize_log2_temporal_torch` (which also finishes any
+    blocks the compiled one leaves). Same signature, same values; ``out`` may be
+    ``reference`` itself."""
+    out, flat_out = decode_output(out, numel, torch.float32, codes.device)
+    ref = reference.reshape(-1) if reference.is_contiguous() else reference
+    left = decode_log2_temporal(codes, lo, hi, ref, numel, bits, block, min_step, flat_out)
+    if left is None:
+        return dequantize_log2_temporal_torch(codes, lo, hi, reference, numel, bits, block, min_step, out=out)
+    for start, stop in left:
+        code_bytes, blocks = range_slices(start, stop, 8, block)
+        dequantize_log2_temporal_torch(
+            codes[code_bytes],
+            lo[blocks],
+            hi[blocks],
+            ref[start:stop],
+            stop - start,
+            bits,
+            block,
+            min_step,
+            out=flat_out[start:stop],
+        )
+    return out
+
+
 # The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
 BACKEND = {
     "quantize_blockwise": quantize_blockwise_cpu,
     "dequantize_blockwise": dequantize_blockwise_cpu,
     "quantize_log2": quantize_log2_cpu,
     "dequantize_log2": dequantize_log2_cpu,
+    "quantize_log2_temporal": quantize_log2_temporal_cpu,
+    "dequantize_log2_temporal": dequantize_log2_temporal_cpu,
 }
 
 
@@ -136,6 +198,8 @@ __all__ = [
     "DEVICE_TYPE",
     "dequantize_blockwise_cpu",
     "dequantize_log2_cpu",
+    "dequantize_log2_temporal_cpu",
     "quantize_blockwise_cpu",
     "quantize_log2_cpu",
+    "quantize_log2_temporal_cpu",
 ]

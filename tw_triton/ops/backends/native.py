@@ -9,7 +9,9 @@ and the reference otherwise.
 A tensor of at least :data:`SPLIT_MIN_ELEMENTS` is split into ranges of whole blocks that
 run on ``torch.get_num_threads()`` threads (ctypes lets go of the GIL during each call).
 The library also merges the byte planes of the entropy stage (:func:`merge_planes`, for
-:mod:`tw_triton.codecs.entropy`). Why a C twin: docs/performance.md.
+:mod:`tw_triton.codecs.entropy`); the ``log2-temporal`` wrappers, built on the range
+helpers here, are in :mod:`tw_triton.ops.backends.native_temporal`. Why a C twin:
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ _SIGNATURES = {
     "tw_log2_encode": [_P, _I32, _I64, _I32, _I32, _P, _P, _P],
     # codes, lo, hi, n, bits, block, out, out_dtype
     "tw_log2_decode": [_P, _P, _P, _I64, _I32, _I32, _P, _I32],
+    # x, ref, n, block, bits, min_step, codes, lo, hi
+    "tw_log2_temporal_encode": [_P, _P, _I64, _I32, _I32, _I64, _P, _P, _P],
+    # codes, lo, hi, ref, n, bits, block, min_step, out
+    "tw_log2_temporal_decode": [_P, _P, _P, _P, _I64, _I32, _I32, _I64, _P],
     # planes (width pointers), width, count, out
     "tw_planes_merge": [_P, _I32, _I64, _P],
 }
@@ -103,7 +109,7 @@ def _takes(t: torch.Tensor | None) -> bool:
     return t is None or (t.device.type == "cpu" and t.dtype in _DTYPE_CODES and t.is_contiguous())
 
 
-def _sized(t: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
+def sized(t: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
     """A contiguous CPU buffer of ``numel`` elements of ``dtype``: the C code reads and
     writes exactly that much, so nothing else may reach it."""
     return t.device.type == "cpu" and t.dtype == dtype and t.numel() == numel and t.is_contiguous()
@@ -121,19 +127,19 @@ def block_ranges(numel: int, block: int) -> list[tuple[int, int]]:
     return [(s, min(s + per, numel)) for s in range(0, numel, per)]
 
 
-def _run(fn: Callable[[tuple[int, int]], int], ranges: list[tuple[int, int]]) -> list[int]:
+def run_ranges(fn: Callable[[tuple[int, int]], int], ranges: list[tuple[int, int]]) -> list[int]:
     if len(ranges) == 1:
         return [fn(ranges[0])]
     return parallel_map(fn, ranges, threads=len(ranges))
 
 
-def _decode_ranges(
+def decode_ranges(
     one: Callable[[tuple[int, int]], int], numel: int, bits: int, block: int, codec: str
 ) -> list[tuple[int, int]]:
     """Run a decode over this caller's thread ranges; the ranges it left for the torch path
     (each thread's C call returns how many whole blocks it decoded)."""
     ranges = block_ranges(numel, block)
-    done = _run(one, ranges)
+    done = run_ranges(one, ranges)
     if min(done) < 0:
         raise TwTritonError(f"the compiled {codec} decode refused bits={bits}, block={block}")
     return [(start + d * block, stop) for (start, stop), d in zip(ranges, done) if start + d * block < stop]
@@ -166,8 +172,8 @@ def encode_blockwise(
         _takes(x)
         and _takes(reference)
         and (reference is None or reference.numel() == n)
-        and _sized(codes, torch.uint8, -(-n * bits // 8))
-        and _sized(scales, torch.float32, -(-n // block))
+        and sized(codes, torch.uint8, -(-n * bits // 8))
+        and sized(scales, torch.float32, -(-n // block))
         and n > 0
         and enabled()
     ):
@@ -194,7 +200,7 @@ def encode_blockwise(
             scales_ptr + start // block * 4,
         )
 
-    done = _run(one, block_ranges(n, block))
+    done = run_ranges(one, block_ranges(n, block))
     if min(done) < 0:
         raise TwTritonError(f"the compiled blockwise encode refused bits={bits}, block={block}, qmax={qmax}")
     return True
@@ -222,8 +228,8 @@ def decode_blockwise(
         and _takes(out)
         and (reference is None or reference.numel() == numel)
         and out.numel() == numel
-        and _sized(codes, torch.uint8, -(-numel * bits // 8))
-        and _sized(scales, torch.float32, -(-numel // block))
+        and sized(codes, torch.uint8, -(-numel * bits // 8))
+        and sized(scales, torch.float32, -(-numel // block))
         and numel > 0
         and enabled()
     ):
@@ -254,7 +260,7 @@ def decode_blockwise(
             out_code,
         )
 
-    return _decode_ranges(one, numel, bits, block, "blockwise")
+    return decode_ranges(one, numel, bits, block, "blockwise")
 
 
 def encode_log2(
@@ -267,9 +273,9 @@ def encode_log2(
     nblocks = -(-n // block)
     if not (
         _takes(x)
-        and _sized(codes, torch.uint8, -(-n * bits // 8))
-        and _sized(lo, torch.int32, nblocks)
-        and _sized(hi, torch.int32, nblocks)
+        and sized(codes, torch.uint8, -(-n * bits // 8))
+        and sized(lo, torch.int32, nblocks)
+        and sized(hi, torch.int32, nblocks)
         and n > 0
         and enabled()
     ):
@@ -292,7 +298,7 @@ def encode_log2(
             hi_ptr + 4 * b0,
         )
 
-    if min(_run(one, block_ranges(n, block))) < 0:
+    if min(run_ranges(one, block_ranges(n, block))) < 0:
         raise TwTritonError(f"the compiled log2 encode refused bits={bits}, block={block}")
     return True
 
@@ -318,9 +324,9 @@ def decode_log2(
     if not (
         _takes(out)
         and out.numel() == numel
-        and _sized(codes, torch.uint8, -(-numel * bits // 8))
-        and _sized(lo, torch.int32, nblocks)
-        and _sized(hi, torch.int32, nblocks)
+        and sized(codes, torch.uint8, -(-numel * bits // 8))
+        and sized(lo, torch.int32, nblocks)
+        and sized(hi, torch.int32, nblocks)
         and numel > 0
         and enabled()
     ):
@@ -343,7 +349,7 @@ def decode_log2(
             out_code,
         )
 
-    return _decode_ranges(one, numel, bits, block, "log2")
+    return decode_ranges(one, numel, bits, block, "log2")
 
 
 def _byte_array(a: np.ndarray, count: int, writable: bool) -> bool:
@@ -393,4 +399,7 @@ __all__ = [
     "library",
     "load",
     "block_ranges",
+    "decode_ranges",
+    "run_ranges",
+    "sized",
 ]

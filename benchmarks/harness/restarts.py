@@ -227,6 +227,19 @@ def check_exact(base: dict[str, Any], run: dict[str, Any]) -> None:
         )
 
 
+def check_restarts(plan: Plan, setting: ResumeSetting) -> list[int]:
+    """``setting``'s restart steps under ``plan``; raise if they are fewer than ``plan.min_restarts``."""
+    restarts = plan.restart_steps(setting.keyframe_every)
+    if len(restarts) < plan.min_restarts:
+        raise ValueError(
+            f"{setting.label}: {len(restarts)} restarts in {plan.steps} steps "
+            f"(save every {plan.save_every}, a restart every "
+            f"{plan.restart_every or setting.keyframe_every} or one more saves); "
+            f"need {plan.min_restarts}: more steps or a shorter cycle"
+        )
+    return restarts
+
+
 def run_seed(
     make_run: MakeRun,
     seed: int,
@@ -242,6 +255,8 @@ def run_seed(
     With ``exact_check`` the ``exact`` preset runs first through the restarts of
     ``exact_keyframe_every`` (default: the first setting's) and must reproduce the run.
     """
+    for setting in settings:  # before any training: a plan with too few restarts fails at once
+        check_restarts(plan, setting)
     t0 = time.perf_counter()
     base = uninterrupted(make_run, seed, plan)
     noise = uninterrupted(make_run, seed + noise_seed_offset, plan)
@@ -256,13 +271,7 @@ def run_seed(
         todo.insert(0, ResumeSetting("exact (check)", "exact", keyframe_every=k))
     for setting in todo:
         t0 = time.perf_counter()
-        restarts = plan.restart_steps(setting.keyframe_every)
-        if len(restarts) < plan.min_restarts:
-            raise ValueError(
-                f"{setting.label}: {len(restarts)} restarts in {plan.steps} steps "
-                f"(save every {plan.save_every}, keyframe every {setting.keyframe_every}); "
-                f"need {plan.min_restarts}: more steps or a shorter cycle"
-            )
+        restarts = check_restarts(plan, setting)
         with tempfile.TemporaryDirectory(prefix="tw-resume-") as tmp:
             r = restarted(make_run, seed, setting, plan, Path(tmp))
         if setting.label == "exact (check)":

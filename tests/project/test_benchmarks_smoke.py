@@ -191,6 +191,18 @@ def test_restart_points_alternate_between_a_far_delta_and_a_keyframe() -> None:
     assert long.restart_steps(10) == [400, 1000, 1400, 2000, 2400, 3000, 3400, 4000]
 
 
+def test_a_plan_with_too_few_restarts_fails_before_any_training() -> None:
+    from harness.restarts import Plan, run_seed
+    from harness.settings import parse_setting
+
+    def make_run(data_seed: int):
+        raise AssertionError("trained although the plan cannot restart 8 times")
+
+    plan = Plan(steps=450, save_every=50, eval_every=50, restart_every=1)  # 5 restarts
+    with pytest.raises(ValueError, match="5 restarts in 450 steps"):
+        run_seed(make_run, 0, plan, (parse_setting("small"),))
+
+
 def test_update_domain_setting_counts_coded_bytes_and_decodes_through_v_hat(tmp_path: Path) -> None:
     """exp_avg in the update's domain (simulated): the file's exact exp_avg bytes are swapped
     for the coded u's, and a restore returns u_hat * (sqrt(v_hat) + eps), not the exact m."""

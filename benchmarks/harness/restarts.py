@@ -14,7 +14,8 @@ Per seed, three kinds of run train the same model from the same initial state:
   (data-order seed, step), so the data order survives restarts.
 
 Restart points alternate between ``keyframe_every`` and ``keyframe_every + 1`` saves after
-the previous one (``restart_every`` and one more, where the run sets it). A restarted Checkpointer used to write a keyframe first, so that the first
+the previous one (``restart_every`` and one more where the run sets it; after every save
+where that is 1). A restarted Checkpointer used to write a keyframe first, so that the first
 kind of restart loaded the delta farthest from its keyframe (the worst case for open-loop
 deltas) and the second a keyframe. Since a restored chain continues (docs/training-loop.md,
 "Restarts": keyframes stay every ``keyframe_every`` saves, counted across restarts), where a
@@ -72,9 +73,9 @@ class Plan:
     save_every: int
     eval_every: int
     min_restarts: int = 8
-    # Saves between restarts (alternately n and n + 1); None: the setting's keyframe_every.
-    # Long save intervals restart every few saves so that 8 restarts fit in a run of
-    # thousands of steps rather than tens of thousands.
+    # Saves between restarts (alternately n and n + 1; 1: after every save); None: the
+    # setting's keyframe_every. Long save intervals restart every few saves so that 8
+    # restarts fit in a run of thousands of steps rather than tens of thousands.
     restart_every: int | None = None
 
     def restart_steps(self, keyframe_every: int) -> list[int]:
@@ -82,7 +83,7 @@ class Plan:
         n = self.restart_every or keyframe_every
         out, step, i = [], 0, 0
         while True:
-            step += (n + i % 2) * self.save_every
+            step += (n + (i % 2 if n > 1 else 0)) * self.save_every
             if step >= self.steps:
                 return out
             out.append(step)

@@ -189,6 +189,8 @@ def test_restart_points_alternate_between_a_far_delta_and_a_keyframe() -> None:
     # Long save intervals restart every few saves instead, whatever keyframe_every is.
     long = Plan(steps=4400, save_every=200, eval_every=100, restart_every=2)
     assert long.restart_steps(10) == [400, 1000, 1400, 2000, 2400, 3000, 3400, 4000]
+    every = Plan(steps=450, save_every=50, eval_every=50, restart_every=1)
+    assert every.restart_steps(10) == list(range(50, 450, 50))
 
 
 def test_a_plan_with_too_few_restarts_fails_before_any_training() -> None:
@@ -198,8 +200,8 @@ def test_a_plan_with_too_few_restarts_fails_before_any_training() -> None:
     def make_run(data_seed: int):
         raise AssertionError("trained although the plan cannot restart 8 times")
 
-    plan = Plan(steps=450, save_every=50, eval_every=50, restart_every=1)  # 5 restarts
-    with pytest.raises(ValueError, match="5 restarts in 450 steps"):
+    plan = Plan(steps=650, save_every=50, eval_every=50, restart_every=2)  # 5 restarts
+    with pytest.raises(ValueError, match="5 restarts in 650 steps"):
         run_seed(make_run, 0, plan, (parse_setting("small"),))
 
 

@@ -14,6 +14,15 @@ export PYTHON="${PYTHON:-python3}"
 # torch (a CUDA build) must be there already: installing it here would fetch GBs, or a CPU build.
 "$PYTHON" -c "import torch" || { echo "validate.sh: torch is not installed" >&2; exit 2; }
 
+# Triton builds its CUDA launcher (a Python extension) with a C compiler at the first launch:
+# without one, or without Python's headers, every kernel fails; say so before spending minutes.
+if [ "${1:-}" != "--dry-run" ]; then
+    cc="${CC:-$(command -v gcc || command -v clang || command -v cc || true)}"
+    [ -n "$cc" ] || { echo "validate.sh: no C compiler (gcc, clang, cc or \$CC): Triton cannot build its launcher" >&2; exit 2; }
+    "$PYTHON" -c "import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))" \
+        || { echo "validate.sh: Python.h not found: Triton cannot build its launcher" >&2; exit 2; }
+fi
+
 # The offline install (idempotent: a rerun finds everything and installs only .whl/ again).
 if ! "$PYTHON" -c "import hypothesis, pytest, safetensors, triton, zstandard, tw_triton.kernels" 2>/dev/null; then
     bash benchmarks/gpu/install.sh

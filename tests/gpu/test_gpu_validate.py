@@ -354,6 +354,26 @@ def test_wheel_script_and_validate_sh_never_reach_the_network():
     assert ".whl/" in (REPO / ".gitignore").read_text()
 
 
+def test_validate_sh_stops_at_once_without_a_c_compiler(tmp_path):
+    """Triton builds its launcher with a C compiler at the first launch: validate.sh checks
+    for one before installing or running anything."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("bash", "dirname", "env"):  # what the script needs before the check
+        found = shutil.which(tool)
+        assert found is not None
+        (bindir / tool).symlink_to(found)
+    env = {"PATH": str(bindir), "PYTHON": sys.executable, "HOME": str(tmp_path)}
+    got = subprocess.run(
+        [str(bindir / "bash"), str(GPU_DIR / "validate.sh"), "--phase", "smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert got.returncode == 2 and "no C compiler" in got.stderr, got.stderr
+
+
 def test_phases_split_every_step_in_three_and_fit_their_limits():
     all_steps = [n for steps, _ in validate.PHASES.values() for n in steps]
     assert sorted(all_steps) == sorted(validate.RUNNERS) and len(set(all_steps)) == len(all_steps)

@@ -75,8 +75,6 @@ INTERVAL_RUNS = (
             "50",
             "--restart-every",
             "1",
-            "--threads",
-            "2",
         ],
     ),
 )

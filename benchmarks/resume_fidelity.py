@@ -11,7 +11,7 @@ Models (``--model``):
 * ``gpt``: a tiny byte-level GPT trained from scratch on stdlib source (``harness/tiny_gpt.py``),
   480 steps, 3 seeds, settings ``small,smallest``; writes ``results/resume_fidelity.json``.
 * ``minilm``: all-MiniLM-L6-v2 fine-tuned on stdlib docstring/signature pairs
-  (``harness/minilm_finetune.py``, needs the ``bench`` extra), 76 steps, 2 seeds, the
+  (``harness/minilm_finetune.py``, needs the ``bench`` extra), 76 steps, 3 seeds, the
   Checkpointer's default preset, ``keyframe_every`` 4; writes ``results/resume_minilm.json``.
 
 A setting is any preset of ``tw_triton.rules.PRESETS`` by name or a rule list of
@@ -50,7 +50,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "minilm": {
         "settings": DEFAULT_RULES if isinstance(DEFAULT_RULES, str) else "safe",
         "quick_settings": None,
-        "seeds": [0, 1],
+        "seeds": [0, 1, 2],
         "keyframe_every": 4,
         "exact_check": False,
         "out": "resume_minilm",

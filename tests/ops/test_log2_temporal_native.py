@@ -8,10 +8,9 @@ is built and the torch path when it is off.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
+from _native_builds import build_id, native_builds
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,19 +25,7 @@ needs_native = pytest.mark.skipif(not native.enabled(), reason="compiled codec n
 F32_MAX = torch.finfo(torch.float32).max
 
 
-def _builds() -> list[str]:
-    found = []
-    for name in ("tw_triton._native", "tw_triton._native_avx2"):
-        try:
-            found.append(importlib.import_module(name).__file__)
-        except ImportError:
-            pass
-    return found
-
-
-@pytest.fixture(
-    params=_builds() or [None], ids=lambda p: "none" if p is None else p.rsplit("/", 1)[-1].split(".")[0]
-)
+@pytest.fixture(params=native_builds() or [None], ids=build_id)
 def build(request, monkeypatch):
     """Each build in turn (an AVX2 machine would otherwise only run the AVX2 one)."""
     if request.param is None or not native.enabled():

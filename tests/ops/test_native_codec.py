@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from _codec_oracle import near_tie_blocks
+from _native_builds import build_id, native_builds
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,22 +30,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.dtype])
 
 
-def _builds() -> list[str]:
-    """The library files built here: the baseline one and, on x86-64, the AVX2 one."""
-    import importlib
-
-    found = []
-    for name in ("tw_triton._native", "tw_triton._native_avx2"):
-        try:
-            found.append(importlib.import_module(name).__file__)
-        except ImportError:
-            pass
-    return found
-
-
-@pytest.fixture(
-    params=_builds() or [None], ids=lambda p: "none" if p is None else p.rsplit("/", 1)[-1].split(".")[0]
-)
+@pytest.fixture(params=native_builds() or [None], ids=build_id)
 def build(request, monkeypatch):
     """Each build in turn (on an AVX2 machine ``enabled()`` alone would only ever run the
     AVX2 one): both must give the spec's bytes."""
@@ -59,7 +45,7 @@ def test_the_compiled_codec_is_built_and_on():
     """CI installs with a C compiler: a silently failed build would leave every test below
     skipped and the CPU path slow. ``TW_TRITON_NATIVE=0`` is the one way to run without."""
     assert native.enabled()
-    builds = _builds()
+    builds = native_builds()
     assert builds and builds[0].rsplit("/", 1)[-1].startswith("_native.")
     if native.library().tw_cpu_has_avx2():
         assert any("_native_avx2." in b for b in builds), "an AVX2 CPU but no AVX2 build"

@@ -293,10 +293,14 @@ def parse_setting(token: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY) -
     name, *mods = token.split(":")
     if name in PRESETS:
         setting = ResumeSetting(token, name, keyframe_every=keyframe_every)
-    elif name in update_domain.SETTINGS or name in update_domain.COARSE_STEP:
-        domain = name if name in update_domain.SETTINGS else None
+    elif name in update_domain.SETTINGS:
         setting = ResumeSetting(
-            token, update_domain.rules(name), bits=2, keyframe_every=keyframe_every, exp_avg_domain=domain
+            token,
+            update_domain.rules(name),
+            bits=2,
+            keyframe_every=keyframe_every,
+            # Only the update's domain needs the harness (the others are plain rule lists).
+            exp_avg_domain=name if update_domain.SETTINGS[name][0] == "update" else None,
         )
     elif name in EXPLICIT_RULES:
         setting = ResumeSetting(
@@ -305,7 +309,7 @@ def parse_setting(token: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY) -
     else:
         raise ValueError(
             f"unknown setting {name!r}: presets {', '.join(PRESETS)}; rule lists "
-            f"{', '.join([*EXPLICIT_RULES, *update_domain.SETTINGS, *update_domain.COARSE_STEP])}"
+            f"{', '.join([*EXPLICIT_RULES, *update_domain.SETTINGS])}"
         )
     fields = {"k": "keyframe_every", "bits": "bits", "block": "block", "delta": "delta"}
     for mod in mods:

@@ -35,30 +35,16 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-# smallest with a coarser temporal step for the non-negative moments: at least one octave
-# (2**23 bit-pattern units) instead of 1/16 octave.
-COARSE_STEP = {"smallest-v23": 1 << 23, "smallest-u3-v23": 1 << 23}
-SETTINGS["smallest-u3-v23"] = SETTINGS["smallest-u3"]
-
-
 def _template() -> dict[str, Any]:
     z = torch.zeros(64, 64)
     return {"model": {"w": z}, "optimizer": {"state": {0: {"exp_avg": z, "exp_avg_sq": z}}}}
 
 
 def rules(name: str) -> list[Any]:
-    """``smallest``'s rules with ``exp_avg`` coded as ``name`` says (exact for the update
-    domain) and the temporal step of :data:`COARSE_STEP`."""
-    base = rules_as_specs(resolve_rules("smallest", _template(), bits=8, block=128))
-    if name in COARSE_STEP:
-        base = [
-            (g, {**spec, "min_step": COARSE_STEP[name]} if spec["codec"] == "log2-temporal" else spec)
-            for g, spec in base
-        ]
-    if name not in SETTINGS:
-        return base
+    """``smallest``'s rules with ``exp_avg`` coded as ``name`` says (exact for the update domain)."""
     domain, spec = SETTINGS[name]
-    return [("*exp_avg", spec if domain == "moment" else {"codec": "exact"}), *base]
+    first = spec if domain == "moment" else {"codec": "exact"}
+    return [("*exp_avg", first), *rules_as_specs(resolve_rules("smallest", _template(), bits=8, block=128))]
 
 
 def _moments(optimizer_state: dict[Any, Any], eps: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -47,13 +47,8 @@ from .reference_chain import ReferenceChain, leaves
 from .resume import check_restorable, default_device, load_from, named_state, restore_into
 from .retention import InFlight, retain
 from .rng import capture_rng_state, restore_rng_state
-from .save_pipeline import (  # noqa: F401 - KIND_* and collect_setup_garbage are re-exported
-    KIND_DELTA,
-    KIND_KEYFRAME,
-    KIND_STANDALONE,
-    SavePipeline,
-    collect_setup_garbage,
-)
+from .save_encode import KIND_DELTA, KIND_KEYFRAME, KIND_STANDALONE  # noqa: F401 - re-exported
+from .save_pipeline import SavePipeline, collect_setup_garbage  # noqa: F401 - re-exported
 from .snapshot_pool import SavePool
 from .state import decode_targets
 from .writer import AsyncWriter

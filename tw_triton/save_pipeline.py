@@ -26,20 +26,17 @@ import torch
 
 from . import format as _format
 from . import kernel_variants
-from .deltas import Reference, advance, check_reference, delta_coded, keyframe_values
+from .deltas import Reference, check_reference, delta_coded, keyframe_values
 from .device_memory import private_copies
 from .qstate import QuantizedState
 from .reference_chain import ReferenceChain, depends_on, ref_at
 from .retention import InFlight, NotedFile, SaveInFlight
 from .rules import keyframe_rules, resolve_rules, rules_as_specs, warn_if_too_coarse
+from .save_encode import encode_delta, encode_keyframe, keyframe_values_then
 from .snapshot_pool import MIN_POOLED_BYTES, SavePool, SnapshotLease
 from .state import quantize_state_dict
 from .tree import Flattened, flatten, leaf_tensors
 from .writer import AsyncWriter
-
-KIND_KEYFRAME = "keyframe"  # everything exact, no reference
-KIND_DELTA = "delta"  # quantized entries are deltas from a keyframe
-KIND_STANDALONE = "standalone"  # quantized without a reference (delta=False mode)
 
 
 @dataclass
@@ -231,6 +228,7 @@ class SavePipeline:
         writer (or write it now). ``flat``: the state already flattened; ``warm_up``: the
         sizes of the snapshot that found no pooled memory (see :meth:`warm_up`)."""
         ref_values: dict[str, torch.Tensor] = {}
+        lossy: dict[str, torch.Tensor] = {}  # decoded on the writer thread
         state: Any = job.tree if flat is None else flat
         # A device state's exact entries are copied to the host from the tensors themselves
         # (docs/training-loop.md, "Memory"); a keyframe's delta-coded ones are copied first,
@@ -264,7 +262,17 @@ class SavePipeline:
                     for p, e in q.entries.items()
                 }
                 kept.update({alias: kept[target] for alias, target in q.aliases.items() if target in kept})
-                ref_values = keyframe_values(q, delta_coded(kept, job.rule_list), in_place=False)
+                ref_values = delta_coded(kept, job.rule_list)
+                if self.writer is not None and not live:
+                    # The reconstruction is decoded on the writer thread, before the write
+                    # and so before any delta that reads it: host tensors to decode into.
+                    fresh = {
+                        id(t): torch.empty(t.shape, dtype=t.dtype) for t in ref_values.values() if t.is_meta
+                    }
+                    lossy = {p: fresh[id(t)] for p, t in ref_values.items() if id(t) in fresh}
+                    ref_values.update(lossy)
+                else:
+                    ref_values = keyframe_values(q, ref_values, in_place=False)
         else:
             q = encode_delta(
                 state,
@@ -280,8 +288,9 @@ class SavePipeline:
             )
         job.noted.note(q)
         reference = job.reference if q.reference_id is not None else None
+        to_write = functools.partial(keyframe_values_then, q, lossy) if lossy else q
         return Queued(
-            self.write(q, job.path, reference, live=live),
+            self.write(to_write, job.path, reference, live=live),
             q.checkpoint_id,
             q.reference_id,
             ref_values,
@@ -374,100 +383,6 @@ class SavePipeline:
         return self.saves.reserve(sizes, self.chain.kept_bytes(), extra)
 
 
-def encode_delta(
-    snapshot: Any,
-    reference: Reference | None,
-    rules: Any,
-    bits: int,
-    block: int,
-    meta: dict[str, Any],
-    checkpoint_id: str | None,
-    *,
-    allocate: SnapshotLease | None = None,
-    ref_at: tuple[str, int] | None = None,
-    live: bool = False,
-) -> QuantizedState:
-    """Encode a save between keyframes: a delta from ``reference``, or on its own without.
-
-    With ``checkpoint_id`` it runs on the writer thread over ``snapshot``, a private copy of
-    the state (exact entries then hold the copy's tensors, no second copy); without, it
-    runs in ``save`` over the live state (copies into ``allocate``). ``ref_at`` is the id
-    and step of the reference as they were at ``save`` (in closed loop the main thread
-    moves them on before the writer thread gets here). A closed-loop reference is advanced
-    to this delta's reconstruction before returning. ``live``: exact entries hold the live
-    state's tensors, which the writer copies to the host before the loop goes on.
-    """
-    encode = functools.partial(_encode, snapshot, rules, bits, block, meta, checkpoint_id, allocate, live)
-    if reference is not None:
-        ref_id, ref_step = ref_at if ref_at is not None else (reference.checkpoint_id, reference.step)
-        q = encode(reference=reference.tree, reference_id=ref_id)
-        q.metadata["kind"] = KIND_DELTA if q.reference_id is not None else KIND_STANDALONE
-        if q.reference_id is not None:
-            q.metadata["reference_step"] = ref_step
-            if reference.closed:
-                q.metadata["delta_mode"] = "closed"
-                advance(reference, q)
-    else:
-        q = encode()
-        q.metadata["kind"] = KIND_STANDALONE
-    return q
-
-
-def encode_keyframe(
-    snapshot: Any,
-    rules: Any,
-    bits: int,
-    block: int,
-    meta: dict[str, Any],
-    checkpoint_id: str | None,
-    *,
-    allocate: SnapshotLease | None = None,
-    live: bool = False,
-    reconstruct: dict[str, torch.Tensor] | None = None,
-) -> QuantizedState:
-    """Encode a keyframe with ``rules`` (the keyframe rules: delta-coded tensors exact).
-
-    With ``checkpoint_id`` it runs on the writer thread over ``snapshot``, a private copy
-    (exact entries hold its tensors); without, in ``save`` over the live state (``live``:
-    exact entries hold its tensors, which the writer copies to the host).
-    ``reconstruct``: the snapshot's tensors the next deltas are coded against, overwritten
-    with their reconstruction where the keyframe codes them lossily
-    (:func:`~tw_triton.deltas.keyframe_values`).
-    """
-    q = _encode(snapshot, rules, bits, block, meta, checkpoint_id, allocate, live)
-    q.metadata["kind"] = KIND_KEYFRAME
-    if reconstruct:
-        keyframe_values(q, reconstruct, in_place=True)
-    return q
-
-
-def _encode(
-    snapshot: Any,
-    rules: Any,
-    bits: int,
-    block: int,
-    meta: dict[str, Any],
-    checkpoint_id: str | None,
-    allocate: SnapshotLease | None,
-    live: bool = False,
-    **reference: Any,
-) -> QuantizedState:
-    """:func:`quantize_state_dict` of a save: on the writer thread (``checkpoint_id`` given)
-    over a private snapshot, kept as it is; in ``save`` over the live state, copied, unless
-    ``live`` (the writer copies a device state's exact entries to the host)."""
-    return quantize_state_dict(
-        snapshot,
-        **reference,
-        rules=rules,
-        bits=bits,
-        block=block,
-        metadata=meta,
-        checkpoint_id=checkpoint_id,
-        allocate=allocate,
-        copy=checkpoint_id is None and not live,
-    )
-
-
 def collect_setup_garbage() -> None:
     """One full garbage collection, unless the caller turned the collector off.
 
@@ -495,4 +410,4 @@ def all_on_cpu(tree: Any) -> bool:
     return not any(on_device(t) for t in leaf_tensors(tree))
 
 
-__all__ = ["SavePipeline", "collect_setup_garbage", "encode_delta", "encode_keyframe"]
+__all__ = ["SavePipeline", "collect_setup_garbage"]

@@ -12,11 +12,13 @@ import threading
 import pytest
 import torch
 
+import tw_triton
 from tw_triton import format as fmt
-from tw_triton import quantize_state_dict
-from tw_triton.checkpointer import Checkpointer
+from tw_triton import quantize_state_dict, save_encode, save_pipeline
+from tw_triton.checkpointer import Checkpointer, checkpoint_name
 from tw_triton.errors import CheckpointError, QuantizationError
 from tw_triton.snapshot_pool import MIN_POOLED_BYTES, SnapshotPool
+from tw_triton.tree import flatten
 
 CPU = torch.device("cpu")
 BIG = 1 << 16  # fp32 elements: a 256 KiB tensor, pooled
@@ -552,6 +554,33 @@ def test_the_first_delta_finds_its_buffers_without_prepare(tmp_path):
     ckpt.save(1, model=model, optimizer=opt).result()
     assert ckpt._saves.pool.reused == len(pooled)  # the delta's whole snapshot
     assert ckpt._saves.pool.allocated - allocated <= len(weights)  # the writer's int8 codes
+    ckpt.close()
+
+
+@pytest.mark.parametrize("async_write", [True, False])
+def test_a_keyframe_encoded_in_save_decodes_its_reconstruction_off_the_loop(
+    tmp_path, monkeypatch, async_write
+):
+    """The first keyframe, encoded in ``save()`` for want of pooled memory, leaves the decode
+    of its log2-coded moments (what the chain's deltas are coded against) to the writer
+    thread; the reference then holds exactly what a load of the keyframe gives."""
+    threads: list[str] = []
+    real = save_encode.keyframe_values
+
+    def spy(q, values, *, in_place):
+        threads.append(threading.current_thread().name)
+        return real(q, values, in_place=in_place)
+
+    monkeypatch.setattr(save_encode, "keyframe_values", spy)
+    monkeypatch.setattr(save_pipeline, "keyframe_values", spy)
+    model, opt = make_run()
+    ckpt = Checkpointer(tmp_path, fsync=False, async_write=async_write)  # "smallest": log2 keyframe codes
+    ckpt.save(0, model=model, optimizer=opt).result()
+    assert threads == (["tw_triton-writer"] if async_write else [threading.current_thread().name])
+    ref = flatten(ckpt._pipeline.chain.reference.tree)[0]
+    loaded = flatten(tw_triton.load(tmp_path / checkpoint_name(0)))[0]
+    lossy = [p for p in ref if p.endswith("exp_avg_sq")]
+    assert lossy and all(torch.equal(ref[p], loaded[p]) for p in ref)
     ckpt.close()
 
 

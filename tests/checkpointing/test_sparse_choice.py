@@ -11,6 +11,9 @@ from _kernel_testing import bit_patterns, same_bits
 import tw_triton
 from tw_triton.checkpointer import Checkpointer
 from tw_triton.codecs import bitmask
+from tw_triton.ops.backends import native
+from tw_triton.ops.reference import bitmask as reference_bitmask
+from tw_triton.ops.reference import sparsity_counts_torch
 from tw_triton.codecs.bitmask import SPARSE_MIN_NUMEL, sparse_pays, sparsity_counts
 from tw_triton.state import encode as state_encode
 
@@ -85,14 +88,15 @@ def test_the_threshold() -> None:
     assert sparse_pays(m, m // 10, 2, 2950) and not sparse_pays(m, m // 10, 2, 2949)  # 58986 zeros
 
 
-def counts(x: torch.Tensor) -> tuple[int, int]:
-    return tuple(int(c) for c in sparsity_counts(x))
+def counts(x: torch.Tensor, fn=sparsity_counts) -> tuple[int, int]:
+    return tuple(int(c) for c in fn(x))
 
 
 @pytest.mark.parametrize("chunk", [1 << 22, 1, 2, 3])
 def test_sparsity_counts(monkeypatch, chunk) -> None:
-    """Non-zero elements and runs of zeros, in row-major order, across chunk boundaries."""
-    monkeypatch.setattr(bitmask, "COUNT_CHUNK", chunk)
+    """Non-zero elements and runs of zeros, in row-major order, across chunk boundaries
+    (the torch spec's chunks; the compiled count's threads split at SPLIT_MIN_ELEMENTS)."""
+    monkeypatch.setattr(reference_bitmask, "COUNT_CHUNK", chunk)
     z = torch.tensor
     assert counts(z([0.0, 0.0, 1.0, 0.0, 2.0, 0.0])) == (2, 3)
     assert counts(z([1.0, -0.0, 1.0])) == (3, 0)  # -0.0 is a value
@@ -179,3 +183,30 @@ def test_keyframes_of_a_pruned_model_store_bitmask_and_serve_deltas(tmp_path, as
         # int8 deltas of moved weights; the zeros stay exact zeros.
         assert torch.allclose(got[k], v, atol=1e-2), k
         assert torch.equal(got[k] == 0, v == 0), k
+
+
+@pytest.mark.skipif(not native.enabled(), reason="the compiled CPU codec is not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("split", [False, True])
+def test_compiled_sparsity_counts_match_the_spec(monkeypatch, dtype, split) -> None:
+    """The C count (split over threads at every thread boundary, a run of zeros crossing
+    one included) gives the torch spec's counts."""
+    if split:
+        monkeypatch.setattr(native, "SPLIT_MIN_ELEMENTS", 1)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    gen = torch.Generator().manual_seed(3)
+    for n, zeros in [(1, 0.0), (1, 1.0), (100, 0.5), (1001, 0.9), (4099, 0.1), (333, 1.0)]:
+        if dtype == torch.float64:
+            x = torch.randint(-(1 << 62), 1 << 62, (n,), generator=gen) * (
+                torch.rand(n, generator=gen) >= zeros
+            )
+            x = x.view(torch.float64)
+        else:
+            x = bit_patterns(gen, n, dtype, zeros)
+        got = native.count_sparsity(x)
+        assert got is not None
+        assert tuple(int(c) for c in got) == counts(x, sparsity_counts_torch), (n, zeros)
+    x = torch.zeros(70, dtype=dtype)
+    x[::10] = 1  # runs of nine zeros, some across the 7 threads' boundaries
+    assert tuple(int(c) for c in native.count_sparsity(x)) == counts(x, sparsity_counts_torch) == (7, 7)
+    assert native.count_sparsity(x[::2]) is None and native.count_sparsity(torch.zeros(0)) is None

@@ -8,6 +8,8 @@ is built and the torch path when it is off.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from _native_builds import build_id, native_builds
@@ -18,7 +20,12 @@ from tw_triton import ops
 from tw_triton.codecs import get_codec
 from tw_triton.errors import CheckpointError
 from tw_triton.ops.backends import cpu, native, native_temporal
-from tw_triton.ops.reference import dequantize_log2_temporal_torch, quantize_log2_temporal_torch
+from tw_triton.ops.reference import (
+    dequantize_log2_temporal_torch,
+    log2_temporal_code_errors_torch,
+    quantize_log2_temporal_torch,
+)
+from tw_triton.ops.reference import log2_temporal as reference_log2_temporal
 from tw_triton.ops.reference.log2_temporal import MIN_STEP
 
 needs_native = pytest.mark.skipif(not native.enabled(), reason="compiled codec not built or turned off")
@@ -241,7 +248,7 @@ def test_the_cpu_op_and_the_codec_run_the_c_codec(spies):
     assert ops.backends()[("quantize_log2_temporal", "cpu")].endswith("cpu.quantize_log2_temporal_cpu")
     assert ops.backends()[("dequantize_log2_temporal", "cpu")].endswith("cpu.dequantize_log2_temporal_cpu")
     _round_trip()
-    assert spy.calls == ["tw_log2_temporal_encode", "tw_log2_temporal_decode"]
+    assert spy.calls == ["tw_log2_temporal_encode", "tw_log2_temporal_check", "tw_log2_temporal_decode"]
     assert torch_calls == []
 
 
@@ -317,3 +324,62 @@ def test_the_codec_reports_uncodable_and_corrupt_the_same(monkeypatch, compiled)
         CheckpointError, match="f: corrupt log2-temporal codes: block 1 has bounds lo=3, hi=2"
     ):
         codec.decode(enc.entry, ref, None, "f")
+
+
+def _checked_cases(bits: int, block: int) -> list[tuple[str, tuple[torch.Tensor, ...]]]:
+    """Encoder output, and one corruption of each kind the check refuses."""
+    x, ref = pair(torch.Generator().manual_seed(bits), block * 9 + 5, "plain", 8.0, 0.01)
+    ref[3 * block + 2] = 0.0  # a positive over a zero reference: block 3 goes absolute
+    codes, lo, hi = quantize_log2_temporal_torch(x, ref, bits, block, MIN_STEP)
+    assert lo[0] == 0 and lo[3] >= 1
+    cases = [("encoded", (codes, lo, hi, ref))]
+
+    def case(name: str, **change: Any) -> None:
+        c, lo2, hi2, r = (t.clone() for t in (codes, lo, hi, ref))
+        for what, (i, v) in change.items():
+            {"codes": c, "lo": lo2, "hi": hi2, "ref": r}[what][i] = v
+        cases.append((name, (c, lo2, hi2, r)))
+
+    case("temporal code over a zero reference", ref=(block + 7, 0.0), codes=(block + 7, 1))
+    case("temporal code over a NaN reference", ref=(5 * block, float("nan")), codes=(5 * block, 0))
+    if bits < 8:  # (at 8 bits every byte is a code)
+        case("absolute code past 2**bits - 1", codes=(3 * block + 1, 1 << bits))
+    case("uncodable block with a code", lo=(4, -1), hi=(4, -1), codes=(4 * block + 3, 1))
+    case("lo = 0 in an absolute block", lo=(6, 0), hi=(6, 9))
+    case("lo > hi", lo=(2, 9), hi=(2, 3))
+    case("hi at +inf", lo=(9, 1), hi=(9, 0x7F800000))
+    case("last ragged block", ref=(9 * block + 4, -1.0), codes=(9 * block + 4, 2))
+    return cases
+
+
+@pytest.mark.parametrize("bits", (8, 4, 2))
+@pytest.mark.parametrize("threads", (1, 3))
+def test_the_c_check_refuses_what_the_spec_refuses(build, monkeypatch, bits, threads):
+    """The compiled check before a decode (it writes nothing) passes the encoder's output
+    and refuses each corruption the torch check names; the CPU op then gives the spec's
+    message. Split between threads, a corruption in any range is found."""
+    monkeypatch.setattr(native, "SPLIT_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    block = 64
+    for name, (codes, lo, hi, ref) in _checked_cases(bits, block):
+        want = log2_temporal_code_errors_torch(codes, lo, hi, ref, bits, block)
+        assert (want is None) == (name == "encoded"), name
+        assert native_temporal.check_log2_temporal(codes, lo, hi, ref, bits, block) == (want is None), name
+        assert cpu.log2_temporal_code_errors_cpu(codes, lo, hi, ref, bits, block) == want, name
+
+
+@pytest.mark.parametrize("chunk", (64, 128, 1 << 19))
+def test_the_spec_check_names_the_same_culprit_in_chunks(monkeypatch, chunk):
+    """The torch check works chunk by chunk (bounded temporaries) and names the first bad
+    element wherever the chunks split."""
+    monkeypatch.setattr(reference_log2_temporal, "CHUNK_ELEMENTS", chunk)
+    for name, (codes, lo, hi, ref) in _checked_cases(4, 64):
+        got = log2_temporal_code_errors_torch(codes, lo, hi, ref, 4, 64)
+        if name == "encoded":
+            assert got is None
+        else:
+            assert got is not None and (got.startswith("element ") or got.startswith("block ")), name
+    codes, lo, hi, ref = _checked_cases(4, 64)[1][1]
+    assert log2_temporal_code_errors_torch(codes, lo, hi, ref, 4, 64) == (
+        f"element {64 + 7} has code 1, which no encoder writes there"
+    )

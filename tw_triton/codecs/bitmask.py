@@ -21,7 +21,7 @@ import torch
 from .. import ops
 from ..errors import CheckpointError, QuantizationError
 from ..ops.layout import FLOAT_DTYPES
-from ..ops.reference.bitmask import bit_view, mask_nbytes, nonzero_count
+from ..ops.reference.bitmask import mask_nbytes, nonzero_count
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
 from .base import Codec, Encoded, check_param_names, entry_buffer, host_outputs, move_to, param_error
@@ -53,28 +53,9 @@ def sparse_candidate(x: torch.Tensor) -> bool:
     return x.dtype in FLOAT_DTYPES and x.numel() >= SPARSE_MIN_NUMEL
 
 
-# Elements per step of :func:`sparsity_counts`: its temporaries stay a few MiB (on a GPU
-# too, at save time, where a whole-tensor mask of a large embedding could run out).
-COUNT_CHUNK = 1 << 22
-
-
 def sparsity_counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(nnz, runs)`` of ``x`` in row-major order: the number of elements whose bit
-    pattern is not zero and the number of runs of consecutive zeros, as 0-dim int64 tensors
-    on ``x``'s device (no host sync)."""
-    flat = bit_view(x).reshape(-1)
-    n = flat.numel()
-    nnz = torch.zeros((), dtype=torch.int64, device=x.device)
-    runs = torch.zeros((), dtype=torch.int64, device=x.device)
-    for start in range(0, n, COUNT_CHUNK):
-        stop = min(n, start + COUNT_CHUNK)
-        first = max(start - 1, 0)  # the element before the chunk: does a run start at ``start``?
-        zero = flat[first:stop] == 0
-        nnz += (stop - start) - zero[start - first :].sum()
-        if start == 0:
-            runs += zero[:1].sum()
-        runs += (zero[1:] & ~zero[:-1]).sum()
-    return nnz, runs
+    """``(nnz, runs)`` of ``x``: see :func:`tw_triton.ops.sparsity_counts`."""
+    return ops.sparsity_counts(x)
 
 
 def sparse_pays(numel: int, nnz: int, itemsize: int, runs: int) -> bool:

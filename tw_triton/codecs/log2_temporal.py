@@ -25,7 +25,7 @@ import torch
 from .. import ops
 from ..errors import CheckpointError, QuantizationError, ReferenceMismatchError
 from ..ops.layout import check_params, num_blocks
-from ..ops.reference.log2_temporal import MIN_STEP, temporal_code_errors
+from ..ops.reference.log2_temporal import MIN_STEP
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
 from .base import (
@@ -232,7 +232,7 @@ class Log2TemporalCodec(Codec):
             and dev.type == "cpu"
         )
         ref32 = ref if ref.dtype == torch.float32 else ref.float()
-        why = temporal_code_errors(codes, lo, hi, ref32, bits, block)
+        why = ops.log2_temporal_code_errors(codes, lo, hi, ref32, bits, block)
         if why is not None:
             raise CheckpointError(f"{context}: corrupt {NAME} codes: {why}")
         flat = ops.dequantize_log2_temporal(

@@ -161,3 +161,39 @@ int64_t tw_log2_temporal_decode(const uint8_t *codes, const int32_t *lo, const i
     }
     return nb;
 }
+
+/* The check that precedes a decode (temporal_code_errors in the spec): the number of blocks
+ * of n elements that hold only what an encoder writes: all of them, or the index of the
+ * first that does not (bounds other than 0, 0 / -1, -1 / 1 <= lo <= hi < inf; an absolute
+ * code above 2**bits - 1, an uncodable block's above 0; a temporal code other than the zero
+ * code over a reference pattern that is not positive finite); -1 for bad parameters. It
+ * writes nothing, so a decode in place over the reference starts only from checked codes. */
+int64_t tw_log2_temporal_check(const uint8_t *codes, const int32_t *lo, const int32_t *hi, const float *ref,
+                               int64_t n, int32_t bits, int32_t block) {
+    if (block < 32 || block > TW_MAX_BLOCK || (block & (block - 1)) || (bits != 8 && bits != 4 && bits != 2) ||
+        n < 0)
+        return -1;
+    const uint32_t levels = (1u << bits) - 1u;
+    const int64_t nb = (n + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t s0 = b * block;
+        const int m = (int)(n - s0 < block ? n - s0 : block);
+        const uint8_t *c = codes + s0;
+        if (lo[b] == 0 && hi[b] == 0) {
+            const int32_t *r = (const int32_t *)(ref + s0);
+            uint32_t bad = 0;
+            for (int i = 0; i < m; i++) {
+                const uint32_t rpos = (uint32_t)r[i] - 1u < (uint32_t)(TW_F32_INF_BITS - 1);
+                bad |= (uint32_t)(c[i] != TW_TEMPORAL_ZERO) & (rpos ^ 1u);
+            }
+            if (bad) return b;
+        } else if (lo[b] == -1 && hi[b] == -1) {
+            if (tw_max_code(c, m) > 0u) return b;
+        } else if (1 <= lo[b] && lo[b] <= hi[b] && hi[b] < TW_F32_INF_BITS) {
+            if (tw_max_code(c, m) > levels) return b;
+        } else {
+            return b;
+        }
+    }
+    return nb;
+}

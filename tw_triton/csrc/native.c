@@ -5,3 +5,4 @@
 #include "log2.c"
 #include "log2_temporal.c"
 #include "planes.c"
+#include "sparsity.c"

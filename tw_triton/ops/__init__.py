@@ -2,7 +2,9 @@
 
 Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2`,
-:func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`;
+:func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
+(whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
+reads :func:`sparsity_counts`;
 five serve a save of many device tensors with a fixed number of launches:
 :func:`quantize_blockwise_many`, :func:`quantize_log2_many`, :func:`fingerprints`,
 :func:`copy_many` and :func:`dequantize_blockwise_many` (the closed-loop advance); two more
@@ -273,6 +275,23 @@ def dequantize_log2_temporal(
     )
 
 
+def log2_temporal_code_errors(
+    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
+) -> str | None:
+    """Check temporal codes before a decode writes anything: ``None`` when they hold only
+    what an encoder writes, else what is wrong (the first bad block or element). A decode
+    in place over ``reference`` must not start from codes that fail this."""
+    return lookup("log2_temporal_code_errors", codes.device.type)(codes, lo, hi, reference, bits, block)
+
+
+def sparsity_counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(nnz, runs)`` of ``x`` (any dtype of 2, 4 or 8 bytes, any strides) in row-major
+    order: the elements whose bit pattern is not zero and the runs of consecutive zero
+    patterns, as 0-dim int64 tensors on ``x``'s device, without a host sync (what the
+    bitmask codec's choice reads; docs/codecs.md, "The sparse codec")."""
+    return lookup("sparsity_counts", x.device.type)(x)
+
+
 __all__ = [
     "OPS",
     "backends",
@@ -284,6 +303,7 @@ __all__ = [
     "dequantize_log2",
     "fingerprints",
     "dequantize_log2_temporal",
+    "log2_temporal_code_errors",
     "lookup",
     "quantize_blockwise",
     "quantize_blockwise_many",
@@ -291,5 +311,6 @@ __all__ = [
     "quantize_log2_many",
     "quantize_log2_temporal",
     "register",
+    "sparsity_counts",
     "using",
 ]

@@ -30,6 +30,8 @@ OPS = (
     "bitmask_decode",
     "quantize_log2_temporal",
     "dequantize_log2_temporal",
+    "log2_temporal_code_errors",
+    "sparsity_counts",
 )
 
 _REFERENCE: dict[str, Callable] = {}

@@ -14,14 +14,16 @@ from ..reference import (
     dequantize_blockwise_torch,
     dequantize_log2_temporal_torch,
     dequantize_log2_torch,
+    log2_temporal_code_errors_torch,
     quantize_blockwise_torch,
     quantize_log2_temporal_torch,
     quantize_log2_torch,
+    sparsity_counts_torch,
 )
 from ..reference.buffers import decode_output, encode_outputs
 from ..reference.log2_temporal import temporal_buffers
-from .native import decode_blockwise, decode_log2, encode_blockwise, encode_log2, range_slices
-from .native_temporal import decode_log2_temporal, encode_log2_temporal
+from .native import count_sparsity, decode_blockwise, decode_log2, encode_blockwise, encode_log2, range_slices
+from .native_temporal import check_log2_temporal, decode_log2_temporal, encode_log2_temporal
 
 DEVICE_TYPE = "cpu"
 
@@ -182,6 +184,24 @@ def dequantize_log2_temporal_cpu(
     return out
 
 
+def log2_temporal_code_errors_cpu(
+    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
+) -> str | None:
+    """The check in C where it takes the tensors; the message (and any tensors it does not
+    take) from :func:`~tw_triton.ops.reference.log2_temporal_code_errors_torch`."""
+    ref = reference.reshape(-1) if reference.is_contiguous() else reference
+    if check_log2_temporal(codes, lo, hi, ref, bits, block):
+        return None
+    return log2_temporal_code_errors_torch(codes, lo, hi, reference, bits, block)
+
+
+def sparsity_counts_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The counts in C where it takes ``x``, else
+    :func:`~tw_triton.ops.reference.sparsity_counts_torch`."""
+    counts = count_sparsity(x)
+    return sparsity_counts_torch(x) if counts is None else counts
+
+
 # The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
 BACKEND = {
     "quantize_blockwise": quantize_blockwise_cpu,
@@ -190,6 +210,8 @@ BACKEND = {
     "dequantize_log2": dequantize_log2_cpu,
     "quantize_log2_temporal": quantize_log2_temporal_cpu,
     "dequantize_log2_temporal": dequantize_log2_temporal_cpu,
+    "log2_temporal_code_errors": log2_temporal_code_errors_cpu,
+    "sparsity_counts": sparsity_counts_cpu,
 }
 
 
@@ -198,6 +220,8 @@ __all__ = [
     "DEVICE_TYPE",
     "dequantize_blockwise_cpu",
     "dequantize_log2_cpu",
+    "log2_temporal_code_errors_cpu",
+    "sparsity_counts_cpu",
     "dequantize_log2_temporal_cpu",
     "quantize_blockwise_cpu",
     "quantize_log2_cpu",

@@ -53,6 +53,10 @@ _SIGNATURES = {
     "tw_log2_temporal_encode": [_P, _P, _I64, _I32, _I32, _I64, _P, _P, _P],
     # codes, lo, hi, ref, n, bits, block, min_step, out
     "tw_log2_temporal_decode": [_P, _P, _P, _P, _I64, _I32, _I32, _I64, _P],
+    # codes, lo, hi, ref, n, bits, block
+    "tw_log2_temporal_check": [_P, _P, _P, _P, _I64, _I32, _I32],
+    # x, n, itemsize, prev_zero, nnz, runs
+    "tw_sparsity_counts": [_P, _I64, _I32, _I32, _P, _P],
     # planes (width pointers), width, count, out
     "tw_planes_merge": [_P, _I32, _I64, _P],
 }
@@ -352,6 +356,31 @@ def decode_log2(
     return decode_ranges(one, numel, bits, block, "log2")
 
 
+def count_sparsity(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(nnz, runs)`` of a contiguous CPU tensor as
+    :func:`~tw_triton.ops.reference.sparsity_counts_torch` gives them, split over threads
+    for a large one; ``None`` if the C code does not take ``x``."""
+    n, size = x.numel(), x.element_size()
+    if not (x.device.type == "cpu" and x.is_contiguous() and size in (2, 4, 8) and n > 0 and enabled()):
+        return None
+    lib, base = library(), x.data_ptr()
+    bits = x.view(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+
+    def one(r: tuple[int, int]) -> tuple[int, int]:
+        nnz, runs = ctypes.c_int64(), ctypes.c_int64()
+        prev_zero = r[0] > 0 and int(bits[r[0] - 1]) == 0
+        got = lib.tw_sparsity_counts(
+            base + r[0] * size, r[1] - r[0], size, int(prev_zero), ctypes.byref(nnz), ctypes.byref(runs)
+        )
+        if got < 0:
+            raise TwTritonError(f"the compiled sparsity count refused {n} elements of {size} bytes")
+        return nnz.value, runs.value
+
+    ranges = block_ranges(n, 1)
+    counts = [one(ranges[0])] if len(ranges) == 1 else parallel_map(one, ranges, threads=len(ranges))
+    return tuple(torch.tensor(sum(c[k] for c in counts), dtype=torch.int64) for k in (0, 1))  # type: ignore[return-value]
+
+
 def _byte_array(a: np.ndarray, count: int, writable: bool) -> bool:
     """A contiguous 1-D ``uint8`` array of ``count`` bytes (writable if asked): the C code
     reads or writes exactly that much."""
@@ -388,6 +417,7 @@ def merge_planes(planes: Sequence[np.ndarray], out: np.ndarray) -> bool:
 
 __all__ = [
     "ENV_NATIVE",
+    "count_sparsity",
     "SPLIT_MIN_ELEMENTS",
     "enabled",
     "encode_blockwise",

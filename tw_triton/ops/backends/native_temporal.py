@@ -78,6 +78,29 @@ def encode_log2_temporal(
     return True
 
 
+def check_log2_temporal(
+    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
+) -> bool:
+    """``True`` when the C check takes these tensors and finds only what an encoder writes
+    (:func:`~tw_triton.ops.reference.log2_temporal_code_errors_torch`); ``False`` when it
+    finds something else or does not take them (the torch check then says what)."""
+    numel = codes.numel()
+    if not _takes(reference, codes, lo, hi, numel, block, 1):
+        return False
+    lib = library()
+    codes_ptr, lo_ptr, hi_ptr, ref_ptr = (t.data_ptr() for t in (codes, lo, hi, reference))
+
+    def one(r: tuple[int, int]) -> int:
+        s, b = r[0], 4 * (r[0] // block)
+        nb = -(-(r[1] - s) // block)
+        done = lib.tw_log2_temporal_check(
+            codes_ptr + s, lo_ptr + b, hi_ptr + b, ref_ptr + 4 * s, r[1] - s, bits, block
+        )
+        return int(done == nb)
+
+    return min(run_ranges(one, block_ranges(numel, block))) == 1
+
+
 def decode_log2_temporal(
     codes: torch.Tensor,
     lo: torch.Tensor,
@@ -121,4 +144,4 @@ def decode_log2_temporal(
     return decode_ranges(one, numel, bits, block, "log2-temporal")
 
 
-__all__ = ["MAX_MIN_STEP", "decode_log2_temporal", "encode_log2_temporal"]
+__all__ = ["MAX_MIN_STEP", "check_log2_temporal", "decode_log2_temporal", "encode_log2_temporal"]

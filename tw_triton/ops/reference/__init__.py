@@ -7,7 +7,7 @@ and values by the tests. The codecs' rules are stated in docs/codecs.md.
 
 from __future__ import annotations
 
-from .bitmask import bitmask_decode_torch, bitmask_encode_torch, nonzero_count
+from .bitmask import bitmask_decode_torch, bitmask_encode_torch, nonzero_count, sparsity_counts_torch
 from .blockwise_decode import crumb_table, dequantize_blockwise_torch, signed_codes
 from .blockwise_encode import nearest_integer_at_ties, pack_codes, quantize_blockwise_torch
 from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, scratch_buffers
@@ -21,7 +21,11 @@ from .grouped import (
     quantize_log2_many_torch,
 )
 from .log2 import dequantize_log2_torch, levels, quantize_log2_torch
-from .log2_temporal import dequantize_log2_temporal_torch, quantize_log2_temporal_torch
+from .log2_temporal import (
+    dequantize_log2_temporal_torch,
+    log2_temporal_code_errors_torch,
+    quantize_log2_temporal_torch,
+)
 
 # The ops this backend implements (registered by tw_triton.ops as the default of every device).
 REFERENCE = {
@@ -38,6 +42,8 @@ REFERENCE = {
     "bitmask_decode": bitmask_decode_torch,
     "quantize_log2_temporal": quantize_log2_temporal_torch,
     "dequantize_log2_temporal": dequantize_log2_temporal_torch,
+    "log2_temporal_code_errors": log2_temporal_code_errors_torch,
+    "sparsity_counts": sparsity_counts_torch,
 }
 
 __all__ = [
@@ -56,6 +62,7 @@ __all__ = [
     "fingerprint_torch",
     "fingerprints_torch",
     "levels",
+    "log2_temporal_code_errors_torch",
     "nonzero_count",
     "nearest_integer_at_ties",
     "pack_codes",
@@ -68,4 +75,5 @@ __all__ = [
     "scratch",
     "scratch_buffers",
     "signed_codes",
+    "sparsity_counts_torch",
 ]

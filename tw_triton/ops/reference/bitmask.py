@@ -33,6 +33,30 @@ def mask_nbytes(numel: int) -> int:
     return (numel + 7) // 8
 
 
+# Elements per step of :func:`sparsity_counts_torch`: its temporaries stay a few MiB (on a
+# GPU too, at save time, where a whole-tensor mask of a large embedding could run out).
+COUNT_CHUNK = 1 << 22
+
+
+def sparsity_counts_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(nnz, runs)`` of ``x`` in row-major order: the number of elements whose bit
+    pattern is not zero and the number of runs of consecutive zeros, as 0-dim int64 tensors
+    on ``x``'s device (no host sync)."""
+    flat = bit_view(x).reshape(-1)
+    n = flat.numel()
+    nnz = torch.zeros((), dtype=torch.int64, device=x.device)
+    runs = torch.zeros((), dtype=torch.int64, device=x.device)
+    for start in range(0, n, COUNT_CHUNK):
+        stop = min(n, start + COUNT_CHUNK)
+        first = max(start - 1, 0)  # the element before the chunk: does a run start at ``start``?
+        zero = flat[first:stop] == 0
+        nnz += (stop - start) - zero[start - first :].sum()
+        if start == 0:
+            runs += zero[:1].sum()
+        runs += (zero[1:] & ~zero[:-1]).sum()
+    return nnz, runs
+
+
 def nonzero_count(x: torch.Tensor) -> torch.Tensor:
     """The number of elements of ``x`` whose bit pattern is not zero: a 0-dim int64 tensor
     on ``x``'s device (one reduction, no host sync)."""

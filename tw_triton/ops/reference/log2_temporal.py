@@ -183,29 +183,42 @@ def dequantize_log2_temporal_torch(
     return out
 
 
-def temporal_code_errors(
+def log2_temporal_code_errors_torch(
     codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
 ) -> str | None:
     """What no encoder writes (``None`` if nothing): bounds other than ``0, 0``,
     ``-1, -1`` (an uncodable block, all codes 0; it decodes to zeros, as in ``log2``, and a
     file never holds one: such a tensor is stored exact) or ``1 <= lo <= hi < +inf``; an
     absolute code above ``2**bits - 1``; a temporal code other than ``-128`` over a
-    reference value that is not positive finite."""
+    reference value that is not positive finite. Chunk by chunk, so its temporaries stay a
+    few MiB whatever the tensor's size."""
     temporal = (lo == 0) & (hi == 0)
     uncodable = (lo == -1) & (hi == -1)
     bounds_ok = temporal | uncodable | ((lo >= 1) & (lo <= hi) & (hi < F32_INF_BITS))
-    n = codes.numel()
-    pad = num_blocks(n, block) * block - n
-    c = torch.nn.functional.pad(codes.to(torch.int32), (0, pad), value=0x80).view(-1, block)
-    r = torch.nn.functional.pad(reference.reshape(-1).float(), (0, pad)).view(torch.int32).view(-1, block)
-    rpos = (r > 0) & (r < F32_INF_BITS)
-    limit = torch.where(uncodable, 0, (1 << bits) - 1).unsqueeze(1)
-    bad = torch.where(temporal.unsqueeze(1), (c != 0x80) & ~rpos, c > limit).view(-1)[:n]
-    # One read back to the host when all is well; the culprit is located only on failure.
-    if bool(bounds_ok.all() & ~bad.any()):
-        return None
     if not bool(bounds_ok.all()):
         b = int((~bounds_ok).nonzero()[0, 0])
         return f"block {b} has bounds lo={int(lo[b])}, hi={int(hi[b])}"
-    i = int(bad.nonzero()[0, 0])
+    n = codes.numel()
+    flat_ref = reference.reshape(-1)
+    limit = torch.where(uncodable, 0, (1 << bits) - 1)
+
+    def wrong(start: int, m: int) -> torch.Tensor:
+        # Elements [start, start + m) (start a whole number of blocks) holding a bad code.
+        blk = slice(start // block, start // block + num_blocks(m, block))
+        padded = num_blocks(m, block) * block
+        c = torch.nn.functional.pad(codes[start : start + m].to(torch.int32), (0, padded - m), value=0x80)
+        r = torch.nn.functional.pad(flat_ref[start : start + m].float(), (0, padded - m)).view(torch.int32)
+        c, r = c.view(-1, block), r.view(-1, block)
+        rpos = (r > 0) & (r < F32_INF_BITS)
+        out = torch.where(temporal[blk].unsqueeze(1), (c != 0x80) & ~rpos, c > limit[blk].unsqueeze(1))
+        return out.view(-1)[:m]
+
+    chunk = chunk_elements(block, CHUNK_ELEMENTS)
+    starts = range(0, n, chunk)
+    flags = [wrong(s, min(chunk, n - s)).any() for s in starts]
+    # One read back to the host when all is well; the culprit is located only on failure.
+    if not flags or not bool(torch.stack(flags).any()):
+        return None
+    first = next(s for s, f in zip(starts, flags) if bool(f))
+    i = first + int(wrong(first, min(chunk, n - first)).nonzero()[0, 0])
     return f"element {i} has code {int(codes[i])}, which no encoder writes there"

@@ -31,57 +31,22 @@ from typing import Any
 
 import torch
 
+from . import ops
 from .ops.layout import qmax_for
+from .ops.reference.delta_statistics import BLOCK_LEVELS, ELEMENT_LEVELS
+from .parallel import parallel_map
 from .state.fingerprints import read_device_scalars
 
 # Candidate bits above a rule's own, in order.
 WIDER_BITS = (4, 8)
-_BLOCK_LEVELS, _ELEMENT_LEVELS, _GROUP = 4096.0, 256.0, 256
-_CHUNK = 1 << 28
 
 
 def _as_float(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
-def _square_sum(q: torch.Tensor, group: int) -> torch.Tensor:
-    """``sum(q**2)`` of integers held in fp32 whose squares, summed ``group`` at a time, stay
-    below ``2**24``: those fp32 partial sums are exact in any order, and so are float64 sums of
-    at most ``2**28`` of them; returned as an int64 0-dim tensor."""
-    pad = (-q.numel()) % group
-    q = torch.nn.functional.pad(q, (0, pad)) if pad else q
-    partial = q.square_().view(-1, group).sum(dim=1)
-    parts = [c.sum(dtype=torch.float64).to(torch.int64) for c in partial.split(_CHUNK)]
-    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-
-
-def _levels(v: torch.Tensor, top: torch.Tensor, scale: float) -> torch.Tensor:
-    """``floor(v * (scale / top))``: one correctly rounded quotient, then fp32 products, which
-    are exact IEEE operations on every device; in place."""
-    return v.mul_(scale / top.clamp_min(torch.finfo(torch.float32).tiny)).floor_()
-
-
-def statistics(x: torch.Tensor, ref: torch.Tensor | None, block: int) -> list[torch.Tensor]:
-    """The four exact 0-dim int64 device scalars of ``x`` (delta from ``ref``) that
-    :func:`error_bound` takes: the fp32 bits of ``A`` and ``B``, and the two integer sums."""
-    xf = x.detach().reshape(-1).float()
-    d = xf.abs() if ref is None else torch.sub(xf, ref.detach().reshape(-1).float()).abs_()
-    pad = (-d.numel()) % block
-    if pad:
-        d = torch.nn.functional.pad(d, (0, pad))
-    s = d.view(-1, block).amax(dim=1)
-    del d
-    a = s.amax()
-    xa = xf.abs()
-    b = xa.amax()
-    # Block maxima at 12 bits, one at a time (4096**2 < 2**24); elements at 8 bits, 256 at a time.
-    qs = _square_sum(_levels(s, a, _BLOCK_LEVELS), 1)
-    qx = _square_sum(_levels(xa, b, _ELEMENT_LEVELS), _GROUP)
-    return [a.view(torch.int32).long(), b.view(torch.int32).long(), qs, qx]
-
-
 def error_bound(values: Sequence[int], block: int, bits: int) -> float:
-    """The bound ``e(bits)`` (module doc) from :func:`statistics` read as ints: ``0`` for
+    """The bound ``e(bits)`` (module doc) from :func:`tw_triton.ops.delta_statistics` read as ints: ``0`` for
     a zero delta, ``inf`` for a zero or non-finite tensor with a non-zero delta."""
     a, b = _as_float(values[0]), _as_float(values[1])
     if not (math.isfinite(a) and math.isfinite(b)):
@@ -90,8 +55,8 @@ def error_bound(values: Sequence[int], block: int, bits: int) -> float:
         return 0.0
     if b == 0.0 or values[3] == 0:
         return math.inf
-    delta_norm = a / _BLOCK_LEVELS * math.sqrt(block * values[2])
-    return delta_norm / (2 * qmax_for(bits) * b / _ELEMENT_LEVELS * math.sqrt(values[3]))
+    delta_norm = a / BLOCK_LEVELS * math.sqrt(block * values[2])
+    return delta_norm / (2 * qmax_for(bits) * b / ELEMENT_LEVELS * math.sqrt(values[3]))
 
 
 def choose(values: Sequence[int], block: int, bits: int, max_error: float) -> int:
@@ -110,7 +75,17 @@ def adapt(jobs: list[tuple[torch.Tensor, Any, Any, torch.Tensor | None]]) -> lis
     todo = [i for i, (x, rule, _, _) in enumerate(jobs) if rule.max_error is not None and x.numel()]
     if not todo:
         return jobs
-    scalars = [s for i in todo for s in statistics(jobs[i][0], jobs[i][3], jobs[i][1].params["block"])]
+
+    def stats(i: int) -> list[torch.Tensor]:
+        return ops.delta_statistics(jobs[i][0], jobs[i][3], jobs[i][1].params["block"])
+
+    # On the host the tensors' statistics are computed on worker threads, as encodes are;
+    # on a device they are kernels queued in order.
+    on_host = all(jobs[i][0].device.type == "cpu" for i in todo)
+    per_job = parallel_map(
+        stats, todo, sizes=[jobs[i][0].nbytes for i in todo], threads=None if on_host else 1
+    )
+    scalars = [s for got in per_job for s in got]
     values = read_device_scalars(scalars)
     out = list(jobs)
     for k, i in enumerate(todo):

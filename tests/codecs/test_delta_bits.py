@@ -11,14 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tw_triton
-from tw_triton import delta_bits
+from tw_triton import delta_bits, ops
 from tw_triton.errors import QuantizationError
+from tw_triton.ops.backends import native
+from tw_triton.ops.reference import delta_statistics_torch
 from tw_triton.rules import DELTA_MAX_ERROR, resolve_rules, rules_as_specs
 from tw_triton.state.fingerprints import read_device_scalars
 
 
 def bound(x, ref, bits=2, block=128):
-    return delta_bits.error_bound(read_device_scalars(delta_bits.statistics(x, ref, block)), block, bits)
+    return delta_bits.error_bound(read_device_scalars(ops.delta_statistics(x, ref, block)), block, bits)
 
 
 def two_bit_error(x, ref):
@@ -64,7 +66,7 @@ def test_choice_is_the_fewest_bits_within_the_bound():
     assert delta_bits.error_bound(values, 128, 2) == 0.0
     ref = torch.zeros(4096)
     x = torch.ones(4096)  # no reference: the delta is the tensor, e(2) = 0.5
-    stats = read_device_scalars(delta_bits.statistics(x, ref, 128))
+    stats = read_device_scalars(ops.delta_statistics(x, ref, 128))
     assert delta_bits.error_bound(stats, 128, 2) == pytest.approx(0.5)
     assert delta_bits.choose(stats, 128, 2, 0.5) == 2 and delta_bits.choose(stats, 128, 2, 0.4) == 4
     assert delta_bits.choose(stats, 128, 2, 0.5 / 7 - 1e-9) == 8
@@ -106,12 +108,12 @@ def test_statistics_are_exact_integers_whatever_the_summation_order(seed, n, sca
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = read_device_scalars(delta_bits.statistics(x, ref, 128))
+        one = read_device_scalars(delta_statistics_torch(x, ref, 128))
         torch.set_num_threads(2)
-        two = read_device_scalars(delta_bits.statistics(x, ref, 128))
+        two = read_device_scalars(delta_statistics_torch(x, ref, 128))
     finally:
         torch.set_num_threads(before)
-    assert one == two
+    assert one == two == read_device_scalars(ops.delta_statistics(x, ref, 128))
     b = x.abs().amax()
     levels = (
         x.abs().mul(256.0 / b.clamp_min(torch.finfo(torch.float32).tiny)).floor().to(torch.int64).tolist()
@@ -121,3 +123,59 @@ def test_statistics_are_exact_integers_whatever_the_summation_order(seed, n, sca
     a = d.amax()
     blocks = d.mul(4096.0 / a.clamp_min(torch.finfo(torch.float32).tiny)).floor().to(torch.int64).tolist()
     assert one[2] == sum(v * v for v in blocks)
+
+
+SPECIALS = [
+    0.0,
+    -0.0,
+    1e-45,
+    1e-40,
+    1.17549435e-38,
+    3.4e38,
+    -3.4e38,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+]
+
+
+@pytest.mark.skipif(not native.enabled(), reason="the compiled CPU codec is not built")
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 5000),
+    block=st.sampled_from([1, 32, 128, 4096]),
+    scale=st.sampled_from([1e-42, 1e-38, 1e-6, 1.0, 1e30]),
+    dtypes=st.sampled_from(
+        [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, None)]
+    ),
+    specials=st.floats(0.0, 0.05),
+)
+def test_the_compiled_statistics_are_the_specs(seed, n, block, scale, dtypes, specials):
+    """The C statistics give the torch spec's four integers, or leave the tensor to it
+    (non-finite values or differences, a maximum whose reciprocal overflows)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * scale
+    pick = torch.rand(n, generator=g) < specials
+    x[pick] = torch.tensor(SPECIALS)[torch.randint(0, len(SPECIALS), (int(pick.sum()),), generator=g)]
+    ref = x + torch.randn(n, generator=g) * scale * 0.01
+    x, ref = x.to(dtypes[0]), None if dtypes[1] is None else ref.to(dtypes[1])
+    got = native.delta_statistics_native(x, ref, block)
+    want = read_device_scalars(delta_statistics_torch(x, ref, block))
+    finite = bool(torch.isfinite(x.float()).all()) and (
+        ref is None or bool(torch.isfinite(x.float() - ref).all())
+    )
+    tiny = min(abs(delta_bits_as_float(v)) for v in want[:2]) < 1e-37
+    if got is None:
+        assert not finite or tiny
+    else:
+        assert got == want
+    if finite and not tiny:
+        assert got is not None  # the common case runs in C
+    assert read_device_scalars(ops.delta_statistics(x, ref, block))[:2] == want[:2]
+
+
+def delta_bits_as_float(bits: int) -> float:
+    import struct
+
+    return struct.unpack("<f", struct.pack("<i", bits))[0]

@@ -6,3 +6,4 @@
 #include "log2_temporal.c"
 #include "planes.c"
 #include "sparsity.c"
+#include "delta_statistics.c"

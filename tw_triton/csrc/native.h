@@ -104,6 +104,8 @@ int64_t tw_log2_temporal_encode(const float *x, const float *ref, int64_t n, int
                                 int64_t min_step, uint8_t *codes, int32_t *lo_out, int32_t *hi_out);
 int64_t tw_log2_temporal_decode(const uint8_t *codes, const int32_t *lo, const int32_t *hi, const float *ref,
                                 int64_t n, int32_t bits, int32_t block, int64_t min_step, float *out);
+int64_t tw_delta_statistics(const void *x, int x_dtype, const void *ref, int ref_dtype, int64_t n, int32_t block,
+                            float *s, int64_t *out);
 int64_t tw_sparsity_counts(const void *x, int64_t n, int32_t itemsize, int32_t prev_zero, int64_t *nnz_out,
                            int64_t *runs_out);
 int64_t tw_log2_temporal_check(const uint8_t *codes, const int32_t *lo, const int32_t *hi, const float *ref,

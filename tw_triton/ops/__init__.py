@@ -4,7 +4,7 @@ Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2`,
 :func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
 (whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
-reads :func:`sparsity_counts`;
+reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`;
 five serve a save of many device tensors with a fixed number of launches:
 :func:`quantize_blockwise_many`, :func:`quantize_log2_many`, :func:`fingerprints`,
 :func:`copy_many` and :func:`dequantize_blockwise_many` (the closed-loop advance); two more
@@ -284,6 +284,14 @@ def log2_temporal_code_errors(
     return lookup("log2_temporal_code_errors", codes.device.type)(codes, lo, hi, reference, bits, block)
 
 
+def delta_statistics(x: torch.Tensor, reference: torch.Tensor | None, block: int) -> list[torch.Tensor]:
+    """The four exact int64 0-dim scalars on ``x``'s device from which
+    :mod:`tw_triton.delta_bits` bounds the error of coding ``x`` (minus ``reference``) at
+    each width: the fp32 bits of the largest block maximum of ``|x - reference|`` and of
+    the largest ``|x|``, and two integer sums of squared levels. No host sync."""
+    return lookup("delta_statistics", x.device.type)(x, reference, block)
+
+
 def sparsity_counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(nnz, runs)`` of ``x`` (any dtype of 2, 4 or 8 bytes, any strides) in row-major
     order: the elements whose bit pattern is not zero and the runs of consecutive zero
@@ -298,6 +306,7 @@ __all__ = [
     "bitmask_decode",
     "bitmask_encode",
     "copy_many",
+    "delta_statistics",
     "dequantize_blockwise",
     "dequantize_blockwise_many",
     "dequantize_log2",

@@ -32,6 +32,7 @@ OPS = (
     "dequantize_log2_temporal",
     "log2_temporal_code_errors",
     "sparsity_counts",
+    "delta_statistics",
 )
 
 _REFERENCE: dict[str, Callable] = {}

@@ -11,6 +11,7 @@ import torch
 
 from ..layout import blockwise_buffers, check_qmax, log2_buffers
 from ..reference import (
+    delta_statistics_torch,
     dequantize_blockwise_torch,
     dequantize_log2_temporal_torch,
     dequantize_log2_torch,
@@ -22,7 +23,15 @@ from ..reference import (
 )
 from ..reference.buffers import decode_output, encode_outputs
 from ..reference.log2_temporal import temporal_buffers
-from .native import count_sparsity, decode_blockwise, decode_log2, encode_blockwise, encode_log2, range_slices
+from .native import (
+    count_sparsity,
+    decode_blockwise,
+    decode_log2,
+    delta_statistics_native,
+    encode_blockwise,
+    encode_log2,
+    range_slices,
+)
 from .native_temporal import check_log2_temporal, decode_log2_temporal, encode_log2_temporal
 
 DEVICE_TYPE = "cpu"
@@ -202,6 +211,15 @@ def sparsity_counts_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sparsity_counts_torch(x) if counts is None else counts
 
 
+def delta_statistics_cpu(x: torch.Tensor, reference: torch.Tensor | None, block: int) -> list[torch.Tensor]:
+    """The statistics in C where it takes the tensors and their values stay finite, else
+    :func:`~tw_triton.ops.reference.delta_statistics_torch`."""
+    got = delta_statistics_native(x, reference, block)
+    if got is None:
+        return delta_statistics_torch(x, reference, block)
+    return [torch.tensor(v, dtype=torch.int64) for v in got]
+
+
 # The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
 BACKEND = {
     "quantize_blockwise": quantize_blockwise_cpu,
@@ -212,12 +230,14 @@ BACKEND = {
     "dequantize_log2_temporal": dequantize_log2_temporal_cpu,
     "log2_temporal_code_errors": log2_temporal_code_errors_cpu,
     "sparsity_counts": sparsity_counts_cpu,
+    "delta_statistics": delta_statistics_cpu,
 }
 
 
 __all__ = [
     "BACKEND",
     "DEVICE_TYPE",
+    "delta_statistics_cpu",
     "dequantize_blockwise_cpu",
     "dequantize_log2_cpu",
     "log2_temporal_code_errors_cpu",

@@ -55,6 +55,8 @@ _SIGNATURES = {
     "tw_log2_temporal_decode": [_P, _P, _P, _P, _I64, _I32, _I32, _I64, _P],
     # codes, lo, hi, ref, n, bits, block
     "tw_log2_temporal_check": [_P, _P, _P, _P, _I64, _I32, _I32],
+    # x, x_dtype, ref, ref_dtype, n, block, s (per block), out (4)
+    "tw_delta_statistics": [_P, _I32, _P, _I32, _I64, _I32, _P, _P],
     # x, n, itemsize, prev_zero, nnz, runs
     "tw_sparsity_counts": [_P, _I64, _I32, _I32, _P, _P],
     # planes (width pointers), width, count, out
@@ -356,6 +358,37 @@ def decode_log2(
     return decode_ranges(one, numel, bits, block, "log2")
 
 
+def delta_statistics_native(x: torch.Tensor, reference: torch.Tensor | None, block: int) -> list[int] | None:
+    """The four statistics of :func:`~tw_triton.ops.reference.delta_statistics_torch` as
+    ints, computed in C; ``None`` where it does not take the tensors or leaves them to the
+    spec (a value or difference that is not finite)."""
+    n = x.numel()
+    if not (
+        _takes(x)
+        and _takes(reference)
+        and (reference is None or reference.numel() == n)
+        and n > 0
+        and 1 <= block <= 4096
+        and enabled()
+    ):
+        return None
+    per_block = torch.empty(-(-n // block), dtype=torch.float32)
+    out = torch.zeros(4, dtype=torch.int64)
+    got = library().tw_delta_statistics(
+        x.data_ptr(),
+        _DTYPE_CODES[x.dtype],
+        _ptr(reference),
+        _DTYPE_CODES[reference.dtype] if reference is not None else 0,
+        n,
+        block,
+        per_block.data_ptr(),
+        out.data_ptr(),
+    )
+    if got < 0:
+        raise TwTritonError(f"the compiled delta statistics refused block={block}")
+    return None if got else out.tolist()
+
+
 def count_sparsity(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(nnz, runs)`` of a contiguous CPU tensor as
     :func:`~tw_triton.ops.reference.sparsity_counts_torch` gives them, split over threads
@@ -418,6 +451,7 @@ def merge_planes(planes: Sequence[np.ndarray], out: np.ndarray) -> bool:
 __all__ = [
     "ENV_NATIVE",
     "count_sparsity",
+    "delta_statistics_native",
     "SPLIT_MIN_ELEMENTS",
     "enabled",
     "encode_blockwise",

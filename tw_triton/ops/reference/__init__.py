@@ -11,6 +11,7 @@ from .bitmask import bitmask_decode_torch, bitmask_encode_torch, nonzero_count, 
 from .blockwise_decode import crumb_table, dequantize_blockwise_torch, signed_codes
 from .blockwise_encode import nearest_integer_at_ties, pack_codes, quantize_blockwise_torch
 from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, scratch_buffers
+from .delta_statistics import delta_statistics_torch
 from .grouped import (
     FINGERPRINT_SAMPLES,
     copy_many_torch,
@@ -44,6 +45,7 @@ REFERENCE = {
     "dequantize_log2_temporal": dequantize_log2_temporal_torch,
     "log2_temporal_code_errors": log2_temporal_code_errors_torch,
     "sparsity_counts": sparsity_counts_torch,
+    "delta_statistics": delta_statistics_torch,
 }
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "bitmask_encode_torch",
     "copy_flat_range",
     "crumb_table",
+    "delta_statistics_torch",
     "dequantize_blockwise_many_torch",
     "dequantize_blockwise_torch",
     "dequantize_log2_temporal_torch",

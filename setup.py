@@ -21,7 +21,16 @@ else:
 SOURCES = ["tw_triton/csrc/native.c"]
 DEPENDS = [
     f"tw_triton/csrc/{name}"
-    for name in ("native.h", "module.c", "blockwise.c", "log2.c", "log2_temporal.c", "planes.c", "sparsity.c", "delta_statistics.c")
+    for name in (
+        "native.h",
+        "module.c",
+        "blockwise.c",
+        "log2.c",
+        "log2_temporal.c",
+        "planes.c",
+        "sparsity.c",
+        "delta_statistics.c",
+    )
 ]
 
 extensions = [

@@ -126,6 +126,20 @@ def test_a_delta_partner_is_decoded_against_the_encoders_reference():
     assert_within_bound(m, out["exp_avg"], out["exp_avg_sq"], 3, 128, 1e-8)
 
 
+def test_a_file_with_a_delta_partner_loads_against_a_reference_file(tmp_path):
+    """The load that reads the reference file on a thread while it decodes the entries
+    that need none: the dependent entry waits for its delta partner."""
+    m, v = moments(4096, 9)
+    ref = state_of(torch.zeros_like(m), v * 0.97)
+    tw_triton.save(tw_triton.quantize_state_dict(ref, rules="exact"), tmp_path / "ref.tw", fsync=False)
+    q = tw_triton.quantize_state_dict(state_of(m, v), rules=rules(v_codec="log2-temporal"), reference=ref)
+    tw_triton.save(q, tmp_path / "delta.tw", fsync=False)
+    out = tw_triton.load(tmp_path / "delta.tw", reference=str(tmp_path / "ref.tw"))
+    want = tw_triton.dequantize_state_dict(q, reference=ref)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(out["optimizer"]["state"][0][key], want["optimizer"]["state"][0][key])
+
+
 def test_without_a_usable_partner_it_is_coded_blockwise_and_logged(caplog):
     m, v = moments(4096, 3)
     cases = {

@@ -241,3 +241,28 @@ def test_a_recorded_partner_that_cannot_serve_is_refused(tmp_path, partner, matc
         check_manifest(read_manifest(tmp_path / "bad.tw"), str(tmp_path / "bad.tw"))
     with pytest.raises(CheckpointError, match=match):
         tw_triton.load(tmp_path / "bad.tw")
+
+
+def test_the_grouped_device_path_codes_what_the_host_path_codes(monkeypatch):
+    """A device state's encode (grouped launches, forced on CPU tensors): the dependent
+    entries stay out of the groups and are coded after the sync, to the host path's bytes;
+    the first save's precompile launches their blockwise kernels instead of failing."""
+    from tw_triton import kernel_variants
+    from tw_triton.state import encode as state_encode
+
+    m, v = moments(4096, 10)
+    ref = state_of(torch.zeros_like(m), v * 1.02)
+    spec = rules(v_codec="log2-temporal")
+    host = tw_triton.quantize_state_dict(state_of(m, v), rules=spec, reference=ref)
+    monkeypatch.setattr(state_encode, "groups_launches", lambda device: True)
+    grouped = tw_triton.quantize_state_dict(state_of(m, v), rules=spec, reference=ref)
+    assert list(grouped.entries) == list(host.entries)
+    for path, e in host.entries.items():
+        g = grouped.entries[path]
+        assert (g.codec, g.params) == (e.codec, e.params), path
+        assert all(torch.equal(g.buffers[k], b) for k, b in e.buffers.items()), path
+    assert grouped.entries[M].codec == "blockwise-update"
+    ran = kernel_variants.precompile_saves(
+        state_of(m, v), spec, bits=8, block=128, delta_mode="closed", device=torch.device("cpu"), copy=True
+    )
+    assert ran >= 2

@@ -2,9 +2,9 @@
 
 Adam's step is ``m / (sqrt(v) + eps)``. A decoder that reconstructs ``v`` first could code
 ``u = m / (sqrt(v_hat) + eps)`` instead of ``m`` and decode ``m_hat = u_hat * (sqrt(v_hat) +
-eps)``: blockwise scales then follow the step, not the raw moment. No codec in the library
-does this (an entry would depend on another entry's reconstruction); these settings measure
-whether one should, against today's blockwise codes of ``m`` at the same bits.
+eps)``: blockwise scales then follow the step, not the raw moment. The ``-u`` settings
+simulate this (they predate the codec ``blockwise-update``, which does it), against today's
+blockwise codes of ``m`` at the same bits.
 
 How the simulation stays faithful: the setting's Checkpointer stores ``exp_avg`` exact and
 everything else as ``smallest`` does. After every save the harness loads the file back

@@ -266,3 +266,26 @@ def test_the_grouped_device_path_codes_what_the_host_path_codes(monkeypatch):
         state_of(m, v), spec, bits=8, block=128, delta_mode="closed", device=torch.device("cpu"), copy=True
     )
     assert ran >= 2
+
+
+@pytest.mark.cuda
+def test_a_cuda_state_codes_and_decodes_the_cpus_bytes_and_values():
+    """The same correctly rounded ops and the blockwise kernel on a GPU: the CPU's codes,
+    keyframe (log2 partner) and delta (log2-temporal partner), and the same decode."""
+    m, v = moments(3 * 4096 + 100, 11)
+    ref = state_of(torch.zeros_like(m), v * 1.03)
+    spec = rules(v_codec="log2-temporal")
+    cuda = {k: t.cuda() for k, t in ref["optimizer"]["state"][0].items()}
+    ref_cuda = {"optimizer": {"state": {0: cuda}, "param_groups": [{"params": [0]}]}}
+    for reference, reference_cuda in ((None, None), (ref, ref_cuda)):
+        host = tw_triton.quantize_state_dict(state_of(m, v), rules=spec, reference=reference)
+        dev = tw_triton.quantize_state_dict(
+            state_of(m.cuda(), v.cuda()), rules=spec, reference=reference_cuda
+        )
+        for path, e in host.entries.items():
+            g = dev.entries[path]
+            assert (g.codec, g.params) == (e.codec, e.params), path
+            assert all(torch.equal(g.buffers[k].cpu(), b) for k, b in e.buffers.items()), path
+        a = tw_triton.dequantize_state_dict(host, reference=reference)
+        b = tw_triton.dequantize_state_dict(dev, reference=reference_cuda, device="cuda")
+        assert torch.equal(a["optimizer"]["state"][0]["exp_avg"], b["optimizer"]["state"][0]["exp_avg"].cpu())

@@ -25,7 +25,7 @@ import torch
 from .codecs import ExactCodec, get_codec
 from .codecs.bitmask import sparse_candidate
 from .delta_bits import WIDER_BITS
-from .rules import keyframe_rules, resolve_rules, select_rule
+from .rules import keyframe_rules, partner_free, resolve_rules, select_rule
 from .state import encode as state_encode
 from .state.grouped import DeviceEncode, decode_grouped, group_of
 from .tree import Flattened
@@ -241,7 +241,7 @@ def precompile_saves(
         jobs, small = [], []
         for path in paths:
             t = flat.tensors[path]
-            rule = select_rule(rule_set, path, t)
+            rule = partner_free(select_rule(rule_set, path, t))  # the same blockwise launches
             if width is not None and rule.max_error is not None and width > rule.params["bits"]:
                 rule = _with_bits(rule, width)
             codec = get_codec(rule.codec)

@@ -352,6 +352,17 @@ def keyframe_rule(rule: Rule) -> Rule:
     return Rule(rule.pattern, name, dict(params), rule.min_numel)
 
 
+def partner_free(rule: Rule) -> Rule:
+    """``rule``, or for a codec whose entries need a partner entry (``blockwise-update``)
+    the rule of its fallback codec (the blockwise codes of the same bits and block): what
+    a tensor without a usable partner is coded with, and what DCP chunks are."""
+    codec = get_codec(rule.codec)
+    if codec is None or not codec.has_partners:
+        return rule
+    name, params = codec.fallback_spec(rule.params)
+    return Rule(rule.pattern, name, dict(params), rule.min_numel)
+
+
 def rules_as_specs(rules: Sequence[Rule]) -> list[tuple[str, dict[str, Any]]]:
     """Resolved rules as ``(glob, spec)`` pairs that :func:`resolve_rules` takes back."""
     out = []

@@ -2,9 +2,9 @@
 
 Adam's step is ``m / (sqrt(v) + eps)``. A decoder that reconstructs ``v`` first could code
 ``u = m / (sqrt(v_hat) + eps)`` instead of ``m`` and decode ``m_hat = u_hat * (sqrt(v_hat) +
-eps)``: blockwise scales then follow the step, not the raw moment. No codec in the library
-does this (an entry would depend on another entry's reconstruction); these settings measure
-whether one should, against today's blockwise codes of ``m`` at the same bits.
+eps)``: blockwise scales then follow the step, not the raw moment. The ``-u`` settings
+simulate this (they predate the codec ``blockwise-update``, which does it), against today's
+blockwise codes of ``m`` at the same bits.
 
 How the simulation stays faithful: the setting's Checkpointer stores ``exp_avg`` exact and
 everything else as ``smallest`` does. After every save the harness loads the file back
@@ -13,6 +13,10 @@ everything else as ``smallest`` does. After every save the harness loads the fil
 bytes instead of the exact ``exp_avg``'s. After every restore it replaces each restored
 (exact) ``exp_avg`` by ``u_hat * (sqrt(v_hat) + eps)``, the values such a decoder returns.
 Tensors under the rules' ``min_numel`` stay exact, as in ``smallest``.
+
+``smallest-U4`` and ``smallest-U3`` are the same through the real codec ``blockwise-update``
+(the files hold the codes of ``u``; nothing is simulated): with the optimizer's default
+``eps`` they write the simulation's codes and restore its values.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
     "smallest-m3": ("moment", {"codec": "int3", "block": 128, "delta": False, "min_numel": MIN_NUMEL}),
     "smallest-u4": ("update", {"codec": "int4", "block": 128, "delta": False, "min_numel": MIN_NUMEL}),
     "smallest-u3": ("update", {"codec": "int3", "block": 128, "delta": False, "min_numel": MIN_NUMEL}),
+    # The real codec (tw_triton.codecs.blockwise_update): the files hold the codes of u.
+    "smallest-U4": ("codec", {"codec": "blockwise-update", "bits": 4, "block": 128, "min_numel": MIN_NUMEL}),
+    "smallest-U3": ("codec", {"codec": "blockwise-update", "bits": 3, "block": 128, "min_numel": MIN_NUMEL}),
 }
 
 
@@ -41,9 +48,10 @@ def _template() -> dict[str, Any]:
 
 
 def rules(name: str) -> list[Any]:
-    """``smallest``'s rules with ``exp_avg`` coded as ``name`` says (exact for the update domain)."""
+    """``smallest``'s rules with ``exp_avg`` coded as ``name`` says (exact for the simulated
+    update domain)."""
     domain, spec = SETTINGS[name]
-    first = spec if domain == "moment" else {"codec": "exact"}
+    first = {"codec": "exact"} if domain == "update" else spec
     return [("*exp_avg", first), *rules_as_specs(resolve_rules("smallest", _template(), bits=8, block=128))]
 
 

@@ -101,6 +101,20 @@ def test_inspect_shows_a_temporal_moment_with_its_stage_and_bits_per_element(tmp
     assert cols[-1] == f"{8 * stored / v.numel():.3g}" and float(cols[-1]) < 0.5
 
 
+def test_inspect_and_verify_show_an_update_domain_moment_and_its_partner(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    m, v = torch.randn(256, 64, generator=g), torch.rand(256, 64, generator=g)
+    state = {"optimizer": {"state": {0: {"exp_avg": m, "exp_avg_sq": v}}}}
+    rules = [("*exp_avg", {"codec": "blockwise-update", "bits": 3, "block": 128}), ("*exp_avg_sq", "log2")]
+    tw_triton.save(tw_triton.quantize_state_dict(state, rules=rules), tmp_path / "u.tw")
+    code, text = run(["inspect", tmp_path / "u.tw"])
+    assert code == EXIT_OK
+    row = next(line for line in text.splitlines() if line.startswith("optimizer/state/0/exp_avg "))
+    assert row.split()[3:7] == ["update", "int3/128", "by", "exp_avg_sq"]
+    code, text = run(["verify", tmp_path / "u.tw"])
+    assert code == EXIT_OK
+
+
 def test_verify_ok_corrupt_and_reference(ckpts):
     d, *_ = ckpts
     assert run(["verify", d / "key.tw"])[0] == EXIT_OK

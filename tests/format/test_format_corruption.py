@@ -1005,6 +1005,8 @@ _PARAM_RULES = [
     ("v", {"codec": "log2", "bits": 4, "block": 64, "min_numel": 0}),
     ("t", {"codec": "log2-temporal", "bits": 4, "block": 64, "min_numel": 0}),
     ("s", "bitmask"),
+    ("u", {"codec": "blockwise-update", "bits": 3, "block": 64, "partner_key": "uv", "min_numel": 0}),
+    ("uv", {"codec": "log2", "bits": 4, "block": 64, "min_numel": 0}),
     ("*", "exact"),
 ]
 
@@ -1028,6 +1030,7 @@ def coded(tmp_path_factory) -> tuple[Path, Path, bytes]:
         "e": torch.arange(5),
     }
     state["s"] = torch.randn(63, 61, generator=g) * (torch.rand(63, 61, generator=g) < 0.3)
+    state["u"], state["uv"] = torch.randn(32, 64, generator=g), torch.rand(32, 64, generator=g)
     d = tmp_path_factory.mktemp("coded")
     tw_triton.save(tw_triton.quantize_state_dict(ref, rules="exact"), d / "ref.safetensors", fsync=False)
     delta = d / "delta.safetensors"
@@ -1074,6 +1077,19 @@ _BAD_PARAMS = [
     ("s", "packing", None, "codec 'bitmask' params lack \\['packing'\\]"),
     ("s", "delta", True, "codec 'bitmask' has no param\\(s\\) \\['delta'\\]"),
     ("e", "bits", 8, "codec 'exact' has no param\\(s\\) \\['bits'\\]"),
+    ("u", "eps", 0.0, "param 'eps' is 0.0, expected a positive finite number"),
+    ("u", "eps", "1e-8", "param 'eps' is '1e-8'"),
+    ("u", "eps", None, "params lack \\['eps'\\]"),
+    ("u", "partner", 5, "param 'partner' is 5, expected the path of an entry of the file"),
+    ("u", "partner", "", "param 'partner' is ''"),
+    ("u", "partner", None, "params lack \\['partner'\\]"),
+    ("u", "partner", "nope", "coded with partner 'nope', expected a float32 entry of shape \\(32, 64\\)"),
+    ("u", "partner", "w", "found torch.float32 of shape \\(64, 64\\)"),
+    ("u", "partner", "e", "found torch.int64"),
+    ("u", "partner", "u", "found an entry coded with a partner itself"),
+    ("u", "bits", 3, "param 'bits' is 3, expected one of \\[8, 4, 2\\]"),
+    ("u", "qmax", 9, "param 'qmax' is 9"),
+    ("u", "delta", False, "codec 'blockwise-update' has no param\\(s\\) \\['delta'\\]"),
 ]
 
 
@@ -1192,9 +1208,11 @@ def test_fuzz_codec_params_raise_only_checkpoint_error(tmp_path, coded, data):
     """Any JSON in place of any param (or as the whole params) of any entry: a load
     returns or raises CheckpointError, never another exception."""
     delta, ref, blob = coded
-    entry = data.draw(st.sampled_from(["w", "v", "t", "e", "s"]))
+    entry = data.draw(st.sampled_from(["w", "v", "t", "e", "s", "u", "uv"]))
     key = data.draw(
-        st.sampled_from([None, "bits", "block", "packing", "delta", "qmax", "ref_fp", "min_step", "x"])
+        st.sampled_from(
+            [None, "bits", "block", "packing", "delta", "qmax", "ref_fp", "min_step", "eps", "partner", "x"]
+        )
     )
     value = data.draw(_JSON_VALUES)
 

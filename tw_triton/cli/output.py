@@ -122,6 +122,11 @@ def codec_label(codec: str, params: dict[str, Any]) -> str:
     if codec == "blockwise":
         label = f"int{params.get('bits')}/{params.get('block')}"
         return label + (" delta" if params.get("delta") else "")
+    if codec == "blockwise-update":
+        bits, qmax = params.get("bits"), params.get("qmax")
+        width = "int3" if (bits, qmax) == (4, 3) else f"int{bits}" + (f" qmax {qmax}" if qmax else "")
+        partner = str(params.get("partner", "")).rpartition("/")[2]
+        return f"update {width}/{params.get('block')} by {partner}"
     if codec == "log2-temporal":
         label = f"log2-temporal {params.get('bits')}/{params.get('block')}"
         return label + (" delta" if params.get("delta") else "")

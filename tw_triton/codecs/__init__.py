@@ -40,6 +40,11 @@ Built in:
     signed byte per element, absolute ``log2`` codes for the blocks it cannot code. Buffer
     ``codes`` (uint8: the int32 bounds ``lo`` and ``hi`` of every block, then one code per
     element). Parameters ``bits``, ``block``, ``min_step``, ``delta``.
+``blockwise-update``
+    Adam's first moment in the update's domain (:mod:`tw_triton.codecs.blockwise_update`):
+    ``exp_avg / (sqrt(v_hat) + eps)`` as blockwise codes, ``v_hat`` the decoded entry at
+    param ``partner`` of the same file. Buffers as ``blockwise``'s. Parameters ``bits``,
+    ``block``, ``packing``, ``qmax`` (optional), ``eps``, ``partner``. Opt-in, in no preset.
 
 The numeric work runs in the ops of :mod:`tw_triton.ops` (dispatched by device). Why each
 codec: docs/codecs.md.
@@ -51,6 +56,7 @@ from ..errors import QuantizationError
 from .base import Codec, Encoded
 from .bitmask import BitmaskCodec
 from .blockwise import PACKING, BlockwiseCodec
+from .blockwise_update import BlockwiseUpdateCodec
 from .exact import EXACT_DTYPES, ExactCodec
 from .log2 import Log2Codec
 from .log2_temporal import Log2TemporalCodec
@@ -58,7 +64,15 @@ from .log2_temporal import Log2TemporalCodec
 # The registry is the one piece of mutable module state: codecs are process-wide plug-ins,
 # looked up by the name a file records, so a registry object would have to be global anyway.
 _REGISTRY: dict[str, Codec] = {
-    c.name: c for c in (ExactCodec(), BlockwiseCodec(), Log2Codec(), Log2TemporalCodec(), BitmaskCodec())
+    c.name: c
+    for c in (
+        ExactCodec(),
+        BlockwiseCodec(),
+        Log2Codec(),
+        Log2TemporalCodec(),
+        BitmaskCodec(),
+        BlockwiseUpdateCodec(),
+    )
 }
 
 
@@ -102,6 +116,7 @@ __all__ = [
     "PACKING",
     "BitmaskCodec",
     "BlockwiseCodec",
+    "BlockwiseUpdateCodec",
     "Codec",
     "Encoded",
     "ExactCodec",

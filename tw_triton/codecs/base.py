@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,9 @@ class Codec(ABC):
     #: (stored ``delta: false``) instead of refused: for state that may appear after a
     #: keyframe, such as an optimizer's moments (created at its first step).
     reference_optional: bool = False
+    #: Whether entries are coded with another entry's decoded tensor, their partner
+    #: (:meth:`partner_path`; the state API encodes them last and decodes them last).
+    has_partners: bool = False
 
     @abstractmethod
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:
@@ -207,6 +210,45 @@ class Codec(ABC):
         Raises:
             CheckpointError: the entry's params or buffers are not what this codec writes.
         """
+
+    # Codecs whose entries are coded with another entry's decoded tensor, their *partner*
+    # in the same file (blockwise-update: exp_avg with exp_avg_sq). The state API encodes
+    # them after the others and decodes them after their partners; chains never see them
+    # (they are not deltas). Why: docs/design.md, "Why these choices".
+    def partner_path(self, path: str, params: Mapping[str, Any], present: Container[str]) -> str | None:
+        """For a codec with partners: the path of the partner of the tensor at ``path``
+        among ``present`` (the state's paths), or ``None`` where it has none."""
+        return None
+
+    def partner_of(self, params: Mapping[str, Any]) -> str | None:
+        """The partner path stored params record (checked ones), ``None`` if it has none."""
+        return None
+
+    def fallback_spec(self, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """``(codec name, params)`` a codec with partners is replaced by where the partner
+        cannot serve (missing, of another shape or dtype, itself with a partner)."""
+        raise NotImplementedError(f"codec {self.name!r} has no partner")
+
+    def encode_with_partner(
+        self,
+        x: torch.Tensor,
+        params: Mapping[str, Any],
+        partner_path: str,
+        partner: torch.Tensor,
+        allocate: Allocator | None,
+    ) -> Encoded:
+        """Encode ``x`` with ``partner``, the decoded entry at ``partner_path``."""
+        raise NotImplementedError(f"codec {self.name!r} has no partner")
+
+    def decode_with_partner(
+        self, entry: EncodedEntry, partner: torch.Tensor, device: torch.device | None, context: str
+    ) -> torch.Tensor:
+        """Decode ``entry`` with its partner's decoded tensor.
+
+        Raises:
+            CheckpointError: naming ``context`` and what was expected.
+        """
+        raise NotImplementedError(f"codec {self.name!r} has no partner")
 
     def decode_over(
         self,

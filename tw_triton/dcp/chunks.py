@@ -9,6 +9,7 @@ fqn and offsets. See docs/distributed.md.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +19,20 @@ from ..codecs import get_codec
 from ..errors import CheckpointError
 from ..lowbit import is_wrapper
 from ..qstate import EncodedEntry, QuantizedState
-from ..rules import Rule, keyframe_rules, resolve_rules, rules_as_specs, select_rule, warn_if_too_coarse
+from ..rules import (
+    Rule,
+    keyframe_rules,
+    partner_free,
+    resolve_rules,
+    rules_as_specs,
+    select_rule,
+    warn_if_too_coarse,
+)
 from ..state import quantize_state_dict
 from ..tree import escape_component, flatten
 from .keyframe import Keyframe
 
+logger = logging.getLogger(__name__)
 FILE_SUFFIX = ".tw.safetensors"
 CHUNK_TABLE_KEY = "dcp"
 
@@ -73,6 +83,16 @@ def encode_chunks(
     """
     full = {c.obj_path: torch.empty(c.global_shape, dtype=c.tensor.dtype, device="meta") for c in chunks}
     rule_list = resolve_rules(rules, nest(full), bits=bits, block=block)
+    # A chunk is coded with the others of its rule alone, so a codec that needs a partner
+    # entry (blockwise-update) codes its fallback instead (docs/distributed.md).
+    free = [partner_free(r) for r in rule_list]
+    if free != rule_list:
+        logger.info(
+            "checkpoint %s: rules of a codec that needs a partner entry (blockwise-update) "
+            "code DCP chunks with its fallback (blockwise) instead",
+            checkpoint_id,
+        )
+        rule_list = free
     if as_keyframe:
         rule_list = keyframe_rules(rule_list)
     elif keyframe is not None:

@@ -24,7 +24,8 @@ from ..format import MAX_EXPANSION
 from ..parallel import Background, parallel_map
 from ..qstate import QuantizedState
 from ..tree import skeleton_ndarray_paths, unflatten
-from .entries import MEMORY_SOURCE, codec_or_raise, delta_paths, disjoint_paths, entry_context
+from .entries import MEMORY_SOURCE, codec_or_raise, delta_paths, disjoint_paths, entry_context, entry_facts
+from .partners import partner_map
 from .references import checked_reference, read_reference
 
 Progress = Callable[[int, int], None]
@@ -233,7 +234,11 @@ def decode_entries(
     (:class:`~tw_triton.parallel.Background`, see :func:`load`).
     """
     delta = set(delta_paths(qstate, where))
+    # Entries coded with a partner's decoded tensor are decoded last, their partners with them.
+    partners = partner_map(entry_facts(qstate.entries), where)
     if only is not None:
+        only = only | {partners[p] for p in only if p in partners}
+        partners = {p: q for p, q in partners.items() if p in only}
         delta &= only
     # Decoding on the host runs on several threads, as encoding does; on a device, here.
     on_host = (dev is None or dev.type == "cpu") and all(
@@ -270,7 +275,9 @@ def decode_entries(
         target = host if path in host_paths and dev is not None else dev
         ref = ref_tensors.get(path) if path in delta else None
         try:
-            if path in reusable:
+            if path in partners:
+                decoded = codec.decode_with_partner(entry, done[partners[path]], target, context)
+            elif path in reusable:
                 decoded = codec.decode_over(entry, ref, target, context)
             else:
                 decoded = codec.decode(entry, ref, target, context)
@@ -289,6 +296,7 @@ def decode_entries(
         return decoded
 
     decoded: dict[str, torch.Tensor] = {}
+    done = decoded  # what decode_one reads a partner from (decoded in an earlier phase)
 
     def decode(items: list[tuple[int, str]]) -> None:
         # An exact entry decodes to a view of its buffer on the host: no work for a worker
@@ -307,7 +315,7 @@ def decode_entries(
 
     if pending is not None:
         try:
-            decode([item for item in indexed if item[1] not in delta])
+            decode([item for item in indexed if item[1] not in delta and item[1] not in partners])
         except BaseException:
             pending.wait()
             raise
@@ -317,7 +325,8 @@ def decode_entries(
             qstate, delta, reference, dev, verify, where, ref_into, max_expansion
         )
         reusable = disjoint_paths(ref_tensors, delta) if owned or reuse_reference else set()
-    decode([item for item in indexed if item[1] not in decoded])
+    decode([item for item in indexed if item[1] not in decoded and item[1] not in partners])
+    decode([item for item in indexed if item[1] in partners])
     out = {path: decoded[path] for _, path in indexed}
     for path, target in qstate.aliases.items():
         if only is not None and target not in only:

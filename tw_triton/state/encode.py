@@ -33,6 +33,7 @@ from . import fingerprints
 from .entries import codec_or_raise
 from .fingerprints import FINGERPRINT_PREFIX
 from .grouped import DeviceEncode, groups_launches
+from .partners import encode_partnered, plan_partners
 from .references import flat_reference, reference_tensor
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ def quantize_state_dict(
 
     # Rules with max_error pick each tensor's bits here (one transfer per device).
     jobs = adapt_delta_bits([plan_one(path) for path in canonical])
+    partners = plan_partners(canonical, jobs, aliases)  # encoded last (encode_partnered)
     exact = codec_or_raise("exact", QuantizationError, "quantize_state_dict")
     bitmask = get_codec("bitmask") if sparse else None
     # Tensors the rules store exact that may be sparse: on the host each is counted and
@@ -237,7 +239,7 @@ def quantize_state_dict(
         """Entry ``i`` by itself and the reference it used; ``None`` for one decided after
         the host read (a device's sparse candidates)."""
         x, rule, codec, ref = jobs[i]
-        if i in later:
+        if i in later or i in partners:
             return None, None
         ref = on_device(ref, x)
         try:
@@ -350,6 +352,10 @@ def quantize_state_dict(
             # A copy: a codec may hand back its rule's params object, which must stay as is.
             entry.params = {**entry.params, "ref_fp": fingerprints.fp_hex(fp)}
             fp_parts.append(f"{path}={entry.params['ref_fp']}")
+
+    if partners:  # coded with their partners' entries, now final
+        encode_partnered(entries, partners, jobs, canonical, exact_entry, allocate)
+        entries = {path: entries[path] for path in canonical}
 
     recorded_ref_id = None
     if fp_parts:

@@ -17,6 +17,7 @@ from ..errors import CheckpointError
 from ..format import ENTRY_DTYPES
 from ..qstate import QuantizedState
 from ..tree import check_skeleton
+from .partners import partner_map
 
 MEMORY_SOURCE = "<in-memory state>"
 
@@ -68,12 +69,25 @@ def check_manifest(manifest: Mapping[str, Any], source: str) -> None:
         codec = codec_or_raise(entry["codec"], CheckpointError, f"{source}: entry {path!r}")
         codec.check_stored_params(entry["params"], entry_context(source, path, entry["codec"]))
         dtypes[path] = ENTRY_DTYPES[entry["dtype"]]
+    partner_map(
+        {
+            p: (e["codec"], e["params"], ENTRY_DTYPES[e["dtype"]], tuple(e["shape"]))
+            for p, e in manifest["entries"].items()
+        },
+        source,
+    )
     for alias, target in manifest["aliases"].items():
         dtypes[alias] = dtypes[target]
     try:
         check_skeleton(manifest["skeleton"], dtypes)
     except CheckpointError as e:
         raise CheckpointError(f"{source}: {e}") from e
+
+
+def entry_facts(entries: Mapping[str, Any]) -> dict[str, tuple[str, Any, torch.dtype, tuple[int, ...]]]:
+    """``{path: (codec, params, dtype, shape)}`` of encoded entries, for
+    :func:`~tw_triton.state.partners.partner_map`."""
+    return {p: (e.codec, e.params, e.dtype, tuple(e.shape)) for p, e in entries.items()}
 
 
 def wants_pinned(device: torch.device | None) -> bool:

@@ -1,0 +1,185 @@
+"""Adam's first moment coded in the update's domain: ``u = m / (sqrt(v_hat) + eps)``.
+
+An entry of this codec depends on another entry of the same file, its *partner* (the
+second moment ``exp_avg_sq``, or ``max_exp_avg_sq`` with amsgrad): ``v_hat`` is the
+partner as a loader decodes it, ``u`` is coded by the blockwise codec without a reference,
+and the decode is ``m_hat = u_hat * (sqrt(v_hat) + eps)``. All of it is correctly rounded
+fp32 torch ops (``sqrt``, ``+``, ``/``, ``*``, each rounded on its own) around the
+blockwise op, so a CPU and a GPU give the same bytes and values. The state API encodes such
+entries after the others, and decodes them after their partners (:mod:`tw_triton.state`).
+Why and what it measured: docs/codecs.md, "The first moment in the update's domain".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Container, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, QuantizationError
+from ..ops.layout import FLOAT_DTYPES, check_params, check_qmax, qmax_for
+from ..qstate import EncodedEntry
+from ..snapshot_pool import Allocator
+from .base import Codec, Encoded, check_param_names, move_to, param_error
+from .blockwise import BlockwiseCodec, QuantizedTensor, dequantize
+from .packed import PACKING, check_packed_params, per_block_buffer, stored_codes
+
+DEFAULT_EPS = 1e-8
+# The sibling keys tried, in order, when a rule names none: amsgrad divides by the maximum.
+PARTNER_KEYS = ("max_exp_avg_sq", "exp_avg_sq")
+
+_blockwise = BlockwiseCodec()
+
+
+def _check_eps(eps: Any) -> float | None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return None
+    eps = float(eps)
+    return eps if math.isfinite(eps) and eps > 0 else None
+
+
+def denominator(v_hat: torch.Tensor, eps: float) -> torch.Tensor:
+    """``sqrt(v_hat) + eps`` in fp32, each op rounded on its own (``eps`` rounded to fp32)."""
+    return torch.sqrt(v_hat.float()).add_(eps)
+
+
+class BlockwiseUpdateCodec(Codec):
+    """``exp_avg / (sqrt(v_hat) + eps)`` coded blockwise, ``v_hat`` its partner's decode."""
+
+    name = "blockwise-update"
+    has_partners = True
+    _KEYS = frozenset({"bits", "block", "qmax", "eps", "partner_key"})
+    _STORED = frozenset({"bits", "block", "packing", "eps", "partner"})
+    _STORED_OPTIONAL = frozenset({"qmax"})
+
+    def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:
+        unknown = set(params) - self._KEYS
+        if unknown:
+            raise QuantizationError(
+                f"codec {self.name!r} has no parameter(s) {sorted(unknown)}; it takes {sorted(self._KEYS)}"
+            )
+        out: dict[str, Any] = {"bits": params.get("bits", bits), "block": params.get("block", block)}
+        qmax = params.get("qmax")
+        if out["bits"] == 3:  # int3: seven levels in 4 bits
+            out["bits"], qmax = 4, 3 if qmax is None else qmax
+        check_params(out["bits"], out["block"])
+        if qmax is not None and check_qmax(out["bits"], qmax) != qmax_for(out["bits"]):
+            out["qmax"] = qmax
+        eps = _check_eps(params.get("eps", DEFAULT_EPS))
+        if eps is None:
+            raise QuantizationError(f"codec {self.name!r}: eps must be a positive finite number")
+        out["eps"] = eps
+        key = params.get("partner_key")
+        if key is not None:
+            if not isinstance(key, str) or not key or "/" in key:
+                raise QuantizationError(f"codec {self.name!r}: partner_key must be a key name, got {key!r}")
+            out["partner_key"] = key
+        return out
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        return tensor.dtype in FLOAT_DTYPES and tensor.numel() > 0
+
+    def partner_path(self, path: str, params: Mapping[str, Any], present: Container[str]) -> str | None:
+        """The sibling of ``path`` named by the rule's ``partner_key``, else the first of
+        :data:`PARTNER_KEYS` in ``present``; ``None`` where there is none."""
+        parent = path.rpartition("/")[0]
+        keys = [params["partner_key"]] if "partner_key" in params else PARTNER_KEYS
+        found = [f"{parent}/{k}" if parent else k for k in keys]
+        return next((p for p in found if p in present and p != path), None)
+
+    def partner_of(self, params: Mapping[str, Any]) -> str | None:
+        return params.get("partner") if isinstance(params, Mapping) else None
+
+    def fallback_spec(self, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        out = {"bits": params["bits"], "block": params["block"], "packing": PACKING, "delta": False}
+        if "qmax" in params:
+            out["qmax"] = params["qmax"]
+        return "blockwise", out
+
+    def encode(self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None) -> Encoded:
+        raise QuantizationError(
+            f"codec {self.name!r} codes a tensor with its partner's decoded values "
+            "(quantize_state_dict passes them); it cannot encode a tensor alone"
+        )
+
+    def encode_with_partner(
+        self,
+        x: torch.Tensor,
+        params: Mapping[str, Any],
+        partner_path: str,
+        partner: torch.Tensor,
+        allocate: Allocator | None,
+    ) -> Encoded:
+        d = denominator(move_to(partner, x.device), params["eps"])
+        u = x.float() / d
+        _, inner = self.fallback_spec(params)
+        if allocate is None:
+            enc = _blockwise.encode(u, inner, None)
+        else:
+            enc = _blockwise.encode_with(u, inner, None, allocate)
+        stored = {k: v for k, v in enc.entry.params.items() if k != "delta"}
+        entry = EncodedEntry(
+            codec=self.name,
+            params={**stored, "eps": params["eps"], "partner": partner_path},
+            shape=tuple(x.shape),
+            dtype=x.dtype,
+            buffers=enc.entry.buffers,
+        )
+        # An infinite partner gives u = 0 that decodes to 0 * inf: stored exact, as NaN/Inf.
+        unusable = torch.logical_or(enc.unusable, ~torch.isfinite(d).all())  # type: ignore[arg-type]
+        return Encoded(entry, unusable=unusable)
+
+    def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:
+        check_param_names(params, self.name, self._STORED, self._STORED_OPTIONAL, context)
+        check_packed_params(params, context)
+        if "qmax" in params:
+            try:
+                check_qmax(params["bits"], params["qmax"])
+            except QuantizationError:
+                raise param_error(
+                    context, "qmax", params["qmax"], f"an int from 1 to {qmax_for(params['bits'])}"
+                ) from None
+        if _check_eps(params["eps"]) is None:
+            raise param_error(context, "eps", params["eps"], "a positive finite number")
+        if not isinstance(params["partner"], str) or not params["partner"]:
+            raise param_error(context, "partner", params["partner"], "the path of an entry of the file")
+
+    def decode(
+        self,
+        entry: EncodedEntry,
+        reference: torch.Tensor | None,
+        device: torch.device | None,
+        context: str,
+    ) -> torch.Tensor:
+        raise CheckpointError(
+            f"{context}: decoded without its partner entry {self.partner_of(entry.params)!r} "
+            "(the state API decodes it after its partner)"
+        )
+
+    def decode_with_partner(
+        self, entry: EncodedEntry, partner: torch.Tensor, device: torch.device | None, context: str
+    ) -> torch.Tensor:
+        self.check_stored_params(entry.params, context)
+        bits, block, codes = stored_codes(entry, context)
+        scales = per_block_buffer(entry, "scales", torch.float32, block, context)
+        if partner.dtype != torch.float32 or tuple(partner.shape) != tuple(entry.shape):
+            raise CheckpointError(
+                f"{context}: partner {entry.params['partner']!r} decodes to {partner.dtype} of shape "
+                f"{tuple(partner.shape)}, expected float32 of shape {tuple(entry.shape)}"
+            )
+        dev = codes.device if device is None else device
+        q = QuantizedTensor(
+            codes=move_to(codes.reshape(-1), dev),
+            scales=move_to(scales.reshape(-1), dev),
+            shape=tuple(entry.shape),
+            dtype=torch.float32,
+            bits=bits,  # type: ignore[arg-type]
+            block=block,  # type: ignore[arg-type]
+            nonfinite=torch.zeros((), dtype=torch.bool, device=dev),
+        )
+        m = dequantize(q).mul_(denominator(move_to(partner, dev), entry.params["eps"]))
+        # Saturated as the blockwise decode is: a finite tensor never decodes to +-inf.
+        big = torch.finfo(entry.dtype).max
+        return m.clamp_(-big, big).to(entry.dtype)

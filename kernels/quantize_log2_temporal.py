@@ -8,6 +8,8 @@ must be identical, so the temporal part is integer arithmetic only (int64 for th
 delta and the rounding by ``(|d| + S // 2) // S``, whose operands are non-negative: C's
 truncating division is then floor division), and the absolute fallback is the ``log2``
 kernel's own rule (``tl.div_rn``, ``cvt.rn`` and the ``1.5 * 2**23`` rounding trick).
+The tile arithmetic (``temporal_tile``) is shared with the grouped encode
+(``quantize_log2_temporal_grouped``).
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def test_flags_are_raised_and_never_cleared() -> None:
     assert raised.tolist() == [1, 0, 1]
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sizes=st.lists(st.integers(1, 9000), min_size=1, max_size=4),
     bits=st.sampled_from([8, 4, 2]),

@@ -18,6 +18,7 @@ from .quantize_blockwise_grouped import quantize_blockwise_grouped
 from .quantize_log2 import quantize_log2
 from .quantize_log2_grouped import quantize_log2_grouped
 from .quantize_log2_temporal import quantize_log2_temporal
+from .quantize_log2_temporal_grouped import quantize_log2_temporal_grouped
 from .tiles import aligned
 
 __all__ = [
@@ -34,5 +35,6 @@ __all__ = [
     "bitmask_decode",
     "bitmask_encode",
     "quantize_log2_temporal",
+    "quantize_log2_temporal_grouped",
     "dequantize_log2_temporal",
 ]

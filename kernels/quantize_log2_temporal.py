@@ -8,6 +8,8 @@ must be identical, so the temporal part is integer arithmetic only (int64 for th
 delta and the rounding by ``(|d| + S // 2) // S``, whose operands are non-negative: C's
 truncating division is then floor division), and the absolute fallback is the ``log2``
 kernel's own rule (``tl.div_rn``, ``cvt.rn`` and the ``1.5 * 2**23`` rounding trick).
+The tile arithmetic (``temporal_tile``) is shared with the grouped encode
+(``quantize_log2_temporal_grouped``).
 """
 
 from __future__ import annotations
@@ -40,33 +42,13 @@ def temporal_step(rb, N_STEPS: tl.constexpr, min_step):
     return tl.maximum(span // N_STEPS, min_step.to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["row0"])
-def quantize_log2_temporal_kernel(
-    x_ptr,
-    ref_ptr,
-    codes_ptr,
-    lo_ptr,
-    hi_ptr,
-    n,
-    row0,
-    min_step,
-    MASKED: tl.constexpr,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """Encode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat input."""
+@triton.jit
+def temporal_tile(x, r, min_step, BITS: tl.constexpr):
+    """``(codes, lo, hi)`` of a ``(ROWS, BLOCK)`` fp32 input tile ``x`` against its
+    reference tile ``r`` (one row per block): the codec's arithmetic, shared by the single
+    and the grouped encode. A row holding a negative, NaN or infinite element gets
+    ``lo = hi = -1`` and codes 0."""
     N_STEPS: tl.constexpr = (1 << BITS) - 2
-
-    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
-    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    if MASKED:
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-        r = tl.load(ref_ptr + offs, mask=offs < n, other=0.0)
-    else:
-        x = tl.load(x_ptr + offs)
-        r = tl.load(ref_ptr + offs)
     t = x.to(tl.int32, bitcast=True)
     rb = r.to(tl.int32, bitcast=True)
 
@@ -99,6 +81,35 @@ def quantize_log2_temporal_kernel(
     code = (code & 0xFF).to(tl.uint8)
     lo = tl.where(bad, -1, tl.where(temporal, 0, lo))
     hi = tl.where(bad, -1, tl.where(temporal, 0, hi))
+    return code, lo, hi
+
+
+@triton.jit(do_not_specialize=["row0"])
+def quantize_log2_temporal_kernel(
+    x_ptr,
+    ref_ptr,
+    codes_ptr,
+    lo_ptr,
+    hi_ptr,
+    n,
+    row0,
+    min_step,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Encode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat input."""
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if MASKED:
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        r = tl.load(ref_ptr + offs, mask=offs < n, other=0.0)
+    else:
+        x = tl.load(x_ptr + offs)
+        r = tl.load(ref_ptr + offs)
+    code, lo, hi = temporal_tile(x, r, min_step, BITS)
 
     if MASKED:
         tl.store(codes_ptr + offs, code, mask=offs < n)

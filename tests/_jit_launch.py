@@ -128,6 +128,16 @@ def cases():
             + pair("grouped-log2-encode", bits, 128, bf16, None, cc)
         )
 
+    def grouped_temporal():  # written in place into the codec's stored buffers
+        from tw_triton.codecs.log2_temporal import group_stored, split_stored
+
+        stored = group_stored([4096 + 16] * GROUP, 128, torch.device("cpu"))
+        out = [split_stored(s, 4096 + 16, 128) for s in stored]
+        flags = torch.zeros(GROUP, dtype=torch.int64)
+        backend.quantize_log2_temporal_many_cuda(
+            group(f32), group(f32), 4, 128, MIN_STEP, flags=flags, out=out
+        )
+
     def copy_and_fingerprints():
         backend.copy_many_cuda([torch.zeros(1028) for _ in range(GROUP)])  # 4112 bytes each
         backend.fingerprints_cuda(group(f16), out=torch.zeros(GROUP, dtype=torch.int64))
@@ -156,6 +166,11 @@ def cases():
         ),
         ("grouped-b4", lambda: grouped(4), lambda cc: grouped_expected(4, cc)),
         ("grouped-b2", lambda: grouped(2), lambda cc: grouped_expected(2, cc)),
+        (
+            "grouped-log2-temporal",
+            grouped_temporal,
+            lambda cc: pair("grouped-temporal-encode", 4, 128, f32, f32, cc),
+        ),
         (
             "copy-and-fingerprints",
             copy_and_fingerprints,

@@ -41,6 +41,7 @@ KERNEL_MODULES = frozenset(
         "test_grouped_ops.py",
         "test_bitmask_kernels.py",
         "test_quantize_log2_temporal.py",
+        "test_quantize_log2_temporal_many.py",
     }
 )
 

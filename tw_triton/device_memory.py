@@ -29,11 +29,17 @@ SCALAR_BYTES_PER_ENTRY = 4 * ALLOC_BYTES
 # their product), one entry at a time.
 FINGERPRINT_SCRATCH = 64 << 10
 
+# A grouped log2-temporal encode stores a group's entries in one buffer, each entry's codes
+# on 16 bytes (codecs/log2_temporal.py group_stored): at most 15 bytes before each entry.
+TEMPORAL_GROUP_PAD = 16
+
 # Buffers of the codecs whose layout is known: (numel, bits, block) -> [(name, elements, dtype)].
 _LAYOUTS = {
     "blockwise": blockwise_buffers,
     "log2": log2_buffers,
-    "log2-temporal": lambda n, bits, block: [("codes", temporal_nbytes(n, block), torch.uint8)],
+    "log2-temporal": lambda n, bits, block: [
+        ("codes", temporal_nbytes(n, block) + TEMPORAL_GROUP_PAD, torch.uint8)
+    ],
 }
 
 
@@ -161,8 +167,10 @@ def device_memory_bound(
                 flag = max(flag, allocated(-(-t.numel() // r.params.get("block", 1))))
         delta += _save_nbytes(rule, t)
         if rule.codec == "log2-temporal":
-            # The kernel's outputs before they are packed into the one stored buffer.
-            temporal = max(temporal, encoded_nbytes(rule.codec, rule.params, t))
+            # An entry encoded alone: the kernel's outputs (codes, lo, hi) before they are
+            # copied into the one stored buffer (a grouped encode writes it in place).
+            nb = -(-t.numel() // rule.params["block"])
+            temporal = max(temporal, allocated(t.numel()) + 2 * allocated(4 * nb))
         keyframe += _save_nbytes(select_rule(key_rules, path, t), t)
     entries = max(coded.values())
     scalars = entries * SCALAR_BYTES_PER_ENTRY + allocated(8 * entries)

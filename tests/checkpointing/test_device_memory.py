@@ -12,13 +12,17 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import tw_triton
 from tw_triton import Checkpointer, save_pipeline
 from tw_triton import format as fmt
 from tw_triton.checkpoint_files import checkpoint_name
 from tw_triton.codecs import ExactCodec
+from tw_triton.codecs.log2_temporal import group_stored
 from tw_triton.deltas import advance, make_reference
+from tw_triton.device_memory import allocated, encoded_nbytes
 from tw_triton.pinned_staging import DeviceStaging
 
 
@@ -57,7 +61,9 @@ REFERENCE = 2 * W * 4 + 2 * W * 4  # the weights and the second moments
 MOMENTS = 2 * (_blockwise(W, 4) + _log2(W, 4))
 KEYFRAME = MOMENTS  # weights exact: copied to the host from the reference itself
 DELTA_MOMENTS = 2 * (_blockwise(W, 4) + _temporal(W))
-DELTA = DELTA_MOMENTS + 2 * _blockwise(W, 8)
+# On the device the temporal entries are encoded as a group, into one buffer where each
+# entry's codes start on 16 bytes: the bound counts 16 more bytes per entry (512 B rounded).
+DELTA = 2 * (_blockwise(W, 4) + _temporal(W) + 512) + 2 * _blockwise(W, 8)
 # The largest delta-coded tensor, decoded then copied into the reference; and the
 # temporal kernel's outputs before they are packed into one buffer.
 SCRATCH = W * 4 + _temporal(W)
@@ -401,3 +407,17 @@ def test_host_tensors_of_a_device_state_are_copied_in_save(tmp_path, monkeypatch
         gate.open.set()
     got = Checkpointer(tmp_path).load(0)["optimizer"]["state"][0]["step"]
     assert got.item() == saved
+
+
+@settings(max_examples=200, deadline=None)
+@example(numels=[480, 480, 2408], block=128)  # stored sizes of 512 B each, codes 8 B off
+@given(
+    numels=st.lists(st.integers(1, 20_000), min_size=1, max_size=40), block=st.sampled_from([32, 128, 4096])
+)
+def test_a_grouped_temporal_encode_holds_no_more_than_the_bound_counts(numels, block):
+    """The one buffer of a group of log2-temporal entries (each entry's codes on 16 bytes)
+    is within what the bound counts for those entries."""
+    stored = group_stored(numels, block, torch.device("cpu"))
+    held = allocated(stored[0].untyped_storage().nbytes())
+    params = {"bits": 4, "block": block}
+    assert held <= sum(encoded_nbytes("log2-temporal", params, torch.empty(n)) for n in numels)

@@ -172,6 +172,7 @@ def test_after_prepare_the_first_saves_compile_nothing(tmp_path, monkeypatch, de
 KERNELS = [
     ("quantize_blockwise_grouped", "quantize_blockwise_grouped_kernel"),
     ("quantize_log2_grouped", "quantize_log2_grouped_kernel"),
+    ("quantize_log2_temporal_grouped", "quantize_log2_temporal_grouped_kernel"),
     ("copy_grouped", "copy_grouped_kernel"),
     ("dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
     ("fingerprint", "fingerprint_kernel"),
@@ -274,5 +275,7 @@ def test_prepare_launches_the_grouped_kernels_the_first_device_saves_launch(
     assert "fingerprint_kernel" in names or delta == "none"
     assert names & {"quantize_blockwise_grouped_kernel", "quantize_log2_grouped_kernel"}
     assert "bitmask_mask_kernel" in names
+    if delta != "none":  # the float32 second moments' deltas, grouped (log2-temporal)
+        assert "quantize_log2_temporal_grouped_kernel" in names
     missing = kernel_launches - ahead
     assert not missing, f"the saves launched kernels prepare did not: {sorted(missing, key=str)}"

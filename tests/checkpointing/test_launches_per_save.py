@@ -94,6 +94,7 @@ def spy(monkeypatch):
     for module, name in [
         ("tw_triton.kernels.quantize_blockwise_grouped", "quantize_blockwise_grouped_kernel"),
         ("tw_triton.kernels.quantize_log2_grouped", "quantize_log2_grouped_kernel"),
+        ("tw_triton.kernels.quantize_log2_temporal_grouped", "quantize_log2_temporal_grouped_kernel"),
         ("tw_triton.kernels.copy_grouped", "copy_grouped_kernel"),
         ("tw_triton.kernels.dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
         ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
@@ -110,6 +111,7 @@ def spy(monkeypatch):
     grouped = {
         "quantize_blockwise_many": triton_backend.quantize_blockwise_many_cuda,
         "quantize_log2_many": triton_backend.quantize_log2_many_cuda,
+        "quantize_log2_temporal_many": triton_backend.quantize_log2_temporal_many_cuda,
         "fingerprints": triton_backend.fingerprints_cuda,
         "copy_many": triton_backend.copy_many_cuda,
         "dequantize_blockwise_many": triton_backend.dequantize_blockwise_many_cuda,
@@ -119,7 +121,14 @@ def spy(monkeypatch):
             stack.enter_context(ops.using(op, "cpu", fn))
         # The single-tensor ops count as a launch each: on the CPU they run in the
         # compiled codec, which the dispatch spy does not see.
-        for op in ("quantize_blockwise", "dequantize_blockwise", "quantize_log2", "dequantize_log2"):
+        for op in (
+            "quantize_blockwise",
+            "dequantize_blockwise",
+            "quantize_log2",
+            "dequantize_log2",
+            "quantize_log2_temporal",
+            "dequantize_log2_temporal",
+        ):
             stack.enter_context(ops.using(op, "cpu", spy.counted(op, ops.lookup(op, "cpu"))))
         yield spy
 
@@ -258,3 +267,155 @@ def test_a_closed_loop_delta_advances_its_reference_in_grouped_launches(spy, tmp
     assert loaded.keys() == alone.keys()
     for path, t in alone.items():
         assert torch.equal(loaded[path].view(torch.uint8), t.view(torch.uint8)), path
+
+
+# The default preset ("smallest"): 2-bit weight deltas whose bits follow their change
+# (max_error), exp_avg int4, and between keyframes every float32 exp_avg_sq of at least
+# 4096 elements as a log2-temporal change against its reference.
+DEFAULT = "smallest"
+
+
+def make_training_state(n: int, seed: int) -> dict:
+    """A model of ``n`` weights (two dtypes) and its AdamW state: sizes with a whole tile
+    only, whole tiles and a tail, among the first four, and the rest all different."""
+    gen = torch.Generator().manual_seed(seed)
+    model, state = {}, {}
+    for i in range(n):
+        size = (4096, 2 * 4096 + 100, 5000, 4200)[i] if i < 4 else 4096 + 16 * (i % 50) + 3
+        model[f"layer{i}.weight"] = torch.randn(size, generator=gen).to(
+            torch.bfloat16 if i % 2 else torch.float32
+        )
+        state[i] = {
+            "step": torch.tensor(float(i + 1)),
+            "exp_avg": 1e-3 * torch.randn(size, generator=gen),
+            "exp_avg_sq": 1e-6 * torch.randn(size, generator=gen).square(),
+        }
+    return {
+        "model": model,
+        "optimizer": {"state": state, "param_groups": [{"params": list(range(n)), "lr": 1e-3}]},
+    }
+
+
+def moved(state):
+    """``state`` some steps later: weights moved, second moments drifted."""
+    if isinstance(state, dict):
+        return {k: moved(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [moved(v) for v in state]
+    if isinstance(state, torch.Tensor) and state.is_floating_point() and state.numel() > 1:
+        return state * 1.001 if bool((state >= 0).all()) else state + 0.01
+    return state
+
+
+def count_bits_choice(spy: LaunchSpy, monkeypatch) -> None:
+    """The weights' ``max_error`` bits choice (tw_triton.delta_bits.adapt) counts as one
+    call: inside, each weight's statistics still cost a few operations (not counted here),
+    read back with one transfer (counted: a sync)."""
+    monkeypatch.setattr(
+        encode_module, "adapt_delta_bits", spy.counted("bits choice", encode_module.adapt_delta_bits)
+    )
+
+
+def counted_default_save(spy: LaunchSpy, n: int):
+    """A delta save of the default preset, counted as :func:`counted_save` does."""
+    ref = make_training_state(n, seed=n)
+    state = moved(ref)
+    spy.ops.clear()
+    spy.kernels.clear()
+    with spy:
+        q = quantize_state_dict(state, reference=ref, rules=DEFAULT)
+    return q, (spy.launches(), spy.syncs(), dict(spy.kernels), dict(spy.ops))
+
+
+def test_a_delta_save_of_the_default_preset_codes_its_moments_in_launches_independent_of_their_count(
+    spy, monkeypatch
+) -> None:
+    count_bits_choice(spy, monkeypatch)
+    q, small = counted_default_save(spy, 10)
+    assert sum(e.codec == "log2-temporal" for e in q.entries.values()) == 10
+    _, large = counted_default_save(spy, 200)
+    assert small == large, f"10 tensors: {small}\n200 tensors: {large}"
+    _, syncs, kernels, torch_ops = large
+    assert kernels["quantize_log2_temporal_grouped_kernel"] <= 2  # one dtype: whole tiles, tails
+    assert kernels["quantize_blockwise_grouped_kernel"] <= 6  # int2 weights of 2 dtypes, exp_avg
+    assert "quantize_log2_temporal" not in kernels  # no moment coded alone
+    assert kernels["fingerprint_kernel"] == 2  # the references of two dtypes
+    assert kernels["bits choice"] == 1
+    # The flags' zero-fill; the bits choice's read and the save's one read.
+    assert torch_ops == {"aten.zeros.default": 1, "to_host": 2}
+    assert syncs == 2
+
+
+def test_the_default_presets_grouped_path_gives_the_bytes_of_the_per_tensor_path(spy, monkeypatch) -> None:
+    ref = make_training_state(12, seed=3)
+    state = moved(ref)
+    moments = state["optimizer"]["state"]
+    moments[1]["exp_avg_sq"][7] = float("nan")  # stored exact, as on the per-tensor path
+    moments[2]["exp_avg_sq"][4095] = -1.0  # likewise: log2 codes no negative value
+    ref["optimizer"]["state"][3]["exp_avg_sq"][100] = 0.0  # a zero turned positive: an absolute block
+    del ref["optimizer"]["state"][4]["exp_avg_sq"]  # no reference: coded against zeros, alone
+    ref["optimizer"]["state"][5]["exp_avg_sq"] = ref["optimizer"]["state"][5]["exp_avg_sq"][
+        :-1
+    ]  # another shape
+    grouped = quantize_state_dict(state, reference=ref, rules=DEFAULT)
+    assert spy.kernels["quantize_log2_temporal_grouped_kernel"] >= 1
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
+    alone = quantize_state_dict(state, reference=ref, rules=DEFAULT)
+    entries = grouped.entries
+    assert entries.keys() == alone.entries.keys()
+    assert entries["optimizer/state/1/exp_avg_sq"].codec == "exact"
+    assert entries["optimizer/state/2/exp_avg_sq"].codec == "exact"
+    absolute = entries["optimizer/state/3/exp_avg_sq"]
+    assert absolute.codec == "log2-temporal" and absolute.buffers["codes"][:4].view(torch.int32).item() > 0
+    assert entries["optimizer/state/4/exp_avg_sq"].params["delta"] is False
+    assert entries["optimizer/state/5/exp_avg_sq"].params["delta"] is False
+    assert entries["optimizer/state/6/exp_avg_sq"].params["delta"] is True
+    for path, entry in alone.entries.items():
+        other = entries[path]
+        assert (other.codec, other.params) == (entry.codec, entry.params), path
+        for name, buf in entry.buffers.items():
+            got, want = (b.reshape(-1).view(torch.uint8) for b in (other.buffers[name], buf))
+            assert torch.equal(got, want), (path, name)
+    assert grouped.reference_id == alone.reference_id
+
+
+def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_and_200_tensors(
+    spy, tmp_path, monkeypatch
+) -> None:
+    """Its keyframe (log2 moments, weights exact) and its first delta (log2-temporal
+    moments): the same grouped kernels and syncs whatever the number of tensors, and the
+    delta loads back to the per-tensor path's values."""
+    count_bits_choice(spy, monkeypatch)
+    counts = []
+    for n in (10, 200):
+        state = make_training_state(n, seed=n)
+        per_save = []
+        with Checkpointer(tmp_path / str(n), async_write=False, fsync=False, delta="open") as ckpt:
+            for step in (0, 1):
+                spy.ops.clear()
+                spy.kernels.clear()
+                with spy:
+                    ckpt.save(step, **state)
+                kernels = dict(spy.kernels)
+                # Still per tensor: the keyframe's log2 moments decoded to the reference
+                # the temporal deltas are coded against (deltas.keyframe_values).
+                assert kernels.pop("dequantize_log2", n) == n
+                per_save.append((spy.syncs(), kernels))
+                state = moved(state)
+            loaded = ckpt.load(1)
+        counts.append(per_save)
+    assert counts[0] == counts[1], counts
+    keyframe, delta = counts[1]
+    assert "quantize_log2_grouped_kernel" in keyframe[1]
+    assert delta[1]["quantize_log2_temporal_grouped_kernel"] <= 2
+    assert "quantize_log2_temporal" not in delta[1]
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
+    monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
+    state = make_training_state(200, seed=200)
+    with Checkpointer(tmp_path / "alone", async_write=False, fsync=False, delta="open") as ckpt:
+        ckpt.save(0, **state)
+        ckpt.save(1, **moved(state))
+        alone = ckpt.load(1)
+    for i, moments in alone["optimizer"]["state"].items():
+        got = loaded["optimizer"]["state"][i]["exp_avg_sq"]
+        assert torch.equal(got.view(torch.int32), moments["exp_avg_sq"].view(torch.int32)), i

@@ -213,8 +213,13 @@ def test_grouped_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, varia
             assert set(stores) == {"st.global.v4.b32"}, stores
         return
     assert ops.get("div.rn.f32", 0) > 0
-    if variant.op == "grouped-log2-encode":
+    if variant.op in ("grouped-log2-encode", "grouped-temporal-encode"):
         assert ops.get("cvt.rn.f32.s32", 0) > 0, ops
+    if variant.op == "grouped-temporal-encode":
+        # As the single temporal kernel: the rounded change in 64-bit integers, the
+        # absolute fallback's quotient truncated after the rounding trick.
+        assert ops.get("div.s64", 0) > 0 or ops.get("div.u64", 0) > 0, ops
+        assert ops.get("cvt.rzi.s32.f32", 0) > 0, ops
     # The flag: one atomic max per program, on 64-bit integers.
     assert [op for op in ops if op.startswith("atom.") and op.endswith("max.s64")], ops
     if variant.masked:
@@ -227,6 +232,8 @@ def test_grouped_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, varia
     if variant.op == "grouped-encode":
         widest = {8: "st.global.v4.b32", 4: "st.global.v2.b32", 2: "st.global.b32"}[variant.bits]
         assert widest in stores, stores
+    if variant.op == "grouped-temporal-encode":  # a byte per element, in 16-byte vectors
+        assert "st.global.v4.b32" in stores, stores
 
 
 # Item 5 of issue 29: bit-exactness on subnormals is proven for triton >= 3.6 only (older

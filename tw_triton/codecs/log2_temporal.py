@@ -17,7 +17,7 @@ why: docs/codecs.md ("The temporal second-moment codec").
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,12 +67,35 @@ def split_stored(
     return buf[8 * nb :], words[:nb], words[nb:]
 
 
+def group_stored(numels: Sequence[int], block: int, device: torch.device) -> list[torch.Tensor]:
+    """The stored buffers of a group of tensors of ``numels`` elements: views of one
+    ``uint8`` buffer, each tensor's codes 16-byte aligned (the grouped kernel stores them
+    in 16-byte vectors), its bounds right before them. At most 15 bytes lie between two."""
+    offsets, end = [], 0
+    for n in numels:
+        bounds = 8 * num_blocks(n, block)
+        codes = -(-(end + bounds) // 16) * 16
+        offsets.append(codes - bounds)
+        end = codes + n
+    buf = torch.empty(end, dtype=torch.uint8, device=device)
+    return [buf[o : o + stored_nbytes(n, block)] for o, n in zip(offsets, numels)]
+
+
 # The step floor is at most a quarter of the int32 range: q * S stays far inside int64.
 _MAX_MIN_STEP = 1 << 29
 
 
 def _check_min_step(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= _MAX_MIN_STEP
+
+
+def _check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
+    if x.dtype != torch.float32:
+        raise QuantizationError(f"codec {NAME!r} codes float32 tensors, got {x.dtype}")
+    if reference is not None and tuple(reference.shape) != tuple(x.shape):
+        raise QuantizationError(
+            f"reference shape {tuple(reference.shape)} does not match tensor shape {tuple(x.shape)}"
+        )
 
 
 class Log2TemporalCodec(Codec):
@@ -136,6 +159,56 @@ class Log2TemporalCodec(Codec):
         out = host_outputs(x, allocate, [(stored_nbytes(x.numel(), params["block"]), torch.uint8)])
         return self._encoded(x, params, reference, None if out is None else out[0])
 
+    def group_key(
+        self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None
+    ) -> Hashable | None:
+        # Coded against a float32 reference of its shape: grouped. Without one (a moment
+        # the reference lacks) it is coded against zeros, alone.
+        grouped = (
+            reference is not None
+            and x.dtype == reference.dtype == torch.float32
+            and tuple(reference.shape) == tuple(x.shape)
+        )
+        return () if grouped else None
+
+    def encode_group(
+        self,
+        xs: Sequence[torch.Tensor],
+        params: Mapping[str, Any],
+        references: Sequence[torch.Tensor] | None,
+        flags: torch.Tensor,
+    ) -> list[Encoded]:
+        if references is None:
+            raise QuantizationError(f"codec {NAME!r} groups only tensors coded against a reference")
+        for x, r in zip(xs, references):
+            _check_input(x, r)
+        bits, block, min_step = params["bits"], params["block"], params["min_step"]
+        stored = group_stored([x.numel() for x in xs], block, xs[0].device)
+        views = [split_stored(s, x.numel(), block) for s, x in zip(stored, xs)]
+        ops.quantize_log2_temporal_many(
+            list(xs), list(references), bits, block, min_step, flags=flags, out=views
+        )
+        return [
+            Encoded(self._entry(x, params, True, s), unusable=flags[i])
+            for i, (x, s) in enumerate(zip(xs, stored))
+        ]
+
+    def _entry(
+        self, x: torch.Tensor, params: Mapping[str, Any], delta: bool, out: torch.Tensor
+    ) -> EncodedEntry:
+        return EncodedEntry(
+            codec=self.name,
+            params={
+                "bits": params["bits"],
+                "block": params["block"],
+                "min_step": params["min_step"],
+                "delta": delta,
+            },
+            shape=tuple(x.shape),
+            dtype=x.dtype,
+            buffers={"codes": out},
+        )
+
     def _encoded(
         self,
         x: torch.Tensor,
@@ -143,12 +216,7 @@ class Log2TemporalCodec(Codec):
         reference: torch.Tensor | None,
         out: torch.Tensor | None,
     ) -> Encoded:
-        if x.dtype != torch.float32:
-            raise QuantizationError(f"codec {NAME!r} codes float32 tensors, got {x.dtype}")
-        if reference is not None and tuple(reference.shape) != tuple(x.shape):
-            raise QuantizationError(
-                f"reference shape {tuple(reference.shape)} does not match tensor shape {tuple(x.shape)}"
-            )
+        _check_input(x, reference)
         # Without a reference every block is coded against zero: zeros stay temporal, the
         # rest are absolute log2 blocks.
         ref = torch.zeros_like(x) if reference is None else reference.to(x.device, torch.float32)
@@ -161,14 +229,7 @@ class Log2TemporalCodec(Codec):
         for view, t in zip(views, got):
             if t.data_ptr() != view.data_ptr():  # a backend that allocates its own (the kernels)
                 view.copy_(t)
-        entry = EncodedEntry(
-            codec=self.name,
-            params={"bits": bits, "block": block, "min_step": min_step, "delta": reference is not None},
-            shape=tuple(x.shape),
-            dtype=x.dtype,
-            buffers={"codes": out},
-        )
-        return Encoded(entry, unusable=unusable_flag(views[2]))
+        return Encoded(self._entry(x, params, reference is not None, out), unusable=unusable_flag(views[2]))
 
     def _stored(self, entry: EncodedEntry, context: str) -> tuple[int, int, int, torch.Tensor, ...]:
         self.check_stored_params(entry.params, context)

@@ -5,9 +5,10 @@ Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
 (whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
 reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`;
-five serve a save of many device tensors with a fixed number of launches:
-:func:`quantize_blockwise_many`, :func:`quantize_log2_many`, :func:`fingerprints`,
-:func:`copy_many` and :func:`dequantize_blockwise_many` (the closed-loop advance); two more
+six serve a save of many device tensors with a fixed number of launches:
+:func:`quantize_blockwise_many`, :func:`quantize_log2_many`,
+:func:`quantize_log2_temporal_many`, :func:`fingerprints`, :func:`copy_many` and
+:func:`dequantize_blockwise_many` (the closed-loop advance); two more
 split a sparse tensor into a bitmask and its non-zero values and back
 (:func:`bitmask_encode`, :func:`bitmask_decode`). Each has one reference implementation in plain torch
 (:mod:`tw_triton.ops.reference`, the spec, serving any device) and backends registered per
@@ -256,6 +257,38 @@ def quantize_log2_temporal(
     return lookup("quantize_log2_temporal", x.device.type)(x, reference, bits, block, min_step, out=out)
 
 
+def quantize_log2_temporal_many(
+    xs: list[torch.Tensor],
+    references: list[torch.Tensor],
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    flags: torch.Tensor,
+    out: list[tuple[torch.Tensor, ...]] | None = None,
+) -> list[tuple[torch.Tensor, ...]]:
+    """:func:`quantize_log2_temporal` of many tensors on one device, each against its
+    reference, in a number of launches that does not grow with their count (on CUDA: two).
+
+    Args:
+        xs, references: float32 tensors on one device, ``references[i]`` of ``xs[i]``'s shape.
+        bits, block, min_step: as for :func:`quantize_log2_temporal`, shared by all.
+        flags: as for :func:`quantize_blockwise_many`, raised where a tensor has a
+            negative, NaN or Inf (a block with bounds ``-1``).
+        out: optional ``(codes, lo, hi)`` per tensor to write into (on CUDA written in
+            place where ``hi`` follows ``lo`` and the codes are 16-byte aligned).
+
+    Returns:
+        ``(codes, lo, hi)`` per tensor (``out``'s when given), the bytes
+        :func:`quantize_log2_temporal` gives it alone.
+    """
+    if not xs:
+        return []
+    return lookup("quantize_log2_temporal_many", xs[0].device.type)(
+        xs, references, bits, block, min_step, flags=flags, out=out
+    )
+
+
 def dequantize_log2_temporal(
     codes: torch.Tensor,
     lo: torch.Tensor,
@@ -319,6 +352,7 @@ __all__ = [
     "quantize_log2",
     "quantize_log2_many",
     "quantize_log2_temporal",
+    "quantize_log2_temporal_many",
     "register",
     "sparsity_counts",
     "using",

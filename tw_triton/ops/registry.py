@@ -29,6 +29,7 @@ OPS = (
     "bitmask_encode",
     "bitmask_decode",
     "quantize_log2_temporal",
+    "quantize_log2_temporal_many",
     "dequantize_log2_temporal",
     "log2_temporal_code_errors",
     "sparsity_counts",

@@ -3,7 +3,7 @@
 On the CPU :func:`~tw_triton.state.quantize_state_dict` encodes entries on worker threads;
 on a GPU each call is a kernel launch queued on the training stream, so this module groups
 them instead: the entries whose codec has a grouped encode (:meth:`Codec.encode_group`:
-blockwise, log2, exact) are grouped by device, codec, params and the codec's
+blockwise, log2, log2-temporal, exact) are grouped by device, codec, params and the codec's
 :meth:`Codec.group_key`, and each group is one grouped op (on CUDA a table copy and at most
 two launches per pair of dtypes). Their
 NaN/Inf flags and the fingerprints of every reference are written into one int64 buffer

@@ -271,6 +271,25 @@ def quantize_log2_temporal_cuda(
     return kernels().quantize_log2_temporal(x.contiguous(), reference.contiguous(), bits, block, min_step)
 
 
+def quantize_log2_temporal_many_cuda(
+    xs: list[torch.Tensor],
+    references: list[torch.Tensor],
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    flags: torch.Tensor,
+    out: list[tuple[torch.Tensor, ...]] | None = None,
+) -> list[tuple[torch.Tensor, ...]]:
+    """The grouped temporal encode kernel: one table copy and at most two launches, written
+    into ``out`` in place where its layout is the codec's (bounds, then 16-byte aligned
+    codes)."""
+    k = kernels()
+    gx = [_readable(x) for x in xs]
+    gr = [_readable(r if r.dtype == torch.float32 else r.float()) for r in references]
+    return k.quantize_log2_temporal_grouped(gx, gr, bits, block, min_step, flags, out=out)
+
+
 def dequantize_log2_temporal_cuda(
     codes: torch.Tensor,
     lo: torch.Tensor,
@@ -304,5 +323,6 @@ BACKEND = {
     "bitmask_encode": bitmask_encode_cuda,
     "bitmask_decode": bitmask_decode_cuda,
     "quantize_log2_temporal": quantize_log2_temporal_cuda,
+    "quantize_log2_temporal_many": quantize_log2_temporal_many_cuda,
     "dequantize_log2_temporal": dequantize_log2_temporal_cuda,
 }

@@ -20,6 +20,7 @@ from .grouped import (
     fingerprints_torch,
     quantize_blockwise_many_torch,
     quantize_log2_many_torch,
+    quantize_log2_temporal_many_torch,
 )
 from .log2 import dequantize_log2_torch, levels, quantize_log2_torch
 from .log2_temporal import (
@@ -42,6 +43,7 @@ REFERENCE = {
     "bitmask_encode": bitmask_encode_torch,
     "bitmask_decode": bitmask_decode_torch,
     "quantize_log2_temporal": quantize_log2_temporal_torch,
+    "quantize_log2_temporal_many": quantize_log2_temporal_many_torch,
     "dequantize_log2_temporal": dequantize_log2_temporal_torch,
     "log2_temporal_code_errors": log2_temporal_code_errors_torch,
     "sparsity_counts": sparsity_counts_torch,
@@ -72,6 +74,7 @@ __all__ = [
     "quantize_blockwise_many_torch",
     "quantize_blockwise_torch",
     "quantize_log2_many_torch",
+    "quantize_log2_temporal_many_torch",
     "quantize_log2_temporal_torch",
     "quantize_log2_torch",
     "release_scratch",

@@ -1,7 +1,7 @@
 """The grouped ops' reference: one tensor at a time.
 
-:func:`quantize_blockwise_many_torch` and :func:`quantize_log2_many_torch` are the
-single-tensor ops applied to each tensor (their bytes are the spec), with each tensor's
+:func:`quantize_blockwise_many_torch`, :func:`quantize_log2_many_torch` and
+:func:`quantize_log2_temporal_many_torch` are the single-tensor ops applied to each tensor (their bytes are the spec), with each tensor's
 flag raised in the caller's buffer;
 :func:`fingerprints_torch` is :func:`fingerprint_torch` of each tensor. The Triton backend
 does each in a fixed number of launches (docs/design.md, "Launches and syncs per save").
@@ -53,6 +53,37 @@ def quantize_log2_many_torch(
         bad = torch.stack([(hi < 0).any() for _, _, hi in out]).to(flags.device, torch.int64)
         flags.copy_(torch.maximum(flags, bad))
     return out
+
+
+def quantize_log2_temporal_many_torch(
+    xs: list[torch.Tensor],
+    references: list[torch.Tensor],
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    flags: torch.Tensor,
+    out: list[tuple[torch.Tensor, ...]] | None = None,
+) -> list[tuple[torch.Tensor, ...]]:
+    """:func:`tw_triton.ops.quantize_log2_temporal` of each tensor against its reference
+    (into ``out[i]`` when given); ``flags[i]`` (int64) is raised to 1 where tensor ``i``
+    has a block with bounds ``-1`` (a negative, NaN or Inf)."""
+    from .. import quantize_log2_temporal  # the single op, dispatched by device
+
+    results = []
+    for i, (x, r) in enumerate(zip(xs, references)):
+        dst = None if out is None else out[i]
+        got = quantize_log2_temporal(x, r, bits, block, min_step, out=dst)
+        if dst is not None:
+            for view, t in zip(dst, got):
+                if t.data_ptr() != view.data_ptr():  # a backend that allocates its own
+                    view.copy_(t)
+            got = dst
+        results.append(got)
+    if results:
+        bad = torch.stack([(hi < 0).any() for _, _, hi in results]).to(flags.device, torch.int64)
+        flags.copy_(torch.maximum(flags, bad))
+    return results
 
 
 def dequantize_blockwise_many_torch(

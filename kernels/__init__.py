@@ -18,6 +18,7 @@ from .quantize_blockwise_grouped import quantize_blockwise_grouped
 from .quantize_log2 import quantize_log2
 from .quantize_log2_grouped import quantize_log2_grouped
 from .quantize_log2_temporal import quantize_log2_temporal
+from .sparsity_counts_grouped import sparsity_counts_grouped
 from .tiles import aligned
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "bitmask_encode",
     "quantize_log2_temporal",
     "dequantize_log2_temporal",
+    "sparsity_counts_grouped",
 ]

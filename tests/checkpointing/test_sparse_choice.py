@@ -10,11 +10,10 @@ from _kernel_testing import bit_patterns, same_bits
 
 import tw_triton
 from tw_triton.checkpointer import Checkpointer
-from tw_triton.codecs import bitmask
+from tw_triton.codecs.bitmask import SPARSE_MIN_NUMEL, sparse_pays, sparsity_counts
 from tw_triton.ops.backends import native
 from tw_triton.ops.reference import bitmask as reference_bitmask
 from tw_triton.ops.reference import sparsity_counts_torch
-from tw_triton.codecs.bitmask import SPARSE_MIN_NUMEL, sparse_pays, sparsity_counts
 from tw_triton.state import encode as state_encode
 
 

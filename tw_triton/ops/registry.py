@@ -32,6 +32,7 @@ OPS = (
     "dequantize_log2_temporal",
     "log2_temporal_code_errors",
     "sparsity_counts",
+    "sparsity_counts_many",
 )
 
 _REFERENCE: dict[str, Callable] = {}

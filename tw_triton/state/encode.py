@@ -189,7 +189,8 @@ def quantize_state_dict(
     on_host = all(not groups_launches(t.device) for t in tensors.values())
     deferred = sorted(sparse_jobs) if decided_after_sync(on_host) else []
     later = set(deferred)
-    counts = [c for i in deferred for c in sparsity_counts(jobs[i][0])]
+    # A device's are counted by the grouped encode, into its buffer (one grouped op).
+    counts = [c for i in deferred for c in sparsity_counts(jobs[i][0])] if on_host else []
 
     def exact_entry(x: torch.Tensor) -> EncodedEntry:
         if not copy and isinstance(exact, ExactCodec) and x.is_contiguous():
@@ -300,8 +301,9 @@ def quantize_state_dict(
                 not copy and isinstance(jobs[i][2], ExactCodec) and jobs[i][0].is_contiguous()
             )
 
-        grouped = DeviceEncode(jobs, lambda i: encode_one(i)[0], kept)
+        grouped = DeviceEncode(jobs, lambda i: encode_one(i)[0], kept, deferred)
         encs, fps = grouped.run()
+        counts = grouped.counts
         scalar_buffers = list(grouped.buffers.values())
         for i, enc in enumerate(encs):
             encoded[i] = (None, None) if enc is None else finish(i, enc, jobs[i][3], fps.get(i))

@@ -7,9 +7,10 @@ their width, so zero is the all-zero bit pattern (``-0.0`` and NaN are values) a
 float instruction is involved. Tiles of ``TILE`` elements run over the table geometry of
 the other grouped kernels (``tiles.launch_grouped``: whole tiles unmasked, the tails
 masked, int64 offsets). An element starts a run where it is zero and the element before
-it is not; for a tile's first element that is the last element of the tile before, so
-each program also reads the element before each of its own (the tensor's first element
-follows nothing: a zero there starts a run). Each program adds its tile's two counts to
+it is not. A program packs the zero flags of each 16 elements of its tile into a word and
+finds the starts with shifts inside the word; for a word's first element it reads the
+element before the word (for the tile's first word, the last element of the tile before;
+the tensor's first element follows nothing: a zero there starts a run). Each program adds its tile's two counts to
 its tensor's slots with atomic adds, which do not depend on the order of the programs.
 """
 
@@ -41,25 +42,32 @@ def sparsity_counts_grouped_kernel(
     ``out_ptr[slot]`` (non-zero elements) and ``out_ptr[slot + 1]`` (runs of zeros that
     start in the tile). ``x_type_ptr`` only carries the integer type of the elements."""
     tl.static_assert(ROWS == 1)
+    WORD: tl.constexpr = 16  # elements whose zero flags make one word
     pid = tl.program_id(0).to(tl.int64)
     row = table_ptr + find_entry(table_ptr, pid, T, LOG_T) * 8
     n = tl.load(row + 4)
     tile = tl.load(row + 5) + (pid - tl.load(row + 6))
     x_ptr = tl.multiple_of(tl.load(row + 0).to(x_type_ptr.dtype, bitcast=True), 16)
-    offs = tile * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    starts = tile * BLOCK + tl.arange(0, BLOCK // WORD).to(tl.int64) * WORD
+    offs = starts[:, None] + tl.arange(0, WORD)[None, :]
     if MASKED:
         inside = offs < n
         v = tl.load(x_ptr + offs, mask=inside, other=0)
-        before = tl.load(x_ptr + (offs - 1), mask=inside & (offs > 0), other=1)
         nonzero = inside & (v != 0)
         zero = inside & (v == 0)
+        # The element before each word (a word past the end has no zero: no run).
+        before = tl.load(x_ptr + (starts - 1), mask=(starts > 0) & (starts < n), other=1)
     else:
         v = tl.load(x_ptr + offs)
-        before = tl.load(x_ptr + (offs - 1), mask=offs > 0, other=1)
         nonzero = v != 0
         zero = v == 0
-    nnz = tl.sum(nonzero.to(tl.int32), axis=0).to(tl.int64)
-    runs = tl.sum((zero & (before != 0)).to(tl.int32), axis=0).to(tl.int64)
+        before = tl.load(x_ptr + (starts - 1), mask=starts > 0, other=1)
+    # Bit j of a word: element j is zero; a run starts where the bit before it is clear.
+    bits = tl.arange(0, WORD)[None, :]
+    word = tl.sum(zero.to(tl.int32) << bits, axis=1)
+    first = word & ~((word << 1) | (before == 0).to(tl.int32))
+    nnz = tl.sum(tl.sum(nonzero.to(tl.int32), axis=1), axis=0).to(tl.int64)
+    runs = tl.sum(tl.sum((first[:, None] >> bits) & 1, axis=1), axis=0).to(tl.int64)
     slot = tl.load(row + 7)
     tl.atomic_add(out_ptr + slot, nnz, mask=nnz > 0)
     tl.atomic_add(out_ptr + slot + 1, runs, mask=runs > 0)

@@ -174,3 +174,36 @@ def test_any_group_counts_like_the_spec(tensors, seed) -> None:
             x.view(INT_VIEW[dtype])[TILE - 2 : TILE + 2] = 0 if seed % 2 else 1
         xs.append(x)
     assert grouped(xs) == spec(xs)
+
+
+def test_the_gpu_precompile_runs_the_kernel_for_every_width(monkeypatch) -> None:
+    """benchmarks/gpu/_precompile.py: each grid entry without a reference also counts its
+    tensor, so the one-tensor launches (whole tiles, tail) of both widths are compiled."""
+    import sys
+
+    from _kernel_testing import GPU_BENCH_DIR
+
+    monkeypatch.syspath_prepend(str(GPU_BENCH_DIR))
+    sys.modules.pop("_precompile", None)
+    import _precompile
+
+    seen = set()
+    real = kernel_module.sparsity_counts_grouped_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(table, out, carrier, *args, **meta):
+                seen.add((carrier.dtype, meta["MASKED"]))
+                return real[grid](table, out, carrier, *args, **meta)
+
+            return launch
+
+    monkeypatch.setattr(kernel_module, "sparsity_counts_grouped_kernel", Spy())
+    firsts = {}
+    for entry in _precompile.default_grid():
+        if not entry.has_ref:
+            firsts.setdefault(entry.dtype, entry)
+    with ops.using("sparsity_counts_many", KERNEL_DEVICE.type, sparsity_counts_many_cuda):
+        for entry in firsts.values():
+            _precompile.run_entry(entry, KERNEL_DEVICE)
+    assert seen == {(torch.int16, False), (torch.int16, True), (torch.int32, False), (torch.int32, True)}

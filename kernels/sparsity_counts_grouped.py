@@ -10,8 +10,9 @@ masked, int64 offsets). An element starts a run where it is zero and the element
 it is not. A program packs the zero flags of each 16 elements of its tile into a word and
 finds the starts with shifts inside the word; for a word's first element it reads the
 element before the word (for the tile's first word, the last element of the tile before;
-the tensor's first element follows nothing: a zero there starts a run). Each program adds its tile's two counts to
-its tensor's slots with atomic adds, which do not depend on the order of the programs.
+the tensor's first element follows nothing: a zero there starts a run). Each program adds
+its tile's two counts to its tensor's slots with atomic adds, which do not depend on the
+order of the programs.
 """
 
 from __future__ import annotations

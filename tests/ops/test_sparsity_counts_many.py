@@ -179,12 +179,9 @@ def test_any_group_counts_like_the_spec(tensors, seed) -> None:
 def test_the_gpu_precompile_runs_the_kernel_for_every_width(monkeypatch) -> None:
     """benchmarks/gpu/_precompile.py: each grid entry without a reference also counts its
     tensor, so the one-tensor launches (whole tiles, tail) of both widths are compiled."""
-    import sys
-
     from _kernel_testing import GPU_BENCH_DIR
 
     monkeypatch.syspath_prepend(str(GPU_BENCH_DIR))
-    sys.modules.pop("_precompile", None)
     import _precompile
 
     seen = set()

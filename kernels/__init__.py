@@ -19,6 +19,7 @@ from .quantize_log2 import quantize_log2
 from .quantize_log2_grouped import quantize_log2_grouped
 from .quantize_log2_temporal import quantize_log2_temporal
 from .quantize_log2_temporal_grouped import quantize_log2_temporal_grouped
+from .sparsity_counts_grouped import sparsity_counts_grouped
 from .tiles import aligned
 
 __all__ = [
@@ -37,4 +38,5 @@ __all__ = [
     "quantize_log2_temporal",
     "quantize_log2_temporal_grouped",
     "dequantize_log2_temporal",
+    "sparsity_counts_grouped",
 ]

@@ -151,6 +151,19 @@ def cases():
         ops += (("bitmask-gather", "i16"),)
         return [Variant(op, 0, 4096, dtype, None, m, cc) for op, dtype in ops for m in (False, True)]
 
+    def sparsity_counts():  # a group of each width, each tensor a whole tile and a tail
+        backend.sparsity_counts_many_cuda(
+            [torch.zeros(4096 + 16, dtype=d) for d in [f32] * GROUP + [bf16] * GROUP],
+            out=torch.zeros(4 * GROUP, dtype=torch.int64),
+        )
+
+    def sparsity_expected(cc):
+        return [
+            Variant("sparsity-counts", 0, 4096, dtype, None, m, cc)
+            for dtype in ("i32", "i16")
+            for m in (False, True)
+        ]
+
     return [
         ("blockwise-b4-B128-fp32-bf16", *blockwise(4, 128, f32, bf16)),
         ("blockwise-b8-B32-fp16-fp32", *blockwise(8, 32, f16, f32)),
@@ -180,6 +193,7 @@ def cases():
             ),
         ),
         ("bitmask", bitmask, bitmask_expected),
+        ("sparsity-counts", sparsity_counts, sparsity_expected),
     ]
 
 

@@ -156,9 +156,43 @@ def temporal_variants() -> list[Variant]:
     ]
 
 
+def sparsity_variants() -> list[Variant]:
+    """The grouped sparsity count (a save's sparse candidates): element widths (the launcher
+    passes float tensors as the integer of their width) x {main, tail} x targets."""
+    return [
+        Variant("sparsity-counts", 0, 4096, dtype, None, masked, cc)
+        for dtype in ("i16", "i32")
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+
+
 def every_variant() -> list[Variant]:
     """Everything the children compile."""
-    return all_variants() + log2_variants() + grouped_variants() + bitmask_variants() + temporal_variants()
+    return (
+        all_variants()
+        + log2_variants()
+        + grouped_variants()
+        + bitmask_variants()
+        + temporal_variants()
+        + sparsity_variants()
+    )
+
+
+def _sparsity_source(v: Variant):
+    from triton.compiler import ASTSource
+
+    from tw_triton.kernels.sparsity_counts_grouped import sparsity_counts_grouped_kernel
+
+    signature = {"table_ptr": "*i64", "out_ptr": "*i64", "x_type_ptr": f"*{v.dtype}", "T": "i32"}
+    constexprs = {"LOG_T": 4, "MASKED": v.masked, "BLOCK": v.block, "ROWS": 1}
+    signature.update({name: "constexpr" for name in constexprs})
+    # The table, the scalars buffer and the type carrier (a tensor of the group) are 16-byte
+    # aligned; T is not specialized.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
+    return ASTSource(
+        fn=sparsity_counts_grouped_kernel, signature=signature, constexprs=constexprs, attrs=attrs
+    )
 
 
 def _grouped_source(v: Variant):
@@ -318,7 +352,7 @@ def compile_variant(v: Variant):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if v.op.startswith(("log2-", "grouped-", "bitmask-", "temporal-")) or v.op == "fingerprint":
+    if v.op.startswith(("log2-", "grouped-", "bitmask-", "temporal-", "sparsity-")) or v.op == "fingerprint":
         from tw_triton.kernels.tiles import NUM_WARPS
 
         if v.op.startswith("log2-"):
@@ -327,6 +361,8 @@ def compile_variant(v: Variant):
             source = _bitmask_source(v)
         elif v.op.startswith("temporal-"):
             source = _temporal_source(v)
+        elif v.op.startswith("sparsity-"):
+            source = _sparsity_source(v)
         else:
             source = _grouped_source(v)
         return triton.compile(

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .codecs import get_codec
+from .codecs.bitmask import sparse_candidate
 from .codecs.log2_temporal import stored_nbytes as temporal_nbytes
 from .delta_bits import WIDER_BITS
 from .ops.layout import blockwise_buffers, log2_buffers
@@ -25,6 +26,10 @@ ALLOC_BYTES = 512
 # Scalars each coded entry keeps on the device until the save's one host sync: its NaN/Inf
 # flag and reference fingerprint, and their int64 copies for the transfer.
 SCALAR_BYTES_PER_ENTRY = 4 * ALLOC_BYTES
+# Device bytes of each sparse candidate (an exact float tensor of >= 4096 elements) until
+# the host sync: its two int64 counts in the save's scalars buffer, and its rows (whole
+# tiles, tail) of the grouped count's table.
+SCALAR_BYTES_PER_CANDIDATE = 2 * 8 + 2 * 64
 # A fingerprint's temporaries (a sample of 2048 elements, widened to int64, its weights,
 # their product), one entry at a time.
 FINGERPRINT_SCRATCH = 64 << 10
@@ -53,7 +58,8 @@ class DeviceMemoryBound:
         keyframe: the device buffers a keyframe encodes (its quantized entries' codes and
             per-block values, and copies of exact tensors that are not contiguous).
         delta: the same for a save between keyframes.
-        scalars: the coded entries' flags and fingerprints, until the save's host sync.
+        scalars: the coded entries' flags and fingerprints, and the sparse candidates'
+            counts, until the save's host sync.
         scratch: a save's temporaries beside its buffers, one entry at a time: the
             largest delta-coded tensor once for a closed-loop advance (decoded, then copied
             into the reference) and once more for a host reference (its copy on the device
@@ -149,6 +155,7 @@ def device_memory_bound(
     key_rules = keyframe_rules(rule_list)
     reference = keyframe = delta = largest = flag = temporal = 0
     coded = {True: 0, False: 0}  # coded entries of a keyframe, of a delta
+    candidates = {True: 0, False: 0}  # their sparse candidates (counted on the device)
     for path, t in distinct.values():
         rule = select_rule(rule_list, path, t)
         codec = get_codec(rule.codec)
@@ -165,6 +172,8 @@ def device_memory_bound(
             if r.codec != "exact":
                 coded[key] += 1
                 flag = max(flag, allocated(-(-t.numel() // r.params.get("block", 1))))
+            elif sparse_candidate(t):
+                candidates[key] += 1
         delta += _save_nbytes(rule, t)
         if rule.codec == "log2-temporal":
             # An entry encoded alone: the kernel's outputs (codes, lo, hi) before they are
@@ -173,7 +182,8 @@ def device_memory_bound(
             temporal = max(temporal, allocated(t.numel()) + 2 * allocated(4 * nb))
         keyframe += _save_nbytes(select_rule(key_rules, path, t), t)
     entries = max(coded.values())
-    scalars = entries * SCALAR_BYTES_PER_ENTRY + allocated(8 * entries)
+    held = max(8 * coded[k] + SCALAR_BYTES_PER_CANDIDATE * candidates[k] for k in coded)
+    scalars = entries * SCALAR_BYTES_PER_ENTRY + allocated(held)
     scratch = largest * ((delta_mode == "closed") + host_reference) + flag + temporal
     if largest:
         scratch += FINGERPRINT_SCRATCH

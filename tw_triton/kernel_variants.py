@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import ops
 from .codecs import ExactCodec, get_codec
 from .codecs.bitmask import sparse_candidate
 from .delta_bits import WIDER_BITS
@@ -162,9 +163,18 @@ def _small(x: torch.Tensor, rule: Any, codec: Any, grouped: bool) -> torch.Tenso
     else:  # the single-tensor kernels tile by block (bitmask: by TILE_ELEMENTS)
         n = representative_numel(n, rule.params.get("block", TILE_ELEMENTS))
     gen = torch.Generator().manual_seed(n)
-    if x.is_floating_point():  # positive: the log2 codecs code it
-        return (torch.rand(n, generator=gen) + 0.5).to(x.dtype).to(x.device)
-    return torch.ones(n, dtype=x.dtype, device=x.device)
+    if not x.is_floating_point():
+        return torch.ones(n, dtype=x.dtype, device=x.device)
+    small = (torch.rand(n + 1, generator=gen) + 0.5).to(x.dtype).to(x.device)
+    # A sparse candidate that the grouped count cannot read in place (contiguous and
+    # 16-byte aligned, kernels/tiles.py) is counted alone: its small tensor is not either.
+    if (
+        isinstance(codec, ExactCodec)
+        and sparse_candidate(x)
+        and not (x.is_contiguous() and x.data_ptr() % 16 == 0)
+    ):
+        return small[1:]
+    return small[:n]
 
 
 def _with_bits(rule: Any, bits: int) -> Any:
@@ -199,12 +209,37 @@ def _encode_as_saved(jobs: list[tuple], small: list[tuple], copy: bool) -> list[
         return enc
 
     # The small jobs group as the state's (group keys see devices, codecs, params and
-    # whether a reference is given): the same groups, member counts and slots.
-    encoded = DeviceEncode(small, alone, lambda i: _kept(jobs[i], copy)).run()[0]
+    # whether a reference is given): the same groups, member counts and slots; the sparse
+    # candidates are counted in one grouped op, as the save counts them.
+    counted = [
+        i for i, (x, _, codec, _) in enumerate(jobs) if isinstance(codec, ExactCodec) and sparse_candidate(x)
+    ]
+    encoded = DeviceEncode(small, alone, lambda i: _kept(jobs[i], copy), counted).run()[0]
+    if copy:
+        _dense_copies([small[i][0] for i in counted])
     for enc, (_, rule, _, _) in zip(encoded, small):
         if enc is not None and enc.entry.codec != "bitmask":
             enc.entry.codec = rule.codec
     return encoded
+
+
+def _dense_copies(candidates: list[torch.Tensor]) -> None:
+    """The grouped copy a save makes after its host read of the sparse candidates that are
+    not sparse (with ``copy``): which those are depends on the values, so one copy for each
+    count of them that launches differently (its table's rows being 1 or a multiple of
+    16, and the binary search's steps), whole tiles and tails apart."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for x in candidates:
+        by_device.setdefault(x.device, []).append(x)
+    for device, xs in by_device.items():
+        nbytes = [x.numel() * x.element_size() for x in xs]
+        whole = sum(n >= COPY_TILE_BYTES for n in nbytes)
+        tails = sum(n % COPY_TILE_BYTES != 0 for n in nbytes)
+        for count, size in ((whole, COPY_TILE_BYTES), (tails, 16)):
+            keys = {(r == 1, r % 16 == 0, (r - 1).bit_length()): r for r in range(1, count + 1)}
+            x = torch.zeros(size, dtype=torch.uint8, device=device)
+            for r in keys.values():
+                ops.copy_many([x] * r)
 
 
 def precompile_saves(

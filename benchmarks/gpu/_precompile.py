@@ -13,7 +13,8 @@ The grid is derived, not listed: the rules of every preset in ``tw_triton.rules.
 (``Checkpointer``'s default ``bits`` and ``block``), resolved on an LM-shaped state; each
 rule whose codec has a kernel gives an entry per float dtype, with and without a reference
 if the codec codes deltas. Each entry runs encode and decode at three sizes: whole tiles
-only, and with a masked tail at an ``n`` that is and is not a multiple of 16.
+only, and with a masked tail at an ``n`` that is and is not a multiple of 16; an entry
+without a reference also runs the grouped sparsity count of its tensor.
 
 Under ``TRITON_INTERPRET=1`` or without CUDA nothing compiles: :func:`precompile` lists the
 grid and its shares and returns (the pool itself is tested on the CPU by running the CPU
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tw_triton import Checkpointer
+from tw_triton import Checkpointer, ops
 from tw_triton.codecs import get_codec
 from tw_triton.rules import PRESETS, resolve_rules
 
@@ -135,6 +136,11 @@ def run_entry(entry: Entry, device: torch.device) -> None:
         ref = (x * 0.99).contiguous() if entry.has_ref else None
         enc = codec.encode(x, params, ref)
         codec.decode(enc.entry, ref, device, f"precompile {entry.label()}")
+        if not entry.has_ref:
+            # The grouped count of a save's sparse candidates (exact float tensors of this
+            # dtype), for one tensor; larger groups specialize on their table's size:
+            # Checkpointer.prepare runs those.
+            ops.sparsity_counts_many([x], out=torch.zeros(2, dtype=torch.int64, device=device))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

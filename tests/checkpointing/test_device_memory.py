@@ -421,3 +421,29 @@ def test_a_grouped_temporal_encode_holds_no_more_than_the_bound_counts(numels, b
     held = allocated(stored[0].untyped_storage().nbytes())
     params = {"bits": 4, "block": block}
     assert held <= sum(encoded_nbytes("log2-temporal", params, torch.empty(n)) for n in numels)
+def test_the_scalars_part_holds_the_sparse_candidates_counts(monkeypatch):
+    """Exact float tensors of >= 4096 elements are counted on the device into the save's
+    scalars buffer (two int64 each) through a table of their rows: the bound's scalars part
+    grows with them, and holds the buffer a device save allocates (forced here on CPU
+    tensors)."""
+    from tw_triton.device_memory import SCALAR_BYTES_PER_CANDIDATE, device_memory_bound
+    from tw_triton.state import encode as state_encode
+    from tw_triton.state import grouped
+
+    state = {f"w{i}": torch.ones(4096 + i) for i in range(300)}
+    state["small"] = torch.ones(4095)  # not a candidate
+    bound = device_memory_bound(
+        state, "exact", bits=8, block=128, delta_mode="none", max_pending=0, host_reference=False
+    )
+    assert bound.scalars == -(-300 * SCALAR_BYTES_PER_CANDIDATE // 512) * 512
+    buffers = []
+    real = grouped.DeviceEncode.run
+
+    def run(self):
+        buffers.extend(self.buffers.values())
+        return real(self)
+
+    monkeypatch.setattr(state_encode, "groups_launches", lambda device: True)
+    monkeypatch.setattr(grouped.DeviceEncode, "run", run)
+    tw_triton.quantize_state_dict(state, rules="exact", copy=False)
+    assert sum(b.numel() * b.element_size() for b in buffers) == 300 * 16 <= bound.scalars

@@ -98,6 +98,7 @@ def spy(monkeypatch):
         ("tw_triton.kernels.copy_grouped", "copy_grouped_kernel"),
         ("tw_triton.kernels.dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
         ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
+        ("tw_triton.kernels.sparsity_counts_grouped", "sparsity_counts_grouped_kernel"),
     ]:
         mod = importlib.import_module(module)
         monkeypatch.setattr(mod, name, SpiedKernel(getattr(mod, name), name, spy))
@@ -115,20 +116,22 @@ def spy(monkeypatch):
         "fingerprints": triton_backend.fingerprints_cuda,
         "copy_many": triton_backend.copy_many_cuda,
         "dequantize_blockwise_many": triton_backend.dequantize_blockwise_many_cuda,
+        "sparsity_counts_many": triton_backend.sparsity_counts_many_cuda,
     }
     with contextlib.ExitStack() as stack:
         for op, fn in grouped.items():
             stack.enter_context(ops.using(op, "cpu", fn))
         # The single-tensor ops count as a launch each: on the CPU they run in the
         # compiled codec, which the dispatch spy does not see.
-        for op in (
+        single = (
             "quantize_blockwise",
             "dequantize_blockwise",
             "quantize_log2",
             "dequantize_log2",
             "quantize_log2_temporal",
             "dequantize_log2_temporal",
-        ):
+        )
+        for op in (*single, "sparsity_counts", "bitmask_encode"):
             stack.enter_context(ops.using(op, "cpu", spy.counted(op, ops.lookup(op, "cpu"))))
         yield spy
 
@@ -225,7 +228,13 @@ def test_an_open_loop_checkpointer_costs_the_same_for_10_and_200_tensors(spy, tm
     assert counts[0] == counts[1], counts
     keyframe, delta = counts[1]
     # The keyframe stores the delta-coded entries exact (copies); log2 codes the moments.
-    assert keyframe[2] == {"copy_grouped_kernel": 2, "quantize_log2_grouped_kernel": 4}
+    # Its weights of 5000 elements are sparse candidates: counted in one grouped op (two
+    # widths), and copied after the host read (dense), in one grouped copy.
+    assert keyframe[2] == {
+        "copy_grouped_kernel": 4,
+        "quantize_log2_grouped_kernel": 4,
+        "sparsity_counts_grouped_kernel": 4,
+    }
     assert keyframe[1] == 1
     assert delta[1] == 1
 
@@ -419,3 +428,63 @@ def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_a
     for i, moments in alone["optimizer"]["state"].items():
         got = loaded["optimizer"]["state"][i]["exp_avg_sq"]
         assert torch.equal(got.view(torch.int32), moments["exp_avg_sq"].view(torch.int32)), i
+
+
+# A keyframe's rules: every float tensor exact but the second moments (log2).
+KEYFRAME = [("*exp_avg_sq", {"codec": "log2", "bits": 4, "block": 64}), ("*", "exact")]
+
+
+def keyframe_state(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """``n`` exact float tensors of at least 4096 elements (sparse candidates): among the
+    first eight, sparse ones (half zeros, stored by bitmask) and dense ones of both widths,
+    with a tail and without, beside a small exact tensor and a second moment each; the
+    others dense and of whole tiles (so that 10 and 200 hold the same kinds and the same
+    sparse tensors)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(n):
+        if i < 8:
+            out[f"layer{i}.bias"] = torch.randn(1100 + 3 * i, generator=gen)
+            out[f"layer{i}.exp_avg_sq"] = torch.rand(5000, generator=gen)
+        dtype = torch.bfloat16 if i % 2 else torch.float32
+        x = torch.randn(4096 + (i % 3) * 37 if i < 8 else 4096, generator=gen)
+        if i < 8 and i % 4 < 2:
+            x[torch.rand(x.shape, generator=gen) < 0.5] = 0.0
+        out[f"layer{i}.kernel"] = x.to(dtype)
+    return out
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_keyframe_counts_its_sparse_candidates_in_grouped_launches(spy, monkeypatch, copy) -> None:
+    """Exact float tensors of >= 4096 elements are sparse candidates: their counts join the
+    one host read through one grouped op, and the dense ones are copied (``copy``) in one
+    grouped copy after it, whatever their number; the files are the per-tensor path's."""
+    counts, saved = [], []
+    for n in (10, 200):
+        state = keyframe_state(n, seed=n)
+        spy.ops.clear()
+        spy.kernels.clear()
+        with spy:
+            q = quantize_state_dict({"model": state}, rules=KEYFRAME, copy=copy)
+        counts.append((spy.launches(), spy.syncs(), dict(spy.kernels)))
+        saved.append((state, q))
+    assert counts[0] == counts[1], counts
+    launches, syncs, kernels = counts[1]
+    assert syncs == 1
+    # Two widths, each with whole tiles and tails: at most two launches each.
+    assert kernels["sparsity_counts_grouped_kernel"] == 4
+    # With copy: the small exact tensors before the host read, the dense candidates after
+    # (without, both are stored as they are).
+    assert kernels.get("copy_grouped_kernel", 0) == (4 if copy else 0), kernels
+    state, grouped = saved[1]
+    codecs = {p.removeprefix("model/"): e.codec for p, e in grouped.entries.items()}
+    assert {p for p, c in codecs.items() if c == "bitmask"} == {f"layer{i}.kernel" for i in (0, 1, 4, 5)}
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
+    alone = quantize_state_dict({"model": state}, rules=KEYFRAME, copy=copy)
+    assert list(grouped.entries) == list(alone.entries)
+    for path, entry in alone.entries.items():
+        other = grouped.entries[path]
+        assert (other.codec, other.params, other.shape) == (entry.codec, entry.params, entry.shape), path
+        for name, buf in entry.buffers.items():
+            got, want = (b.reshape(-1).view(torch.uint8) for b in (other.buffers[name], buf))
+            assert torch.equal(got, want), (path, name)

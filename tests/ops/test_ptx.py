@@ -322,3 +322,31 @@ def test_bitmask_variant_compiles_to_integer_vectorized_ptx(ptx_facts: dict, var
     if variant.op == "bitmask-gather":
         assert "st.global.v4.b32" in stores and "st.global.b64" not in stores, stores
         assert not [op for op in stores if op.endswith((".b8", ".b16", ".b32")) and ".v" not in op], stores
+
+
+SPARSITY_VARIANTS = _ptx.sparsity_variants()
+
+
+@pytest.mark.parametrize("variant", SPARSITY_VARIANTS, ids=lambda v: v.label)
+def test_sparsity_count_variant_compiles_to_integer_ptx(ptx_facts: dict, variant: _ptx.Variant) -> None:
+    """The grouped count of a save's sparse candidates compares bit patterns: no float
+    instruction at all (``-0.0`` and NaN are values), int64 addressing, the counts added
+    with 64-bit atomics, the tile read as 16-byte vectors in the main launch."""
+    facts = ptx_facts[variant.label]
+    ops = facts["opcodes"]
+    assert facts["cubin_bytes"] > 0
+    assert facts["ptx_target"].startswith(f"sm_{variant.cc}"), facts["ptx_target"]
+    floats = [op for op in ops if re.search(r"\.(f16|bf16|f32|f64)(x2)?(\.|$)", op)]
+    assert not floats, floats
+    assert facts["ctaid_uses"], "program id register never read"
+    narrow = [op for op in facts["ctaid_uses"] if not _WIDE.match(op)]
+    assert not narrow, f"program id used in 32-bit arithmetic: {narrow}"
+    atomics = [op for op in ops if op.startswith(("atom.", "red.")) and op.endswith(("add.u64", "add.s64"))]
+    assert atomics, ops
+    assert "ld.global.b64" in ops, ops  # the table
+    if not variant.masked:
+        # The tile in vectors, then one element per thread (the one before its word of 16
+        # elements): the tile is not read a second time.
+        loads = _ops(facts, "ld.global")
+        assert "ld.global.v4.b32" in loads, loads
+        assert loads.get("ld.global.b16", 0) + loads.get("ld.global.b32", 0) == 1, loads

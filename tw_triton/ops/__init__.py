@@ -5,10 +5,11 @@ Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
 (whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
 reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`;
-six serve a save of many device tensors with a fixed number of launches:
+seven serve a save of many device tensors with a fixed number of launches:
 :func:`quantize_blockwise_many`, :func:`quantize_log2_many`,
-:func:`quantize_log2_temporal_many`, :func:`fingerprints`, :func:`copy_many` and
-:func:`dequantize_blockwise_many` (the closed-loop advance); two more
+:func:`quantize_log2_temporal_many`, :func:`fingerprints`, :func:`copy_many`,
+:func:`dequantize_blockwise_many` (the closed-loop advance) and
+:func:`sparsity_counts_many` (a save's sparse candidates); two more
 split a sparse tensor into a bitmask and its non-zero values and back
 (:func:`bitmask_encode`, :func:`bitmask_decode`). Each has one reference implementation in plain torch
 (:mod:`tw_triton.ops.reference`, the spec, serving any device) and backends registered per
@@ -333,6 +334,18 @@ def sparsity_counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lookup("sparsity_counts", x.device.type)(x)
 
 
+def sparsity_counts_many(xs: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
+    """:func:`sparsity_counts` of many tensors on one device, added to ``out`` (int64,
+    ``2 * len(xs)`` elements on their device, zero-filled by the caller: a save's scalars
+    buffer): ``out[2i]`` and ``out[2i + 1]`` grow by ``xs[i]``'s ``nnz`` and ``runs``. On
+    CUDA a table copy and at most two launches per element width, whatever the number of
+    tensors (docs/design.md, "Launches and syncs per save"); nothing is read back. Returns
+    ``out``."""
+    if not xs:
+        return out
+    return lookup("sparsity_counts_many", xs[0].device.type)(xs, out=out)
+
+
 __all__ = [
     "OPS",
     "backends",
@@ -355,5 +368,6 @@ __all__ = [
     "quantize_log2_temporal_many",
     "register",
     "sparsity_counts",
+    "sparsity_counts_many",
     "using",
 ]

@@ -34,6 +34,7 @@ OPS = (
     "log2_temporal_code_errors",
     "sparsity_counts",
     "delta_statistics",
+    "sparsity_counts_many",
 )
 
 _REFERENCE: dict[str, Callable] = {}

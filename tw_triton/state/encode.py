@@ -37,6 +37,8 @@ from .partners import encode_partnered, plan_partners
 from .references import flat_reference, reference_tensor
 
 logger = logging.getLogger(__name__)
+# The flags of a group that raises none (exact copies).
+FLAGLESS = torch.zeros(0, dtype=torch.int64)
 
 Progress = Callable[[int, int], None]
 
@@ -191,7 +193,8 @@ def quantize_state_dict(
     on_host = all(not groups_launches(t.device) for t in tensors.values())
     deferred = sorted(sparse_jobs) if decided_after_sync(on_host) else []
     later = set(deferred)
-    counts = [c for i in deferred for c in sparsity_counts(jobs[i][0])]
+    # A device's are counted by the grouped encode, into its buffer (one grouped op).
+    counts = [c for i in deferred for c in sparsity_counts(jobs[i][0])] if on_host else []
 
     def exact_entry(x: torch.Tensor) -> EncodedEntry:
         if not copy and isinstance(exact, ExactCodec) and x.is_contiguous():
@@ -202,6 +205,22 @@ def quantize_state_dict(
             entry = exact.encode_with(x, {}, None, allocate).entry
         entry.codec = "exact"
         return entry
+
+    def exact_entries(xs: list[torch.Tensor]) -> list[EncodedEntry]:
+        """:func:`exact_entry` of each; on a device, the copies in one grouped op per device."""
+        out: dict[int, EncodedEntry] = {}
+        by_device: dict[torch.device, list[int]] = {}
+        for k, x in enumerate(xs):
+            if on_host or not isinstance(exact, ExactCodec) or (not copy and x.is_contiguous()):
+                out[k] = exact_entry(x)
+            else:
+                by_device.setdefault(x.device, []).append(k)
+        for members in by_device.values():
+            encs = exact.encode_group([xs[k] for k in members], {}, None, FLAGLESS)  # type: ignore[union-attr]
+            for k, enc in zip(members, encs):
+                enc.entry.codec = "exact"
+                out[k] = enc.entry
+        return [out[k] for k in range(len(xs))]
 
     def sparse_entry(x: torch.Tensor, nnz: int, runs: int) -> EncodedEntry | None:
         if not sparse_pays(x.numel(), nnz, x.element_size(), runs):
@@ -302,8 +321,9 @@ def quantize_state_dict(
                 not copy and isinstance(jobs[i][2], ExactCodec) and jobs[i][0].is_contiguous()
             )
 
-        grouped = DeviceEncode(jobs, lambda i: encode_one(i)[0], kept)
+        grouped = DeviceEncode(jobs, lambda i: encode_one(i)[0], kept, deferred)
         encs, fps = grouped.run()
+        counts = grouped.counts
         scalar_buffers = list(grouped.buffers.values())
         for i, enc in enumerate(encs):
             encoded[i] = (None, None) if enc is None else finish(i, enc, jobs[i][3], fps.get(i))
@@ -328,9 +348,15 @@ def quantize_state_dict(
         [f for _, f in flagged] + [f for _, f in fingerprinted] + counts, scalar_buffers
     )
     read = values[len(flagged) + len(fingerprinted) :]
+    dense = []
     for i, nnz, runs in zip(deferred, read[0::2], read[1::2]):
-        x = jobs[i][0]
-        entries[canonical[i]] = sparse_entry(x, nnz, runs) or exact_entry(x)
+        entry = sparse_entry(jobs[i][0], nnz, runs)
+        if entry is None:
+            dense.append(i)
+        else:
+            entries[canonical[i]] = entry
+    for i, entry in zip(dense, exact_entries([jobs[i][0] for i in dense])):
+        entries[canonical[i]] = entry
     if deferred:
         entries = {path: entries[path] for path in canonical}
     for (path, _), bad in zip(flagged, values[: len(flagged)]):

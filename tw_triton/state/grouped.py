@@ -7,8 +7,9 @@ blockwise, log2, log2-temporal, exact) are grouped by device, codec, params and 
 :meth:`Codec.group_key`, and each group is one grouped op (on CUDA a table copy and at most
 two launches per pair of dtypes). Their
 NaN/Inf flags and the fingerprints of every reference are written into one int64 buffer
-per device (one zero-fill), which the state API reads with one copy and one event
-(:func:`~tw_triton.state.fingerprints.read_device_scalars`). Entries of other codecs are
+per device (one zero-fill), and so are the sparse candidates' counts (one grouped op,
+:func:`~tw_triton.ops.sparsity_counts_many`); the state API reads it with one copy and one
+event (:func:`~tw_triton.state.fingerprints.read_device_scalars`). Entries of other codecs are
 encoded alone, as on the CPU. Why: docs/design.md ("Launches and syncs per save").
 """
 
@@ -57,6 +58,8 @@ class DeviceEncode:
         jobs: the entries, as planned by the state API.
         encode_alone: encodes entry ``i`` by itself (the path of ungrouped codecs).
         alone: whether entry ``i`` must be encoded by itself (e.g. kept as it is).
+        counted: entries whose sparsity counts join the buffer (the sparse candidates,
+            decided after the host read): :attr:`counts` holds them after :meth:`run`.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class DeviceEncode:
         jobs: Sequence[Job],
         encode_alone: Callable[[int], Encoded],
         alone: Callable[[int], bool] = lambda i: False,
+        counted: Sequence[int] = (),
     ) -> None:
         self.jobs, self.encode_alone = jobs, encode_alone
         groups: dict[Any, list[int]] = {}
@@ -86,6 +90,9 @@ class DeviceEncode:
         for i, (_, _, _, ref) in enumerate(jobs):
             if ref is not None:
                 self.fp_at[i] = self.slot(ref.device)
+        # Then two slots (nnz, runs) per counted entry, a device's consecutive.
+        self.count_at = {i: (self.slot(jobs[i][0].device), self.slot(jobs[i][0].device)) for i in counted}
+        self.counts: list[torch.Tensor] = []
         self.buffers = {d: torch.zeros(n, dtype=torch.int64, device=d) for d, n in self.sizes.items()}
 
     def slot(self, device: torch.device) -> int:
@@ -123,7 +130,22 @@ class DeviceEncode:
             ops.fingerprints([self.jobs[i][3] for i in members], out=out)  # type: ignore[misc]
             for k, i in enumerate(members):
                 fps[i] = out[k]
+        self.count_sparsity()
         return encoded, fps
+
+    def count_sparsity(self) -> None:
+        """The counted entries' ``(nnz, runs)`` into their slots, one grouped op per
+        device; :attr:`counts` gets them as 0-dim views, in the order of ``counted``."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i in self.count_at:
+            by_device.setdefault(self.jobs[i][0].device, []).append(i)
+        for device, members in by_device.items():
+            first = self.count_at[members[0]][0]
+            out = self.buffers[device][first : first + 2 * len(members)]
+            ops.sparsity_counts_many([self.jobs[i][0] for i in members], out=out)
+        self.counts = [
+            self.buffers[self.jobs[i][0].device][s] for i in self.count_at for s in self.count_at[i]
+        ]
 
 
 def decode_grouped(

@@ -258,6 +258,24 @@ def bitmask_decode_cuda(
     return _out(kernels().bitmask_decode(mask.contiguous(), values.contiguous(), numel), out)
 
 
+def sparsity_counts_many_cuda(xs: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
+    """The grouped count kernel for the tensors it reads in place (contiguous, 16-byte
+    aligned, 2 or 4 bytes an element): one table copy and at most two launches per element
+    width; the single op for each other one (no copy of a whole tensor)."""
+    from ..registry import lookup
+
+    k = kernels()
+    widths: dict[int, list[int]] = {}
+    for i, x in enumerate(xs):
+        if x.element_size() in (2, 4) and k.aligned(x):
+            widths.setdefault(x.element_size(), []).append(i)
+        else:
+            out[2 * i : 2 * i + 2] += torch.stack(lookup("sparsity_counts", x.device.type)(x))
+    for members in widths.values():
+        k.sparsity_counts_grouped([xs[i].detach() for i in members], out, [2 * i for i in members])
+    return out
+
+
 def quantize_log2_temporal_cuda(
     x: torch.Tensor,
     reference: torch.Tensor,
@@ -325,4 +343,5 @@ BACKEND = {
     "quantize_log2_temporal": quantize_log2_temporal_cuda,
     "quantize_log2_temporal_many": quantize_log2_temporal_many_cuda,
     "dequantize_log2_temporal": dequantize_log2_temporal_cuda,
+    "sparsity_counts_many": sparsity_counts_many_cuda,
 }

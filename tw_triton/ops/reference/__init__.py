@@ -7,7 +7,13 @@ and values by the tests. The codecs' rules are stated in docs/codecs.md.
 
 from __future__ import annotations
 
-from .bitmask import bitmask_decode_torch, bitmask_encode_torch, nonzero_count, sparsity_counts_torch
+from .bitmask import (
+    bitmask_decode_torch,
+    bitmask_encode_torch,
+    nonzero_count,
+    sparsity_counts_many_torch,
+    sparsity_counts_torch,
+)
 from .blockwise_decode import crumb_table, dequantize_blockwise_torch, signed_codes
 from .blockwise_encode import nearest_integer_at_ties, pack_codes, quantize_blockwise_torch
 from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, scratch_buffers
@@ -48,6 +54,7 @@ REFERENCE = {
     "log2_temporal_code_errors": log2_temporal_code_errors_torch,
     "sparsity_counts": sparsity_counts_torch,
     "delta_statistics": delta_statistics_torch,
+    "sparsity_counts_many": sparsity_counts_many_torch,
 }
 
 __all__ = [
@@ -81,5 +88,6 @@ __all__ = [
     "scratch",
     "scratch_buffers",
     "signed_codes",
+    "sparsity_counts_many_torch",
     "sparsity_counts_torch",
 ]

@@ -57,6 +57,18 @@ def sparsity_counts_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return nnz, runs
 
 
+def sparsity_counts_many_torch(xs: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
+    """Add each tensor's :func:`tw_triton.ops.sparsity_counts` (the single op, dispatched by
+    device) to ``out`` (int64, ``2 * len(xs)`` elements): ``out[2i] += nnz``,
+    ``out[2i + 1] += runs`` of ``xs[i]``. Returns ``out``."""
+    from .. import sparsity_counts  # the single op, dispatched by device
+
+    if xs:
+        counts = [c.to(out.device) for x in xs for c in sparsity_counts(x)]
+        out.add_(torch.stack(counts))
+    return out
+
+
 def nonzero_count(x: torch.Tensor) -> torch.Tensor:
     """The number of elements of ``x`` whose bit pattern is not zero: a 0-dim int64 tensor
     on ``x``'s device (one reduction, no host sync)."""

@@ -421,6 +421,8 @@ def test_a_grouped_temporal_encode_holds_no_more_than_the_bound_counts(numels, b
     held = allocated(stored[0].untyped_storage().nbytes())
     params = {"bits": 4, "block": block}
     assert held <= sum(encoded_nbytes("log2-temporal", params, torch.empty(n)) for n in numels)
+
+
 def test_the_scalars_part_holds_the_sparse_candidates_counts(monkeypatch):
     """Exact float tensors of >= 4096 elements are counted on the device into the save's
     scalars buffer (two int64 each) through a table of their rows: the bound's scalars part

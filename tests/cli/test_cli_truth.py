@@ -329,3 +329,16 @@ def test_convert_help_states_the_default_is_lossless(capsys):
     assert main(["convert", "--help"]) == EXIT_OK
     text = " ".join(capsys.readouterr().out.split())
     assert "Lossless by default" in text and "--lossy" in text
+
+
+def test_only_codecs_that_give_back_every_bit_count_as_lossless():
+    """What `tw convert` reports as lossless: the exact and bitmask codecs, no other."""
+    from tw_triton.codecs import codec_names, get_codec
+
+    assert {n for n in codec_names() if get_codec(n).lossless} == {"exact", "bitmask"}
+    x = torch.randn(5000)
+    x[::3] = 0.0
+    for name in ("exact", "bitmask"):
+        codec = get_codec(name)
+        enc = codec.encode(x, codec.resolve_params({}, bits=8, block=128), None)
+        assert torch.equal(codec.decode(enc.entry, None, None, "t").view(torch.int32), x.view(torch.int32))

@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 import torch
 
+from ..codecs import get_codec
 from ..errors import TwTritonError
 from ..lowbit import installed_classes
 from ..state import quantize_state_dict, save
@@ -110,8 +111,8 @@ def convert_rules(args: argparse.Namespace) -> str:
 
 def _loss_line(qstate: Any, rules: str) -> str:
     """What the conversion kept: lossless, or which entries were quantized and how."""
-    # bitmask is lossless too: sparse tensors of an exact conversion.
-    lossy = {p: e for p, e in qstate.entries.items() if e.codec not in ("exact", "bitmask")}
+    # Sparse tensors of an exact conversion are bitmask entries: lossless too.
+    lossy = {p: e for p, e in qstate.entries.items() if not getattr(get_codec(e.codec), "lossless", False)}
     if not lossy:
         return f"lossless: every tensor stored exactly (rules {rules})"
     codecs = sorted({codec_label(e.codec, e.params) for e in lossy.values()})

@@ -51,6 +51,9 @@ class Codec(ABC):
     #: Whether entries are coded with another entry's decoded tensor, their partner
     #: (:meth:`partner_path`; the state API encodes them last and decodes them last).
     has_partners: bool = False
+    #: Whether a decode gives back every bit of what was encoded (``tw convert`` reports a
+    #: file holding only such entries as lossless).
+    lossless: bool = False
 
     @abstractmethod
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:

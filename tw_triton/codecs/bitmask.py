@@ -81,6 +81,7 @@ class BitmaskCodec(Codec):
     doc)."""
 
     name = "bitmask"
+    lossless = True
     has_kernel = True
     _KEYS = frozenset({"packing"})
 

@@ -41,6 +41,7 @@ class ExactCodec(Codec):
     """Stores the tensor unchanged (a contiguous clone)."""
 
     name = "exact"
+    lossless = True
 
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:
         if params:

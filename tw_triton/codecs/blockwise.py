@@ -121,6 +121,29 @@ class QuantizedTensor:
         """Stored bytes: packed codes plus fp32 scales."""
         return self.codes.numel() + 4 * self.scales.numel()
 
+    @classmethod
+    def stored(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        bits: int,
+        block: int,
+        device: torch.device,
+    ) -> QuantizedTensor:
+        """The encoding of a checked stored entry's ``codes`` and ``scales``, on ``device``
+        (a stored entry holds no NaN/Inf block: such tensors are stored exact)."""
+        return cls(
+            codes=move_to(codes.reshape(-1), device),
+            scales=move_to(scales.reshape(-1), device),
+            shape=shape,
+            dtype=dtype,
+            bits=bits,
+            block=block,
+            nonfinite=torch.zeros((), dtype=torch.bool, device=device),
+        )
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> QuantizedTensor:
         """A copy of this encoding on another device (the codes do not change)."""
         return QuantizedTensor(
@@ -440,15 +463,7 @@ class BlockwiseCodec(Codec):
         if delta and reference is None:
             raise CheckpointError(f"{context}: delta entry decoded without its reference tensor")
         dev = codes.device if device is None else device
-        q = QuantizedTensor(
-            codes=move_to(codes.reshape(-1), dev),
-            scales=move_to(scales.reshape(-1), dev),
-            shape=tuple(entry.shape),
-            dtype=entry.dtype,
-            bits=bits,  # type: ignore[arg-type]
-            block=block,  # type: ignore[arg-type]
-            nonfinite=torch.zeros((), dtype=torch.bool, device=dev),
-        )
+        q = QuantizedTensor.stored(codes, scales, tuple(entry.shape), entry.dtype, bits, block, dev)
         ref = move_to(reference, dev) if reference is not None else None
         return dequantize(q, reference=ref if delta else None)
 

@@ -170,15 +170,7 @@ class BlockwiseUpdateCodec(Codec):
                 f"{tuple(partner.shape)}, expected float32 of shape {tuple(entry.shape)}"
             )
         dev = codes.device if device is None else device
-        q = QuantizedTensor(
-            codes=move_to(codes.reshape(-1), dev),
-            scales=move_to(scales.reshape(-1), dev),
-            shape=tuple(entry.shape),
-            dtype=torch.float32,
-            bits=bits,  # type: ignore[arg-type]
-            block=block,  # type: ignore[arg-type]
-            nonfinite=torch.zeros((), dtype=torch.bool, device=dev),
-        )
+        q = QuantizedTensor.stored(codes, scales, tuple(entry.shape), torch.float32, bits, block, dev)
         m = dequantize(q).mul_(denominator(move_to(partner, dev), entry.params["eps"]))
         # Saturated as the blockwise decode is: a finite tensor never decodes to +-inf.
         big = torch.finfo(entry.dtype).max

@@ -6,31 +6,11 @@ which dispatch by device (plain-torch spec, compiled CPU codec, Triton kernels: 
 bytes on every one). Why this rule: docs/design.md, "The codec" and "Bit-exact across
 devices"; the rule in full: docs/codecs.md.
 
-Encoding of one block of ``B`` elements (flattened, row-major order):
-
-* ``d = fp32(x) - fp32(ref)`` (or ``fp32(x)`` without a reference);
-* ``absmax = max |d|``, or ``+inf`` when any ``d`` in the block is NaN or infinite;
-* ``scale = absmax / qmax`` in fp32 (correctly rounded), ``qmax = 2**(bits-1) - 1``;
-* ``q = clamp(nearest(d / scale), -qmax, qmax)``, or ``0`` where ``scale`` is 0 or infinite,
-  with ``nearest`` the integer nearest to the *exact* quotient, ties to even. The kernel
-  computes it as ``rne(fl32(d / scale))`` except where that rounded quotient is a
-  half-integer, and settles the side of the exact quotient there with a few exact fp32
-  operations (:func:`nearest_integer_at_ties`); the torch path, at 8 and 4 bits, as
-  ``rne(fl64(d / scale))``, the same integer (proof in :mod:`tw_triton.ops.reference.blockwise_encode`), and at
-  2 bits as ``rne(fl32(d / scale))``, which cannot land on a false tie there. Hence ``|d - q*scale| <= scale/2`` for every normal
-  scale, and ``<= max(scale/2, absmax - qmax*scale)`` (``< qmax * 2**-150`` past
-  ``scale/2``) for a subnormal one;
-* the stored code is ``u = q + 2**(bits-1)`` (so 0 is never used), packed LSB-first,
-  ``k = 8 // bits`` codes to a byte: element ``i`` sits at bits ``(i % k) * bits``.
-
-Decoding: ``x_hat = cast(sat(fp32(ref) + sat32(fp32(q) * scale)))``, the multiply and the
-add rounded separately (never an FMA); ``sat32`` clamps the product to the largest finite
-fp32 and ``sat`` the sum to the largest finite value of the output dtype, NaN staying NaN.
-Decoded to its own dtype, ``x`` is finite and inside that range, so a saturation only
-moves the value towards it: a quantizable block never decodes to +-inf and keeps its error
-bound. A block whose scale is infinite (NaN/Inf in ``x``, in the reference or in their
-difference) decodes to NaN: such a tensor could not be quantized, which
-:attr:`QuantizedTensor.nonfinite` reports without a sync.
+In short: per block of ``B`` elements, ``d = fp32(x) - fp32(ref)``, ``scale = max|d| / qmax``,
+codes ``q = nearest(d / scale)`` (ties to even, on the exact quotient), stored as
+``q + 2**(bits-1)`` packed LSB-first; the decode ``ref + q * scale`` is rounded step by step
+and saturated, so a quantizable block never decodes to +-inf. A block holding NaN/Inf has an
+infinite scale, which :attr:`QuantizedTensor.nonfinite` reports without a sync.
 """
 
 from __future__ import annotations
@@ -132,8 +112,7 @@ class QuantizedTensor:
         block: int,
         device: torch.device,
     ) -> QuantizedTensor:
-        """The encoding of a checked stored entry's ``codes`` and ``scales``, on ``device``
-        (a stored entry holds no NaN/Inf block: such tensors are stored exact)."""
+        """A checked stored entry's encoding on ``device`` (it holds no NaN/Inf block)."""
         return cls(
             codes=move_to(codes.reshape(-1), device),
             scales=move_to(scales.reshape(-1), device),

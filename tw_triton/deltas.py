@@ -259,7 +259,10 @@ def advance(reference: Reference, q: QuantizedState) -> None:
             (q.entries[t], refs[t], first[t].device, f"checkpoint {q.checkpoint_id}: entry {t!r}")
             for t in targets
         ]
-        results = decode_grouped(items, lambda i: decode(targets[i]))
+        # Each delta decoded over its old tensor where nothing else reads it: in place,
+        # so the grouped decode holds no second copy of the reference.
+        outs = [refs[t] if t in over and refs[t].device == first[t].device else None for t in targets]
+        results = decode_grouped(items, lambda i: decode(targets[i]), outs)
     decoded = dict(zip(targets, results))
     # By entry path, so tied tensors stay tied.
     reference.tree = nest({path: decoded[q.aliases.get(path, path)] for path in old})

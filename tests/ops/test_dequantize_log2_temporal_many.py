@@ -11,6 +11,7 @@ one, compiled.
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from tw_triton.ops.reference import (
 )
 
 require_runnable_kernels()
+kernel_module = importlib.import_module("tw_triton.kernels.dequantize_log2_temporal_grouped")
 MIN_STEP = 1 << 19
 # Whole tiles only, a tail only, both, one element, one block.
 SIZES = (4096, 5000, 33, 1, 128)
@@ -83,13 +85,18 @@ def assert_same(got, want) -> None:
 
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("bits,block", [(4, 128), (8, 32), (2, 4096)])
-def test_a_group_decodes_each_tensor_to_the_torch_paths_bits(bits, block, in_place) -> None:
+def test_a_group_decodes_each_tensor_to_the_torch_paths_bits(bits, block, in_place, monkeypatch) -> None:
     refs, stored, parts, want = encoded_group(SIZES, bits, block, MIN_STEP, seed=bits + block)
+    scratch: list = []
+    real = kernel_module.group_outputs
+    monkeypatch.setattr(kernel_module, "group_outputs", lambda n, *a: scratch.extend(n) or real(n, *a))
     # Both kinds of block are there: temporal (bounds 0, 0) and absolute (the jumps).
     lo = torch.cat([p[1] for p in parts])
     assert bool((lo == 0).any()) and bool((lo > 0).any())
     got, out = decode_on_device(refs, stored, parts, bits, block, MIN_STEP, in_place)
     assert_same(got, want)
+    # In place: the kernel wrote the references themselves, no scratch buffer.
+    assert scratch == ([] if in_place else list(SIZES)), scratch
     if in_place:
         assert all(g is o for g, o in zip(got, out)), "not decoded into the references"
 

@@ -215,7 +215,7 @@ def test_grouped_decode_gives_each_tensor_its_own_values(bits, block, dtype) -> 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_decode_writes_over_each_reference_in_place(dtype) -> None:
+def test_grouped_decode_writes_over_each_reference_in_place(dtype, monkeypatch) -> None:
     """The closed-loop advance's decode: each tensor's output is its reference (``out``),
     written where it is (no second copy), to the values the torch path gives it alone; an
     ``out`` the kernel cannot write where it is (not 16-byte aligned) is filled."""
@@ -233,6 +233,10 @@ def test_grouped_decode_writes_over_each_reference_in_place(dtype) -> None:
     ]
     dev = [on_kernel_device(r).clone() if r.data_ptr() % 16 == 0 else on_kernel_device(r) for r in refs]
     ptrs = [r.data_ptr() for r in dev]
+    kernel_module = importlib.import_module("tw_triton.kernels.dequantize_blockwise_grouped")
+    scratch: list = []
+    real = kernel_module.group_outputs
+    monkeypatch.setattr(kernel_module, "group_outputs", lambda n, *a: scratch.extend(n) or real(n, *a))
     got = dequantize_blockwise_many_cuda(
         [on_kernel_device(c) for c, _ in encoded],
         [on_kernel_device(s) for _, s in encoded],
@@ -246,3 +250,5 @@ def test_grouped_decode_writes_over_each_reference_in_place(dtype) -> None:
     for i, (g, r, w) in enumerate(zip(got, dev, want)):
         assert g is r and g.data_ptr() == ptrs[i], f"tensor {i}: not decoded into its reference"
         assert_same_bits(g, w, f"tensor {i}")
+    # Only the reference that is not 16-byte aligned went through a scratch buffer.
+    assert scratch == [xs[-1].numel()], scratch

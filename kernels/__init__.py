@@ -12,6 +12,7 @@ from .dequantize_blockwise import dequantize_blockwise
 from .dequantize_blockwise_grouped import dequantize_blockwise_grouped
 from .dequantize_log2 import dequantize_log2
 from .dequantize_log2_temporal import dequantize_log2_temporal
+from .dequantize_log2_temporal_grouped import dequantize_log2_temporal_grouped
 from .fingerprint import fingerprints
 from .quantize_blockwise import quantize_blockwise
 from .quantize_blockwise_grouped import quantize_blockwise_grouped
@@ -38,5 +39,6 @@ __all__ = [
     "quantize_log2_temporal",
     "quantize_log2_temporal_grouped",
     "dequantize_log2_temporal",
+    "dequantize_log2_temporal_grouped",
     "sparsity_counts_grouped",
 ]

@@ -4,7 +4,9 @@ The single-tensor decode (``dequantize_blockwise``) over a table of tensors (add
 codes, scales, reference and output; the table and the launches: ``tiles.launch_grouped``),
 with the same tile arithmetic (``dequantize_tile``), so every tensor decodes to the values
 the single kernel gives it alone. A closed-loop save decodes its deltas this way to advance
-its reference: a fixed number of launches, whatever the number of tensors.
+its reference: a fixed number of launches, whatever the number of tensors, each written
+over its reference tensor (a block's reference values are read before its outputs are
+written), so the reference is never held twice.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .dequantize_blockwise import dequantize_tile
-from .tiles import find_entry, group_outputs, launch_grouped
+from .tiles import aligned, find_entry, group_outputs, launch_grouped
 
 
 @triton.jit
@@ -77,21 +79,39 @@ def dequantize_blockwise_grouped(
     block: int,
     refs: list[torch.Tensor] | None,
     dtype: torch.dtype,
+    out: list[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """Decode tensors (codes and scales contiguous and 16-byte aligned; ``refs`` likewise,
     one dtype) to ``dtype`` with one table copy and at most two launches.
 
+    Args:
+        out: per tensor, ``None`` or a flat tensor of ``dtype`` and its size to write
+            into: in place where contiguous and 16-byte aligned (it may be the reference
+            itself: a program loads a tile's reference before it stores the tile), else
+            copied in after the launches.
+
     Returns:
-        Each flat decoded tensor: views of one buffer, the values
-        :func:`dequantize_blockwise` gives each alone.
+        Each flat decoded tensor (``out[i]`` when given, else a view of one buffer), the
+        values :func:`dequantize_blockwise` gives each alone.
     """
     device = codes[0].device
-    views, out_addrs = group_outputs(numels, [(dtype, lambda n: n)], device)
+    outs = [None] * len(codes) if out is None else list(out)
+    direct = [
+        o is not None and o.dtype == dtype and o.numel() == n and aligned(o) for o, n in zip(outs, numels)
+    ]
+    scratch = [i for i, d in enumerate(direct) if not d]
+    views, out_addrs = group_outputs([numels[i] for i in scratch], [(dtype, lambda n: n)], device)
+    results: list[torch.Tensor] = [None] * len(codes)  # type: ignore[list-item]
+    targets = [0] * len(codes)
+    for k, i in enumerate(scratch):
+        results[i], targets[i] = views[k][0], out_addrs[k][0]
+    for i, d in enumerate(direct):
+        if d:
+            results[i], targets[i] = outs[i], outs[i].data_ptr()  # type: ignore[union-attr]
     addresses = [
-        [c.data_ptr(), s.data_ptr(), 0 if refs is None else refs[i].data_ptr(), out_addrs[i][0]]
+        [c.data_ptr(), s.data_ptr(), 0 if refs is None else refs[i].data_ptr(), targets[i]]
         for i, (c, s) in enumerate(zip(codes, scales))
     ]
-    outs = [v[0] for v in views]
     launch_grouped(
         dequantize_blockwise_grouped_kernel,
         addresses,
@@ -99,8 +119,12 @@ def dequantize_blockwise_grouped(
         block,
         torch.empty(0, dtype=torch.int64, device=device),
         [0] * len(codes),
-        (outs[0] if refs is None else refs[0], outs[0]),
+        (results[0] if refs is None else refs[0], results[0]),
         HAS_REF=refs is not None,
         BITS=bits,
     )
-    return outs
+    for i in scratch:
+        if outs[i] is not None:  # a caller's tensor the kernel cannot write in place
+            outs[i].view(-1).copy_(results[i])  # type: ignore[union-attr]
+            results[i] = outs[i]  # type: ignore[assignment]
+    return results

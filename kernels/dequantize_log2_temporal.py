@@ -23,37 +23,12 @@ _F32_MAX_BITS = tl.constexpr(0x7F7FFFFF)
 _ZERO_CODE = tl.constexpr(-128)
 
 
-@triton.jit(do_not_specialize=["row0"])
-def dequantize_log2_temporal_kernel(
-    codes_ptr,
-    lo_ptr,
-    hi_ptr,
-    ref_ptr,
-    out_ptr,
-    n,
-    row0,
-    min_step,
-    MASKED: tl.constexpr,
-    BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """Decode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` into an ``n``-element flat output."""
+@triton.jit
+def temporal_decode_tile(c8, r, lo, hi, min_step, BITS: tl.constexpr):
+    """The decoded float32 values of a tile: codes ``c8`` (uint8, rows x BLOCK) over the
+    reference ``r`` (float32, same shape), with each row's bounds ``lo``, ``hi``. Shared
+    with the grouped decode, so both give the same bits."""
     N_STEPS: tl.constexpr = (1 << BITS) - 2
-
-    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
-    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    if MASKED:
-        c8 = tl.load(codes_ptr + offs, mask=offs < n, other=128)
-        r = tl.load(ref_ptr + offs, mask=offs < n, other=0.0)
-        lo = tl.load(lo_ptr + rows, mask=rows * BLOCK < n, other=0)
-        hi = tl.load(hi_ptr + rows, mask=rows * BLOCK < n, other=0)
-    else:
-        c8 = tl.load(codes_ptr + offs)
-        r = tl.load(ref_ptr + offs)
-        lo = tl.load(lo_ptr + rows)
-        hi = tl.load(hi_ptr + rows)
     rb = r.to(tl.int32, bitcast=True)
     u = c8.to(tl.int32)
     q = tl.where(u >= 128, u - 256, u)
@@ -71,7 +46,39 @@ def dequantize_log2_temporal_kernel(
 
     temporal = (lo == 0) & (hi == 0)
     t = tl.where(temporal[:, None], t_tmp, t_abs)
-    v = t.to(tl.float32, bitcast=True)
+    return t.to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["row0"])
+def dequantize_log2_temporal_kernel(
+    codes_ptr,
+    lo_ptr,
+    hi_ptr,
+    ref_ptr,
+    out_ptr,
+    n,
+    row0,
+    min_step,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Decode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` into an ``n``-element flat output."""
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if MASKED:
+        c8 = tl.load(codes_ptr + offs, mask=offs < n, other=128)
+        r = tl.load(ref_ptr + offs, mask=offs < n, other=0.0)
+        lo = tl.load(lo_ptr + rows, mask=rows * BLOCK < n, other=0)
+        hi = tl.load(hi_ptr + rows, mask=rows * BLOCK < n, other=0)
+    else:
+        c8 = tl.load(codes_ptr + offs)
+        r = tl.load(ref_ptr + offs)
+        lo = tl.load(lo_ptr + rows)
+        hi = tl.load(hi_ptr + rows)
+    v = temporal_decode_tile(c8, r, lo, hi, min_step, BITS)
     if MASKED:
         tl.store(out_ptr + offs, v, mask=offs < n)
     else:

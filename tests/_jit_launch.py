@@ -128,15 +128,17 @@ def cases():
             + pair("grouped-log2-encode", bits, 128, bf16, None, cc)
         )
 
-    def grouped_temporal():  # written in place into the codec's stored buffers
+    def grouped_temporal():  # written in place into the codec's stored buffers, and back
         from tw_triton.codecs.log2_temporal import group_stored, split_stored
 
         stored = group_stored([4096 + 16] * GROUP, 128, torch.device("cpu"))
         out = [split_stored(s, 4096 + 16, 128) for s in stored]
         flags = torch.zeros(GROUP, dtype=torch.int64)
-        backend.quantize_log2_temporal_many_cuda(
-            group(f32), group(f32), 4, 128, MIN_STEP, flags=flags, out=out
-        )
+        refs = group(f32)
+        backend.quantize_log2_temporal_many_cuda(group(f32), refs, 4, 128, MIN_STEP, flags=flags, out=out)
+        # The closed-loop advance: decoded from the stored buffers over the references.
+        codes, lo, hi = ([o[k] for o in out] for k in range(3))
+        backend.dequantize_log2_temporal_many_cuda(codes, lo, hi, refs, 4, 128, MIN_STEP, out=refs)
 
     def copy_and_fingerprints():
         backend.copy_many_cuda([torch.zeros(1028) for _ in range(GROUP)])  # 4112 bytes each
@@ -182,7 +184,10 @@ def cases():
         (
             "grouped-log2-temporal",
             grouped_temporal,
-            lambda cc: pair("grouped-temporal-encode", 4, 128, f32, f32, cc),
+            lambda cc: (
+                pair("grouped-temporal-encode", 4, 128, f32, f32, cc)
+                + pair("grouped-temporal-decode", 4, 128, f32, f32, cc)
+            ),
         ),
         (
             "copy-and-fingerprints",

@@ -88,8 +88,8 @@ def log2_variants() -> list[Variant]:
 def grouped_variants() -> list[Variant]:
     """The grouped kernels: the encode over a table of tensors (bits x dtype pairs x
     {main, tail} x targets, block 128), the fingerprint (dtypes x targets), the copy, the
-    decode and the ``log2-temporal`` encode (float32 against float32, as the single
-    temporal kernel: blocks x {main, tail} x targets)."""
+    decode and the ``log2-temporal`` encode and decode (float32 against float32, as the
+    single temporal kernels: blocks x {main, tail} x targets)."""
     rotate = {"fp32": "bf16", "fp16": "fp32", "bf16": "bf16"}
     encode = [
         Variant("grouped-encode", bits, 128, dtype, ref, masked, cc)
@@ -120,7 +120,8 @@ def grouped_variants() -> list[Variant]:
         for cc in TARGETS
     ]
     temporal = [
-        Variant("grouped-temporal-encode", 4, block, "fp32", "fp32", masked, cc)
+        Variant(op, 4, block, "fp32", "fp32", masked, cc)
+        for op in ("grouped-temporal-encode", "grouped-temporal-decode")
         for block in LOG2_BLOCKS
         for masked in (False, True)
         for cc in TARGETS
@@ -200,13 +201,18 @@ def _grouped_source(v: Variant):
 
     from tw_triton.kernels.copy_grouped import copy_grouped_kernel
     from tw_triton.kernels.dequantize_blockwise_grouped import dequantize_blockwise_grouped_kernel
+    from tw_triton.kernels.dequantize_log2_temporal_grouped import dequantize_log2_temporal_grouped_kernel
     from tw_triton.kernels.fingerprint import fingerprint_kernel
     from tw_triton.kernels.quantize_blockwise_grouped import quantize_blockwise_grouped_kernel
     from tw_triton.kernels.quantize_log2_grouped import quantize_log2_grouped_kernel
     from tw_triton.kernels.quantize_log2_temporal_grouped import quantize_log2_temporal_grouped_kernel
     from tw_triton.kernels.tiles import rows_per_program
 
-    if v.op == "grouped-temporal-encode":
+    if v.op in ("grouped-temporal-encode", "grouped-temporal-decode"):
+        fn = {
+            "grouped-temporal-encode": quantize_log2_temporal_grouped_kernel,
+            "grouped-temporal-decode": dequantize_log2_temporal_grouped_kernel,
+        }[v.op]
         signature = {"table_ptr": "*i64", "flags_ptr": "*i64", "T": "i32", "min_step": "i32"}
         constexprs = {"LOG_T": 4, "MASKED": v.masked, "BITS": v.bits}
         constexprs.update({"BLOCK": v.block, "ROWS": rows_per_program(v.block)})
@@ -214,9 +220,7 @@ def _grouped_source(v: Variant):
         # The table and the flags are 16-byte aligned, min_step (a power of two)
         # 16-divisible; T is not specialized.
         attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 3)}
-        return ASTSource(
-            fn=quantize_log2_temporal_grouped_kernel, signature=signature, constexprs=constexprs, attrs=attrs
-        )
+        return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     if v.op == "fingerprint":
         signature = {
             "table_ptr": "*i64",

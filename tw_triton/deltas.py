@@ -197,9 +197,11 @@ def advance(reference: Reference, q: QuantizedState) -> None:
     Every tensor of the reference becomes what a loader decodes from ``q`` at its path
     (the delta decoded against the old reference; an entry stored exact because it held
     NaN/Inf decodes to its own values), on the reference tensor's device and in its
-    dtype. Each one is decoded over the old tensor, one at a time (in place where the
-    codec can, :meth:`~tw_triton.codecs.Codec.decode_over`, else decoded and copied in;
-    tied tensors excepted), so the reference is never held twice, once nothing else can
+    dtype. Each one is decoded over the old tensor (host tensors one at a time, in place
+    where the codec can, :meth:`~tw_triton.codecs.Codec.decode_over`, else decoded and
+    copied in; device tensors in grouped decodes that write each into its old tensor,
+    :meth:`~tw_triton.codecs.Codec.decode_group`; tied tensors excepted), so the reference
+    is never held twice, once nothing else can
     read the old tensors: after the first advance only this reference holds them, and
     before it they are the keyframe's snapshot, which its write reads until
     ``reference.future`` is done, or, for a device state, until its device-to-host copies
@@ -259,7 +261,10 @@ def advance(reference: Reference, q: QuantizedState) -> None:
             (q.entries[t], refs[t], first[t].device, f"checkpoint {q.checkpoint_id}: entry {t!r}")
             for t in targets
         ]
-        results = decode_grouped(items, lambda i: decode(targets[i]))
+        # Each delta decoded over its old tensor where nothing else reads it: in place,
+        # so the grouped decode holds no second copy of the reference.
+        outs = [refs[t] if t in over and refs[t].device == first[t].device else None for t in targets]
+        results = decode_grouped(items, lambda i: decode(targets[i]), outs)
     decoded = dict(zip(targets, results))
     # By entry path, so tied tensors stay tied.
     reference.tree = nest({path: decoded[q.aliases.get(path, path)] for path in old})

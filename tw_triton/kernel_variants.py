@@ -314,7 +314,8 @@ def _advance_as_saved(small: list[tuple], encoded: list[Any]) -> None:
         uses = codecs[i].uses_reference(entry.params)
         return codecs[i].decode(entry, ref if uses else None, device, context)
 
-    decode_grouped(items, alone)
+    # Into the references, as the advance decodes (deltas.advance).
+    decode_grouped(items, alone, [ref for _, ref, _, _ in items])
 
 
 def kernel_device(tensors: Any) -> torch.device | None:

@@ -8,12 +8,15 @@ by declaring the state off the CPU, and the CUDA stream calls are replaced by sp
 from __future__ import annotations
 
 import contextlib
+import weakref
 from concurrent.futures import Future
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tw_triton
 from tw_triton import Checkpointer, save_pipeline
@@ -449,3 +452,85 @@ def test_the_scalars_part_holds_the_sparse_candidates_counts(monkeypatch):
     monkeypatch.setattr(grouped.DeviceEncode, "run", run)
     tw_triton.quantize_state_dict(state, rules="exact", copy=False)
     assert sum(b.numel() * b.element_size() for b in buffers) == 300 * 16 <= bound.scalars
+
+
+class _AllocationSpy(TorchDispatchMode):
+    """The bytes of the storages that torch ops create while active, alive at once: each
+    counted from its creation until it is freed (its storage's finalizer); ``peak`` is the
+    most at any moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in inputs or ptr in self.live or storage.nbytes() == 0:
+                continue
+            self.live[ptr] = storage.nbytes()
+            weakref.finalize(storage, self.live.pop, ptr, None)
+            self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+def _advance_state(n, scale=1.0):
+    """``n`` float32 weights and their AdamW second moments (``scale``: the moments later)."""
+    g = torch.Generator().manual_seed(n)
+    sizes = [4096 + 64 * i for i in range(n)]
+    model = {f"layer{i}.weight": torch.randn(m, generator=g) + (scale - 1) for i, m in enumerate(sizes)}
+    state = {
+        i: {"exp_avg_sq": scale * 1e-6 * torch.randn(m, generator=g).square()} for i, m in enumerate(sizes)
+    }
+    return {"model": model, "optimizer": {"state": state, "param_groups": [{"params": list(range(n))}]}}
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_closed_loop_advance_holds_no_second_copy_of_the_reference(monkeypatch, grouped):
+    """The advance of a default-preset delta (blockwise weight deltas, log2-temporal second
+    moments) decodes each reference tensor over itself: what it allocates at any moment stays
+    within the bound's scratch part, far below a second copy of the reference. ``grouped``:
+    the device path (grouped ops, their kernels under TRITON_INTERPRET=1), forced on CPU
+    tensors as the launch spy does; else the host path."""
+    from tw_triton import deltas, ops
+    from tw_triton.device_memory import device_memory_bound
+    from tw_triton.ops.backends import triton as triton_backend
+    from tw_triton.state import encode as encode_module
+    from tw_triton.tree import flatten
+
+    old, new = _advance_state(12), _advance_state(12, scale=1.01)
+    # Encoded as on a device (grouped: each entry's buffers 16-byte aligned), or on the host.
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: grouped)
+    q = tw_triton.quantize_state_dict(new, reference=old, rules="smallest", bits=4, block=128)
+    flat, _ = flatten(old)
+    coded = {p: flat[p].clone() for p, e in q.entries.items() if e.params.get("delta")}
+    assert len(coded) == 24 and {q.entries[p].codec for p in coded} == {"blockwise", "log2-temporal"}
+    done = Future()
+    done.set_result(None)
+    reference = make_reference("k", coded, 0, done, closed=True)
+    reference.owned = True
+    bound = device_memory_bound(
+        new, "smallest", bits=4, block=128, delta_mode="closed", max_pending=0, host_reference=False
+    )
+    assert bound.reference >= reference.nbytes  # each tensor as the allocator rounds it
+    monkeypatch.setattr(deltas, "groups_launches", lambda device: grouped)
+    spy = _AllocationSpy()
+    with contextlib.ExitStack() as stack:
+        if grouped:
+            for op in ("dequantize_blockwise_many", "dequantize_log2_temporal_many"):
+                stack.enter_context(ops.using(op, "cpu", getattr(triton_backend, f"{op}_cuda")))
+        with spy:
+            advance(reference, q)
+    assert spy.peak <= bound.scratch < bound.reference // 4, (spy.peak, bound.scratch)
+    after, _ = flatten(reference.tree)
+    assert all(after[p].data_ptr() == t.data_ptr() for p, t in coded.items())

@@ -20,15 +20,19 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections import Counter
+from concurrent.futures import Future
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tw_triton import Checkpointer, deltas, ops, quantize_state_dict
+from tw_triton.codecs import get_codec
 from tw_triton.ops.backends import triton as triton_backend
+from tw_triton.ops.reference import log2_temporal_code_errors_torch
 from tw_triton.state import encode as encode_module
 from tw_triton.state import fingerprints
+from tw_triton.tree import flatten
 
 # Host reads of tensor values: any of these is a sync on a device.
 SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
@@ -97,6 +101,7 @@ def spy(monkeypatch):
         ("tw_triton.kernels.quantize_log2_temporal_grouped", "quantize_log2_temporal_grouped_kernel"),
         ("tw_triton.kernels.copy_grouped", "copy_grouped_kernel"),
         ("tw_triton.kernels.dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
+        ("tw_triton.kernels.dequantize_log2_temporal_grouped", "dequantize_log2_temporal_grouped_kernel"),
         ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
         ("tw_triton.kernels.sparsity_counts_grouped", "sparsity_counts_grouped_kernel"),
     ]:
@@ -117,6 +122,7 @@ def spy(monkeypatch):
         "copy_many": triton_backend.copy_many_cuda,
         "dequantize_blockwise_many": triton_backend.dequantize_blockwise_many_cuda,
         "sparsity_counts_many": triton_backend.sparsity_counts_many_cuda,
+        "dequantize_log2_temporal_many": triton_backend.dequantize_log2_temporal_many_cuda,
     }
     with contextlib.ExitStack() as stack:
         for op, fn in grouped.items():
@@ -428,6 +434,57 @@ def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_a
     for i, moments in alone["optimizer"]["state"].items():
         got = loaded["optimizer"]["state"][i]["exp_avg_sq"]
         assert torch.equal(got.view(torch.int32), moments["exp_avg_sq"].view(torch.int32)), i
+
+
+def default_delta_reference(n: int) -> tuple:
+    """A delta of the default preset and the closed-loop reference it was coded against (a
+    copy of the delta-coded tensors, owned by nothing else, as after the first advance)."""
+    ref_state = make_training_state(n, seed=n)
+    q = quantize_state_dict(moved(ref_state), reference=ref_state, rules=DEFAULT)
+    flat, _ = flatten(ref_state)
+    coded = {p: flat[p].clone() for p, e in q.entries.items() if get_codec(e.codec).uses_reference(e.params)}
+    done: Future = Future()
+    done.set_result(None)
+    reference = deltas.make_reference("k", coded, 0, done, closed=True)
+    reference.owned = True
+    return q, reference
+
+
+def test_a_closed_loop_advance_of_the_default_preset_is_grouped_and_in_place(spy, monkeypatch) -> None:
+    """The advance after a default-preset delta (weights' blockwise deltas, second moments'
+    log2-temporal changes): the same grouped launches for 10 and 200 tensors, no host read
+    at all (the temporal codes are the encoder's own: no per-tensor check), each reference
+    tensor decoded over itself, to the bits of the per-tensor path."""
+    # The corrupt-code check as CUDA runs it (the torch reference: its verdict is read back
+    # to the host), not the CPU's compiled codec, which the spy does not see.
+    counts, advanced = [], []
+    with ops.using("log2_temporal_code_errors", "cpu", log2_temporal_code_errors_torch):
+        for n in (10, 200):
+            q, reference = default_delta_reference(n)
+            before, _ = flatten(reference.tree)
+            assert sum(q.entries[p].codec == "log2-temporal" for p in before) == n
+            spy.ops.clear()
+            spy.kernels.clear()
+            with spy:
+                deltas.advance(reference, q)
+            counts.append((spy.launches(), spy.syncs(), dict(spy.kernels)))
+            after, _ = flatten(reference.tree)
+            assert all(after[p].data_ptr() == t.data_ptr() for p, t in before.items()), "a second copy"
+            advanced.append((q, after))
+    assert counts[0] == counts[1], counts
+    _, syncs, kernels = counts[1]
+    assert syncs == 0
+    assert kernels["dequantize_log2_temporal_grouped_kernel"] <= 2  # whole tiles, tails
+    assert "dequantize_log2_temporal" not in kernels  # no moment decoded alone
+    assert 1 <= kernels["dequantize_blockwise_grouped_kernel"]
+    # The per-tensor path (host worker threads, the checked single decode) gives the same.
+    monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
+    q, reference = default_delta_reference(200)
+    deltas.advance(reference, q)
+    alone, _ = flatten(reference.tree)
+    assert alone.keys() == advanced[1][1].keys()
+    for path, t in alone.items():
+        assert torch.equal(advanced[1][1][path].view(torch.uint8), t.view(torch.uint8)), path
 
 
 # A keyframe's rules: every float tensor exact but the second moments (log2).

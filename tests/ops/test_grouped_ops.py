@@ -212,3 +212,43 @@ def test_grouped_decode_gives_each_tensor_its_own_values(bits, block, dtype) -> 
         for i, ((c, s), x, r) in enumerate(zip(encoded, xs, refs)):
             want = dequantize_blockwise_torch(c, s, x.numel(), bits, block, r if with_ref else None, dtype)
             assert_same_bits(got[i], want, f"tensor {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_decode_writes_over_each_reference_in_place(dtype, monkeypatch) -> None:
+    """The closed-loop advance's decode: each tensor's output is its reference (``out``),
+    written where it is (no second copy), to the values the torch path gives it alone; an
+    ``out`` the kernel cannot write where it is (not 16-byte aligned) is filled."""
+    gen = torch.Generator().manual_seed(21)
+    xs = [random_floats(gen, n, dtype, -3, 2) for n in SIZES]
+    refs = [
+        (x.double() + 1e-2 * torch.randn(x.shape, generator=gen, dtype=torch.float64)).to(dtype) for x in xs
+    ]
+    refs.append(random_floats(gen, 4096 + 9, dtype, -3, 2)[1:])  # not 16-byte aligned
+    xs.append(refs[-1] * 1.5)
+    encoded = [quantize_blockwise_torch(x, r, 4, 128) for x, r in zip(xs, refs)]
+    want = [
+        dequantize_blockwise_torch(c, s, x.numel(), 4, 128, r, dtype)
+        for (c, s), x, r in zip(encoded, xs, refs)
+    ]
+    dev = [on_kernel_device(r).clone() if r.data_ptr() % 16 == 0 else on_kernel_device(r) for r in refs]
+    ptrs = [r.data_ptr() for r in dev]
+    kernel_module = importlib.import_module("tw_triton.kernels.dequantize_blockwise_grouped")
+    scratch: list = []
+    real = kernel_module.group_outputs
+    monkeypatch.setattr(kernel_module, "group_outputs", lambda n, *a: scratch.extend(n) or real(n, *a))
+    got = dequantize_blockwise_many_cuda(
+        [on_kernel_device(c) for c, _ in encoded],
+        [on_kernel_device(s) for _, s in encoded],
+        [x.numel() for x in xs],
+        4,
+        128,
+        dev,
+        dtype,
+        out=dev,
+    )
+    for i, (g, r, w) in enumerate(zip(got, dev, want)):
+        assert g is r and g.data_ptr() == ptrs[i], f"tensor {i}: not decoded into its reference"
+        assert_same_bits(g, w, f"tensor {i}")
+    # Only the reference that is not 16-byte aligned went through a scratch buffer.
+    assert scratch == [xs[-1].numel()], scratch

@@ -213,6 +213,9 @@ def test_grouped_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, varia
             assert set(stores) == {"st.global.v4.b32"}, stores
         return
     assert ops.get("div.rn.f32", 0) > 0
+    if variant.op == "grouped-temporal-decode":
+        check_grouped_temporal_decode(ptx_facts, variant)
+        return
     if variant.op in ("grouped-log2-encode", "grouped-temporal-encode"):
         assert ops.get("cvt.rn.f32.s32", 0) > 0, ops
     if variant.op == "grouped-temporal-encode":
@@ -234,6 +237,40 @@ def test_grouped_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, varia
         assert widest in stores, stores
     if variant.op == "grouped-temporal-encode":  # a byte per element, in 16-byte vectors
         assert "st.global.v4.b32" in stores, stores
+
+
+# The arithmetic of the temporal decode: the change r + q * S in 64-bit integers, the
+# absolute level's conversions, rounded quotient, multiply and add.
+TEMPORAL_DECODE_ARITHMETIC = (
+    "mad.lo.s64",
+    "mul.lo.s64",
+    "cvt.rn.f32.s32",
+    "div.rn.f32",
+    "mul.rn.f32",
+    "add.rn.f32",
+    "cvt.rzi.s32.f32",
+)
+
+
+def check_grouped_temporal_decode(ptx_facts: dict, variant: _ptx.Variant) -> None:
+    """The closed-loop advance's temporal decode over a table: the single temporal decode's
+    arithmetic, instruction for instruction (the change in integers only, the absolute
+    level correctly rounded), no flag, and 16-byte vectors for whole tiles."""
+    ops = variant_ops = ptx_facts[variant.label]["opcodes"]
+    assert ops.get("mad.lo.s64", 0) + ops.get("mul.lo.s64", 0) > 0, ops
+    assert ops.get("cvt.rzi.s32.f32", 0) > 0 and ops.get("cvt.rn.f32.s32", 0) > 0, ops
+    assert not [op for op in ops if op.startswith("atom.")], ops
+    if variant.masked:
+        return
+    single = _ptx.Variant("temporal-decode", 4, variant.block, "fp32", "fp32", False, variant.cc)
+    single_ops = ptx_facts[single.label]["opcodes"]
+    arithmetic = {op: variant_ops.get(op, 0) for op in TEMPORAL_DECODE_ARITHMETIC}
+    assert arithmetic == {op: single_ops.get(op, 0) for op in TEMPORAL_DECODE_ARITHMETIC}
+    loads, stores = _ops(ptx_facts[variant.label], "ld.global"), _ops(ptx_facts[variant.label], "st.global")
+    # The table in 64-bit scalars, a row's bounds in 32-bit ones, codes and reference in
+    # 16-byte vectors; the output in 16-byte vectors only.
+    assert set(loads) == {"ld.global.b64", "ld.global.b32", "ld.global.v4.b32"}, loads
+    assert set(stores) == {"st.global.v4.b32"}, stores
 
 
 # Item 5 of issue 29: bit-exactness on subnormals is proven for triton >= 3.6 only (older

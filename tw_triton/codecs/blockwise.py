@@ -365,10 +365,10 @@ class BlockwiseCodec(Codec):
             return None
         return (entry.params.get("bits"), entry.params.get("block"), entry.dtype)
 
-    def decode_group(self, entries, references, device, contexts):  # type: ignore[no-untyped-def]
+    def decode_group(self, entries, references, device, contexts, outs=None):  # type: ignore[no-untyped-def]
         from .grouped import decode_blockwise_group
 
-        return decode_blockwise_group(self, entries, references, device, contexts)
+        return decode_blockwise_group(self, entries, references, device, contexts, outs)
 
     def entry_of(
         self,

@@ -56,20 +56,46 @@ def decode_blockwise_group(
     references: Sequence[torch.Tensor | None],
     device: torch.device,
     contexts: Sequence[str],
+    outs: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """:meth:`BlockwiseCodec.decode` of delta entries of one bits, block and dtype against
-    their references, on ``device``, with one grouped op."""
+    their references, on ``device``, with one grouped op; into ``outs[i]`` where it is a
+    contiguous tensor of the entry's dtype and size on ``device`` (the reference itself:
+    no second copy of it)."""
     stored = [codec.stored_parts(e, c) for e, c in zip(entries, contexts)]
+    numels = [math.prod(e.shape) for e in entries]
+    given = [None] * len(entries) if outs is None else list(outs)
+    into = [
+        o.view(-1) if o is not None and fits(o, entries[0].dtype, n, device) else None
+        for o, n in zip(given, numels)
+    ]
     flat = ops.dequantize_blockwise_many(
         [move_to(codes.reshape(-1), device) for _, _, codes, _ in stored],
         [move_to(scales.reshape(-1), device) for _, _, _, scales in stored],
-        [math.prod(e.shape) for e in entries],
+        numels,
         stored[0][0],
         stored[0][1],
         [move_to(r, device).reshape(-1) for r in references],  # type: ignore[arg-type]
         entries[0].dtype,
+        out=into,
     )
-    return [t.view(tuple(e.shape)) for t, e in zip(flat, entries)]
+    return [shaped(t, e.shape, o, i) for t, e, o, i in zip(flat, entries, given, into)]
 
 
-__all__ = ["decode_blockwise_group", "encode_blockwise_group"]
+def shaped(
+    flat: torch.Tensor, shape: Sequence[int], given: torch.Tensor | None, into: torch.Tensor | None
+) -> torch.Tensor:
+    """A grouped decode's result of ``shape``: the caller's tensor ``given`` itself where
+    the op wrote into it (``into``, its flat view), else the op's flat tensor reshaped."""
+    if into is not None and tuple(given.shape) == tuple(shape):  # type: ignore[union-attr]
+        return given  # type: ignore[return-value]
+    return flat.view(tuple(shape))
+
+
+def fits(out: torch.Tensor, dtype: torch.dtype, numel: int, device: torch.device) -> bool:
+    """Whether a grouped decode may write ``numel`` elements of ``dtype`` into ``out`` (a
+    tensor the caller hands over, say its reference) on ``device``."""
+    return out.dtype == dtype and out.numel() == numel and out.is_contiguous() and out.device == device
+
+
+__all__ = ["decode_blockwise_group", "encode_blockwise_group", "fits", "shaped"]

@@ -231,7 +231,61 @@ class Log2TemporalCodec(Codec):
                 view.copy_(t)
         return Encoded(self._entry(x, params, reference is not None, out), unusable=unusable_flag(views[2]))
 
-    def _stored(self, entry: EncodedEntry, context: str) -> tuple[int, int, int, torch.Tensor, ...]:
+    def decode_group_key(self, entry: EncodedEntry, reference: torch.Tensor | None) -> Hashable | None:
+        # Deltas over a float32 reference of their shape (the closed-loop advance).
+        if (
+            not self.uses_reference(entry.params)
+            or reference is None
+            or entry.dtype != torch.float32
+            or reference.dtype != torch.float32
+            or tuple(reference.shape) != tuple(entry.shape)
+        ):
+            return None
+        return tuple(entry.params.get(k) for k in ("bits", "block", "min_step"))
+
+    def decode_group(
+        self,
+        entries: Sequence[EncodedEntry],
+        references: Sequence[torch.Tensor | None],
+        device: torch.device,
+        contexts: Sequence[str],
+        outs: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """:meth:`decode` of delta entries of one :meth:`decode_group_key` with one grouped
+        op, into ``outs[i]`` where it is a contiguous float32 tensor of the entry's size on
+        ``device`` (the reference itself: no second copy of it)."""
+        from .grouped import fits, shaped
+
+        parts = [self._stored(e, c, copy_bounds=False) for e, c in zip(entries, contexts)]
+        bits, block, min_step = parts[0][:3]
+        codes = [move_to(p[3], device) for p in parts]
+        given = [None] * len(entries) if outs is None else list(outs)
+        into = [
+            o.view(-1) if o is not None and fits(o, torch.float32, c.numel(), device) else None
+            for o, c in zip(given, codes)
+        ]
+        # No log2_temporal_code_errors here: these codes are the encoder's own, from this
+        # very save (Codec.decode_group), so nothing can have corrupted them, and its check
+        # would read a verdict back to the host per tensor (a sync on a GPU). Codes read
+        # from a file are decoded by _decode, which checks them before writing anything.
+        flat = ops.dequantize_log2_temporal_many(
+            codes,
+            [move_to(p[4], device) for p in parts],
+            [move_to(p[5], device) for p in parts],
+            [move_to(r, device).reshape(-1) for r in references],  # type: ignore[union-attr]
+            bits,
+            block,
+            min_step,
+            out=into,
+        )
+        return [shaped(t, e.shape, o, i) for t, e, o, i in zip(flat, entries, given, into)]
+
+    def _stored(
+        self, entry: EncodedEntry, context: str, copy_bounds: bool = True
+    ) -> tuple[int, int, int, torch.Tensor, ...]:
+        """The entry's params, codes and bounds, checked. ``copy_bounds``: read the bounds
+        from a copy (a file's buffer may sit at any offset); else only where the buffer is
+        not 4-byte aligned (an encoder's own buffer is)."""
         self.check_stored_params(entry.params, context)
         p = entry.params
         if entry.dtype != torch.float32:
@@ -245,7 +299,9 @@ class Log2TemporalCodec(Codec):
                 f"(two int32 bounds per block of {p['block']}, then one byte per element of shape "
                 f"{tuple(entry.shape)})"
             )
-        codes, lo, hi = split_stored(stored.reshape(-1), numel, p["block"], copy_bounds=True)
+        flat = stored.reshape(-1)
+        copy = copy_bounds or flat.data_ptr() % 4 != 0
+        codes, lo, hi = split_stored(flat, numel, p["block"], copy_bounds=copy)
         return p["bits"], p["block"], p["min_step"], codes, lo, hi
 
     def decode(

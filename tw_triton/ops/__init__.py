@@ -5,10 +5,11 @@ Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
 (whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
 reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`;
-seven serve a save of many device tensors with a fixed number of launches:
+eight serve a save of many device tensors with a fixed number of launches:
 :func:`quantize_blockwise_many`, :func:`quantize_log2_many`,
 :func:`quantize_log2_temporal_many`, :func:`fingerprints`, :func:`copy_many`,
-:func:`dequantize_blockwise_many` (the closed-loop advance) and
+:func:`dequantize_blockwise_many` and :func:`dequantize_log2_temporal_many` (the
+closed-loop advance, in place over the reference) and
 :func:`sparsity_counts_many` (a save's sparse candidates); two more
 split a sparse tensor into a bitmask and its non-zero values and back
 (:func:`bitmask_encode`, :func:`bitmask_decode`). Each has one reference implementation in plain torch
@@ -185,14 +186,60 @@ def dequantize_blockwise_many(
     block: int,
     references: list[torch.Tensor] | None,
     dtype: torch.dtype,
+    *,
+    out: list[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """:func:`dequantize_blockwise` of many tensors on one device (flat results of
     ``dtype``), in a number of launches that does not grow with their count (on CUDA: two
-    per reference dtype)."""
+    per reference dtype).
+
+    Args:
+        out: optional, per tensor ``None`` or a contiguous tensor of its ``numel`` elements
+            of ``dtype`` to decode into; it may be the tensor's reference itself (each
+            block's reference values are read before its outputs are written), so a
+            closed-loop advance holds no second copy of its reference.
+
+    Returns:
+        The flat decoded tensors (``out[i]`` where given).
+    """
     if not codes:
         return []
     return lookup("dequantize_blockwise_many", codes[0].device.type)(
-        codes, scales, numels, bits, block, references, dtype
+        codes, scales, numels, bits, block, references, dtype, out=out
+    )
+
+
+def dequantize_log2_temporal_many(
+    codes: list[torch.Tensor],
+    lo: list[torch.Tensor],
+    hi: list[torch.Tensor],
+    references: list[torch.Tensor],
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    out: list[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """:func:`dequantize_log2_temporal` of many tensors on one device, each over its
+    reference (``numel`` is each one's code count), in a number of launches that does not
+    grow with their count (on CUDA: a table copy and two). Like the single op it checks no
+    codes: a caller decoding codes it did not encode itself runs
+    :func:`log2_temporal_code_errors` first.
+
+    Args:
+        codes, lo, hi: per tensor, as :func:`quantize_log2_temporal` returns them.
+        references: float32 tensors of the codes' sizes on their device.
+        bits, block, min_step: of the encoding, shared by all.
+        out: optional, per tensor ``None`` or a contiguous float32 tensor of its size to
+            decode into; it may be ``references[i]`` itself.
+
+    Returns:
+        The flat decoded float32 tensors (``out[i]`` where given).
+    """
+    if not codes:
+        return []
+    return lookup("dequantize_log2_temporal_many", codes[0].device.type)(
+        codes, lo, hi, references, bits, block, min_step, out=out
     )
 
 
@@ -358,6 +405,7 @@ __all__ = [
     "dequantize_log2",
     "fingerprints",
     "dequantize_log2_temporal",
+    "dequantize_log2_temporal_many",
     "log2_temporal_code_errors",
     "lookup",
     "quantize_blockwise",

@@ -35,6 +35,7 @@ OPS = (
     "sparsity_counts",
     "delta_statistics",
     "sparsity_counts_many",
+    "dequantize_log2_temporal_many",
 )
 
 _REFERENCE: dict[str, Callable] = {}

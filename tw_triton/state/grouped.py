@@ -151,10 +151,15 @@ class DeviceEncode:
 def decode_grouped(
     items: Sequence[tuple[EncodedEntry, torch.Tensor | None, torch.device, str]],
     decode_alone: Callable[[int], torch.Tensor],
+    outs: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """Decode ``(entry, reference, device, context)`` items on devices: those whose codec
     has a grouped decode (:meth:`Codec.decode_group`) in one grouped op per codec, key and
-    device, the others with ``decode_alone(i)``. Results in the items' order."""
+    device, the others with ``decode_alone(i)``. Results in the items' order.
+
+    The entries must be this process's own encodings (the grouped decodes may skip the
+    checks of codes read from a file). ``outs[i]``: a tensor item ``i`` may be decoded
+    into (its reference, which nothing else reads; ``None``: a fresh one)."""
     groups: dict[Any, list[int]] = {}
     out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
     for i, (entry, ref, device, _) in enumerate(items):
@@ -171,6 +176,7 @@ def decode_grouped(
             [items[i][1] for i in members],
             device,
             [items[i][3] for i in members],
+            None if outs is None else [outs[i] for i in members],
         )
         for i, t in zip(members, decoded):
             out[i] = t

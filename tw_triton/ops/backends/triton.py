@@ -192,11 +192,14 @@ def dequantize_blockwise_many_cuda(
     block: int,
     references: list[torch.Tensor] | None,
     dtype: torch.dtype,
+    *,
+    out: list[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """The grouped decode kernel: one table copy and at most two launches per reference
-    dtype."""
+    dtype, written in place into ``out[i]`` where it is contiguous and 16-byte aligned
+    (the reference itself, in a closed-loop advance)."""
     k = kernels()
-    out: list[torch.Tensor] = [None] * len(codes)  # type: ignore[list-item]
+    result: list[torch.Tensor] = [None] * len(codes)  # type: ignore[list-item]
     for members in _by_dtypes(codes, references).values():
         decoded = k.dequantize_blockwise_grouped(
             [_readable(codes[i]) for i in members],
@@ -206,10 +209,11 @@ def dequantize_blockwise_many_cuda(
             block,
             None if references is None else [_readable(references[i]) for i in members],
             dtype,
+            None if out is None else [out[i] for i in members],
         )
         for i, t in zip(members, decoded):
-            out[i] = t
-    return out
+            result[i] = t
+    return result
 
 
 def copy_many_cuda(xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -327,6 +331,42 @@ def dequantize_log2_temporal_cuda(
     )
 
 
+def _bounds(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``lo`` then ``hi`` as the grouped decode reads them: ``lo`` where ``hi`` follows it
+    directly (the codec's stored buffer), else a copy of both."""
+    nb = lo.numel()
+    if lo.is_contiguous() and hi.is_contiguous() and hi.data_ptr() == lo.data_ptr() + 4 * nb:
+        return torch.as_strided(lo, (2 * nb,), (1,))
+    return torch.cat([lo.reshape(-1), hi.reshape(-1)])
+
+
+def dequantize_log2_temporal_many_cuda(
+    codes: list[torch.Tensor],
+    lo: list[torch.Tensor],
+    hi: list[torch.Tensor],
+    references: list[torch.Tensor],
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    out: list[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """The grouped temporal decode kernel: one table copy and at most two launches, written
+    in place into ``out[i]`` where it is contiguous and 16-byte aligned (the reference
+    itself, in a closed-loop advance). Copies only what it cannot read in place."""
+    k = kernels()
+    got = k.dequantize_log2_temporal_grouped(
+        [_readable(c) for c in codes],
+        [_bounds(a, b) for a, b in zip(lo, hi)],
+        [_readable(r.detach().reshape(-1)) for r in references],
+        bits,
+        block,
+        min_step,
+        out=None if out is None else [None if o is None else o.view(-1) for o in out],
+    )
+    return [t if out is None or out[i] is None else out[i] for i, t in enumerate(got)]  # type: ignore[misc]
+
+
 # The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
 BACKEND = {
     "quantize_blockwise": quantize_blockwise_cuda,
@@ -344,4 +384,5 @@ BACKEND = {
     "quantize_log2_temporal_many": quantize_log2_temporal_many_cuda,
     "dequantize_log2_temporal": dequantize_log2_temporal_cuda,
     "sparsity_counts_many": sparsity_counts_many_cuda,
+    "dequantize_log2_temporal_many": dequantize_log2_temporal_many_cuda,
 }

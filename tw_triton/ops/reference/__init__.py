@@ -22,6 +22,7 @@ from .grouped import (
     FINGERPRINT_SAMPLES,
     copy_many_torch,
     dequantize_blockwise_many_torch,
+    dequantize_log2_temporal_many_torch,
     fingerprint_torch,
     fingerprints_torch,
     quantize_blockwise_many_torch,
@@ -55,6 +56,7 @@ REFERENCE = {
     "sparsity_counts": sparsity_counts_torch,
     "delta_statistics": delta_statistics_torch,
     "sparsity_counts_many": sparsity_counts_many_torch,
+    "dequantize_log2_temporal_many": dequantize_log2_temporal_many_torch,
 }
 
 __all__ = [
@@ -69,6 +71,7 @@ __all__ = [
     "delta_statistics_torch",
     "dequantize_blockwise_many_torch",
     "dequantize_blockwise_torch",
+    "dequantize_log2_temporal_many_torch",
     "dequantize_log2_temporal_torch",
     "dequantize_log2_torch",
     "fingerprint_torch",

@@ -1,7 +1,9 @@
 """The grouped ops' reference: one tensor at a time.
 
 :func:`quantize_blockwise_many_torch`, :func:`quantize_log2_many_torch` and
-:func:`quantize_log2_temporal_many_torch` are the single-tensor ops applied to each tensor (their bytes are the spec), with each tensor's
+:func:`quantize_log2_temporal_many_torch` (and the decodes
+:func:`dequantize_blockwise_many_torch`, :func:`dequantize_log2_temporal_many_torch`) are
+the single-tensor ops applied to each tensor (their bytes are the spec), with each tensor's
 flag raised in the caller's buffer;
 :func:`fingerprints_torch` is :func:`fingerprint_torch` of each tensor. The Triton backend
 does each in a fixed number of launches (docs/design.md, "Launches and syncs per save").
@@ -94,13 +96,57 @@ def dequantize_blockwise_many_torch(
     block: int,
     references: list[torch.Tensor] | None,
     dtype: torch.dtype,
+    *,
+    out: list[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
-    """:func:`tw_triton.ops.dequantize_blockwise` of each tensor (flat results)."""
+    """:func:`tw_triton.ops.dequantize_blockwise` of each tensor (flat results), into
+    ``out[i]`` where given (it may be ``references[i]``: the single op reads each chunk
+    before it writes it)."""
     from .. import dequantize_blockwise  # the single op, dispatched by device
 
     return [
-        dequantize_blockwise(c, s, n, bits, block, None if references is None else references[i], dtype)
+        dequantize_blockwise(
+            c,
+            s,
+            n,
+            bits,
+            block,
+            None if references is None else references[i],
+            dtype,
+            out=None if out is None else out[i],
+        )
         for i, (c, s, n) in enumerate(zip(codes, scales, numels))
+    ]
+
+
+def dequantize_log2_temporal_many_torch(
+    codes: list[torch.Tensor],
+    lo: list[torch.Tensor],
+    hi: list[torch.Tensor],
+    references: list[torch.Tensor],
+    bits: int,
+    block: int,
+    min_step: int,
+    *,
+    out: list[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """:func:`tw_triton.ops.dequantize_log2_temporal` of each tensor (flat results), into
+    ``out[i]`` where given (it may be ``references[i]``)."""
+    from .. import dequantize_log2_temporal  # the single op, dispatched by device
+
+    return [
+        dequantize_log2_temporal(
+            c,
+            lo[i],
+            hi[i],
+            references[i],
+            c.numel(),
+            bits,
+            block,
+            min_step,
+            out=None if out is None else out[i],
+        )
+        for i, c in enumerate(codes)
     ]
 
 

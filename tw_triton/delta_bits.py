@@ -39,6 +39,9 @@ from .state.fingerprints import read_device_scalars
 
 # Candidate bits above a rule's own, in order.
 WIDER_BITS = (4, 8)
+# Maxima below this make the statistics' ``scale / max`` overflow fp32 (from about 1e-35):
+# such a tensor or delta gets the widest bits, whatever its sums.
+TINY = 2.0**-100
 
 
 def _as_float(bits: int) -> float:
@@ -46,14 +49,16 @@ def _as_float(bits: int) -> float:
 
 
 def error_bound(values: Sequence[int], block: int, bits: int) -> float:
-    """The bound ``e(bits)`` (module doc) from :func:`tw_triton.ops.delta_statistics` read as ints: ``0`` for
-    a zero delta, ``inf`` for a zero or non-finite tensor with a non-zero delta."""
+    """The bound ``e(bits)`` (module doc) from :func:`tw_triton.ops.delta_statistics` read
+    as ints: ``0`` for a zero delta; ``inf`` for a non-finite tensor or delta, and for a
+    non-zero delta where either maximum is below :data:`TINY` (there the statistics' level
+    scale overflows fp32, so their sums say nothing: the widest bits)."""
     a, b = _as_float(values[0]), _as_float(values[1])
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
     if a == 0.0:
         return 0.0
-    if b == 0.0 or values[3] == 0:
+    if a < TINY or b < TINY or values[3] <= 0:
         return math.inf
     delta_norm = a / BLOCK_LEVELS * math.sqrt(block * values[2])
     return delta_norm / (2 * qmax_for(bits) * b / ELEMENT_LEVELS * math.sqrt(values[3]))

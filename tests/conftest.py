@@ -25,9 +25,17 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings as hypothesis_settings
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+# Property tests draw the same examples on every run (a seed from each test's name), so a
+# run on a fresh machine cannot fail on a draw no earlier run made. HYPOTHESIS_PROFILE=explore
+# draws new ones (and keeps failures in .hypothesis/), for looking for bugs on purpose.
+hypothesis_settings.register_profile("deterministic", derandomize=True, database=None)
+hypothesis_settings.register_profile("explore", derandomize=False)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 # The override lets a test check the GPU-side rules of this file on a machine without one.
 HAS_CUDA = torch.cuda.is_available() or os.environ.get("TW_TRITON_TEST_ASSUME_CUDA") == "1"

@@ -16,6 +16,7 @@ from .dequantize_log2_temporal_grouped import dequantize_log2_temporal_grouped
 from .fingerprint import fingerprints
 from .quantize_blockwise import quantize_blockwise
 from .quantize_blockwise_grouped import quantize_blockwise_grouped
+from .quantize_blockwise_update_grouped import quantize_blockwise_update_grouped
 from .quantize_log2 import quantize_log2
 from .quantize_log2_grouped import quantize_log2_grouped
 from .quantize_log2_temporal import quantize_log2_temporal
@@ -32,6 +33,7 @@ __all__ = [
     "fingerprints",
     "quantize_blockwise",
     "quantize_blockwise_grouped",
+    "quantize_blockwise_update_grouped",
     "quantize_log2",
     "quantize_log2_grouped",
     "bitmask_decode",

@@ -5,8 +5,8 @@ Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
 (whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
 reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`;
-eight serve a save of many device tensors with a fixed number of launches:
-:func:`quantize_blockwise_many`, :func:`quantize_log2_many`,
+nine serve a save of many device tensors with a fixed number of launches:
+:func:`quantize_blockwise_many`, :func:`quantize_blockwise_update_many`, :func:`quantize_log2_many`,
 :func:`quantize_log2_temporal_many`, :func:`fingerprints`, :func:`copy_many`,
 :func:`dequantize_blockwise_many` and :func:`dequantize_log2_temporal_many` (the
 closed-loop advance, in place over the reference) and
@@ -155,6 +155,37 @@ def quantize_blockwise_many(
         return []
     return lookup("quantize_blockwise_many", xs[0].device.type)(
         xs, references, bits, block, flags=flags, qmax=qmax
+    )
+
+
+def quantize_blockwise_update_many(
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    eps: float,
+    bits: int,
+    block: int,
+    *,
+    flags: torch.Tensor,
+    qmax: int | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`quantize_blockwise` of each ``u = ms[i] / (sqrt(vs[i]) + eps)`` (the
+    blockwise-update codec's update, each fp32 op correctly rounded, ``eps`` rounded to
+    fp32), in a number of launches that does not grow with the count (on CUDA: two per
+    dtype of ``ms``).
+
+    Args:
+        ms: float tensors on one device; vs: float32 tensors of their shapes there.
+        eps, bits, block, qmax: shared by all.
+        flags: as for :func:`quantize_blockwise_many`, raised where ``u`` has a NaN/Inf
+            block or ``sqrt(vs[i]) + eps`` an infinite element.
+
+    Returns:
+        ``(codes, scales)`` per tensor.
+    """
+    if not ms:
+        return []
+    return lookup("quantize_blockwise_update_many", ms[0].device.type)(
+        ms, vs, eps, bits, block, flags=flags, qmax=qmax
     )
 
 
@@ -410,6 +441,7 @@ __all__ = [
     "lookup",
     "quantize_blockwise",
     "quantize_blockwise_many",
+    "quantize_blockwise_update_many",
     "quantize_log2",
     "quantize_log2_many",
     "quantize_log2_temporal",

@@ -171,6 +171,31 @@ def quantize_blockwise_many_cuda(
     return out
 
 
+def quantize_blockwise_update_many_cuda(
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    eps: float,
+    bits: int,
+    block: int,
+    *,
+    flags: torch.Tensor,
+    qmax: int | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The grouped update encode kernel: one table copy and at most two launches per
+    dtype of ``ms``, whatever the number of tensors."""
+    k = kernels()
+    q = check_qmax(bits, qmax)
+    out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(ms)  # type: ignore[list-item]
+    for members in _by_dtypes(ms, None).values():
+        gm = [_readable(ms[i]) for i in members]
+        gv = [_readable(vs[i].float()) for i in members]
+        for i, pair in zip(
+            members, k.quantize_blockwise_update_grouped(gm, gv, eps, bits, block, q, flags, members)
+        ):
+            out[i] = pair
+    return out
+
+
 def quantize_log2_many_cuda(
     xs: list[torch.Tensor], bits: int, block: int, *, flags: torch.Tensor
 ) -> list[tuple[torch.Tensor, ...]]:
@@ -374,6 +399,7 @@ BACKEND = {
     "quantize_log2": quantize_log2_cuda,
     "dequantize_log2": dequantize_log2_cuda,
     "quantize_blockwise_many": quantize_blockwise_many_cuda,
+    "quantize_blockwise_update_many": quantize_blockwise_update_many_cuda,
     "quantize_log2_many": quantize_log2_many_cuda,
     "fingerprints": fingerprints_cuda,
     "copy_many": copy_many_cuda,

@@ -26,6 +26,7 @@ from .grouped import (
     fingerprint_torch,
     fingerprints_torch,
     quantize_blockwise_many_torch,
+    quantize_blockwise_update_many_torch,
     quantize_log2_many_torch,
     quantize_log2_temporal_many_torch,
 )
@@ -43,6 +44,7 @@ REFERENCE = {
     "quantize_log2": quantize_log2_torch,
     "dequantize_log2": dequantize_log2_torch,
     "quantize_blockwise_many": quantize_blockwise_many_torch,
+    "quantize_blockwise_update_many": quantize_blockwise_update_many_torch,
     "quantize_log2_many": quantize_log2_many_torch,
     "fingerprints": fingerprints_torch,
     "copy_many": copy_many_torch,
@@ -82,6 +84,7 @@ __all__ = [
     "nearest_integer_at_ties",
     "pack_codes",
     "quantize_blockwise_many_torch",
+    "quantize_blockwise_update_many_torch",
     "quantize_blockwise_torch",
     "quantize_log2_many_torch",
     "quantize_log2_temporal_many_torch",

@@ -1,6 +1,7 @@
 """The grouped ops' reference: one tensor at a time.
 
-:func:`quantize_blockwise_many_torch`, :func:`quantize_log2_many_torch` and
+:func:`quantize_blockwise_many_torch`, :func:`quantize_blockwise_update_many_torch`,
+:func:`quantize_log2_many_torch` and
 :func:`quantize_log2_temporal_many_torch` (and the decodes
 :func:`dequantize_blockwise_many_torch`, :func:`dequantize_log2_temporal_many_torch`) are
 the single-tensor ops applied to each tensor (their bytes are the spec), with each tensor's
@@ -38,6 +39,34 @@ def quantize_blockwise_many_torch(
         )
         out.append((codes, scales))
         bad.append(torch.isinf(scales).any())
+    if bad:
+        flags.copy_(torch.maximum(flags, torch.stack(bad).to(flags.device, torch.int64)))
+    return out
+
+
+def quantize_blockwise_update_many_torch(
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    eps: float,
+    bits: int,
+    block: int,
+    *,
+    flags: torch.Tensor,
+    qmax: int | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`tw_triton.ops.quantize_blockwise` of each ``u = m / (sqrt(v) + eps)`` (fp32,
+    each op rounded on its own); ``flags[i]`` (int64) is raised to 1 where tensor ``i`` has
+    a block with an infinite scale or an infinite ``sqrt(v) + eps``."""
+    from .. import quantize_blockwise  # the single op, dispatched by device
+
+    out = []
+    bad = []
+    for m, v in zip(ms, vs):
+        # The fp64 root rounded to fp32 is the correctly rounded fp32 root (53 >= 2 * 24 + 2).
+        den = torch.sqrt(v.double()).float().add_(eps)
+        codes, scales = quantize_blockwise(m.float() / den, None, bits, block, qmax=qmax)
+        out.append((codes, scales))
+        bad.append(torch.isinf(scales).any() | torch.isinf(den).any())
     if bad:
         flags.copy_(torch.maximum(flags, torch.stack(bad).to(flags.device, torch.int64)))
     return out

@@ -30,6 +30,7 @@ from tw_triton import Checkpointer, deltas, ops, quantize_state_dict
 from tw_triton.codecs import get_codec
 from tw_triton.ops.backends import triton as triton_backend
 from tw_triton.ops.reference import log2_temporal_code_errors_torch
+from tw_triton.rules import resolve_rules, rules_as_specs
 from tw_triton.state import encode as encode_module
 from tw_triton.state import fingerprints
 from tw_triton.tree import flatten
@@ -97,6 +98,7 @@ def spy(monkeypatch):
     monkeypatch.setattr(deltas, "groups_launches", lambda device: True)
     for module, name in [
         ("tw_triton.kernels.quantize_blockwise_grouped", "quantize_blockwise_grouped_kernel"),
+        ("tw_triton.kernels.quantize_blockwise_update_grouped", "quantize_blockwise_update_grouped_kernel"),
         ("tw_triton.kernels.quantize_log2_grouped", "quantize_log2_grouped_kernel"),
         ("tw_triton.kernels.quantize_log2_temporal_grouped", "quantize_log2_temporal_grouped_kernel"),
         ("tw_triton.kernels.copy_grouped", "copy_grouped_kernel"),
@@ -116,6 +118,7 @@ def spy(monkeypatch):
     monkeypatch.setattr(fingerprints, "to_host", to_host)
     grouped = {
         "quantize_blockwise_many": triton_backend.quantize_blockwise_many_cuda,
+        "quantize_blockwise_update_many": triton_backend.quantize_blockwise_update_many_cuda,
         "quantize_log2_many": triton_backend.quantize_log2_many_cuda,
         "quantize_log2_temporal_many": triton_backend.quantize_log2_temporal_many_cuda,
         "fingerprints": triton_backend.fingerprints_cuda,
@@ -542,6 +545,66 @@ def test_a_keyframe_counts_its_sparse_candidates_in_grouped_launches(spy, monkey
     for path, entry in alone.entries.items():
         other = grouped.entries[path]
         assert (other.codec, other.params, other.shape) == (entry.codec, entry.params, entry.shape), path
+        for name, buf in entry.buffers.items():
+            got, want = (b.reshape(-1).view(torch.uint8) for b in (other.buffers[name], buf))
+            assert torch.equal(got, want), (path, name)
+
+
+def update_rules() -> list:
+    """``smallest``'s rules with ``exp_avg`` coded in the update's domain at 3 bits."""
+    z = torch.zeros(64, 64)
+    template = {"model": {"w": z}, "optimizer": {"state": {0: {"exp_avg": z, "exp_avg_sq": z}}}}
+    spec = {"codec": "blockwise-update", "bits": 3}
+    return [("*exp_avg", spec), *rules_as_specs(resolve_rules(DEFAULT, template, bits=8, block=128))]
+
+
+def counted_update_save(spy: LaunchSpy, n: int):
+    ref = make_training_state(n, seed=n)
+    state = moved(ref)
+    rules = update_rules()
+    spy.ops.clear()
+    spy.kernels.clear()
+    with spy:
+        q = quantize_state_dict(state, reference=ref, rules=rules)
+    return q, (spy.launches(), spy.syncs(), dict(spy.kernels), dict(spy.ops))
+
+
+def test_a_delta_save_with_blockwise_update_codes_its_first_moments_in_grouped_launches(
+    spy, monkeypatch
+) -> None:
+    count_bits_choice(spy, monkeypatch)
+    q, small = counted_update_save(spy, 10)
+    assert sum(e.codec == "blockwise-update" for e in q.entries.values()) == 10
+    _, large = counted_update_save(spy, 200)
+    assert small == large, f"10 tensors: {small}\n200 tensors: {large}"
+    _, syncs, kernels, torch_ops = large
+    assert kernels["quantize_blockwise_update_grouped_kernel"] <= 2  # one dtype: whole tiles, tails
+    assert kernels["dequantize_log2_temporal_grouped_kernel"] <= 2  # the partners' decode
+    assert "dequantize_log2_temporal" not in kernels and "quantize_blockwise" not in kernels
+    # The flags' zero-fill of each phase and the stack of phase two's flags; the bits
+    # choice's read and one read per phase.
+    assert torch_ops == {"aten.zeros.default": 2, "aten.stack.default": 1, "to_host": 3}
+    assert syncs == 3
+
+
+def test_the_grouped_update_encode_gives_the_bytes_of_the_per_tensor_path(spy, monkeypatch) -> None:
+    ref = make_training_state(12, seed=5)
+    state = moved(ref)
+    moments = state["optimizer"]["state"]
+    moments[1]["exp_avg"][7] = float("nan")  # stored exact, as on the per-tensor path
+    moments[2]["exp_avg_sq"][4095] = float("inf")  # its partner exact: u = 0, flagged, exact
+    grouped = quantize_state_dict(state, reference=ref, rules=update_rules())
+    assert spy.kernels["quantize_blockwise_update_grouped_kernel"] >= 1
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
+    alone = quantize_state_dict(state, reference=ref, rules=update_rules())
+    entries = grouped.entries
+    assert entries.keys() == alone.entries.keys()
+    assert entries["optimizer/state/1/exp_avg"].codec == "exact"
+    assert entries["optimizer/state/2/exp_avg"].codec == "exact"
+    assert entries["optimizer/state/3/exp_avg"].codec == "blockwise-update"
+    for path, entry in alone.entries.items():
+        other = entries[path]
+        assert (other.codec, other.params) == (entry.codec, entry.params), path
         for name, buf in entry.buffers.items():
             got, want = (b.reshape(-1).view(torch.uint8) for b in (other.buffers[name], buf))
             assert torch.equal(got, want), (path, name)

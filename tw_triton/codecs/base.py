@@ -251,6 +251,18 @@ class Codec(ABC):
         """Encode ``x`` with ``partner``, the decoded entry at ``partner_path``."""
         raise NotImplementedError(f"codec {self.name!r} has no partner")
 
+    def encode_group_with_partners(
+        self,
+        xs: Sequence[torch.Tensor],
+        params: Mapping[str, Any],
+        partner_paths: Sequence[str],
+        partners: Sequence[torch.Tensor],
+        flags: torch.Tensor,
+    ) -> list[Encoded]:
+        """:meth:`encode_with_partner` of device tensors of one dtype in a number of
+        launches that does not grow with their count; ``flags`` as for :meth:`encode_group`."""
+        raise NotImplementedError(f"codec {self.name!r} has no grouped encode with partners")
+
     def decode_with_partner(
         self, entry: EncodedEntry, partner: torch.Tensor, device: torch.device | None, context: str
     ) -> torch.Tensor:

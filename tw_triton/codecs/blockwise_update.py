@@ -13,17 +13,18 @@ Why and what it measured: docs/codecs.md, "The first moment in the update's doma
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from .. import ops
 from ..errors import CheckpointError, QuantizationError
 from ..ops.layout import FLOAT_DTYPES, check_params, check_qmax, qmax_for
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
 from .base import Codec, Encoded, check_param_names, move_to, param_error
-from .blockwise import BlockwiseCodec, QuantizedTensor, dequantize
+from .blockwise import BlockwiseCodec, QuantizedTensor, check_input, dequantize
 from .packed import PACKING, check_packed_params, per_block_buffer, stored_codes
 
 DEFAULT_EPS = 1e-8
@@ -129,17 +130,50 @@ class BlockwiseUpdateCodec(Codec):
             enc = _blockwise.encode(u, inner, None)
         else:
             enc = _blockwise.encode_with(u, inner, None, allocate)
-        stored = {k: v for k, v in enc.entry.params.items() if k != "delta"}
-        entry = EncodedEntry(
+        # An infinite partner gives u = 0 that decodes to 0 * inf: stored exact, as NaN/Inf.
+        unusable = torch.logical_or(enc.unusable, ~torch.isfinite(d).all())  # type: ignore[arg-type]
+        return Encoded(self._entry(x, params, partner_path, enc.entry), unusable=unusable)
+
+    def _entry(self, x: torch.Tensor, params: Mapping[str, Any], partner_path: str, inner: EncodedEntry):
+        stored = {k: v for k, v in inner.params.items() if k != "delta"}
+        return EncodedEntry(
             codec=self.name,
             params={**stored, "eps": params["eps"], "partner": partner_path},
             shape=tuple(x.shape),
             dtype=x.dtype,
-            buffers=enc.entry.buffers,
+            buffers=inner.buffers,
         )
-        # An infinite partner gives u = 0 that decodes to 0 * inf: stored exact, as NaN/Inf.
-        unusable = torch.logical_or(enc.unusable, ~torch.isfinite(d).all())  # type: ignore[arg-type]
-        return Encoded(entry, unusable=unusable)
+
+    def encode_group_with_partners(
+        self,
+        xs: Sequence[torch.Tensor],
+        params: Mapping[str, Any],
+        partner_paths: Sequence[str],
+        partners: Sequence[torch.Tensor],
+        flags: torch.Tensor,
+    ) -> list[Encoded]:
+        """:meth:`encode_with_partner` of device tensors with one grouped op
+        (:func:`~tw_triton.ops.quantize_blockwise_update_many`): the same bytes each alone;
+        tensor ``i``'s flag is ``flags[i]`` (int64, zero on entry)."""
+        for x in xs:
+            check_input(x, None)
+        _, inner = self.fallback_spec(params)
+        bits, block = inner["bits"], inner["block"]
+        pairs = ops.quantize_blockwise_update_many(
+            list(xs),
+            [move_to(p, x.device) for p, x in zip(partners, xs)],
+            params["eps"],
+            bits,
+            block,
+            flags=flags,
+            qmax=check_qmax(bits, inner.get("qmax")),
+        )
+        return [
+            Encoded(
+                self._entry(x, params, path, _blockwise.entry_of(x, inner, False, c, s)), unusable=flags[i]
+            )
+            for i, (x, path, (c, s)) in enumerate(zip(xs, partner_paths, pairs))
+        ]
 
     def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:
         check_param_names(params, self.name, self._STORED, self._STORED_OPTIONAL, context)

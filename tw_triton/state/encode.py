@@ -380,7 +380,7 @@ def quantize_state_dict(
             fp_parts.append(f"{path}={entry.params['ref_fp']}")
 
     if partners:  # coded with their partners' entries, now final
-        encode_partnered(entries, partners, jobs, canonical, exact_entry, allocate)
+        encode_partnered(entries, partners, jobs, canonical, exact_entry, allocate, grouped=not on_host)
         entries = {path: entries[path] for path in canonical}
 
     recorded_ref_id = None

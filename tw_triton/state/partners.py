@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
-from ..codecs import Codec, get_codec
-from ..errors import CheckpointError
+from ..codecs import Codec, Encoded, get_codec
+from ..errors import CheckpointError, QuantizationError
 from ..parallel import parallel_map
 from ..qstate import EncodedEntry
 from ..rules import partner_free
 from ..snapshot_pool import Allocator
 from . import fingerprints
+from .grouped import decode_grouped
 
 logger = logging.getLogger(__name__)
 
@@ -74,29 +75,42 @@ def encode_partnered(
     canonical: Sequence[str],
     exact_entry: Callable[[torch.Tensor], EncodedEntry],
     allocate: Allocator | None,
+    grouped: bool = False,
 ) -> None:
     """Phase two of an encode: each entry of ``partners`` coded with its partner's entry
     decoded as a loader decodes it (a delta against the job's reference), into
-    ``entries``; one host read of the NaN/Inf flags, the flagged ones stored exact."""
+    ``entries``; one host read of the NaN/Inf flags, the flagged ones stored exact.
+    ``grouped`` (a device state): the partners decoded and the entries encoded in grouped
+    ops (:func:`encode_grouped`), a number of launches that does not grow with their count."""
     on_host = all(jobs[i][0].device.type == "cpu" for i in partners)
 
-    def encode(i: int) -> Any:
-        x, rule, codec, _ = jobs[i]
-        j = partners[i]
+    def decode_item(i: int) -> tuple[EncodedEntry, torch.Tensor | None, torch.device, str]:
+        x, j = jobs[i][0], partners[i]
         entry, ref = entries[canonical[j]], jobs[j][3]
-        partner_codec = get_codec(entry.codec)
-        context = f"entry {canonical[j]!r} (partner of {canonical[i]!r})"
-        uses = partner_codec.uses_reference(entry.params)  # type: ignore[union-attr]
+        uses = get_codec(entry.codec).uses_reference(entry.params)  # type: ignore[union-attr]
         ref = ref.to(x.device) if uses and ref is not None else None
-        v_hat = partner_codec.decode(entry, ref, x.device, context)  # type: ignore[union-attr]
-        enc = codec.encode_with_partner(x, rule.params, canonical[j], v_hat, allocate)
+        return entry, ref, x.device, f"entry {canonical[j]!r} (partner of {canonical[i]!r})"
+
+    def decode_alone(item: tuple[EncodedEntry, torch.Tensor | None, torch.device, str]) -> torch.Tensor:
+        return get_codec(item[0].codec).decode(*item)  # type: ignore[union-attr]
+
+    def encode(i: int, v_hat: torch.Tensor | None = None) -> Any:
+        x, rule, codec, _ = jobs[i]
+        if v_hat is None:
+            v_hat = decode_alone(decode_item(i))
+        enc = codec.encode_with_partner(x, rule.params, canonical[partners[i]], v_hat, allocate)
         enc.entry.codec = rule.codec
         return enc
 
     order = list(partners)
-    encs = parallel_map(
-        encode, order, sizes=[jobs[i][0].numel() * 4 for i in order], threads=None if on_host else 1
-    )
+    if grouped:
+        encs = encode_grouped(
+            order, jobs, [canonical[partners[i]] for i in order], decode_item, decode_alone, encode
+        )
+    else:
+        encs = parallel_map(
+            encode, order, sizes=[jobs[i][0].numel() * 4 for i in order], threads=None if on_host else 1
+        )
     bad = fingerprints.read_device_scalars([enc.unusable for enc in encs])
     for i, enc, flagged in zip(order, encs, bad):
         path = canonical[i]
@@ -109,6 +123,60 @@ def encode_partnered(
                 enc.entry.codec,
             )
             entries[path] = exact_entry(jobs[i][0])
+
+
+def encode_grouped(
+    order: Sequence[int],
+    jobs: Sequence[Job],
+    partner_paths: Sequence[str],
+    decode_item: Callable[[int], tuple],
+    decode_alone: Callable[[tuple], torch.Tensor],
+    encode_alone: Callable[[int, torch.Tensor], Encoded],
+) -> list[Encoded]:
+    """The entries ``order`` encoded on their devices: their partners decoded with
+    :func:`~tw_triton.state.grouped.decode_grouped`, then one
+    :meth:`~tw_triton.codecs.Codec.encode_group_with_partners` per device, codec, params
+    and dtype (flags: one zero-filled buffer per device); ``encode_alone(k, v_hat)`` where
+    a codec has none or rejects the group. Results in ``order``'s order."""
+    items = [decode_item(i) for i in order]
+    v_hats = decode_grouped(items, lambda k: decode_alone(items[k]))
+    groups: dict[Any, list[int]] = {}
+    for k, i in enumerate(order):
+        x, rule, _, _ = jobs[i]
+        try:
+            frozen = tuple(sorted(rule.params.items()))
+            hash(frozen)
+        except TypeError:  # params holding lists or dicts
+            frozen = ("alone", k)
+        groups.setdefault((x.device, rule.codec, frozen, x.dtype), []).append(k)
+    sizes: dict[torch.device, int] = {}
+    for (device, *_), members in groups.items():
+        sizes[device] = sizes.get(device, 0) + len(members)
+    buffers = {d: torch.zeros(n, dtype=torch.int64, device=d) for d, n in sizes.items()}
+    used = dict.fromkeys(buffers, 0)
+    out: list[Encoded] = [None] * len(order)  # type: ignore[list-item]
+    for (device, name, _, _), members in groups.items():
+        first = used[device]
+        used[device] += len(members)
+        flags = buffers[device][first : first + len(members)]
+        codec = get_codec(name)
+        xs = [jobs[order[k]][0] for k in members]
+        try:
+            encs = codec.encode_group_with_partners(  # type: ignore[union-attr]
+                xs,
+                jobs[order[members[0]]][1].params,
+                [partner_paths[k] for k in members],
+                [v_hats[k] for k in members],
+                flags,
+            )
+            for enc in encs:
+                enc.entry.codec = name
+        except (NotImplementedError, QuantizationError):
+            # One at a time, so that an error names the entry it is about.
+            encs = [encode_alone(order[k], v_hats[k]) for k in members]
+        for k, enc in zip(members, encs):
+            out[k] = enc
+    return out
 
 
 def partner_map(

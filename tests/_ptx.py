@@ -126,7 +126,15 @@ def grouped_variants() -> list[Variant]:
         for masked in (False, True)
         for cc in TARGETS
     ]
-    return encode + log2 + fingerprint + copy + decode + temporal
+    # The blockwise-update encode (u = m / (sqrt(v_hat) + eps) in the tile): v_hat is fp32.
+    update = [
+        Variant("grouped-update-encode", bits, 128, dtype, "fp32", masked, cc)
+        for bits in (8, 4, 2)
+        for dtype in ("fp32", "bf16")
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+    return encode + log2 + fingerprint + copy + decode + temporal + update
 
 
 BITMASK_OPS = ("bitmask-mask", "bitmask-scatter", "bitmask-popcount", "bitmask-gather")
@@ -204,6 +212,7 @@ def _grouped_source(v: Variant):
     from tw_triton.kernels.dequantize_log2_temporal_grouped import dequantize_log2_temporal_grouped_kernel
     from tw_triton.kernels.fingerprint import fingerprint_kernel
     from tw_triton.kernels.quantize_blockwise_grouped import quantize_blockwise_grouped_kernel
+    from tw_triton.kernels.quantize_blockwise_update_grouped import quantize_blockwise_update_grouped_kernel
     from tw_triton.kernels.quantize_log2_grouped import quantize_log2_grouped_kernel
     from tw_triton.kernels.quantize_log2_temporal_grouped import quantize_log2_temporal_grouped_kernel
     from tw_triton.kernels.tiles import rows_per_program
@@ -231,6 +240,26 @@ def _grouped_source(v: Variant):
         constexprs = {"SAMPLES": v.block}
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
         return ASTSource(fn=fingerprint_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    if v.op == "grouped-update-encode":
+        signature = {
+            "table_ptr": "*i64",
+            "flags_ptr": "*i64",
+            "m_type_ptr": f"*{v.dtype}",
+            "v_type_ptr": "*fp32",
+            "eps": "fp32",
+            "T": "i32",
+        }
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "BITS": v.bits, "QMAX": (1 << (v.bits - 1)) - 1}
+        constexprs.update({"BLOCK": v.block, "ROWS": rows_per_program(v.block)})
+        signature.update({name: "constexpr" for name in constexprs})
+        # The table, the flags and the carriers are 16-byte aligned; eps and T are not specialized.
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+        return ASTSource(
+            fn=quantize_blockwise_update_grouped_kernel,
+            signature=signature,
+            constexprs=constexprs,
+            attrs=attrs,
+        )
     if v.op == "grouped-copy":
         signature = {"table_ptr": "*i64", "flags_ptr": "*i64", "T": "i32"}
         constexprs = {"LOG_T": 4, "MASKED": v.masked, "BLOCK": v.block, "ROWS": 1}

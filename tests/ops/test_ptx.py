@@ -218,6 +218,10 @@ def test_grouped_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, varia
         return
     if variant.op in ("grouped-log2-encode", "grouped-temporal-encode"):
         assert ops.get("cvt.rn.f32.s32", 0) > 0, ops
+    if variant.op == "grouped-update-encode":
+        # u = m / (sqrt(v_hat) + eps): a correctly rounded root, add and division, as torch.
+        assert ops.get("sqrt.rn.f32", 0) > 0 and ops.get("add.rn.f32", 0) > 0, ops
+        assert not [op for op in ops if op.startswith("sqrt.") and op != "sqrt.rn.f32"], ops
     if variant.op == "grouped-temporal-encode":
         # As the single temporal kernel: the rounded change in 64-bit integers, the
         # absolute fallback's quotient truncated after the rounding trick.

@@ -285,6 +285,7 @@ def precompile_saves(
             x = _small(t, rule, codec, group_of(jobs[-1]) is not None and not _kept(jobs[-1], copy))
             small.append((x, rule, codec, (x * 0.5).to(x.dtype) if has_ref else None))
         encoded = _encode_as_saved(jobs, small, copy)
+        _partnered_as_saved(paths, [select_rule(rule_set, p, flat.tensors[p]) for p in paths], small, encoded)
         if deltas and delta_mode == "closed":
             _advance_as_saved(small, encoded)
         elif rule_set is not rule_list and delta_mode != "none":
@@ -298,6 +299,39 @@ def precompile_saves(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(passes)
+
+
+def _partnered_as_saved(paths: list[str], rules: list[Any], small: list[tuple], encoded: list[Any]) -> None:
+    """Phase two of a device encode (:func:`~tw_triton.state.partners.encode_grouped`) on
+    the small tensors: the partners' grouped decode, then one grouped encode with partners
+    per codec, params and dtype (against a stand-in ``v_hat`` of each tensor's size)."""
+    index = {p: i for i, p in enumerate(paths)}
+    pairs = []
+    for i, (path, rule) in enumerate(zip(paths, rules)):
+        codec = get_codec(rule.codec)
+        if not codec.has_partners:
+            continue
+        j = index.get(codec.partner_path(path, rule.params, index))  # type: ignore[arg-type]
+        if j is not None and j != i and encoded[j] is not None and small[j][0].dtype == torch.float32:
+            pairs.append((i, j))
+    if not pairs:
+        return
+    items = []
+    for _, j in pairs:
+        entry, ref = encoded[j].entry, small[j][3]
+        uses = get_codec(entry.codec).uses_reference(entry.params)
+        items.append((entry, ref if uses else None, small[j][0].device, "precompile"))
+    decode_grouped(items, lambda k: get_codec(items[k][0].codec).decode(*items[k]))
+    groups: dict[Any, list[int]] = {}
+    for i, _ in pairs:
+        x, rule = small[i][0], rules[i]
+        groups.setdefault((x.device, rule.codec, repr(sorted(rule.params.items())), x.dtype), []).append(i)
+    for (device, name, _, _), members in groups.items():
+        codec = get_codec(name)
+        xs = [small[i][0] for i in members]
+        flags = torch.zeros(len(xs), dtype=torch.int64, device=device)
+        v_hats = [torch.ones(x.shape, dtype=torch.float32, device=device) for x in xs]
+        codec.encode_group_with_partners(xs, rules[members[0]].params, ["partner"] * len(xs), v_hats, flags)
 
 
 def _advance_as_saved(small: list[tuple], encoded: list[Any]) -> None:

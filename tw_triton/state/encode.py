@@ -357,8 +357,8 @@ def quantize_state_dict(
             entries[canonical[i]] = entry
     for i, entry in zip(dense, exact_entries([jobs[i][0] for i in dense])):
         entries[canonical[i]] = entry
-    if deferred:
-        entries = {path: entries[path] for path in canonical}
+    if deferred:  # (the entries coded with a partner come later: encode_partnered)
+        entries = {path: entries[path] for path in canonical if path in entries}
     for (path, _), bad in zip(flagged, values[: len(flagged)]):
         if bad:
             # log2 also refuses a negative value (a "non-negative" state that is not).

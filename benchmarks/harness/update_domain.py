@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 import tw_triton
+from tw_triton.codecs.blockwise_update import denominator
 from tw_triton.rules import resolve_rules, rules_as_specs
 
 MIN_NUMEL = 4096
@@ -61,7 +62,7 @@ def _moments(optimizer_state: dict[Any, Any], eps: float) -> dict[str, tuple[tor
     for key, st in optimizer_state.items():
         m, v = st.get("exp_avg"), st.get("exp_avg_sq")
         if isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and m.numel() >= MIN_NUMEL:
-            out[str(key)] = (m.float(), v.float().sqrt().add(eps))
+            out[str(key)] = (m.float(), denominator(v, eps))  # the codec's: a correctly rounded sqrt
     return out
 
 

@@ -36,6 +36,7 @@ OPS = (
     "delta_statistics",
     "sparsity_counts_many",
     "dequantize_log2_temporal_many",
+    "dequantize_log2_many",
 )
 
 _REFERENCE: dict[str, Callable] = {}

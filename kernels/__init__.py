@@ -11,6 +11,7 @@ from .copy_grouped import copy_grouped
 from .dequantize_blockwise import dequantize_blockwise
 from .dequantize_blockwise_grouped import dequantize_blockwise_grouped
 from .dequantize_log2 import dequantize_log2
+from .dequantize_log2_grouped import dequantize_log2_grouped
 from .dequantize_log2_temporal import dequantize_log2_temporal
 from .dequantize_log2_temporal_grouped import dequantize_log2_temporal_grouped
 from .fingerprint import fingerprints
@@ -30,6 +31,7 @@ __all__ = [
     "dequantize_blockwise",
     "dequantize_blockwise_grouped",
     "dequantize_log2",
+    "dequantize_log2_grouped",
     "fingerprints",
     "quantize_blockwise",
     "quantize_blockwise_grouped",

@@ -22,6 +22,22 @@ from .tiles import launch_row_tiles
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+@triton.jit
+def log2_decode_tile(
+    packed, lo, hi, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, OUT_DTYPE: tl.constexpr
+):
+    """The decoded ``ROWS x BLOCK`` tile of packed codes and their rows' bounds, in
+    ``OUT_DTYPE``: level, log-domain value, cast (shared by the grouped decode)."""
+    N_STEPS: tl.constexpr = (1 << BITS) - 2
+    u = unpack_lsb_first(packed, ROWS, BLOCK, BITS)
+    step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
+    p = (u - 1).to(tl.float32) * step[:, None]
+    t = lo[:, None] + (p + 0.5).to(tl.int32)
+    t = tl.minimum(t, hi[:, None])
+    t = tl.where(u > 0, t, 0)
+    return narrow_from_f32(t.to(tl.float32, bitcast=True), OUT_DTYPE)
+
+
 @triton.jit(do_not_specialize=["row0"])
 def dequantize_log2_kernel(
     codes_ptr,
@@ -36,7 +52,6 @@ def dequantize_log2_kernel(
     ROWS: tl.constexpr,
 ):
     """Decode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` into an ``n``-element flat output."""
-    N_STEPS: tl.constexpr = (1 << BITS) - 2
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
 
@@ -51,15 +66,7 @@ def dequantize_log2_kernel(
         packed = tl.load(codes_ptr + byte_offs)
         lo = tl.load(lo_ptr + rows)
         hi = tl.load(hi_ptr + rows)
-    u = unpack_lsb_first(packed, ROWS, BLOCK, BITS)
-
-    step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
-    p = (u - 1).to(tl.float32) * step[:, None]
-    t = lo[:, None] + (p + 0.5).to(tl.int32)
-    t = tl.minimum(t, hi[:, None])
-    t = tl.where(u > 0, t, 0)
-    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
-    v = narrow_from_f32(t.to(tl.float32, bitcast=True), out_dtype)
+    v = log2_decode_tile(packed, lo, hi, BITS, BLOCK, ROWS, out_ptr.dtype.element_ty)
 
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     if MASKED:

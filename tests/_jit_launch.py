@@ -142,6 +142,14 @@ def cases():
         codes, lo, hi = ([o[k] for o in out] for k in range(3))
         backend.dequantize_log2_temporal_many_cuda(codes, lo, hi, refs, 4, 128, MIN_STEP, out=refs)
 
+    def grouped_log2_decode():  # a keyframe's moments, decoded into its reference tensors
+        n, nb = 4096 + 16, -(-(4096 + 16) // 128)
+        codes = [torch.zeros(n // 2, dtype=torch.uint8) for _ in range(GROUP)]
+        bounds = [torch.zeros(nb, dtype=torch.int32) for _ in range(2 * GROUP)]
+        backend.dequantize_log2_many_cuda(
+            codes, bounds[:GROUP], bounds[GROUP:], [n] * GROUP, 4, 128, f32, out=group(f32)
+        )
+
     def copy_and_fingerprints():
         backend.copy_many_cuda([torch.zeros(1028) for _ in range(GROUP)])  # 4112 bytes each
         backend.fingerprints_cuda(group(f16), out=torch.zeros(GROUP, dtype=torch.int64))
@@ -190,6 +198,11 @@ def cases():
                 pair("grouped-temporal-encode", 4, 128, f32, f32, cc)
                 + pair("grouped-temporal-decode", 4, 128, f32, f32, cc)
             ),
+        ),
+        (
+            "grouped-log2-decode",
+            grouped_log2_decode,
+            lambda cc: pair("grouped-log2-decode", 4, 128, f32, None, cc),
         ),
         (
             "copy-and-fingerprints",

@@ -89,7 +89,8 @@ def grouped_variants() -> list[Variant]:
     """The grouped kernels: the encode over a table of tensors (bits x dtype pairs x
     {main, tail} x targets, block 128), the fingerprint (dtypes x targets), the copy, the
     decode and the ``log2-temporal`` encode and decode (float32 against float32, as the
-    single temporal kernels: blocks x {main, tail} x targets)."""
+    single temporal kernels: blocks x {main, tail} x targets), and the ``log2`` decode
+    (bits x output dtypes x {main, tail} x targets, block 128)."""
     rotate = {"fp32": "bf16", "fp16": "fp32", "bf16": "bf16"}
     encode = [
         Variant("grouped-encode", bits, 128, dtype, ref, masked, cc)
@@ -134,7 +135,14 @@ def grouped_variants() -> list[Variant]:
         for masked in (False, True)
         for cc in TARGETS
     ]
-    return encode + log2 + fingerprint + copy + decode + temporal + update
+    log2_decode = [
+        Variant("grouped-log2-decode", bits, 128, dtype, None, masked, cc)
+        for bits in BITS
+        for dtype in DTYPES
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+    return encode + log2 + fingerprint + copy + decode + temporal + update + log2_decode
 
 
 BITMASK_OPS = ("bitmask-mask", "bitmask-scatter", "bitmask-popcount", "bitmask-gather")
@@ -209,6 +217,7 @@ def _grouped_source(v: Variant):
 
     from tw_triton.kernels.copy_grouped import copy_grouped_kernel
     from tw_triton.kernels.dequantize_blockwise_grouped import dequantize_blockwise_grouped_kernel
+    from tw_triton.kernels.dequantize_log2_grouped import dequantize_log2_grouped_kernel
     from tw_triton.kernels.dequantize_log2_temporal_grouped import dequantize_log2_temporal_grouped_kernel
     from tw_triton.kernels.fingerprint import fingerprint_kernel
     from tw_triton.kernels.quantize_blockwise_grouped import quantize_blockwise_grouped_kernel
@@ -276,6 +285,10 @@ def _grouped_source(v: Variant):
             "T": "i32",
         }
         constexprs = {"LOG_T": 4, "MASKED": v.masked, "HAS_REF": True, "BITS": v.bits}
+    elif v.op == "grouped-log2-decode":
+        fn = dequantize_log2_grouped_kernel
+        signature = {"table_ptr": "*i64", "flags_ptr": "*i64", "out_type_ptr": f"*{v.dtype}", "T": "i32"}
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "BITS": v.bits}
     elif v.op == "grouped-log2-encode":
         fn = quantize_log2_grouped_kernel
         signature = {"table_ptr": "*i64", "flags_ptr": "*i64", "x_type_ptr": f"*{v.dtype}", "T": "i32"}

@@ -147,21 +147,41 @@ def keyframe_values(
     entry, written into the tensor already there (``in_place``: the keyframe's snapshot,
     which its write no longer reads) or in its place (a placeholder, say on the meta
     device). Exact entries are left as they are. Returns ``values``.
+
+    Host tensors are decoded one at a time; device ones in grouped decodes
+    (:func:`~tw_triton.state.grouped.decode_grouped`: a number of launches that does not
+    grow with their count), into the tensors already there where the codec can.
     """
+    items, paths = [], []
     for path, t in list(values.items()):
         target = q.aliases.get(path, path)
         entry = q.entries[target]
         if entry.codec == "exact":
             continue
-        codec = get_codec(entry.codec)
         context = f"checkpoint {q.checkpoint_id}: entry {target!r}"
-        if codec is None:
+        if get_codec(entry.codec) is None:
             raise CheckpointError(f"{context}: unknown codec {entry.codec!r}")
-        decoded = codec.decode(entry, None, None if t.device.type == "meta" else t.device, context)
-        if in_place:
-            t.copy_(decoded)
-        else:
-            values[path] = decoded
+        device = entry_device(entry, t.device) if t.device.type == "meta" else t.device
+        items.append((entry, None, device, context))
+        paths.append(path)
+
+    def alone(i: int) -> torch.Tensor:
+        entry, _, device, context = items[i]
+        return get_codec(entry.codec).decode(entry, None, device, context)  # type: ignore[union-attr]
+
+    grouped = [i for i, item in enumerate(items) if groups_launches(item[2])]
+    decoded = dict.fromkeys(range(len(items)))
+    if grouped:
+        outs = [values[paths[i]] if in_place else None for i in grouped]
+        got = decode_grouped([items[i] for i in grouped], lambda k: alone(grouped[k]), outs)
+        decoded.update(zip(grouped, got))
+    for i, path in enumerate(paths):
+        t = values[path]
+        out = alone(i) if decoded[i] is None else decoded[i]
+        if not in_place:
+            values[path] = out
+        elif out is not t:
+            t.copy_(out)
     return values
 
 

@@ -290,12 +290,8 @@ def precompile_saves(
             _advance_as_saved(small, encoded)
         elif rule_set is not rule_list and delta_mode != "none":
             # The deltas' reference is the keyframe's reconstruction: its lossy entries of
-            # delta-coded tensors are decoded (deltas.keyframe_values).
-            for path, (x, _, _, _), enc in zip(paths, small, encoded):
-                later = select_rule(rule_list, path, flat.tensors[path])
-                delta_coded = get_codec(later.codec).uses_reference(later.params)
-                if enc is not None and delta_coded and enc.entry.codec != "exact":
-                    get_codec(enc.entry.codec).decode(enc.entry, None, x.device, "precompile")
+            # delta-coded tensors are decoded, grouped (deltas.keyframe_values).
+            _keyframe_values_as_saved(rule_list, flat, paths, small, encoded)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(passes)
@@ -332,6 +328,25 @@ def _partnered_as_saved(paths: list[str], rules: list[Any], small: list[tuple], 
         flags = torch.zeros(len(xs), dtype=torch.int64, device=device)
         v_hats = [torch.ones(x.shape, dtype=torch.float32, device=device) for x in xs]
         codec.encode_group_with_partners(xs, rules[members[0]].params, ["partner"] * len(xs), v_hats, flags)
+
+
+def _keyframe_values_as_saved(
+    rule_list: Any, flat: Flattened, paths: list, small: list, encoded: list
+) -> None:
+    """The decode of a keyframe's lossy entries of delta-coded tensors to the deltas'
+    reference (:func:`~tw_triton.deltas.keyframe_values`), on ``small``."""
+    items = []
+    for path, (x, _, _, _), enc in zip(paths, small, encoded):
+        later = select_rule(rule_list, path, flat.tensors[path])
+        delta_coded = get_codec(later.codec).uses_reference(later.params)
+        if enc is not None and delta_coded and enc.entry.codec != "exact":
+            items.append((enc.entry, None, x.device, "precompile"))
+
+    def alone(i: int) -> torch.Tensor:
+        entry, _, device, context = items[i]
+        return get_codec(entry.codec).decode(entry, None, device, context)  # type: ignore[union-attr]
+
+    decode_grouped(items, alone)
 
 
 def _advance_as_saved(small: list[tuple], encoded: list[Any]) -> None:

@@ -177,6 +177,7 @@ KERNELS = [
     ("copy_grouped", "copy_grouped_kernel"),
     ("dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
     ("dequantize_log2_temporal_grouped", "dequantize_log2_temporal_grouped_kernel"),
+    ("dequantize_log2_grouped", "dequantize_log2_grouped_kernel"),
     ("fingerprint", "fingerprint_kernel"),
     ("quantize_blockwise", "quantize_blockwise_kernel"),
     ("dequantize_blockwise", "dequantize_blockwise_kernel"),
@@ -286,6 +287,9 @@ def test_prepare_launches_the_grouped_kernels_the_first_device_saves_launch(
     assert "bitmask_mask_kernel" in names and "sparsity_counts_grouped_kernel" in names
     if delta != "none":  # the float32 second moments' deltas, grouped (log2-temporal)
         assert "quantize_log2_temporal_grouped_kernel" in names
+    if delta != "none":  # the keyframe's log2 moments decoded to the deltas' reference, grouped
+        assert "dequantize_log2_grouped_kernel" in names
+        assert "dequantize_log2_kernel" not in names
     if (rules, delta) == ("smallest", "closed"):  # and decoded over the reference, grouped
         assert "dequantize_log2_temporal_grouped_kernel" in names
         assert "dequantize_log2_temporal_kernel" not in names

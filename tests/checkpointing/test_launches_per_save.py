@@ -104,6 +104,7 @@ def spy(monkeypatch):
         ("tw_triton.kernels.copy_grouped", "copy_grouped_kernel"),
         ("tw_triton.kernels.dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
         ("tw_triton.kernels.dequantize_log2_temporal_grouped", "dequantize_log2_temporal_grouped_kernel"),
+        ("tw_triton.kernels.dequantize_log2_grouped", "dequantize_log2_grouped_kernel"),
         ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
         ("tw_triton.kernels.sparsity_counts_grouped", "sparsity_counts_grouped_kernel"),
     ]:
@@ -126,6 +127,7 @@ def spy(monkeypatch):
         "dequantize_blockwise_many": triton_backend.dequantize_blockwise_many_cuda,
         "sparsity_counts_many": triton_backend.sparsity_counts_many_cuda,
         "dequantize_log2_temporal_many": triton_backend.dequantize_log2_temporal_many_cuda,
+        "dequantize_log2_many": triton_backend.dequantize_log2_many_cuda,
     }
     with contextlib.ExitStack() as stack:
         for op, fn in grouped.items():
@@ -415,9 +417,9 @@ def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_a
                 with spy:
                     ckpt.save(step, **state)
                 kernels = dict(spy.kernels)
-                # Still per tensor: the keyframe's log2 moments decoded to the reference
-                # the temporal deltas are coded against (deltas.keyframe_values).
-                assert kernels.pop("dequantize_log2", n) == n
+                # No moment decoded alone: the keyframe's log2 moments are decoded to the
+                # reference the temporal deltas are coded against in grouped launches.
+                assert "dequantize_log2" not in kernels
                 per_save.append((spy.syncs(), kernels))
                 state = moved(state)
             loaded = ckpt.load(1)
@@ -425,6 +427,7 @@ def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_a
     assert counts[0] == counts[1], counts
     keyframe, delta = counts[1]
     assert "quantize_log2_grouped_kernel" in keyframe[1]
+    assert 1 <= keyframe[1]["dequantize_log2_grouped_kernel"] <= 2  # float32 moments: tiles, tails
     assert delta[1]["quantize_log2_temporal_grouped_kernel"] <= 2
     assert "quantize_log2_temporal" not in delta[1]
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
@@ -437,6 +440,46 @@ def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_a
     for i, moments in alone["optimizer"]["state"].items():
         got = loaded["optimizer"]["state"][i]["exp_avg_sq"]
         assert torch.equal(got.view(torch.int32), moments["exp_avg_sq"].view(torch.int32)), i
+
+
+def closed_loop_keyframe(root, n: int, spy: LaunchSpy | None) -> tuple:
+    """The counts of a closed-loop keyframe of the default preset over
+    ``make_training_state(n)`` (when spied) and the reference it leaves, by path."""
+    state = make_training_state(n, seed=n)
+    with Checkpointer(root, async_write=False, fsync=False, delta="closed") as ckpt:
+        with spy if spy is not None else contextlib.nullcontext():
+            ckpt.save(0, **state)
+        counts = None if spy is None else (spy.launches(), spy.syncs(), dict(spy.kernels))
+        reference, _ = flatten(ckpt._chain.reference.tree)
+    return counts, reference
+
+
+def test_a_closed_loop_keyframe_of_the_default_preset_decodes_its_moments_in_grouped_launches(
+    spy, tmp_path, monkeypatch
+) -> None:
+    """The keyframe's log2 moments, decoded to the reference the next deltas are coded
+    against (deltas.keyframe_values): the same launches and syncs for 10 and 200 tensors,
+    no moment decoded alone, and the reference bit for bit the per-tensor path's."""
+    count_bits_choice(spy, monkeypatch)
+    counts, references = [], []
+    for n in (10, 200):
+        spy.ops.clear()
+        spy.kernels.clear()
+        got, reference = closed_loop_keyframe(tmp_path / str(n), n, spy)
+        counts.append(got)
+        references.append(reference)
+    assert counts[0] == counts[1], counts
+    _, _, kernels = counts[1]
+    assert "dequantize_log2" not in kernels
+    assert 1 <= kernels["dequantize_log2_grouped_kernel"] <= 2  # float32 moments: tiles, tails
+    moments = [p for p in references[1] if p.endswith("exp_avg_sq")]
+    assert len(moments) == 200
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
+    monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
+    _, alone = closed_loop_keyframe(tmp_path / "alone", 200, None)
+    assert alone.keys() == references[1].keys()
+    for path, t in alone.items():
+        assert torch.equal(references[1][path].view(torch.uint8), t.view(torch.uint8)), path
 
 
 def default_delta_reference(n: int) -> tuple:

@@ -213,6 +213,9 @@ def test_grouped_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, varia
             assert set(stores) == {"st.global.v4.b32"}, stores
         return
     assert ops.get("div.rn.f32", 0) > 0
+    if variant.op == "grouped-log2-decode":
+        check_grouped_log2_decode(ptx_facts, variant)
+        return
     if variant.op == "grouped-temporal-decode":
         check_grouped_temporal_decode(ptx_facts, variant)
         return
@@ -241,6 +244,30 @@ def test_grouped_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, varia
         assert widest in stores, stores
     if variant.op == "grouped-temporal-encode":  # a byte per element, in 16-byte vectors
         assert "st.global.v4.b32" in stores, stores
+
+
+# The arithmetic of the log2 decode: the step's conversion and rounded quotient, the
+# level's multiply and add, the truncation back to a bit pattern.
+LOG2_DECODE_ARITHMETIC = ("cvt.rn.f32.s32", "div.rn.f32", "mul.rn.f32", "add.rn.f32", "cvt.rzi.s32.f32")
+
+
+def check_grouped_log2_decode(ptx_facts: dict, variant: _ptx.Variant) -> None:
+    """A keyframe's second-moment decode over a table: the single log2 decode's
+    arithmetic, instruction for instruction, no flag, and 16-byte vector stores for whole
+    tiles."""
+    ops = ptx_facts[variant.label]["opcodes"]
+    assert ops.get("mul.rn.f32", 0) > 0 and ops.get("add.rn.f32", 0) > 0, ops
+    assert ops.get("cvt.rzi.s32.f32", 0) > 0 and ops.get("cvt.rn.f32.s32", 0) > 0, ops
+    assert not [op for op in ops if op.startswith("atom.")], ops
+    if variant.masked:
+        return
+    single = _ptx.Variant("log2-decode", variant.bits, variant.block, variant.dtype, None, False, variant.cc)
+    single_ops = ptx_facts[single.label]["opcodes"]
+    arithmetic = {op: ops.get(op, 0) for op in LOG2_DECODE_ARITHMETIC}
+    assert arithmetic == {op: single_ops.get(op, 0) for op in LOG2_DECODE_ARITHMETIC}
+    loads, stores = _ops(ptx_facts[variant.label], "ld.global"), _ops(ptx_facts[variant.label], "st.global")
+    assert not [op for op in loads if op.endswith((".b8", ".b16"))], loads
+    assert set(stores) == {"st.global.v4.b32"}, stores
 
 
 # The arithmetic of the temporal decode: the change r + q * S in 64-bit integers, the

@@ -260,6 +260,43 @@ class Log2Codec(Codec):
         )
         return dequantize_log2(q)
 
+    def decode_group_key(self, entry: EncodedEntry, reference: torch.Tensor | None) -> Hashable | None:
+        # Absolute codes (a keyframe's second moments); decodes given a reference stay alone.
+        if reference is not None:
+            return None
+        return (entry.params.get("bits"), entry.params.get("block"), entry.dtype)
+
+    def decode_group(
+        self,
+        entries: Sequence[EncodedEntry],
+        references: Sequence[torch.Tensor | None],
+        device: torch.device,
+        contexts: Sequence[str],
+        outs: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """:meth:`decode` of entries of one :meth:`decode_group_key` with one grouped op,
+        into ``outs[i]`` where it is a contiguous tensor of the entry's dtype and size on
+        ``device``."""
+        from .grouped import fits, shaped
+
+        codes, lo, hi = [], [], []
+        for entry, context in zip(entries, contexts):
+            self.check_stored_params(entry.params, context)
+            _, block, c = stored_codes(entry, context)
+            codes.append(move_to(c.reshape(-1), device))
+            for name, into in (("lo", lo), ("hi", hi)):
+                into.append(
+                    move_to(per_block_buffer(entry, name, torch.int32, block, context).reshape(-1), device)
+                )
+        bits, block, dtype = entries[0].params["bits"], entries[0].params["block"], entries[0].dtype
+        numels = [math.prod(tuple(e.shape)) for e in entries]
+        given = [None] * len(entries) if outs is None else list(outs)
+        into = [
+            o.view(-1) if o is not None and fits(o, dtype, n, device) else None for o, n in zip(given, numels)
+        ]
+        flat = ops.dequantize_log2_many(codes, lo, hi, numels, bits, block, dtype, out=into)
+        return [shaped(t, e.shape, o, i) for t, e, o, i in zip(flat, entries, given, into)]
+
 
 __all__ = [
     "Log2Tensor",

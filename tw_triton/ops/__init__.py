@@ -5,11 +5,12 @@ Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
 (whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
 reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`;
-nine serve a save of many device tensors with a fixed number of launches:
+ten serve a save of many device tensors with a fixed number of launches:
 :func:`quantize_blockwise_many`, :func:`quantize_blockwise_update_many`, :func:`quantize_log2_many`,
 :func:`quantize_log2_temporal_many`, :func:`fingerprints`, :func:`copy_many`,
 :func:`dequantize_blockwise_many` and :func:`dequantize_log2_temporal_many` (the
-closed-loop advance, in place over the reference) and
+closed-loop advance, in place over the reference), :func:`dequantize_log2_many` (a
+keyframe's second moments, decoded to the reference its deltas are coded against) and
 :func:`sparsity_counts_many` (a save's sparse candidates); two more
 split a sparse tensor into a bitmask and its non-zero values and back
 (:func:`bitmask_encode`, :func:`bitmask_decode`). Each has one reference implementation in plain torch
@@ -240,6 +241,38 @@ def dequantize_blockwise_many(
     )
 
 
+def dequantize_log2_many(
+    codes: list[torch.Tensor],
+    lo: list[torch.Tensor],
+    hi: list[torch.Tensor],
+    numels: list[int],
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+    *,
+    out: list[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """:func:`dequantize_log2` of many tensors on one device (flat results of ``dtype``), in
+    a number of launches that does not grow with their count (on CUDA: a table copy and two).
+
+    Args:
+        codes, lo, hi: per tensor, as :func:`quantize_log2` returns them.
+        numels: each tensor's element count.
+        bits, block: of the encoding, shared by all.
+        dtype: of the decoded tensors.
+        out: optional, per tensor ``None`` or a contiguous tensor of its ``numel`` elements
+            of ``dtype`` to decode into.
+
+    Returns:
+        The flat decoded tensors (``out[i]`` where given).
+    """
+    if not codes:
+        return []
+    return lookup("dequantize_log2_many", codes[0].device.type)(
+        codes, lo, hi, numels, bits, block, dtype, out=out
+    )
+
+
 def dequantize_log2_temporal_many(
     codes: list[torch.Tensor],
     lo: list[torch.Tensor],
@@ -434,6 +467,7 @@ __all__ = [
     "dequantize_blockwise",
     "dequantize_blockwise_many",
     "dequantize_log2",
+    "dequantize_log2_many",
     "fingerprints",
     "dequantize_log2_temporal",
     "dequantize_log2_temporal_many",

@@ -37,6 +37,7 @@ OPS = (
     "sparsity_counts_many",
     "dequantize_log2_temporal_many",
     "quantize_blockwise_update_many",
+    "dequantize_log2_many",
 )
 
 _REFERENCE: dict[str, Callable] = {}

@@ -392,6 +392,33 @@ def dequantize_log2_temporal_many_cuda(
     return [t if out is None or out[i] is None else out[i] for i, t in enumerate(got)]  # type: ignore[misc]
 
 
+def dequantize_log2_many_cuda(
+    codes: list[torch.Tensor],
+    lo: list[torch.Tensor],
+    hi: list[torch.Tensor],
+    numels: list[int],
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+    *,
+    out: list[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """The grouped log2 decode kernel: one table copy and at most two launches, written in
+    place into ``out[i]`` where it is contiguous and 16-byte aligned. Copies only what it
+    cannot read in place."""
+    got = kernels().dequantize_log2_grouped(
+        [_readable(c.reshape(-1)) for c in codes],
+        [a.reshape(-1).contiguous() for a in lo],
+        [b.reshape(-1).contiguous() for b in hi],
+        list(numels),
+        bits,
+        block,
+        dtype,
+        None if out is None else [None if o is None else o.view(-1) for o in out],
+    )
+    return [t if out is None or out[i] is None else out[i] for i, t in enumerate(got)]  # type: ignore[misc]
+
+
 # The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
 BACKEND = {
     "quantize_blockwise": quantize_blockwise_cuda,
@@ -411,4 +438,5 @@ BACKEND = {
     "dequantize_log2_temporal": dequantize_log2_temporal_cuda,
     "sparsity_counts_many": sparsity_counts_many_cuda,
     "dequantize_log2_temporal_many": dequantize_log2_temporal_many_cuda,
+    "dequantize_log2_many": dequantize_log2_many_cuda,
 }

@@ -22,6 +22,7 @@ from .grouped import (
     FINGERPRINT_SAMPLES,
     copy_many_torch,
     dequantize_blockwise_many_torch,
+    dequantize_log2_many_torch,
     dequantize_log2_temporal_many_torch,
     fingerprint_torch,
     fingerprints_torch,
@@ -59,6 +60,7 @@ REFERENCE = {
     "delta_statistics": delta_statistics_torch,
     "sparsity_counts_many": sparsity_counts_many_torch,
     "dequantize_log2_temporal_many": dequantize_log2_temporal_many_torch,
+    "dequantize_log2_many": dequantize_log2_many_torch,
 }
 
 __all__ = [
@@ -73,6 +75,7 @@ __all__ = [
     "delta_statistics_torch",
     "dequantize_blockwise_many_torch",
     "dequantize_blockwise_torch",
+    "dequantize_log2_many_torch",
     "dequantize_log2_temporal_many_torch",
     "dequantize_log2_temporal_torch",
     "dequantize_log2_torch",

@@ -3,7 +3,8 @@
 :func:`quantize_blockwise_many_torch`, :func:`quantize_blockwise_update_many_torch`,
 :func:`quantize_log2_many_torch` and
 :func:`quantize_log2_temporal_many_torch` (and the decodes
-:func:`dequantize_blockwise_many_torch`, :func:`dequantize_log2_temporal_many_torch`) are
+:func:`dequantize_blockwise_many_torch`, :func:`dequantize_log2_temporal_many_torch`,
+:func:`dequantize_log2_many_torch`) are
 the single-tensor ops applied to each tensor (their bytes are the spec), with each tensor's
 flag raised in the caller's buffer;
 :func:`fingerprints_torch` is :func:`fingerprint_torch` of each tensor. The Triton backend
@@ -145,6 +146,27 @@ def dequantize_blockwise_many_torch(
             out=None if out is None else out[i],
         )
         for i, (c, s, n) in enumerate(zip(codes, scales, numels))
+    ]
+
+
+def dequantize_log2_many_torch(
+    codes: list[torch.Tensor],
+    lo: list[torch.Tensor],
+    hi: list[torch.Tensor],
+    numels: list[int],
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+    *,
+    out: list[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """:func:`tw_triton.ops.dequantize_log2` of each tensor (flat results), into ``out[i]``
+    where given."""
+    from .. import dequantize_log2  # the single op, dispatched by device
+
+    return [
+        dequantize_log2(c, a, b, n, bits, block, dtype, out=None if out is None else out[i])
+        for i, (c, a, b, n) in enumerate(zip(codes, lo, hi, numels))
     ]
 
 

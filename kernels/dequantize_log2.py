@@ -38,24 +38,24 @@ def log2_decode_tile(
     return narrow_from_f32(t.to(tl.float32, bitcast=True), OUT_DTYPE)
 
 
-@triton.jit(do_not_specialize=["row0"])
-def dequantize_log2_kernel(
+@triton.jit
+def log2_decode_rows(
     codes_ptr,
     lo_ptr,
     hi_ptr,
     out_ptr,
     n,
-    row0,
+    first_row,
     MASKED: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """Decode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` into an ``n``-element flat output."""
+    """Load, decode and store rows ``first_row`` .. ``+ ROWS`` of one tensor: the body of
+    the single and the grouped decode, which differ only in where the pointers come from."""
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
 
-    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
     rows = first_row + tl.arange(0, ROWS).to(tl.int64)
     byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
     if MASKED:
@@ -73,6 +73,24 @@ def dequantize_log2_kernel(
         tl.store(out_ptr + offs, v, mask=offs < n)
     else:
         tl.store(out_ptr + offs, v)
+
+
+@triton.jit(do_not_specialize=["row0"])
+def dequantize_log2_kernel(
+    codes_ptr,
+    lo_ptr,
+    hi_ptr,
+    out_ptr,
+    n,
+    row0,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Decode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` into an ``n``-element flat output."""
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    log2_decode_rows(codes_ptr, lo_ptr, hi_ptr, out_ptr, n, first_row, MASKED, BITS, BLOCK, ROWS)
 
 
 def dequantize_log2(

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
-from .dequantize_log2 import log2_decode_tile
+from .dequantize_log2 import log2_decode_rows
 from .tiles import aligned, find_entry, group_outputs, launch_grouped
 
 
@@ -34,9 +34,6 @@ def dequantize_log2_grouped_kernel(
 ):
     """Decode one tile of one tensor of the table (``T`` rows). ``out_type_ptr`` only
     carries the element type; ``flags_ptr`` is not used."""
-    PER_BYTE: tl.constexpr = 8 // BITS
-    BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
-
     pid = tl.program_id(0).to(tl.int64)
     row = table_ptr + find_entry(table_ptr, pid, T, LOG_T) * 8
     n = tl.load(row + 4)
@@ -48,23 +45,7 @@ def dequantize_log2_grouped_kernel(
     hi_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int32), bitcast=True)
     out_ptr = tl.multiple_of(tl.load(row + 3).to(out_type_ptr.dtype, bitcast=True), 16)
 
-    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
-    byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
-    if MASKED:
-        packed = tl.load(codes_ptr + byte_offs, mask=byte_offs * PER_BYTE < n, other=0)
-        lo = tl.load(lo_ptr + rows, mask=rows * BLOCK < n, other=0)
-        hi = tl.load(hi_ptr + rows, mask=rows * BLOCK < n, other=0)
-    else:
-        packed = tl.load(codes_ptr + byte_offs)
-        lo = tl.load(lo_ptr + rows)
-        hi = tl.load(hi_ptr + rows)
-    v = log2_decode_tile(packed, lo, hi, BITS, BLOCK, ROWS, out_type_ptr.dtype.element_ty)
-
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    if MASKED:
-        tl.store(out_ptr + offs, v, mask=offs < n)
-    else:
-        tl.store(out_ptr + offs, v)
+    log2_decode_rows(codes_ptr, lo_ptr, hi_ptr, out_ptr, n, first_row, MASKED, BITS, BLOCK, ROWS)
 
 
 def dequantize_log2_grouped(

@@ -49,23 +49,23 @@ def temporal_decode_tile(c8, r, lo, hi, min_step, BITS: tl.constexpr):
     return t.to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["row0"])
-def dequantize_log2_temporal_kernel(
+@triton.jit
+def temporal_decode_rows(
     codes_ptr,
     lo_ptr,
     hi_ptr,
     ref_ptr,
     out_ptr,
     n,
-    row0,
+    first_row,
     min_step,
     MASKED: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """Decode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` into an ``n``-element flat output."""
-    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    """Load, decode and store rows ``first_row`` .. ``+ ROWS`` of one tensor: the body of
+    the single and the grouped decode, which differ only in where the pointers come from."""
     rows = first_row + tl.arange(0, ROWS).to(tl.int64)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     if MASKED:
@@ -83,6 +83,28 @@ def dequantize_log2_temporal_kernel(
         tl.store(out_ptr + offs, v, mask=offs < n)
     else:
         tl.store(out_ptr + offs, v)
+
+
+@triton.jit(do_not_specialize=["row0"])
+def dequantize_log2_temporal_kernel(
+    codes_ptr,
+    lo_ptr,
+    hi_ptr,
+    ref_ptr,
+    out_ptr,
+    n,
+    row0,
+    min_step,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Decode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` into an ``n``-element flat output."""
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    temporal_decode_rows(
+        codes_ptr, lo_ptr, hi_ptr, ref_ptr, out_ptr, n, first_row, min_step, MASKED, BITS, BLOCK, ROWS
+    )
 
 
 def dequantize_log2_temporal(

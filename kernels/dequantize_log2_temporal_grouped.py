@@ -19,7 +19,7 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
-from .dequantize_log2_temporal import temporal_decode_tile
+from .dequantize_log2_temporal import temporal_decode_rows
 from .quantize_log2_temporal import check_temporal_args
 from .tiles import aligned, find_entry, group_outputs, launch_grouped
 
@@ -48,24 +48,9 @@ def dequantize_log2_temporal_grouped_kernel(
     hi_ptr = lo_ptr + (n + BLOCK - 1) // BLOCK
     ref_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32), bitcast=True), 16)
     out_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.float32), bitcast=True), 16)
-
-    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    if MASKED:
-        c8 = tl.load(codes_ptr + offs, mask=offs < n, other=128)
-        r = tl.load(ref_ptr + offs, mask=offs < n, other=0.0)
-        lo = tl.load(lo_ptr + rows, mask=rows * BLOCK < n, other=0)
-        hi = tl.load(hi_ptr + rows, mask=rows * BLOCK < n, other=0)
-    else:
-        c8 = tl.load(codes_ptr + offs)
-        r = tl.load(ref_ptr + offs)
-        lo = tl.load(lo_ptr + rows)
-        hi = tl.load(hi_ptr + rows)
-    v = temporal_decode_tile(c8, r, lo, hi, min_step, BITS)
-    if MASKED:
-        tl.store(out_ptr + offs, v, mask=offs < n)
-    else:
-        tl.store(out_ptr + offs, v)
+    temporal_decode_rows(
+        codes_ptr, lo_ptr, hi_ptr, ref_ptr, out_ptr, n, first_row, min_step, MASKED, BITS, BLOCK, ROWS
+    )
 
 
 def writable(out: torch.Tensor | None, n: int) -> bool:

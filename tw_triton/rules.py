@@ -62,7 +62,9 @@ everything else, and any name no optimizer of ``torch.optim`` uses, exact:
 ``"small"``     weight deltas int8, signed int4, non-negative log2 4 bits (the
                 default of :class:`~tw_triton.dcp.DistributedCheckpointer`), between
                 keyframes the float32 non-negative moments as ``log2-temporal``;
-``"smallest"``  weight deltas int2, signed int4, non-negative log2 4 bits (the
+``"smallest"``  weight deltas int2, signed int4 but Adam's ``exp_avg`` as int3 codes of
+                the update ``exp_avg / (sqrt(exp_avg_sq) + eps)`` (``blockwise-update``),
+                non-negative log2 4 bits (the
                 :class:`~tw_triton.checkpointer.Checkpointer` default), between keyframes
                 the float32 non-negative moments as ``log2-temporal`` changes against
                 the last reconstruction (others stay log2); a tensor whose
@@ -125,6 +127,12 @@ MOMENT_PRESETS: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {
     "safe": (8, {"codec": "int8"}, {"bits": 8}),
     "small": (8, {"codec": "int4"}, {"bits": 4}),
     "smallest": (2, {"codec": "int4"}, {"bits": 4}),
+}
+# Presets that code Adam's ``exp_avg`` in the update's domain, ``exp_avg / (sqrt(v_hat) + eps)``
+# with its ``exp_avg_sq`` (codec ``blockwise-update``; why: docs/codecs.md); an ``exp_avg``
+# without one (Adamax) and DCP's chunks get the preset's ``exp_avg`` bits of before, int4.
+UPDATE_DOMAIN: dict[str, dict[str, Any]] = {
+    "smallest": {"codec": "blockwise-update", "bits": 3, "fallback_bits": 4}
 }
 # Presets whose weight deltas take more bits for a tensor whose change the preset's bits would
 # code with a larger relative error than this bound (tw_triton.delta_bits; the value: docs/codecs.md).
@@ -286,7 +294,11 @@ def _preset_rules(name: str, state: Any, *, bits: int, block: int) -> list[Rule]
         # The legacy globs first, in their old order (AdamW's files record the same rules).
         globs = [(g, r) for r in by_role for g in roles.LEGACY_GLOBS[r]]
         globs += [(g, r) for r in by_role for g in roles.role_globs(r) if g not in roles.LEGACY_GLOBS[r]]
-        moments = [make_rule(g, by_role[r], bits=bits, block=block, where=where) for g, r in globs]
+        specs = {g: by_role[r] for g, r in globs}
+        if name in UPDATE_DOMAIN:
+            for g in roles.LEGACY_GLOBS[roles.SIGNED]:
+                specs[g] = {**UPDATE_DOMAIN[name], "min_numel": DEFAULT_MIN_NUMEL}
+        moments = [make_rule(g, specs[g], bits=bits, block=block, where=where) for g, _ in globs]
         if name in TEMPORAL_PRESETS:
             # Between keyframes: the change against the last reconstruction (float32; other
             # dtypes fall through to log2; a keyframe codes log2, Codec.keyframe_spec).

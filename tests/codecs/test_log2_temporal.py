@@ -250,7 +250,8 @@ def test_keyframe_rules_keep_log2_for_the_temporal_rule() -> None:
     # Every non-negative role's glob: the temporal rule first, then log2 (other dtypes).
     assert codecs_of(rules, "*exp_avg_sq") == ["log2-temporal", "log2"]
     assert codecs_of(rules, "*/state/*/square_avg") == ["log2-temporal", "log2"]
-    assert codecs_of(rules, "*exp_avg") == ["blockwise"]
+    assert codecs_of(rules, "*exp_avg") == ["blockwise-update"]
+    assert codecs_of(rules, "*/state/*/momentum_buffer") == ["blockwise"]
     kf = keyframe_rules(rules)
     assert kf[0].codec == "log2" and kf[0].params == {"bits": 4, "block": 128, "packing": "lsb-first"}
     assert "log2-temporal" not in {r.codec for r in kf}

@@ -56,12 +56,20 @@ def denominator(v_hat: torch.Tensor, eps: float) -> torch.Tensor:
     return correct_sqrt(v_hat.float()).add_(eps)
 
 
+def _inner(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The blockwise params that code ``u``."""
+    out = {"bits": params["bits"], "block": params["block"], "packing": PACKING, "delta": False}
+    if "qmax" in params:
+        out["qmax"] = params["qmax"]
+    return out
+
+
 class BlockwiseUpdateCodec(Codec):
     """``exp_avg / (sqrt(v_hat) + eps)`` coded blockwise, ``v_hat`` its partner's decode."""
 
     name = "blockwise-update"
     has_partners = True
-    _KEYS = frozenset({"bits", "block", "qmax", "eps", "partner_key"})
+    _KEYS = frozenset({"bits", "block", "qmax", "eps", "partner_key", "fallback_bits"})
     _STORED = frozenset({"bits", "block", "packing", "eps", "partner"})
     _STORED_OPTIONAL = frozenset({"qmax"})
 
@@ -78,6 +86,15 @@ class BlockwiseUpdateCodec(Codec):
         check_params(out["bits"], out["block"])
         if qmax is not None and check_qmax(out["bits"], qmax) != qmax_for(out["bits"]):
             out["qmax"] = qmax
+        fallback = params.get("fallback_bits")
+        if fallback is not None:
+            # The blockwise bits of an entry without a partner (and of DCP's chunks): a preset
+            # keeps there the bits its moments had before the update's domain.
+            if isinstance(fallback, bool) or fallback not in (2, 3, 4, 8):
+                raise QuantizationError(
+                    f"codec {self.name!r}: fallback_bits must be 2, 3 (int3), 4 or 8, got {fallback!r}"
+                )
+            out["fallback_bits"] = fallback
         eps = _check_eps(params.get("eps", DEFAULT_EPS))
         if eps is None:
             raise QuantizationError(f"codec {self.name!r}: eps must be a positive finite number")
@@ -104,9 +121,17 @@ class BlockwiseUpdateCodec(Codec):
         return params.get("partner") if isinstance(params, Mapping) else None
 
     def fallback_spec(self, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-        out = {"bits": params["bits"], "block": params["block"], "packing": PACKING, "delta": False}
-        if "qmax" in params:
-            out["qmax"] = params["qmax"]
+        fallback = params.get("fallback_bits")
+        if fallback is None:
+            return "blockwise", _inner(params)
+        out = {
+            "bits": 4 if fallback == 3 else fallback,
+            "block": params["block"],
+            "packing": PACKING,
+            "delta": False,
+        }
+        if fallback == 3:
+            out["qmax"] = 3
         return "blockwise", out
 
     def encode(self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None) -> Encoded:
@@ -125,7 +150,7 @@ class BlockwiseUpdateCodec(Codec):
     ) -> Encoded:
         d = denominator(move_to(partner, x.device), params["eps"])
         u = x.float() / d
-        _, inner = self.fallback_spec(params)
+        inner = _inner(params)
         if allocate is None:
             enc = _blockwise.encode(u, inner, None)
         else:
@@ -157,7 +182,7 @@ class BlockwiseUpdateCodec(Codec):
         tensor ``i``'s flag is ``flags[i]`` (int64, zero on entry)."""
         for x in xs:
             check_input(x, None)
-        _, inner = self.fallback_spec(params)
+        inner = _inner(params)
         bits, block = inner["bits"], inner["block"]
         pairs = ops.quantize_blockwise_update_many(
             list(xs),

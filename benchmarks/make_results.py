@@ -80,7 +80,7 @@ INTERVAL_RUNS = (
 )
 INTERVAL_RESULTS = tuple(f"resume_{model}_every{every}" for model, every, _ in INTERVAL_RUNS)
 # exp_avg in the update's domain against its blockwise codes (harness/update_domain.py).
-DOMAIN_RUN = ("--settings", "smallest,smallest-m3,smallest-u4,smallest-u3", "--seeds", "0", "1", "2")
+DOMAIN_RUN = ("--settings", "smallest-m4,smallest-m3,smallest-u4,smallest-u3", "--seeds", "0", "1", "2")
 DOMAIN_RESULTS = {"exp_avg_domain_gpt": ("--no-exact-check",), "exp_avg_domain_minilm": ("--model", "minilm")}
 
 RUNS = (
@@ -613,7 +613,8 @@ def domain_page(names: list[str]) -> str:
         "",
         "Written by `python benchmarks/make_results.py` from the JSON files named below "
         f"(`python benchmarks/resume_fidelity.py {' '.join(DOMAIN_RUN)} [--model minilm] --out NAME`). "
-        "`smallest` codes `exp_avg` blockwise at int4 (block 128); `smallest-m3` at int3; "
+        "`smallest-m4` codes `exp_avg` blockwise at int4 (block 128), as `smallest` did before "
+        "it took `blockwise-update` at int3 (`smallest-U3` below); `smallest-m3` at int3; "
         "`smallest-u4` and `smallest-u3` code `u = exp_avg / (sqrt(v_hat) + eps)` with the "
         "same codecs, `v_hat` being the `exp_avg_sq` a loader reconstructs: simulated by the "
         "harness (`benchmarks/harness/update_domain.py`), bytes from real files of `u`.",

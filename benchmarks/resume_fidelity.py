@@ -31,7 +31,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from harness.common import log, write_result
+from harness.common import RESULTS_DIR, environment, log, read_result, write_result
 from harness.restarts import tables
 from harness.settings import ResumeSetting, parse_settings
 
@@ -72,6 +72,7 @@ def run(
     *,
     exact_check: bool,
     min_restarts: int = 8,
+    baselines: dict[int, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Run the restart experiment of ``model`` and return its JSON result (less the environment).
 
@@ -82,6 +83,8 @@ def run(
         settings: what the restarted runs save with.
         exact_check: run the ``exact`` preset through the restarts (must be bit exact).
         min_restarts: fewest restarts of every setting.
+        baselines: an earlier result's runs by seed, whose uninterrupted and noise-floor
+            runs are reused once they reproduce (``harness.restarts.reused``).
     Returns:
         The result dict (``rows``, ``runs``, ``config``, ...) that ``make_results.py`` reads.
     """
@@ -89,11 +92,42 @@ def run(
         from harness import tiny_gpt
 
         return tiny_gpt.run(
-            cfg, tiny_gpt.load_corpus(), seeds, settings, exact_check=exact_check, min_restarts=min_restarts
+            cfg,
+            tiny_gpt.load_corpus(),
+            seeds,
+            settings,
+            exact_check=exact_check,
+            min_restarts=min_restarts,
+            baselines=baselines,
         )
     from harness import minilm_finetune
 
-    return minilm_finetune.run(cfg, seeds, settings, exact_check=exact_check, min_restarts=min_restarts)
+    return minilm_finetune.run(
+        cfg, seeds, settings, exact_check=exact_check, min_restarts=min_restarts, baselines=baselines
+    )
+
+
+def earlier_baselines(
+    name: str | None, config: dict[str, Any], seeds: list[int]
+) -> dict[int, dict[str, Any]]:
+    """The runs by seed of result ``name``, for ``--reuse-baselines``.
+
+    Raises:
+        ValueError: no such result, or one of another config, seeds, torch or thread count.
+    """
+    if not name or not (RESULTS_DIR / f"{name}.json").exists():
+        raise ValueError(f"--reuse-baselines: no result {name!r} to reuse")
+    old = read_result(name)
+    env, here = old.get("environment", {}), environment()
+    problems = [k for k in ("torch", "torch_threads") if env.get(k) != here[k]]
+    if old.get("config") != config:
+        problems.append("config")
+    by_seed = {r["seed"]: r for r in old.get("runs", [])}
+    if not set(seeds) <= set(by_seed):
+        problems.append("seeds")
+    if problems:
+        raise ValueError(f"--reuse-baselines: result {name!r} differs in {', '.join(problems)}")
+    return {s: by_seed[s] for s in seeds}
 
 
 def task_config(model: str, quick: bool, **overrides: int | None) -> Any:
@@ -142,6 +176,12 @@ def main(argv: list[str] | None = None) -> None:
         help="result name under benchmarks/results/ (default: the model's; --quick: none)",
     )
     parser.add_argument(
+        "--reuse-baselines",
+        action="store_true",
+        help="reuse the uninterrupted and noise-floor runs of the result --out names (same "
+        "config and environment), checked by training their first steps again",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -169,6 +209,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     seeds = args.seeds or ([0] if args.quick else spec["seeds"])
     exact = args.exact_check if args.exact_check is not None else (spec["exact_check"] or args.quick)
+    name = args.out or (None if args.quick else out)
+    baselines = None
+    if args.reuse_baselines:
+        try:
+            baselines = earlier_baselines(name, asdict(cfg), seeds)
+        except ValueError as e:
+            parser.error(str(e))
     result = run(
         args.model,
         cfg,
@@ -176,13 +223,13 @@ def main(argv: list[str] | None = None) -> None:
         settings,
         exact_check=exact,
         min_restarts=2 if args.quick and args.model == "minilm" else 8,
+        baselines=baselines,
     )
     print(
         f"{result['task']}: {result['params']} parameters; {cfg.steps} steps, a save every "
         f"{cfg.save_every}, a restart every {cfg.restart_every or 'keyframe_every'} saves; seeds {seeds}"
     )
     print(tables(result))
-    name = args.out or (None if args.quick else out)
     if name:
         log(f"wrote {write_result(name, result)}")
 

@@ -139,8 +139,10 @@ def run(
     *,
     exact_check: bool = True,
     min_restarts: int = 8,
+    baselines: dict[int, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Every seed's runs and the summary, as the JSON result (less the environment)."""
+    """Every seed's runs and the summary, as the JSON result (less the environment);
+    ``baselines``: earlier runs by seed whose uninterrupted and noise runs are reused."""
     plan = cfg.plan(min_restarts)
     pairs = docstring_pairs()
     log(f"{len(pairs)} docstring/signature pairs")
@@ -152,6 +154,7 @@ def run(
             plan,
             settings,
             exact_check=exact_check and i == 0,
+            baselines=(baselines or {}).get(seed),
         )
         for i, seed in enumerate(seeds)
     ]

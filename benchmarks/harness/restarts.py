@@ -106,6 +106,32 @@ def uninterrupted(make_run: MakeRun, data_seed: int, plan: Plan) -> dict[str, An
     return {"data_seed": data_seed, "losses": losses, "evals": evals}
 
 
+# Steps of a reused uninterrupted run that are trained again and must match bit for bit.
+REUSE_CHECK_STEPS = 20
+
+
+def reused(make_run: MakeRun, stored: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """An uninterrupted run read back from an earlier result (``stored``), once its first
+    :data:`REUSE_CHECK_STEPS` training losses are reproduced bit for bit; held-out steps as ints.
+
+    Raises:
+        ValueError: the run does not reproduce (other code, data or machine), or does not
+            cover ``plan``.
+    """
+    evals = {int(k): v for k, v in stored["evals"].items()}
+    if len(stored["losses"]) != plan.steps or set(evals) != set(plan.eval_steps()):
+        raise ValueError(f"the stored run of data seed {stored['data_seed']} does not cover this plan")
+    run = make_run(stored["data_seed"])
+    n = min(REUSE_CHECK_STEPS, plan.steps)
+    again = [run.train_step() for _ in range(n)]
+    if again != stored["losses"][:n]:
+        raise ValueError(
+            f"the stored run of data seed {stored['data_seed']} does not reproduce here "
+            f"(first {n} losses differ): run it again without --reuse-baselines"
+        )
+    return {"data_seed": stored["data_seed"], "losses": list(stored["losses"]), "evals": evals}
+
+
 def _moment_damage(run: Run) -> dict[str, int]:
     """Negative and non-finite ``exp_avg_sq`` values in a just-restored optimizer."""
     neg = nonfinite = 0
@@ -250,19 +276,27 @@ def run_seed(
     noise_seed_offset: int = 1000,
     exact_check: bool = False,
     exact_keyframe_every: int | None = None,
+    baselines: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The uninterrupted run, its noise floor and every setting's restarted run, for one seed.
 
     With ``exact_check`` the ``exact`` preset runs first through the restarts of
     ``exact_keyframe_every`` (default: the first setting's) and must reproduce the run.
+    ``baselines``: this seed's entry of an earlier result's ``runs``, whose uninterrupted
+    and noise-floor runs are reused (:func:`reused`) instead of trained again.
     """
     for setting in settings:  # before any training: a plan with too few restarts fails at once
         check_restarts(plan, setting)
     t0 = time.perf_counter()
-    base = uninterrupted(make_run, seed, plan)
-    noise = uninterrupted(make_run, seed + noise_seed_offset, plan)
+    if baselines is not None:
+        base = reused(make_run, baselines["base"], plan)
+        noise = reused(make_run, baselines["noise"], plan)
+    else:
+        base = uninterrupted(make_run, seed, plan)
+        noise = uninterrupted(make_run, seed + noise_seed_offset, plan)
     log(
-        f"seed {seed}: uninterrupted + noise-floor runs {time.perf_counter() - t0:.0f} s, "
+        f"seed {seed}: uninterrupted + noise-floor runs {'reused, ' if baselines else ''}"
+        f"{time.perf_counter() - t0:.0f} s, "
         f"final held-out loss {base['evals'][plan.steps]:.4f} / {noise['evals'][plan.steps]:.4f}"
     )
     out: dict[str, Any] = {"seed": seed, "base": base, "noise": noise, "settings": {}}

@@ -34,6 +34,8 @@ from tw_triton.rules import resolve_rules, rules_as_specs
 MIN_NUMEL = 4096
 # setting name -> (domain, codec spec for exp_avg or for u)
 SETTINGS: dict[str, tuple[str, dict[str, Any]]] = {
+    # exp_avg blockwise at int4 without a reference: ``smallest`` before it took the update's domain.
+    "smallest-m4": ("moment", {"codec": "int4", "block": 128, "delta": False, "min_numel": MIN_NUMEL}),
     "smallest-m3": ("moment", {"codec": "int3", "block": 128, "delta": False, "min_numel": MIN_NUMEL}),
     "smallest-u4": ("update", {"codec": "int4", "block": 128, "delta": False, "min_numel": MIN_NUMEL}),
     "smallest-u3": ("update", {"codec": "int3", "block": 128, "delta": False, "min_numel": MIN_NUMEL}),

@@ -138,6 +138,28 @@ def test_exact_check_fails_when_a_restart_loses_state() -> None:
         )
 
 
+def test_reused_baselines_are_the_stored_runs_only_when_they_reproduce(gpt_quick: dict) -> None:
+    """--reuse-baselines: the stored runs come back (held-out steps as ints) after their first
+    steps train again to the same losses; a run that does not reproduce is refused."""
+    import json
+
+    from harness import tiny_gpt
+    from harness.restarts import REUSE_CHECK_STEPS, reused
+
+    corpus, plan = _tiny_corpus(), tiny_gpt.QUICK.plan()
+    stored = json.loads(json.dumps(gpt_quick["runs"][0]["base"]))  # as read back from the file
+    make = lambda d: tiny_gpt.Trainer(tiny_gpt.QUICK, corpus, 0, d)  # noqa: E731
+    got = reused(make, stored, plan)
+    assert got["losses"] == gpt_quick["runs"][0]["base"]["losses"]
+    assert got["evals"] == gpt_quick["runs"][0]["base"]["evals"]
+    bad = {**stored, "losses": list(stored["losses"])}
+    bad["losses"][min(REUSE_CHECK_STEPS, plan.steps) - 1] += 1e-7
+    with pytest.raises(ValueError, match="does not reproduce"):
+        reused(make, bad, plan)
+    with pytest.raises(ValueError, match="does not cover"):
+        reused(make, {**stored, "losses": stored["losses"][:-1]}, plan)
+
+
 def test_resume_script_runs_the_gpt_quick_and_names_the_ablation_settings(capsys) -> None:
     """resume_fidelity.py: the CLI end to end on the tiny GPT, and each model's ablation settings parse."""
     import resume_fidelity

@@ -19,6 +19,7 @@ from .codecs.log2_temporal import stored_nbytes as temporal_nbytes
 from .delta_bits import WIDER_BITS
 from .ops.layout import blockwise_buffers, log2_buffers
 from .rules import keyframe_rule, keyframe_rules, resolve_rules, select_rule
+from .state.partners import DECODED_PARTNER_BYTES
 from .tree import Flattened
 
 # The CUDA caching allocator rounds every allocation up to a multiple of this.
@@ -41,6 +42,7 @@ TEMPORAL_GROUP_PAD = 16
 # Buffers of the codecs whose layout is known: (numel, bits, block) -> [(name, elements, dtype)].
 _LAYOUTS = {
     "blockwise": blockwise_buffers,
+    "blockwise-update": blockwise_buffers,  # the blockwise codes of u
     "log2": log2_buffers,
     "log2-temporal": lambda n, bits, block: [
         ("codes", temporal_nbytes(n, block) + TEMPORAL_GROUP_PAD, torch.uint8)
@@ -63,7 +65,8 @@ class DeviceMemoryBound:
         scratch: a save's temporaries beside its buffers, one entry at a time: the
             largest delta-coded tensor once for a closed-loop advance (decoded, then copied
             into the reference) and once more for a host reference (its copy on the device
-            while it is used); a fingerprint's temporaries; the largest NaN/Inf check.
+            while it is used); a fingerprint's temporaries; the largest NaN/Inf check;
+            the partners of ``blockwise-update`` entries decoded, a chunk at a time.
         saves_in_flight: saves whose device buffers can exist at once (``max_pending``
             queued, whose copies the writer thread has not waited for yet, plus the one
             being encoded).
@@ -155,6 +158,7 @@ def device_memory_bound(
     key_rules = keyframe_rules(rule_list)
     reference = keyframe = delta = largest = flag = temporal = 0
     coded = {True: 0, False: 0}  # coded entries of a keyframe, of a delta
+    partnered: dict[bool, list[int]] = {True: [], False: []}  # their partners decoded (float32)
     candidates = {True: 0, False: 0}  # their sparse candidates (counted on the device)
     for path, t in distinct.values():
         rule = select_rule(rule_list, path, t)
@@ -171,6 +175,8 @@ def device_memory_bound(
         for key, r in ((True, select_rule(key_rules, path, t)), (False, rule)):
             if r.codec != "exact":
                 coded[key] += 1
+                if get_codec(r.codec).has_partners:  # type: ignore[union-attr]
+                    partnered[key].append(allocated(t.numel() * 4))
                 flag = max(flag, allocated(-(-t.numel() // r.params.get("block", 1))))
             elif sparse_candidate(t):
                 candidates[key] += 1
@@ -185,6 +191,12 @@ def device_memory_bound(
     held = max(8 * coded[k] + SCALAR_BYTES_PER_CANDIDATE * candidates[k] for k in coded)
     scalars = entries * SCALAR_BYTES_PER_ENTRY + allocated(held)
     scratch = largest * ((delta_mode == "closed") + host_reference) + flag + temporal
+    # Partners decoded for blockwise-update, a chunk at a time (state/partners.py): at most
+    # DECODED_PARTNER_BYTES of raw bytes, or one partner, each allocation rounded up.
+    scratch += max(
+        min(sum(v), max(max(v, default=0), DECODED_PARTNER_BYTES + ALLOC_BYTES * len(v)))
+        for v in partnered.values()
+    )
     if largest:
         scratch += FINGERPRINT_SCRATCH
     return DeviceMemoryBound(

@@ -85,6 +85,13 @@ def save_variants(
     rule_list = resolve_rules(rules, state, bits=bits, block=block)
     key_rules = keyframe_rules(rule_list)
     seen: dict[Variant, None] = {}
+    # Entries coded with a partner decode it first (state/partners.py), in every mode.
+    partners = set()
+    for path, t in flat.tensors.items():
+        for rule in (select_rule(key_rules, path, t), select_rule(rule_list, path, t)):
+            codec = get_codec(rule.codec)
+            if codec is not None and codec.has_partners:
+                partners.add(codec.partner_path(path, rule.params, flat.tensors))
     for path, t in flat.tensors.items():
         if t.device.type != device_type:
             continue
@@ -95,6 +102,9 @@ def save_variants(
         )
         for rule, keyframe in ((select_rule(key_rules, path, t), True), (later, False)):
             codec = get_codec(rule.codec)
+            if codec is not None and codec.has_partners:  # u = m / (sqrt(v_hat) + eps), coded blockwise
+                name, inner = codec.inner_spec(rule.params)  # type: ignore[attr-defined]
+                rule, codec = type(rule)(rule.pattern, name, inner, rule.min_numel), get_codec(name)
             if codec is None or not getattr(codec, "has_kernel", False):
                 continue
             # A keyframe codes without a reference; "none" codes every save so.
@@ -110,7 +120,7 @@ def save_variants(
                 params = tuple(sorted((k, v) for k, v in chosen.items() if k not in NOT_KERNEL_PARAMS))
                 # A closed loop decodes its deltas; a keyframe's lossy entries of tensors
                 # the deltas are coded against are decoded as their reference.
-                decode = has_ref and delta_mode == "closed" or keyframe and reconstructed
+                decode = has_ref and delta_mode == "closed" or keyframe and reconstructed or path in partners
                 variant = Variant(rule.codec, params, t.dtype, has_ref, n, decode)
                 seen.setdefault(variant, None)
     return list(seen)

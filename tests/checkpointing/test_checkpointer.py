@@ -446,7 +446,7 @@ def test_cuda_run_restores_on_device(tmp_path):
 @pytest.mark.parametrize("async_write", [True, False])
 def test_default_keyframe_keeps_weights_exact_and_codes_the_moments(tmp_path, async_write):
     """Under the default preset a keyframe stores the weights (the deltas' reference) exact
-    and the large AdamW moments coded: exp_avg blockwise, exp_avg_sq by log2 (never below
+    and the large AdamW moments coded: exp_avg blockwise in the update's domain, exp_avg_sq by log2 (never below
     zero, zero exactly where it was zero). The next delta decodes against exact weights."""
     seed_all(2)
     torch.manual_seed(2)
@@ -463,7 +463,7 @@ def test_default_keyframe_keeps_weights_exact_and_codes_the_moments(tmp_path, as
         assert [i.kind for i in ckpt.infos()] == ["keyframe", "delta"]
         codecs = {p: e["codec"] for p, e in read_manifest(ckpt.path_for(1))["entries"].items()}
     assert codecs["model/0.weight"] == "exact" and codecs["model/2.weight"] == "exact"
-    assert codecs["optimizer/state/0/exp_avg"] == "blockwise"
+    assert codecs["optimizer/state/0/exp_avg"] == "blockwise-update"
     assert codecs["optimizer/state/0/exp_avg_sq"] == "log2"
     assert codecs["optimizer/state/1/exp_avg_sq"] == "exact"  # a bias: below 4096 elements
     for step in (1, 2):

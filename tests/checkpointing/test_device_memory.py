@@ -56,7 +56,8 @@ def _temporal(numel, block=128):
 
 # The state of _run under the preset "smallest" at block 128, by hand: two 256x64 fp32
 # weights are delta-coded (int2 deltas, up to 8 bits by max_error: the bound counts 8);
-# their AdamW moments are exp_avg int4 and exp_avg_sq log2 4 bits in a keyframe and
+# their AdamW moments are exp_avg int3 codes of the update (blockwise-update: a 4-bit
+# container, as int4's bytes) and exp_avg_sq log2 4 bits in a keyframe and
 # log2-temporal between keyframes, coded against the reference too; biases and their
 # moments (< 4096 elements) are exact.
 W = 256 * 64
@@ -67,9 +68,10 @@ DELTA_MOMENTS = 2 * (_blockwise(W, 4) + _temporal(W))
 # On the device the temporal entries are encoded as a group, into one buffer where each
 # entry's codes start on 16 bytes: the bound counts 16 more bytes per entry (512 B rounded).
 DELTA = 2 * (_blockwise(W, 4) + _temporal(W) + 512) + 2 * _blockwise(W, 8)
-# The largest delta-coded tensor, decoded then copied into the reference; and the
-# temporal kernel's outputs before they are packed into one buffer.
-SCRATCH = W * 4 + _temporal(W)
+# The largest delta-coded tensor, decoded then copied into the reference; the temporal
+# kernel's outputs before they are packed into one buffer; and the two exp_avg_sq decoded
+# as float32 to code exp_avg in the update's domain (blockwise-update, one chunk).
+SCRATCH = W * 4 + _temporal(W) + 2 * W * 4
 # On the device, one entry at a time: a fingerprint's temporaries (2048 samples widened to
 # int64, their weights, the product) and a NaN/Inf check of one byte per block.
 TEMPORARIES = 64 * 1024 + 512

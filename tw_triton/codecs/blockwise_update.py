@@ -120,6 +120,10 @@ class BlockwiseUpdateCodec(Codec):
     def partner_of(self, params: Mapping[str, Any]) -> str | None:
         return params.get("partner") if isinstance(params, Mapping) else None
 
+    def inner_spec(self, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The codec and params that code ``u`` (the kernels an entry launches)."""
+        return "blockwise", _inner(params)
+
     def fallback_spec(self, params: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         fallback = params.get("fallback_bits")
         if fallback is None:

@@ -33,7 +33,7 @@ from . import fingerprints
 from .entries import codec_or_raise
 from .fingerprints import FINGERPRINT_PREFIX
 from .grouped import DeviceEncode, groups_launches
-from .partners import encode_partnered, plan_partners
+from .partners import encode_partnered, encode_pending, plan_partners, settle
 from .references import flat_reference, reference_tensor
 
 logger = logging.getLogger(__name__)
@@ -342,12 +342,19 @@ def quantize_state_dict(
         if ref_fp is not None:
             fingerprinted.append((path, ref_fp))
 
+    # On a device the entries coded with a partner are encoded before the host sync, with
+    # their partners as encoded, so that their flags join it; one whose partner the sync
+    # then stores exact is encoded again after it (docs/design.md).
+    early: list[tuple[int, Encoded]] = []
+    if partners and not on_host and all(canonical[j] in entries for j in partners.values()):
+        early = encode_pending(entries, partners, jobs, canonical, allocate, grouped=True)
     # The one host sync: every NaN/Inf flag, reference fingerprint and sparsity count
     # together, one copy per device and an event that fires when it is done.
     values = fingerprints.read_device_scalars(
-        [f for _, f in flagged] + [f for _, f in fingerprinted] + counts, scalar_buffers
+        [f for _, f in flagged] + [f for _, f in fingerprinted] + counts + [e.unusable for _, e in early],
+        scalar_buffers,
     )
-    read = values[len(flagged) + len(fingerprinted) :]
+    read = values[len(flagged) + len(fingerprinted) : len(values) - len(early)]
     dense = []
     for i, nnz, runs in zip(deferred, read[0::2], read[1::2]):
         entry = sparse_entry(jobs[i][0], nnz, runs)
@@ -359,8 +366,10 @@ def quantize_state_dict(
         entries[canonical[i]] = entry
     if deferred:  # (the entries coded with a partner come later: encode_partnered)
         entries = {path: entries[path] for path in canonical if path in entries}
+    stored_exact = set()
     for (path, _), bad in zip(flagged, values[: len(flagged)]):
         if bad:
+            stored_exact.add(path)
             # log2 also refuses a negative value (a "non-negative" state that is not).
             why = "a negative value, NaN or Inf" if entries[path].codec.startswith("log2") else "NaN or Inf"
             logger.warning(
@@ -379,8 +388,15 @@ def quantize_state_dict(
             entry.params = {**entry.params, "ref_fp": fingerprints.fp_hex(fp)}
             fp_parts.append(f"{path}={entry.params['ref_fp']}")
 
+    if early:
+        again = {i for i, _ in early if canonical[partners[i]] in stored_exact}
+        kept = [(k, pair) for k, pair in enumerate(early) if pair[0] not in again]
+        bad = values[len(values) - len(early) :]
+        settle(entries, [pair for _, pair in kept], [bad[k] for k, _ in kept], jobs, canonical, exact_entry)
+        partners = {i: partners[i] for i in again}
     if partners:  # coded with their partners' entries, now final
         encode_partnered(entries, partners, jobs, canonical, exact_entry, allocate, grouped=not on_host)
+    if partners or early:
         entries = {path: entries[path] for path in canonical}
 
     recorded_ref_id = None

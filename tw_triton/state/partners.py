@@ -28,6 +28,9 @@ from .grouped import decode_grouped
 
 logger = logging.getLogger(__name__)
 
+# A device encode decodes the partners of at most this many bytes at once (float32), or
+# one partner larger than that: the peak it adds to a save (docs/training-loop.md, "Memory").
+DECODED_PARTNER_BYTES = 256 << 20
 # (tensor, rule, codec, reference or None), as quantize_state_dict plans an entry.
 Job = tuple[torch.Tensor, Any, Codec, "torch.Tensor | None"]
 
@@ -82,6 +85,22 @@ def encode_partnered(
     ``entries``; one host read of the NaN/Inf flags, the flagged ones stored exact.
     ``grouped`` (a device state): the partners decoded and the entries encoded in grouped
     ops (:func:`encode_grouped`), a number of launches that does not grow with their count."""
+    pending = encode_pending(entries, partners, jobs, canonical, allocate, grouped)
+    bad = fingerprints.read_device_scalars([enc.unusable for _, enc in pending])
+    settle(entries, pending, bad, jobs, canonical, exact_entry)
+
+
+def encode_pending(
+    entries: Mapping[str, EncodedEntry],
+    partners: Mapping[int, int],
+    jobs: Sequence[Job],
+    canonical: Sequence[str],
+    allocate: Allocator | None,
+    grouped: bool = False,
+) -> list[tuple[int, Encoded]]:
+    """The encodes of :func:`encode_partnered` before their flags are read: ``(job index,
+    encoded)`` in ``partners``' order, each ``unusable`` flag a device scalar (a slice of
+    one buffer per device where ``grouped``)."""
     on_host = all(jobs[i][0].device.type == "cpu" for i in partners)
 
     def decode_item(i: int) -> tuple[EncodedEntry, torch.Tensor | None, torch.device, str]:
@@ -111,8 +130,20 @@ def encode_partnered(
         encs = parallel_map(
             encode, order, sizes=[jobs[i][0].numel() * 4 for i in order], threads=None if on_host else 1
         )
-    bad = fingerprints.read_device_scalars([enc.unusable for enc in encs])
-    for i, enc, flagged in zip(order, encs, bad):
+    return list(zip(order, encs))
+
+
+def settle(
+    entries: dict[str, EncodedEntry],
+    pending: Sequence[tuple[int, Encoded]],
+    bad: Sequence[int],
+    jobs: Sequence[Job],
+    canonical: Sequence[str],
+    exact_entry: Callable[[torch.Tensor], EncodedEntry],
+) -> None:
+    """Put the entries of :func:`encode_pending` into ``entries``, given their flags as
+    read (``bad``): a flagged one is stored exact, logged."""
+    for (i, enc), flagged in zip(pending, bad):
         path = canonical[i]
         entries[path] = enc.entry
         if flagged:
@@ -125,6 +156,20 @@ def encode_partnered(
             entries[path] = exact_entry(jobs[i][0])
 
 
+def chunks(sizes: Sequence[int], limit: int = DECODED_PARTNER_BYTES) -> list[range]:
+    """Consecutive index ranges of ``sizes`` whose sums stay within ``limit``, or are one
+    item larger than it."""
+    out, start, total = [], 0, 0
+    for k, n in enumerate(sizes):
+        if k > start and total + n > limit:
+            out.append(range(start, k))
+            start, total = k, 0
+        total += n
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
+
+
 def encode_grouped(
     order: Sequence[int],
     jobs: Sequence[Job],
@@ -133,11 +178,33 @@ def encode_grouped(
     decode_alone: Callable[[tuple], torch.Tensor],
     encode_alone: Callable[[int, torch.Tensor], Encoded],
 ) -> list[Encoded]:
-    """The entries ``order`` encoded on their devices: their partners decoded with
-    :func:`~tw_triton.state.grouped.decode_grouped`, then one
-    :meth:`~tw_triton.codecs.Codec.encode_group_with_partners` per device, codec, params
-    and dtype (flags: one zero-filled buffer per device); ``encode_alone(k, v_hat)`` where
-    a codec has none or rejects the group. Results in ``order``'s order."""
+    """The entries ``order`` encoded on their devices, in chunks whose decoded partners
+    take at most :data:`DECODED_PARTNER_BYTES` (or one partner) of device memory at once:
+    per chunk, the partners decoded with :func:`~tw_triton.state.grouped.decode_grouped`,
+    then one :meth:`~tw_triton.codecs.Codec.encode_group_with_partners` per device, codec,
+    params and dtype (flags: one zero-filled buffer per device); ``encode_alone(k, v_hat)``
+    where a codec has none or rejects the group. Results in ``order``'s order."""
+    out: list[Encoded] = []
+    for part in chunks([jobs[i][0].numel() * 4 for i in order]):
+        out += _encode_chunk(
+            [order[k] for k in part],
+            jobs,
+            [partner_paths[k] for k in part],
+            decode_item,
+            decode_alone,
+            encode_alone,
+        )
+    return out
+
+
+def _encode_chunk(
+    order: Sequence[int],
+    jobs: Sequence[Job],
+    partner_paths: Sequence[str],
+    decode_item: Callable[[int], tuple],
+    decode_alone: Callable[[tuple], torch.Tensor],
+    encode_alone: Callable[[int, torch.Tensor], Encoded],
+) -> list[Encoded]:
     items = [decode_item(i) for i in order]
     v_hats = decode_grouped(items, lambda k: decode_alone(items[k]))
     groups: dict[Any, list[int]] = {}

@@ -10,6 +10,7 @@ from .bitmask import bitmask_decode, bitmask_encode
 from .copy_grouped import copy_grouped
 from .dequantize_blockwise import dequantize_blockwise
 from .dequantize_blockwise_grouped import dequantize_blockwise_grouped
+from .dequantize_blockwise_update_grouped import dequantize_blockwise_update_grouped
 from .dequantize_log2 import dequantize_log2
 from .dequantize_log2_grouped import dequantize_log2_grouped
 from .dequantize_log2_temporal import dequantize_log2_temporal
@@ -30,6 +31,7 @@ __all__ = [
     "copy_grouped",
     "dequantize_blockwise",
     "dequantize_blockwise_grouped",
+    "dequantize_blockwise_update_grouped",
     "dequantize_log2",
     "dequantize_log2_grouped",
     "fingerprints",

@@ -91,6 +91,13 @@ def narrow_from_f32(v, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def to_output(v, OUT_DTYPE: tl.constexpr):
+    """An fp32 tile saturated to ``OUT_DTYPE``'s finite range (NaN kept) and rounded to it:
+    a decode's last step, shared by the blockwise and blockwise-update decodes."""
+    return narrow_from_f32(_saturate(v, _finite_max(OUT_DTYPE)), OUT_DTYPE)
+
+
+@triton.jit
 def unpack_lsb_first(packed, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """Unpack (ROWS, BLOCK * BITS // 8) bytes into a (ROWS, BLOCK) int32 tile of codes."""
     p = packed.to(tl.int32)
@@ -127,7 +134,7 @@ def dequantize_tile(
         # An overflowed product is brought back by a reference of the other sign only if
         # it is saturated first (inf + r stays inf).
         v = _saturate(v, _FP32_MAX) + widen_to_f32(r)
-    return narrow_from_f32(_saturate(v, _finite_max(OUT_DTYPE)), OUT_DTYPE)
+    return to_output(v, OUT_DTYPE)
 
 
 @triton.jit(do_not_specialize=["row0"])

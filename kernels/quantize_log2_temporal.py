@@ -8,7 +8,8 @@ must be identical, so the temporal part is integer arithmetic only (int64 for th
 delta and the rounding by ``(|d| + S // 2) // S``, whose operands are non-negative: C's
 truncating division is then floor division), and the absolute fallback is the ``log2``
 kernel's own rule (``tl.div_rn``, ``cvt.rn`` and the ``1.5 * 2**23`` rounding trick).
-The tile arithmetic (``temporal_tile``) is shared with the grouped encode
+The tile arithmetic (``temporal_tile``) and the rows' load, encode and store
+(``temporal_encode_rows``) are shared with the grouped encode
 (``quantize_log2_temporal_grouped``).
 """
 
@@ -84,23 +85,25 @@ def temporal_tile(x, r, min_step, BITS: tl.constexpr):
     return code, lo, hi
 
 
-@triton.jit(do_not_specialize=["row0"])
-def quantize_log2_temporal_kernel(
+@triton.jit
+def temporal_encode_rows(
     x_ptr,
     ref_ptr,
     codes_ptr,
     lo_ptr,
     hi_ptr,
     n,
-    row0,
+    first_row,
     min_step,
     MASKED: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """Encode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat input."""
-    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    """Load, encode and store rows ``first_row`` .. ``+ ROWS`` of one tensor: the body of
+    the single and the grouped encode, which differ only in where the pointers come from
+    (and the grouped one's flag). Returns the rows' ``hi`` bounds (``-1``: a row that
+    cannot be coded) and indices."""
     rows = first_row + tl.arange(0, ROWS).to(tl.int64)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     if MASKED:
@@ -119,6 +122,29 @@ def quantize_log2_temporal_kernel(
         tl.store(codes_ptr + offs, code)
         tl.store(lo_ptr + rows, lo)
         tl.store(hi_ptr + rows, hi)
+    return hi, rows
+
+
+@triton.jit(do_not_specialize=["row0"])
+def quantize_log2_temporal_kernel(
+    x_ptr,
+    ref_ptr,
+    codes_ptr,
+    lo_ptr,
+    hi_ptr,
+    n,
+    row0,
+    min_step,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Encode rows ``row0 + pid * ROWS`` .. ``+ ROWS`` of an ``n``-element flat input."""
+    first_row = row0 + tl.program_id(0).to(tl.int64) * ROWS
+    temporal_encode_rows(
+        x_ptr, ref_ptr, codes_ptr, lo_ptr, hi_ptr, n, first_row, min_step, MASKED, BITS, BLOCK, ROWS
+    )
 
 
 def check_temporal_args(x: torch.Tensor, reference: torch.Tensor, bits: int, block: int, what: str) -> None:

@@ -4,10 +4,11 @@ launches.
 The single-tensor encode (``quantize_log2_temporal``) over a table of tensors (row ``j``:
 the addresses of x, its reference, the codes and the bounds, ``lo`` then ``hi``, which
 follow it directly; the table and the launches: ``tiles.launch_grouped``), with the same
-tile arithmetic (``temporal_tile``), so every tensor's codes and bounds are the bytes the
-single kernel gives it alone. The codec's stored buffer is bounds then codes, so the
-kernel writes into it in place. A program whose tile holds a block with a negative, NaN or
-infinite element (bounds ``-1``) raises its tensor's flag with an atomic max.
+rows' load, tile arithmetic and store (``temporal_encode_rows``), so every tensor's codes
+and bounds are the bytes the single kernel gives it alone. The codec's stored buffer is
+bounds then codes, so the kernel writes into it in place. A program whose tile holds a
+block with a negative, NaN or infinite element (bounds ``-1``) raises its tensor's flag
+with an atomic max.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantize_log2_temporal import check_temporal_args, temporal_tile
+from .quantize_log2_temporal import check_temporal_args, temporal_encode_rows
 from .tiles import ALIGN, find_entry, group_outputs, launch_grouped
 
 
@@ -45,26 +46,12 @@ def quantize_log2_temporal_grouped_kernel(
     lo_ptr = tl.load(row + 3).to(tl.pointer_type(tl.int32), bitcast=True)
     hi_ptr = lo_ptr + (n + BLOCK - 1) // BLOCK
 
-    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    hi, rows = temporal_encode_rows(
+        x_ptr, ref_ptr, codes_ptr, lo_ptr, hi_ptr, n, first_row, min_step, MASKED, BITS, BLOCK, ROWS
+    )
     if MASKED:
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-        r = tl.load(ref_ptr + offs, mask=offs < n, other=0.0)
+        bad = tl.max(((rows * BLOCK < n) & (hi < 0)).to(tl.int64), axis=0)
     else:
-        x = tl.load(x_ptr + offs)
-        r = tl.load(ref_ptr + offs)
-    code, lo, hi = temporal_tile(x, r, min_step, BITS)
-
-    if MASKED:
-        row_in = rows * BLOCK < n
-        tl.store(codes_ptr + offs, code, mask=offs < n)
-        tl.store(lo_ptr + rows, lo, mask=row_in)
-        tl.store(hi_ptr + rows, hi, mask=row_in)
-        bad = tl.max((row_in & (hi < 0)).to(tl.int64), axis=0)
-    else:
-        tl.store(codes_ptr + offs, code)
-        tl.store(lo_ptr + rows, lo)
-        tl.store(hi_ptr + rows, hi)
         bad = tl.max((hi < 0).to(tl.int64), axis=0)
     tl.atomic_max(flags_ptr + tl.load(row + 7), bad, mask=bad > 0)
 

@@ -120,7 +120,13 @@ def cases():
         codes, scales = [p[0] for p in pairs], [p[1] for p in pairs]
         backend.dequantize_blockwise_many_cuda(codes, scales, [x.numel() for x in xs], bits, 128, refs, f32)
         backend.quantize_log2_many_cuda(group(bf16), bits, 128, flags=flags)
-        backend.quantize_blockwise_update_many_cuda(group(bf16), group(f32), 1e-8, bits, 128, flags=flags)
+        pairs = backend.quantize_blockwise_update_many_cuda(
+            group(bf16), group(f32), 1e-8, bits, 128, flags=flags
+        )
+        codes, scales = [p[0] for p in pairs], [p[1] for p in pairs]
+        backend.dequantize_blockwise_update_many_cuda(
+            codes, scales, [4096 + 16] * GROUP, group(f32), 1e-8, bits, 128, bf16
+        )
 
     def grouped_expected(bits, cc):
         return (
@@ -128,6 +134,7 @@ def cases():
             + pair("grouped-decode", bits, 128, f32, bf16, cc)
             + pair("grouped-log2-encode", bits, 128, bf16, None, cc)
             + pair("grouped-update-encode", bits, 128, bf16, f32, cc)
+            + pair("grouped-update-decode", bits, 128, bf16, f32, cc)
         )
 
     def grouped_temporal():  # written in place into the codec's stored buffers, and back

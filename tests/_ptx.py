@@ -89,8 +89,8 @@ def grouped_variants() -> list[Variant]:
     """The grouped kernels: the encode over a table of tensors (bits x dtype pairs x
     {main, tail} x targets, block 128), the fingerprint (dtypes x targets), the copy, the
     decode and the ``log2-temporal`` encode and decode (float32 against float32, as the
-    single temporal kernels: blocks x {main, tail} x targets), and the ``log2`` decode
-    (bits x output dtypes x {main, tail} x targets, block 128)."""
+    single temporal kernels: blocks x {main, tail} x targets), the ``log2`` decode and the
+    ``blockwise-update`` decode (bits x output dtypes x {main, tail} x targets, block 128)."""
     rotate = {"fp32": "bf16", "fp16": "fp32", "bf16": "bf16"}
     encode = [
         Variant("grouped-encode", bits, 128, dtype, ref, masked, cc)
@@ -135,6 +135,14 @@ def grouped_variants() -> list[Variant]:
         for masked in (False, True)
         for cc in TARGETS
     ]
+    # Its decode at load (u_hat * (sqrt(v_hat) + eps) in the tile): v_hat is fp32.
+    update_decode = [
+        Variant("grouped-update-decode", bits, 128, dtype, "fp32", masked, cc)
+        for bits in BITS
+        for dtype in DTYPES
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
     log2_decode = [
         Variant("grouped-log2-decode", bits, 128, dtype, None, masked, cc)
         for bits in BITS
@@ -142,7 +150,7 @@ def grouped_variants() -> list[Variant]:
         for masked in (False, True)
         for cc in TARGETS
     ]
-    return encode + log2 + fingerprint + copy + decode + temporal + update + log2_decode
+    return encode + log2 + fingerprint + copy + decode + temporal + update + log2_decode + update_decode
 
 
 BITMASK_OPS = ("bitmask-mask", "bitmask-scatter", "bitmask-popcount", "bitmask-gather")
@@ -217,6 +225,9 @@ def _grouped_source(v: Variant):
 
     from tw_triton.kernels.copy_grouped import copy_grouped_kernel
     from tw_triton.kernels.dequantize_blockwise_grouped import dequantize_blockwise_grouped_kernel
+    from tw_triton.kernels.dequantize_blockwise_update_grouped import (
+        dequantize_blockwise_update_grouped_kernel,
+    )
     from tw_triton.kernels.dequantize_log2_grouped import dequantize_log2_grouped_kernel
     from tw_triton.kernels.dequantize_log2_temporal_grouped import dequantize_log2_temporal_grouped_kernel
     from tw_triton.kernels.fingerprint import fingerprint_kernel
@@ -265,6 +276,25 @@ def _grouped_source(v: Variant):
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
         return ASTSource(
             fn=quantize_blockwise_update_grouped_kernel,
+            signature=signature,
+            constexprs=constexprs,
+            attrs=attrs,
+        )
+    if v.op == "grouped-update-decode":
+        signature = {
+            "table_ptr": "*i64",
+            "flags_ptr": "*i64",
+            "out_type_ptr": f"*{v.dtype}",
+            "eps": "fp32",
+            "T": "i32",
+        }
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "BITS": v.bits}
+        constexprs.update({"BLOCK": v.block, "ROWS": rows_per_program(v.block)})
+        signature.update({name: "constexpr" for name in constexprs})
+        # The table, the flags and the carrier are 16-byte aligned; eps and T are not specialized.
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
+        return ASTSource(
+            fn=dequantize_blockwise_update_grouped_kernel,
             signature=signature,
             constexprs=constexprs,
             attrs=attrs,

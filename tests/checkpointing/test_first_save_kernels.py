@@ -178,6 +178,7 @@ KERNELS = [
     ("dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
     ("dequantize_log2_temporal_grouped", "dequantize_log2_temporal_grouped_kernel"),
     ("dequantize_log2_grouped", "dequantize_log2_grouped_kernel"),
+    ("dequantize_blockwise_update_grouped", "dequantize_blockwise_update_grouped_kernel"),  # loads only
     ("fingerprint", "fingerprint_kernel"),
     ("quantize_blockwise", "quantize_blockwise_kernel"),
     ("dequantize_blockwise", "dequantize_blockwise_kernel"),

@@ -26,11 +26,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import tw_triton
 from tw_triton import Checkpointer, deltas, ops, quantize_state_dict
 from tw_triton.codecs import get_codec
 from tw_triton.ops.backends import triton as triton_backend
 from tw_triton.ops.reference import log2_temporal_code_errors_torch
 from tw_triton.rules import resolve_rules, rules_as_specs
+from tw_triton.state import decode as decode_module
 from tw_triton.state import encode as encode_module
 from tw_triton.state import fingerprints
 from tw_triton.tree import flatten
@@ -105,6 +107,10 @@ def spy(monkeypatch):
         ("tw_triton.kernels.dequantize_blockwise_grouped", "dequantize_blockwise_grouped_kernel"),
         ("tw_triton.kernels.dequantize_log2_temporal_grouped", "dequantize_log2_temporal_grouped_kernel"),
         ("tw_triton.kernels.dequantize_log2_grouped", "dequantize_log2_grouped_kernel"),
+        (
+            "tw_triton.kernels.dequantize_blockwise_update_grouped",
+            "dequantize_blockwise_update_grouped_kernel",
+        ),
         ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
         ("tw_triton.kernels.sparsity_counts_grouped", "sparsity_counts_grouped_kernel"),
     ]:
@@ -128,6 +134,7 @@ def spy(monkeypatch):
         "sparsity_counts_many": triton_backend.sparsity_counts_many_cuda,
         "dequantize_log2_temporal_many": triton_backend.dequantize_log2_temporal_many_cuda,
         "dequantize_log2_many": triton_backend.dequantize_log2_many_cuda,
+        "dequantize_blockwise_update_many": triton_backend.dequantize_blockwise_update_many_cuda,
     }
     with contextlib.ExitStack() as stack:
         for op, fn in grouped.items():
@@ -667,3 +674,47 @@ def test_the_grouped_update_encode_gives_the_bytes_of_the_per_tensor_path(spy, m
         for name, buf in entry.buffers.items():
             got, want = (b.reshape(-1).view(torch.uint8) for b in (other.buffers[name], buf))
             assert torch.equal(got, want), (path, name)
+
+
+def counted_update_load(n: int, path, phases: list) -> tuple:
+    """A file of the update rules' keyframe of ``make_training_state(n)``, loaded with the
+    device decode forced: the counts of the phase that decodes its ``blockwise-update``
+    entries (after their partners; recorded into ``phases``), and the loaded state."""
+    q = quantize_state_dict(make_training_state(n, seed=n), rules=update_rules())
+    assert sum(e.codec == "blockwise-update" for e in q.entries.values()) == n
+    tw_triton.save(q, path, fsync=False)
+    del phases[:]
+    loaded = tw_triton.load(path)
+    assert len(phases) == 1, phases
+    return phases[0], loaded
+
+
+def test_a_load_decodes_its_blockwise_update_entries_in_grouped_launches(spy, monkeypatch, tmp_path) -> None:
+    """Loading to a device a file with N ``blockwise-update`` entries: after their
+    partners, the same launches for 10 and 200 entries (one grouped decode, none alone),
+    no host read, and the per-tensor path's values bit for bit."""
+    real = decode_module.decode_grouped_with_partners
+    phases: list = []
+
+    def counted(*args, **kwargs):  # the phase of the entries coded with a partner
+        spy.ops.clear()
+        spy.kernels.clear()
+        with spy:
+            result = real(*args, **kwargs)
+        phases.append((spy.launches(), spy.syncs(), dict(spy.kernels), dict(spy.ops)))
+        return result
+
+    monkeypatch.setattr(decode_module, "decode_grouped_with_partners", counted)
+    monkeypatch.setattr(decode_module, "groups_launches", lambda device: True)
+    small, _ = counted_update_load(10, tmp_path / "10.tw", phases)
+    large, loaded = counted_update_load(200, tmp_path / "200.tw", phases)
+    assert small == large, f"10 entries: {small}\n200 entries: {large}"
+    launches, syncs, kernels, _ = large
+    assert syncs == 0
+    assert kernels == {"dequantize_blockwise_update_grouped_kernel": 2}  # float32: tiles, tails
+    monkeypatch.setattr(decode_module, "groups_launches", lambda device: False)
+    alone = tw_triton.load(tmp_path / "200.tw")
+    assert not phases[1:], "the per-tensor path decoded in groups"
+    for i, moments in alone["optimizer"]["state"].items():
+        got = loaded["optimizer"]["state"][i]["exp_avg"]
+        assert torch.equal(got.view(torch.int32), moments["exp_avg"].view(torch.int32)), i

@@ -303,3 +303,34 @@ def test_the_denominator_square_root_is_correctly_rounded_on_the_cpu() -> None:
     x = torch.cat([bits.view(torch.float32), torch.tensor([3e38, 0.0, float("inf")])])
     want = torch.from_numpy(np.sqrt(x.numpy()))
     assert torch.equal(correct_sqrt(x).view(torch.int32), want.view(torch.int32))
+
+
+def test_a_device_load_decodes_in_groups_what_the_host_decodes_and_checks_alike(monkeypatch, tmp_path):
+    """The grouped decode of the dependent entries (forced on CPU tensors, as a load to a
+    GPU runs it): the host path's values, and the same refusal of a bad entry."""
+    from tw_triton.state import decode as state_decode
+
+    m, v = moments(4096 + 300, 12)
+    m2, v2 = moments(700, 13, torch.bfloat16)
+    st_ = state_of(m, v)
+    st_["optimizer"]["state"][1] = {"exp_avg": m2, "exp_avg_sq": v2}
+    q = tw_triton.quantize_state_dict(st_, rules=rules())
+    tw_triton.save(q, tmp_path / "u.tw", fsync=False)
+    host = tw_triton.load(tmp_path / "u.tw")["optimizer"]["state"]
+    used = []
+    real = state_decode.decode_grouped_with_partners
+    monkeypatch.setattr(state_decode, "decode_grouped_with_partners", lambda *a: used.append(1) or real(*a))
+    monkeypatch.setattr(state_decode, "groups_launches", lambda device: True)
+    grouped = tw_triton.load(tmp_path / "u.tw")["optimizer"]["state"]
+    assert used
+    for i in (0, 1):
+        a, b = host[i]["exp_avg"], grouped[i]["exp_avg"]
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i
+    q.entries[M].buffers["scales"] = q.entries[M].buffers["scales"][:-1]
+    errors = []
+    for forced in (True, False):
+        monkeypatch.setattr(state_decode, "groups_launches", lambda device, f=forced: f)
+        with pytest.raises(CheckpointError, match="scales") as info:
+            tw_triton.dequantize_state_dict(q)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1] and repr(M) in errors[0]

@@ -212,6 +212,9 @@ def test_grouped_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, varia
             assert "ld.global.v4.b32" in loads, loads
             assert set(stores) == {"st.global.v4.b32"}, stores
         return
+    if variant.op == "grouped-update-decode":
+        check_grouped_update_decode(ptx_facts, variant)
+        return
     assert ops.get("div.rn.f32", 0) > 0
     if variant.op == "grouped-log2-decode":
         check_grouped_log2_decode(ptx_facts, variant)
@@ -244,6 +247,23 @@ def test_grouped_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, varia
         assert widest in stores, stores
     if variant.op == "grouped-temporal-encode":  # a byte per element, in 16-byte vectors
         assert "st.global.v4.b32" in stores, stores
+
+
+def check_grouped_update_decode(ptx_facts: dict, variant: _ptx.Variant) -> None:
+    """A load's blockwise-update decode over a table: the blockwise decode's multiply,
+    then ``sqrt(v_hat) + eps`` and the product, each correctly rounded (``sqrt.rn``, no
+    other root, no division), no flag, and 16-byte vectors for whole tiles."""
+    ops = ptx_facts[variant.label]["opcodes"]
+    assert ops.get("sqrt.rn.f32", 0) > 0 and ops.get("add.rn.f32", 0) > 0, ops
+    assert ops.get("mul.rn.f32", 0) >= 2 * ops["sqrt.rn.f32"], ops  # u = q * scale, then u * den
+    assert not [op for op in ops if op.startswith("sqrt.") and op != "sqrt.rn.f32"], ops
+    assert not [op for op in ops if op.startswith(("div.", "atom."))], ops
+    if variant.masked:
+        return
+    loads, stores = _ops(ptx_facts[variant.label], "ld.global"), _ops(ptx_facts[variant.label], "st.global")
+    assert not [op for op in loads if op.endswith((".b8", ".b16"))], loads
+    assert "ld.global.v4.b32" in loads, loads
+    assert set(stores) == {"st.global.v4.b32"}, stores
 
 
 # The arithmetic of the log2 decode: the step's conversion and rounded quotient, the

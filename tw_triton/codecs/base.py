@@ -273,6 +273,24 @@ class Codec(ABC):
         """
         raise NotImplementedError(f"codec {self.name!r} has no partner")
 
+    def partner_group_key(self, entry: EncodedEntry) -> Hashable | None:
+        """A key under which a device decode of ``entry`` with its partner may share
+        launches with others of the same codec and key (:meth:`decode_group_with_partners`);
+        ``None`` (the default): decode it alone."""
+        return None
+
+    def decode_group_with_partners(
+        self,
+        entries: Sequence[EncodedEntry],
+        partners: Sequence[torch.Tensor],
+        device: torch.device,
+        contexts: Sequence[str],
+    ) -> list[torch.Tensor]:
+        """:meth:`decode_with_partner` of entries of one :meth:`partner_group_key` on
+        ``device``, in a number of launches that does not grow with their count: the same
+        checks (the entries may be read from a file) and the same values as each alone."""
+        raise NotImplementedError(f"codec {self.name!r} has no grouped decode with partners")
+
     def decode_over(
         self,
         entry: EncodedEntry,

@@ -13,7 +13,7 @@ Why and what it measured: docs/codecs.md, "The first moment in the update's doma
 from __future__ import annotations
 
 import math
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -231,9 +231,15 @@ class BlockwiseUpdateCodec(Codec):
             "(the state API decodes it after its partner)"
         )
 
-    def decode_with_partner(
-        self, entry: EncodedEntry, partner: torch.Tensor, device: torch.device | None, context: str
-    ) -> torch.Tensor:
+    def checked_parts(
+        self, entry: EncodedEntry, partner: torch.Tensor, context: str
+    ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """``(bits, block, codes, scales)`` of a stored entry, its params, buffers and
+        partner (float32 of its shape) checked.
+
+        Raises:
+            CheckpointError: naming ``context`` and what was expected.
+        """
         self.check_stored_params(entry.params, context)
         bits, block, codes = stored_codes(entry, context)
         scales = per_block_buffer(entry, "scales", torch.float32, block, context)
@@ -242,9 +248,47 @@ class BlockwiseUpdateCodec(Codec):
                 f"{context}: partner {entry.params['partner']!r} decodes to {partner.dtype} of shape "
                 f"{tuple(partner.shape)}, expected float32 of shape {tuple(entry.shape)}"
             )
+        return bits, block, codes, scales
+
+    def decode_with_partner(
+        self, entry: EncodedEntry, partner: torch.Tensor, device: torch.device | None, context: str
+    ) -> torch.Tensor:
+        bits, block, codes, scales = self.checked_parts(entry, partner, context)
         dev = codes.device if device is None else device
         q = QuantizedTensor.stored(codes, scales, tuple(entry.shape), torch.float32, bits, block, dev)
         m = dequantize(q).mul_(denominator(move_to(partner, dev), entry.params["eps"]))
         # Saturated as the blockwise decode is: a finite tensor never decodes to +-inf.
         big = torch.finfo(entry.dtype).max
         return m.clamp_(-big, big).to(entry.dtype)
+
+    def partner_group_key(self, entry: EncodedEntry) -> Hashable | None:
+        params = entry.params
+        key = (params.get("bits"), params.get("block"), params.get("eps"), entry.dtype)
+        try:
+            hash(key)
+        except TypeError:  # params no encoder writes: decoded alone, which says what is wrong
+            return None
+        return key if entry.dtype in FLOAT_DTYPES else None
+
+    def decode_group_with_partners(
+        self,
+        entries: Sequence[EncodedEntry],
+        partners: Sequence[torch.Tensor],
+        device: torch.device,
+        contexts: Sequence[str],
+    ) -> list[torch.Tensor]:
+        """:meth:`decode_with_partner` of each entry (one bits, block, eps and dtype) with
+        one grouped op (:func:`~tw_triton.ops.dequantize_blockwise_update_many`), after
+        every entry's checks: the same values each alone."""
+        parts = [self.checked_parts(e, p, c) for e, p, c in zip(entries, partners, contexts)]
+        flat = ops.dequantize_blockwise_update_many(
+            [move_to(codes.reshape(-1), device) for _, _, codes, _ in parts],
+            [move_to(scales.reshape(-1), device) for _, _, _, scales in parts],
+            [math.prod(e.shape) for e in entries],
+            [move_to(p, device).reshape(-1) for p in partners],
+            entries[0].params["eps"],
+            parts[0][0],
+            parts[0][1],
+            entries[0].dtype,
+        )
+        return [t.view(tuple(e.shape)) for t, e in zip(flat, entries)]

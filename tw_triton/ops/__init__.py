@@ -5,13 +5,16 @@ Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
 (whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
 reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`;
-ten serve a save of many device tensors with a fixed number of launches:
+eleven serve many device tensors with a fixed number of launches, ten a save:
 :func:`quantize_blockwise_many`, :func:`quantize_blockwise_update_many`, :func:`quantize_log2_many`,
 :func:`quantize_log2_temporal_many`, :func:`fingerprints`, :func:`copy_many`,
 :func:`dequantize_blockwise_many` and :func:`dequantize_log2_temporal_many` (the
 closed-loop advance, in place over the reference), :func:`dequantize_log2_many` (a
 keyframe's second moments, decoded to the reference its deltas are coded against) and
-:func:`sparsity_counts_many` (a save's sparse candidates); two more
+:func:`sparsity_counts_many` (a save's sparse candidates), and one a load
+(:func:`dequantize_blockwise_update_many`: the ``blockwise-update`` entries with their
+partners); the grouped decodes are declared in :mod:`~tw_triton.ops.grouped_decodes`
+and re-exported here. Two more
 split a sparse tensor into a bitmask and its non-zero values and back
 (:func:`bitmask_encode`, :func:`bitmask_decode`). Each has one reference implementation in plain torch
 (:mod:`tw_triton.ops.reference`, the spec, serving any device) and backends registered per
@@ -29,6 +32,12 @@ import torch
 from . import registry
 from .backends import cpu as cpu_backend
 from .backends import triton as triton_backend
+from .grouped_decodes import (
+    dequantize_blockwise_many,
+    dequantize_blockwise_update_many,
+    dequantize_log2_many,
+    dequantize_log2_temporal_many,
+)
 from .reference import REFERENCE
 from .registry import OPS, backends, lookup, register, using
 
@@ -210,103 +219,6 @@ def fingerprints(ts: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
     return lookup("fingerprints", ts[0].device.type)(ts, out=out)
 
 
-def dequantize_blockwise_many(
-    codes: list[torch.Tensor],
-    scales: list[torch.Tensor],
-    numels: list[int],
-    bits: int,
-    block: int,
-    references: list[torch.Tensor] | None,
-    dtype: torch.dtype,
-    *,
-    out: list[torch.Tensor | None] | None = None,
-) -> list[torch.Tensor]:
-    """:func:`dequantize_blockwise` of many tensors on one device (flat results of
-    ``dtype``), in a number of launches that does not grow with their count (on CUDA: two
-    per reference dtype).
-
-    Args:
-        out: optional, per tensor ``None`` or a contiguous tensor of its ``numel`` elements
-            of ``dtype`` to decode into; it may be the tensor's reference itself (each
-            block's reference values are read before its outputs are written), so a
-            closed-loop advance holds no second copy of its reference.
-
-    Returns:
-        The flat decoded tensors (``out[i]`` where given).
-    """
-    if not codes:
-        return []
-    return lookup("dequantize_blockwise_many", codes[0].device.type)(
-        codes, scales, numels, bits, block, references, dtype, out=out
-    )
-
-
-def dequantize_log2_many(
-    codes: list[torch.Tensor],
-    lo: list[torch.Tensor],
-    hi: list[torch.Tensor],
-    numels: list[int],
-    bits: int,
-    block: int,
-    dtype: torch.dtype,
-    *,
-    out: list[torch.Tensor | None] | None = None,
-) -> list[torch.Tensor]:
-    """:func:`dequantize_log2` of many tensors on one device (flat results of ``dtype``), in
-    a number of launches that does not grow with their count (on CUDA: a table copy and two).
-
-    Args:
-        codes, lo, hi: per tensor, as :func:`quantize_log2` returns them.
-        numels: each tensor's element count.
-        bits, block: of the encoding, shared by all.
-        dtype: of the decoded tensors.
-        out: optional, per tensor ``None`` or a contiguous tensor of its ``numel`` elements
-            of ``dtype`` to decode into.
-
-    Returns:
-        The flat decoded tensors (``out[i]`` where given).
-    """
-    if not codes:
-        return []
-    return lookup("dequantize_log2_many", codes[0].device.type)(
-        codes, lo, hi, numels, bits, block, dtype, out=out
-    )
-
-
-def dequantize_log2_temporal_many(
-    codes: list[torch.Tensor],
-    lo: list[torch.Tensor],
-    hi: list[torch.Tensor],
-    references: list[torch.Tensor],
-    bits: int,
-    block: int,
-    min_step: int,
-    *,
-    out: list[torch.Tensor | None] | None = None,
-) -> list[torch.Tensor]:
-    """:func:`dequantize_log2_temporal` of many tensors on one device, each over its
-    reference (``numel`` is each one's code count), in a number of launches that does not
-    grow with their count (on CUDA: a table copy and two). Like the single op it checks no
-    codes: a caller decoding codes it did not encode itself runs
-    :func:`log2_temporal_code_errors` first.
-
-    Args:
-        codes, lo, hi: per tensor, as :func:`quantize_log2_temporal` returns them.
-        references: float32 tensors of the codes' sizes on their device.
-        bits, block, min_step: of the encoding, shared by all.
-        out: optional, per tensor ``None`` or a contiguous float32 tensor of its size to
-            decode into; it may be ``references[i]`` itself.
-
-    Returns:
-        The flat decoded float32 tensors (``out[i]`` where given).
-    """
-    if not codes:
-        return []
-    return lookup("dequantize_log2_temporal_many", codes[0].device.type)(
-        codes, lo, hi, references, bits, block, min_step, out=out
-    )
-
-
 def copy_many(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """A contiguous copy of each of ``xs`` (tensors of any dtypes on one device), in a
     number of launches that does not grow with their count (on CUDA: at most two)."""
@@ -466,6 +378,7 @@ __all__ = [
     "delta_statistics",
     "dequantize_blockwise",
     "dequantize_blockwise_many",
+    "dequantize_blockwise_update_many",
     "dequantize_log2",
     "dequantize_log2_many",
     "fingerprints",

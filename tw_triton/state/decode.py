@@ -25,7 +25,8 @@ from ..parallel import Background, parallel_map
 from ..qstate import QuantizedState
 from ..tree import skeleton_ndarray_paths, unflatten
 from .entries import MEMORY_SOURCE, codec_or_raise, delta_paths, disjoint_paths, entry_context, entry_facts
-from .partners import partner_map
+from .grouped import groups_launches
+from .partners import decode_grouped_with_partners, partner_map
 from .references import checked_reference, read_reference
 
 Progress = Callable[[int, int], None]
@@ -326,7 +327,29 @@ def decode_entries(
         )
         reusable = disjoint_paths(ref_tensors, delta) if owned or reuse_reference else set()
     decode([item for item in indexed if item[1] not in decoded and item[1] not in partners])
-    decode([item for item in indexed if item[1] in partners])
+    dependent = [item for item in indexed if item[1] in partners]
+    # On a device, the entries coded with a partner decode in grouped launches.
+    devices = {p: dev if dev is not None else done[partners[p]].device for _, p in dependent}
+    grouped = [item for item in dependent if groups_launches(devices[item[1]]) and item[1] not in host_paths]
+    if grouped:
+        count = len(decoded)
+        items = [
+            (
+                qstate.entries[p],
+                done[partners[p]],
+                devices[p],
+                entry_context(where, p, qstate.entries[p].codec),
+            )
+            for _, p in grouped
+        ]
+        results = decode_grouped_with_partners(items, lambda k: decode_one(grouped[k]))
+        for k, ((_, path), t) in enumerate(zip(grouped, results)):
+            decoded[path] = t
+            if release_buffers:
+                qstate.entries[path].buffers = {}
+            if progress is not None:
+                progress(count + k + 1, total)
+    decode([item for item in dependent if item[1] not in decoded])
     out = {path: decoded[path] for _, path in indexed}
     for path, target in qstate.aliases.items():
         if only is not None and target not in only:

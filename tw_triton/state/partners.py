@@ -246,6 +246,42 @@ def _encode_chunk(
     return out
 
 
+def decode_grouped_with_partners(
+    items: Sequence[tuple[EncodedEntry, torch.Tensor, torch.device, str]],
+    decode_alone: Callable[[int], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Decode ``(entry, its partner's decoded tensor, device, context)`` items on devices:
+    those whose codec has a grouped decode with partners
+    (:meth:`~tw_triton.codecs.Codec.decode_group_with_partners`) in one grouped op per
+    codec, key and device, the others with ``decode_alone(i)``. Results in the items'
+    order. The entries may be read from a file: the grouped decodes check them as
+    :meth:`~tw_triton.codecs.Codec.decode_with_partner` does."""
+    groups: dict[Any, list[int]] = {}
+    out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
+    for i, (entry, _, device, _) in enumerate(items):
+        codec = get_codec(entry.codec)
+        key = None if codec is None else codec.partner_group_key(entry)
+        if key is None:
+            out[i] = decode_alone(i)
+        else:
+            groups.setdefault((entry.codec, key, device), []).append(i)
+    for (name, _, device), members in groups.items():
+        codec = get_codec(name)
+        try:
+            decoded = codec.decode_group_with_partners(  # type: ignore[union-attr]
+                [items[i][0] for i in members],
+                [items[i][1] for i in members],
+                device,
+                [items[i][3] for i in members],
+            )
+        except (NotImplementedError, QuantizationError):
+            # One at a time, so that an error names the entry it is about.
+            decoded = [decode_alone(i) for i in members]
+        for i, t in zip(members, decoded):
+            out[i] = t
+    return out
+
+
 def partner_map(
     entries: Mapping[str, tuple[str, Any, torch.dtype, tuple[int, ...]]], source: str
 ) -> dict[str, str]:

@@ -241,6 +241,30 @@ def dequantize_blockwise_many_cuda(
     return result
 
 
+def dequantize_blockwise_update_many_cuda(
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    numels: list[int],
+    vs: list[torch.Tensor],
+    eps: float,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """The grouped update decode kernel: one table copy and at most two launches, whatever
+    the number of tensors. Copies only what it cannot read in place."""
+    return kernels().dequantize_blockwise_update_grouped(
+        [_readable(c.reshape(-1)) for c in codes],
+        [_readable(s.reshape(-1)) for s in scales],
+        list(numels),
+        [_readable(v.detach().reshape(-1).float()) for v in vs],
+        eps,
+        bits,
+        block,
+        dtype,
+    )
+
+
 def copy_many_cuda(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The grouped copy kernel for the tensors it can read in place (contiguous, 16-byte
     aligned): one table copy and at most two launches; a clone for each other one."""
@@ -439,4 +463,5 @@ BACKEND = {
     "sparsity_counts_many": sparsity_counts_many_cuda,
     "dequantize_log2_temporal_many": dequantize_log2_temporal_many_cuda,
     "dequantize_log2_many": dequantize_log2_many_cuda,
+    "dequantize_blockwise_update_many": dequantize_blockwise_update_many_cuda,
 }

@@ -22,6 +22,7 @@ from .grouped import (
     FINGERPRINT_SAMPLES,
     copy_many_torch,
     dequantize_blockwise_many_torch,
+    dequantize_blockwise_update_many_torch,
     dequantize_log2_many_torch,
     dequantize_log2_temporal_many_torch,
     fingerprint_torch,
@@ -61,6 +62,7 @@ REFERENCE = {
     "sparsity_counts_many": sparsity_counts_many_torch,
     "dequantize_log2_temporal_many": dequantize_log2_temporal_many_torch,
     "dequantize_log2_many": dequantize_log2_many_torch,
+    "dequantize_blockwise_update_many": dequantize_blockwise_update_many_torch,
 }
 
 __all__ = [
@@ -74,6 +76,7 @@ __all__ = [
     "crumb_table",
     "delta_statistics_torch",
     "dequantize_blockwise_many_torch",
+    "dequantize_blockwise_update_many_torch",
     "dequantize_blockwise_torch",
     "dequantize_log2_many_torch",
     "dequantize_log2_temporal_many_torch",

@@ -4,7 +4,7 @@
 :func:`quantize_log2_many_torch` and
 :func:`quantize_log2_temporal_many_torch` (and the decodes
 :func:`dequantize_blockwise_many_torch`, :func:`dequantize_log2_temporal_many_torch`,
-:func:`dequantize_log2_many_torch`) are
+:func:`dequantize_log2_many_torch`, :func:`dequantize_blockwise_update_many_torch`) are
 the single-tensor ops applied to each tensor (their bytes are the spec), with each tensor's
 flag raised in the caller's buffer;
 :func:`fingerprints_torch` is :func:`fingerprint_torch` of each tensor. The Triton backend
@@ -147,6 +147,31 @@ def dequantize_blockwise_many_torch(
         )
         for i, (c, s, n) in enumerate(zip(codes, scales, numels))
     ]
+
+
+def dequantize_blockwise_update_many_torch(
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    numels: list[int],
+    vs: list[torch.Tensor],
+    eps: float,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """The blockwise-update decode of each tensor (flat results): the fp32
+    :func:`tw_triton.ops.dequantize_blockwise` of its codes times ``sqrt(v) + eps`` (fp32,
+    each op rounded on its own), saturated to ``dtype``'s finite range, then cast."""
+    from .. import dequantize_blockwise  # the single op, dispatched by device
+
+    big = torch.finfo(dtype).max
+    out = []
+    for c, s, n, v in zip(codes, scales, numels, vs):
+        u = dequantize_blockwise(c, s, n, bits, block, None, torch.float32)
+        # The fp64 root rounded to fp32 is the correctly rounded fp32 root (53 >= 2 * 24 + 2).
+        den = torch.sqrt(v.reshape(-1).double()).float().add_(eps)
+        out.append(u.mul_(den).clamp_(-big, big).to(dtype))
+    return out
 
 
 def dequantize_log2_many_torch(

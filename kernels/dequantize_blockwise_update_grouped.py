@@ -1,0 +1,106 @@
+"""Grouped blockwise-update decode: ``m_hat = u_hat * (sqrt(v_hat) + eps)``, many tensors in
+two launches.
+
+The grouped blockwise decode (``dequantize_blockwise_grouped``) without a reference, with
+the update's denominator applied in the tile: each program decodes a ``(ROWS, BLOCK)`` tile
+of ``u_hat`` to fp32 with the blockwise tile arithmetic (``dequantize_tile``), loads the
+same tile of its partner's decode ``v_hat`` (fp32), forms ``sqrt(v_hat) + eps`` with
+correctly rounded fp32 ops (``sqrt.rn``, an add), multiplies (rounded on its own: the
+launcher passes ``enable_fp_fusion=False``), then saturates to the output dtype's finite
+range and rounds to it (``to_output``): the bits of the codec's per-tensor torch path
+(``BlockwiseUpdateCodec.decode_with_partner``), whatever the number of tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dequantize_blockwise import dequantize_tile, to_output
+from .tiles import find_entry, group_outputs, launch_grouped
+
+
+@triton.jit
+def dequantize_blockwise_update_grouped_kernel(
+    table_ptr,
+    flags_ptr,
+    out_type_ptr,
+    eps,
+    T,
+    LOG_T: tl.constexpr,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Decode one tile of one tensor of the table (``T`` rows: addresses of codes, scales,
+    v_hat and the output); ``eps`` is fp32. ``out_type_ptr`` only carries the output's
+    element type; ``flags_ptr`` is not used."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
+
+    pid = tl.program_id(0).to(tl.int64)
+    row = table_ptr + find_entry(table_ptr, pid, T, LOG_T) * 8
+    n = tl.load(row + 4)
+    first_row = tl.load(row + 5) + (pid - tl.load(row + 6)) * ROWS
+    codes_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(tl.uint8), bitcast=True), 16)
+    scales_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.float32), bitcast=True), 16)
+    v_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32), bitcast=True), 16)
+    out_ptr = tl.multiple_of(tl.load(row + 3).to(out_type_ptr.dtype, bitcast=True), 16)
+
+    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
+    if MASKED:
+        in_bounds = offs < n
+        packed = tl.load(codes_ptr + byte_offs, mask=byte_offs * PER_BYTE < n, other=0)
+        scale = tl.load(scales_ptr + rows, mask=rows * BLOCK < n, other=0.0)
+        v = tl.load(v_ptr + offs, mask=in_bounds, other=0.0)
+    else:
+        packed = tl.load(codes_ptr + byte_offs)
+        scale = tl.load(scales_ptr + rows)
+        v = tl.load(v_ptr + offs)
+    u = dequantize_tile(packed, scale, 0.0, False, BITS, BLOCK, ROWS, tl.float32)
+    den = tl.sqrt_rn(v) + tl.full((ROWS, BLOCK), eps, tl.float32)
+    y = to_output(u * den, out_type_ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(out_ptr + offs, y, mask=in_bounds)
+    else:
+        tl.store(out_ptr + offs, y)
+
+
+def dequantize_blockwise_update_grouped(
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    numels: list[int],
+    vs: list[torch.Tensor],
+    eps: float,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Decode ``u_hat * (sqrt(vs[i]) + eps)`` of each tensor to ``dtype`` (codes, scales
+    and the fp32 ``vs`` contiguous and 16-byte aligned) with one table copy and at most two
+    launches.
+
+    Returns:
+        Each flat decoded tensor, a view of one buffer.
+    """
+    device = codes[0].device
+    views, out_addrs = group_outputs(numels, [(dtype, lambda n: n)], device)
+    addresses = [
+        [c.data_ptr(), s.data_ptr(), v.data_ptr(), out_addrs[i][0]]
+        for i, (c, s, v) in enumerate(zip(codes, scales, vs))
+    ]
+    launch_grouped(
+        dequantize_blockwise_update_grouped_kernel,
+        addresses,
+        numels,
+        block,
+        torch.empty(0, dtype=torch.int64, device=device),
+        [0] * len(codes),
+        (views[0][0], float(eps)),
+        BITS=bits,
+    )
+    return [v[0] for v in views]

@@ -258,3 +258,40 @@ def test_any_group_gives_the_specs_integers(tensors, block, seed) -> None:
         xs.append(x.to(dtype))
         refs.append(None if ref_dtype is None else (x + change).to(ref_dtype))
     check(xs, refs, block)
+
+
+def test_the_gpu_precompile_runs_the_kernel_for_every_blockwise_entry(monkeypatch) -> None:
+    """benchmarks/gpu/_precompile.py: each blockwise grid entry also computes its tensor's
+    statistics, so both passes' one-tensor launches (whole tiles, tail) of every dtype,
+    with and without a reference, are compiled."""
+    from _kernel_testing import GPU_BENCH_DIR
+
+    monkeypatch.syspath_prepend(str(GPU_BENCH_DIR))
+    import _precompile
+
+    seen = set()
+    real = kernel_module.delta_statistics_grouped_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(table, out, x_carrier, ref_carrier, *args, **meta):
+                seen.add((x_carrier.dtype, meta["HAS_REF"], meta["SUMS"], meta["MASKED"]))
+                return real[grid](table, out, x_carrier, ref_carrier, *args, **meta)
+
+            return launch
+
+    monkeypatch.setattr(kernel_module, "delta_statistics_grouped_kernel", Spy())
+    firsts = {}
+    for entry in _precompile.default_grid():
+        if entry.codec == "blockwise":
+            firsts.setdefault((entry.dtype, entry.has_ref), entry)
+    with ops.using("delta_statistics_many", KERNEL_DEVICE.type, delta_statistics_many_cuda):
+        for entry in firsts.values():
+            _precompile.run_entry(entry, KERNEL_DEVICE)
+    assert seen == {
+        (dtype, has_ref, sums, masked)
+        for dtype in FLOATS
+        for has_ref in (False, True)
+        for sums in (False, True)
+        for masked in (False, True)
+    }

@@ -8,6 +8,7 @@ optional) and match its plain-torch reference bit for bit (docs/codecs.md).
 
 from .bitmask import bitmask_decode, bitmask_encode
 from .copy_grouped import copy_grouped
+from .delta_statistics_grouped import delta_statistics_grouped
 from .dequantize_blockwise import dequantize_blockwise
 from .dequantize_blockwise_grouped import dequantize_blockwise_grouped
 from .dequantize_blockwise_update_grouped import dequantize_blockwise_update_grouped
@@ -29,6 +30,7 @@ from .tiles import aligned
 __all__ = [
     "aligned",
     "copy_grouped",
+    "delta_statistics_grouped",
     "dequantize_blockwise",
     "dequantize_blockwise_grouped",
     "dequantize_blockwise_update_grouped",

@@ -119,12 +119,15 @@ def launch_grouped(
     flags: torch.Tensor,
     slots: Sequence[int],
     type_carriers: tuple,
+    passes: Sequence[dict] = ({},),
     **constexprs,
 ) -> None:
     """Run a grouped ``kernel[grid](table, flags, *type_carriers, T, LOG_T=.., MASKED=..,
     BLOCK, ROWS, ...)`` over tensors with four ``addresses`` each: the whole tiles in one
     launch, the tails in another, after one copy of the table to the device (from pinned
-    memory on CUDA, so no sync)."""
+    memory on CUDA, so no sync). With several ``passes`` (extra constexprs each) the one
+    table serves each pass's two launches in turn, a pass reading what the one before
+    wrote."""
     rows = rows_per_program(block)
     main: list[int] = []
     tail: list[int] = []
@@ -145,20 +148,29 @@ def launch_grouped(
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     n_main, n_tail = len(main) // TABLE_COLUMNS, len(tail) // TABLE_COLUMNS
     with on_device:
-        if n_main:
-            kernel[(programs,)](
-                table, flags, *type_carriers, n_main, LOG_T=log_steps(n_main), MASKED=False, **meta
-            )
-        if n_tail:
-            kernel[(n_tail,)](
-                table[len(main) :],
-                flags,
-                *type_carriers,
-                n_tail,
-                LOG_T=log_steps(n_tail),
-                MASKED=True,
-                **meta,
-            )
+        for extra in passes:
+            if n_main:
+                kernel[(programs,)](
+                    table,
+                    flags,
+                    *type_carriers,
+                    n_main,
+                    LOG_T=log_steps(n_main),
+                    MASKED=False,
+                    **meta,
+                    **extra,
+                )
+            if n_tail:
+                kernel[(n_tail,)](
+                    table[len(main) :],
+                    flags,
+                    *type_carriers,
+                    n_tail,
+                    LOG_T=log_steps(n_tail),
+                    MASKED=True,
+                    **meta,
+                    **extra,
+                )
 
 
 def log_steps(t: int) -> int:

@@ -183,6 +183,17 @@ def cases():
             for m in (False, True)
         ]
 
+    def delta_statistics():  # the maxima, then the sums, each in whole tiles and tails
+        out = torch.zeros(4 * GROUP, dtype=torch.int64)
+        backend.delta_statistics_many_cuda(group(f32), group(bf16), 128, out=out)
+
+    def statistics_expected(cc):
+        return [
+            Variant(op, 0, 128, "fp32", "bf16", m, cc)
+            for op in ("delta-statistics-max", "delta-statistics-sums")
+            for m in (False, True)
+        ]
+
     return [
         ("blockwise-b4-B128-fp32-bf16", *blockwise(4, 128, f32, bf16)),
         ("blockwise-b8-B32-fp16-fp32", *blockwise(8, 32, f16, f32)),
@@ -221,6 +232,7 @@ def cases():
         ),
         ("bitmask", bitmask, bitmask_expected),
         ("sparsity-counts", sparsity_counts, sparsity_expected),
+        ("delta-statistics", delta_statistics, statistics_expected),
     ]
 
 

@@ -192,6 +192,24 @@ def sparsity_variants() -> list[Variant]:
     ]
 
 
+STATISTICS_OPS = ("delta-statistics-max", "delta-statistics-sums")
+
+
+def statistics_variants() -> list[Variant]:
+    """The grouped weight-delta statistics (a save's ``max_error`` bits choice): its two
+    passes (the maxima, then the sums) x dtypes x {no reference, a reference} x {main,
+    tail} x targets, block 128 (the weights' block in the presets)."""
+    rotate = {"fp32": "bf16", "fp16": "fp32", "bf16": "bf16"}
+    return [
+        Variant(op, 0, 128, dtype, ref, masked, cc)
+        for op in STATISTICS_OPS
+        for dtype in DTYPES
+        for ref in (None, rotate[dtype])
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+
+
 def every_variant() -> list[Variant]:
     """Everything the children compile."""
     return (
@@ -201,6 +219,36 @@ def every_variant() -> list[Variant]:
         + bitmask_variants()
         + temporal_variants()
         + sparsity_variants()
+        + statistics_variants()
+    )
+
+
+def _statistics_source(v: Variant):
+    from triton.compiler import ASTSource
+
+    from tw_triton.kernels.delta_statistics_grouped import delta_statistics_grouped_kernel
+    from tw_triton.kernels.tiles import rows_per_program
+
+    signature = {
+        "table_ptr": "*i64",
+        "out_ptr": "*i64",
+        "x_type_ptr": f"*{v.dtype}",
+        "ref_type_ptr": f"*{v.ref_dtype or v.dtype}",
+        "T": "i32",
+    }
+    constexprs = {
+        "LOG_T": 4,
+        "MASKED": v.masked,
+        "HAS_REF": v.ref_dtype is not None,
+        "SUMS": v.op == "delta-statistics-sums",
+        "BLOCK": v.block,
+        "ROWS": rows_per_program(v.block),
+    }
+    signature.update({name: "constexpr" for name in constexprs})
+    # The table, the statistics buffer and the carriers are 16-byte aligned; T is not specialized.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+    return ASTSource(
+        fn=delta_statistics_grouped_kernel, signature=signature, constexprs=constexprs, attrs=attrs
     )
 
 
@@ -428,7 +476,8 @@ def compile_variant(v: Variant):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if v.op.startswith(("log2-", "grouped-", "bitmask-", "temporal-", "sparsity-")) or v.op == "fingerprint":
+    prefixes = ("log2-", "grouped-", "bitmask-", "temporal-", "sparsity-", "delta-statistics-")
+    if v.op.startswith(prefixes) or v.op == "fingerprint":
         from tw_triton.kernels.tiles import NUM_WARPS
 
         if v.op.startswith("log2-"):
@@ -439,6 +488,8 @@ def compile_variant(v: Variant):
             source = _temporal_source(v)
         elif v.op.startswith("sparsity-"):
             source = _sparsity_source(v)
+        elif v.op.startswith("delta-statistics-"):
+            source = _statistics_source(v)
         else:
             source = _grouped_source(v)
         return triton.compile(

@@ -19,14 +19,18 @@ quantities only: the maxima ``A = max_b s_b`` and ``B = max |x|`` (fp32, exact),
 integer sums ``sum_b floor(s_b * (4096 / A))**2`` and ``sum_i floor(|x_i| * (256 / B))**2``
 (exact: every fp32 operation is correctly rounded on every device, and the sums are of
 integers small enough that fp32 and float64 add them exactly in any order). All of a state's statistics
-are read with one transfer per device, before its tensors are encoded.
+are read with one transfer per device, before its tensors are encoded (the bits decide the
+encode's launches and buffer sizes, so this read cannot join the save's one after it). On
+a device whose launches are grouped the statistics are one grouped op per block size
+(:func:`~tw_triton.ops.delta_statistics_many`), so their launches do not grow with the
+number of tensors either.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,31 +78,76 @@ def choose(values: Sequence[int], block: int, bits: int, max_error: float) -> in
     return candidates[-1]
 
 
-def adapt(jobs: list[tuple[torch.Tensor, Any, Any, torch.Tensor | None]]) -> list[tuple[Any, ...]]:
+def adapt(
+    jobs: list[tuple[torch.Tensor, Any, Any, torch.Tensor | None]],
+    grouped: Callable[[torch.device], bool] = lambda device: False,
+) -> list[tuple[Any, ...]]:
     """``jobs`` (``(tensor, rule, codec, reference)`` of one encode) with the bits of each
-    rule that sets ``max_error`` chosen for its tensor; one transfer per device."""
+    rule that sets ``max_error`` chosen for its tensor; one transfer per device. Tensors on
+    a device where ``grouped`` (a save's ``groups_launches``) have their statistics
+    computed by :func:`tw_triton.ops.delta_statistics_many`, in launches that do not grow
+    with their number."""
     todo = [i for i, (x, rule, _, _) in enumerate(jobs) if rule.max_error is not None and x.numel()]
     if not todo:
         return jobs
+    alone = [i for i in todo if not grouped(jobs[i][0].device)]
+    buffers, slots = _grouped_statistics(jobs, [i for i in todo if grouped(jobs[i][0].device)])
 
     def stats(i: int) -> list[torch.Tensor]:
         return ops.delta_statistics(jobs[i][0], jobs[i][3], jobs[i][1].params["block"])
 
     # On the host the tensors' statistics are computed on worker threads, as encodes are;
     # on a device they are kernels queued in order.
-    on_host = all(jobs[i][0].device.type == "cpu" for i in todo)
+    on_host = all(jobs[i][0].device.type == "cpu" for i in alone)
     per_job = parallel_map(
-        stats, todo, sizes=[jobs[i][0].nbytes for i in todo], threads=None if on_host else 1
+        stats, alone, sizes=[jobs[i][0].nbytes for i in alone], threads=None if on_host else 1
     )
-    scalars = [s for got in per_job for s in got]
-    values = read_device_scalars(scalars)
+    scalars = [s for got in per_job for s in got] + [s for i in slots for s in slots[i]]
+    read = read_device_scalars(scalars, buffers)
+    values = {i: read[4 * k : 4 * k + 4] for k, i in enumerate(alone + list(slots))}
     out = list(jobs)
-    for k, i in enumerate(todo):
+    for i in todo:
         x, rule, codec, ref = jobs[i]
-        bits = choose(values[4 * k : 4 * k + 4], rule.params["block"], rule.params["bits"], rule.max_error)
+        bits = choose(values[i], rule.params["block"], rule.params["bits"], rule.max_error)
         if bits != rule.params["bits"]:
             rule = type(rule)(
                 rule.pattern, rule.codec, {**rule.params, "bits": bits}, rule.min_numel, rule.max_error
             )
         out[i] = (x, rule, codec, ref)
     return out
+
+
+def _grouped_statistics(
+    jobs: list[tuple[torch.Tensor, Any, Any, torch.Tensor | None]], todo: list[int]
+) -> tuple[list[torch.Tensor], dict[int, list[torch.Tensor]]]:
+    """The statistics of ``jobs[i]`` for each of ``todo`` in one zero-filled int64 buffer
+    per device, one :func:`~tw_triton.ops.delta_statistics_many` per block size (a
+    reference on another device is copied over and its tensor computed alone, as its
+    encode moves it). Returns the buffers and each job's four slots (0-dim views)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i in todo:
+        by_device.setdefault(jobs[i][0].device, []).append(i)
+    buffers, slots = [], {}
+    for device, members in by_device.items():
+        moved = [i for i in members if jobs[i][3] is not None and jobs[i][3].device != device]
+        kept = [i for i in members if jobs[i][3] is None or jobs[i][3].device == device]
+        kept_set = set(kept)
+        # Each block's members take consecutive slots: one grouped op each.
+        order = sorted(kept, key=lambda i: jobs[i][1].params["block"]) + moved
+        buf = torch.zeros(4 * len(order), dtype=torch.int64, device=device)
+        views = buf.unbind()
+        start = 0
+        for block in sorted({jobs[i][1].params["block"] for i in kept}):
+            part = [i for i in order if i in kept_set and jobs[i][1].params["block"] == block]
+            refs = [jobs[i][3] for i in part]
+            xs = [jobs[i][0] for i in part]
+            ops.delta_statistics_many(xs, refs, block, out=buf[4 * start : 4 * (start + len(part))])
+            start += len(part)
+        for k, i in enumerate(moved, start=len(kept)):
+            x, rule, _, ref = jobs[i]
+            ref = ref.to(device, non_blocking=ref.is_pinned())  # type: ignore[union-attr]
+            buf[4 * k : 4 * k + 4] = torch.stack(ops.delta_statistics(x, ref, rule.params["block"]))
+        for k, i in enumerate(order):
+            slots[i] = list(views[4 * k : 4 * k + 4])
+        buffers.append(buf)
+    return buffers, slots

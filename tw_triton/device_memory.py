@@ -31,6 +31,10 @@ SCALAR_BYTES_PER_ENTRY = 4 * ALLOC_BYTES
 # the host sync: its two int64 counts in the save's scalars buffer, and its rows (whole
 # tiles, tail) of the grouped count's table.
 SCALAR_BYTES_PER_CANDIDATE = 2 * 8 + 2 * 64
+# Device bytes of each tensor whose bits a rule's max_error chooses, until the bits choice's
+# host read (before the encode): its four int64 statistics (ops.delta_statistics_many) and
+# its rows (whole tiles, tail) of the grouped kernel's table.
+SCALAR_BYTES_PER_STATISTICS = 4 * 8 + 2 * 64
 # A fingerprint's temporaries (a sample of 2048 elements, widened to int64, its weights,
 # their product), one entry at a time.
 FINGERPRINT_SCRATCH = 64 << 10
@@ -61,7 +65,8 @@ class DeviceMemoryBound:
             per-block values, and copies of exact tensors that are not contiguous).
         delta: the same for a save between keyframes.
         scalars: the coded entries' flags and fingerprints, and the sparse candidates'
-            counts, until the save's host sync.
+            counts, until the save's host sync; the ``max_error`` tensors' statistics,
+            until the bits choice's read.
         scratch: a save's temporaries beside its buffers, one entry at a time: the
             largest delta-coded tensor once for a closed-loop advance (decoded, then copied
             into the reference) and once more for a host reference (its copy on the device
@@ -160,6 +165,7 @@ def device_memory_bound(
     coded = {True: 0, False: 0}  # coded entries of a keyframe, of a delta
     partnered: dict[bool, list[int]] = {True: [], False: []}  # their partners decoded (float32)
     candidates = {True: 0, False: 0}  # their sparse candidates (counted on the device)
+    chosen = {True: 0, False: 0}  # their tensors whose bits max_error chooses
     for path, t in distinct.values():
         rule = select_rule(rule_list, path, t)
         codec = get_codec(rule.codec)
@@ -177,6 +183,7 @@ def device_memory_bound(
                 coded[key] += 1
                 if get_codec(r.codec).has_partners:  # type: ignore[union-attr]
                     partnered[key].append(allocated(t.numel() * 4))
+                chosen[key] += r.max_error is not None and t.numel() > 0
                 flag = max(flag, allocated(-(-t.numel() // r.params.get("block", 1))))
             elif sparse_candidate(t):
                 candidates[key] += 1
@@ -188,7 +195,10 @@ def device_memory_bound(
             temporal = max(temporal, allocated(t.numel()) + 2 * allocated(4 * nb))
         keyframe += _save_nbytes(select_rule(key_rules, path, t), t)
     entries = max(coded.values())
-    held = max(8 * coded[k] + SCALAR_BYTES_PER_CANDIDATE * candidates[k] for k in coded)
+    held = max(
+        8 * coded[k] + SCALAR_BYTES_PER_CANDIDATE * candidates[k] + SCALAR_BYTES_PER_STATISTICS * chosen[k]
+        for k in coded
+    )
     scalars = entries * SCALAR_BYTES_PER_ENTRY + allocated(held)
     scratch = largest * ((delta_mode == "closed") + host_reference) + flag + temporal
     # Partners decoded for blockwise-update, a chunk at a time (state/partners.py): at most

@@ -9,7 +9,7 @@ second, on the thread that launches. Where a device's launches are grouped
 first delta's encode (and the closed-loop advance's decode) through that path on small
 tensors: the saves' groups, member counts, slots and dtypes, each member with a whole
 tile and a tail where its tensor has them; entries encoded alone on tensors that launch as
-theirs. Elsewhere :func:`save_variants` lists the single-tensor variants and
+theirs; the ``max_error`` bits choice's grouped statistics before each. Elsewhere :func:`save_variants` lists the single-tensor variants and
 :func:`compile_variant` runs each. :meth:`Checkpointer.prepare
 <tw_triton.checkpointer.Checkpointer.prepare>` calls it. Why, and what it leaves out
 (``max_error`` tensors split across widths): docs/training-loop.md ("The first save").
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import ops
+from . import delta_bits, ops
 from .codecs import ExactCodec, get_codec
 from .codecs.bitmask import sparse_candidate
 from .delta_bits import WIDER_BITS
@@ -294,6 +294,8 @@ def precompile_saves(
             jobs.append((t, rule, codec, t if has_ref else None))
             x = _small(t, rule, codec, group_of(jobs[-1]) is not None and not _kept(jobs[-1], copy))
             small.append((x, rule, codec, (x * 0.5).to(x.dtype) if has_ref else None))
+        if width is None:  # a rule with max_error: the bits choice's grouped statistics
+            delta_bits.adapt(small, grouped=state_encode.groups_launches)
         encoded = _encode_as_saved(jobs, small, copy)
         _partnered_as_saved(paths, [select_rule(rule_set, p, flat.tensors[p]) for p in paths], small, encoded)
         if deltas and delta_mode == "closed":

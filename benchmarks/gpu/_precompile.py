@@ -14,7 +14,8 @@ The grid is derived, not listed: the rules of every preset in ``tw_triton.rules.
 rule whose codec has a kernel gives an entry per float dtype, with and without a reference
 if the codec codes deltas. Each entry runs encode and decode at three sizes: whole tiles
 only, and with a masked tail at an ``n`` that is and is not a multiple of 16; an entry
-without a reference also runs the grouped sparsity count of its tensor.
+without a reference also runs the grouped sparsity count of its tensor, and a blockwise
+entry the grouped statistics of the ``max_error`` bits choice.
 
 Under ``TRITON_INTERPRET=1`` or without CUDA nothing compiles: :func:`precompile` lists the
 grid and its shares and returns (the pool itself is tested on the CPU by running the CPU
@@ -141,6 +142,10 @@ def run_entry(entry: Entry, device: torch.device) -> None:
             # dtype), for one tensor; larger groups specialize on their table's size:
             # Checkpointer.prepare runs those.
             ops.sparsity_counts_many([x], out=torch.zeros(2, dtype=torch.int64, device=device))
+        if entry.codec == "blockwise":
+            # The grouped statistics of a rule's max_error bits choice, for one tensor.
+            out = torch.zeros(4, dtype=torch.int64, device=device)
+            ops.delta_statistics_many([x], [ref], entry.block, out=out)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -456,6 +456,38 @@ def test_the_scalars_part_holds_the_sparse_candidates_counts(monkeypatch):
     assert sum(b.numel() * b.element_size() for b in buffers) == 300 * 16 <= bound.scalars
 
 
+def test_the_scalars_part_holds_the_max_error_statistics(monkeypatch):
+    """A rule with ``max_error`` has its tensors' statistics computed on the device into
+    one buffer (four int64 each, ops.delta_statistics_many) through a table of their rows,
+    read before the encode: the bound's scalars part grows with them, and holds the buffer
+    a device save allocates (forced here on CPU tensors)."""
+    from tw_triton import ops
+    from tw_triton.device_memory import SCALAR_BYTES_PER_STATISTICS, device_memory_bound
+    from tw_triton.state import encode as state_encode
+
+    gen = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(4096 + 16 * i, generator=gen) for i in range(300)}
+    ref = {k: v + 0.01 for k, v in state.items()}
+    rules = [("*", {"codec": "int2", "max_error": 0.05})]
+    settings = dict(bits=8, block=128, delta_mode="closed", max_pending=0, host_reference=False)
+    bound = device_memory_bound(state, rules, **settings)
+    plain = device_memory_bound(state, [("*", {"codec": "int2"})], **settings)
+    # The keyframe stores the weights exact (sparse candidates); a delta codes them.
+    assert plain.scalars == 300 * 2048 + allocated(300 * 144)
+    assert bound.scalars == 300 * 2048 + allocated(300 * (8 + SCALAR_BYTES_PER_STATISTICS))
+    buffers = []
+    real = ops.lookup("delta_statistics_many", "cpu")
+
+    def spy(xs, refs, block, *, out):
+        buffers.append(out)
+        return real(xs, refs, block, out=out)
+
+    monkeypatch.setattr(state_encode, "groups_launches", lambda device: True)
+    with ops.using("delta_statistics_many", "cpu", spy):
+        tw_triton.quantize_state_dict(state, reference=ref, rules=rules)
+    assert sum(b.numel() * b.element_size() for b in buffers) == 300 * 32 <= bound.scalars
+
+
 class _AllocationSpy(TorchDispatchMode):
     """The bytes of the storages that torch ops create while active, alive at once: each
     counted from its creation until it is freed (its storage's finalizer); ``peak`` is the

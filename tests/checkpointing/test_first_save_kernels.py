@@ -191,6 +191,7 @@ KERNELS = [
     ("bitmask", "bitmask_popcount_kernel"),
     ("bitmask", "bitmask_gather_kernel"),
     ("sparsity_counts_grouped", "sparsity_counts_grouped_kernel"),
+    ("delta_statistics_grouped", "delta_statistics_grouped_kernel"),
 ]
 
 
@@ -286,6 +287,8 @@ def test_prepare_launches_the_grouped_kernels_the_first_device_saves_launch(
     assert "fingerprint_kernel" in names or delta == "none"
     assert names & {"quantize_blockwise_grouped_kernel", "quantize_log2_grouped_kernel"}
     assert "bitmask_mask_kernel" in names and "sparsity_counts_grouped_kernel" in names
+    if rules == "smallest":  # the weights' max_error statistics, grouped
+        assert "delta_statistics_grouped_kernel" in names
     if delta != "none":  # the float32 second moments' deltas, grouped (log2-temporal)
         assert "quantize_log2_temporal_grouped_kernel" in names
     if delta != "none":  # the keyframe's log2 moments decoded to the deltas' reference, grouped

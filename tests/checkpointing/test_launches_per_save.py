@@ -113,6 +113,7 @@ def spy(monkeypatch):
         ),
         ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
         ("tw_triton.kernels.sparsity_counts_grouped", "sparsity_counts_grouped_kernel"),
+        ("tw_triton.kernels.delta_statistics_grouped", "delta_statistics_grouped_kernel"),
     ]:
         mod = importlib.import_module(module)
         monkeypatch.setattr(mod, name, SpiedKernel(getattr(mod, name), name, spy))
@@ -135,6 +136,7 @@ def spy(monkeypatch):
         "dequantize_log2_temporal_many": triton_backend.dequantize_log2_temporal_many_cuda,
         "dequantize_log2_many": triton_backend.dequantize_log2_many_cuda,
         "dequantize_blockwise_update_many": triton_backend.dequantize_blockwise_update_many_cuda,
+        "delta_statistics_many": triton_backend.delta_statistics_many_cuda,
     }
     with contextlib.ExitStack() as stack:
         for op, fn in grouped.items():
@@ -149,7 +151,7 @@ def spy(monkeypatch):
             "quantize_log2_temporal",
             "dequantize_log2_temporal",
         )
-        for op in (*single, "sparsity_counts", "bitmask_encode"):
+        for op in (*single, "sparsity_counts", "bitmask_encode", "delta_statistics"):
             stack.enter_context(ops.using(op, "cpu", spy.counted(op, ops.lookup(op, "cpu"))))
         yield spy
 
@@ -549,6 +551,88 @@ def test_a_closed_loop_advance_of_the_default_preset_is_grouped_and_in_place(spy
     assert alone.keys() == advanced[1][1].keys()
     for path, t in alone.items():
         assert torch.equal(advanced[1][1][path].view(torch.uint8), t.view(torch.uint8)), path
+
+
+def spread(state: dict, seed: int) -> dict:
+    """``moved(state)`` with weight ``i`` moved by 0.1 %, 3 % or 30 % of its scale (by
+    ``i % 3``): the ``max_error`` bits choice gives them 2, 4 and 8 bits."""
+    gen = torch.Generator().manual_seed(seed)
+    later = moved(state)
+    for i, (name, w) in enumerate(state["model"].items()):
+        step = (0.001, 0.03, 0.3)[i % 3] * torch.randn(w.shape, generator=gen)
+        later["model"][name] = (w.float() + step).to(w.dtype)
+    return later
+
+
+def counted_closed_loop_delta(root, n: int, spy: LaunchSpy) -> tuple:
+    """The counts of the first closed-loop delta of the default preset over
+    ``make_training_state(n)`` (its bits choice counted launch by launch), and its entries."""
+    state = make_training_state(n, seed=n)
+    with Checkpointer(root, async_write=False, fsync=False, delta="closed") as ckpt:
+        ckpt.save(0, **state)
+        later = spread(state, n)
+        spy.ops.clear()
+        spy.kernels.clear()
+        with spy:
+            ckpt.save(1, **later)
+        counts = (spy.launches(), spy.syncs(), dict(spy.kernels), dict(spy.ops))
+    return counts
+
+
+def test_a_closed_loop_delta_of_the_default_preset_chooses_its_bits_in_grouped_launches(
+    spy, tmp_path
+) -> None:
+    """The weights' ``max_error`` statistics (ops.delta_statistics_many) are counted here
+    launch by launch, not as one call: the same launches and syncs for 10 and 200 weights,
+    two syncs in all (the bits choice's read, then the save's), no weight's statistics
+    computed alone."""
+    small = counted_closed_loop_delta(tmp_path / "10", 10, spy)
+    large = counted_closed_loop_delta(tmp_path / "200", 200, spy)
+    assert small == large, f"10 tensors: {small}\n200 tensors: {large}"
+    _, syncs, kernels, torch_ops = large
+    # Two dtype pairs (float32 and bfloat16 weights against references of their dtype):
+    # the maxima, then the sums, each in whole tiles and tails.
+    assert kernels["delta_statistics_grouped_kernel"] == 8
+    assert "delta_statistics" not in kernels
+    # Weights at 2, 4 and 8 bits, two dtypes: at most two launches each.
+    assert kernels["quantize_blockwise_grouped_kernel"] <= 2 * 3 * 2 + 2  # and exp_avg at int4
+    # The statistics' and the flags' zero-fills; the bits choice's read and the save's.
+    assert torch_ops == {"aten.zeros.default": 2, "to_host": 2}
+    assert syncs == 2
+
+
+def test_the_grouped_bits_choice_gives_the_bytes_of_the_per_tensor_path(spy, monkeypatch) -> None:
+    """The default preset's delta of weights that take 2, 4 and 8 bits, a NaN, values below
+    ``delta_bits.TINY`` and an unchanged weight among them: the grouped statistics choose
+    each weight's bits as the per-tensor statistics do, to the byte."""
+    ref = make_training_state(14, seed=7)
+    state = spread(ref, 7)
+    weights = state["model"]
+    weights["layer4.weight"][9] = float("nan")  # the widest bits, then stored exact
+    weights["layer5.weight"] = torch.full_like(weights["layer5.weight"], 1e-39)  # the widest
+    ref["model"]["layer5.weight"] = torch.zeros_like(weights["layer5.weight"])
+    weights["layer6.weight"] = ref["model"]["layer6.weight"].clone()  # no change: the rule's bits
+    grouped = quantize_state_dict(state, reference=ref, rules=DEFAULT)
+    assert spy.kernels["delta_statistics_grouped_kernel"] >= 4
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
+    alone = quantize_state_dict(state, reference=ref, rules=DEFAULT)
+    entries = grouped.entries
+    assert entries.keys() == alone.entries.keys()
+    bits = {
+        int(p.split("layer")[1].split(".")[0]): e.params.get("bits")
+        for p, e in entries.items()
+        if "model/" in p
+    }
+    assert {bits[i] for i in range(14)} == {2, 4, 8, None}  # None: the NaN weight, stored exact
+    assert entries["model/layer4.weight"].codec == "exact"
+    assert bits[5] == 8 and bits[6] == 2
+    for path, entry in alone.entries.items():
+        other = entries[path]
+        assert (other.codec, other.params) == (entry.codec, entry.params), path
+        for name, buf in entry.buffers.items():
+            got, want = (b.reshape(-1).view(torch.uint8) for b in (other.buffers[name], buf))
+            assert torch.equal(got, want), (path, name)
+    assert grouped.reference_id == alone.reference_id
 
 
 # A keyframe's rules: every float tensor exact but the second moments (log2).

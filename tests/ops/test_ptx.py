@@ -438,3 +438,42 @@ def test_sparsity_count_variant_compiles_to_integer_ptx(ptx_facts: dict, variant
         loads = _ops(facts, "ld.global")
         assert "ld.global.v4.b32" in loads, loads
         assert loads.get("ld.global.b16", 0) + loads.get("ld.global.b32", 0) == 1, loads
+
+
+STATISTICS_VARIANTS = _ptx.statistics_variants()
+
+
+@pytest.mark.parametrize("variant", STATISTICS_VARIANTS, ids=lambda v: v.label)
+def test_delta_statistics_variant_compiles_to_exact_ptx(ptx_facts: dict, variant: _ptx.Variant) -> None:
+    """The grouped statistics of a save's ``max_error`` bits choice: only correctly rounded
+    float operations (the difference, the reciprocal, the products, ``floor``), no
+    flush-to-zero, int64 addressing; the maxima raised with 64-bit atomic maxima of bit
+    patterns, the sums added with 64-bit atomic adds; the tile read as 16-byte vectors in
+    the main launch."""
+    facts = ptx_facts[variant.label]
+    ops = facts["opcodes"]
+    assert facts["cubin_bytes"] > 0
+    assert facts["ptx_target"].startswith(f"sm_{variant.cc}"), facts["ptx_target"]
+    assert not [op for op in ops if ".ftz" in op], ops
+    assert not [op for op in ops if op.startswith("fma") or re.match(r"mad\.(rn|rz|rm|rp|f)", op)], ops
+    assert "mul.f32" not in ops and "add.f32" not in ops and "sub.f32" not in ops, ops
+    assert not _ops(facts, "div.full") and not _ops(facts, "div.approx"), _ops(facts, "div")
+    assert facts["ctaid_uses"], "program id register never read"
+    narrow = [op for op in facts["ctaid_uses"] if not _WIDE.match(op)]
+    assert not narrow, f"program id used in 32-bit arithmetic: {narrow}"
+    if variant.ref_dtype is not None:
+        assert ops.get("sub.rn.f32", 0) > 0, ops
+    atomics = [op for op in ops if op.startswith(("atom.", "red."))]
+    if variant.op == "delta-statistics-sums":
+        # 1 / max(top, FLT_MIN) correctly rounded, times the scale, times each value; the
+        # non-negative level truncated to an integer (its floor), not floored as a float.
+        assert ops.get("div.rn.f32", 0) > 0 and ops.get("mul.rn.f32", 0) > 0, ops
+        assert ops.get("cvt.rzi.s32.f32", 0) > 0 and not _ops(facts, "cvt.rmi"), ops
+        assert atomics and all(op.endswith(("add.u64", "add.s64")) for op in atomics), atomics
+    else:
+        assert not _ops(facts, "div."), ops  # no float division: maxima of bit patterns
+        assert atomics and all(op.endswith("max.s64") for op in atomics), atomics
+    if not variant.masked:
+        loads = _ops(facts, "ld.global")
+        assert "ld.global.v4.b32" in loads, loads
+        assert not [op for op in loads if op.endswith((".b8", ".b16"))], loads

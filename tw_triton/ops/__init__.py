@@ -4,17 +4,18 @@ Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`quantize_blockwise`, :func:`dequantize_blockwise`, :func:`quantize_log2`,
 :func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
 (whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
-reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`;
-eleven serve many device tensors with a fixed number of launches, ten a save:
+reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`
+(:mod:`~tw_triton.ops.statistics`); twelve serve many device tensors with a fixed number
+of launches, eleven a save:
 :func:`quantize_blockwise_many`, :func:`quantize_blockwise_update_many`, :func:`quantize_log2_many`,
 :func:`quantize_log2_temporal_many`, :func:`fingerprints`, :func:`copy_many`,
 :func:`dequantize_blockwise_many` and :func:`dequantize_log2_temporal_many` (the
 closed-loop advance, in place over the reference), :func:`dequantize_log2_many` (a
 keyframe's second moments, decoded to the reference its deltas are coded against) and
-:func:`sparsity_counts_many` (a save's sparse candidates), and one a load
-(:func:`dequantize_blockwise_update_many`: the ``blockwise-update`` entries with their
-partners); the grouped decodes are declared in :mod:`~tw_triton.ops.grouped_decodes`
-and re-exported here. Two more
+:func:`sparsity_counts_many` (a save's sparse candidates), :func:`delta_statistics_many`
+(a save's weight-delta bits), and one a load (:func:`dequantize_blockwise_update_many`:
+the ``blockwise-update`` entries with their partners); the grouped decodes are declared in
+:mod:`~tw_triton.ops.grouped_decodes` and re-exported here. Two more
 split a sparse tensor into a bitmask and its non-zero values and back
 (:func:`bitmask_encode`, :func:`bitmask_decode`). Each has one reference implementation in plain torch
 (:mod:`tw_triton.ops.reference`, the spec, serving any device) and backends registered per
@@ -40,6 +41,7 @@ from .grouped_decodes import (
 )
 from .reference import REFERENCE
 from .registry import OPS, backends, lookup, register, using
+from .statistics import delta_statistics, delta_statistics_many, sparsity_counts, sparsity_counts_many
 
 for _op, _fn in REFERENCE.items():
     registry.register_reference(_op, _fn)
@@ -341,34 +343,6 @@ def log2_temporal_code_errors(
     return lookup("log2_temporal_code_errors", codes.device.type)(codes, lo, hi, reference, bits, block)
 
 
-def delta_statistics(x: torch.Tensor, reference: torch.Tensor | None, block: int) -> list[torch.Tensor]:
-    """The four exact int64 0-dim scalars on ``x``'s device from which
-    :mod:`tw_triton.delta_bits` bounds the error of coding ``x`` (minus ``reference``) at
-    each width: the fp32 bits of the largest block maximum of ``|x - reference|`` and of
-    the largest ``|x|``, and two integer sums of squared levels. No host sync."""
-    return lookup("delta_statistics", x.device.type)(x, reference, block)
-
-
-def sparsity_counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(nnz, runs)`` of ``x`` (any dtype of 2, 4 or 8 bytes, any strides) in row-major
-    order: the elements whose bit pattern is not zero and the runs of consecutive zero
-    patterns, as 0-dim int64 tensors on ``x``'s device, without a host sync (what the
-    bitmask codec's choice reads; docs/codecs.md, "The sparse codec")."""
-    return lookup("sparsity_counts", x.device.type)(x)
-
-
-def sparsity_counts_many(xs: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
-    """:func:`sparsity_counts` of many tensors on one device, added to ``out`` (int64,
-    ``2 * len(xs)`` elements on their device, zero-filled by the caller: a save's scalars
-    buffer): ``out[2i]`` and ``out[2i + 1]`` grow by ``xs[i]``'s ``nnz`` and ``runs``. On
-    CUDA a table copy and at most two launches per element width, whatever the number of
-    tensors (docs/design.md, "Launches and syncs per save"); nothing is read back. Returns
-    ``out``."""
-    if not xs:
-        return out
-    return lookup("sparsity_counts_many", xs[0].device.type)(xs, out=out)
-
-
 __all__ = [
     "OPS",
     "backends",
@@ -376,6 +350,7 @@ __all__ = [
     "bitmask_encode",
     "copy_many",
     "delta_statistics",
+    "delta_statistics_many",
     "dequantize_blockwise",
     "dequantize_blockwise_many",
     "dequantize_blockwise_update_many",

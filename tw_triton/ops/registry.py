@@ -39,6 +39,7 @@ OPS = (
     "quantize_blockwise_update_many",
     "dequantize_log2_many",
     "dequantize_blockwise_update_many",
+    "delta_statistics_many",
 )
 
 _REFERENCE: dict[str, Callable] = {}

@@ -176,8 +176,9 @@ def quantize_state_dict(
             ref = reference_tensor(ref_tensors, path, tuple(x.shape), "quantize_state_dict", ref_what)
         return x, rule, codec, ref
 
-    # Rules with max_error pick each tensor's bits here (one transfer per device).
-    jobs = adapt_delta_bits([plan_one(path) for path in canonical])
+    # Rules with max_error pick each tensor's bits here (one transfer per device; where
+    # launches are grouped, grouped statistics).
+    jobs = adapt_delta_bits([plan_one(path) for path in canonical], grouped=groups_launches)
     partners = plan_partners(canonical, jobs, aliases)  # encoded last (encode_partnered)
     exact = codec_or_raise("exact", QuantizationError, "quantize_state_dict")
     bitmask = get_codec("bitmask") if sparse else None

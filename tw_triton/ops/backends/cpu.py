@@ -220,6 +220,22 @@ def delta_statistics_cpu(x: torch.Tensor, reference: torch.Tensor | None, block:
     return [torch.tensor(v, dtype=torch.int64) for v in got]
 
 
+def delta_statistics_many_cpu(
+    xs: list[torch.Tensor], references: list[torch.Tensor | None] | None, block: int, *, out: torch.Tensor
+) -> torch.Tensor:
+    """:func:`delta_statistics_cpu` of each tensor (in C where it takes them), written into
+    ``out`` once."""
+    values = []
+    for i, x in enumerate(xs):
+        ref = None if references is None else references[i]
+        got = delta_statistics_native(x, ref, block) if x.numel() else [0, 0, 0, 0]
+        if got is None:
+            got = [int(v) for v in delta_statistics_torch(x, ref, block)]
+        values += got
+    out[: len(values)].copy_(torch.tensor(values, dtype=torch.int64))
+    return out
+
+
 # The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
 BACKEND = {
     "quantize_blockwise": quantize_blockwise_cpu,
@@ -231,6 +247,7 @@ BACKEND = {
     "log2_temporal_code_errors": log2_temporal_code_errors_cpu,
     "sparsity_counts": sparsity_counts_cpu,
     "delta_statistics": delta_statistics_cpu,
+    "delta_statistics_many": delta_statistics_many_cpu,
 }
 
 
@@ -238,6 +255,7 @@ __all__ = [
     "BACKEND",
     "DEVICE_TYPE",
     "delta_statistics_cpu",
+    "delta_statistics_many_cpu",
     "dequantize_blockwise_cpu",
     "dequantize_log2_cpu",
     "log2_temporal_code_errors_cpu",

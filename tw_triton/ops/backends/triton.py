@@ -329,6 +329,34 @@ def sparsity_counts_many_cuda(xs: list[torch.Tensor], *, out: torch.Tensor) -> t
     return out
 
 
+def delta_statistics_many_cuda(
+    xs: list[torch.Tensor], references: list[torch.Tensor | None] | None, block: int, *, out: torch.Tensor
+) -> torch.Tensor:
+    """The grouped statistics kernel: one table copy and at most four launches per pair of
+    (input, reference) dtypes, whatever the number of tensors. A tensor the kernel does not
+    read (a dtype other than fp32/fp16/bf16, a block that is not a power of two up to
+    4096) gets the spec, alone."""
+    from ..reference import delta_statistics_torch
+
+    k = kernels()
+    refs = [None] * len(xs) if references is None else list(references)
+    groups: dict[tuple, list[int]] = {}
+    tiled = block & (block - 1) == 0 and 1 <= block <= 4096
+    for i, x in enumerate(xs):
+        r = refs[i]
+        if not x.numel():
+            continue
+        if tiled and x.dtype in _KERNEL_DTYPES and (r is None or r.dtype in _KERNEL_DTYPES):
+            groups.setdefault((x.dtype, None if r is None else r.dtype), []).append(i)
+        else:
+            out[4 * i : 4 * i + 4] = torch.stack(delta_statistics_torch(x, r, block))
+    for (_, ref_dtype), members in groups.items():
+        gx = [_readable(xs[i].detach()) for i in members]
+        gr = None if ref_dtype is None else [_readable(refs[i].detach()) for i in members]
+        k.delta_statistics_grouped(gx, gr, block, out, [4 * i for i in members])
+    return out
+
+
 def quantize_log2_temporal_cuda(
     x: torch.Tensor,
     reference: torch.Tensor,
@@ -464,4 +492,5 @@ BACKEND = {
     "dequantize_log2_temporal_many": dequantize_log2_temporal_many_cuda,
     "dequantize_log2_many": dequantize_log2_many_cuda,
     "dequantize_blockwise_update_many": dequantize_blockwise_update_many_cuda,
+    "delta_statistics_many": delta_statistics_many_cuda,
 }

@@ -17,7 +17,7 @@ from .bitmask import (
 from .blockwise_decode import crumb_table, dequantize_blockwise_torch, signed_codes
 from .blockwise_encode import nearest_integer_at_ties, pack_codes, quantize_blockwise_torch
 from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, scratch_buffers
-from .delta_statistics import delta_statistics_torch
+from .delta_statistics import delta_statistics_many_torch, delta_statistics_torch
 from .grouped import (
     FINGERPRINT_SAMPLES,
     copy_many_torch,
@@ -59,6 +59,7 @@ REFERENCE = {
     "log2_temporal_code_errors": log2_temporal_code_errors_torch,
     "sparsity_counts": sparsity_counts_torch,
     "delta_statistics": delta_statistics_torch,
+    "delta_statistics_many": delta_statistics_many_torch,
     "sparsity_counts_many": sparsity_counts_many_torch,
     "dequantize_log2_temporal_many": dequantize_log2_temporal_many_torch,
     "dequantize_log2_many": dequantize_log2_many_torch,
@@ -74,6 +75,7 @@ __all__ = [
     "bitmask_encode_torch",
     "copy_flat_range",
     "crumb_table",
+    "delta_statistics_many_torch",
     "delta_statistics_torch",
     "dequantize_blockwise_many_torch",
     "dequantize_blockwise_update_many_torch",

@@ -50,4 +50,17 @@ def delta_statistics_torch(x: torch.Tensor, ref: torch.Tensor | None, block: int
     return [a.view(torch.int32).long(), b.view(torch.int32).long(), qs, qx]
 
 
-__all__ = ["BLOCK_LEVELS", "ELEMENT_LEVELS", "delta_statistics_torch"]
+def delta_statistics_many_torch(
+    xs: list[torch.Tensor], references: list[torch.Tensor | None] | None, block: int, *, out: torch.Tensor
+) -> torch.Tensor:
+    """:func:`delta_statistics_torch` of each of ``xs`` (minus ``references[i]``, where
+    given) into ``out[4i : 4i + 4]`` (int64, zero-filled by the caller; an empty tensor's
+    stay zero). Returns ``out``."""
+    for i, x in enumerate(xs):
+        if x.numel():
+            ref = None if references is None else references[i]
+            out[4 * i : 4 * i + 4].copy_(torch.stack(delta_statistics_torch(x, ref, block)))
+    return out
+
+
+__all__ = ["BLOCK_LEVELS", "ELEMENT_LEVELS", "delta_statistics_many_torch", "delta_statistics_torch"]

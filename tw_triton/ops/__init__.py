@@ -29,6 +29,7 @@ import torch
 from . import registry
 from .backends import cpu as cpu_backend
 from .backends import triton as triton_backend
+from .bitmask_many import bitmask_encode_many
 from .reference import REFERENCE
 from .registry import OPS, backends, lookup, register, using
 
@@ -462,6 +463,7 @@ __all__ = [
     "backends",
     "bitmask_decode",
     "bitmask_encode",
+    "bitmask_encode_many",
     "copy_many",
     "delta_statistics",
     "dequantize_blockwise",

@@ -38,6 +38,7 @@ OPS = (
     "dequantize_log2_temporal_many",
     "quantize_blockwise_update_many",
     "dequantize_log2_many",
+    "bitmask_encode_many",
 )
 
 _REFERENCE: dict[str, Callable] = {}

@@ -50,6 +50,7 @@ KERNEL_MODULES = frozenset(
         "test_bitmask_kernels.py",
         "test_quantize_log2_temporal.py",
         "test_quantize_log2_temporal_many.py",
+        "test_bitmask_encode_many.py",
     }
 )
 

@@ -30,6 +30,13 @@ SCALAR_BYTES_PER_ENTRY = 4 * ALLOC_BYTES
 # the host sync: its two int64 counts in the save's scalars buffer, and its rows (whole
 # tiles, tail) of the grouped count's table.
 SCALAR_BYTES_PER_CANDIDATE = 2 * 8 + 2 * 64
+# The grouped bitmask encode's temporaries, after the host sync, for the candidates that
+# pay (one element width at a time): its two tables (whole tiles, tail: two rows of 64
+# bytes per candidate each), and per tile of 4096 elements its count, their cumulative sum
+# and its exclusive form (int64 each).
+SPARSE_TABLE_BYTES_PER_CANDIDATE = 2 * 64
+SPARSE_BYTES_PER_TILE = 8
+SPARSE_TILE = 4096
 # A fingerprint's temporaries (a sample of 2048 elements, widened to int64, its weights,
 # their product), one entry at a time.
 FINGERPRINT_SCRATCH = 64 << 10
@@ -63,7 +70,8 @@ class DeviceMemoryBound:
         scratch: a save's temporaries beside its buffers, one entry at a time: the
             largest delta-coded tensor once for a closed-loop advance (decoded, then copied
             into the reference) and once more for a host reference (its copy on the device
-            while it is used); a fingerprint's temporaries; the largest NaN/Inf check.
+            while it is used); a fingerprint's temporaries; the largest NaN/Inf check; the
+            grouped bitmask encode's tables and tile counts (:func:`sparse_scratch`).
         saves_in_flight: saves whose device buffers can exist at once (``max_pending``
             queued, whose copies the writer thread has not waited for yet, plus the one
             being encoded).
@@ -156,6 +164,7 @@ def device_memory_bound(
     reference = keyframe = delta = largest = flag = temporal = 0
     coded = {True: 0, False: 0}  # coded entries of a keyframe, of a delta
     candidates = {True: 0, False: 0}  # their sparse candidates (counted on the device)
+    tiles = {True: 0, False: 0}  # the candidates' tiles (the grouped bitmask encode's)
     for path, t in distinct.values():
         rule = select_rule(rule_list, path, t)
         codec = get_codec(rule.codec)
@@ -174,6 +183,7 @@ def device_memory_bound(
                 flag = max(flag, allocated(-(-t.numel() // r.params.get("block", 1))))
             elif sparse_candidate(t):
                 candidates[key] += 1
+                tiles[key] += -(-t.numel() // SPARSE_TILE)
         delta += _save_nbytes(rule, t)
         if rule.codec == "log2-temporal":
             # An entry encoded alone: the kernel's outputs (codes, lo, hi) before they are
@@ -185,6 +195,7 @@ def device_memory_bound(
     held = max(8 * coded[k] + SCALAR_BYTES_PER_CANDIDATE * candidates[k] for k in coded)
     scalars = entries * SCALAR_BYTES_PER_ENTRY + allocated(held)
     scratch = largest * ((delta_mode == "closed") + host_reference) + flag + temporal
+    scratch += max(sparse_scratch(candidates[k], tiles[k]) for k in coded)
     if largest:
         scratch += FINGERPRINT_SCRATCH
     return DeviceMemoryBound(
@@ -195,6 +206,15 @@ def device_memory_bound(
         scratch=scratch,
         saves_in_flight=max_pending + 1,
     )
+
+
+def sparse_scratch(candidates: int, tiles: int) -> int:
+    """Device bytes the grouped bitmask encode of ``candidates`` tensors of ``tiles`` tiles
+    in all allocates beside its outputs, at most (two tables, three int64 per tile)."""
+    if not candidates:
+        return 0
+    table = allocated(SPARSE_TABLE_BYTES_PER_CANDIDATE * candidates)
+    return 2 * table + 3 * allocated(SPARSE_BYTES_PER_TILE * tiles)
 
 
 def bound_of(
@@ -258,4 +278,5 @@ __all__ = [
     "encoded_nbytes",
     "held_nbytes",
     "private_copies",
+    "sparse_scratch",
 ]

@@ -164,3 +164,43 @@ def test_launches_per_element_width_do_not_grow_with_the_tensors(monkeypatch) ->
 def test_grouped_encode_is_byte_identical_to_the_spec(members, seed) -> None:
     gen = torch.Generator().manual_seed(seed)
     assert_like_spec([bit_patterns(gen, n, dtype, zeros) for n, dtype, zeros in members])
+
+
+def test_the_gpu_precompile_runs_both_passes_for_every_width(monkeypatch) -> None:
+    """benchmarks/gpu/_precompile.py: each grid entry without a reference also encodes its
+    tensor grouped, so the one-tensor launches (whole tiles, tail) of both passes and both
+    widths are compiled."""
+    from _kernel_testing import GPU_BENCH_DIR
+
+    monkeypatch.syspath_prepend(str(GPU_BENCH_DIR))
+    import _precompile
+
+    seen = set()
+    for name in ("bitmask_mask_grouped_kernel", "bitmask_scatter_grouped_kernel"):
+        real = getattr(kernel_module, name)
+
+        class Spy:
+            def __init__(self, real=real, name=name):
+                self.real, self.name = real, name
+
+            def __getitem__(self, grid):
+                def launch(table, out, carrier, *args, **meta):
+                    seen.add((self.name, carrier.dtype, meta["MASKED"]))
+                    return self.real[grid](table, out, carrier, *args, **meta)
+
+                return launch
+
+        monkeypatch.setattr(kernel_module, name, Spy())
+    firsts = {}
+    for entry in _precompile.default_grid():
+        if not entry.has_ref:
+            firsts.setdefault(entry.dtype, entry)
+    with ops.using("bitmask_encode_many", KERNEL_DEVICE.type, bitmask_encode_many_cuda):
+        for entry in firsts.values():
+            _precompile.run_entry(entry, KERNEL_DEVICE)
+    assert seen == {
+        (name, dtype, masked)
+        for name in ("bitmask_mask_grouped_kernel", "bitmask_scatter_grouped_kernel")
+        for dtype in (torch.int16, torch.int32)
+        for masked in (False, True)
+    }

@@ -7,6 +7,7 @@ optional) and match its plain-torch reference bit for bit (docs/codecs.md).
 """
 
 from .bitmask import bitmask_decode, bitmask_encode
+from .bitmask_grouped import bitmask_encode_grouped
 from .copy_grouped import copy_grouped
 from .delta_statistics_grouped import delta_statistics_grouped
 from .dequantize_blockwise import dequantize_blockwise
@@ -44,6 +45,7 @@ __all__ = [
     "quantize_log2_grouped",
     "bitmask_decode",
     "bitmask_encode",
+    "bitmask_encode_grouped",
     "quantize_log2_temporal",
     "quantize_log2_temporal_grouped",
     "dequantize_log2_temporal",

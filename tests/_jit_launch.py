@@ -67,7 +67,7 @@ def install_stand_in_driver(cc: int) -> list:
 def cases():
     """``(name, call, expected variants in launch order)``; a call runs one backend op."""
     import torch
-    from _ptx import Variant
+    from _ptx import SPARSE_GROUPED_OPS, Variant
 
     from tw_triton.ops.backends import triton as backend
 
@@ -194,6 +194,18 @@ def cases():
             for m in (False, True)
         ]
 
+    def bitmask_grouped():  # a group of each width, each tensor a whole tile and a tail
+        xs = [torch.ones(4096 + 16, dtype=d) for d in [f32] * GROUP + [bf16] * GROUP]
+        backend.bitmask_encode_many_cuda(xs, [4096 + 16] * len(xs))
+
+    def bitmask_grouped_expected(cc):
+        return [
+            Variant(op, 0, 4096, dtype, None, m, cc)
+            for dtype in ("i32", "i16")
+            for op in SPARSE_GROUPED_OPS
+            for m in (False, True)
+        ]
+
     return [
         ("blockwise-b4-B128-fp32-bf16", *blockwise(4, 128, f32, bf16)),
         ("blockwise-b8-B32-fp16-fp32", *blockwise(8, 32, f16, f32)),
@@ -233,6 +245,7 @@ def cases():
         ("bitmask", bitmask, bitmask_expected),
         ("sparsity-counts", sparsity_counts, sparsity_expected),
         ("delta-statistics", delta_statistics, statistics_expected),
+        ("bitmask-grouped", bitmask_grouped, bitmask_grouped_expected),
     ]
 
 

@@ -210,6 +210,22 @@ def statistics_variants() -> list[Variant]:
     ]
 
 
+SPARSE_GROUPED_OPS = ("sparse-mask-grouped", "sparse-scatter-grouped")
+
+
+def sparse_grouped_variants() -> list[Variant]:
+    """The grouped bitmask encode (a save's sparse tensors that pay): its two passes x
+    element widths (the launcher passes float tensors as the integer of their width) x
+    {main, tail} x targets."""
+    return [
+        Variant(op, 0, 4096, dtype, None, masked, cc)
+        for op in SPARSE_GROUPED_OPS
+        for dtype in ("i16", "i32")
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+
+
 def every_variant() -> list[Variant]:
     """Everything the children compile."""
     return (
@@ -220,6 +236,7 @@ def every_variant() -> list[Variant]:
         + temporal_variants()
         + sparsity_variants()
         + statistics_variants()
+        + sparse_grouped_variants()
     )
 
 
@@ -266,6 +283,26 @@ def _sparsity_source(v: Variant):
     return ASTSource(
         fn=sparsity_counts_grouped_kernel, signature=signature, constexprs=constexprs, attrs=attrs
     )
+
+
+def _sparse_grouped_source(v: Variant):
+    from triton.compiler import ASTSource
+
+    from tw_triton.kernels import bitmask_grouped as k
+
+    fn = {
+        "sparse-mask-grouped": k.bitmask_mask_grouped_kernel,
+        "sparse-scatter-grouped": k.bitmask_scatter_grouped_kernel,
+    }[v.op]
+    signature = {"table_ptr": "*i64", "counts_ptr": "*i64", "x_type_ptr": f"*{v.dtype}", "T": "i32"}
+    if v.op == "sparse-scatter-grouped":
+        signature = {"table_ptr": "*i64", "starts_ptr": "*i64", "x_type_ptr": f"*{v.dtype}", "T": "i32"}
+    constexprs = {"LOG_T": 4, "MASKED": v.masked, "BLOCK": v.block, "ROWS": 1}
+    signature.update({name: "constexpr" for name in constexprs})
+    # The table, the counts (or their scan) and the type carrier (a tensor of the group)
+    # are 16-byte aligned; T is not specialized.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
 def _grouped_source(v: Variant):
@@ -476,7 +513,7 @@ def compile_variant(v: Variant):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    prefixes = ("log2-", "grouped-", "bitmask-", "temporal-", "sparsity-", "delta-statistics-")
+    prefixes = ("log2-", "grouped-", "bitmask-", "temporal-", "sparsity-", "delta-statistics-", "sparse-")
     if v.op.startswith(prefixes) or v.op == "fingerprint":
         from tw_triton.kernels.tiles import NUM_WARPS
 
@@ -490,6 +527,8 @@ def compile_variant(v: Variant):
             source = _sparsity_source(v)
         elif v.op.startswith("delta-statistics-"):
             source = _statistics_source(v)
+        elif v.op.startswith("sparse-"):
+            source = _sparse_grouped_source(v)
         else:
             source = _grouped_source(v)
         return triton.compile(

@@ -51,6 +51,7 @@ KERNEL_MODULES = frozenset(
         "test_quantize_log2_temporal.py",
         "test_quantize_log2_temporal_many.py",
         "test_delta_statistics_many.py",
+        "test_bitmask_encode_many.py",
     }
 )
 

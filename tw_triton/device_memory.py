@@ -35,6 +35,13 @@ SCALAR_BYTES_PER_CANDIDATE = 2 * 8 + 2 * 64
 # host read (before the encode): its four int64 statistics (ops.delta_statistics_many) and
 # its rows (whole tiles, tail) of the grouped kernel's table.
 SCALAR_BYTES_PER_STATISTICS = 4 * 8 + 2 * 64
+# The grouped bitmask encode's temporaries, after the host sync, for the candidates that
+# pay (one element width at a time): its two tables (whole tiles, tail: two rows of 64
+# bytes per candidate each), and per tile of 4096 elements its count, their cumulative sum
+# and its exclusive form (int64 each).
+SPARSE_TABLE_BYTES_PER_CANDIDATE = 2 * 64
+SPARSE_BYTES_PER_TILE = 8
+SPARSE_TILE = 4096
 # A fingerprint's temporaries (a sample of 2048 elements, widened to int64, its weights,
 # their product), one entry at a time.
 FINGERPRINT_SCRATCH = 64 << 10
@@ -70,8 +77,9 @@ class DeviceMemoryBound:
         scratch: a save's temporaries beside its buffers, one entry at a time: the
             largest delta-coded tensor once for a closed-loop advance (decoded, then copied
             into the reference) and once more for a host reference (its copy on the device
-            while it is used); a fingerprint's temporaries; the largest NaN/Inf check;
-            the partners of ``blockwise-update`` entries decoded, a chunk at a time.
+            while it is used); a fingerprint's temporaries; the largest NaN/Inf check; the
+            grouped bitmask encode's tables and tile counts (:func:`sparse_scratch`); the
+            partners of ``blockwise-update`` entries decoded, a chunk at a time.
         saves_in_flight: saves whose device buffers can exist at once (``max_pending``
             queued, whose copies the writer thread has not waited for yet, plus the one
             being encoded).
@@ -166,6 +174,7 @@ def device_memory_bound(
     partnered: dict[bool, list[int]] = {True: [], False: []}  # their partners decoded (float32)
     candidates = {True: 0, False: 0}  # their sparse candidates (counted on the device)
     chosen = {True: 0, False: 0}  # their tensors whose bits max_error chooses
+    tiles = {True: 0, False: 0}  # the candidates' tiles (the grouped bitmask encode's)
     for path, t in distinct.values():
         rule = select_rule(rule_list, path, t)
         codec = get_codec(rule.codec)
@@ -187,6 +196,7 @@ def device_memory_bound(
                 flag = max(flag, allocated(-(-t.numel() // r.params.get("block", 1))))
             elif sparse_candidate(t):
                 candidates[key] += 1
+                tiles[key] += -(-t.numel() // SPARSE_TILE)
         delta += _save_nbytes(rule, t)
         if rule.codec == "log2-temporal":
             # An entry encoded alone: the kernel's outputs (codes, lo, hi) before they are
@@ -207,6 +217,7 @@ def device_memory_bound(
         min(sum(v), max(max(v, default=0), DECODED_PARTNER_BYTES + ALLOC_BYTES * len(v)))
         for v in partnered.values()
     )
+    scratch += max(sparse_scratch(candidates[k], tiles[k]) for k in coded)
     if largest:
         scratch += FINGERPRINT_SCRATCH
     return DeviceMemoryBound(
@@ -217,6 +228,15 @@ def device_memory_bound(
         scratch=scratch,
         saves_in_flight=max_pending + 1,
     )
+
+
+def sparse_scratch(candidates: int, tiles: int) -> int:
+    """Device bytes the grouped bitmask encode of ``candidates`` tensors of ``tiles`` tiles
+    in all allocates beside its outputs, at most (two tables, three int64 per tile)."""
+    if not candidates:
+        return 0
+    table = allocated(SPARSE_TABLE_BYTES_PER_CANDIDATE * candidates)
+    return 2 * table + 3 * allocated(SPARSE_BYTES_PER_TILE * tiles)
 
 
 def bound_of(
@@ -280,4 +300,5 @@ __all__ = [
     "encoded_nbytes",
     "held_nbytes",
     "private_copies",
+    "sparse_scratch",
 ]

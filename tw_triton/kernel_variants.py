@@ -178,11 +178,7 @@ def _small(x: torch.Tensor, rule: Any, codec: Any, grouped: bool) -> torch.Tenso
     small = (torch.rand(n + 1, generator=gen) + 0.5).to(x.dtype).to(x.device)
     # A sparse candidate that the grouped count cannot read in place (contiguous and
     # 16-byte aligned, kernels/tiles.py) is counted alone: its small tensor is not either.
-    if (
-        isinstance(codec, ExactCodec)
-        and sparse_candidate(x)
-        and not (x.is_contiguous() and x.data_ptr() % 16 == 0)
-    ):
+    if isinstance(codec, ExactCodec) and sparse_candidate(x) and not aligned(x):
         return small[1:]
     return small[:n]
 
@@ -202,19 +198,15 @@ def _kept(job: tuple, copy: bool) -> bool:
 def _encode_as_saved(jobs: list[tuple], small: list[tuple], copy: bool) -> list[Any]:
     """The device encode :func:`~tw_triton.state.quantize_state_dict` runs for ``jobs``
     (the state's), on ``small`` (their small tensors and references, in the same order):
-    the same groups, member counts and slots; entries it encodes alone, alone. A sparse
-    candidate is coded by the bitmask codec (the save does that where it pays)."""
+    the same groups, member counts and slots; entries it encodes alone, alone. The sparse
+    candidates are coded by the bitmask codec in one grouped encode, as the save codes
+    those that pay (half their elements zeroed in place)."""
 
     def alone(i: int) -> Any:
         x, rule, codec, ref = small[i]
-        if not _kept(jobs[i], copy):
-            enc = codec.encode(x, rule.params, ref)
-        elif sparse_candidate(jobs[i][0]):
-            x = x.clone()
-            x[::2] = 0
-            return get_codec("bitmask").encode_counted(x, x.numel() - x[::2].numel())
-        else:
+        if _kept(jobs[i], copy):
             return None
+        enc = codec.encode(x, rule.params, ref)
         enc.entry.codec = rule.codec
         return enc
 
@@ -227,9 +219,15 @@ def _encode_as_saved(jobs: list[tuple], small: list[tuple], copy: bool) -> list[
     encoded = DeviceEncode(small, alone, lambda i: _kept(jobs[i], copy), counted).run()[0]
     if copy:
         _dense_copies([small[i][0] for i in counted])
-    for enc, (_, rule, _, _) in zip(encoded, small):
-        if enc is not None and enc.entry.codec != "bitmask":
-            enc.entry.codec = rule.codec
+    if counted:
+        # In place: a copy would be aligned where the state's tensor is not.
+        xs = [small[i][0] for i in counted]
+        for x in xs:
+            x[::2] = 0
+        encs = get_codec("bitmask").encode_counted_many(xs, [x.numel() - x[::2].numel() for x in xs])
+        for i, enc in zip(counted, encs):
+            encoded[i] = enc
+        _sparse_encodes([x for x in xs if aligned(x)])
     return encoded
 
 
@@ -250,6 +248,30 @@ def _dense_copies(candidates: list[torch.Tensor]) -> None:
             x = torch.zeros(size, dtype=torch.uint8, device=device)
             for r in keys.values():
                 ops.copy_many([x] * r)
+
+
+def _sparse_encodes(candidates: list[torch.Tensor]) -> None:
+    """The grouped bitmask encode a save runs after its host read on the sparse candidates
+    that pay (those it reads in place): which pay depends on the values, so, per device and
+    element width, one encode for each count of them that launches differently (as
+    :func:`_dense_copies`), whole tiles and tails apart."""
+    groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+    for x in candidates:
+        groups.setdefault((x.device, x.element_size()), []).append(x)
+    for (device, _), xs in groups.items():
+        whole = sum(x.numel() >= TILE_ELEMENTS for x in xs)
+        tails = sum(x.numel() % TILE_ELEMENTS != 0 for x in xs)
+        for count, size in ((whole, TILE_ELEMENTS), (tails, 16)):
+            keys = {(r == 1, r % 16 == 0, (r - 1).bit_length()): r for r in range(1, count + 1)}
+            x = torch.ones(size, dtype=xs[0].dtype, device=device)
+            x[::2] = 0
+            for r in keys.values():
+                ops.bitmask_encode_many([x] * r, [size // 2] * r)
+
+
+def aligned(x: torch.Tensor) -> bool:
+    """Whether the grouped kernels read ``x`` in place (contiguous, 16-byte aligned)."""
+    return x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
 def precompile_saves(

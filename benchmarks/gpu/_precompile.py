@@ -138,10 +138,11 @@ def run_entry(entry: Entry, device: torch.device) -> None:
         enc = codec.encode(x, params, ref)
         codec.decode(enc.entry, ref, device, f"precompile {entry.label()}")
         if not entry.has_ref:
-            # The grouped count of a save's sparse candidates (exact float tensors of this
-            # dtype), for one tensor; larger groups specialize on their table's size:
-            # Checkpointer.prepare runs those.
+            # The grouped count and encode of a save's sparse candidates (exact float
+            # tensors of this dtype), for one tensor; larger groups specialize on their
+            # table's size: Checkpointer.prepare runs those.
             ops.sparsity_counts_many([x], out=torch.zeros(2, dtype=torch.int64, device=device))
+            ops.bitmask_encode_many([x], [int(torch.count_nonzero(x))])
         if entry.codec == "blockwise":
             # The grouped statistics of a rule's max_error bits choice, for one tensor.
             out = torch.zeros(4, dtype=torch.int64, device=device)

@@ -75,6 +75,9 @@ SCRATCH = W * 4 + _temporal(W) + 2 * W * 4
 # On the device, one entry at a time: a fingerprint's temporaries (2048 samples widened to
 # int64, their weights, the product) and a NaN/Inf check of one byte per block.
 TEMPORARIES = 64 * 1024 + 512
+# A keyframe's sparse candidates (the two weights, stored exact: 4 tiles each), whose
+# grouped bitmask encode's two tables and three int64 per tile take 512 B each.
+SPARSE = 2 * 512 + 3 * 512
 # Each coded entry's flag and fingerprint (and their int64 copies), 512 B per allocation,
 # until the save's one host sync; a delta codes 6 entries (4 moments, 2 weight deltas).
 SCALARS = 6 * 4 * 512 + 512
@@ -92,9 +95,9 @@ def test_the_bound_is_the_documented_formula_and_the_reference_is_what_is_held(t
             "keyframe": KEYFRAME,
             "delta": DELTA,
             "scalars": SCALARS,
-            "scratch": SCRATCH + TEMPORARIES,
+            "scratch": SCRATCH + TEMPORARIES + SPARSE,
             "saves_in_flight": in_flight,
-            "peak": REFERENCE + in_flight * DELTA + SCALARS + SCRATCH + TEMPORARIES,
+            "peak": REFERENCE + in_flight * DELTA + SCALARS + SCRATCH + TEMPORARIES + SPARSE,
         }
         assert ck.device_memory() == {"reference": 0, "staging": 0}
         for step in range(4):  # keyframe, delta, delta, keyframe
@@ -131,14 +134,17 @@ def test_the_bound_follows_the_options(tmp_path):
         # coded against it, one tensor at a time (and once more for the advance).
         assert (b["reference"], b["scratch"], b["saves_in_flight"]) == (
             0,
-            2 * W * 4 + _temporal(W) + TEMPORARIES,
+            2 * W * 4 + _temporal(W) + TEMPORARIES + SPARSE,
             4,
         )
     with Checkpointer(tmp_path / "o", fsync=False, delta="open") as ck:
-        assert ck.device_memory_bound(model=model, optimizer=opt)["scratch"] == TEMPORARIES + _temporal(W)
+        assert ck.device_memory_bound(model=model, optimizer=opt)["scratch"] == (
+            TEMPORARIES + _temporal(W) + SPARSE
+        )
     with Checkpointer(tmp_path / "n", fsync=False, delta="none", rules="small") as ck:
         b = ck.device_memory_bound(model=model, optimizer=opt)
-        assert (b["reference"], b["scratch"]) == (0, 512)  # no fingerprint: no reference
+        # No fingerprint (no reference); the keyframe's weights are sparse candidates.
+        assert (b["reference"], b["scratch"]) == (0, 512 + SPARSE)
         assert b["delta"] == 2 * _blockwise(W, 8) + MOMENTS  # int8 weights on their own
 
 
@@ -568,3 +574,30 @@ def test_the_closed_loop_advance_holds_no_second_copy_of_the_reference(monkeypat
     assert spy.peak <= bound.scratch < bound.reference // 4, (spy.peak, bound.scratch)
     after, _ = flatten(reference.tree)
     assert all(after[p].data_ptr() == t.data_ptr() for p, t in coded.items())
+
+
+def test_the_grouped_bitmask_encode_holds_no_more_than_its_scratch_part():
+    """Beside its outputs (one mask and one values buffer per element width), the grouped
+    encode of a save's sparse tensors allocates at most what the bound's scratch part counts
+    for them: its tables, the tiles' counts and their scan (kernels under
+    TRITON_INTERPRET=1, on CPU tensors)."""
+    from tw_triton.device_memory import SPARSE_TILE, sparse_scratch
+    from tw_triton.ops.backends.triton import bitmask_encode_many_cuda
+
+    g = torch.Generator().manual_seed(0)
+    xs = []
+    for i in range(40):
+        x = torch.randn(4096 * (1 + i % 3) + 7 * (i % 2), generator=g)
+        x[torch.rand(x.shape, generator=g) < 0.5] = 0.0
+        xs.append(x.to((torch.float32, torch.bfloat16)[i % 2]))
+    nnzs = [int((x != 0).sum()) for x in xs]
+    spy = _AllocationSpy()
+    with spy:
+        got = bitmask_encode_many_cuda(xs, nnzs)
+    outputs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for pair in got for t in pair}
+    assert len(outputs) == 4  # a mask and a values buffer per width
+    tiles = [-(-x.numel() // SPARSE_TILE) for x in xs]
+    widest = max(sum(tiles[i::2]) for i in range(2))  # one element width at a time
+    # The tiles' counts, their cumulative sum and its exclusive form live at once (the
+    # tables are host memory here).
+    assert 3 * 8 * widest <= spy.peak - sum(outputs.values()) <= sparse_scratch(len(xs), sum(tiles))

@@ -192,6 +192,8 @@ KERNELS = [
     ("bitmask", "bitmask_gather_kernel"),
     ("sparsity_counts_grouped", "sparsity_counts_grouped_kernel"),
     ("delta_statistics_grouped", "delta_statistics_grouped_kernel"),
+    ("bitmask_grouped", "bitmask_mask_grouped_kernel"),
+    ("bitmask_grouped", "bitmask_scatter_grouped_kernel"),
 ]
 
 
@@ -258,6 +260,10 @@ def _small_state(dtype):
     # Stored exact, not 16-byte aligned: the grouped count leaves it out, the single op
     # counts it.
     opt["state"][0]["view"] = torch.randn(3 * 4096 + 9, generator=g).to(dtype)[1:]
+    # Sparse and not 16-byte aligned: counted and encoded alone, beside the grouped ones.
+    opt["state"][0]["sparse_view"] = torch.zeros(4096 + 9, dtype=dtype).index_fill_(
+        0, torch.tensor([5, 70, 900]), 2.0
+    )[1:]
     return model, opt
 
 
@@ -289,6 +295,10 @@ def test_prepare_launches_the_grouped_kernels_the_first_device_saves_launch(
     assert "bitmask_mask_kernel" in names and "sparsity_counts_grouped_kernel" in names
     if rules == "smallest":  # the weights' max_error statistics, grouped
         assert "delta_statistics_grouped_kernel" in names
+    # The sparse tensor, counted and encoded grouped (the encode's two passes).
+    assert {"sparsity_counts_grouped_kernel", "bitmask_mask_grouped_kernel"} <= names
+    assert "bitmask_scatter_grouped_kernel" in names
+    assert "bitmask_mask_kernel" in names  # the sparse view, encoded alone
     if delta != "none":  # the float32 second moments' deltas, grouped (log2-temporal)
         assert "quantize_log2_temporal_grouped_kernel" in names
     if delta != "none":  # the keyframe's log2 moments decoded to the deltas' reference, grouped

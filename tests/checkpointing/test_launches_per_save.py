@@ -114,6 +114,8 @@ def spy(monkeypatch):
         ("tw_triton.kernels.fingerprint", "fingerprint_kernel"),
         ("tw_triton.kernels.sparsity_counts_grouped", "sparsity_counts_grouped_kernel"),
         ("tw_triton.kernels.delta_statistics_grouped", "delta_statistics_grouped_kernel"),
+        ("tw_triton.kernels.bitmask_grouped", "bitmask_mask_grouped_kernel"),
+        ("tw_triton.kernels.bitmask_grouped", "bitmask_scatter_grouped_kernel"),
     ]:
         mod = importlib.import_module(module)
         monkeypatch.setattr(mod, name, SpiedKernel(getattr(mod, name), name, spy))
@@ -137,6 +139,7 @@ def spy(monkeypatch):
         "dequantize_log2_many": triton_backend.dequantize_log2_many_cuda,
         "dequantize_blockwise_update_many": triton_backend.dequantize_blockwise_update_many_cuda,
         "delta_statistics_many": triton_backend.delta_statistics_many_cuda,
+        "bitmask_encode_many": triton_backend.bitmask_encode_many_cuda,
     }
     with contextlib.ExitStack() as stack:
         for op, fn in grouped.items():
@@ -684,6 +687,58 @@ def test_a_keyframe_counts_its_sparse_candidates_in_grouped_launches(spy, monkey
     state, grouped = saved[1]
     codecs = {p.removeprefix("model/"): e.codec for p, e in grouped.entries.items()}
     assert {p for p, c in codecs.items() if c == "bitmask"} == {f"layer{i}.kernel" for i in (0, 1, 4, 5)}
+    monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
+    alone = quantize_state_dict({"model": state}, rules=KEYFRAME, copy=copy)
+    assert list(grouped.entries) == list(alone.entries)
+    for path, entry in alone.entries.items():
+        other = grouped.entries[path]
+        assert (other.codec, other.params, other.shape) == (entry.codec, entry.params, entry.shape), path
+        for name, buf in entry.buffers.items():
+            got, want = (b.reshape(-1).view(torch.uint8) for b in (other.buffers[name], buf))
+            assert torch.equal(got, want), (path, name)
+
+
+def sparse_keyframe_state(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """``n`` sparse exact float tensors (about half their elements zero, scattered: each is
+    stored by bitmask) of both widths, whole tiles only and with a tail among the first
+    four, beside a dense candidate and a small exact tensor each among the first four."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(n):
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
+        x = torch.randn(4096 + (i % 2) * 37 if i < 4 else 4096 + 16 * (i % 4), generator=gen)
+        x[torch.rand(x.shape, generator=gen) < 0.5] = 0.0
+        x[:2] = torch.tensor([-0.0, float("nan")])  # values, not zeros
+        out[f"layer{i}.kernel"] = x.to(dtype)
+        if i < 4:
+            out[f"layer{i}.dense"] = torch.randn(4096 + 5 * i, generator=gen).to(dtype)
+            out[f"layer{i}.bias"] = torch.randn(300 + i, generator=gen)
+    return out
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_keyframe_encodes_its_sparse_tensors_in_grouped_launches(spy, monkeypatch, copy) -> None:
+    """The candidates that pay are encoded together after the one host read (mask pass,
+    scan, scatter per element width): 10 and 200 sparse tensors cost the same launches and
+    syncs, none is encoded alone, and the entries are the per-tensor path's bytes."""
+    counts, saved = [], []
+    for n in (10, 200):
+        state = sparse_keyframe_state(n, seed=n)
+        spy.ops.clear()
+        spy.kernels.clear()
+        with spy:
+            q = quantize_state_dict({"model": state}, rules=KEYFRAME, copy=copy)
+        counts.append((spy.launches(), spy.syncs(), dict(spy.kernels), dict(spy.ops)))
+        saved.append((state, q))
+        assert sum(e.codec == "bitmask" for e in q.entries.values()) == n
+    assert counts[0] == counts[1], counts
+    _, syncs, kernels, _ = counts[1]
+    assert syncs == 1
+    assert "bitmask_encode" not in kernels, kernels  # no candidate encoded alone
+    # Two widths, each with whole tiles and tails: at most two launches a pass each.
+    assert kernels["bitmask_mask_grouped_kernel"] == 4
+    assert kernels["bitmask_scatter_grouped_kernel"] == 4
+    state, grouped = saved[1]
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
     alone = quantize_state_dict({"model": state}, rules=KEYFRAME, copy=copy)
     assert list(grouped.entries) == list(alone.entries)

@@ -453,6 +453,35 @@ def test_bitmask_kernel_wrappers_read_nothing_back_given_the_count(monkeypatch, 
     assert torch.equal(out.view(torch.int16), x.view(torch.int16))
 
 
+kbitmask_grouped = importlib.import_module("tw_triton.kernels.bitmask_grouped")
+
+
+def test_the_grouped_bitmask_encode_reads_nothing_back(monkeypatch):
+    """The counts the save read back size the outputs: the grouped encode's launcher (two
+    grouped launches and the scan between them) reads nothing back."""
+    reads = HostReads()
+    launches = []
+    real = kbitmask_grouped.launch_grouped
+
+    def counted(kernel, *args, **kwargs):
+        launches.append(kernel)
+        with reads.pause():  # the interpreter itself is no part of the GPU path
+            return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(kbitmask_grouped, "launch_grouped", counted)
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in (0, 1, 4096 * 3 + 5, 4096)]
+    for x in xs:
+        x[1::3] = 0
+    nnzs = [int(torch.count_nonzero(x)) for x in xs]
+    with reads:
+        got = kbitmask_grouped.bitmask_encode_grouped(xs, nnzs)
+    assert reads.count == 0, reads.where
+    assert len(launches) == 2
+    for x, (_, values) in zip(xs, got):
+        assert torch.equal(values.view(torch.int16), x[x != 0].view(torch.int16))
+
+
 def test_sparse_choice_on_a_device_state_reads_counts_with_the_flags(monkeypatch):
     """A device state's sparse candidates are counted into the one batched read (forced
     onto that path here, on the CPU): no read per tensor."""
@@ -470,7 +499,7 @@ def test_sparse_choice_on_a_device_state_reads_counts_with_the_flags(monkeypatch
     monkeypatch.setattr(state_fingerprints, "read_device_scalars", counted_read)
     monkeypatch.setattr(state_encode, "decided_after_sync", lambda on_host: True)
     for cls in {type(get_codec(name)) for name in codec_names()}:
-        for meth in ("encode", "encode_with", "encode_counted", "decode"):
+        for meth in ("encode", "encode_with", "encode_counted", "encode_counted_many", "decode"):
             if hasattr(cls, meth):
                 monkeypatch.setattr(cls, meth, _paused(reads, getattr(cls, meth)))
     gen = torch.Generator().manual_seed(4)

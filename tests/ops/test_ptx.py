@@ -477,3 +477,41 @@ def test_delta_statistics_variant_compiles_to_exact_ptx(ptx_facts: dict, variant
         loads = _ops(facts, "ld.global")
         assert "ld.global.v4.b32" in loads, loads
         assert not [op for op in loads if op.endswith((".b8", ".b16"))], loads
+
+
+SPARSE_GROUPED_VARIANTS = _ptx.sparse_grouped_variants()
+
+
+def test_sparse_grouped_variant_list_covers_both_passes() -> None:
+    assert {v.op for v in SPARSE_GROUPED_VARIANTS} == set(_ptx.SPARSE_GROUPED_OPS)
+    assert len(SPARSE_GROUPED_VARIANTS) == 2 * 2 * 2 * 2
+
+
+@pytest.mark.parametrize("variant", SPARSE_GROUPED_VARIANTS, ids=lambda v: v.label)
+def test_sparse_grouped_variant_compiles_to_integer_vectorized_ptx(
+    ptx_facts: dict, variant: _ptx.Variant
+) -> None:
+    """The grouped bitmask encode moves bit patterns: no float instruction at all (``-0.0``
+    and NaN are values), int64 addressing, the table and the counts (or their scan) as
+    64-bit words, the tile read as 16-byte vectors in the main launch; the mask pass
+    stores its mask bytes wider than one byte at a time."""
+    facts = ptx_facts[variant.label]
+    ops = facts["opcodes"]
+    assert facts["cubin_bytes"] > 0
+    assert facts["ptx_target"].startswith(f"sm_{variant.cc}"), facts["ptx_target"]
+    floats = [op for op in ops if re.search(r"\.(f16|bf16|f32|f64)(x2)?(\.|$)", op)]
+    assert not floats, floats
+    assert not [op for op in ops if ".ftz" in op], ops
+    assert facts["ctaid_uses"], "program id register never read"
+    narrow = [op for op in facts["ctaid_uses"] if not _WIDE.match(op)]
+    assert not narrow, f"program id used in 32-bit arithmetic: {narrow}"
+    assert "ld.global.b64" in ops, ops  # the table (and the scan)
+    if variant.op == "sparse-mask-grouped":
+        assert "st.global.b64" in ops, ops  # the tile's count
+    if variant.masked:
+        return
+    loads, stores = _ops(facts, "ld.global"), _ops(facts, "st.global")
+    assert "ld.global.v4.b32" in loads, loads
+    assert not [op for op in loads if op.endswith((".b8", ".b16"))], loads
+    if variant.op == "sparse-mask-grouped":
+        assert not [op for op in stores if op.endswith(".b8")], stores

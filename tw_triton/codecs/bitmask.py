@@ -7,7 +7,8 @@ order, in the tensor's dtype. ``-0.0`` and NaN are values, so the decode gives b
 bit. Param ``packing`` (``"lsb-first"``). Stored bytes: ``ceil(n / 8) + nnz * itemsize``,
 against ``n * itemsize`` exact. The numeric work is the ops
 :func:`tw_triton.ops.bitmask_encode` / :func:`~tw_triton.ops.bitmask_decode` (Triton on
-CUDA, the torch spec elsewhere). When the state API picks it by itself: docs/codecs.md.
+CUDA, the torch spec elsewhere; :func:`~tw_triton.ops.bitmask_encode_many` encodes a device
+save's chosen tensors together). When the state API picks it by itself: docs/codecs.md.
 """
 
 from __future__ import annotations
@@ -134,7 +135,38 @@ class BitmaskCodec(Codec):
         if allocate is not None and x.device.type != "cuda":
             nnz = int(nonzero_count(x)) if nnz is None else nnz
             out = host_outputs(x, allocate, [(mask_nbytes(x.numel()), torch.uint8), (nnz, x.dtype)])
-        mask, values = ops.bitmask_encode(x, nnz=nnz, out=out)
+        return self._encoded(x, *ops.bitmask_encode(x, nnz=nnz, out=out))
+
+    def encode_counted_many(
+        self, xs: list[torch.Tensor], nnzs: list[int], allocate: Allocator | None = None
+    ) -> list[Encoded]:
+        """:meth:`encode_counted` of each of ``xs`` with its count ``nnzs[i]``, in one
+        grouped encode per device (:func:`tw_triton.ops.bitmask_encode_many`): the same
+        entries, in launches that do not grow with the number of tensors.
+
+        Raises:
+            QuantizationError: a tensor's dtype is not float32, float16 or bfloat16.
+        """
+        by_device: dict[torch.device, list[int]] = {}
+        outs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for i, (x, nnz) in enumerate(zip(xs, nnzs)):
+            if x.dtype not in FLOAT_DTYPES:
+                raise QuantizationError(f"bitmask codes float32, float16 or bfloat16 tensors, got {x.dtype}")
+            by_device.setdefault(x.device, []).append(i)
+            out = None
+            if allocate is not None and x.device.type != "cuda":
+                out = host_outputs(x, allocate, [(mask_nbytes(x.numel()), torch.uint8), (nnz, x.dtype)])
+            outs.append(out)
+        encoded: list[Encoded] = [None] * len(xs)  # type: ignore[list-item]
+        for members in by_device.values():
+            got = ops.bitmask_encode_many(
+                [xs[i] for i in members], [nnzs[i] for i in members], out=[outs[i] for i in members]
+            )
+            for i, (mask, values) in zip(members, got):
+                encoded[i] = self._encoded(xs[i], mask, values)
+        return encoded
+
+    def _encoded(self, x: torch.Tensor, mask: torch.Tensor, values: torch.Tensor) -> Encoded:
         entry = EncodedEntry(
             codec=self.name,
             params={"packing": PACKING},

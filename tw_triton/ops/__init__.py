@@ -5,16 +5,17 @@ Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
 (whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
 reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`
-(:mod:`~tw_triton.ops.statistics`); twelve serve many device tensors with a fixed number
-of launches, eleven a save:
+(:mod:`~tw_triton.ops.statistics`); thirteen serve many device tensors with a fixed
+number of launches, twelve a save:
 :func:`quantize_blockwise_many`, :func:`quantize_blockwise_update_many`, :func:`quantize_log2_many`,
 :func:`quantize_log2_temporal_many`, :func:`fingerprints`, :func:`copy_many`,
 :func:`dequantize_blockwise_many` and :func:`dequantize_log2_temporal_many` (the
 closed-loop advance, in place over the reference), :func:`dequantize_log2_many` (a
-keyframe's second moments, decoded to the reference its deltas are coded against) and
-:func:`sparsity_counts_many` (a save's sparse candidates), :func:`delta_statistics_many`
-(a save's weight-delta bits), and one a load (:func:`dequantize_blockwise_update_many`:
-the ``blockwise-update`` entries with their partners); the grouped decodes are declared in
+keyframe's second moments, decoded to the reference its deltas are coded against),
+:func:`sparsity_counts_many` and :func:`bitmask_encode_many` (a save's sparse candidates,
+:mod:`~tw_triton.ops.bitmask_many`), :func:`delta_statistics_many` (a save's weight-delta
+bits), and one a load (:func:`dequantize_blockwise_update_many`: the ``blockwise-update``
+entries with their partners); the grouped decodes are declared in
 :mod:`~tw_triton.ops.grouped_decodes` and re-exported here. Two more
 split a sparse tensor into a bitmask and its non-zero values and back
 (:func:`bitmask_encode`, :func:`bitmask_decode`). Each has one reference implementation in plain torch
@@ -33,6 +34,7 @@ import torch
 from . import registry
 from .backends import cpu as cpu_backend
 from .backends import triton as triton_backend
+from .bitmask_many import bitmask_encode_many
 from .grouped_decodes import (
     dequantize_blockwise_many,
     dequantize_blockwise_update_many,
@@ -348,6 +350,7 @@ __all__ = [
     "backends",
     "bitmask_decode",
     "bitmask_encode",
+    "bitmask_encode_many",
     "copy_many",
     "delta_statistics",
     "delta_statistics_many",

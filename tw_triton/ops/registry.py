@@ -40,6 +40,7 @@ OPS = (
     "dequantize_log2_many",
     "dequantize_blockwise_update_many",
     "delta_statistics_many",
+    "bitmask_encode_many",
 )
 
 _REFERENCE: dict[str, Callable] = {}

@@ -356,13 +356,19 @@ def quantize_state_dict(
         scalar_buffers,
     )
     read = values[len(flagged) + len(fingerprinted) : len(values) - len(early)]
-    dense = []
+    # The candidates that pay are encoded together (one grouped encode per device), the
+    # others copied together.
+    paid, dense = [], []
     for i, nnz, runs in zip(deferred, read[0::2], read[1::2]):
-        entry = sparse_entry(jobs[i][0], nnz, runs)
-        if entry is None:
-            dense.append(i)
+        x = jobs[i][0]
+        if sparse_pays(x.numel(), nnz, x.element_size(), runs):
+            paid.append((i, nnz))
         else:
-            entries[canonical[i]] = entry
+            dense.append(i)
+    if paid:
+        xs, nnzs = [jobs[i][0] for i, _ in paid], [nnz for _, nnz in paid]
+        for (i, _), enc in zip(paid, bitmask.encode_counted_many(xs, nnzs, allocate)):  # type: ignore[union-attr]
+            entries[canonical[i]] = enc.entry
     for i, entry in zip(dense, exact_entries([jobs[i][0] for i in dense])):
         entries[canonical[i]] = entry
     if deferred:  # (the entries coded with a partner come later: encode_partnered)

@@ -311,6 +311,32 @@ def bitmask_decode_cuda(
     return _out(kernels().bitmask_decode(mask.contiguous(), values.contiguous(), numel), out)
 
 
+def bitmask_encode_many_cuda(
+    xs: list[torch.Tensor],
+    nnzs: list[int],
+    *,
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The grouped bitmask encode for the tensors it reads in place (contiguous, 16-byte
+    aligned): per element width two table copies, at most four launches and a scan; the
+    single op for each other one (no copy of a whole tensor). ``out`` is ignored."""
+    from ..registry import lookup
+
+    k = kernels()
+    got: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(xs)  # type: ignore[list-item]
+    widths: dict[int, list[int]] = {}
+    for i, x in enumerate(xs):
+        if x.element_size() in (2, 4) and k.aligned(x):
+            widths.setdefault(x.element_size(), []).append(i)
+        else:
+            got[i] = lookup("bitmask_encode", x.device.type)(x, nnz=nnzs[i])
+    for members in widths.values():
+        encoded = k.bitmask_encode_grouped([xs[i].detach() for i in members], [nnzs[i] for i in members])
+        for i, enc in zip(members, encoded):
+            got[i] = enc
+    return got
+
+
 def sparsity_counts_many_cuda(xs: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
     """The grouped count kernel for the tensors it reads in place (contiguous, 16-byte
     aligned, 2 or 4 bytes an element): one table copy and at most two launches per element
@@ -493,4 +519,5 @@ BACKEND = {
     "dequantize_log2_many": dequantize_log2_many_cuda,
     "dequantize_blockwise_update_many": dequantize_blockwise_update_many_cuda,
     "delta_statistics_many": delta_statistics_many_cuda,
+    "bitmask_encode_many": bitmask_encode_many_cuda,
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .bitmask import (
     bitmask_decode_torch,
+    bitmask_encode_many_torch,
     bitmask_encode_torch,
     nonzero_count,
     sparsity_counts_many_torch,
@@ -64,6 +65,7 @@ REFERENCE = {
     "dequantize_log2_temporal_many": dequantize_log2_temporal_many_torch,
     "dequantize_log2_many": dequantize_log2_many_torch,
     "dequantize_blockwise_update_many": dequantize_blockwise_update_many_torch,
+    "bitmask_encode_many": bitmask_encode_many_torch,
 }
 
 __all__ = [
@@ -72,6 +74,7 @@ __all__ = [
     "copy_many_torch",
     "REFERENCE",
     "bitmask_decode_torch",
+    "bitmask_encode_many_torch",
     "bitmask_encode_torch",
     "copy_flat_range",
     "crumb_table",

@@ -153,6 +153,21 @@ def bitmask_encode_torch(
     return mask, values
 
 
+def bitmask_encode_many_torch(
+    xs: list[torch.Tensor],
+    nnzs: list[int],
+    *,
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`tw_triton.ops.bitmask_encode` (the single op, dispatched by device) of each of
+    ``xs`` with its count ``nnzs[i]``, into ``out[i]`` where given: the spec of the grouped
+    encode, whose bytes are those of one call per tensor."""
+    from .. import bitmask_encode  # the single op, dispatched by device
+
+    outs = out if out is not None else [None] * len(xs)
+    return [bitmask_encode(x, nnz=nnz, out=o) for x, nnz, o in zip(xs, nnzs, outs)]
+
+
 def bitmask_decode_torch(
     mask: torch.Tensor, values: torch.Tensor, numel: int, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -239,5 +239,7 @@ def test_a_delta_right_after_the_keyframe_waits_for_the_warm_up_not_for_fresh_me
     # The warm-up's buffers (the tied weight is one tensor, counted once by the copy but
     # twice by the sizes) and the writer's codes of the two weights, no copy into fresh ones.
     assert ckpt._saves.pool.allocated - allocated <= (pooled + 1) + 2
-    assert ckpt._saves.pool.reused >= pooled
+    # Every tensor the delta copies lands in a warmed buffer (``pooled`` counts the tied
+    # weight twice: state_dict() gives each name its own tensor object).
+    assert ckpt._saves.pool.reused >= pooled - 1
     ckpt.close()

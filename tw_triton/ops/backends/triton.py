@@ -130,7 +130,7 @@ def dequantize_log2_cuda(
     return _out(kernels().dequantize_log2(codes, lo, hi, numel, bits, block, dtype), out)
 
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _by_dtypes(xs: list[torch.Tensor], refs: list[torch.Tensor] | None) -> dict[tuple, list[int]]:
@@ -141,7 +141,7 @@ def _by_dtypes(xs: list[torch.Tensor], refs: list[torch.Tensor] | None) -> dict[
     return groups
 
 
-def _readable(t: torch.Tensor) -> torch.Tensor:
+def readable(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the grouped kernels read it: contiguous and 16-byte aligned (a copy of a
     view that is not; fresh allocations always are)."""
     if kernels().aligned(t):
@@ -164,8 +164,8 @@ def quantize_blockwise_many_cuda(
     q = check_qmax(bits, qmax)
     out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(xs)  # type: ignore[list-item]
     for members in _by_dtypes(xs, references).values():
-        gx = [_readable(xs[i]) for i in members]
-        gr = None if references is None else [_readable(references[i]) for i in members]
+        gx = [readable(xs[i]) for i in members]
+        gr = None if references is None else [readable(references[i]) for i in members]
         for i, pair in zip(members, k.quantize_blockwise_grouped(gx, gr, bits, block, q, flags, members)):
             out[i] = pair
     return out
@@ -187,8 +187,8 @@ def quantize_blockwise_update_many_cuda(
     q = check_qmax(bits, qmax)
     out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(ms)  # type: ignore[list-item]
     for members in _by_dtypes(ms, None).values():
-        gm = [_readable(ms[i]) for i in members]
-        gv = [_readable(vs[i].float()) for i in members]
+        gm = [readable(ms[i]) for i in members]
+        gv = [readable(vs[i].float()) for i in members]
         for i, pair in zip(
             members, k.quantize_blockwise_update_grouped(gm, gv, eps, bits, block, q, flags, members)
         ):
@@ -203,7 +203,7 @@ def quantize_log2_many_cuda(
     k = kernels()
     out: list[tuple[torch.Tensor, ...]] = [None] * len(xs)  # type: ignore[list-item]
     for members in _by_dtypes(xs, None).values():
-        gx = [_readable(xs[i]) for i in members]
+        gx = [readable(xs[i]) for i in members]
         for i, triple in zip(members, k.quantize_log2_grouped(gx, bits, block, flags, members)):
             out[i] = triple
     return out
@@ -227,12 +227,12 @@ def dequantize_blockwise_many_cuda(
     result: list[torch.Tensor] = [None] * len(codes)  # type: ignore[list-item]
     for members in _by_dtypes(codes, references).values():
         decoded = k.dequantize_blockwise_grouped(
-            [_readable(codes[i]) for i in members],
-            [_readable(scales[i]) for i in members],
+            [readable(codes[i]) for i in members],
+            [readable(scales[i]) for i in members],
             [numels[i] for i in members],
             bits,
             block,
-            None if references is None else [_readable(references[i]) for i in members],
+            None if references is None else [readable(references[i]) for i in members],
             dtype,
             None if out is None else [out[i] for i in members],
         )
@@ -254,10 +254,10 @@ def dequantize_blockwise_update_many_cuda(
     """The grouped update decode kernel: one table copy and at most two launches, whatever
     the number of tensors. Copies only what it cannot read in place."""
     return kernels().dequantize_blockwise_update_grouped(
-        [_readable(c.reshape(-1)) for c in codes],
-        [_readable(s.reshape(-1)) for s in scales],
+        [readable(c.reshape(-1)) for c in codes],
+        [readable(s.reshape(-1)) for s in scales],
         list(numels),
-        [_readable(v.detach().reshape(-1).float()) for v in vs],
+        [readable(v.detach().reshape(-1).float()) for v in vs],
         eps,
         bits,
         block,
@@ -288,8 +288,8 @@ def fingerprints_cuda(ts: list[torch.Tensor], *, out: torch.Tensor) -> torch.Ten
 
     k = kernels()
     for (dtype, _), members in _by_dtypes(ts, None).items():
-        if dtype in _KERNEL_DTYPES:
-            k.fingerprints([_readable(ts[i].detach()) for i in members], out, FINGERPRINT_SAMPLES, members)
+        if dtype in KERNEL_DTYPES:
+            k.fingerprints([readable(ts[i].detach()) for i in members], out, FINGERPRINT_SAMPLES, members)
         else:  # no kernel reads it: the reference, per tensor
             for i in members:
                 out[i] = fingerprint_torch(ts[i])
@@ -309,78 +309,6 @@ def bitmask_decode_cuda(
 ) -> torch.Tensor:
     """The two-pass bitmask decode (popcounts, then the gather of the values)."""
     return _out(kernels().bitmask_decode(mask.contiguous(), values.contiguous(), numel), out)
-
-
-def bitmask_encode_many_cuda(
-    xs: list[torch.Tensor],
-    nnzs: list[int],
-    *,
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The grouped bitmask encode for the tensors it reads in place (contiguous, 16-byte
-    aligned): per element width two table copies, at most four launches and a scan; the
-    single op for each other one (no copy of a whole tensor). ``out`` is ignored."""
-    from ..registry import lookup
-
-    k = kernels()
-    got: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(xs)  # type: ignore[list-item]
-    widths: dict[int, list[int]] = {}
-    for i, x in enumerate(xs):
-        if x.element_size() in (2, 4) and k.aligned(x):
-            widths.setdefault(x.element_size(), []).append(i)
-        else:
-            got[i] = lookup("bitmask_encode", x.device.type)(x, nnz=nnzs[i])
-    for members in widths.values():
-        encoded = k.bitmask_encode_grouped([xs[i].detach() for i in members], [nnzs[i] for i in members])
-        for i, enc in zip(members, encoded):
-            got[i] = enc
-    return got
-
-
-def sparsity_counts_many_cuda(xs: list[torch.Tensor], *, out: torch.Tensor) -> torch.Tensor:
-    """The grouped count kernel for the tensors it reads in place (contiguous, 16-byte
-    aligned, 2 or 4 bytes an element): one table copy and at most two launches per element
-    width; the single op for each other one (no copy of a whole tensor)."""
-    from ..registry import lookup
-
-    k = kernels()
-    widths: dict[int, list[int]] = {}
-    for i, x in enumerate(xs):
-        if x.element_size() in (2, 4) and k.aligned(x):
-            widths.setdefault(x.element_size(), []).append(i)
-        else:
-            out[2 * i : 2 * i + 2] += torch.stack(lookup("sparsity_counts", x.device.type)(x))
-    for members in widths.values():
-        k.sparsity_counts_grouped([xs[i].detach() for i in members], out, [2 * i for i in members])
-    return out
-
-
-def delta_statistics_many_cuda(
-    xs: list[torch.Tensor], references: list[torch.Tensor | None] | None, block: int, *, out: torch.Tensor
-) -> torch.Tensor:
-    """The grouped statistics kernel: one table copy and at most four launches per pair of
-    (input, reference) dtypes, whatever the number of tensors. A tensor the kernel does not
-    read (a dtype other than fp32/fp16/bf16, a block that is not a power of two up to
-    4096) gets the spec, alone."""
-    from ..reference import delta_statistics_torch
-
-    k = kernels()
-    refs = [None] * len(xs) if references is None else list(references)
-    groups: dict[tuple, list[int]] = {}
-    tiled = block & (block - 1) == 0 and 1 <= block <= 4096
-    for i, x in enumerate(xs):
-        r = refs[i]
-        if not x.numel():
-            continue
-        if tiled and x.dtype in _KERNEL_DTYPES and (r is None or r.dtype in _KERNEL_DTYPES):
-            groups.setdefault((x.dtype, None if r is None else r.dtype), []).append(i)
-        else:
-            out[4 * i : 4 * i + 4] = torch.stack(delta_statistics_torch(x, r, block))
-    for (_, ref_dtype), members in groups.items():
-        gx = [_readable(xs[i].detach()) for i in members]
-        gr = None if ref_dtype is None else [_readable(refs[i].detach()) for i in members]
-        k.delta_statistics_grouped(gx, gr, block, out, [4 * i for i in members])
-    return out
 
 
 def quantize_log2_temporal_cuda(
@@ -410,8 +338,8 @@ def quantize_log2_temporal_many_cuda(
     into ``out`` in place where its layout is the codec's (bounds, then 16-byte aligned
     codes)."""
     k = kernels()
-    gx = [_readable(x) for x in xs]
-    gr = [_readable(r if r.dtype == torch.float32 else r.float()) for r in references]
+    gx = [readable(x) for x in xs]
+    gr = [readable(r if r.dtype == torch.float32 else r.float()) for r in references]
     return k.quantize_log2_temporal_grouped(gx, gr, bits, block, min_step, flags, out=out)
 
 
@@ -459,9 +387,9 @@ def dequantize_log2_temporal_many_cuda(
     itself, in a closed-loop advance). Copies only what it cannot read in place."""
     k = kernels()
     got = k.dequantize_log2_temporal_grouped(
-        [_readable(c) for c in codes],
+        [readable(c) for c in codes],
         [_bounds(a, b) for a, b in zip(lo, hi)],
-        [_readable(r.detach().reshape(-1)) for r in references],
+        [readable(r.detach().reshape(-1)) for r in references],
         bits,
         block,
         min_step,
@@ -485,7 +413,7 @@ def dequantize_log2_many_cuda(
     place into ``out[i]`` where it is contiguous and 16-byte aligned. Copies only what it
     cannot read in place."""
     got = kernels().dequantize_log2_grouped(
-        [_readable(c.reshape(-1)) for c in codes],
+        [readable(c.reshape(-1)) for c in codes],
         [a.reshape(-1).contiguous() for a in lo],
         [b.reshape(-1).contiguous() for b in hi],
         list(numels),
@@ -498,6 +426,14 @@ def dequantize_log2_many_cuda(
 
 
 # The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
+# The grouped counts and statistics a save reads before and after its encode (a module of
+# their own for its size); they use the helpers above.
+from .triton_counts import (  # noqa: E402
+    bitmask_encode_many_cuda,
+    delta_statistics_many_cuda,
+    sparsity_counts_many_cuda,
+)
+
 BACKEND = {
     "quantize_blockwise": quantize_blockwise_cuda,
     "dequantize_blockwise": dequantize_blockwise_cuda,

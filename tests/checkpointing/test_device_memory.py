@@ -71,7 +71,8 @@ DELTA = 2 * (_blockwise(W, 4) + _temporal(W) + 512) + 2 * _blockwise(W, 8)
 # The largest delta-coded tensor, decoded then copied into the reference; the temporal
 # kernel's outputs before they are packed into one buffer; and the two exp_avg_sq decoded
 # as float32 to code exp_avg in the update's domain (blockwise-update, one chunk).
-SCRATCH = W * 4 + _temporal(W) + 2 * W * 4
+PARTNERS = 2 * W * 4
+SCRATCH = W * 4 + _temporal(W) + PARTNERS
 # On the device, one entry at a time: a fingerprint's temporaries (2048 samples widened to
 # int64, their weights, the product) and a NaN/Inf check of one byte per block.
 TEMPORARIES = 64 * 1024 + 512
@@ -134,12 +135,12 @@ def test_the_bound_follows_the_options(tmp_path):
         # coded against it, one tensor at a time (and once more for the advance).
         assert (b["reference"], b["scratch"], b["saves_in_flight"]) == (
             0,
-            2 * W * 4 + _temporal(W) + TEMPORARIES + SPARSE,
+            2 * W * 4 + _temporal(W) + TEMPORARIES + SPARSE + PARTNERS,
             4,
         )
     with Checkpointer(tmp_path / "o", fsync=False, delta="open") as ck:
         assert ck.device_memory_bound(model=model, optimizer=opt)["scratch"] == (
-            TEMPORARIES + _temporal(W) + SPARSE
+            TEMPORARIES + _temporal(W) + SPARSE + PARTNERS
         )
     with Checkpointer(tmp_path / "n", fsync=False, delta="none", rules="small") as ck:
         b = ck.device_memory_bound(model=model, optimizer=opt)

@@ -598,9 +598,15 @@ def test_a_closed_loop_delta_of_the_default_preset_chooses_its_bits_in_grouped_l
     assert kernels["delta_statistics_grouped_kernel"] == 8
     assert "delta_statistics" not in kernels
     # Weights at 2, 4 and 8 bits, two dtypes: at most two launches each.
-    assert kernels["quantize_blockwise_grouped_kernel"] <= 2 * 3 * 2 + 2  # and exp_avg at int4
-    # The statistics' and the flags' zero-fills; the bits choice's read and the save's.
-    assert torch_ops == {"aten.zeros.default": 2, "to_host": 2}
+    assert kernels["quantize_blockwise_grouped_kernel"] <= 2 * 3 * 2
+    # The statistics', the flags' and exp_avg's (in the update's domain) zero-fills, the
+    # last flags stacked and joined to the others; the bits choice's read and the save's.
+    assert torch_ops == {
+        "aten.zeros.default": 3,
+        "aten.stack.default": 1,
+        "aten.cat.default": 1,
+        "to_host": 2,
+    }
     assert syncs == 2
 
 

@@ -294,12 +294,17 @@ def _scramble(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 
 
 def check_file_holds(
-    path: str, expected: dict[str, torch.Tensor], refs: dict[str, torch.Tensor] | None
+    path: str,
+    expected: dict[str, torch.Tensor],
+    refs: dict[str, torch.Tensor] | None,
+    decoded: dict[str, torch.Tensor] | None = None,
 ) -> list[str]:
     """Differences between the file at ``path`` and the CPU encoding of ``expected``.
 
     Exact entries must hold ``expected`` bit for bit; coded entries the bytes the CPU path
-    encodes from ``expected`` (with the file's own params, against ``refs`` for a delta).
+    encodes from ``expected`` (with the file's own params, against ``refs`` for a delta; an
+    entry coded with a partner, ``blockwise-update``, with its partner as ``decoded``, the
+    file's own values as a loader decodes them).
     """
     q = read_file(path)
     problems = []
@@ -324,7 +329,15 @@ def check_file_holds(
                 problems.append(f"{path}: delta entry {name!r} without a keyframe value to check against")
                 continue
             ref = refs[name]
-        enc = codec.encode(want, params, ref)
+        partner = codec.partner_of(params)
+        if partner is not None:
+            if decoded is None or partner not in decoded:
+                problems.append(f"{path}: entry {name!r} without its partner {partner!r} decoded")
+                continue
+            rule_params = {k: v for k, v in params.items() if k not in ("partner", "packing")}
+            enc = codec.encode_with_partner(want, rule_params, partner, decoded[partner], None)
+        else:
+            enc = codec.encode(want, params, ref)
         for bname, buf in enc.entry.buffers.items():
             stored = entry.buffers.get(bname)
             if stored is None or not torch.equal(
@@ -361,7 +374,10 @@ def check_saved_step(ck: Checkpointer, step: int, want: dict[str, torch.Tensor])
             # the keyframe's exact values (open loop) or the reconstruction of the save
             # before it (closed loop), itself checked against its own save in this loop.
             refs = {k: v.cpu() for k, v in flatten(ck.load(ref_step, device="cpu"))[0].items()}
-        return check_file_holds(path, want, refs)
+        decoded = None
+        if any(get_codec(e.codec).partner_of(e.params) for e in read_file(path).entries.values()):
+            decoded = {k: v.cpu() for k, v in flatten(ck.load(step, device="cpu"))[0].items()}
+        return check_file_holds(path, want, refs, decoded)
     except TwTritonError as e:
         return [f"{path}: does not load ({type(e).__name__}: {e})"]
 

@@ -28,6 +28,7 @@ DEPENDS = [
         "log2.c",
         "log2_temporal.c",
         "planes.c",
+        "update_root.c",
         "sparsity.c",
         "delta_statistics.c",
     )

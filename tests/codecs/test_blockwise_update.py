@@ -296,13 +296,13 @@ def test_a_cuda_state_codes_and_decodes_the_cpus_bytes_and_values():
 def test_the_denominator_square_root_is_correctly_rounded_on_the_cpu() -> None:
     # torch's fp32 sqrt on a CPU may be 1 ulp off (3e38 is one such input); numpy's is IEEE,
     # the bits of CUDA's sqrt.rn that the grouped kernel uses.
-    from tw_triton.codecs.blockwise_update import correct_sqrt
+    from tw_triton.codecs.blockwise_update import denominator
 
     gen = torch.Generator().manual_seed(0)
     bits = torch.randint(0, 0x7F800000, (200_000,), generator=gen, dtype=torch.int64).to(torch.int32)
     x = torch.cat([bits.view(torch.float32), torch.tensor([3e38, 0.0, float("inf")])])
-    want = torch.from_numpy(np.sqrt(x.numpy()))
-    assert torch.equal(correct_sqrt(x).view(torch.int32), want.view(torch.int32))
+    want = torch.from_numpy(np.sqrt(x.numpy()) + np.float32(0.0))
+    assert torch.equal(denominator(x, 0.0).view(torch.int32), want.view(torch.int32))
 
 
 def test_a_device_load_decodes_in_groups_what_the_host_decodes_and_checks_alike(monkeypatch, tmp_path):

@@ -41,19 +41,10 @@ def _check_eps(eps: Any) -> float | None:
     return eps if math.isfinite(eps) and eps > 0 else None
 
 
-def correct_sqrt(v: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded fp32 square root of ``v`` (fp32). On the CPU torch's fp32
-    ``sqrt`` may be 1 ulp off (a vector math library's); the fp64 root rounded to fp32 is
-    correctly rounded (53 >= 2 * 24 + 2 bits), the bits of CUDA's ``sqrt.rn``."""
-    if v.device.type == "cpu":
-        return torch.sqrt(v.double()).float()
-    return torch.sqrt(v)
-
-
 def denominator(v_hat: torch.Tensor, eps: float) -> torch.Tensor:
     """``sqrt(v_hat) + eps`` in fp32, each op correctly rounded on its own (``eps``
-    rounded to fp32)."""
-    return correct_sqrt(v_hat.float()).add_(eps)
+    rounded to fp32): :func:`tw_triton.ops.update_root`."""
+    return ops.update_root(v_hat.float().contiguous(), eps)
 
 
 def _inner(params: Mapping[str, Any]) -> dict[str, Any]:

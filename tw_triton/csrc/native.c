@@ -7,3 +7,4 @@
 #include "planes.c"
 #include "sparsity.c"
 #include "delta_statistics.c"
+#include "update_root.c"

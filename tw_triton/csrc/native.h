@@ -23,7 +23,8 @@
 #if defined(__GNUC__)
 #define TW_INLINE static inline __attribute__((always_inline))
 #else
-#define TW_INLINE static inline
+#define TW_INLINE static inlineint64_t tw_update_root(const float *v, int64_t n, float eps, float *d);
+
 #endif
 
 TW_INLINE uint32_t tw_bits(float f) {
@@ -54,7 +55,8 @@ TW_INLINE void tw_load_f32(float *dst, const void *src, int dtype, int64_t start
  * vectorizable. Callers read their block buffer here as integers after writing it as
  * floats, which GCC cannot follow: it would warn that the buffer may be uninitialized. */
 #if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"int64_t tw_update_root(const float *v, int64_t n, float eps, float *d);
+
 #endif
 TW_INLINE void tw_store_bf16(uint16_t *dst, const uint32_t *bits, int count) {
     for (int i = 0; i < count; i++) dst[i] = (uint16_t)((bits[i] + 0x7FFFu + ((bits[i] >> 16) & 1u)) >> 16);
@@ -110,5 +112,6 @@ int64_t tw_sparsity_counts(const void *x, int64_t n, int32_t itemsize, int32_t p
                            int64_t *runs_out);
 int64_t tw_log2_temporal_check(const uint8_t *codes, const int32_t *lo, const int32_t *hi, const float *ref,
                                int64_t n, int32_t bits, int32_t block);
+int64_t tw_update_root(const float *v, int64_t n, float eps, float *d);
 
 #endif

@@ -5,7 +5,8 @@ Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
 (whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
 reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`
-(:mod:`~tw_triton.ops.statistics`); thirteen serve many device tensors with a fixed
+(:mod:`~tw_triton.ops.statistics`), and the ``blockwise-update`` codec its denominator
+:func:`update_root`; thirteen serve many device tensors with a fixed
 number of launches, twelve a save:
 :func:`quantize_blockwise_many`, :func:`quantize_blockwise_update_many`, :func:`quantize_log2_many`,
 :func:`quantize_log2_temporal_many`, :func:`fingerprints`, :func:`copy_many`,
@@ -345,7 +346,14 @@ def log2_temporal_code_errors(
     return lookup("log2_temporal_code_errors", codes.device.type)(codes, lo, hi, reference, bits, block)
 
 
+def update_root(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """``sqrt(v) + eps`` in fp32 on ``v``'s device, each op correctly rounded on its own
+    (the ``blockwise-update`` codec's denominator: the same bits on every device)."""
+    return lookup("update_root", v.device.type)(v, eps)
+
+
 __all__ = [
+    "update_root",
     "OPS",
     "backends",
     "bitmask_decode",

@@ -40,6 +40,7 @@ OPS = (
     "dequantize_log2_many",
     "dequantize_blockwise_update_many",
     "delta_statistics_many",
+    "update_root",
     "bitmask_encode_many",
 )
 

@@ -20,6 +20,7 @@ from ..reference import (
     quantize_log2_temporal_torch,
     quantize_log2_torch,
     sparsity_counts_torch,
+    update_root_torch,
 )
 from ..reference.buffers import decode_output, encode_outputs
 from ..reference.log2_temporal import temporal_buffers
@@ -31,6 +32,7 @@ from .native import (
     encode_blockwise,
     encode_log2,
     range_slices,
+    update_root_native,
 )
 from .native_temporal import check_log2_temporal, decode_log2_temporal, encode_log2_temporal
 
@@ -211,6 +213,13 @@ def sparsity_counts_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sparsity_counts_torch(x) if counts is None else counts
 
 
+def update_root_cpu(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """The root in C where it takes ``v`` (contiguous fp32), else
+    :func:`~tw_triton.ops.reference.update_root_torch`."""
+    got = update_root_native(v, eps)
+    return update_root_torch(v, eps) if got is None else got
+
+
 def delta_statistics_cpu(x: torch.Tensor, reference: torch.Tensor | None, block: int) -> list[torch.Tensor]:
     """The statistics in C where it takes the tensors and their values stay finite, else
     :func:`~tw_triton.ops.reference.delta_statistics_torch`."""
@@ -247,6 +256,7 @@ BACKEND = {
     "log2_temporal_code_errors": log2_temporal_code_errors_cpu,
     "sparsity_counts": sparsity_counts_cpu,
     "delta_statistics": delta_statistics_cpu,
+    "update_root": update_root_cpu,
     "delta_statistics_many": delta_statistics_many_cpu,
 }
 
@@ -255,6 +265,7 @@ __all__ = [
     "BACKEND",
     "DEVICE_TYPE",
     "delta_statistics_cpu",
+    "update_root_cpu",
     "delta_statistics_many_cpu",
     "dequantize_blockwise_cpu",
     "dequantize_log2_cpu",

@@ -311,6 +311,11 @@ def bitmask_decode_cuda(
     return _out(kernels().bitmask_decode(mask.contiguous(), values.contiguous(), numel), out)
 
 
+def update_root_cuda(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """``sqrt(v) + eps`` with torch's CUDA ops (``sqrt.rn``, then one rounded add)."""
+    return torch.sqrt(v.float()).add_(eps)
+
+
 def quantize_log2_temporal_cuda(
     x: torch.Tensor,
     reference: torch.Tensor,
@@ -435,6 +440,7 @@ from .triton_counts import (  # noqa: E402
 )
 
 BACKEND = {
+    "update_root": update_root_cuda,
     "quantize_blockwise": quantize_blockwise_cuda,
     "dequantize_blockwise": dequantize_blockwise_cuda,
     "quantize_log2": quantize_log2_cuda,

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tw_triton import ops
-from tw_triton.ops.backends import native
+from tw_triton.ops.backends import native, native_update
 from tw_triton.ops.reference import update_root_torch
 
 F32_MAX = torch.finfo(torch.float32).max
@@ -26,7 +26,7 @@ def lib(request, monkeypatch):
     if request.param is None or not native.enabled():
         pytest.skip("compiled codec not built or turned off")
     built = native.load(request.param)
-    monkeypatch.setattr(native, "library", lambda: built)
+    monkeypatch.setattr(native_update, "library", lambda: built)
     return built
 
 
@@ -48,7 +48,7 @@ def _values(seed: int, n: int) -> torch.Tensor:
 @pytest.mark.parametrize("eps", [1e-8, 1e-6, 0.0, 1e-45, 3e38])
 def test_the_compiled_root_is_the_specs_bit_for_bit(lib, eps) -> None:
     v = _values(0, 200_000)
-    assert _same(native.update_root_native(v, eps), update_root_torch(v, eps))
+    assert _same(native_update.update_root_native(v, eps), update_root_torch(v, eps))
 
 
 @settings(max_examples=60, deadline=None)
@@ -64,16 +64,43 @@ def test_the_op_is_the_spec_on_any_values(values, eps) -> None:
 def test_the_op_takes_the_c_path_when_built_and_the_spec_when_off(monkeypatch) -> None:
     v = _values(1, 5000)
     calls = []
-    real = native.update_root_native
-    monkeypatch.setattr(native, "update_root_native", lambda *a: calls.append(1) or real(*a))
-    from tw_triton.ops.backends import cpu
-
-    monkeypatch.setattr(cpu, "update_root_native", native.update_root_native)
+    real = native_update.update_root_native
+    monkeypatch.setattr(native_update, "update_root_native", lambda *a: calls.append(1) or real(*a))
     got = ops.update_root(v, 1e-8)
     assert _same(got, update_root_torch(v, 1e-8)) and calls
     monkeypatch.setenv(native.ENV_NATIVE, "0")
-    assert native.update_root_native(v, 1e-8) is None  # off: the spec serves the op
+    assert native_update.update_root_native(v, 1e-8) is None  # off: the spec serves the op
     assert _same(ops.update_root(v, 1e-8), update_root_torch(v, 1e-8))
     # A view or another dtype is not taken by the C code: the spec serves it.
-    assert native.update_root_native(v[::2], 1e-8) is None
-    assert native.update_root_native(v.double(), 1e-8) is None
+    assert native_update.update_root_native(v[::2], 1e-8) is None
+    assert native_update.update_root_native(v.double(), 1e-8) is None
+
+
+@pytest.mark.parametrize("eps", [1e-8, 0.0, 3e38])
+def test_the_compiled_update_and_moment_are_the_specs(lib, eps) -> None:
+    from tw_triton.ops.reference import update_divide_torch, update_multiply_torch
+
+    x, v = _values(2, 100_000), _values(3, 100_000).abs()
+    assert _same(native_update.update_divide_native(x, v, eps), update_divide_torch(x, v, eps))
+    for big in (F32_MAX, 65504.0):
+        u = x.clone()
+        assert native_update.update_multiply_native(u, v, eps, big)
+        assert _same(u, update_multiply_torch(x.clone(), v, eps, big))
+    assert native_update.update_divide_native(x[::2], v[::2], eps) is None
+    assert not native_update.update_multiply_native(x.double(), v.double(), eps, F32_MAX)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(width=32), st.floats(width=32)), min_size=0, max_size=200),
+    st.floats(min_value=0.0, max_value=0.0010000000474974513, width=32),
+)
+def test_the_update_ops_are_the_specs_on_any_values(pairs, eps) -> None:
+    from tw_triton.ops.reference import update_divide_torch, update_multiply_torch
+
+    x = torch.tensor([a for a, _ in pairs], dtype=torch.float32)
+    v = torch.tensor([b for _, b in pairs], dtype=torch.float32)
+    assert _same(ops.update_divide(x, v, eps), update_divide_torch(x, v, eps))
+    assert _same(
+        ops.update_multiply(x.clone(), v, eps, F32_MAX), update_multiply_torch(x.clone(), v, eps, F32_MAX)
+    )

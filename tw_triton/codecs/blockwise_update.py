@@ -143,15 +143,15 @@ class BlockwiseUpdateCodec(Codec):
         partner: torch.Tensor,
         allocate: Allocator | None,
     ) -> Encoded:
-        d = denominator(move_to(partner, x.device), params["eps"])
-        u = x.float() / d
+        v = move_to(partner, x.device).float().contiguous()
+        u = ops.update_divide(x.float().contiguous(), v, params["eps"])
         inner = _inner(params)
         if allocate is None:
             enc = _blockwise.encode(u, inner, None)
         else:
             enc = _blockwise.encode_with(u, inner, None, allocate)
         # An infinite partner gives u = 0 that decodes to 0 * inf: stored exact, as NaN/Inf.
-        unusable = torch.logical_or(enc.unusable, ~torch.isfinite(d).all())  # type: ignore[arg-type]
+        unusable = torch.logical_or(enc.unusable, ~torch.isfinite(v).all())  # type: ignore[arg-type]
         return Encoded(self._entry(x, params, partner_path, enc.entry), unusable=unusable)
 
     def _entry(self, x: torch.Tensor, params: Mapping[str, Any], partner_path: str, inner: EncodedEntry):
@@ -247,10 +247,10 @@ class BlockwiseUpdateCodec(Codec):
         bits, block, codes, scales = self.checked_parts(entry, partner, context)
         dev = codes.device if device is None else device
         q = QuantizedTensor.stored(codes, scales, tuple(entry.shape), torch.float32, bits, block, dev)
-        m = dequantize(q).mul_(denominator(move_to(partner, dev), entry.params["eps"]))
         # Saturated as the blockwise decode is: a finite tensor never decodes to +-inf.
         big = torch.finfo(entry.dtype).max
-        return m.clamp_(-big, big).to(entry.dtype)
+        v = move_to(partner, dev).float().contiguous()
+        return ops.update_multiply(dequantize(q), v, entry.params["eps"], big).to(entry.dtype)
 
     def partner_group_key(self, entry: EncodedEntry) -> Hashable | None:
         params = entry.params

@@ -24,6 +24,8 @@
 #define TW_INLINE static inline __attribute__((always_inline))
 #else
 #define TW_INLINE static inlineint64_t tw_update_root(const float *v, int64_t n, float eps, float *d);
+int64_t tw_update_divide(const float *x, const float *v, int64_t n, float eps, float *u);
+int64_t tw_update_multiply(float *u, const float *v, int64_t n, float eps, float big);
 
 #endif
 
@@ -56,6 +58,8 @@ TW_INLINE void tw_load_f32(float *dst, const void *src, int dtype, int64_t start
  * floats, which GCC cannot follow: it would warn that the buffer may be uninitialized. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"int64_t tw_update_root(const float *v, int64_t n, float eps, float *d);
+int64_t tw_update_divide(const float *x, const float *v, int64_t n, float eps, float *u);
+int64_t tw_update_multiply(float *u, const float *v, int64_t n, float eps, float big);
 
 #endif
 TW_INLINE void tw_store_bf16(uint16_t *dst, const uint32_t *bits, int count) {
@@ -113,5 +117,7 @@ int64_t tw_sparsity_counts(const void *x, int64_t n, int32_t itemsize, int32_t p
 int64_t tw_log2_temporal_check(const uint8_t *codes, const int32_t *lo, const int32_t *hi, const float *ref,
                                int64_t n, int32_t bits, int32_t block);
 int64_t tw_update_root(const float *v, int64_t n, float eps, float *d);
+int64_t tw_update_divide(const float *x, const float *v, int64_t n, float eps, float *u);
+int64_t tw_update_multiply(float *u, const float *v, int64_t n, float eps, float big);
 
 #endif

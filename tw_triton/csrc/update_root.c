@@ -18,3 +18,28 @@ int64_t tw_update_root(const float *v, int64_t n, float eps, float *d) {
     }
     return 0;
 }
+
+/* u[i] = x[i] / (sqrtf(v[i]) + eps): the update the codec codes, each op correctly rounded,
+ * a NaN as the positive quiet NaN. Returns 0, or -1 for a negative count. */
+int64_t tw_update_divide(const float *x, const float *v, int64_t n, float eps, float *u) {
+    if (n < 0)
+        return -1;
+    for (int64_t i = 0; i < n; i++) {
+        const float r = x[i] / (sqrtf(v[i]) + eps);
+        u[i] = r == r ? r : NAN;
+    }
+    return 0;
+}
+
+/* u[i] = u[i] * (sqrtf(v[i]) + eps), saturated to [-big, big]: the decoded moment, each op
+ * correctly rounded, a NaN as the positive quiet NaN. Returns 0, or -1 for a negative count. */
+int64_t tw_update_multiply(float *u, const float *v, int64_t n, float eps, float big) {
+    if (n < 0)
+        return -1;
+    for (int64_t i = 0; i < n; i++) {
+        float r = u[i] * (sqrtf(v[i]) + eps);
+        r = r > big ? big : (r < -big ? -big : r);
+        u[i] = r == r ? r : NAN;
+    }
+    return 0;
+}

@@ -5,8 +5,8 @@ Six ops do the numeric work of the packed-code codecs (:mod:`tw_triton.codecs`):
 :func:`dequantize_log2`, :func:`quantize_log2_temporal` and :func:`dequantize_log2_temporal`
 (whose codes :func:`log2_temporal_code_errors` checks first), and the bitmask codec's choice
 reads :func:`sparsity_counts` and the weight-delta bits :func:`delta_statistics`
-(:mod:`~tw_triton.ops.statistics`), and the ``blockwise-update`` codec its denominator
-:func:`update_root`; thirteen serve many device tensors with a fixed
+(:mod:`~tw_triton.ops.statistics`), and the ``blockwise-update`` codec its
+:func:`update_root`, :func:`update_divide` and :func:`update_multiply`; thirteen serve many device tensors with a fixed
 number of launches, twelve a save:
 :func:`quantize_blockwise_many`, :func:`quantize_blockwise_update_many`, :func:`quantize_log2_many`,
 :func:`quantize_log2_temporal_many`, :func:`fingerprints`, :func:`copy_many`,
@@ -352,7 +352,22 @@ def update_root(v: torch.Tensor, eps: float) -> torch.Tensor:
     return lookup("update_root", v.device.type)(v, eps)
 
 
+def update_divide(x: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / (sqrt(v) + eps)`` in fp32 (a new tensor; ``x`` and ``v`` of one shape and
+    device), each op correctly rounded: the update ``blockwise-update`` codes."""
+    return lookup("update_divide", x.device.type)(x, v, eps)
+
+
+def update_multiply(u: torch.Tensor, v: torch.Tensor, eps: float, big: float) -> torch.Tensor:
+    """``u * (sqrt(v) + eps)`` in place on the fp32 ``u``, each op correctly rounded, then
+    saturated to ``[-big, big]`` (NaN stays NaN): a decoded ``blockwise-update`` moment.
+    Returns ``u``."""
+    return lookup("update_multiply", u.device.type)(u, v, eps, big)
+
+
 __all__ = [
+    "update_divide",
+    "update_multiply",
     "update_root",
     "OPS",
     "backends",

@@ -41,6 +41,8 @@ OPS = (
     "dequantize_blockwise_update_many",
     "delta_statistics_many",
     "update_root",
+    "update_divide",
+    "update_multiply",
     "bitmask_encode_many",
 )
 

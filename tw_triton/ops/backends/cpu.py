@@ -20,10 +20,13 @@ from ..reference import (
     quantize_log2_temporal_torch,
     quantize_log2_torch,
     sparsity_counts_torch,
+    update_divide_torch,
+    update_multiply_torch,
     update_root_torch,
 )
 from ..reference.buffers import decode_output, encode_outputs
 from ..reference.log2_temporal import temporal_buffers
+from . import native_update
 from .native import (
     count_sparsity,
     decode_blockwise,
@@ -32,7 +35,6 @@ from .native import (
     encode_blockwise,
     encode_log2,
     range_slices,
-    update_root_native,
 )
 from .native_temporal import check_log2_temporal, decode_log2_temporal, encode_log2_temporal
 
@@ -216,8 +218,21 @@ def sparsity_counts_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def update_root_cpu(v: torch.Tensor, eps: float) -> torch.Tensor:
     """The root in C where it takes ``v`` (contiguous fp32), else
     :func:`~tw_triton.ops.reference.update_root_torch`."""
-    got = update_root_native(v, eps)
+    got = native_update.update_root_native(v, eps)
     return update_root_torch(v, eps) if got is None else got
+
+
+def update_divide_cpu(x: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+    """The update in C where it takes ``x`` and ``v`` (contiguous fp32), else the spec."""
+    got = native_update.update_divide_native(x, v, eps)
+    return update_divide_torch(x, v, eps) if got is None else got
+
+
+def update_multiply_cpu(u: torch.Tensor, v: torch.Tensor, eps: float, big: float) -> torch.Tensor:
+    """The decoded moment in C, in place, where it takes ``u`` and ``v``, else the spec."""
+    if native_update.update_multiply_native(u, v, eps, big):
+        return u
+    return update_multiply_torch(u, v, eps, big)
 
 
 def delta_statistics_cpu(x: torch.Tensor, reference: torch.Tensor | None, block: int) -> list[torch.Tensor]:
@@ -257,6 +272,8 @@ BACKEND = {
     "sparsity_counts": sparsity_counts_cpu,
     "delta_statistics": delta_statistics_cpu,
     "update_root": update_root_cpu,
+    "update_divide": update_divide_cpu,
+    "update_multiply": update_multiply_cpu,
     "delta_statistics_many": delta_statistics_many_cpu,
 }
 
@@ -265,6 +282,8 @@ __all__ = [
     "BACKEND",
     "DEVICE_TYPE",
     "delta_statistics_cpu",
+    "update_divide_cpu",
+    "update_multiply_cpu",
     "update_root_cpu",
     "delta_statistics_many_cpu",
     "dequantize_blockwise_cpu",

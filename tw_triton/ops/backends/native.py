@@ -63,6 +63,10 @@ _SIGNATURES = {
     "tw_planes_merge": [_P, _I32, _I64, _P],
     # v, n, eps, d
     "tw_update_root": [_P, _I64, ctypes.c_float, _P],
+    # x, v, n, eps, u
+    "tw_update_divide": [_P, _P, _I64, ctypes.c_float, _P],
+    # u, v, n, eps, big
+    "tw_update_multiply": [_P, _P, _I64, ctypes.c_float, ctypes.c_float],
 }
 
 
@@ -416,23 +420,6 @@ def count_sparsity(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return tuple(torch.tensor(sum(c[k] for c in counts), dtype=torch.int64) for k in (0, 1))  # type: ignore[return-value]
 
 
-def update_root_native(v: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """``sqrt(v) + eps`` of a contiguous fp32 CPU tensor as
-    :func:`~tw_triton.ops.reference.update_root_torch` gives it (fp32, each op correctly
-    rounded), split over threads; ``None`` if the C code does not take ``v``."""
-    if not (v.device.type == "cpu" and v.dtype == torch.float32 and v.is_contiguous() and enabled()):
-        return None
-    d = torch.empty_like(v)
-    lib, n = library(), v.numel()
-
-    def one(r: tuple[int, int]) -> int:
-        return lib.tw_update_root(v.data_ptr() + 4 * r[0], r[1] - r[0], eps, d.data_ptr() + 4 * r[0])
-
-    if n and min(run_ranges(one, block_ranges(n, 1))) < 0:
-        raise TwTritonError(f"the compiled update root refused {n} elements")
-    return d
-
-
 def _byte_array(a: np.ndarray, count: int, writable: bool) -> bool:
     """A contiguous 1-D ``uint8`` array of ``count`` bytes (writable if asked): the C code
     reads or writes exactly that much."""
@@ -471,7 +458,6 @@ __all__ = [
     "ENV_NATIVE",
     "count_sparsity",
     "delta_statistics_native",
-    "update_root_native",
     "SPLIT_MIN_ELEMENTS",
     "enabled",
     "encode_blockwise",

@@ -316,6 +316,16 @@ def update_root_cuda(v: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.sqrt(v.float()).add_(eps)
 
 
+def update_divide_cuda(x: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / (sqrt(v) + eps)`` with torch's CUDA ops (each rounded on its own)."""
+    return x.float() / update_root_cuda(v, eps)
+
+
+def update_multiply_cuda(u: torch.Tensor, v: torch.Tensor, eps: float, big: float) -> torch.Tensor:
+    """``u * (sqrt(v) + eps)`` in place with torch's CUDA ops, saturated to ``[-big, big]``."""
+    return u.mul_(update_root_cuda(v, eps)).clamp_(-big, big)
+
+
 def quantize_log2_temporal_cuda(
     x: torch.Tensor,
     reference: torch.Tensor,
@@ -441,6 +451,8 @@ from .triton_counts import (  # noqa: E402
 
 BACKEND = {
     "update_root": update_root_cuda,
+    "update_divide": update_divide_cuda,
+    "update_multiply": update_multiply_cuda,
     "quantize_blockwise": quantize_blockwise_cuda,
     "dequantize_blockwise": dequantize_blockwise_cuda,
     "quantize_log2": quantize_log2_cuda,

@@ -39,11 +39,13 @@ from .log2_temporal import (
     log2_temporal_code_errors_torch,
     quantize_log2_temporal_torch,
 )
-from .update_root import update_root_torch
+from .update_root import update_divide_torch, update_multiply_torch, update_root_torch
 
 # The ops this backend implements (registered by tw_triton.ops as the default of every device).
 REFERENCE = {
     "update_root": update_root_torch,
+    "update_divide": update_divide_torch,
+    "update_multiply": update_multiply_torch,
     "quantize_blockwise": quantize_blockwise_torch,
     "dequantize_blockwise": dequantize_blockwise_torch,
     "quantize_log2": quantize_log2_torch,
@@ -75,6 +77,8 @@ __all__ = [
     "FINGERPRINT_SAMPLES",
     "copy_many_torch",
     "REFERENCE",
+    "update_divide_torch",
+    "update_multiply_torch",
     "update_root_torch",
     "bitmask_decode_torch",
     "bitmask_encode_many_torch",

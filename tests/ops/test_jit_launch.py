@@ -38,11 +38,17 @@ def test_launches_compile_through_the_jit_to_the_checked_ptx(jit_launches: dict,
 
 
 def test_every_backend_op_is_launched() -> None:
-    """The cases call each op the "cuda" backend serves (a new op needs a case)."""
+    """The cases call each op the "cuda" backend serves with a kernel (a new op needs a
+    case); the ops it serves with torch's CUDA ops launch none."""
     import inspect
 
-    from tw_triton.ops.backends.triton import BACKEND
+    from tw_triton.ops.backends.triton import BACKEND, TORCH_OPS
 
     source = inspect.getsource(_jit_launch.cases)
-    missing = [op for op, fn in BACKEND.items() if f"backend.{fn.__name__}(" not in source]
+    missing = [
+        op for op, fn in BACKEND.items() if op not in TORCH_OPS and f"backend.{fn.__name__}(" not in source
+    ]
     assert not missing, missing
+    assert TORCH_OPS <= BACKEND.keys()
+    for op in TORCH_OPS:  # no kernel behind them
+        assert "kernels()" not in inspect.getsource(BACKEND[op]), op

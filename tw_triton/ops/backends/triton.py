@@ -449,6 +449,9 @@ from .triton_counts import (  # noqa: E402
     sparsity_counts_many_cuda,
 )
 
+# Ops served by torch's own CUDA ops (each correctly rounded), with no Triton kernel.
+TORCH_OPS = frozenset({"update_root", "update_divide", "update_multiply"})
+
 BACKEND = {
     "update_root": update_root_cuda,
     "update_divide": update_divide_cuda,

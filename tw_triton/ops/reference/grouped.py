@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .update_root import update_multiply_torch, update_root_torch
+
 # Elements sampled by a fingerprint.
 FINGERPRINT_SAMPLES = 2048
 
@@ -63,8 +65,7 @@ def quantize_blockwise_update_many_torch(
     out = []
     bad = []
     for m, v in zip(ms, vs):
-        # The fp64 root rounded to fp32 is the correctly rounded fp32 root (53 >= 2 * 24 + 2).
-        den = torch.sqrt(v.double()).float().add_(eps)
+        den = update_root_torch(v, eps)
         codes, scales = quantize_blockwise(m.float() / den, None, bits, block, qmax=qmax)
         out.append((codes, scales))
         bad.append(torch.isinf(scales).any() | torch.isinf(den).any())
@@ -168,9 +169,7 @@ def dequantize_blockwise_update_many_torch(
     out = []
     for c, s, n, v in zip(codes, scales, numels, vs):
         u = dequantize_blockwise(c, s, n, bits, block, None, torch.float32)
-        # The fp64 root rounded to fp32 is the correctly rounded fp32 root (53 >= 2 * 24 + 2).
-        den = torch.sqrt(v.reshape(-1).double()).float().add_(eps)
-        out.append(u.mul_(den).clamp_(-big, big).to(dtype))
+        out.append(update_multiply_torch(u, v.reshape(-1), eps, big).to(dtype))
     return out
 
 

@@ -119,15 +119,8 @@ class BlockwiseUpdateCodec(Codec):
         fallback = params.get("fallback_bits")
         if fallback is None:
             return "blockwise", _inner(params)
-        out = {
-            "bits": 4 if fallback == 3 else fallback,
-            "block": params["block"],
-            "packing": PACKING,
-            "delta": False,
-        }
-        if fallback == 3:
-            out["qmax"] = 3
-        return "blockwise", out
+        bits = {"bits": 4, "qmax": 3} if fallback == 3 else {"bits": fallback}  # 3: int3
+        return "blockwise", _inner({"block": params["block"], **bits})
 
     def encode(self, x: torch.Tensor, params: Mapping[str, Any], reference: torch.Tensor | None) -> Encoded:
         raise QuantizationError(

@@ -27,12 +27,14 @@ smoke run of seconds that writes nothing unless ``--out`` names a result.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
 import torch
 from harness.common import RESULTS_DIR, environment, log, read_result, write_result
-from harness.restarts import tables
+from harness.restarts import summarize, tables
 from harness.settings import ResumeSetting, parse_settings
 
 from tw_triton.checkpointer import DEFAULT_RULES
@@ -105,6 +107,50 @@ def run(
     return minilm_finetune.run(
         cfg, seeds, settings, exact_check=exact_check, min_restarts=min_restarts, baselines=baselines
     )
+
+
+def _one_seed(model: str, cfg: Any, seed: int, settings: tuple[ResumeSetting, ...], threads: int, **kw: Any):
+    """One seed's result in a worker process (spawned: it sets its own thread count)."""
+    torch.set_num_threads(threads)
+    return run(model, cfg, [seed], settings, **kw)
+
+
+def run_in_parallel(
+    model: str,
+    cfg: Any,
+    seeds: list[int],
+    settings: tuple[ResumeSetting, ...],
+    *,
+    jobs: int,
+    threads: int,
+    exact_check: bool,
+    min_restarts: int = 8,
+    baselines: dict[int, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """:func:`run` with the seeds in up to ``jobs`` processes; the same result as one process.
+
+    Each seed's runs depend only on the seed, the config and the thread count, so they are
+    run apart and the summary is taken over all of them, as :func:`run` does.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = [
+            pool.submit(
+                _one_seed,
+                model,
+                cfg,
+                seed,
+                settings,
+                threads,
+                exact_check=exact_check and i == 0,
+                min_restarts=min_restarts,
+                baselines=None if baselines is None else {seed: baselines[seed]},
+            )
+            for i, seed in enumerate(seeds)
+        ]
+        parts = [f.result() for f in futures]
+    runs = [run for part in parts for run in part["runs"]]
+    return {**parts[0], **summarize(runs, settings, parts[0]["params"]), "runs": runs}
 
 
 def earlier_baselines(
@@ -182,6 +228,12 @@ def main(argv: list[str] | None = None) -> None:
         "config and environment), checked by training their first steps again",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="run the seeds in this many processes (each with --threads threads); same result",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -216,15 +268,15 @@ def main(argv: list[str] | None = None) -> None:
             baselines = earlier_baselines(name, asdict(cfg), seeds)
         except ValueError as e:
             parser.error(str(e))
-    result = run(
-        args.model,
-        cfg,
-        seeds,
-        settings,
-        exact_check=exact,
-        min_restarts=2 if args.quick and args.model == "minilm" else 8,
-        baselines=baselines,
-    )
+    kw = {
+        "exact_check": exact,
+        "min_restarts": 2 if args.quick and args.model == "minilm" else 8,
+        "baselines": baselines,
+    }
+    if args.jobs > 1 and len(seeds) > 1:
+        result = run_in_parallel(args.model, cfg, seeds, settings, jobs=args.jobs, threads=args.threads, **kw)
+    else:
+        result = run(args.model, cfg, seeds, settings, **kw)
     print(
         f"{result['task']}: {result['params']} parameters; {cfg.steps} steps, a save every "
         f"{cfg.save_every}, a restart every {cfg.restart_every or 'keyframe_every'} saves; seeds {seeds}"

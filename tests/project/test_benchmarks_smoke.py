@@ -174,6 +174,31 @@ def test_resume_script_runs_the_gpt_quick_and_names_the_ablation_settings(capsys
     assert resume_fidelity.task_config("minilm", True, steps=3).steps == 3
 
 
+def test_resume_seeds_in_parallel_train_as_in_one_process() -> None:
+    """resume_fidelity.run_in_parallel (``--jobs``): each seed trains, restarts and deviates
+    exactly as in one process, and the summary covers every seed."""
+    import resume_fidelity
+    from harness.settings import parse_settings
+
+    cfg = resume_fidelity.task_config("gpt", True)
+    settings = parse_settings("small", keyframe_every=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' count: training values depend on it
+    try:
+        one = resume_fidelity.run("gpt", cfg, [0, 1], settings, exact_check=True)
+    finally:
+        torch.set_num_threads(threads)
+    par = resume_fidelity.run_in_parallel("gpt", cfg, [0, 1], settings, jobs=2, threads=1, exact_check=True)
+    assert [r["seed"] for r in par["runs"]] == [0, 1] and "exact_check" in par["runs"][0]
+    for a, b in zip(one["runs"], par["runs"]):
+        assert a["base"] == b["base"] and a["noise"] == b["noise"]
+        sa, sb = a["settings"]["small"], b["settings"]["small"]
+        for key in ("losses", "evals", "restarts", "dev", "noise_dev"):
+            assert sa[key] == sb[key], key
+    assert par["rows"][0]["final_dev"] == one["rows"][0]["final_dev"]
+    assert par["rows"][0]["final_noise_per_seed"] == one["rows"][0]["final_noise_per_seed"]
+
+
 def test_lowbit_sizes_quick_compares_every_installed_low_bit_optimizer() -> None:
     """lowbit_sizes.py on a small MLP: tw_triton's exact file is no larger than torch.save of
     the same low-bit optimizer state, and a delta is smaller than its keyframe."""

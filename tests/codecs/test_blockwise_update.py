@@ -186,9 +186,10 @@ def test_nan_or_inf_is_stored_exact_and_logged(caplog, where):
     torch.testing.assert_close(out["exp_avg"], m, equal_nan=True, rtol=0, atol=0)
 
 
-def test_a_negative_partner_value_under_an_exact_partner_is_stored_exact(caplog):
+@pytest.mark.parametrize("bad", [-1.0, float("-inf"), float("inf"), float("nan")])
+def test_a_partner_value_that_is_negative_or_not_finite_under_an_exact_partner_is_stored_exact(caplog, bad):
     m, v = moments(4096, 6)
-    v[3] = -1.0
+    v[3] = bad
     with caplog.at_level(logging.WARNING, logger="tw_triton"):
         q = tw_triton.quantize_state_dict(state_of(m, v), rules=rules(v_codec="exact"))
     assert q.entries[M].codec == "exact" and "stored exact" in caplog.text

@@ -146,13 +146,14 @@ def keyframe_values(
     (``log2-temporal``'s ``keyframe_spec``: the absolute ``log2`` codes) gets its decoded
     entry, written into the tensor already there (``in_place``: the keyframe's snapshot,
     which its write no longer reads) or in its place (a placeholder, say on the meta
-    device). Exact entries are left as they are. Returns ``values``.
+    device). Exact entries are left as they are; one the encode decoded already
+    (``q.decoded``, then cleared) is taken from there. Returns ``values``.
 
     Host tensors are decoded one at a time; device ones in grouped decodes
     (:func:`~tw_triton.state.grouped.decode_grouped`: a number of launches that does not
     grow with their count), into the tensors already there where the codec can.
     """
-    items, paths = [], []
+    items, paths, targets = [], [], []
     for path, t in list(values.items()):
         target = q.aliases.get(path, path)
         entry = q.entries[target]
@@ -164,9 +165,13 @@ def keyframe_values(
         device = entry_device(entry, t.device) if t.device.type == "meta" else t.device
         items.append((entry, None, device, context))
         paths.append(path)
+        targets.append(target)
 
     def alone(i: int) -> torch.Tensor:
         entry, _, device, context = items[i]
+        taken = q.decoded.get(targets[i])  # decoded by the encode already
+        if taken is not None and taken.device == device:
+            return taken
         return get_codec(entry.codec).decode(entry, None, device, context)  # type: ignore[union-attr]
 
     grouped = [i for i, item in enumerate(items) if groups_launches(item[2])]
@@ -182,6 +187,7 @@ def keyframe_values(
             values[path] = out
         elif out is not t:
             t.copy_(out)
+    q.decoded.clear()
     return values
 
 
@@ -220,7 +226,8 @@ def advance(reference: Reference, q: QuantizedState) -> None:
     dtype. Each one is decoded over the old tensor (host tensors one at a time, in place
     where the codec can, :meth:`~tw_triton.codecs.Codec.decode_over`, else decoded and
     copied in; device tensors in grouped decodes that write each into its old tensor,
-    :meth:`~tw_triton.codecs.Codec.decode_group`; tied tensors excepted), so the reference
+    :meth:`~tw_triton.codecs.Codec.decode_group`; tied tensors excepted; one the encode
+    decoded already, ``q.decoded``, copied in, and that cleared), so the reference
     is never held twice, once nothing else can
     read the old tensors: after the first advance only this reference holds them, and
     before it they are the keyframe's snapshot, which its write reads until
@@ -252,6 +259,9 @@ def advance(reference: Reference, q: QuantizedState) -> None:
             raise CheckpointError(f"{context}: unknown codec {entry.codec!r}")
         where = entry_device(entry, r.device)
         ref = refs[target]
+        taken = q.decoded.get(target)
+        if taken is not None and target in over and taken.device == ref.device and _fits(ref, taken):
+            return ref.copy_(taken.view(ref.shape))  # decoded by the encode already
         if not codec.uses_reference(entry.params):
             out = codec.decode(entry, None, where, context)  # the entry's own buffer
         elif where != r.device:
@@ -286,6 +296,7 @@ def advance(reference: Reference, q: QuantizedState) -> None:
         outs = [refs[t] if t in over and refs[t].device == first[t].device else None for t in targets]
         results = decode_grouped(items, lambda i: decode(targets[i]), outs)
     decoded = dict(zip(targets, results))
+    q.decoded.clear()
     # By entry path, so tied tensors stay tied.
     reference.tree = nest({path: decoded[q.aliases.get(path, path)] for path in old})
     reference.owned = True

@@ -63,6 +63,10 @@ class QuantizedState:
         reference_id: id of the reference checkpoint the deltas are against, or ``None``.
         rules: the rules in force, as JSON-serializable data (recorded in the manifest).
         metadata: small JSON-serializable user metadata (step, wall time, ...).
+        decoded: host tensors by entry path that the encode decoded as a loader would (the
+            partners of ``blockwise-update`` entries), kept when ``quantize_state_dict`` is
+            asked to (``keep_decoded``) so that a closed loop's reference takes them instead
+            of decoding those entries again; never written. Whoever takes them clears it.
     """
 
     entries: dict[str, EncodedEntry]
@@ -72,6 +76,7 @@ class QuantizedState:
     aliases: dict[str, str] = field(default_factory=dict)
     rules: list[Any] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    decoded: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:

@@ -55,6 +55,7 @@ def encode_delta(
     else:
         q = encode()
         q.metadata["kind"] = KIND_STANDALONE
+    q.decoded.clear()  # (what no advance took)
     return q
 
 
@@ -83,6 +84,8 @@ def encode_keyframe(
     q.metadata["kind"] = KIND_KEYFRAME
     if reconstruct:
         keyframe_values(q, reconstruct, in_place=True)
+    elif checkpoint_id is not None:
+        q.decoded.clear()  # (in save, the caller's keyframe_values takes them)
     return q
 
 
@@ -117,6 +120,7 @@ def encode_save(
         checkpoint_id=checkpoint_id,
         allocate=allocate,
         copy=checkpoint_id is None and not live,
+        keep_decoded=True,  # taken by advance / keyframe_values, which decode them otherwise
     )
 
 

@@ -288,6 +288,8 @@ class SavePipeline:
             )
         job.noted.note(q)
         reference = job.reference if q.reference_id is not None else None
+        if not lossy:
+            q.decoded.clear()  # (what no keyframe_values took)
         to_write = functools.partial(keyframe_values_then, q, lossy) if lossy else q
         return Queued(
             self.write(to_write, job.path, reference, live=live),

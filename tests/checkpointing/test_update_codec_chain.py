@@ -12,7 +12,9 @@ import torch
 
 import tw_triton
 from tw_triton import format as fmt
+from tw_triton.codecs import get_codec
 from tw_triton.rules import resolve_rules, rules_as_specs
+from tw_triton.tree import flatten
 
 STEPS = 8
 M, V = "optimizer/state/0/exp_avg", "optimizer/state/0/exp_avg_sq"
@@ -113,3 +115,38 @@ def test_a_run_restarted_after_every_save_writes_the_same_codes(tmp_path, async_
     run(tmp_path / "b", 1, async_write=async_write)
     for name in sorted(os.listdir(tmp_path / "a")):
         assert codes(tmp_path / "a" / name) == codes(tmp_path / "b" / name), name
+
+
+@pytest.mark.parametrize("async_write", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("prepare", [False, True], ids=["first-save", "prepared"])
+def test_a_save_decodes_each_second_moment_once(tmp_path, monkeypatch, async_write, prepare):
+    """The encode decodes ``exp_avg_sq`` to code ``exp_avg`` with it; the closed loop's
+    reference (a keyframe's reconstruction, a delta's advance) takes that decode instead of
+    decoding the entry again, and ends up what a loader decodes."""
+    decoded: list[str] = []
+    for name in ("log2", "log2-temporal"):
+        cls = type(get_codec(name))
+        for method in ("decode", "decode_over"):
+            original = getattr(cls, method)
+
+            def spy(self, entry, reference, device, context, _original=original):
+                decoded.append(context)
+                return _original(self, entry, reference, device, context)
+
+            monkeypatch.setattr(cls, method, spy)
+    model, opt = make_objects()
+    partnered = sum(p.numel() >= 4096 for p in model.parameters())  # (update_rules' min_numel)
+    ck = tw_triton.Checkpointer(
+        tmp_path, keyframe_every=4, keep_last=None, fsync=False, rules=update_rules(), async_write=async_write
+    )
+    if prepare:
+        ck.prepare(model=model, optimizer=opt)
+    for step in range(3):  # a keyframe, then two deltas
+        set_values(model, opt, step)
+        decoded.clear()
+        ck.save(step, model=model, optimizer=opt).result()
+        assert len([c for c in decoded if "exp_avg_sq" in c]) == partnered, (step, decoded)
+    reference = ck._pipeline.chain.reference  # noqa: SLF001 - the closed loop's reference
+    ck.close()
+    loaded = tw_triton.load(ck.path_for(2), reference=ck.path_for(1))
+    assert torch.equal(flatten(reference.tree)[0][V], loaded["optimizer"]["state"][0]["exp_avg_sq"])

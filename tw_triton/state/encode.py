@@ -93,6 +93,7 @@ def quantize_state_dict(
     copy: bool = True,
     max_expansion: float | None = MAX_EXPANSION,
     sparse: bool = True,
+    keep_decoded: bool = False,
 ) -> QuantizedState:
     """Encode a nested training state into a consistent, writable snapshot.
 
@@ -124,6 +125,9 @@ def quantize_state_dict(
         sparse: store a float tensor that the rules store exact with the lossless
             ``bitmask`` codec where that is smaller (docs/codecs.md, "The sparse codec");
             ``False``: exact, as the rules say (a snapshot that must stay a plain copy).
+        keep_decoded: keep the host tensors the encode decodes anyway in the result's
+            ``decoded`` (for :func:`~tw_triton.deltas.advance` and
+            :func:`~tw_triton.deltas.keyframe_values`, which take them).
 
     Returns:
         A :class:`QuantizedState`; its buffers live where the source tensors did.
@@ -347,6 +351,7 @@ def quantize_state_dict(
     # their partners as encoded, so that their flags join it; one whose partner the sync
     # then stores exact is encoded again after it (docs/design.md).
     early: list[tuple[int, Encoded]] = []
+    decoded: dict[str, torch.Tensor] = {}
     if partners and not on_host and all(canonical[j] in entries for j in partners.values()):
         early = encode_pending(entries, partners, jobs, canonical, allocate, grouped=True)
     # The one host sync: every NaN/Inf flag, reference fingerprint and sparsity count
@@ -402,7 +407,16 @@ def quantize_state_dict(
         settle(entries, [pair for _, pair in kept], [bad[k] for k, _ in kept], jobs, canonical, exact_entry)
         partners = {i: partners[i] for i in again}
     if partners:  # coded with their partners' entries, now final
-        encode_partnered(entries, partners, jobs, canonical, exact_entry, allocate, grouped=not on_host)
+        encode_partnered(
+            entries,
+            partners,
+            jobs,
+            canonical,
+            exact_entry,
+            allocate,
+            grouped=not on_host,
+            decoded=decoded if keep_decoded else None,
+        )
     if partners or early:
         entries = {path: entries[path] for path in canonical}
 
@@ -417,6 +431,7 @@ def quantize_state_dict(
             recorded_ref_id = FINGERPRINT_PREFIX + digest[:16]
 
     return QuantizedState(
+        decoded=decoded,
         entries=entries,
         skeleton=skeleton,
         checkpoint_id=checkpoint_id or uuid.uuid4().hex,

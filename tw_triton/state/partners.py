@@ -79,13 +79,15 @@ def encode_partnered(
     exact_entry: Callable[[torch.Tensor], EncodedEntry],
     allocate: Allocator | None,
     grouped: bool = False,
+    decoded: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Phase two of an encode: each entry of ``partners`` coded with its partner's entry
     decoded as a loader decodes it (a delta against the job's reference), into
     ``entries``; one host read of the NaN/Inf flags, the flagged ones stored exact.
     ``grouped`` (a device state): the partners decoded and the entries encoded in grouped
-    ops (:func:`encode_grouped`), a number of launches that does not grow with their count."""
-    pending = encode_pending(entries, partners, jobs, canonical, allocate, grouped)
+    ops (:func:`encode_grouped`), a number of launches that does not grow with their count.
+    ``decoded``: where a host encode keeps each coded partner's decode, by entry path."""
+    pending = encode_pending(entries, partners, jobs, canonical, allocate, grouped, decoded)
     bad = fingerprints.read_device_scalars([enc.unusable for _, enc in pending])
     settle(entries, pending, bad, jobs, canonical, exact_entry)
 
@@ -97,10 +99,13 @@ def encode_pending(
     canonical: Sequence[str],
     allocate: Allocator | None,
     grouped: bool = False,
+    decoded: dict[str, torch.Tensor] | None = None,
 ) -> list[tuple[int, Encoded]]:
     """The encodes of :func:`encode_partnered` before their flags are read: ``(job index,
     encoded)`` in ``partners``' order, each ``unusable`` flag a device scalar (a slice of
-    one buffer per device where ``grouped``)."""
+    one buffer per device where ``grouped``). ``decoded`` (not ``grouped``): where each
+    partner's decode is kept, by entry path, unless its entry is exact (whose decode may
+    be the entry's own buffer)."""
     on_host = all(jobs[i][0].device.type == "cpu" for i in partners)
 
     def decode_item(i: int) -> tuple[EncodedEntry, torch.Tensor | None, torch.device, str]:
@@ -116,7 +121,10 @@ def encode_pending(
     def encode(i: int, v_hat: torch.Tensor | None = None) -> Any:
         x, rule, codec, _ = jobs[i]
         if v_hat is None:
-            v_hat = decode_alone(decode_item(i))
+            item = decode_item(i)
+            v_hat = decode_alone(item)
+            if decoded is not None and item[0].codec != "exact":
+                decoded[canonical[partners[i]]] = v_hat
         enc = codec.encode_with_partner(x, rule.params, canonical[partners[i]], v_hat, allocate)
         enc.entry.codec = rule.codec
         return enc

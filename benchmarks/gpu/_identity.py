@@ -376,10 +376,14 @@ def accepted(case: Case) -> bool:
 
 def plan(codecs: list[str], dry_run: bool) -> Iterator[Case]:
     """The cases the codecs take, most important first (a budget cut loses the rarest ones):
-    the partner codecs' (a few, the default preset's ``exp_avg``) before the others'."""
+    the partner codecs' (a few, the default preset's ``exp_avg``) before the others', their
+    edge sizes (each a compile of its own on a first run) last."""
     partnered = [n for n in codecs if has_partners(n)]
     plain = [n for n in codecs if not has_partners(n)]
-    return filter(accepted, itertools.chain(_partner_plan(partnered, dry_run), _plan(plain, dry_run)))
+    cases = itertools.chain(
+        _partner_plan(partnered, dry_run), _plan(plain, dry_run), _partner_sizes(partnered, dry_run)
+    )
+    return filter(accepted, cases)
 
 
 def _partner_plan(codecs: list[str], dry_run: bool) -> Iterator[Case]:
@@ -393,9 +397,13 @@ def _partner_plan(codecs: list[str], dry_run: bool) -> Iterator[Case]:
     for name, (bits, block, extra), dtype in itertools.product(codecs, PARTNER_PARAMS[:2], FLOATS):
         for layout in ("offset", "transposed"):
             yield Case(name, bits, block, dtype, "adversarial", layout, None, extra=extra)
+
+
+def _partner_sizes(codecs: list[str], dry_run: bool) -> Iterator[Case]:
+    """Sizes around block and tile edges (a group of one below 100 elements), at the
+    default's params; none in the dry run."""
     if dry_run:
         return
-    # Sizes around block and tile edges (a group of one below 100 elements).
     bits, block, extra = PARTNER_PARAMS[0]
     for name, dtype in itertools.product(codecs, (torch.float32, torch.bfloat16)):
         for numel in (1, 2, 3, 5, 31, 33, 127, 129, 4095, 4097, 3 * 4096 + 1):

@@ -77,9 +77,12 @@ def test_the_default_exp_avg_codec_is_in_the_sweep_and_the_precompile_grid():
     assert {c.layout for c in full} == {"contiguous", "offset", "transposed"}
     assert {c.dtype for c in full} == set(_identity.FLOATS)
     assert {c.numel for c in full} >= {1, 33, 4097, None}
-    # The partner codec's cases come first: a budget cut loses the other codecs' rarest.
-    order = [c.codec for c in _identity.plan([NAME, "blockwise"], dry_run=False)]
-    assert order[: len(full)] == [NAME] * len(full)
+    # The partner codec's cases come first, its edge sizes last (a budget cut loses the
+    # rarest cases).
+    order = [c for c in _identity.plan([NAME, "blockwise"], dry_run=False)]
+    sized = [c for c in full if c.numel is not None]
+    assert order[: len(full) - len(sized)] == [c for c in full if c.numel is None]
+    assert order[-len(sized) :] == sized and len(sized) == 22
     dry = [c for c in _identity.plan([NAME], dry_run=True)]
     assert dry and {c.layout for c in dry} == {"contiguous", "offset", "transposed"}
 

@@ -4,6 +4,7 @@ its checks fails when what it checks is broken. Also the ``cuda`` marker's rules
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -138,6 +139,19 @@ def test_identity_check_reports_a_byte_difference(request):
     assert any("buffer 'codes'" in p for p in problems), problems
     report = _identity.run_identity(torch.device("cpu"), dry_run=True, budget_s=60, codecs=["noisy-test"])
     assert report.run == report.planned and len(report.failures) >= report.run
+
+
+def test_the_smoke_grid_matches_the_cpu_on_the_kernels():
+    """The smoke step's cases (every codec of the default grid) with the device side on the
+    kernels: without a GPU, the Triton backend's kernels interpreted on CPU tensors."""
+    from _kernel_testing import KERNEL_DEVICE, require_runnable_kernels
+
+    require_runnable_kernels()
+    side = _identity.kernels_on_cpu if KERNEL_DEVICE.type == "cpu" else contextlib.nullcontext
+    cases = _identity.plan_grid(_precompile.default_grid())
+    report = _identity.run_identity(KERNEL_DEVICE, dry_run=False, budget_s=1e9, cases=cases, device_side=side)
+    assert report.failures == [] and report.run == report.planned == len(cases)
+    assert {c.codec for c in cases} == set(_identity.kernel_codecs()[0]) - {"bitmask"}
 
 
 def test_identity_inputs_hit_the_edges():

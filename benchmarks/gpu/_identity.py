@@ -1,6 +1,7 @@
 """Step (b) of the GPU validation: device vs CPU byte identity of every codec with a kernel.
 
-For each codec of the registry that declares ``has_kernel``, each bits, block and dtype, a
+For each codec of the registry that runs kernels (``has_kernel``, or coded with a partner:
+``_precompile.launches_kernels``), each bits, block and dtype, a
 case encodes the same logical tensor on the device and on the CPU (the torch path, the
 specification) through the :class:`~tw_triton.codecs.Codec` interface, and requires
 

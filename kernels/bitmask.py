@@ -34,16 +34,23 @@ NUM_WARPS = 8
 _BIT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
-@triton.jit(do_not_specialize=["tile0"])
-def bitmask_mask_kernel(x_ptr, mask_ptr, counts_ptr, n, tile0, MASKED: tl.constexpr, TILE: tl.constexpr):
-    """Pass 1 of the encode: mask bytes and the non-zero count of tile ``tile0 + pid``."""
-    tile = tile0 + tl.program_id(0).to(tl.int64)
+@triton.jit
+def load_tile(x_ptr, tile, n, MASKED: tl.constexpr, TILE: tl.constexpr):
+    """Tile ``tile`` of the integer view at ``x_ptr`` (0 past ``n``) and its non-zero
+    elements as an int32 0/1 vector: what both encode passes read (the grouped ones too)."""
     offs = tile * TILE + tl.arange(0, TILE)
     if MASKED:
         v = tl.load(x_ptr + offs, mask=offs < n, other=0)
     else:
         v = tl.load(x_ptr + offs)
-    nz = (v != 0).to(tl.int32)
+    return v, (v != 0).to(tl.int32)
+
+
+@triton.jit
+def mask_tile(x_ptr, mask_ptr, tile, n, MASKED: tl.constexpr, TILE: tl.constexpr):
+    """Pass 1's tile body: the mask bytes of tile ``tile`` stored (bit ``i`` of byte ``j``:
+    element ``8 j + i`` is non-zero); returns its non-zero vector (:func:`load_tile`)."""
+    _, nz = load_tile(x_ptr, tile, n, MASKED, TILE)
     flags = tl.reshape(nz, (TILE // 8, 8)) << tl.arange(0, 8)[None, :]
     packed = tl.sum(flags, axis=1).to(tl.uint8)
     byte_offs = tile * (TILE // 8) + tl.arange(0, TILE // 8)
@@ -51,6 +58,14 @@ def bitmask_mask_kernel(x_ptr, mask_ptr, counts_ptr, n, tile0, MASKED: tl.conste
         tl.store(mask_ptr + byte_offs, packed, mask=byte_offs * 8 < n)
     else:
         tl.store(mask_ptr + byte_offs, packed)
+    return nz
+
+
+@triton.jit(do_not_specialize=["tile0"])
+def bitmask_mask_kernel(x_ptr, mask_ptr, counts_ptr, n, tile0, MASKED: tl.constexpr, TILE: tl.constexpr):
+    """Pass 1 of the encode: mask bytes and the non-zero count of tile ``tile0 + pid``."""
+    tile = tile0 + tl.program_id(0).to(tl.int64)
+    nz = mask_tile(x_ptr, mask_ptr, tile, n, MASKED, TILE)
     tl.store(counts_ptr + tile, tl.sum(nz, axis=0).to(tl.int64))
 
 
@@ -60,12 +75,7 @@ def bitmask_scatter_kernel(
 ):
     """Pass 2 of the encode: the non-zero elements of a tile to their places in ``values``."""
     tile = tile0 + tl.program_id(0).to(tl.int64)
-    offs = tile * TILE + tl.arange(0, TILE)
-    if MASKED:
-        v = tl.load(x_ptr + offs, mask=offs < n, other=0)
-    else:
-        v = tl.load(x_ptr + offs)
-    nz = (v != 0).to(tl.int32)
+    v, nz = load_tile(x_ptr, tile, n, MASKED, TILE)
     rank = tl.cumsum(nz, axis=0) - nz
     dest = tl.load(starts_ptr + tile) + rank.to(tl.int64)
     tl.store(values_ptr + dest, v, mask=(nz != 0) & (dest < nnz))

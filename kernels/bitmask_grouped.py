@@ -4,8 +4,8 @@ one element width in a fixed number of launches.
 The spec is ``tw_triton.ops.reference.bitmask_encode_many_torch`` (the single
 ``bitmask_encode`` of each tensor). The launcher views the tensors as the integer of their
 width, so zero is the all-zero bit pattern (``-0.0`` and NaN are values) and no float
-instruction is involved. The two passes of the single encode (``kernels/bitmask.py``) run
-over the table geometry of the other grouped kernels (``tiles.launch_grouped``: tiles of
+instruction is involved. The two passes of the single encode (``kernels/bitmask.py``, whose
+tile bodies ``load_tile`` and ``mask_tile`` they call) run over the table geometry of the other grouped kernels (``tiles.launch_grouped``: tiles of
 ``TILE`` elements, whole tiles unmasked, the tails masked, int64 offsets), with one count
 per tile of the whole group:
 
@@ -28,11 +28,24 @@ import torch
 import triton
 import triton.language as tl
 
+from .bitmask import load_tile, mask_tile
 from .tiles import find_entry, group_outputs, launch_grouped
 
 # Elements per program (tiles.TILE_ELEMENTS, one row per program), as the single encode.
 TILE = 4096
 _BIT_VIEW = {2: torch.int16, 4: torch.int32}
+
+
+@triton.jit
+def grouped_tile(table_ptr, x_type_ptr, T, LOG_T: tl.constexpr):
+    """This program's table row, its tensor's length, the tile (of that tensor) it codes
+    and the tensor's elements as the integer type ``x_type_ptr`` carries."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = table_ptr + find_entry(table_ptr, pid, T, LOG_T) * 8
+    n = tl.load(row + 4)
+    tile = tl.load(row + 5) + (pid - tl.load(row + 6))
+    x_ptr = tl.multiple_of(tl.load(row + 0).to(x_type_ptr.dtype, bitcast=True), 16)
+    return row, n, tile, x_ptr
 
 
 @triton.jit
@@ -50,25 +63,9 @@ def bitmask_mask_grouped_kernel(
     mask, values, count; length, first tile, program index, first count slot) and its
     non-zero count. ``x_type_ptr`` only carries the integer type of the elements."""
     tl.static_assert(ROWS == 1)
-    pid = tl.program_id(0).to(tl.int64)
-    row = table_ptr + find_entry(table_ptr, pid, T, LOG_T) * 8
-    n = tl.load(row + 4)
-    tile = tl.load(row + 5) + (pid - tl.load(row + 6))
-    x_ptr = tl.multiple_of(tl.load(row + 0).to(x_type_ptr.dtype, bitcast=True), 16)
+    row, n, tile, x_ptr = grouped_tile(table_ptr, x_type_ptr, T, LOG_T)
     mask_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.uint8), bitcast=True), 16)
-    offs = tile * BLOCK + tl.arange(0, BLOCK)
-    if MASKED:
-        v = tl.load(x_ptr + offs, mask=offs < n, other=0)
-    else:
-        v = tl.load(x_ptr + offs)
-    nz = (v != 0).to(tl.int32)
-    flags = tl.reshape(nz, (BLOCK // 8, 8)) << tl.arange(0, 8)[None, :]
-    packed = tl.sum(flags, axis=1).to(tl.uint8)
-    byte_offs = tile * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-    if MASKED:
-        tl.store(mask_ptr + byte_offs, packed, mask=byte_offs * 8 < n)
-    else:
-        tl.store(mask_ptr + byte_offs, packed)
+    nz = mask_tile(x_ptr, mask_ptr, tile, n, MASKED, BLOCK)
     tl.store(counts_ptr + tl.load(row + 7) + tile, tl.sum(nz, axis=0).to(tl.int64))
 
 
@@ -86,20 +83,11 @@ def bitmask_scatter_grouped_kernel(
     """Pass 3: the non-zero elements of one tile of one tensor of the table to their
     places in its values (``starts_ptr``: the exclusive scan of the group's counts)."""
     tl.static_assert(ROWS == 1)
-    pid = tl.program_id(0).to(tl.int64)
-    row = table_ptr + find_entry(table_ptr, pid, T, LOG_T) * 8
-    n = tl.load(row + 4)
-    tile = tl.load(row + 5) + (pid - tl.load(row + 6))
-    x_ptr = tl.multiple_of(tl.load(row + 0).to(x_type_ptr.dtype, bitcast=True), 16)
+    row, n, tile, x_ptr = grouped_tile(table_ptr, x_type_ptr, T, LOG_T)
     values_ptr = tl.multiple_of(tl.load(row + 2).to(x_type_ptr.dtype, bitcast=True), 16)
     nnz = tl.load(row + 3)
     first = tl.load(row + 7)
-    offs = tile * BLOCK + tl.arange(0, BLOCK)
-    if MASKED:
-        v = tl.load(x_ptr + offs, mask=offs < n, other=0)
-    else:
-        v = tl.load(x_ptr + offs)
-    nz = (v != 0).to(tl.int32)
+    v, nz = load_tile(x_ptr, tile, n, MASKED, BLOCK)
     rank = tl.cumsum(nz, axis=0) - nz
     start = tl.load(starts_ptr + first + tile) - tl.load(starts_ptr + first)
     dest = start + rank.to(tl.int64)

@@ -20,6 +20,59 @@ from .tiles import aligned, find_entry, group_outputs, launch_grouped
 
 
 @triton.jit
+def grouped_decode_row(table_ptr, T, LOG_T: tl.constexpr, ROWS: tl.constexpr):
+    """This program's place in a grouped blockwise decode (table rows: codes, scales, two
+    more addresses; length, first row, program index, slot): its table row, the tensor's
+    length, the tile's first block row and the codes and scales pointers."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = table_ptr + find_entry(table_ptr, pid, T, LOG_T) * 8
+    n = tl.load(row + 4)
+    first_row = tl.load(row + 5) + (pid - tl.load(row + 6)) * ROWS
+    codes_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(tl.uint8), bitcast=True), 16)
+    scales_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.float32), bitcast=True), 16)
+    return row, n, first_row, codes_ptr, scales_ptr
+
+
+@triton.jit
+def load_codes_tile(
+    codes_ptr,
+    scales_ptr,
+    first_row,
+    n,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """The tile's element offsets (int64, ``(ROWS, BLOCK)``), which of them are below
+    ``n``, and its packed codes and scales (0 past ``n``): what :func:`dequantize_tile`
+    decodes."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
+
+    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
+    in_bounds = offs < n  # unused (and not computed) when not MASKED
+    if MASKED:
+        packed = tl.load(codes_ptr + byte_offs, mask=byte_offs * PER_BYTE < n, other=0)
+        scale = tl.load(scales_ptr + rows, mask=rows * BLOCK < n, other=0.0)
+    else:
+        packed = tl.load(codes_ptr + byte_offs)
+        scale = tl.load(scales_ptr + rows)
+    return offs, in_bounds, packed, scale
+
+
+@triton.jit
+def store_tile(out_ptr, offs, y, in_bounds, MASKED: tl.constexpr):
+    """``y`` to ``out_ptr + offs`` (only where ``in_bounds`` when ``MASKED``)."""
+    if MASKED:
+        tl.store(out_ptr + offs, y, mask=in_bounds)
+    else:
+        tl.store(out_ptr + offs, y)
+
+
+@triton.jit
 def dequantize_blockwise_grouped_kernel(
     table_ptr,
     flags_ptr,
@@ -35,27 +88,11 @@ def dequantize_blockwise_grouped_kernel(
 ):
     """Decode one tile of one tensor of the table (``T`` rows). ``ref_type_ptr`` and
     ``out_type_ptr`` only carry element types; ``flags_ptr`` is not used."""
-    PER_BYTE: tl.constexpr = 8 // BITS
-    BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
-
-    pid = tl.program_id(0).to(tl.int64)
-    row = table_ptr + find_entry(table_ptr, pid, T, LOG_T) * 8
-    n = tl.load(row + 4)
-    first_row = tl.load(row + 5) + (pid - tl.load(row + 6)) * ROWS
-    codes_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(tl.uint8), bitcast=True), 16)
-    scales_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.float32), bitcast=True), 16)
+    row, n, first_row, codes_ptr, scales_ptr = grouped_decode_row(table_ptr, T, LOG_T, ROWS)
     out_ptr = tl.multiple_of(tl.load(row + 3).to(out_type_ptr.dtype, bitcast=True), 16)
-
-    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
-    if MASKED:
-        in_bounds = offs < n
-        packed = tl.load(codes_ptr + byte_offs, mask=byte_offs * PER_BYTE < n, other=0)
-        scale = tl.load(scales_ptr + rows, mask=rows * BLOCK < n, other=0.0)
-    else:
-        packed = tl.load(codes_ptr + byte_offs)
-        scale = tl.load(scales_ptr + rows)
+    offs, in_bounds, packed, scale = load_codes_tile(
+        codes_ptr, scales_ptr, first_row, n, MASKED, BITS, BLOCK, ROWS
+    )
     if HAS_REF:
         ref_ptr = tl.multiple_of(tl.load(row + 2).to(ref_type_ptr.dtype, bitcast=True), 16)
         if MASKED:
@@ -65,10 +102,7 @@ def dequantize_blockwise_grouped_kernel(
     else:
         r = 0.0
     y = dequantize_tile(packed, scale, r, HAS_REF, BITS, BLOCK, ROWS, out_type_ptr.dtype.element_ty)
-    if MASKED:
-        tl.store(out_ptr + offs, y, mask=in_bounds)
-    else:
-        tl.store(out_ptr + offs, y)
+    store_tile(out_ptr, offs, y, in_bounds, MASKED)
 
 
 def dequantize_blockwise_grouped(

@@ -1,7 +1,8 @@
 """Grouped blockwise-update decode: ``m_hat = u_hat * (sqrt(v_hat) + eps)``, many tensors in
 two launches.
 
-The grouped blockwise decode (``dequantize_blockwise_grouped``) without a reference, with
+The grouped blockwise decode (``dequantize_blockwise_grouped``, whose table row and code
+loads ``grouped_decode_row`` and ``load_codes_tile`` it calls) without a reference, with
 the update's denominator applied in the tile: each program decodes a ``(ROWS, BLOCK)`` tile
 of ``u_hat`` to fp32 with the blockwise tile arithmetic (``dequantize_tile``), loads the
 same tile of its partner's decode ``v_hat`` (fp32), forms ``sqrt(v_hat) + eps`` with
@@ -18,7 +19,8 @@ import triton
 import triton.language as tl
 
 from .dequantize_blockwise import dequantize_tile, to_output
-from .tiles import find_entry, group_outputs, launch_grouped
+from .dequantize_blockwise_grouped import grouped_decode_row, load_codes_tile, store_tile
+from .tiles import group_outputs, launch_grouped
 
 
 @triton.jit
@@ -37,37 +39,20 @@ def dequantize_blockwise_update_grouped_kernel(
     """Decode one tile of one tensor of the table (``T`` rows: addresses of codes, scales,
     v_hat and the output); ``eps`` is fp32. ``out_type_ptr`` only carries the output's
     element type; ``flags_ptr`` is not used."""
-    PER_BYTE: tl.constexpr = 8 // BITS
-    BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
-
-    pid = tl.program_id(0).to(tl.int64)
-    row = table_ptr + find_entry(table_ptr, pid, T, LOG_T) * 8
-    n = tl.load(row + 4)
-    first_row = tl.load(row + 5) + (pid - tl.load(row + 6)) * ROWS
-    codes_ptr = tl.multiple_of(tl.load(row + 0).to(tl.pointer_type(tl.uint8), bitcast=True), 16)
-    scales_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.float32), bitcast=True), 16)
+    row, n, first_row, codes_ptr, scales_ptr = grouped_decode_row(table_ptr, T, LOG_T, ROWS)
     v_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32), bitcast=True), 16)
     out_ptr = tl.multiple_of(tl.load(row + 3).to(out_type_ptr.dtype, bitcast=True), 16)
-
-    rows = first_row + tl.arange(0, ROWS).to(tl.int64)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
+    offs, in_bounds, packed, scale = load_codes_tile(
+        codes_ptr, scales_ptr, first_row, n, MASKED, BITS, BLOCK, ROWS
+    )
     if MASKED:
-        in_bounds = offs < n
-        packed = tl.load(codes_ptr + byte_offs, mask=byte_offs * PER_BYTE < n, other=0)
-        scale = tl.load(scales_ptr + rows, mask=rows * BLOCK < n, other=0.0)
         v = tl.load(v_ptr + offs, mask=in_bounds, other=0.0)
     else:
-        packed = tl.load(codes_ptr + byte_offs)
-        scale = tl.load(scales_ptr + rows)
         v = tl.load(v_ptr + offs)
     u = dequantize_tile(packed, scale, 0.0, False, BITS, BLOCK, ROWS, tl.float32)
     den = tl.sqrt_rn(v) + tl.full((ROWS, BLOCK), eps, tl.float32)
     y = to_output(u * den, out_type_ptr.dtype.element_ty)
-    if MASKED:
-        tl.store(out_ptr + offs, y, mask=in_bounds)
-    else:
-        tl.store(out_ptr + offs, y)
+    store_tile(out_ptr, offs, y, in_bounds, MASKED)
 
 
 def dequantize_blockwise_update_grouped(

@@ -12,10 +12,16 @@ specialization exactly the one a save or a load launches.
 The grid is derived, not listed: the rules of every preset in ``tw_triton.rules.PRESETS``
 (``Checkpointer``'s default ``bits`` and ``block``), resolved on an LM-shaped state; each
 rule whose codec has a kernel gives an entry per float dtype, with and without a reference
-if the codec codes deltas. Each entry runs encode and decode at three sizes: whole tiles
-only, and with a masked tail at an ``n`` that is and is not a multiple of 16; an entry
-without a reference also runs the grouped sparsity count of its tensor, and a blockwise
-entry the grouped statistics of the ``max_error`` bits choice.
+if the codec codes deltas. A codec coded with a partner (``blockwise-update``: Adam's
+``exp_avg`` in the update's domain, with its ``exp_avg_sq``) gives an entry per float dtype
+too: its device ops are kernels (the grouped encode and decode with partners, the
+blockwise kernels of one tensor at a time). Each entry runs encode and decode at three
+sizes: whole tiles only, and with a masked tail at an ``n`` that is and is not a multiple of
+16; an entry without a reference also runs the grouped sparsity count of its tensor, and a
+blockwise entry the grouped statistics of the ``max_error`` bits choice. A partner entry
+runs both of its paths at each size: one tensor alone, and the tensor split into the group
+of :func:`group_sizes` (the grouped kernels specialize on a group's table, so the identity
+sweep's groups are split the same way).
 
 Under ``TRITON_INTERPRET=1`` or without CUDA nothing compiles: :func:`precompile` lists the
 grid and its shares and returns (the pool itself is tested on the CPU by running the CPU
@@ -71,6 +77,12 @@ class Entry:
         )
 
 
+def launches_kernels(codec: Any) -> bool:
+    """Whether ``codec`` runs kernels on a device: it declares ``has_kernel``, or it is
+    coded with a partner (its grouped ops and its inner codec's are kernels)."""
+    return bool(getattr(codec, "has_kernel", False) or getattr(codec, "has_partners", False))
+
+
 def default_bits_block() -> tuple[int, int]:
     """``Checkpointer``'s default ``bits`` and ``block`` (read from its signature)."""
     sig = inspect.signature(Checkpointer.__init__).parameters
@@ -101,7 +113,7 @@ def default_grid() -> list[Entry]:
     for rules in preset_rules().values():
         for rule in rules:
             codec = get_codec(rule.codec)
-            if not getattr(codec, "has_kernel", False):
+            if not launches_kernels(codec):
                 continue
             params = tuple(sorted((k, v) for k, v in rule.params.items() if k not in NOT_KERNEL_PARAMS))
             refs = (False, True) if codec.uses_reference(rule.params) else (False,)
@@ -119,6 +131,18 @@ def sizes(block: int) -> tuple[int, ...]:
     return (2 * TILE, 2 * TILE + block // 2, 2 * TILE + block // 2 + 3)
 
 
+def group_sizes(n: int, multiple_of: int = 1) -> list[int]:
+    """The members a partner entry of ``n`` elements is split into for its grouped path:
+    two of about ``n / 2`` (a whole tile and a tail each, at the default sizes) and one of
+    33 (a tail only); each a multiple of ``multiple_of``; ``[n]`` when ``n`` is small."""
+    if n < 100:
+        return [n]
+    first = (n - 33) // (2 * multiple_of) * multiple_of
+    if multiple_of == 1:
+        first += 1  # odd: the members' lengths differ modulo 16
+    return [first, n - 33 - first, 33]
+
+
 def shares(grid: list[Entry], workers: int) -> list[list[Entry]]:
     """``grid`` split round-robin over at most ``workers`` (no empty share)."""
     n = max(1, min(workers, len(grid)))
@@ -132,6 +156,12 @@ def run_entry(entry: Entry, device: torch.device) -> None:
     params = codec.resolve_params(dict(entry.params), bits=entry.bits, block=entry.block)
     dtype = getattr(torch, entry.dtype)
     gen = torch.Generator().manual_seed(0)
+    if codec.has_partners:
+        for n in sizes(entry.block):
+            run_partner_entry(codec, params, torch.randn(n, generator=gen).to(dtype).to(device), device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return
     for n in sizes(entry.block):
         x = torch.randn(n, generator=gen).to(dtype).to(device)
         ref = (x * 0.99).contiguous() if entry.has_ref else None
@@ -149,6 +179,20 @@ def run_entry(entry: Entry, device: torch.device) -> None:
             ops.delta_statistics_many([x], [ref], entry.block, out=out)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def run_partner_entry(codec: Any, params: dict[str, Any], x: torch.Tensor, device: torch.device) -> None:
+    """A partner codec's launches for ``x``: encode and decode with a partner alone, then
+    as the group of :func:`group_sizes`."""
+    context = f"precompile {codec.name}"
+    v = (x.float() * x.float()).contiguous()
+    enc = codec.encode_with_partner(x, params, "partner", v, None)
+    codec.decode_with_partner(enc.entry, v, device, context)
+    sizes_ = group_sizes(x.numel())
+    xs, vs = [t.clone() for t in x.split(sizes_)], [t.clone() for t in v.split(sizes_)]
+    flags = torch.zeros(len(xs), dtype=torch.int64, device=device)
+    encs = codec.encode_group_with_partners(xs, params, ["partner"] * len(xs), vs, flags)
+    codec.decode_group_with_partners([e.entry for e in encs], vs, device, [context] * len(xs))
 
 
 def _run_share(entries: list[Entry], device: str, deadline: float) -> list[tuple[str, float]]:

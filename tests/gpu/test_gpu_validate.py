@@ -4,6 +4,7 @@ its checks fails when what it checks is broken. Also the ``cuda`` marker's rules
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -138,6 +139,19 @@ def test_identity_check_reports_a_byte_difference(request):
     assert any("buffer 'codes'" in p for p in problems), problems
     report = _identity.run_identity(torch.device("cpu"), dry_run=True, budget_s=60, codecs=["noisy-test"])
     assert report.run == report.planned and len(report.failures) >= report.run
+
+
+def test_the_smoke_grid_matches_the_cpu_on_the_kernels():
+    """The smoke step's cases (every codec of the default grid) with the device side on the
+    kernels: without a GPU, the Triton backend's kernels interpreted on CPU tensors."""
+    from _kernel_testing import KERNEL_DEVICE, require_runnable_kernels
+
+    require_runnable_kernels()
+    side = _identity.kernels_on_cpu if KERNEL_DEVICE.type == "cpu" else contextlib.nullcontext
+    cases = _identity.plan_grid(_precompile.default_grid())
+    report = _identity.run_identity(KERNEL_DEVICE, dry_run=False, budget_s=1e9, cases=cases, device_side=side)
+    assert report.failures == [] and report.run == report.planned == len(cases)
+    assert {c.codec for c in cases} == set(_identity.kernel_codecs()[0]) - {"bitmask"}
 
 
 def test_identity_inputs_hit_the_edges():
@@ -470,9 +484,10 @@ def test_the_phase_budget_stops_starting_steps(tmp_path, monkeypatch):
 
 
 def test_the_grid_is_what_the_presets_code_with_a_kernel():
-    """Derived from tw_triton.rules, not listed: every preset's rule whose codec has a
-    kernel is in it on every dtype (with a reference when the rule codes deltas), and it
-    holds nothing else. The hand list below is only a cross-check of today's presets."""
+    """Derived from tw_triton.rules, not listed: every preset's rule whose codec runs
+    kernels (has one, or is coded with a partner) is in it on every dtype (with a reference
+    when the rule codes deltas), and it holds nothing else. The hand list below is only a
+    cross-check of today's presets."""
     from tw_triton.rules import PRESETS
 
     assert _precompile.default_bits_block() == (8, 128)
@@ -484,7 +499,7 @@ def test_the_grid_is_what_the_presets_code_with_a_kernel():
     for preset_rules in rules.values():
         for r in preset_rules:
             codec = get_codec(r.codec)
-            if not codec.has_kernel:
+            if not (codec.has_kernel or codec.has_partners):
                 continue
             kparams = tuple(sorted((k, v) for k, v in r.params.items() if k != "delta"))
             for dtype in _precompile.DTYPES:
@@ -497,7 +512,7 @@ def test_the_grid_is_what_the_presets_code_with_a_kernel():
     today = {(e.codec, e.bits, e.block, e.has_ref) for e in grid}
     assert today == {("blockwise", b, 128, ref) for b in (8, 4, 2) for ref in (False, True)} | {
         ("log2", b, 128, False) for b in (8, 4)
-    } | {("log2-temporal", 4, 128, ref) for ref in (False, True)}
+    } | {("log2-temporal", 4, 128, ref) for ref in (False, True)} | {("blockwise-update", 4, 128, False)}
     assert {e.dtype for e in grid if e.codec == "log2-temporal"} == {"float32"}
     cases = _identity.plan_grid(grid)
     assert {(c.codec, c.bits, c.block, c.dtype, c.ref_dtype is not None) for c in cases} == {

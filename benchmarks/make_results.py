@@ -77,6 +77,27 @@ INTERVAL_RUNS = (
             "1",
         ],
     ),
+    (
+        "minilm",
+        200,
+        [
+            *_SMALLEST_3,
+            "--model",
+            "minilm",
+            "--keyframe-every",
+            "10",
+            "--save-every",
+            "200",
+            "--steps",
+            "1800",
+            "--eval-every",
+            "50",
+            "--restart-every",
+            "1",
+            "--jobs",
+            "3",
+        ],
+    ),
 )
 INTERVAL_RESULTS = tuple(f"resume_{model}_every{every}" for model, every, _ in INTERVAL_RUNS)
 # exp_avg in the update's domain against its blockwise codes (harness/update_domain.py).

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _native_builds import build_id, native_builds
+from _native_builds import build_id, native_builds, use_build
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,10 +35,7 @@ F32_MAX = torch.finfo(torch.float32).max
 @pytest.fixture(params=native_builds() or [None], ids=build_id)
 def build(request, monkeypatch):
     """Each build in turn (an AVX2 machine would otherwise only run the AVX2 one)."""
-    if request.param is None or not native.enabled():
-        pytest.skip("compiled codec not built or turned off")
-    lib = native.load(request.param)
-    monkeypatch.setattr(native_temporal, "library", lambda: lib)
+    use_build(request.param, monkeypatch, native_temporal)
     return request.param
 
 

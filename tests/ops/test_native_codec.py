@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from _codec_oracle import near_tie_blocks
-from _native_builds import build_id, native_builds
+from _native_builds import build_id, native_builds, use_build
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,10 +34,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def build(request, monkeypatch):
     """Each build in turn (on an AVX2 machine ``enabled()`` alone would only ever run the
     AVX2 one): both must give the spec's bytes."""
-    if request.param is None or not native.enabled():
-        pytest.skip("compiled codec not built or turned off")
-    lib = native.load(request.param)
-    monkeypatch.setattr(native, "library", lambda: lib)
+    use_build(request.param, monkeypatch, native)
     return request.param
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _native_builds import build_id, native_builds
+from _native_builds import build_id, native_builds, use_build
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,11 +23,7 @@ BAD = [float("nan"), -1.0, -1e-45, -float("inf")]
 @pytest.fixture(params=native_builds() or [None], ids=build_id)
 def lib(request, monkeypatch):
     """Each build in turn (an AVX2 machine would otherwise only run the AVX2 one)."""
-    if request.param is None or not native.enabled():
-        pytest.skip("compiled codec not built or turned off")
-    built = native.load(request.param)
-    monkeypatch.setattr(native_update, "library", lambda: built)
-    return built
+    return use_build(request.param, monkeypatch, native_update)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

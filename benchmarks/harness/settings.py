@@ -27,7 +27,7 @@ import torch
 import tw_triton
 from harness import update_domain
 from tw_triton.checkpointer import DEFAULT_DELTA
-from tw_triton.rules import PRESETS, resolve_rules
+from tw_triton.rules import PRESETS, resolve_rules, rules_as_specs
 
 # Tensors smaller than this stay exact, like the library's default rules: their scales
 # would cost more than the bits saved.
@@ -207,7 +207,27 @@ EXPLICIT_RULES: dict[str, list[Any]] = {
         _moment("exp_avg", {"codec": "int3", "block": 256, "delta": False, "min_numel": 4096}),
     ],
 }
+
+
+def _smallest_with(*overrides: tuple[str, Any]) -> list[Any]:
+    """``smallest``'s rules with ``overrides`` matched first (the first matching rule wins)."""
+    z = torch.zeros(64, 64)
+    template = {"model": {"w": z}, "optimizer": {"state": {0: {"exp_avg": z, "exp_avg_sq": z}}}}
+    return [*overrides, *rules_as_specs(resolve_rules("smallest", template, bits=8, block=128))]
+
+
+# "smallest" with one moment at 8 bits: which of its 4-bit moments moves a long fine-tune
+# saved every 200 steps (docs/performance.md, "Save intervals").
+EXPLICIT_RULES["smallest-v8"] = _smallest_with(
+    _moment("exp_avg_sq", {"codec": "log2-temporal", "bits": 8, "min_numel": 4096}),
+    _moment("exp_avg_sq", {"codec": "log2", "bits": 8, "min_numel": 4096}),
+)
+EXPLICIT_RULES["smallest-m8"] = _smallest_with(
+    _moment("exp_avg", {"codec": "blockwise-update", "bits": 8, "fallback_bits": 8, "min_numel": 4096}),
+)
 EXPLICIT_BITS = {
+    "smallest-v8": 2,
+    "smallest-m8": 2,
     "w4-m4-v4": 4,
     "w2-m4-v2": 2,
     "w2-m2-v2": 2,

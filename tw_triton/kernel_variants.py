@@ -91,7 +91,8 @@ def save_variants(
         for rule in (select_rule(key_rules, path, t), select_rule(rule_list, path, t)):
             codec = get_codec(rule.codec)
             if codec is not None and codec.has_partners:
-                partners.add(codec.partner_path(path, rule.params, flat.tensors))
+                if _partner_serves(codec, rule, path, t, flat.tensors, (key_rules, rule_list)):
+                    partners.add(codec.partner_path(path, rule.params, flat.tensors))
     for path, t in flat.tensors.items():
         if t.device.type != device_type:
             continue
@@ -102,9 +103,15 @@ def save_variants(
         )
         for rule, keyframe in ((select_rule(key_rules, path, t), True), (later, False)):
             codec = get_codec(rule.codec)
-            if codec is not None and codec.has_partners:  # u = m / (sqrt(v_hat) + eps), coded blockwise
-                name, inner = codec.inner_spec(rule.params)  # type: ignore[attr-defined]
-                rule, codec = type(rule)(rule.pattern, name, inner, rule.min_numel), get_codec(name)
+            dtype = t.dtype
+            if codec is not None and codec.has_partners:
+                if _partner_serves(codec, rule, path, t, flat.tensors, (key_rules, rule_list)):
+                    # u = m / (sqrt(v_hat) + eps), float32 whatever m's dtype, coded blockwise
+                    name, inner = codec.inner_spec(rule.params)  # type: ignore[attr-defined]
+                    rule, dtype = type(rule)(rule.pattern, name, inner, rule.min_numel), torch.float32
+                else:  # as state.partners.plan_partners: the fallback codes m itself
+                    rule = partner_free(rule)
+                codec = get_codec(rule.codec)
             if codec is None or not getattr(codec, "has_kernel", False):
                 continue
             # A keyframe codes without a reference; "none" codes every save so.
@@ -121,9 +128,20 @@ def save_variants(
                 # A closed loop decodes its deltas; a keyframe's lossy entries of tensors
                 # the deltas are coded against are decoded as their reference.
                 decode = has_ref and delta_mode == "closed" or keyframe and reconstructed or path in partners
-                variant = Variant(rule.codec, params, t.dtype, has_ref, n, decode)
+                variant = Variant(rule.codec, params, dtype, has_ref, n, decode)
                 seen.setdefault(variant, None)
     return list(seen)
+
+
+def _partner_serves(codec: Any, rule: Any, path: str, t: torch.Tensor, tensors: dict, rule_sets: tuple) -> bool:
+    """Whether the save codes ``path`` with its partner, as
+    :func:`~tw_triton.state.partners.plan_partners` decides: one of ``t``'s shape as
+    float32, not itself coded with a partner under either of ``rule_sets``."""
+    found = codec.partner_path(path, rule.params, tensors)
+    v = tensors.get(found) if found is not None else None
+    if v is None or found == path or v.dtype != torch.float32 or tuple(v.shape) != tuple(t.shape):
+        return False
+    return not any(getattr(get_codec(select_rule(rs, found, v).codec), "has_partners", False) for rs in rule_sets)
 
 
 def compile_variant(variant: Variant, device: torch.device) -> None:

@@ -75,14 +75,16 @@ def launches(monkeypatch):
     return seen
 
 
-def _adamw_state(model):
+def _adamw_state(model, m_dtype=torch.float32, v_dtype=torch.float32):
     """An AdamW-like optimizer state dict for ``model``'s tensors."""
-    moments = {k: {"exp_avg": v.float().clone(), "exp_avg_sq": v.float().square()} for k, v in model.items()}
+    moments = {
+        k: {"exp_avg": v.to(m_dtype).clone(), "exp_avg_sq": v.float().square().to(v_dtype)} for k, v in model.items()
+    }
     state = dict(enumerate(moments.values()))
     return {"state": state, "param_groups": [{"params": list(state), "lr": 1e-3}]}
 
 
-def _state(dtype):
+def _state(dtype, m_dtype=torch.float32, v_dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     model = {
         "embed": torch.randn(3 * 4096 + 80, generator=g).to(dtype),  # a masked tail, n % 16 == 0
@@ -90,25 +92,29 @@ def _state(dtype):
         "odd": torch.randn(4099, generator=g).to(dtype),  # n % 16 != 0
         "b": torch.randn(64, generator=g).to(dtype),  # exact: no kernel
     }
-    return model, _adamw_state(model)
+    return model, _adamw_state(model, m_dtype, v_dtype)
 
 
 @pytest.mark.parametrize(
-    ("rules", "delta", "dtype"),
+    ("rules", "delta", "dtype", "moments"),
     [
-        ("smallest", "closed", torch.float32),
-        ("small", "open", torch.bfloat16),
-        ("smallest", "none", torch.float16),
+        ("smallest", "closed", torch.float32, (torch.float32, torch.float32)),
+        ("small", "open", torch.bfloat16, (torch.float32, torch.float32)),
+        ("smallest", "none", torch.float16, (torch.float32, torch.float32)),
+        # exp_avg in bfloat16: its u is float32 all the same
+        ("smallest", "closed", torch.bfloat16, (torch.bfloat16, torch.float32)),
+        # exp_avg_sq in bfloat16 is no partner: exp_avg gets the fallback's blockwise codes
+        ("smallest", "closed", torch.bfloat16, (torch.bfloat16, torch.bfloat16)),
     ],
 )
 def test_prepare_launches_exactly_what_the_first_keyframe_and_delta_launch(
-    tmp_path, monkeypatch, launches, rules, delta, dtype
+    tmp_path, monkeypatch, launches, rules, delta, dtype, moments
 ):
     monkeypatch.setattr(kernel_variants, "KERNEL_DEVICE_TYPE", "cpu")
     compiled = []
     real = kernel_variants.compile_variant
     monkeypatch.setattr(kernel_variants, "compile_variant", lambda v, d: compiled.append(v) or real(v, d))
-    model, opt = _state(dtype)
+    model, opt = _state(dtype, *moments)
     with Checkpointer(
         tmp_path, keyframe_every=5, rules=rules, delta=delta, async_write=False, fsync=False
     ) as ck:

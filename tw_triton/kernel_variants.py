@@ -133,7 +133,9 @@ def save_variants(
     return list(seen)
 
 
-def _partner_serves(codec: Any, rule: Any, path: str, t: torch.Tensor, tensors: dict, rule_sets: tuple) -> bool:
+def _partner_serves(
+    codec: Any, rule: Any, path: str, t: torch.Tensor, tensors: dict, rule_sets: tuple
+) -> bool:
     """Whether the save codes ``path`` with its partner, as
     :func:`~tw_triton.state.partners.plan_partners` decides: one of ``t``'s shape as
     float32, not itself coded with a partner under either of ``rule_sets``."""
@@ -141,7 +143,9 @@ def _partner_serves(codec: Any, rule: Any, path: str, t: torch.Tensor, tensors: 
     v = tensors.get(found) if found is not None else None
     if v is None or found == path or v.dtype != torch.float32 or tuple(v.shape) != tuple(t.shape):
         return False
-    return not any(getattr(get_codec(select_rule(rs, found, v).codec), "has_partners", False) for rs in rule_sets)
+    return not any(
+        getattr(get_codec(select_rule(rs, found, v).codec), "has_partners", False) for rs in rule_sets
+    )
 
 
 def compile_variant(variant: Variant, device: torch.device) -> None:

@@ -78,7 +78,8 @@ def launches(monkeypatch):
 def _adamw_state(model, m_dtype=torch.float32, v_dtype=torch.float32):
     """An AdamW-like optimizer state dict for ``model``'s tensors."""
     moments = {
-        k: {"exp_avg": v.to(m_dtype).clone(), "exp_avg_sq": v.float().square().to(v_dtype)} for k, v in model.items()
+        k: {"exp_avg": v.to(m_dtype).clone(), "exp_avg_sq": v.float().square().to(v_dtype)}
+        for k, v in model.items()
     }
     state = dict(enumerate(moments.values()))
     return {"state": state, "param_groups": [{"params": list(state), "lr": 1e-3}]}

@@ -176,6 +176,28 @@ def earlier_baselines(
     return {s: by_seed[s] for s in seeds}
 
 
+def other_seeds(
+    name: str | None, config: dict[str, Any], settings: tuple[ResumeSetting, ...], seeds: list[int]
+) -> list[dict[str, Any]]:
+    """The runs of result ``name`` whose seeds are not in ``seeds``, for ``--add-seeds``.
+
+    Raises:
+        ValueError: no such result, or one of another config, settings, torch or thread count.
+    """
+    if not name or not (RESULTS_DIR / f"{name}.json").exists():
+        raise ValueError(f"--add-seeds: no result {name!r} to add to")
+    old = read_result(name)
+    env, here = old.get("environment", {}), environment()
+    problems = [k for k in ("torch", "torch_threads") if env.get(k) != here[k]]
+    if old.get("config") != config:
+        problems.append("config")
+    if [r["spec"] for r in old.get("rows", [])] != [s.to_json() for s in settings]:
+        problems.append("settings")
+    if problems:
+        raise ValueError(f"--add-seeds: result {name!r} differs in {', '.join(problems)}")
+    return [r for r in old["runs"] if r["seed"] not in seeds]
+
+
 def task_config(model: str, quick: bool, **overrides: int | None) -> Any:
     """The model's run configuration (its ``QUICK`` one with ``quick``), with ``overrides`` applied."""
     if model == "gpt":
@@ -228,6 +250,18 @@ def main(argv: list[str] | None = None) -> None:
         "config and environment), checked by training their first steps again",
     )
     parser.add_argument(
+        "--baselines-from",
+        default=None,
+        metavar="NAME",
+        help="as --reuse-baselines, from result NAME (a control run of other settings)",
+    )
+    parser.add_argument(
+        "--add-seeds",
+        action="store_true",
+        help="keep the runs of other seeds in the result --out names (same config and "
+        "settings) and summarize them with this run's",
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -263,9 +297,15 @@ def main(argv: list[str] | None = None) -> None:
     exact = args.exact_check if args.exact_check is not None else (spec["exact_check"] or args.quick)
     name = args.out or (None if args.quick else out)
     baselines = None
-    if args.reuse_baselines:
+    if args.reuse_baselines or args.baselines_from:
         try:
-            baselines = earlier_baselines(name, asdict(cfg), seeds)
+            baselines = earlier_baselines(args.baselines_from or name, asdict(cfg), seeds)
+        except ValueError as e:
+            parser.error(str(e))
+    earlier_runs = []
+    if args.add_seeds:
+        try:
+            earlier_runs = other_seeds(name, asdict(cfg), settings, seeds)
         except ValueError as e:
             parser.error(str(e))
     kw = {
@@ -277,6 +317,10 @@ def main(argv: list[str] | None = None) -> None:
         result = run_in_parallel(args.model, cfg, seeds, settings, jobs=args.jobs, threads=args.threads, **kw)
     else:
         result = run(args.model, cfg, seeds, settings, **kw)
+    if earlier_runs:
+        runs = sorted([*earlier_runs, *result["runs"]], key=lambda r: r["seed"])
+        result = {**result, **summarize(runs, settings, result["params"]), "runs": runs}
+        seeds = [r["seed"] for r in runs]
     print(
         f"{result['task']}: {result['params']} parameters; {cfg.steps} steps, a save every "
         f"{cfg.save_every}, a restart every {cfg.restart_every or 'keyframe_every'} saves; seeds {seeds}"

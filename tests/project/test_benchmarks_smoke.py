@@ -174,6 +174,33 @@ def test_resume_script_runs_the_gpt_quick_and_names_the_ablation_settings(capsys
     assert resume_fidelity.task_config("minilm", True, steps=3).steps == 3
 
 
+def test_a_control_run_reuses_another_results_baselines_and_adds_seeds(tmp_path, monkeypatch) -> None:
+    """--baselines-from: a control of other settings trains against the stored uninterrupted
+    and noise runs; --add-seeds: a later seed joins the stored ones, summarized over all, and
+    a result of other settings is refused."""
+    import resume_fidelity
+    from harness import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(resume_fidelity, "RESULTS_DIR", tmp_path)
+    quick = ["--quick", "--no-exact-check"]
+    resume_fidelity.main([*quick, "--settings", "small", "--seeds", "0", "--out", "base"])
+    resume_fidelity.main(
+        [*quick, "--settings", "int4-delta", "--seeds", "0", "--baselines-from", "base", "--out", "ctl"]
+    )
+    base, first = common.read_result("base"), common.read_result("ctl")
+    assert first["runs"][0]["base"] == base["runs"][0]["base"]
+    assert first["runs"][0]["noise"] == base["runs"][0]["noise"]
+    resume_fidelity.main([*quick, "--settings", "int4-delta", "--seeds", "1", "--add-seeds", "--out", "ctl"])
+    both = common.read_result("ctl")
+    assert [r["seed"] for r in both["runs"]] == [0, 1] and both["runs"][0] == first["runs"][0]
+    row = both["rows"][0]
+    assert row["seeds"] == [0, 1] and len(row["final_noise_per_seed"]) == 2
+    assert row["final_dev_worst"] == max(r["settings"]["int4-delta"]["dev"]["final"] for r in both["runs"])
+    with pytest.raises(SystemExit):
+        resume_fidelity.main([*quick, "--settings", "small", "--seeds", "2", "--add-seeds", "--out", "ctl"])
+
+
 def test_resume_seeds_in_parallel_train_as_in_one_process() -> None:
     """resume_fidelity.run_in_parallel (``--jobs``): each seed trains, restarts and deviates
     exactly as in one process, and the summary covers every seed."""

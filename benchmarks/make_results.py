@@ -100,6 +100,30 @@ INTERVAL_RUNS = (
     ),
 )
 INTERVAL_RESULTS = tuple(f"resume_{model}_every{every}" for model, every, _ in INTERVAL_RUNS)
+# Controls at one interval: other settings restarted as the default was, against the same
+# uninterrupted and noise runs (--baselines-from), to tell what moves a run that leaves its
+# floor: (result of the default, setting, seeds). Each writes "<result>_<setting>".
+INTERVAL_CONTROLS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("resume_minilm_every200", "safe", (2,)),
+    ("resume_minilm_every200", "small", (2,)),
+    ("resume_minilm_every200", "smallest-m4", (2,)),
+    ("resume_minilm_every200", "smallest-v8", (2,)),
+    ("resume_minilm_every200", "smallest-m8", (2,)),
+)
+
+
+def control_args(base: str, setting: str, seeds: tuple[int, ...]) -> list[str]:
+    """``resume_fidelity.py``'s arguments for a control of result ``base`` (one of
+    :data:`INTERVAL_RESULTS`): its run's arguments with ``setting`` and ``seeds``."""
+    extra = dict(zip(INTERVAL_RESULTS, (e for *_, e in INTERVAL_RUNS)))[base]
+    assert extra[: len(_SMALLEST_3)] == _SMALLEST_3, base
+    rest = extra[len(_SMALLEST_3) :]
+    return [
+        *("--settings", setting, "--seeds", *map(str, seeds), "--no-exact-check", *rest),
+        *("--baselines-from", base, "--out", f"{base}_{setting}"),
+    ]
+
+
 # exp_avg in the update's domain against its blockwise codes (harness/update_domain.py).
 DOMAIN_RUN = ("--settings", "smallest-m4,smallest-m3,smallest-u4,smallest-u3", "--seeds", "0", "1", "2")
 DOMAIN_RESULTS = {"exp_avg_domain_gpt": ("--no-exact-check",), "exp_avg_domain_minilm": ("--model", "minilm")}
@@ -113,6 +137,7 @@ RUNS = (
         ("resume_fidelity.py", [*extra, "--out", name])
         for (_, _, extra), name in zip(INTERVAL_RUNS, INTERVAL_RESULTS)
     ),
+    *(("resume_fidelity.py", control_args(*c)) for c in INTERVAL_CONTROLS),
     *(("resume_fidelity.py", [*DOMAIN_RUN, *extra, "--out", name]) for name, extra in DOMAIN_RESULTS.items()),
     ("speed_compare.py", []),
 )
@@ -572,16 +597,23 @@ def intervals_page(names: list[str]) -> str:
 
     rows = []
     parts = []
-    for name in names:
+    controls = [
+        (base, f"{base}_{setting}")
+        for base, setting, _ in INTERVAL_CONTROLS
+        if (RESULTS_DIR / f"{base}_{setting}.json").exists()
+    ]
+    for name in [*names, *(c for base, c in controls if base in names)]:
         res = _with_own_floor(read_result(name))
         model = "tiny GPT" if name.startswith("resume_gpt") else "MiniLM fine-tune"
+        control = name not in names
         for r in res["rows"]:
             b = r["bytes_per_param"]
+            seeds = ", ".join(map(str, r["seeds"]))
             rows.append(
                 [
                     model,
                     res["config"]["save_every"],
-                    r["setting"],
+                    f"{r['setting']} (control, seeds {seeds})" if control else r["setting"],
                     r["restarts"],
                     f"{b['x_keyframe']:.1f}x / {b['x_delta']:.1f}x / {b['x_cycle']:.1f}x",
                     f"{r['final_x_own_noise_worst']:.2f}x / {r['curve_x_own_noise_worst']:.2f}x",
@@ -589,12 +621,19 @@ def intervals_page(names: list[str]) -> str:
                 ]
             )
         model_flag = "" if name.startswith("resume_gpt") else " --model minilm"
+        title = f"## {model}, a save every {res['config']['save_every']} steps"
+        where = "`INTERVAL_RUNS` of `make_results.py`"
+        if control:
+            title += f": control `{res['rows'][0]['setting']}`"
+            where = (
+                "`INTERVAL_CONTROLS` of `make_results.py`; the default's uninterrupted and noise runs reused"
+            )
         parts += [
-            f"## {model}, a save every {res['config']['save_every']} steps",
+            title,
             "",
             f"`{name}.json`; {res['environment']['machine']}; {_restart_words(res)}. "
             f"Command: `python benchmarks/resume_fidelity.py{model_flag} ... --out {name}` "
-            "(the arguments are in `INTERVAL_RUNS` of `make_results.py`).",
+            f"(the arguments are in {where}).",
             "",
             tables(res),
             "",
@@ -603,10 +642,13 @@ def intervals_page(names: list[str]) -> str:
         "# The default preset at the save intervals people use",
         "",
         "Written by `python benchmarks/make_results.py` from the JSON files that its "
-        "`INTERVAL_RUNS` write. Frameworks save every few hundred steps; the results page's runs "
-        "save every few. Long intervals restart every few saves (`--restart-every`), so that 8 "
-        "restarts fit in a run of thousands of steps; each seed is judged against its own noise "
-        "run (same initial weights, another data order).",
+        "`INTERVAL_RUNS` and `INTERVAL_CONTROLS` write. Frameworks save every few hundred steps; "
+        "the results page's runs save every few. Long intervals restart every few saves "
+        "(`--restart-every`), so that 8 restarts fit in a run of thousands of steps; each seed is "
+        "judged against its own noise run (same initial weights, another data order). A control "
+        "restarts the same runs with another setting (`smallest-v8`: `smallest` with 8-bit "
+        "`exp_avg_sq` codes; `smallest-m8`: with 8-bit `exp_avg` codes; `smallest-m4`: with "
+        "`exp_avg` blockwise at int4, outside the update's domain).",
         "",
         fmt_table(
             [

@@ -432,17 +432,38 @@ def test_resume_page_and_summary_rows_from_the_results(gpt_quick: dict) -> None:
     assert mr.resume_safe([gpt_quick, worse]) == []
 
 
-def test_interval_and_domain_pages_read_every_row(gpt_quick: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interval_and_domain_pages_read_every_row(
+    gpt_quick: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import make_results as mr
+
+    # A control runs the default's arguments with its own setting and seeds, on its baselines.
+    args = mr.control_args("resume_minilm_every200", "safe", (2,))
+    base = dict(zip(mr.INTERVAL_RESULTS, (e for *_, e in mr.INTERVAL_RUNS)))["resume_minilm_every200"]
+    assert args[:4] == ["--settings", "safe", "--seeds", "2"] and "smallest" not in args
+    assert args[-4:] == ["--baselines-from", "resume_minilm_every200", "--out", "resume_minilm_every200_safe"]
+    assert args[4:-4] == ["--no-exact-check", *base[base.index("--no-exact-check") + 1 :]]
 
     env = {"machine": "test VM"}
     files = {
         "resume_gpt_every50": {**gpt_quick, "environment": env},
         "resume_minilm_every50": {**gpt_quick, "environment": env},
         "exp_avg_domain_gpt": {**gpt_quick, "environment": env},
+        "resume_minilm_every50_small": {**gpt_quick, "environment": env},
     }
     monkeypatch.setattr(mr, "read_result", lambda name: files[name])
+    monkeypatch.setattr(mr, "RESULTS_DIR", tmp_path)
+    (tmp_path / "resume_minilm_every50_small.json").write_text("{}")
+    monkeypatch.setattr(
+        mr,
+        "INTERVAL_CONTROLS",
+        (("resume_minilm_every50", "small", (0,)), ("resume_minilm_every50", "safe", (0,))),
+    )
     page = mr.intervals_page(["resume_gpt_every50", "resume_minilm_every50"])
+    # the control that ran is on the page, the other not
+    seeds = ", ".join(map(str, gpt_quick["rows"][0]["seeds"]))
+    assert f"| small (control, seeds {seeds}) |" in page and "control `small`" in page
+    assert "safe (control" not in page
     for row in gpt_quick["rows"]:
         b = row["bytes_per_param"]
         line = f"| tiny GPT | {gpt_quick['config']['save_every']} | {row['setting']} | {row['restarts']} | "

@@ -104,11 +104,12 @@ INTERVAL_RESULTS = tuple(f"resume_{model}_every{every}" for model, every, _ in I
 # uninterrupted and noise runs (--baselines-from), to tell what moves a run that leaves its
 # floor: (result of the default, setting, seeds). Each writes "<result>_<setting>".
 INTERVAL_CONTROLS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
-    ("resume_minilm_every200", "safe", (2,)),
+    ("resume_minilm_every200", "safe", (0, 1, 2)),
     ("resume_minilm_every200", "small", (2,)),
     ("resume_minilm_every200", "smallest-m4", (2,)),
     ("resume_minilm_every200", "smallest-v8", (2,)),
     ("resume_minilm_every200", "smallest-m8", (2,)),
+    ("resume_minilm_every200", "smallest-m8v8", (2,)),
 )
 
 

@@ -225,7 +225,9 @@ EXPLICIT_RULES["smallest-v8"] = _smallest_with(
 EXPLICIT_RULES["smallest-m8"] = _smallest_with(
     _moment("exp_avg", {"codec": "blockwise-update", "bits": 8, "fallback_bits": 8, "min_numel": 4096}),
 )
+EXPLICIT_RULES["smallest-m8v8"] = [*EXPLICIT_RULES["smallest-m8"][:1], *EXPLICIT_RULES["smallest-v8"]]
 EXPLICIT_BITS = {
+    "smallest-m8v8": 2,
     "smallest-v8": 2,
     "smallest-m8": 2,
     "w4-m4-v4": 4,

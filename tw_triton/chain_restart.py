@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import format as _format
+from . import interval_rules
 from .checkpoint_dir import CheckpointDirectory, CheckpointInfo
 from .deltas import Reference, chain_of, delta_coded, nest
 from .errors import CheckpointError
@@ -62,7 +63,9 @@ def seed_chain(
         return False
     try:
         found = directory.scan()
-        why, since = _why_not(chain, directory, found, info, state, rules=rules, bits=bits, block=block)
+        why, since, rules = _why_not(
+            chain, directory, found, info, state, rules=rules, bits=bits, block=block
+        )
     except (CheckpointError, OSError) as exc:  # the restore itself succeeded: not its failure
         why, since = f"its chain cannot be read again: {exc}", 0
     if why is None and since + 1 >= chain.keyframe_every:
@@ -71,8 +74,7 @@ def seed_chain(
         logger.info("restored %s: the next save is a keyframe, not a delta against it: %s", info.path, why)
         return False
     flat, _ = flatten(state)
-    rule_list = resolve_rules(rules, state, bits=bits, block=block)
-    kept = delta_coded(flat, rule_list)
+    kept = delta_coded(flat, resolve_rules(rules, state, bits=bits, block=block))
     copies: dict[int, torch.Tensor] = {}  # tied tensors stay tied
     values = {
         p: copies.setdefault(id(t), t.detach().to("cpu", copy=True) if host_reference else t.detach().clone())
@@ -90,7 +92,7 @@ def seed_chain(
         closed=chain.mode == "closed",
         owned=True,
     )
-    chain.since_keyframe = since
+    chain.since_keyframe, chain.rules = since, rules
     return True
 
 
@@ -104,32 +106,38 @@ def _why_not(
     rules: Any,
     bits: int,
     block: int,
-) -> tuple[str | None, int]:
-    """Why the chain cannot continue from ``info`` (``None``: it can), and the deltas since
-    its keyframe."""
+) -> tuple[str | None, int, Any]:
+    """Why the chain cannot continue from ``info`` (``None``: it can), the deltas since its
+    keyframe, and the rules it was coded with (for ``"auto"``, one of its presets)."""
     newest = max(found, default=info.step)
     if newest > info.step:
-        return f"it is not the newest checkpoint here (step {newest} is)", 0
+        return f"it is not the newest checkpoint here (step {newest} is)", 0, rules
     manifest = _format.read_manifest(info.path, headers=directory.headers)
     meta = manifest.get("metadata") or {}
     kind = meta.get("kind")
-    rule_list = resolve_rules(rules, state, bits=bits, block=block)
+    # "auto" codes a save with one of two presets (tw_triton.interval_rules): either fits.
+    options = interval_rules.candidates(rules)
+    rule_lists = [resolve_rules(r, state, bits=bits, block=block) for r in options]
     if kind == "keyframe":
-        expected = resolve_rules(rules_as_specs(keyframe_rules(rule_list)), state, bits=bits, block=block)
+        expected = [
+            resolve_rules(rules_as_specs(keyframe_rules(rule_list)), state, bits=bits, block=block)
+            for rule_list in rule_lists
+        ]
         since = 0
     elif kind == "delta":
         if chain.mode != "closed" or meta.get("delta_mode") != "closed":
-            return "it is an open-loop delta: the next delta is coded against its keyframe", 0
-        expected = rule_list
+            return "it is an open-loop delta: the next delta is coded against its keyframe", 0, rules
+        expected = rule_lists
         try:
             since = len(chain_of(info, {i.checkpoint_id: i for i in found.values()}, directory.path)) - 1
         except CheckpointError as exc:
-            return f"its chain is not all here ({exc})", 0
+            return f"its chain is not all here ({exc})", 0, rules
     else:
-        return f"it is a {kind or 'file of unknown kind'}, not a keyframe or a delta", 0
-    if [r.to_json() for r in expected] != manifest.get("rules"):
-        return "it was coded with other rules than this Checkpointer's (rules, bits or block)", 0
-    return None, since
+        return f"it is a {kind or 'file of unknown kind'}, not a keyframe or a delta", 0, rules
+    for option, rule_list in zip(options, expected):
+        if [r.to_json() for r in rule_list] == manifest.get("rules"):
+            return None, since, option
+    return "it was coded with other rules than this Checkpointer's (rules, bits or block)", 0, rules
 
 
 def check_seeded(chain: ReferenceChain, tree: dict[str, Any], *, rules: Any, bits: int, block: int) -> None:

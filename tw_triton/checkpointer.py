@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 
 # The Checkpointer's default preset and delta mode (docs/training-loop.md).
-DEFAULT_RULES = "smallest"
+DEFAULT_RULES = "auto"
 DEFAULT_DELTA = "closed"
 
 
@@ -70,7 +70,8 @@ class Checkpointer:
         keep_last: how many of the newest checkpoints retention keeps (plus the keyframes
             they need); ``None`` keeps everything.
         rules: which tensors are coded how, as in :func:`tw_triton.quantize_state_dict`:
-            a preset name (default ``"smallest"``, :data:`DEFAULT_RULES`), ``None`` (the
+            a preset name (default ``"auto"``, :data:`DEFAULT_RULES`: ``"smallest"``,
+            or ``"safe"`` for saves 100 or more steps apart), ``None`` (the
             library defaults, optimizer exact) or ``[(glob, codec spec), ...]``. Paths
             start with the names given to :meth:`save` (``model/...``, ``optimizer/...``).
         bits, block: parameters of the quantizing rules.
@@ -201,7 +202,8 @@ class Checkpointer:
         tree: dict[str, Any] = {"step": step, **named, "rng": capture_rng_state()}
         if self._seeded:  # the first save after a restore: does the state fit it?
             self._seeded = False
-            check_seeded(self._chain, tree, rules=self.rules, bits=self.bits, block=self.block)
+            rules = self._pipeline.rules_for(step)
+            check_seeded(self._chain, tree, rules=rules, bits=self.bits, block=self.block)
         future = self._pipeline.save(step, tree, self._dir.path_for(step))
         if self._writer is None:
             self._collect_finished()
@@ -455,6 +457,7 @@ class Checkpointer:
         into = decode_targets(objects) if torch.device(device).type == "cpu" else None
         state, info = self._load(step, device=device, verify=True, into=into)
         restore_into(state, info.path, objects, rng=rng)
+        self._pipeline.last_step = info.step  # "auto" rules: the next save's interval
         self._seeded = seed_chain(
             self._chain,
             self._dir,

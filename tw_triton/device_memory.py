@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import interval_rules
 from .codecs import get_codec
 from .codecs.bitmask import sparse_candidate
 from .codecs.log2_temporal import stored_nbytes as temporal_nbytes
@@ -242,16 +243,21 @@ def sparse_scratch(candidates: int, tiles: int) -> int:
 def bound_of(
     state: Any, rules: Any, bits: int, block: int, mode: str, max_pending: int, reference_device: str | None
 ) -> dict[str, int]:
-    """:func:`device_memory_bound` with a Checkpointer's settings, as a dict."""
-    return device_memory_bound(
-        state,
-        rules,
-        bits=bits,
-        block=block,
-        delta_mode=mode,
-        max_pending=max_pending,
-        host_reference=reference_device == "cpu",
-    ).as_dict()
+    """:func:`device_memory_bound` with a Checkpointer's settings, as a dict (for ``"auto"``
+    rules, the larger of its two presets' bounds, part by part)."""
+    bounds = [
+        device_memory_bound(
+            state,
+            r,
+            bits=bits,
+            block=block,
+            delta_mode=mode,
+            max_pending=max_pending,
+            host_reference=reference_device == "cpu",
+        ).as_dict()
+        for r in interval_rules.candidates(rules)
+    ]
+    return {k: max(b[k] for b in bounds) for k in bounds[0]}
 
 
 def private_copies(

@@ -37,6 +37,7 @@ class ReferenceChain:
         self.saves = saves
         self.reference: Reference | None = None
         self.since_keyframe: int | None = None  # None: the next save is a keyframe
+        self.rules: Any = None  # the rules the reference's saves were coded with
 
     @property
     def delta(self) -> bool:

@@ -64,8 +64,7 @@ everything else, and any name no optimizer of ``torch.optim`` uses, exact:
                 keyframes the float32 non-negative moments as ``log2-temporal``;
 ``"smallest"``  weight deltas int2, signed int4 but Adam's ``exp_avg`` as int3 codes of
                 the update ``exp_avg / (sqrt(exp_avg_sq) + eps)`` (``blockwise-update``),
-                non-negative log2 4 bits (the
-                :class:`~tw_triton.checkpointer.Checkpointer` default), between keyframes
+                non-negative log2 4 bits, between keyframes
                 the float32 non-negative moments as ``log2-temporal`` changes against
                 the last reconstruction (others stay log2); a tensor whose
                 change 2 bits would code with a relative error above
@@ -73,7 +72,11 @@ everything else, and any name no optimizer of ``torch.optim`` uses, exact:
                 deltas need *closed-loop* deltas
                 (``Checkpointer(delta="closed")``, the default; see
                 :mod:`tw_triton.deltas`): against a keyframe many saves back (open loop)
-                four levels are too coarse, and the resumed run drifts.
+                four levels are too coarse, and the resumed run drifts;
+``"auto"``      the :class:`~tw_triton.checkpointer.Checkpointer` default: ``smallest``
+                for saves fewer than ``LONG_INTERVAL_STEPS`` (100) steps apart, ``safe``
+                from there (:mod:`tw_triton.interval_rules`); without a save interval
+                (:func:`resolve_rules`), ``smallest``.
 
 How each preset resumes against the noise floor: docs/performance.md.
 
@@ -94,6 +97,7 @@ import torch
 from . import roles
 from .codecs import Codec, codec_names, get_codec
 from .errors import QuantizationError
+from .interval_rules import AUTO, SHORT_INTERVAL_PRESET
 from .lowbit import stored_as_is
 from .tree import Flattened
 
@@ -110,6 +114,7 @@ _BITS_ALIASES: dict[str, dict[str, int]] = {
     "int2": {"bits": 2},
 }
 PRESETS = (
+    "auto",
     "default",
     "exact",
     "int8-delta",
@@ -265,6 +270,8 @@ def default_rules(state: Any, *, bits: int, block: int) -> list[Rule]:
 
 
 def _preset_rules(name: str, state: Any, *, bits: int, block: int) -> list[Rule]:
+    if name == AUTO:  # without a save interval: the short one's (tw_triton.interval_rules)
+        name = SHORT_INTERVAL_PRESET
     if name == "default":
         return default_rules(state, bits=bits, block=block)
     if name == "exact":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import time
 import uuid
 from collections import Counter
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from . import format as _format
-from . import kernel_variants
+from . import interval_rules, kernel_variants
 from .deltas import Reference, check_reference, delta_coded, keyframe_values
 from .device_memory import private_copies
 from .qstate import QuantizedState
@@ -37,6 +38,8 @@ from .snapshot_pool import MIN_POOLED_BYTES, SavePool, SnapshotLease
 from .state import quantize_state_dict
 from .tree import Flattened, flatten, leaf_tensors
 from .writer import AsyncWriter
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +54,7 @@ class SaveJob:
     meta: dict[str, Any]
     lease: SnapshotLease | None
     noted: NotedFile
+    rules: Any = None  # the rules value rule_list resolves (a delta's encode resolves it again)
 
 
 @dataclass
@@ -103,10 +107,26 @@ class SavePipeline:
         # (the keyframe's Future, the Future of the writer's warm-up after it): see warm_up
         self.warming: tuple[Future, Future] | None = None
         self.warned_coarse = False
+        # The step of the last save made or restored ("auto" rules: the interval since it).
+        self.last_step: int | None = None
+
+    def rules_for(self, step: int) -> Any:
+        """The rules a save of ``step`` codes with: for ``"auto"``, the preset of its interval
+        since the last save made or restored (the first: since step 0)."""
+        last = self.last_step
+        interval = step if last is None else (step - last if step >= last else None)
+        return interval_rules.rules_at(self.rules, interval)
 
     def save(self, step: int, tree: dict[str, Any], path: str) -> Future:
         """Snapshot and encode ``tree`` (the whole saved state) for ``path``; return its Future."""
         chain = self.chain
+        rules = self.rules_for(step)
+        if chain.reference is not None and chain.rules != rules:
+            # Another preset may delta-code other entries: a new chain.
+            logger.info(
+                "step %d is coded with rules %r, not %r: it starts a keyframe", step, rules, chain.rules
+            )
+            chain.restart()
         keyframe = chain.keyframe_due()
         if keyframe and chain.reference is not None:
             # A keyframe needs no reference, and the old one's buffers can hold the new one.
@@ -116,10 +136,10 @@ class SavePipeline:
         lease = self.saves.lease(chain.kept_bytes())
         reference = chain.reference if chain.delta else None
         # What the writer thread could fail on is checked here, so it reaches the loop now.
-        rule_list = resolve_rules(self.rules, tree, bits=self.bits, block=self.block)
+        rule_list = resolve_rules(rules, tree, bits=self.bits, block=self.block)
         if not self.warned_coarse:
             self.warned_coarse = warn_if_too_coarse(rule_list, chain.mode, self.directory)
-        job = SaveJob(path, tree, rule_list, keyframe, reference, meta, lease, NotedFile(path))
+        job = SaveJob(path, tree, rule_list, keyframe, reference, meta, lease, NotedFile(path), rules)
         ref_tree = reference.tree if reference is not None else None
         try:
             if self.writer is not None and all_on_cpu(tree):
@@ -137,6 +157,7 @@ class SavePipeline:
             # Back to the pool only once the writer is done with them.
             self.saves.track(future, lease)
         self.inflight.add(step, SaveInFlight(future, queued.checkpoint_id, queued.reference_id, job.noted))
+        self.last_step, chain.rules = step, rules
         if keyframe:
             chain.start(queued.checkpoint_id, queued.ref_values, step, future, lease)
             ref = chain.reference
@@ -200,7 +221,7 @@ class SavePipeline:
                 encode_delta,
                 snapshot,
                 reference,
-                self.rules,
+                job.rules,
                 self.bits,
                 self.block,
                 job.meta,
@@ -277,7 +298,7 @@ class SavePipeline:
             q = encode_delta(
                 state,
                 job.reference,
-                self.rules,
+                job.rules,
                 self.bits,
                 self.block,
                 job.meta,
@@ -361,8 +382,11 @@ class SavePipeline:
         if device is None:
             return 0
         state, mode, copy = {"step": 0, **tree}, self.chain.mode, all_on_cpu(tree)
-        return kernel_variants.precompile_saves(
-            state, self.rules, bits=self.bits, block=self.block, delta_mode=mode, device=device, copy=copy
+        return sum(  # "auto": the presets of either interval
+            kernel_variants.precompile_saves(
+                state, rules, bits=self.bits, block=self.block, delta_mode=mode, device=device, copy=copy
+            )
+            for rules in interval_rules.candidates(self.rules)
         )
 
     def reserve(self, tree: dict[str, Any]) -> int:

@@ -1,0 +1,45 @@
+"""The Checkpointer's default rules, ``"auto"``: a preset chosen by the steps between saves.
+
+``smallest`` resumes within the noise floor at saves 5 to 50 steps apart, and on the GPT
+trained from scratch at 200; on a long fine-tune saved every 200 steps it ends at the floor,
+and ``safe`` (every part at 8 bits) does not. Why, and what was measured:
+docs/performance.md ("Save intervals").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+AUTO = "auto"
+SHORT_INTERVAL_PRESET = "smallest"
+LONG_INTERVAL_PRESET = "safe"
+# Saves at least this many steps apart take LONG_INTERVAL_PRESET: measured within the floor
+# with smallest at 50 steps, at the floor at 200; between them it is a choice, not a measure.
+LONG_INTERVAL_STEPS = 100
+
+
+def rules_at(rules: Any, interval: int | None) -> Any:
+    """The rules a save codes with, ``interval`` steps after the save before it (``None``:
+    unknown): ``rules`` itself unless it is ``"auto"``."""
+    if not (isinstance(rules, str) and rules == AUTO):
+        return rules
+    if interval is not None and interval >= LONG_INTERVAL_STEPS:
+        return LONG_INTERVAL_PRESET
+    return SHORT_INTERVAL_PRESET
+
+
+def candidates(rules: Any) -> list[Any]:
+    """Every rules value ``rules`` may code a save with (two for ``"auto"``)."""
+    if isinstance(rules, str) and rules == AUTO:
+        return [SHORT_INTERVAL_PRESET, LONG_INTERVAL_PRESET]
+    return [rules]
+
+
+__all__ = [
+    "AUTO",
+    "LONG_INTERVAL_PRESET",
+    "LONG_INTERVAL_STEPS",
+    "SHORT_INTERVAL_PRESET",
+    "candidates",
+    "rules_at",
+]

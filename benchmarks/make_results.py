@@ -27,6 +27,8 @@ from harness.gpu_page import gpu_section
 from harness.plots import plot_fidelity, plot_resume, plot_speed
 from harness.settings import DEFAULT_KEYFRAME_EVERY
 
+from tw_triton.interval_rules import AUTO, rules_at
+
 HERE = Path(__file__).resolve().parent
 PROJECT_README = HERE.parent / "README.md"
 TABLE_START = "<!-- results-table:start (written by benchmarks/make_results.py) -->"
@@ -542,11 +544,20 @@ def summary_table(
             continue
         res = _with_own_floor(read_result(name))
         label = "tiny GPT" if name.startswith("resume_gpt") else "MiniLM fine-tune"
-        for r in res["rows"]:
+        every = res["config"]["save_every"]
+        # The default "auto" takes another preset at long intervals: its control, all seeds.
+        default = rules_at(AUTO, every)
+        shown = [(r, "") for r in res["rows"]]
+        control = RESULTS_DIR / f"{name}_{default}.json"
+        if default not in {r["setting"] for r in res["rows"]} and control.exists():
+            ctl = _with_own_floor(read_result(control.stem))
+            if ctl["rows"][0]["seeds"] == res["rows"][0]["seeds"]:
+                shown += [(r, ", the default `auto` at this interval") for r in ctl["rows"]]
+        for r, note in shown:
             b = r["bytes_per_param"]
             rows.append(
                 [
-                    f"{label}, `{r['setting']}`, a save every {res['config']['save_every']} steps "
+                    f"{label}, `{r['setting']}`{note}, a save every {every} steps "
                     f"(keyframe every {r['spec']['keyframe_every']})",
                     f"keyframe {b['x_keyframe']:.1f}x, delta {b['x_delta']:.1f}x, cycle average "
                     f"{b['x_cycle']:.1f}x smaller than torch.save",

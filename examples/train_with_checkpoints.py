@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rules",
         default=tw_triton.checkpointer.DEFAULT_RULES,
-        help="rules preset: safe, small, smallest (default); default or exact keep the optimizer exact",
+        help="rules preset: auto (default: smallest, or safe for saves 100+ steps apart), safe, small, "
+        "smallest; default or exact keep the optimizer exact",
     )
     p.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
     args = p.parse_args(argv)

@@ -153,6 +153,24 @@ def run_in_parallel(
     return {**parts[0], **summarize(runs, settings, parts[0]["params"]), "runs": runs}
 
 
+def _stored(option: str, name: str | None, config: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """Result ``name`` for ``option``, once it exists and matches ``config`` and this
+    environment; ``problems`` are the caller's own mismatches so far (a list it may extend)."""
+    if not name or not (RESULTS_DIR / f"{name}.json").exists():
+        raise ValueError(f"{option}: no result {name!r}")
+    old = read_result(name)
+    env, here = old.get("environment", {}), environment()
+    problems += [k for k in ("torch", "torch_threads") if env.get(k) != here[k]]
+    if old.get("config") != config:
+        problems.append("config")
+    return old
+
+
+def _refuse(option: str, name: str | None, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"{option}: result {name!r} differs in {', '.join(problems)}")
+
+
 def earlier_baselines(
     name: str | None, config: dict[str, Any], seeds: list[int]
 ) -> dict[int, dict[str, Any]]:
@@ -161,18 +179,12 @@ def earlier_baselines(
     Raises:
         ValueError: no such result, or one of another config, seeds, torch or thread count.
     """
-    if not name or not (RESULTS_DIR / f"{name}.json").exists():
-        raise ValueError(f"--reuse-baselines: no result {name!r} to reuse")
-    old = read_result(name)
-    env, here = old.get("environment", {}), environment()
-    problems = [k for k in ("torch", "torch_threads") if env.get(k) != here[k]]
-    if old.get("config") != config:
-        problems.append("config")
+    problems: list[str] = []
+    old = _stored("--reuse-baselines", name, config, problems)
     by_seed = {r["seed"]: r for r in old.get("runs", [])}
     if not set(seeds) <= set(by_seed):
         problems.append("seeds")
-    if problems:
-        raise ValueError(f"--reuse-baselines: result {name!r} differs in {', '.join(problems)}")
+    _refuse("--reuse-baselines", name, problems)
     return {s: by_seed[s] for s in seeds}
 
 
@@ -184,17 +196,11 @@ def other_seeds(
     Raises:
         ValueError: no such result, or one of another config, settings, torch or thread count.
     """
-    if not name or not (RESULTS_DIR / f"{name}.json").exists():
-        raise ValueError(f"--add-seeds: no result {name!r} to add to")
-    old = read_result(name)
-    env, here = old.get("environment", {}), environment()
-    problems = [k for k in ("torch", "torch_threads") if env.get(k) != here[k]]
-    if old.get("config") != config:
-        problems.append("config")
+    problems: list[str] = []
+    old = _stored("--add-seeds", name, config, problems)
     if [r["spec"] for r in old.get("rows", [])] != [s.to_json() for s in settings]:
         problems.append("settings")
-    if problems:
-        raise ValueError(f"--add-seeds: result {name!r} differs in {', '.join(problems)}")
+    _refuse("--add-seeds", name, problems)
     return [r for r in old["runs"] if r["seed"] not in seeds]
 
 

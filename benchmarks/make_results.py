@@ -81,6 +81,27 @@ INTERVAL_RUNS = (
     ),
     (
         "minilm",
+        100,
+        [
+            *_SMALLEST_3,
+            "--model",
+            "minilm",
+            "--keyframe-every",
+            "10",
+            "--save-every",
+            "100",
+            "--steps",
+            "900",
+            "--eval-every",
+            "50",
+            "--restart-every",
+            "1",
+            "--jobs",
+            "3",
+        ],
+    ),
+    (
+        "minilm",
         200,
         [
             *_SMALLEST_3,

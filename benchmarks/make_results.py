@@ -43,6 +43,17 @@ RESUME_EXPERIMENTS = ("resume_fidelity", "resume_minilm")
 # The default preset at the save intervals frameworks use (tens to hundreds of steps): long
 # intervals restart every few saves so that 8 restarts fit (harness.restarts.Plan).
 _SMALLEST_3 = ["--settings", "smallest", "--seeds", "0", "1", "2", "--no-exact-check"]
+
+
+def _minilm_run(every: int, steps: int, *extra: str) -> list[str]:
+    """The fine-tune saved every ``every`` steps, restarted at every save (8 restarts)."""
+    return [
+        *_SMALLEST_3,
+        *("--model", "minilm", "--keyframe-every", "10", "--save-every", str(every), "--steps", str(steps)),
+        *("--eval-every", "50", "--restart-every", "1", *extra),
+    ]
+
+
 INTERVAL_RUNS = (
     ("gpt", 50, [*_SMALLEST_3, "--save-every", "50", "--steps", "4400", "--eval-every", "100"]),
     (
@@ -60,67 +71,9 @@ INTERVAL_RUNS = (
             "2",
         ],
     ),
-    (
-        "minilm",
-        50,
-        [
-            *_SMALLEST_3,
-            "--model",
-            "minilm",
-            "--keyframe-every",
-            "10",
-            "--save-every",
-            "50",
-            "--steps",
-            "450",
-            "--eval-every",
-            "50",
-            "--restart-every",
-            "1",
-        ],
-    ),
-    (
-        "minilm",
-        100,
-        [
-            *_SMALLEST_3,
-            "--model",
-            "minilm",
-            "--keyframe-every",
-            "10",
-            "--save-every",
-            "100",
-            "--steps",
-            "900",
-            "--eval-every",
-            "50",
-            "--restart-every",
-            "1",
-            "--jobs",
-            "3",
-        ],
-    ),
-    (
-        "minilm",
-        200,
-        [
-            *_SMALLEST_3,
-            "--model",
-            "minilm",
-            "--keyframe-every",
-            "10",
-            "--save-every",
-            "200",
-            "--steps",
-            "1800",
-            "--eval-every",
-            "50",
-            "--restart-every",
-            "1",
-            "--jobs",
-            "3",
-        ],
-    ),
+    ("minilm", 50, _minilm_run(50, 450)),
+    ("minilm", 100, _minilm_run(100, 900, "--jobs", "3")),
+    ("minilm", 200, _minilm_run(200, 1800, "--jobs", "3")),
 )
 INTERVAL_RESULTS = tuple(f"resume_{model}_every{every}" for model, every, _ in INTERVAL_RUNS)
 # Controls at one interval: other settings restarted as the default was, against the same

@@ -87,6 +87,7 @@ INTERVAL_CONTROLS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("resume_minilm_every200", "smallest-m8", (2,)),
     ("resume_minilm_every200", "smallest-m8v8", (2,)),
     ("resume_gpt_every200", "safe", (0, 1, 2)),
+    ("resume_minilm_every100", "safe", (0, 1, 2)),
 )
 
 

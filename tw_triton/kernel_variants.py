@@ -29,6 +29,7 @@ from .delta_bits import WIDER_BITS
 from .rules import keyframe_rules, partner_free, resolve_rules, select_rule
 from .state import encode as state_encode
 from .state.grouped import DeviceEncode, decode_grouped, group_of
+from .state.partners import serves_as_partner
 from .tree import Flattened
 
 # Elements per program of the row-tiled kernels (kernels/tiles.py TILE_ELEMENTS).
@@ -141,11 +142,9 @@ def _partner_serves(
     float32, not itself coded with a partner under either of ``rule_sets``."""
     found = codec.partner_path(path, rule.params, tensors)
     v = tensors.get(found) if found is not None else None
-    if v is None or found == path or v.dtype != torch.float32 or tuple(v.shape) != tuple(t.shape):
+    if v is None or found == path:
         return False
-    return not any(
-        getattr(get_codec(select_rule(rs, found, v).codec), "has_partners", False) for rs in rule_sets
-    )
+    return all(serves_as_partner(t, v, get_codec(select_rule(rs, found, v).codec)) for rs in rule_sets)
 
 
 def compile_variant(variant: Variant, device: torch.device) -> None:

@@ -35,6 +35,16 @@ DECODED_PARTNER_BYTES = 256 << 20
 Job = tuple[torch.Tensor, Any, Codec, "torch.Tensor | None"]
 
 
+def serves_as_partner(x: torch.Tensor, partner: torch.Tensor, partner_codec: Any) -> bool:
+    """Whether ``partner`` (coded by ``partner_codec``) can be ``x``'s partner: float32 of
+    its shape, not itself coded with a partner."""
+    return (
+        not partner_codec.has_partners
+        and partner.dtype == torch.float32
+        and tuple(partner.shape) == tuple(x.shape)
+    )
+
+
 def plan_partners(canonical: Sequence[str], jobs: list[Job], aliases: Mapping[str, str]) -> dict[int, int]:
     """The entries coded with a partner, ``{job index: partner's job index}``; a job whose
     partner cannot serve (none, another shape, not float32, itself with a partner) gets
@@ -48,13 +58,7 @@ def plan_partners(canonical: Sequence[str], jobs: list[Job], aliases: Mapping[st
             continue
         found = codec.partner_path(canonical[i], rule.params, present)
         j = index.get(aliases.get(found, found)) if found is not None else None  # type: ignore[arg-type]
-        if (
-            j is not None
-            and j != i
-            and not jobs[j][2].has_partners
-            and jobs[j][0].dtype == torch.float32
-            and tuple(jobs[j][0].shape) == tuple(x.shape)
-        ):
+        if j is not None and j != i and serves_as_partner(x, jobs[j][0], jobs[j][2]):
             out[i] = j
             continue
         rule = partner_free(rule)

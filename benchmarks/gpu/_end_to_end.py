@@ -138,12 +138,20 @@ def run_save_load(
     *,
     size: str,
     rounds: int,
+    budget_s: float | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
-    """Time every save and load method on one state; medians per method."""
+    """Time every save and load method on one state; medians per method.
+
+    Args:
+        rounds: timed rounds at most, after one warm-up round.
+        budget_s: no round is started that the last one's duration says would end past it;
+            the warm-up and one timed round always run.
+    """
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file, save_file
 
+    t_start = time.perf_counter()
     model, opt, step = build(device, size)
     nbytes = state_bytes(model, opt)
     log(
@@ -163,7 +171,12 @@ def run_save_load(
     saves: dict[str, list[dict[str, float]]] = {m: [] for m in SAVE_METHODS}
     loads: dict[str, list[float]] = {m: [] for m in LOAD_METHODS}
     last_step = 0
+    done, last_round_s = 0, 0.0
     for r in range(rounds + 1):  # round 0 warms up (allocations, Triton compiles); not kept
+        t_round = time.perf_counter()
+        if r >= 2 and budget_s is not None and (t_round - t_start) + last_round_s > budget_s:
+            log(f"end-to-end: {done} timed round(s) of {rounds}: the next would overrun {budget_s:.0f} s")
+            break
         step()
         last_step = r + 1
         for method in SAVE_METHODS:
@@ -220,12 +233,12 @@ def run_save_load(
             if r:
                 loads[method].append(time.perf_counter() - t0)
             del out
+        last_round_s = time.perf_counter() - t_round
+        done = r
     sizes = {
         "torch.save": (workdir / "state.pt").stat().st_size,
         "safetensors": (workdir / "state.safetensors").stat().st_size,
-        "dcp.async_save": sum(
-            p.stat().st_size for p in (workdir / f"dcp-{rounds}").rglob("*") if p.is_file()
-        ),
+        "dcp.async_save": sum(p.stat().st_size for p in (workdir / f"dcp-{done}").rglob("*") if p.is_file()),
         "tw keyframe": os.path.getsize(ck_kf.path_for(last_step)),
         "tw delta": os.path.getsize(ck_delta.path_for(last_step)),
     }
@@ -262,7 +275,8 @@ def run_save_load(
     return {
         "state_bytes": nbytes,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "rounds": rounds,
+        "rounds": done,
+        "rounds_planned": rounds,
         "save": save_rows,
         "load": load_rows,
         "goals": goals,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU validation in three commands of under 8 minutes each (see validate.py and
-# docs/gpu-validation.md): installs offline what is missing, then runs one phase.
+# The GPU validation (see validate.py and docs/gpu-validation.md): installs offline what is
+# missing, then runs every step in one command of about 7 minutes, or one phase of three.
+#   bash benchmarks/gpu/validate.sh                      # all, one budget of 360 s, for a 15-minute lease
 #   bash benchmarks/gpu/validate.sh --phase smoke        # 1: <= 3 min, the essentials
 #   bash benchmarks/gpu/validate.sh --phase kernels      # 2: identity sweep, pytest -m cuda, throughput
 #   bash benchmarks/gpu/validate.sh --phase end-to-end   # 3: concurrency, the 2.2 GB state

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -62,9 +61,7 @@ def test_dry_run_passes_and_writes_its_report(dry_run):
     result = json.loads((out / "results.json").read_text())
     assert result["dry_run"] is True and result["passed"] is True
     steps = result["steps"]
-    assert list(steps) == [
-        n for phase in ("smoke", "kernels", "end-to-end") for n in validate.PHASES[phase][0]
-    ]
+    assert list(steps) == list(validate.ONE_CALL[0])
     assert all(s["status"] == "PASS" for s in steps.values())
     ident = steps["identity"]["data"]
     assert set(ident["codecs"]) >= {"blockwise", "log2"} and "exact" in ident["codecs_without_kernel"]
@@ -398,7 +395,34 @@ def test_phases_split_every_step_in_three_and_fit_their_limits():
     for alias, phase in (("1", "smoke"), ("2", "kernels"), ("3", "end-to-end")):
         assert validate.PHASE_ALIASES[alias] == phase
     assert validate.plan_phase("smoke", None) == (["precompile", "identity_grid", "save_load"], 170.0)
-    assert validate.plan_phase("all", None)[0] == all_steps
+    # The default is one command of every step, the smoke phase's first.
+    one, budget = validate.plan_phase("all", None)
+    assert sorted(one) == sorted(all_steps) and len(set(one)) == len(one)
+    assert one[:3] == list(validate.PHASES["smoke"][0]) and budget == validate.ONE_CALL[1]
+
+
+def test_one_call_fits_a_15_minute_lease_with_a_rerun():
+    """About 2 minutes to start a machine, the one command (its budget, the install and
+    the interpreter's start, 60 s), and a second start with a smoke phase must fit 900 s."""
+    start, overhead = 120.0, 60.0
+    one_call = start + validate.ONE_CALL[1] + overhead
+    rerun = start + validate.PHASES["smoke"][1] + overhead
+    assert one_call + rerun <= 900.0
+    # What cannot stop itself fits on its own; the rest start with at least their minimum.
+    fixed = [n for n in validate.ONE_CALL[0] if n not in validate.SELF_STOPPING]
+    assert sum(validate.BUDGETS[n] for n in fixed) < validate.ONE_CALL[1]
+    assert all(validate.SELF_STOPPING[n] <= validate.BUDGETS[n] for n in validate.SELF_STOPPING)
+
+
+def test_a_step_that_stops_itself_starts_with_what_is_left():
+    assert validate.step_budget("identity", 1000.0) == validate.BUDGETS["identity"]
+    assert validate.step_budget("identity", 30.0) == 30.0
+    assert validate.step_budget("identity", 19.0) is None  # under its minimum of 20 s
+    assert validate.step_budget("identity", 50.0, scale=2.0) == 50.0  # minimum 40 s
+    assert validate.step_budget("identity", 39.0, scale=2.0) is None
+    # save_load cannot stop midway: it starts only with its whole budget.
+    assert validate.step_budget("save_load", validate.BUDGETS["save_load"]) == validate.BUDGETS["save_load"]
+    assert validate.step_budget("save_load", validate.BUDGETS["save_load"] - 1) is None
 
 
 def _run_validate(args: list[str], env_extra: dict[str, str], code: str | None = None):
@@ -459,28 +483,49 @@ def test_a_step_that_raises_fails_and_the_phase_goes_on(tmp_path):
     assert steps["save_load"]["status"] == "PASS"
 
 
-def test_the_phase_budget_stops_starting_steps(tmp_path, monkeypatch):
-    ran = []
+def test_the_run_budget_trims_or_skips_steps(tmp_path, monkeypatch):
+    """On a fake clock: each fake step advances it by its cost and records the budget it
+    was given. identity_grid (stops itself) gets what is left; save_load, which cannot stop,
+    is skipped when its 40 s do not fit."""
+    now = [0.0]
+    ran: dict[str, float] = {}
+    cost = {"precompile": 30.0, "identity_grid": 45.0, "save_load": 1.0}
 
     def fake(name):
         def run(c):
-            ran.append(name)
-            time.sleep(0.2)
+            ran[name] = c.budget
+            now[0] += cost[name]
             return validate.Step(name, name, "PASS")
 
         return run
 
+    monkeypatch.setattr(validate, "_clock", lambda: now[0])
     for name in validate.PHASES["smoke"][0]:
         monkeypatch.setitem(validate.RUNNERS, name, fake(name))
-    # The time spent so far plus a step's budget must fit the phase's: after precompile's
-    # 0.2 s, identity_grid's 99.9 s does not fit 100 s, save_load's 40 s does.
-    monkeypatch.setitem(validate.BUDGETS, "identity_grid", 99.9)
     rc = validate.main(["--phase", "smoke", "--dry-run", "--out", str(tmp_path), "--phase-budget", "100"])
-    assert rc == 1 and ran == ["precompile", "save_load"]
+    # precompile: 60 s of 100; identity_grid: min(50, 70) = 50; save_load: 25 s left < 40.
+    assert rc == 1 and ran == {"precompile": 60.0, "identity_grid": 50.0}
     steps = json.loads((tmp_path / "results-smoke.json").read_text())["steps"]
-    assert [s["status"] for s in steps.values()] == ["PASS", "SKIPPED", "PASS"]
-    assert "phase budget" in steps["identity_grid"]["detail"]
+    assert [s["status"] for s in steps.values()] == ["PASS", "PASS", "SKIPPED"]
+    assert steps["save_load"]["detail"] == "run budget: 25 of 100 s left, the step needs 40 s"
+    assert steps["identity_grid"]["seconds"] == 45.0
     assert "**SKIPPED**" in (tmp_path / "summary-smoke.md").read_text()
+
+    now[0], ran = 0.0, {}
+    cost["precompile"] = 95.0  # 5 s left: under identity_grid's minimum of 10 s
+    rc = validate.main(["--phase", "smoke", "--dry-run", "--out", str(tmp_path), "--phase-budget", "100"])
+    assert rc == 1 and ran == {"precompile": 60.0}
+    steps = json.loads((tmp_path / "results-smoke.json").read_text())["steps"]
+    assert steps["identity_grid"]["detail"] == "run budget: 5 of 100 s left, the step needs 10 s"
+
+
+def test_end_to_end_starts_no_round_past_its_budget(tmp_path):
+    """The warm-up and one timed round always run; with no time left, no more."""
+    r = _end_to_end.run_save_load(torch.device("cpu"), tmp_path / "a", size="tiny", rounds=3, budget_s=0.0)
+    assert (r["rounds"], r["rounds_planned"]) == (1, 3)
+    assert r["save"]["tw delta"]["file_bytes"] > 0 and r["save"]["dcp.async_save"]["file_bytes"] > 0
+    r = _end_to_end.run_save_load(torch.device("cpu"), tmp_path / "b", size="tiny", rounds=2, budget_s=None)
+    assert (r["rounds"], r["rounds_planned"]) == (2, 2)
 
 
 def test_the_grid_is_what_the_presets_code_with_a_kernel():

@@ -5,8 +5,9 @@ Runs ``fidelity_minilm.py``, ``resume_fidelity.py`` (the GPT, then ``--model min
 ``benchmarks/results/``; then writes ``benchmarks/results/README.md`` and its PNG plots, the
 moment-ablation page ``results/moment_ablation.md`` (from ``results/moment_ablation_*.json``,
 which ``resume_fidelity.py --settings ablation`` writes), and the compact table between the
-results-table markers at the top of the project README. ``--no-run`` rebuilds everything from
-the JSON files already there.
+results-table markers at the top of the project README, and the speed and codec tables
+between their markers in ``docs/performance.md`` (``harness/perf_doc.py``). ``--no-run``
+rebuilds everything from the JSON files already there.
 
 Every number on the page is read from the JSON files; nothing is typed in by hand. Needs the
 ``bench`` extra (matplotlib, the MiniLM package).
@@ -24,6 +25,7 @@ from typing import Any
 
 from harness.common import RESULTS_DIR, fmt_table, log, mib, read_result
 from harness.gpu_page import gpu_section
+from harness.perf_doc import codec_table, goals_table, replace_between, speed_headline
 from harness.plots import plot_fidelity, plot_resume, plot_speed
 from harness.settings import DEFAULT_KEYFRAME_EVERY
 
@@ -31,6 +33,7 @@ from tw_triton.interval_rules import AUTO, rules_at
 
 HERE = Path(__file__).resolve().parent
 PROJECT_README = HERE.parent / "README.md"
+PERFORMANCE_DOC = HERE.parent / "docs" / "performance.md"
 TABLE_START = "<!-- results-table:start (written by benchmarks/make_results.py) -->"
 TABLE_END = "<!-- results-table:end -->"
 
@@ -748,10 +751,20 @@ def update_project_readme(summary: str, path: Path = PROJECT_README) -> bool:
     return new != text
 
 
+def update_performance_doc(path: Path = PERFORMANCE_DOC) -> bool:
+    """Write the generated tables of docs/performance.md; return whether the page changed."""
+    speed, codec = read_result("speed_compare"), read_result("codec_cpu")
+    changed = replace_between(path, "speed-headline", speed_headline(speed))
+    changed |= replace_between(path, "speed-goals", goals_table(speed, codec))
+    return replace_between(path, "codec-cpu", codec_table(codec)) or changed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-run", action="store_true", help="rebuild the page from the JSON files only")
-    parser.add_argument("--no-readme", action="store_true", help="leave the project README's table alone")
+    parser.add_argument(
+        "--no-readme", action="store_true", help="leave the README's table and docs/performance.md alone"
+    )
     args = parser.parse_args()
     if not args.no_run:
         run_benchmarks()
@@ -759,6 +772,8 @@ def main() -> None:
     log(f"wrote {RESULTS_DIR / 'README.md'} and the plots")
     if not args.no_readme and update_project_readme(summary):
         log(f"updated the results table in {PROJECT_README}")
+    if not args.no_readme and update_performance_doc():
+        log(f"updated the generated tables in {PERFORMANCE_DOC}")
     print(summary)
 
 

@@ -1,0 +1,224 @@
+"""The tables of docs/performance.md that come from result files, and how they are put there.
+
+``make_results.py`` writes each between a pair of markers (:func:`replace_between`), so the
+page's figures are the ones in ``results/`` and the prose around them stays hand-written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from harness.common import fmt_table
+
+# Goals the speed comparison is held to (docs/performance.md, "Where the goals stand").
+BLOCK_GOAL = 0.25  # save() blocks at most this fraction of torch.save
+LOAD_RSS_GOAL = 1.2  # load's peak extra RSS at most this multiple of the state
+CODEC_GOAL = 0.5  # codec encode and decode at least this fraction of copy_
+
+
+def marker(name: str) -> tuple[str, str]:
+    """The start and end markers of the generated block ``name``."""
+    return f"<!-- {name}:start (written by benchmarks/make_results.py) -->", f"<!-- {name}:end -->"
+
+
+def replace_between(path: Path, name: str, text: str) -> bool:
+    """Put ``text`` between block ``name``'s markers in ``path``; return whether it changed.
+
+    Raises:
+        ValueError: the markers are missing or out of order.
+    """
+    start_m, end_m = marker(name)
+    page = path.read_text(encoding="utf-8")
+    start, end = page.find(start_m), page.find(end_m)
+    if start < 0 or end < start:
+        raise ValueError(f"{path}: markers {start_m!r} ... {end_m!r} not found")
+    new = page[: start + len(start_m)] + "\n" + text.strip("\n") + "\n" + page[end:]
+    if new != page:
+        path.write_text(new, encoding="utf-8")
+    return new != page
+
+
+def _x(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+def _bold_if(v: float, goal: float) -> str:
+    return f"**{_x(v)}**" if v <= goal else _x(v)
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}x"
+
+
+def _rows(speed: dict[str, Any]) -> tuple[dict, dict, dict]:
+    return (
+        {r["method"]: r for r in speed["save_rows"]},
+        {r["method"]: r for r in speed["load_rows"]},
+        {r["method"]: r for r in speed.get("resume_rows", [])},
+    )
+
+
+def speed_headline(speed: dict[str, Any]) -> str:
+    """The default Checkpointer against ``torch.save`` and ``torch.load``: one sentence of
+    seconds and one table of ratios, from ``speed_compare.json``."""
+    save, load, resume = _rows(speed)
+    state = speed["state"]["state_bytes"]
+
+    def rss(method: str) -> str:
+        return _x(load[method]["load_peak_extra_bytes"] / state)
+
+    def smaller(method: str) -> str:
+        return f"{save[method]['size_vs_torch_save']:.3g}x smaller"
+
+    kf, delta = "tw default keyframe", "tw default delta"
+    rows = [
+        [
+            f"keyframe, first save ({smaller(kf)})",
+            _bold_if(save[kf]["blocked_vs_torch_save"], BLOCK_GOAL),
+            _x(save[kf]["total_vs_torch_save"]),
+            _x(load[kf]["load_vs_torch_load"]),
+            _x(resume["tw restore default keyframe"]["resume_vs_torch"]),
+            rss(kf),
+        ],
+        [
+            "the same after `prepare`",
+            _bold_if(save[kf + " after prepare"]["blocked_vs_torch_save"], BLOCK_GOAL),
+            _x(save[kf + " after prepare"]["total_vs_torch_save"]),
+            "",
+            "",
+            "",
+        ],
+        [
+            f"delta, first after its keyframe ({smaller(delta)})",
+            _bold_if(save[delta]["blocked_vs_torch_save"], BLOCK_GOAL),
+            _x(save[delta]["total_vs_torch_save"]),
+            _x(load[delta]["load_vs_torch_load"]),
+            _x(resume["tw restore default delta"]["resume_vs_torch"]),
+            rss(delta),
+        ],
+        [
+            "the same after `prepare`",
+            _bold_if(save[delta + " after prepare"]["blocked_vs_torch_save"], BLOCK_GOAL),
+            _x(save[delta + " after prepare"]["total_vs_torch_save"]),
+            "",
+            "",
+            "",
+        ],
+        [
+            f"delta, 4th after its keyframe ({smaller(delta + ', steady state')})",
+            _bold_if(save[delta + ", steady state"]["blocked_vs_torch_save"], BLOCK_GOAL),
+            _x(save[delta + ", steady state"]["total_vs_torch_save"]),
+            "",
+            "",
+            "",
+        ],
+    ]
+    head = [
+        "default Checkpointer, MiniLM + AdamW",
+        "blocks the loop",
+        "total save",
+        "load",
+        "resume",
+        "load peak extra RSS / state",
+    ]
+    seconds = (
+        f"In this run `torch.save` took {save['torch.save']['blocked_s']:.2f} s and `torch.load` "
+        f"{load['torch.load']['load_s']:.2f} s."
+    )
+    return seconds + "\n\n" + fmt_table(head, rows)
+
+
+def _verdict(failing: list[str]) -> str:
+    return "yes" if not failing else "not for " + " or ".join(failing)
+
+
+def goals_table(speed: dict[str, Any], codec: dict[str, Any]) -> str:
+    """Where the speed goals stand, from ``speed_compare.json`` and ``codec_cpu.json``."""
+    save, load, resume = _rows(speed)
+    state = speed["state"]["state_bytes"]
+    kf, delta = "tw default keyframe", "tw default delta"
+    deltas = [delta, delta + " after prepare", delta + ", steady state"]
+    keyframes = [kf, kf + " after prepare"]
+
+    fast = [save[m]["blocked_vs_torch_save"] for m in [*deltas, kf + " after prepare"]]
+    first = save[kf]["blocked_vs_torch_save"]
+    block_fail = [] if first <= BLOCK_GOAL else ["a first keyframe without `prepare`"]
+    if max(fast) > BLOCK_GOAL:
+        block_fail.insert(0, "the deltas or a keyframe after `prepare`")
+
+    total_d = [save[m]["total_vs_torch_save"] for m in deltas]
+    total_k = [save[m]["total_vs_torch_save"] for m in keyframes]
+    total_fail = [n for n, v in (("deltas", total_d), ("keyframes", total_k)) if max(v) > 1.0]
+
+    loads = {"keyframe": load[kf]["load_vs_torch_load"], "delta": load[delta]["load_vs_torch_load"]}
+    resumes = {
+        "keyframe": resume["tw restore default keyframe"]["resume_vs_torch"],
+        "delta": resume["tw restore default delta"]["resume_vs_torch"],
+    }
+    load_fail = [f"a {k}'s load" for k, v in loads.items() if v > 1.0]
+    load_fail += [f"a {k}'s resume" for k, v in resumes.items() if v > 1.0]
+
+    by_dtype: dict[str, list[float]] = {}
+    for r in codec["cpu"]:
+        by_dtype.setdefault(r["dtype"], []).extend([r["encode_over_copy"], r["decode_over_copy"]])
+    names = {"float32": "fp32", "bfloat16": "bf16 input", "float16": "fp16 input"}
+    codec_fail = [names.get(d, d) for d, v in by_dtype.items() if min(v) < CODEC_GOAL]
+
+    rss = {k: load[m]["load_peak_extra_bytes"] / state for k, m in (("keyframe", kf), ("delta", delta))}
+    rss_fail = [f"a {k}" for k, v in rss.items() if v > LOAD_RSS_GOAL]
+
+    rows = [
+        [
+            f"`save()` blocks at most {BLOCK_GOAL}x of `torch.save`",
+            f"{_span(fast)} (deltas, keyframe after `prepare`); {_x(first)} (first keyframe, no `prepare`)",
+            _verdict(block_fail),
+        ],
+        [
+            "total save at or below `torch.save` + fsync",
+            f"{_span(total_d)} (deltas), {_span(total_k)} (keyframes)",
+            _verdict(total_fail) if len(total_fail) < 2 else "no",
+        ],
+        [
+            "load at or below `torch.load`",
+            f"keyframe {_x(loads['keyframe'])}, delta {_x(loads['delta'])}; resume: keyframe "
+            f"{_x(resumes['keyframe'])}, delta {_x(resumes['delta'])}",
+            "no" if len(load_fail) == 4 else _verdict(load_fail),
+        ],
+        [
+            f"codec at least {CODEC_GOAL}x of `copy_`",
+            "; ".join(f"{names.get(d, d)} {_span(v)}" for d, v in by_dtype.items()),
+            "no" if len(codec_fail) == len(by_dtype) else _verdict(codec_fail),
+        ],
+        [
+            f"load peak extra RSS at most {LOAD_RSS_GOAL}x the state",
+            f"{_x(rss['keyframe'])} (keyframe), {_x(rss['delta'])} (delta with its keyframe)",
+            _verdict(rss_fail),
+        ],
+    ]
+    return fmt_table(["goal", "now", "met?"], rows)
+
+
+def codec_table(codec: dict[str, Any]) -> str:
+    """Compiled codec and torch reference against ``copy_``, ranges over the bit widths."""
+    groups: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {}
+    for r in codec["cpu"]:
+        groups.setdefault((r["codec"], r["dtype"], r["reference"]), []).append(r)
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    rows = []
+    for (name, dtype, ref), rs in groups.items():
+        what = (
+            f"{short.get(dtype, dtype)} second moment" if name.startswith("log2") else short.get(dtype, dtype)
+        )
+        if ref:
+            what += f" with a {short.get(ref, ref)} reference"
+        rows.append(
+            [
+                f"{name}, {what}",
+                f"{_span([r['encode_over_copy'] for r in rs])} ({_span([r['torch_encode_over_copy'] for r in rs])})",
+                f"{_span([r['decode_over_copy'] for r in rs])} ({_span([r['torch_decode_over_copy'] for r in rs])})",
+            ]
+        )
+    head = ["codec, input", "encode / `copy_`: compiled (torch)", "decode / `copy_`: compiled (torch)"]
+    return fmt_table(head, rows)

@@ -72,48 +72,22 @@ def speed_headline(speed: dict[str, Any]) -> str:
     def smaller(method: str) -> str:
         return f"{save[method]['size_vs_torch_save']:.3g}x smaller"
 
+    def row(label: str, method: str, restored: str | None = None) -> list[str]:
+        """A save's pause and total; with ``restored``, its load, resume and load memory."""
+        cells = [label, _bold_if(save[method]["blocked_vs_torch_save"], BLOCK_GOAL)]
+        cells.append(_x(save[method]["total_vs_torch_save"]))
+        if restored is None:
+            return cells + ["", "", ""]
+        resumed = resume[f"tw restore default {restored}"]["resume_vs_torch"]
+        return cells + [_x(load[method]["load_vs_torch_load"]), _x(resumed), rss(method)]
+
     kf, delta = "tw default keyframe", "tw default delta"
     rows = [
-        [
-            f"keyframe, first save ({smaller(kf)})",
-            _bold_if(save[kf]["blocked_vs_torch_save"], BLOCK_GOAL),
-            _x(save[kf]["total_vs_torch_save"]),
-            _x(load[kf]["load_vs_torch_load"]),
-            _x(resume["tw restore default keyframe"]["resume_vs_torch"]),
-            rss(kf),
-        ],
-        [
-            "the same after `prepare`",
-            _bold_if(save[kf + " after prepare"]["blocked_vs_torch_save"], BLOCK_GOAL),
-            _x(save[kf + " after prepare"]["total_vs_torch_save"]),
-            "",
-            "",
-            "",
-        ],
-        [
-            f"delta, first after its keyframe ({smaller(delta)})",
-            _bold_if(save[delta]["blocked_vs_torch_save"], BLOCK_GOAL),
-            _x(save[delta]["total_vs_torch_save"]),
-            _x(load[delta]["load_vs_torch_load"]),
-            _x(resume["tw restore default delta"]["resume_vs_torch"]),
-            rss(delta),
-        ],
-        [
-            "the same after `prepare`",
-            _bold_if(save[delta + " after prepare"]["blocked_vs_torch_save"], BLOCK_GOAL),
-            _x(save[delta + " after prepare"]["total_vs_torch_save"]),
-            "",
-            "",
-            "",
-        ],
-        [
-            f"delta, 4th after its keyframe ({smaller(delta + ', steady state')})",
-            _bold_if(save[delta + ", steady state"]["blocked_vs_torch_save"], BLOCK_GOAL),
-            _x(save[delta + ", steady state"]["total_vs_torch_save"]),
-            "",
-            "",
-            "",
-        ],
+        row(f"keyframe, first save ({smaller(kf)})", kf, "keyframe"),
+        row("the same after `prepare`", kf + " after prepare"),
+        row(f"delta, first after its keyframe ({smaller(delta)})", delta, "delta"),
+        row("the same after `prepare`", delta + " after prepare"),
+        row(f"delta, 4th after its keyframe ({smaller(delta + ', steady state')})", delta + ", steady state"),
     ]
     head = [
         "default Checkpointer, MiniLM + AdamW",

@@ -105,7 +105,8 @@ PHASES: dict[str, tuple[tuple[str, ...], float]] = {
 # The default: every step in one command, for a lease of 15 minutes of device time all told
 # (about 2 for the machine's start, this command's 360 s plus the install, and enough left
 # to start a machine again and rerun what failed with --steps). The correctness checks and
-# the end-to-end goals come first; the long sweeps get what is left.
+# the end-to-end goals come first, then the CUDA tests (streams, events, pinned memory, the
+# device memory bound); the full identity sweep gets what is left.
 ONE_CALL: tuple[tuple[str, ...], float] = (
     (
         "precompile",
@@ -114,9 +115,9 @@ ONE_CALL: tuple[tuple[str, ...], float] = (
         "concurrency",
         "end_to_end",
         "throughput",
+        "pytest",
         "precompile_all",
         "identity",
-        "pytest",
     ),
     360.0,
 )

@@ -257,11 +257,12 @@ def step_concurrency(device: torch.device, dry: bool, budget: float, work: Path)
 def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out: Path) -> Step:
     s = Step("pytest", "(a) pytest -m cuda (a skip with a GPU is a failure)")
     xml = out / "pytest.xml"
+    # -v: one line per test as it ends, so a run killed at its budget still says which ran.
     cmd = [
         sys.executable,
         "-m",
         "pytest",
-        "-q",
+        "-v",
         "-m",
         "cuda",
         "tests",
@@ -288,7 +289,16 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
     except subprocess.TimeoutExpired as exc:
         output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         (out / "pytest.log").write_text(output, encoding="utf-8")
-        s.status, s.detail = "INCOMPLETE", f"killed at its budget of {budget:.0f} s"
+        ended = {
+            k: len(re.findall(rf"::\S+ {k}\b", output)) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")
+        }
+        s.data = {"command": " ".join(cmd[1:]), "killed": True, **{k.lower(): n for k, n in ended.items()}}
+        bad = ended["FAILED"] + ended["ERROR"] + ended["SKIPPED"]
+        s.status = "FAIL" if bad else "INCOMPLETE"
+        s.detail = (
+            f"killed at its budget of {budget:.0f} s after {sum(ended.values())} tests: "
+            f"{ended['FAILED']} failed, {ended['ERROR']} errors, {ended['SKIPPED']} skipped (see pytest.log)"
+        )
         return s
     (out / "pytest.log").write_text(output, encoding="utf-8")
     s.data = {"command": " ".join(cmd[1:]), "returncode": rc}

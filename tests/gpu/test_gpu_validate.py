@@ -581,3 +581,26 @@ def test_the_precompile_plan_splits_the_grid_over_the_workers(tmp_path, monkeypa
     # The pool itself, on the CPU codec: spawned workers each run their share.
     ran = _precompile.precompile(grid[:4], torch.device("cpu"), workers=2, force_pool=True)
     assert ran["ran"] is True and set(ran["seconds"]) == {e.label() for e in grid[:4]}
+
+
+def test_a_pytest_step_killed_at_its_budget_counts_the_tests_that_ended(tmp_path, monkeypatch):
+    """pytest runs with -v, so its output names each test as it ends: a kill at the budget
+    still tells how many ran, and a failure among them fails the step."""
+    lines = [
+        "tests/gpu/test_a.py::test_one PASSED [  1%]",
+        "tests/gpu/test_a.py::test_two[int8] PASSED [  2%]",
+        "tests/gpu/test_b.py::test_three ",
+    ]
+
+    def killed(cmd, **kw):
+        assert "-v" in cmd and kw["timeout"] == 12.0
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output="\n".join(lines))
+
+    monkeypatch.setattr(validate.subprocess, "run", killed)
+    step = validate.step_pytest(torch.device("cpu"), False, 12.0, tmp_path, tmp_path)
+    assert step.status == "INCOMPLETE" and step.data["passed"] == 2 and step.data["killed"] is True
+    assert step.detail.startswith("killed at its budget of 12 s after 2 tests: 0 failed")
+    assert (tmp_path / "pytest.log").read_text().startswith("tests/gpu/test_a.py::test_one PASSED")
+    lines.insert(1, "tests/gpu/test_a.py::test_bad FAILED [  1%]")
+    step = validate.step_pytest(torch.device("cpu"), False, 12.0, tmp_path, tmp_path)
+    assert step.status == "FAIL" and step.data["failed"] == 1

@@ -1,7 +1,8 @@
 """Regenerate the results page and its plots: ``python benchmarks/make_results.py``.
 
-Runs ``fidelity_minilm.py``, ``resume_fidelity.py`` (the GPT, then ``--model minilm``) and
-``speed_compare.py`` (about 20 minutes on a quiet 2-core machine), which write JSON under
+Runs ``fidelity_minilm.py``, ``resume_fidelity.py`` (the GPT, then ``--model minilm``, then
+the save-interval runs, their controls and the update-domain runs: ``RUNS``) and
+``speed_compare.py`` (hours on a 2-core machine), which write JSON under
 ``benchmarks/results/``; then writes ``benchmarks/results/README.md`` and its PNG plots, the
 moment-ablation page ``results/moment_ablation.md`` (from ``results/moment_ablation_*.json``,
 which ``resume_fidelity.py --settings ablation`` writes), and the compact table between the

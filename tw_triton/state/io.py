@@ -53,8 +53,9 @@ def load(
 ) -> Any:
     """Load a checkpoint written by :func:`save` and decode it on ``device``.
 
-    To a CUDA device the file is read into pinned host memory, copied with non-blocking
-    H2D copies and decoded there by the Triton kernels. To the CPU, exact tensors are the
+    To a CUDA device each buffer is read through a bounded ring of pinned slots
+    (:class:`~tw_triton.pinned_memory.PinnedRing`), copied to the device from there and
+    decoded there by the Triton kernels. To the CPU, exact tensors are the
     buffers read from the file (no extra copy), and a reference given as a path is read on
     a thread of its own while this file is read and its entries that need no reference
     are decoded.

@@ -26,7 +26,14 @@ from typing import Any
 
 from harness.common import RESULTS_DIR, fmt_table, log, mib, read_result
 from harness.gpu_page import gpu_section
-from harness.perf_doc import codec_table, goals_table, replace_between, speed_headline
+from harness.perf_doc import (
+    codec_table,
+    goals_table,
+    optimizer_goals,
+    replace_between,
+    results_table,
+    speed_headline,
+)
 from harness.plots import plot_fidelity, plot_resume, plot_speed
 from harness.settings import DEFAULT_KEYFRAME_EVERY
 
@@ -757,7 +764,14 @@ def update_performance_doc(path: Path = PERFORMANCE_DOC) -> bool:
     speed, codec = read_result("speed_compare"), read_result("codec_cpu")
     changed = replace_between(path, "speed-headline", speed_headline(speed))
     changed |= replace_between(path, "speed-goals", goals_table(speed, codec))
+    changed |= replace_between(path, "optimizer-goals", optimizer_goals(read_result("optimizers")))
     return replace_between(path, "codec-cpu", codec_table(codec)) or changed
+
+
+def update_optimizers_table(path: Path = PROJECT_README) -> bool:
+    """The README's optimizers table: the one of ``results/optimizers.md``."""
+    page = (RESULTS_DIR / "optimizers.md").read_text(encoding="utf-8")
+    return replace_between(path, "optimizers-table", results_table(page))
 
 
 def main() -> None:
@@ -771,8 +785,8 @@ def main() -> None:
         run_benchmarks()
     summary = write_page()
     log(f"wrote {RESULTS_DIR / 'README.md'} and the plots")
-    if not args.no_readme and update_project_readme(summary):
-        log(f"updated the results table in {PROJECT_README}")
+    if not args.no_readme and update_project_readme(summary) | update_optimizers_table():
+        log(f"updated the generated tables in {PROJECT_README}")
     if not args.no_readme and update_performance_doc():
         log(f"updated the generated tables in {PERFORMANCE_DOC}")
     print(summary)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.common import fmt_table
+from tw_triton import roles
 
 # Goals the speed comparison is held to (docs/performance.md, "Where the goals stand").
 BLOCK_GOAL = 0.25  # save() blocks at most this fraction of torch.save
@@ -202,3 +203,67 @@ def codec_table(codec: dict[str, Any]) -> str:
         )
     head = ["codec, input", "encode / `copy_`: compiled (torch)", "decode / `copy_`: compiled (torch)"]
     return fmt_table(head, rows)
+
+
+# Goals of the every-optimizer run (docs/performance.md, "Every optimizer").
+WEIGHT_ERROR_GOAL = 0.01  # restored weights within 1 % (relative norm)
+OPT_DELTA_GOAL = 8.0  # a delta at least 8x smaller than torch.save, optimizers with a moment
+OPT_KEYFRAME_GOAL = 1.7  # a keyframe at least 1.7x smaller
+
+
+def results_table(markdown: str) -> str:
+    """The first markdown table of a results page (its header, rule and rows)."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def has_moment(optimizer: str) -> bool:
+    """Whether ``optimizer`` (a ``torch.optim`` class name) keeps a running average."""
+    return any(role != roles.EXACT for role in roles.OPTIMIZER_STATES.get(optimizer, {}).values())
+
+
+def optimizer_goals(result: dict[str, Any]) -> str:
+    """Where the every-optimizer goals stand, from ``optimizers.json``."""
+    rows = result["rows"]
+    moment = [r for r in rows if has_moment(r["optimizer"])]
+    worst = max(rows, key=lambda r: r["restored_weight_error"])
+
+    def split(key: str, goal: float, pool: list[dict[str, Any]]) -> tuple[str, bool]:
+        ok = [r[key] for r in pool if r[key] is not None and r[key] >= goal]
+        short = [r for r in pool if r[key] is None or r[key] < goal]
+        text = f"{min(ok):.1f}-{max(ok):.1f}x for {len(ok)} of {len(pool)}" if ok else f"none of {len(pool)}"
+        if short:
+            text += "; " + ", ".join(
+                f"{r['optimizer']} {r[key]:.2f}x" if r[key] is not None else f"{r['optimizer']} -"
+                for r in short
+            )
+        return text, not short
+
+    delta, delta_met = split("delta_ratio", OPT_DELTA_GOAL, moment)
+    keyframe, keyframe_met = split("keyframe_ratio", OPT_KEYFRAME_GOAL, moment)
+    resumed = [r for r in rows if r["losses"].get("resumed") is not None]
+    table = [
+        [
+            "every optimizer saved, restored into fresh objects and trained on",
+            f"{len(resumed)} of {len(rows)} (`tests/checkpointing/test_optimizers.py` too)",
+            "yes" if len(resumed) == len(rows) else "no",
+        ],
+        [
+            f"restored weights within {100 * WEIGHT_ERROR_GOAL:.0f} % (relative norm)",
+            f"{100 * worst['restored_weight_error']:.2f} % at worst ({worst['optimizer']})",
+            "yes" if worst["restored_weight_error"] <= WEIGHT_ERROR_GOAL else "no",
+        ],
+        [
+            f"delta at least {OPT_DELTA_GOAL:.0f}x smaller than `torch.save`, optimizers with a moment",
+            delta,
+            "yes" if delta_met else "no",
+        ],
+        [
+            f"keyframe at least {OPT_KEYFRAME_GOAL}x, optimizers with a moment",
+            keyframe,
+            "yes" if keyframe_met else "no",
+        ],
+    ]
+    return fmt_table(["goal", "now", "met?"], table)

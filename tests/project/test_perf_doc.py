@@ -35,6 +35,23 @@ def test_the_page_holds_the_tables_of_the_stored_results():
     assert _block(page, "speed-headline") == perf_doc.speed_headline(speed)
     assert _block(page, "speed-goals") == perf_doc.goals_table(speed, codec)
     assert _block(page, "codec-cpu") == perf_doc.codec_table(codec)
+    assert _block(page, "optimizer-goals") == perf_doc.optimizer_goals(_load("optimizers"))
+    readme = (REPO / "README.md").read_text()
+    optimizers_md = (RESULTS / "optimizers.md").read_text()
+    assert _block(readme, "optimizers-table") == perf_doc.results_table(optimizers_md)
+
+
+def test_the_optimizer_goals_count_only_optimizers_with_a_moment():
+    result = copy.deepcopy(_load("optimizers"))
+    assert not perf_doc.has_moment("ASGD") and not perf_doc.has_moment("LBFGS")
+    assert perf_doc.has_moment("Adafactor") and perf_doc.has_moment("SGD")
+    for r in result["rows"]:
+        r["delta_ratio"], r["keyframe_ratio"], r["restored_weight_error"] = 9.0, 2.0, 0.001
+    text = perf_doc.optimizer_goals(result)
+    assert "9.0-9.0x for 12 of 12 | yes |" in text and text.count("| yes |") == 4
+    next(r for r in result["rows"] if r["optimizer"] == "SGD")["delta_ratio"] = 7.5
+    next(r for r in result["rows"] if r["optimizer"] == "ASGD")["delta_ratio"] = 1.0  # keeps no moment
+    assert "for 11 of 12; SGD 7.50x | no |" in perf_doc.optimizer_goals(result)
 
 
 def test_the_headline_reads_each_ratio_from_its_row():

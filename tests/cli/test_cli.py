@@ -391,3 +391,20 @@ _FILE_LINE = re.compile(r"file +(?P<total>\d+) bytes = (?P<header>\d+) header \+
 
 def _normalized(text: str) -> str:
     return _FILE_LINE.sub("file <size>", _ID.sub("<id>", text.strip()))
+
+
+def test_codec_labels_are_short_for_every_codec_with_bits():
+    from tw_triton.cli.output import codec_label
+
+    assert (
+        codec_label("blockwise", {"bits": 4, "block": 128, "delta": True, "ref_fp": "f"}) == "int4/128 delta"
+    )
+    assert codec_label("blockwise", {"bits": 4, "block": 128, "qmax": 3}) == "int3/128"
+    assert codec_label("blockwise", {"bits": 8, "block": 64, "qmax": 127}) == "int8/64"
+    assert codec_label("log2", {"bits": 4, "block": 128, "packing": "lsb-first"}) == "log2 4/128"
+    assert (
+        codec_label("log2-temporal", {"bits": 4, "block": 128, "delta": True}) == "log2-temporal 4/128 delta"
+    )
+    update = {"bits": 4, "block": 128, "qmax": 3, "partner": "optimizer/state/0/exp_avg_sq"}
+    assert codec_label("blockwise-update", update) == "update int3/128 by exp_avg_sq"
+    assert codec_label("exact", {}) == "exact"

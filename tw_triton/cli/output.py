@@ -117,18 +117,23 @@ def plural(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
+def _width(params: dict[str, Any]) -> str:
+    """``int3`` for 4-bit codes that use -3..3 only (``qmax`` 3), else ``int<bits>``."""
+    bits, qmax = params.get("bits"), params.get("qmax")
+    if qmax is None or (isinstance(bits, int) and qmax == (1 << (bits - 1)) - 1):
+        return f"int{bits}"
+    return "int3" if (bits, qmax) == (4, 3) else f"int{bits} qmax {qmax}"
+
+
 def codec_label(codec: str, params: dict[str, Any]) -> str:
     """A codec and its parameters in a few characters: ``int8/128 delta``, ``exact``."""
     if codec == "blockwise":
-        label = f"int{params.get('bits')}/{params.get('block')}"
-        return label + (" delta" if params.get("delta") else "")
+        return f"{_width(params)}/{params.get('block')}" + (" delta" if params.get("delta") else "")
     if codec == "blockwise-update":
-        bits, qmax = params.get("bits"), params.get("qmax")
-        width = "int3" if (bits, qmax) == (4, 3) else f"int{bits}" + (f" qmax {qmax}" if qmax else "")
         partner = str(params.get("partner", "")).rpartition("/")[2]
-        return f"update {width}/{params.get('block')} by {partner}"
-    if codec == "log2-temporal":
-        label = f"log2-temporal {params.get('bits')}/{params.get('block')}"
+        return f"update {_width(params)}/{params.get('block')} by {partner}"
+    if codec in ("log2", "log2-temporal"):
+        label = f"{codec} {params.get('bits')}/{params.get('block')}"
         return label + (" delta" if params.get("delta") else "")
     if not params:
         return codec

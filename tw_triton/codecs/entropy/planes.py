@@ -225,8 +225,8 @@ class PlanesZstdStage(PlaneStage):
 
     Params: ``level``, ``width`` (the element size) and ``frames``: for each plane, the
     size in bytes of its zstd frame, or 0 where the plane is stored raw (``count`` bytes).
-    The stored bytes are the planes in order. Raw planes carry no checksum of their own, so
-    a load checks the buffer's CRC-32 (see :meth:`Stage.checks_content`).
+    The stored bytes are the planes in order. Raw planes carry no checksum of their own: a
+    load checks the buffer's CRC-32, as for every stage.
     """
 
     name = "zstd-planes"

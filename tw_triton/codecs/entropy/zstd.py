@@ -86,11 +86,6 @@ class Stage(ABC):
             CheckpointError: the stored bytes are corrupted.
         """
 
-    def checks_content(self, stored: memoryview) -> bool:
-        """Whether :meth:`decode` of these stored bytes checks every decoded byte against
-        a checksum they carry (then a load needs no CRC pass over them). Default: no."""
-        return False
-
     def verify(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
         """Check that the stored bytes decode to ``raw_nbytes`` bytes, keeping nothing.
 
@@ -297,15 +292,6 @@ class FrameReader:
 
 class ZstdFrameStage(Stage):
     """A stage whose stored bytes are one zstd frame of the raw size."""
-
-    def checks_content(self, stored: memoryview) -> bool:
-        # zstd checks a frame's content checksum when it reaches the frame's end, which
-        # every decode here does (FrameReader.finish). A header that cannot be parsed is not
-        # trusted: the CRC then runs first, and check() reports the header.
-        try:
-            return bool(zstandard.get_frame_parameters(stored).has_checksum)
-        except zstandard.ZstdError:
-            return False
 
     def check(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
         check_zstd_frame(stored, raw_nbytes, where)

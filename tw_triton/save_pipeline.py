@@ -127,6 +127,15 @@ class SavePipeline:
                 "step %d is coded with rules %r, not %r: it starts a keyframe", step, rules, chain.rules
             )
             chain.restart()
+        elif chain.reference is not None and step <= chain.reference.step:
+            # Its file replaces the reference's (the same step) or a rewound run's saves go on
+            # to replace the chain's files: a delta would name a file that changes under it.
+            logger.info(
+                "step %d is not after step %d, the reference of the next delta: it starts a keyframe",
+                step,
+                chain.reference.step,
+            )
+            chain.restart()
         keyframe = chain.keyframe_due()
         if keyframe and chain.reference is not None:
             # A keyframe needs no reference, and the old one's buffers can hold the new one.

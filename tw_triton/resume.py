@@ -48,9 +48,9 @@ def load_from(
             file that is not a Checkpointer's.
     """
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():  # not a bad file: say so first
+        raise TwTritonError(f"cannot load from {directory.path!r} to {dev}: CUDA is not available")
     if step is None and verify:
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise TwTritonError(f"cannot load from {directory.path!r} to {dev}: CUDA is not available")
         found, info, reads = directory.latest_read(upload=dev if wants_pinned(dev) else None, into=into)
     else:
         found, info = directory.find(step, verify=verify)

@@ -1,6 +1,8 @@
 """Restoring into objects that do not fit the checkpoint (a missing or extra parameter, a
 changed shape, an optimizer over other parameters) raises a CheckpointError that names the
-file, the state's name and what did not fit (the error of ``load_state_dict`` is its cause)."""
+file, the state's name and what did not fit (the error of ``load_state_dict`` is its cause);
+loading to CUDA where there is none says so, whichever checkpoint is asked for, instead of
+blaming the file."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 
 from tw_triton.checkpointer import Checkpointer
-from tw_triton.errors import CheckpointError
+from tw_triton.errors import CheckpointError, TwTritonError
 
 
 def mlp(out: int = 64, extra: bool = False, bias: bool = True) -> torch.nn.Sequential:
@@ -54,3 +56,12 @@ def test_an_optimizer_over_other_parameters_is_a_checkpoint_error(saved):
         CheckpointError, match=r"(?s)step-00000002\.tw\.safetensors.*'optimizer'.*AdamW.*size"
     ):
         Checkpointer(saved).restore(model=model, optimizer=opt, rng=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("step", [None, 1, 2])
+@pytest.mark.parametrize("verify", [True, False])
+def test_loading_to_cuda_without_cuda_says_so_not_that_the_file_is_bad(saved, step, verify):
+    with pytest.raises(TwTritonError, match="CUDA is not available") as err:
+        Checkpointer(saved).load(step, device="cuda", verify=verify)
+    assert not isinstance(err.value, CheckpointError)

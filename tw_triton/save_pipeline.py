@@ -110,6 +110,10 @@ class SavePipeline:
         self.warned_coarse = False
         # The step of the last save made or restored ("auto" rules: the interval since it).
         self.last_step: int | None = None
+        # The reference and the tensor layout (path: shape, dtype) of the last save: a save
+        # of the same layout against the same reference fits it, unchecked (the check
+        # selects a rule per entry).
+        self.fitted: tuple[Reference | None, Any] = (None, None)
 
     def rules_for(self, step: int) -> Any:
         """The rules a save of ``step`` codes with: for ``"auto"``, the preset of its interval
@@ -140,7 +144,13 @@ class SavePipeline:
         # What the writer thread could fail on is checked here, so it reaches the loop now.
         flat = Flattened.of(tree)
         rule_list = resolve_rules(rules, tree, bits=self.bits, block=self.block)
-        misfit = reference_misfit(flat, rule_list, chain.reference) if chain.reference is not None else None
+        tensors = flat.tensors.values()  # few objects: the layout is built at every save
+        layout = (list(flat.tensors), [t.shape for t in tensors], [t.dtype for t in tensors])
+        misfit = None
+        if chain.reference is not None and (
+            self.fitted[0] is not chain.reference or self.fitted[1] != layout
+        ):
+            misfit = reference_misfit(flat, rule_list, chain.reference)
         if misfit is not None:
             # The model changed since the keyframe (grown, resized, a part removed).
             logger.info(
@@ -189,6 +199,7 @@ class SavePipeline:
                 self.warm_up(queued.warm_up, lease, future)
         else:
             chain.add_delta(reference, queued.checkpoint_id, queued.reference_id, step, future)
+        self.fitted = (chain.reference, layout)
         return future
 
     def queue_snapshot(self, job: SaveJob) -> Queued:

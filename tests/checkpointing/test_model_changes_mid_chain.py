@@ -107,3 +107,29 @@ def test_a_model_changed_mid_chain_starts_a_keyframe(tmp_path, caplog, change, d
     for name, value in fresh.state_dict().items():
         assert (value - saved[4][name]).norm() / saved[4][name].norm() < 0.02, name
     train(fresh, fresh_opt, 101)
+
+
+def test_a_state_of_the_last_saves_layout_is_not_checked_again(tmp_path, monkeypatch):
+    """The check selects a rule per entry; a save laid out as the last one (same paths,
+    shapes and dtypes) against the same reference fits it, so a steady run never pays it."""
+    from tw_triton import save_pipeline
+
+    calls = []
+    check = save_pipeline.reference_misfit
+    monkeypatch.setattr(save_pipeline, "reference_misfit", lambda *a: calls.append(1) or check(*a))
+    model, opt = build()
+    with Checkpointer(tmp_path, keyframe_every=4, keep_last=None, fsync=False) as ck:
+        for step in range(6):
+            train(model, opt, step)
+            ck.save(step, model=model, optimizer=opt)
+        assert calls == []
+        grow(model, opt)
+        train(model, opt, 6)
+        ck.save(6, model=model, optimizer=opt)  # checked: a keyframe
+        assert calls == [1]
+        for step in range(7, 9):
+            train(model, opt, step)
+            ck.save(step, model=model, optimizer=opt)
+    assert calls == [1]
+    kinds = [i.kind for i in Checkpointer(tmp_path).infos()]
+    assert kinds == ["keyframe", "delta", "delta", "delta", "keyframe", "delta", "keyframe", "delta", "delta"]

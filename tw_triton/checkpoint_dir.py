@@ -29,6 +29,7 @@ from .checkpoint_files import (  # noqa: F401 - re-exported: their documented ho
 from .deltas import chain_of, decode_chain
 from .directory_claim import DirectoryClaim, checkpoint_temp_files, dcp_temp_files  # noqa: F401 - re-exported
 from .errors import CheckpointError, ReferenceMismatchError
+from .format.files import io_error
 from .qstate import QuantizedState
 from .state import check_manifest, delta_paths
 
@@ -64,7 +65,10 @@ class CheckpointDirectory:
     ) -> None:
         self.path = os.fspath(path)
         self.max_expansion = max_expansion
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:  # a file of that name, or in its parents; no permission
+            raise io_error(exc, f"{self.path}: cannot be made or used as a checkpoint directory") from exc
         # file -> ((mtime_ns, size), its info or None when its header cannot be read)
         self._listed: dict[str, tuple[tuple[int, int], CheckpointInfo | None]] = {}
         # The headers the listing parsed, for the reads of a load that follow it.

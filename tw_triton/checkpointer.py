@@ -449,7 +449,8 @@ class Checkpointer:
 
         Raises:
             CheckpointError: a name that the checkpoint lacks, an object without
-                ``load_state_dict``, or anything :meth:`load` raises.
+                ``load_state_dict`` or whose ``load_state_dict`` refuses its state (the
+                object's error chained), or anything :meth:`load` raises.
         """
         check_restorable(objects)
         if device is None:

@@ -191,30 +191,28 @@ def keyframe_values(
     return values
 
 
-def check_reference(tree: Any, rule_list: Any, reference: Reference, path: str) -> None:
-    """Raise now what encoding ``tree`` (nested, or :class:`~tw_triton.tree.Flattened`)
-    against ``reference`` would raise on the writer thread.
-
-    Raises:
-        ReferenceMismatchError: a tensor the rules delta-code has no tensor of its shape in
-            the reference (e.g. the model changed shape since the keyframe).
-    """
+def reference_misfit(tree: Any, rule_list: Any, reference: Reference) -> str | None:
+    """Why a delta of ``tree`` (nested, or :class:`~tw_triton.tree.Flattened`) cannot be
+    coded against ``reference``, or ``None`` when it can: a tensor the rules delta-code
+    that has no tensor of its shape in the reference (unless its codec codes it on its
+    own then), or a reference tensor the state no longer delta-codes (the model changed
+    since the keyframe)."""
     ref_flat, _ = flatten(reference.tree)
+    coded = set()
     for entry, x in Flattened.of(tree).tensors.items():
         rule = select_rule(rule_list, entry, x)
         codec = get_codec(rule.codec)
         if codec is None or not codec.uses_reference(rule.params):
             continue
+        coded.add(entry)
         r = ref_flat.get(entry)
-        if r is None or tuple(r.shape) != tuple(x.shape):
-            if codec.reference_optional:
-                continue  # coded on its own (quantize_state_dict)
+        if (r is None or tuple(r.shape) != tuple(x.shape)) and not codec.reference_optional:
             found = "no tensor" if r is None else f"shape {tuple(r.shape)}"
-            raise ReferenceMismatchError(
-                f"cannot save {path!r} as a delta: entry {entry!r} has shape {tuple(x.shape)} but "
-                f"the keyframe of step {reference.step} has {found} there; "
-                "the state changed since the keyframe (the next keyframe starts over)"
-            )
+            return f"entry {entry!r} has shape {tuple(x.shape)}, the reference {found}"
+    gone = sorted(ref_flat.keys() - coded)
+    if gone:
+        return f"{len(gone)} entries of the reference are not delta-coded in it, e.g. {gone[0]!r}"
+    return None
 
 
 def advance(reference: Reference, q: QuantizedState) -> None:
@@ -452,7 +450,7 @@ __all__ = [
     "Reference",
     "advance",
     "chain_of",
-    "check_reference",
+    "reference_misfit",
     "decode_chain",
     "delta_mode",
     "delta_coded",

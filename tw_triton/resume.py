@@ -48,9 +48,9 @@ def load_from(
             file that is not a Checkpointer's.
     """
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():  # not a bad file: say so first
+        raise TwTritonError(f"cannot load from {directory.path!r} to {dev}: CUDA is not available")
     if step is None and verify:
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise TwTritonError(f"cannot load from {directory.path!r} to {dev}: CUDA is not available")
         found, info, reads = directory.latest_read(upload=dev if wants_pinned(dev) else None, into=into)
     else:
         found, info = directory.find(step, verify=verify)
@@ -78,14 +78,23 @@ def restore_into(state: dict[str, Any], source: str, objects: dict[str, Any], *,
     (with ``rng``) put back the RNG states.
 
     Raises:
-        CheckpointError: ``state`` (read from ``source``) holds no state of that name, or
-            no RNG states.
+        CheckpointError: ``state`` (read from ``source``) holds no state of that name, no
+            RNG states, or an object's ``load_state_dict`` refused its state (a missing or
+            extra key, another shape: its error is the cause).
     """
     for name, obj in objects.items():
         if name not in state:
             saved = sorted(k for k in state if k not in RESERVED_NAMES)
             raise CheckpointError(f"{source}: holds no state named {name!r}; it holds {saved}")
-        obj.load_state_dict(state[name])
+        try:
+            obj.load_state_dict(state[name])
+        except TwTritonError:
+            raise
+        except Exception as err:
+            raise CheckpointError(
+                f"{source}: the state named {name!r} does not fit the {type(obj).__name__} given "
+                f"to restore ({type(err).__name__}: {err})"
+            ) from err
     if rng:
         if "rng" not in state:
             raise CheckpointError(f"{source}: holds no RNG states")

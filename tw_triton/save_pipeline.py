@@ -27,7 +27,7 @@ import torch
 
 from . import format as _format
 from . import interval_rules, kernel_variants
-from .deltas import Reference, check_reference, delta_coded, keyframe_values
+from .deltas import Reference, delta_coded, keyframe_values, reference_misfit
 from .device_memory import private_copies
 from .qstate import QuantizedState
 from .reference_chain import ReferenceChain, depends_on, ref_at
@@ -55,6 +55,7 @@ class SaveJob:
     lease: SnapshotLease | None
     noted: NotedFile
     rules: Any = None  # the rules value rule_list resolves (a delta's encode resolves it again)
+    flat: Flattened | None = None  # the tree flattened once: the check, the copy and the encode
 
 
 @dataclass
@@ -109,6 +110,10 @@ class SavePipeline:
         self.warned_coarse = False
         # The step of the last save made or restored ("auto" rules: the interval since it).
         self.last_step: int | None = None
+        # The reference and the tensor layout (path: shape, dtype) of the last save: a save
+        # of the same layout against the same reference fits it, unchecked (the check
+        # selects a rule per entry).
+        self.fitted: tuple[Reference | None, Any] = (None, None)
 
     def rules_for(self, step: int) -> Any:
         """The rules a save of ``step`` codes with: for ``"auto"``, the preset of its interval
@@ -127,6 +132,34 @@ class SavePipeline:
                 "step %d is coded with rules %r, not %r: it starts a keyframe", step, rules, chain.rules
             )
             chain.restart()
+        elif chain.reference is not None and step <= chain.reference.step:
+            # Its file replaces the reference's (the same step) or a rewound run's saves go on
+            # to replace the chain's files: a delta would name a file that changes under it.
+            logger.info(
+                "step %d is not after step %d, the reference of the next delta: it starts a keyframe",
+                step,
+                chain.reference.step,
+            )
+            chain.restart()
+        # What the writer thread could fail on is checked here, so it reaches the loop now.
+        flat = Flattened.of(tree)
+        rule_list = resolve_rules(rules, tree, bits=self.bits, block=self.block)
+        tensors = flat.tensors.values()  # few objects: the layout is built at every save
+        layout = (list(flat.tensors), [t.shape for t in tensors], [t.dtype for t in tensors])
+        misfit = None
+        if chain.reference is not None and (
+            self.fitted[0] is not chain.reference or self.fitted[1] != layout
+        ):
+            misfit = reference_misfit(flat, rule_list, chain.reference)
+        if misfit is not None:
+            # The model changed since the keyframe (grown, resized, a part removed).
+            logger.info(
+                "the state saved at step %d does not fit the reference of step %d (%s): it starts a keyframe",
+                step,
+                chain.reference.step,
+                misfit,
+            )
+            chain.restart()
         keyframe = chain.keyframe_due()
         if keyframe and chain.reference is not None:
             # A keyframe needs no reference, and the old one's buffers can hold the new one.
@@ -135,17 +168,15 @@ class SavePipeline:
         meta: dict[str, Any] = {"step": step, "saved_at": time.time()}
         lease = self.saves.lease(chain.kept_bytes())
         reference = chain.reference if chain.delta else None
-        # What the writer thread could fail on is checked here, so it reaches the loop now.
-        rule_list = resolve_rules(rules, tree, bits=self.bits, block=self.block)
         if not self.warned_coarse:
             self.warned_coarse = warn_if_too_coarse(rule_list, chain.mode, self.directory)
-        job = SaveJob(path, tree, rule_list, keyframe, reference, meta, lease, NotedFile(path), rules)
+        job = SaveJob(path, tree, rule_list, keyframe, reference, meta, lease, NotedFile(path), rules, flat)
         ref_tree = reference.tree if reference is not None else None
         try:
             if self.writer is not None and all_on_cpu(tree):
                 queued = self.queue_snapshot(job)
             else:
-                queued = self.encode_here(job)
+                queued = self.encode_here(job, flat)
         except BaseException:
             if lease is not None:
                 lease.release()  # nothing was queued: no one reads these buffers
@@ -168,6 +199,7 @@ class SavePipeline:
                 self.warm_up(queued.warm_up, lease, future)
         else:
             chain.add_delta(reference, queued.checkpoint_id, queued.reference_id, step, future)
+        self.fitted = (chain.reference, layout)
         return future
 
     def queue_snapshot(self, job: SaveJob) -> Queued:
@@ -175,10 +207,7 @@ class SavePipeline:
         part that blocks the loop) and queue its encode and write on the writer thread."""
         reference = job.reference  # None for a keyframe: save() retired it
         q_id = uuid.uuid4().hex
-        # Flattened once: the check, the copy and the writer's encode all take it.
-        flat = Flattened.of(job.tree)
-        if reference is not None:
-            check_reference(flat, job.rule_list, reference, job.path)
+        flat = job.flat if job.flat is not None else Flattened.of(job.tree)
         sizes = nbytes_each(flat.tensors.values())
         self.wait_for_warm_up()
         if job.keyframe and not self.saves.warm_for(sizes):

@@ -131,6 +131,11 @@ def _flatten_node(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any
     if isinstance(node, torch.Tensor):
         if is_wrapper(node):
             return flatten_subclass(node, path, lambda t, p: _flatten_node(t, p, tensors))
+        if node.is_nested:  # strided layout, but no one shape: fails deep in the codec
+            raise QuantizationError(
+                f"tensor at {describe_path(path)} is a nested tensor: only dense tensors with data "
+                "can be checkpointed"
+            )
         if node.layout != torch.strided or node.is_quantized or node.device.type == "meta":
             raise QuantizationError(
                 f"tensor at {describe_path(path)} has layout {node.layout} on {node.device}: "

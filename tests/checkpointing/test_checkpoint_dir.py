@@ -150,3 +150,15 @@ def test_a_partial_read_is_read_whole_when_its_file_is_the_one_loaded(tmp_path, 
     state = ck._dir.decode(found[0], found, reads, torch.device("cpu"))
     assert asked == [(checkpoint_name(0), None)]
     assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], whole["optimizer"]["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize("where", ["the path", "a parent"])
+def test_a_directory_that_is_a_file_is_a_checkpoint_io_error_naming_it(tmp_path, where):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    path = afile if where == "the path" else afile / "runs"
+    with pytest.raises(
+        tw_triton.CheckpointIOError, match=f"{path}: cannot be made or used as a checkpoint directory"
+    ) as err:
+        Checkpointer(path)
+    assert err.value.errno is not None

@@ -134,6 +134,7 @@ def test_colliding_keys_are_rejected_with_path():
         (namedtuple("P", "x y")(1, 2), "namedtuple"),
         (np.array(["a"]), "dtype"),
         (torch.zeros(3).to_sparse(), "layout"),
+        (torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "nested"),
     ],
 )
 def test_unsupported_leaves_name_their_path(leaf, what):

@@ -122,3 +122,12 @@ def gc_generations():
         yield seen
     finally:
         gc.callbacks.remove(record)
+
+
+@pytest.fixture(autouse=True)
+def _fallback_warnings_per_test():
+    """A partner fallback warns once per process: each test starts as a fresh process."""
+    from tw_triton.state import partners
+
+    partners.warned_fallbacks.clear()
+    yield

@@ -335,3 +335,23 @@ def test_a_device_load_decodes_in_groups_what_the_host_decodes_and_checks_alike(
             tw_triton.dequantize_state_dict(q)
         errors.append(str(info.value))
     assert errors[0] == errors[1] and repr(M) in errors[0]
+
+
+def test_a_fallback_repeated_at_every_save_warns_once_per_reason(caplog):
+    m, v = moments(4096, 3)
+
+    def fallback_records(state):
+        with caplog.at_level(logging.DEBUG, logger="tw_triton"):
+            caplog.clear()
+            tw_triton.quantize_state_dict(
+                {"optimizer": {"state": {0: state}, "param_groups": [{"params": [0]}]}}, rules=rules()
+            )
+        return [r for r in caplog.records if "coded without a partner" in r.getMessage()]
+
+    first = fallback_records({"exp_avg": m})
+    assert [r.levelno for r in first] == [logging.WARNING]
+    assert "no partner entry in the state" in first[0].getMessage()
+    assert [r.levelno for r in fallback_records({"exp_avg": m})] == [logging.DEBUG]
+    other = fallback_records({"exp_avg": m, "exp_avg_sq": v.to(torch.bfloat16)})
+    assert [r.levelno for r in other] == [logging.WARNING]
+    assert "its partner is bfloat16, not float32" in other[0].getMessage()

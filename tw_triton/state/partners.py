@@ -38,39 +38,60 @@ Job = tuple[torch.Tensor, Any, Codec, "torch.Tensor | None"]
 def serves_as_partner(x: torch.Tensor, partner: torch.Tensor, partner_codec: Any) -> bool:
     """Whether ``partner`` (coded by ``partner_codec``) can be ``x``'s partner: float32 of
     its shape, not itself coded with a partner."""
-    return (
-        not partner_codec.has_partners
-        and partner.dtype == torch.float32
-        and tuple(partner.shape) == tuple(x.shape)
-    )
+    return why_not_partner(x, partner, partner_codec) is None
+
+
+def why_not_partner(x: torch.Tensor, partner: torch.Tensor | None, partner_codec: Any) -> str | None:
+    """Why ``partner`` cannot be ``x``'s partner (:func:`serves_as_partner`), or None."""
+    if partner is None:
+        return "no partner entry in the state"
+    if partner_codec.has_partners:
+        return "its partner is itself coded with a partner"
+    if partner.dtype != torch.float32:
+        return f"its partner is {str(partner.dtype).removeprefix('torch.')}, not float32"
+    if tuple(partner.shape) != tuple(x.shape):
+        return f"its partner's shape is {tuple(partner.shape)}, not {tuple(x.shape)}"
+    return None
+
+
+# What plan_partners has warned of in this process: a state saved again and again falls back
+# for the same entries at every save, and says so once (later ones at DEBUG).
+warned_fallbacks: set[tuple[tuple[str, str], ...]] = set()
 
 
 def plan_partners(canonical: Sequence[str], jobs: list[Job], aliases: Mapping[str, str]) -> dict[int, int]:
     """The entries coded with a partner, ``{job index: partner's job index}``; a job whose
     partner cannot serve (none, another shape, not float32, itself with a partner) gets
-    its codec's fallback rule in ``jobs``, logged once for the call."""
+    its codec's fallback rule in ``jobs``, logged with the first one's reason (a warning
+    the first time the same entries fall back for the same reasons in this process)."""
     index = {p: i for i, p in enumerate(canonical)}
     present = set(index) | set(aliases)
     out: dict[int, int] = {}
-    fell_back: list[str] = []
+    fell_back: list[tuple[str, str]] = []
     for i, (x, rule, codec, _) in enumerate(jobs):
         if not codec.has_partners:
             continue
         found = codec.partner_path(canonical[i], rule.params, present)
         j = index.get(aliases.get(found, found)) if found is not None else None  # type: ignore[arg-type]
-        if j is not None and j != i and serves_as_partner(x, jobs[j][0], jobs[j][2]):
-            out[i] = j
+        partner, partner_codec = (jobs[j][0], jobs[j][2]) if j is not None and j != i else (None, None)
+        reason = why_not_partner(x, partner, partner_codec)
+        if reason is None:
+            out[i] = j  # type: ignore[assignment]
             continue
         rule = partner_free(rule)
         jobs[i] = (x, rule, get_codec(rule.codec), None)  # type: ignore[assignment]
-        fell_back.append(canonical[i])
+        fell_back.append((canonical[i], reason))
     if fell_back:
-        logger.warning(
-            "%d entr%s (%r first) coded without a partner: none in the state of their shape as "
-            "float32 that is not itself coded with a partner; coded with the fallback codec instead",
+        key = tuple(fell_back)
+        level = logging.DEBUG if key in warned_fallbacks else logging.WARNING
+        warned_fallbacks.add(key)
+        logger.log(
+            level,
+            "%d entr%s (%r first: %s) coded without a partner; coded with the fallback codec instead",
             len(fell_back),
             "y" if len(fell_back) == 1 else "ies",
-            fell_back[0],
+            fell_back[0][0],
+            fell_back[0][1],
         )
     return out
 

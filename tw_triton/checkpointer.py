@@ -24,7 +24,6 @@ docs/training-loop.md.
 from __future__ import annotations
 
 import logging
-import operator
 import os
 from concurrent.futures import Future
 from typing import Any
@@ -44,7 +43,7 @@ from .device_memory import bound_of, held_nbytes
 from .directory_claim import DirectoryClaim
 from .errors import CheckpointError, TwTritonError
 from .reference_chain import ReferenceChain, leaves
-from .resume import check_restorable, default_device, load_from, named_state, restore_into
+from .resume import as_step, check_restorable, default_device, load_from, named_state, restore_into
 from .retention import InFlight, retain
 from .rng import capture_rng_state, restore_rng_state
 from .save_encode import KIND_DELTA, KIND_KEYFRAME, KIND_STANDALONE  # noqa: F401 - re-exported
@@ -187,9 +186,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"cannot save step {step}: the Checkpointer of {self.directory!r} is closed"
             )
-        step = operator.index(step)
-        if step < 0:
-            raise CheckpointError(f"step must be non-negative, got {step}")
+        step = as_step(step)
         named = named_state(state)
         self._collect_finished()
         if self._writer is not None:

@@ -7,6 +7,7 @@ docs/training-loop.md.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -99,6 +100,17 @@ def restore_into(state: dict[str, Any], source: str, objects: dict[str, Any], *,
         if "rng" not in state:
             raise CheckpointError(f"{source}: holds no RNG states")
         restore_rng_state(state["rng"], source=source)
+
+
+def as_step(step: Any) -> int:
+    """``step`` as a non-negative ``int`` (any integer type), or CheckpointError."""
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise CheckpointError(f"step must be an integer, got {step!r} ({type(step).__name__})") from None
+    if value < 0:
+        raise CheckpointError(f"step must be non-negative, got {value}")
+    return value
 
 
 def default_device(objects: dict[str, Any]) -> torch.device:

@@ -537,3 +537,17 @@ def test_a_writer_task_runs_on_the_writer_thread_and_its_error_is_only_logged(tm
             writer.flush()  # waits for both, raises nothing
         assert ran == ["tw_triton-writer"]
         assert "task broke" in caplog.text
+
+
+def test_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(tmp_path / "ck", async_write=False) as ck:
+        for bad, match in (
+            (1.5, "step must be an integer, got 1.5 \\(float\\)"),
+            ("3", "got '3'"),
+            (-1, "non-negative"),
+        ):
+            with pytest.raises(CheckpointError, match=match):
+                ck.save(bad, model=model)
+        ck.save(np.int64(3), model=model)
+        assert ck.steps() == [3]

@@ -59,10 +59,26 @@ def seed_chain(
         Whether the next save is a delta against the restored state.
     """
     chain.restart()
+    try:
+        found = directory.scan()
+    except (CheckpointError, OSError) as exc:  # the restore itself succeeded: not its failure
+        logger.info(
+            "restored %s: the next save is a keyframe: the directory cannot be read again: %s", info.path, exc
+        )
+        return False
+    newer = sorted(s for s in found if s > info.step)
+    if newer:
+        logger.warning(
+            "restored step %d of %s, but step %d is newer: until a save passes step %d, restore() "
+            "without a step picks the newer checkpoints again; remove them to abandon that run",
+            info.step,
+            directory.path,
+            newer[-1],
+            newer[-1],
+        )
     if not chain.delta:
         return False
     try:
-        found = directory.scan()
         why, since, rules = _why_not(
             chain, directory, found, info, state, rules=rules, bits=bits, block=block
         )

@@ -205,6 +205,21 @@ def test_restoring_an_older_step_starts_a_keyframe(tmp_path, caplog):
     ck.close()
     assert "not the newest checkpoint" in caplog.text
     assert fmt.read_manifest(ck.path_for(5))["metadata"]["kind"] == "keyframe"
+    # A rewound run is told that restore() without a step goes back to the newer files.
+    warned = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "but step 2 is newer" in r.getMessage()
+    ]
+    assert len(warned) == 1 and "restored step 1 of" in warned[0].getMessage()
+
+
+def test_restoring_the_newest_step_warns_of_nothing(tmp_path, caplog):
+    run(tmp_path, None, steps=3)
+    ck = tw_triton.Checkpointer(tmp_path, fsync=False, keep_last=None, keyframe_every=4)
+    m, opt = make_objects()
+    with caplog.at_level(logging.WARNING, logger="tw_triton"):
+        ck.restore(model=m, optimizer=opt)
+    ck.close()
+    assert "is newer" not in caplog.text
 
 
 def test_a_state_that_changed_after_the_restore_starts_a_keyframe(tmp_path, caplog):

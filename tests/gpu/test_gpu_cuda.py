@@ -77,9 +77,9 @@ def test_failed_staging_returns_its_pinned_buffer_only_after_the_copies(tmp_path
     released_while_busy: list[bool] = []
     real_copy, real_release = w.staging.copy_to_host, w.staging.pool.release
 
-    def copy_then_fail(tensors, views):
+    def copy_then_fail(tensors, views, **kwargs):  # stage() passes live=
         torch.cuda._sleep(SLEEP_CYCLES)
-        real_copy(tensors, views)
+        real_copy(tensors, views, **kwargs)
         raise RuntimeError("staging failed after a copy was enqueued")
 
     def release(buf):

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -604,3 +605,46 @@ def test_a_pytest_step_killed_at_its_budget_counts_the_tests_that_ended(tmp_path
     lines.insert(1, "tests/gpu/test_a.py::test_bad FAILED [  1%]")
     step = validate.step_pytest(torch.device("cpu"), False, 12.0, tmp_path, tmp_path)
     assert step.status == "FAIL" and step.data["failed"] == 1
+
+
+def _pytest_on(tests: Path, real: Callable) -> Callable:
+    """``subprocess.run`` for the pytest step that runs the real pytest on ``tests``."""
+
+    def run(cmd, **kw):
+        return real([str(tests) if c == "tests" else c for c in cmd], **kw)
+
+    return run
+
+
+@pytest.mark.parametrize("cuda_test_skips", [False, True])
+def test_a_module_that_skips_on_import_does_not_fail_the_pytest_step(tmp_path, monkeypatch, cuda_test_skips):
+    """The GPU image lacks the optional extras (transformers, accelerate, lightning): their
+    test modules skip themselves on import, which the junit XML counts as skipped tests even
+    under -m cuda. Those are not cuda tests; a cuda test that skips still fails the step."""
+    tests = tmp_path / "suite"
+    tests.mkdir()
+    (tests / "conftest.py").write_text(
+        "def pytest_configure(config):\n    config.addinivalue_line('markers', 'cuda: a GPU test')\n"
+    )
+    (tests / "test_extra.py").write_text(
+        "import pytest\n"
+        "pytest.importorskip('tw_no_such_extra', reason='the extra is not installed')\n"
+        "def test_uses_the_extra():\n"
+        "    pass\n"
+    )
+    body = "pytest.skip('no GPU after all')" if cuda_test_skips else "pass"
+    (tests / "test_gpu.py").write_text(
+        f"import pytest\n@pytest.mark.cuda\ndef test_on_the_gpu():\n    {body}\n"
+    )
+    monkeypatch.setattr(validate.subprocess, "run", _pytest_on(tests, subprocess.run))
+    out = tmp_path / "out"
+    out.mkdir()
+    step = validate.step_pytest(torch.device("cpu"), False, 120.0, tmp_path, out)
+    assert step.data["tests"] == 1 and step.data["failures"] == 0 and step.data["errors"] == 0
+    assert len(step.data["modules_skipped_on_import"]) == 1
+    assert "the extra is not installed" in step.data["modules_skipped_on_import"][0]
+    if cuda_test_skips:
+        assert step.status == "FAIL" and step.data["skipped"] == 1, step.detail
+    else:
+        assert step.status == "PASS" and step.data["skipped"] == 0, step.detail
+        assert step.detail.endswith("1 module(s) of optional extras skipped on import")

@@ -20,11 +20,19 @@ from .reader import StorageReader
 from .writer import StorageWriter
 
 
+def tw_error(exc: BaseException) -> BaseException:
+    """The lowest rank's tw_triton error in DCP's ``CheckpointException`` ``exc``, chained
+    to it, or ``exc`` itself when no rank's error is one (or ``exc`` is not DCP's)."""
+    if isinstance(exc, CheckpointException):
+        for err in compat.rank_errors(exc):
+            if isinstance(err, TwTritonError):
+                err.__cause__ = exc
+                return err
+    return exc
+
+
 def _reraise(exc: CheckpointException) -> None:
-    for err in compat.rank_errors(exc):
-        if isinstance(err, TwTritonError):
-            raise err from exc
-    raise exc
+    raise tw_error(exc)
 
 
 def save(state: dict[str, Any], path: str | os.PathLike, *, no_dist: bool = False, **writer_kw: Any) -> None:
@@ -56,4 +64,4 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, no_dist: bool = Fals
         _reraise(exc)
 
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "tw_error"]

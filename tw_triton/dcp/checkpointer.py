@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
 from ..format import MAX_EXPANSION, verify_file
@@ -67,6 +68,21 @@ def chain_problem(
     except OSError as exc:  # a file removed or unreadable while it is checked
         return f"{path}: {exc}"
     return None
+
+
+def _with_tw_errors(fut: Future) -> Future:
+    """A future that completes as ``fut`` does, its failure as :func:`api.tw_error`."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        exc = f.exception()
+        if exc is None:
+            out.set_result(f.result())
+        else:
+            out.set_exception(api.tw_error(exc))
+
+    fut.add_done_callback(done)
+    return out
 
 
 class DistributedCheckpointer:
@@ -158,6 +174,11 @@ class DistributedCheckpointer:
         With ``asynchronous``, encoding happens now (``StorageWriter.stage``) and the write
         in the background; the returned future completes when it is on disk. Retention for
         it runs at the next ``save`` or ``wait``.
+
+        Raises:
+            TwTritonError: the lowest failing rank's tw_triton error (e.g. a
+                ``CheckpointIOError`` naming the directory), as ``tw_triton.dcp.save``;
+                for an asynchronous save, from the future and from ``wait``.
         """
         self.wait()
         is_keyframe = self._keyframe is None or self._since_keyframe >= self.keyframe_every - 1
@@ -171,15 +192,18 @@ class DistributedCheckpointer:
             as_keyframe=is_keyframe,
         )
         no_dist = not dist.is_initialized()
-        if asynchronous:
-            fut = dcp.async_save(
-                state, storage_writer=writer, process_group=self.process_group, no_dist=no_dist
-            )
-            self._pending = fut
-        else:
-            dcp.save(state, storage_writer=writer, process_group=self.process_group, no_dist=no_dist)
-            if not no_dist:
-                dist.barrier(self.process_group)
+        try:
+            if asynchronous:
+                fut = dcp.async_save(
+                    state, storage_writer=writer, process_group=self.process_group, no_dist=no_dist
+                )
+                self._pending = _with_tw_errors(fut)
+            else:
+                dcp.save(state, storage_writer=writer, process_group=self.process_group, no_dist=no_dist)
+        except CheckpointException as exc:
+            raise api.tw_error(exc) from exc
+        if not asynchronous and not no_dist:
+            dist.barrier(self.process_group)
         if is_keyframe:
             self._pending_keyframe = path
             self._since_keyframe = 0

@@ -68,6 +68,7 @@ class StorageWriter(FileSystemWriter):
             buffers).
 
     Raises (during ``dcp.save``):
+        CheckpointIOError: the directory cannot be made (``errno`` kept), a file not written.
         QuantizationError: bad rules or parameters.
         ReferenceMismatchError: the keyframe lacks a tensor region a delta needs.
     """
@@ -153,6 +154,14 @@ class StorageWriter(FileSystemWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        try:  # DCP makes the directory here
+            return super().prepare_local_plan(plan)
+        except OSError as exc:
+            raise CheckpointIOError(
+                exc.errno, f"{os.fspath(self.path)}: cannot make the checkpoint directory: {exc}"
+            ) from exc
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         directory = os.fspath(self.path)

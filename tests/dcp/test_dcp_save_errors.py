@@ -1,0 +1,47 @@
+"""A failed save of the DCP plug-in is a tw_triton error naming the directory, not DCP's
+``CheckpointException`` (a ``BaseException``): ``StorageWriter`` turns the operating
+system's failure to make the checkpoint directory into a ``CheckpointIOError``, and
+``DistributedCheckpointer.save`` (and its asynchronous future, and ``wait``) re-raise it as
+``tw_triton.dcp.save`` does (one process)."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+import tw_triton.dcp as tw_dcp
+from tw_triton.dcp import DistributedCheckpointer
+from tw_triton.errors import CheckpointIOError
+
+
+def state(seed: int) -> dict:
+    return {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(seed)), "step": seed}
+
+
+def test_a_directory_that_cannot_be_made_is_a_checkpoint_io_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.raises(CheckpointIOError, match="file") as info:
+        tw_dcp.save(state(0), blocker, no_dist=True)
+    assert info.value.errno == errno.EEXIST
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_failed_distributed_save_raises_the_tw_triton_error(tmp_path, asynchronous):
+    ckpt = DistributedCheckpointer(tmp_path / "run", keyframe_every=2, keep=2)
+    ckpt.save(state(0), 0)
+    with open(ckpt.path_for(1), "w"):  # a file where step 1's directory goes
+        pass
+    with pytest.raises(CheckpointIOError, match="step_00000001"):
+        fut = ckpt.save(state(1), 1, asynchronous=asynchronous)
+        if asynchronous:
+            with pytest.raises(CheckpointIOError, match="step_00000001"):
+                fut.result()
+            ckpt.wait()
+    # The run goes on: the next save is written and loads.
+    ckpt.save(state(2), 2, asynchronous=asynchronous)
+    ckpt.wait()
+    target = {"w": torch.zeros(64, 64), "step": -1}
+    assert ckpt.load(target) == 2 and target["step"] == 2

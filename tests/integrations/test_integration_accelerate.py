@@ -67,6 +67,42 @@ def test_checkpointer_route_resumes_bit_for_bit(tmp_path):
         assert torch.equal(v, want[k]), k
 
 
+class Counter:
+    """An object a loop registers with ``accelerator.register_for_checkpointing``."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.history = torch.zeros(3)
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "history": self.history.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.history = state["seen"], state["history"]
+
+
+def test_objects_registered_for_checkpointing_are_saved_and_restored(tmp_path):
+    acc, model, opt, sched = setup()
+    counter = Counter()
+    acc.register_for_checkpointing(counter)
+    counter.seen, counter.history = 7, torch.arange(3.0)
+    ckpt = tw_triton.Checkpointer(tmp_path, fsync=False, async_write=False)
+    save_state(acc, ckpt, 1, model=model, optimizer=opt)
+    ckpt.close()
+
+    acc2, model2, opt2, _ = setup(seed=99)
+    again = Counter()
+    acc2.register_for_checkpointing(again)
+    load_state(acc2, tw_triton.Checkpointer(tmp_path), model=model2, optimizer=opt2)
+    assert again.seen == 7 and torch.equal(again.history, torch.arange(3.0))
+
+    with pytest.raises(tw_triton.TwTritonError, match="custom_checkpoint_0"):
+        save_state(acc2, tw_triton.Checkpointer(tmp_path / "b"), 1, custom_checkpoint_0=again)
+    acc2.register_for_checkpointing(Counter())  # a second one, which the file lacks
+    with pytest.raises(tw_triton.CheckpointError, match="custom_checkpoint_1"):
+        load_state(acc2, tw_triton.Checkpointer(tmp_path), model=model2, optimizer=opt2)
+
+
 def test_save_state_hooks_cannot_keep_the_optimizer_out(tmp_path):
     """The why-not in tw_triton.integrations.accelerate, checked against the installed accelerate."""
     acc, model, opt, sched = setup()

@@ -8,8 +8,10 @@ Checkpointer instead::
     state = load_state(accelerator, ckpt, model=model, optimizer=opt, scheduler=sched)
 
 :func:`save_state` and :func:`load_state` unwrap modules and add the grad scaler of a
-mixed-precision accelerator; single process only (else a
-:class:`~tw_triton.errors.TwTritonError`). The why: docs/integrations.md#accelerate.
+mixed-precision accelerator and the objects registered with
+``accelerator.register_for_checkpointing`` (as ``custom_checkpoint_<i>``, accelerate's own
+names); single process only (else a :class:`~tw_triton.errors.TwTritonError`). The why:
+docs/integrations.md#accelerate.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from . import require
 require("accelerate", "hf")
 
 SCALER_NAME = "scaler"
+CUSTOM_PREFIX = "custom_checkpoint_"
 
 
 def _check_single_process(accelerator: Any) -> None:
@@ -40,22 +43,30 @@ def _objects(accelerator: Any, objects: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for name, obj in objects.items():
         out[name] = accelerator.unwrap_model(obj) if isinstance(obj, torch.nn.Module) else obj
+    added = {}
     scaler = getattr(accelerator, "scaler", None)
     if scaler is not None:
-        if SCALER_NAME in out:
-            raise TwTritonError(f"{SCALER_NAME!r} is the accelerator's grad scaler here; use another name")
-        out[SCALER_NAME] = scaler
+        added[SCALER_NAME] = (scaler, "the accelerator's grad scaler")
+    # register_for_checkpointing keeps them here (accelerate's save_state reads the same list).
+    for i, obj in enumerate(getattr(accelerator, "_custom_objects", ())):
+        added[f"{CUSTOM_PREFIX}{i}"] = (obj, "an object registered for checkpointing")
+    for name, (obj, what) in added.items():
+        if name in out:
+            raise TwTritonError(f"{name!r} is {what} here; use another name")
+        out[name] = obj
     return out
 
 
 def save_state(accelerator: Any, checkpointer: Checkpointer, step: int, **objects: Any) -> Future:
-    """Save ``objects`` (modules unwrapped) and the accelerator's grad scaler at ``step``.
+    """Save ``objects`` (modules unwrapped), the accelerator's grad scaler and registered
+    objects at ``step``.
 
     Returns:
         The Checkpointer's Future (resolves when the file is written).
 
     Raises:
-        TwTritonError: more than one process, or a name clash with ``scaler``.
+        TwTritonError: more than one process, or a name clash with ``scaler`` or
+            ``custom_checkpoint_<i>``.
     """
     _check_single_process(accelerator)
     return checkpointer.save(step, **_objects(accelerator, objects))
@@ -64,10 +75,15 @@ def save_state(accelerator: Any, checkpointer: Checkpointer, step: int, **object
 def load_state(
     accelerator: Any, checkpointer: Checkpointer, step: int | None = None, **objects: Any
 ) -> dict[str, Any]:
-    """Restore ``objects`` (and the grad scaler, RNG states) from ``step`` (default: latest).
+    """Restore ``objects`` (and the grad scaler, registered objects, RNG states) from
+    ``step`` (default: latest).
 
     Returns:
         The loaded state, as :meth:`Checkpointer.restore` (``state["step"]``, ...).
+
+    Raises:
+        CheckpointError: the checkpoint lacks one of these (e.g. an object registered after
+            it was saved), as :meth:`Checkpointer.restore`.
     """
     _check_single_process(accelerator)
     return checkpointer.restore(step, device=accelerator.device, **_objects(accelerator, objects))

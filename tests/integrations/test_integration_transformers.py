@@ -7,7 +7,9 @@ on random token ids, saving every 2 steps.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -200,6 +202,24 @@ def test_resume_true_with_library_default_rules(tmp_path):
     for s in range(5, STEPS + 1):
         # Library default rules code the optimizer moments: close, not bit for bit.
         assert a[s] == pytest.approx(b[s], rel=2e-2), s
+
+
+def test_resume_true_skips_a_newest_folder_whose_file_was_never_written(uninterrupted, tmp_path, caplog):
+    # A run killed while step 8's file was still being written (async): checkpoint-8 has its
+    # pointer and trainer_state.json, the file is not there.
+    src, full_losses, full_params = uninterrupted
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    (run / TW_SUBDIR / "step-00000008.tw.safetensors").unlink()
+    trainer = make_trainer(run, tw_options={"keyframe_every": 2, "rules": "default", "fsync": False})
+    with caplog.at_level(logging.WARNING, logger="tw_triton.integrations.transformers"):
+        trainer.train(resume_from_checkpoint=True)  # checkpoint-6, a keyframe
+    assert "checkpoint-8" in caplog.text and "does not exist" in caplog.text
+    assert trainer.state.global_step == STEPS
+    got = params(trainer)
+    for k, v in full_params.items():
+        assert torch.equal(got[k], v), k
+    assert losses(trainer)[STEPS] == full_losses[STEPS]
 
 
 @pytest.mark.parametrize(

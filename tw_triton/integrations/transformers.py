@@ -35,6 +35,7 @@ from . import require
 require("transformers", "hf")
 require("accelerate", "hf")  # Trainer cannot run without it
 from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers.trainer import TRAINER_STATE_NAME  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -191,10 +192,17 @@ class TwCheckpointMixin:
         if not self._tw_in_save:
             super()._save_rng_state(output_dir)
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; on return every checkpoint it saved is on disk and pruned."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; on return every checkpoint it saved is on disk and pruned.
+
+        ``resume_from_checkpoint=True`` takes the newest ``checkpoint-N`` folder a resume can
+        read (:meth:`_tw_last_checkpoint`), not merely the newest one.
+        """
+        if resume_from_checkpoint is True:
+            # None: no folder at all, which Trainer reports in its own words.
+            resume_from_checkpoint = self._tw_last_checkpoint() or True
         try:
-            result = super().train(*args, **kwargs)
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
             try:
                 self._tw_finish()
@@ -362,6 +370,43 @@ class TwCheckpointMixin:
         steps = {parse_checkpoint_name(name) for name in os.listdir(self._tw_ckpt.directory)}
         steps.discard(None)
         return bool(steps - folders)
+
+    def _tw_last_checkpoint(self) -> str | None:
+        """The newest ``checkpoint-N`` folder of ``output_dir`` that a resume can read, or
+        ``None`` if there is no folder.
+
+        A tw_triton folder whose file or ``trainer_state.json`` is not there (a run killed
+        while its file was still being written in the background) is passed over with a
+        warning; a folder without a pointer is a stock one, read by Trainer's own code.
+        """
+        run_dir = self.args.output_dir
+        prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+        names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+        steps = sorted(
+            (int(name[len(prefix) :]), name)
+            for name in names
+            if name.startswith(prefix) and name[len(prefix) :].isdigit()
+        )
+        folders = [os.path.join(run_dir, name) for _, name in reversed(steps)]
+        for folder in folders:
+            if not os.path.isdir(folder):
+                continue
+            pointer = read_pointer(folder)  # a malformed one is raised, not passed over
+            if pointer is None:
+                return folder
+            missing = [
+                p
+                for p in (pointer["path"], os.path.join(folder, TRAINER_STATE_NAME))
+                if not os.path.isfile(p)
+            ]
+            if not missing:
+                return folder
+            logger.warning(
+                "not resuming from %s: %s does not exist (a save that did not finish); trying the one before",
+                folder,
+                " and ".join(missing),
+            )
+        return folders[0] if folders else None
 
     def _tw_finish(self) -> None:
         """Wait for pending saves, prune, stop the writer; drop the cached resume state."""

@@ -7,13 +7,14 @@ system's failure to make the checkpoint directory into a ``CheckpointIOError``, 
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 import torch
 
 import tw_triton.dcp as tw_dcp
 from tw_triton.dcp import DistributedCheckpointer
-from tw_triton.errors import CheckpointIOError
+from tw_triton.errors import CheckpointError, CheckpointIOError
 
 
 def state(seed: int) -> dict:
@@ -45,3 +46,12 @@ def test_a_failed_distributed_save_raises_the_tw_triton_error(tmp_path, asynchro
     ckpt.wait()
     target = {"w": torch.zeros(64, 64), "step": -1}
     assert ckpt.load(target) == 2 and target["step"] == 2
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, "3"])
+def test_a_step_that_is_not_a_non_negative_integer_is_refused_before_anything_is_written(tmp_path, step):
+    # step -1 was written as step_-0000001, which latest() and retention never see.
+    ckpt = DistributedCheckpointer(tmp_path / "run")
+    with pytest.raises(CheckpointError, match=f"step must be .*{step}"):
+        ckpt.save(state(0), step)
+    assert [n for n in os.listdir(tmp_path / "run") if n.startswith("step_")] == []

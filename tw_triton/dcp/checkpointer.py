@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
 from ..format import MAX_EXPANSION, verify_file
+from ..resume import as_step
 from . import api
 from .directory import find_keyframe, is_complete
 from .keyframe import Keyframe
@@ -131,8 +132,12 @@ class DistributedCheckpointer:
 
     # -- queries (any process, no collectives) ---------------------------------------
     def path_for(self, step: int) -> str:
-        """The directory of ``step``'s checkpoint."""
-        return os.path.join(self.directory, f"step_{step:08d}")
+        """The directory of ``step``'s checkpoint.
+
+        Raises:
+            CheckpointError: ``step`` is not a non-negative integer.
+        """
+        return os.path.join(self.directory, f"step_{as_step(step):08d}")
 
     def complete(self) -> list[tuple[int, str]]:
         """``(step, path)`` of every complete checkpoint, oldest first."""
@@ -176,13 +181,14 @@ class DistributedCheckpointer:
         it runs at the next ``save`` or ``wait``.
 
         Raises:
+            CheckpointError: ``step`` is not a non-negative integer (nothing is written).
             TwTritonError: the lowest failing rank's tw_triton error (e.g. a
                 ``CheckpointIOError`` naming the directory), as ``tw_triton.dcp.save``;
                 for an asynchronous save, from the future and from ``wait``.
         """
+        path = self.path_for(step)  # a bad step is refused before the pending save is waited on
         self.wait()
         is_keyframe = self._keyframe is None or self._since_keyframe >= self.keyframe_every - 1
-        path = self.path_for(step)
         writer = StorageWriter(
             path,
             rules=self.rules,

@@ -76,6 +76,10 @@ def test_loading_an_older_checkpoint_saves_a_keyframe_next(tmp_path, caplog):
     state = fresh()
     with caplog.at_level(logging.INFO, logger="tw_triton"):
         assert ckpt.load(state, ckpt.path_for(0)) == 0
-    assert "not the newest checkpoint" in caplog.text
+    (warning,) = [r for r in caplog.records if "not the newest checkpoint" in r.getMessage()]
+    # Until a save passes step 1, a restart's latest() goes back to it: say so, loudly.
+    assert warning.levelno == logging.WARNING
+    assert "until a save passes step 1, latest()" in warning.getMessage()
+    assert ckpt.latest() == ckpt.path_for(1)
     ckpt.save(state, 5)
     assert files(str(tmp_path))[("step_00000005", "__0_0.tw.safetensors")]["reference"] is False

@@ -279,14 +279,20 @@ class DistributedCheckpointer:
         """After loading ``path``: the next saves are deltas against its keyframe (read from
         its files, as before the restart), counted on from the deltas of that keyframe in
         the directory; unless ``path`` is not the newest complete checkpoint (the saves
-        after it would mix two histories), then the next save is a keyframe (logged).
+        after it would mix two histories), then the next save is a keyframe, and a warning
+        says that ``latest()`` picks the newer ones until a save passes them.
         Retention may have removed deltas of the keyframe: the count is then low, and the
         chain runs longer than ``keyframe_every`` once (docs/distributed.md)."""
         self._keyframe, self._since_keyframe = None, 0
         done = self.complete()
         if done and os.path.abspath(done[-1][1]) != os.path.abspath(path):
-            logger.info(
-                "loaded %s, not the newest checkpoint (%s): the next save is a keyframe", path, done[-1][1]
+            logger.warning(
+                "loaded %s, not the newest checkpoint (%s): the next save is a keyframe, and until "
+                "a save passes step %d, latest() and load() without a path pick the newer "
+                "checkpoints again; remove them to abandon that run",
+                path,
+                done[-1][1],
+                done[-1][0],
             )
             return
         ref = read_record(path).reference

@@ -76,6 +76,9 @@ def _with_tw_errors(fut: Future) -> Future:
     out: Future = Future()
 
     def done(f: Future) -> None:
+        if f.cancelled():
+            out.cancel()
+            return
         exc = f.exception()
         if exc is None:
             out.set_result(f.result())

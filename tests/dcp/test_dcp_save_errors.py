@@ -6,6 +6,7 @@ system's failure to make the checkpoint directory into a ``CheckpointIOError``, 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 
@@ -14,7 +15,9 @@ import torch
 
 import tw_triton.dcp as tw_dcp
 from tw_triton.dcp import DistributedCheckpointer
-from tw_triton.errors import CheckpointError, CheckpointIOError
+from tw_triton.dcp import writer as dcp_writer
+from tw_triton.dcp.meta import METADATA_NAME
+from tw_triton.errors import CheckpointError, CheckpointIOError, QuantizationError
 
 
 def state(seed: int) -> dict:
@@ -55,3 +58,29 @@ def test_a_step_that_is_not_a_non_negative_integer_is_refused_before_anything_is
     with pytest.raises(CheckpointError, match=f"step must be .*{step}"):
         ckpt.save(state(0), step)
     assert [n for n in os.listdir(tmp_path / "run") if n.startswith("step_")] == []
+
+
+@dataclasses.dataclass
+class Config:
+    lr: float = 0.1
+
+
+def test_a_value_a_load_would_refuse_is_refused_at_the_save_naming_it(tmp_path):
+    # DCP pickles non-tensor values; a load unpickles only plain data. A dataclass saved
+    # before made every checkpoint of the run unloadable, found out at the resume.
+    with pytest.raises(QuantizationError, match="'cfg'.*Config"):
+        tw_dcp.save({"w": torch.zeros(4), "cfg": Config()}, tmp_path / "a", no_dist=True)
+    assert not (tmp_path / "a" / METADATA_NAME).exists()
+    ckpt = DistributedCheckpointer(tmp_path / "run")
+    for asynchronous in (False, True):
+        with pytest.raises(QuantizationError, match="'cfg'"):
+            ckpt.save({"w": torch.zeros(4), "cfg": Config()}, 1, asynchronous=asynchronous)
+            ckpt.wait()
+    assert ckpt.latest() is None
+
+
+def test_a_file_holding_such_a_value_is_refused_at_the_load_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(dcp_writer, "check_plain_data", lambda data, where: None)  # an older writer
+    tw_dcp.save({"w": torch.zeros(4), "cfg": Config()}, tmp_path / "a", no_dist=True)
+    with pytest.raises(CheckpointError, match="entry 'cfg': not plain data"):
+        tw_dcp.load({"w": torch.zeros(4), "cfg": None}, tmp_path / "a", no_dist=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import os
 import uuid
 from collections import Counter
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointError, CheckpointIOError
+from ..errors import CheckpointError, CheckpointIOError, QuantizationError
 from ..format import write_file
 from ..lowbit import outer_path
 from ..pinned_staging import DeviceStaging
@@ -37,6 +38,24 @@ from .chunks import FILE_SUFFIX, Chunk, encode_chunks, entry_path, file_state, n
 from .keyframe import Keyframe, open_reference
 from .meta import METADATA_NAME, StorageInfo, to_json, write_json
 from .staging import HostCopy, shared_staging, start_host_copy
+
+
+def check_plain_data(data: bytes, where: str) -> None:
+    """Refuse a value DCP serialized that a load would refuse: anything
+    ``torch.load(weights_only=True)`` rejects (the reader's check), so that a run does not
+    find out at its resume.
+
+    Raises:
+        QuantizationError: names ``where`` and the type torch reports.
+    """
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if "global" in line.lower()]
+        raise QuantizationError(
+            f"{where}: not plain data, which a load refuses ({lines[0] if lines else exc}); store "
+            "it as plain values (dict, list, str, numbers, tensors) and rebuild it after the load"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -69,7 +88,8 @@ class StorageWriter(FileSystemWriter):
 
     Raises (during ``dcp.save``):
         CheckpointIOError: the directory cannot be made (``errno`` kept), a file not written.
-        QuantizationError: bad rules or parameters.
+        QuantizationError: bad rules or parameters, or a non-tensor value that is not plain
+            data (a load would refuse it; names the entry).
         ReferenceMismatchError: the keyframe lacks a tensor region a delta needs.
     """
 
@@ -228,6 +248,7 @@ class StorageWriter(FileSystemWriter):
             obj_path = tuple(mappings.get(fqn, (fqn,)))
             if item.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(item).getvalue()
+                check_plain_data(data, f"{os.fspath(self.path)}: {fqn!r}")
                 t = (
                     torch.frombuffer(bytearray(data), dtype=torch.uint8)
                     if data

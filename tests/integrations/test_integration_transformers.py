@@ -21,7 +21,7 @@ pytest.importorskip("accelerate", reason=_HF_MISSING)  # Trainer needs it
 from safetensors import safe_open  # noqa: E402
 
 from tw_triton.checkpointer import parse_checkpoint_name  # noqa: E402
-from tw_triton.errors import CheckpointError, TwTritonError  # noqa: E402
+from tw_triton.errors import CheckpointError, QuantizationError, TwTritonError  # noqa: E402
 from tw_triton.format import read_manifest  # noqa: E402
 from tw_triton.integrations.transformers import (  # noqa: E402
     POINTER_NAME,
@@ -263,6 +263,20 @@ def test_missing_file_is_a_clear_error(uninterrupted, tmp_path):
 def test_reserved_options_are_refused(tmp_path):
     with pytest.raises(Exception, match="save_total_limit"):
         make_trainer(tmp_path, tw_options={"keep_last": 2})
+
+
+@pytest.mark.parametrize(
+    "options,error,match",
+    [
+        ({"keyframe_evry": 2}, TwTritonError, "'keyframe_evry'.*keyframe_every"),
+        ({"rules": "nonsense"}, QuantizationError, "nonsense"),
+        ({"rules": [("*", "no-such-codec")]}, QuantizationError, "no-such-codec"),
+    ],
+)
+def test_bad_options_are_refused_when_the_trainer_is_made(tmp_path, options, error, match):
+    # They were found at the first optimizer step or save, a typo as a raw TypeError.
+    with pytest.raises(error, match=match):
+        make_trainer(tmp_path, tw_options=options)
 
 
 def test_corrupted_file_fails_the_resume_naming_it(uninterrupted, tmp_path):

@@ -17,6 +17,7 @@ needs. DeepSpeed, FSDP and multi-process runs are refused with a
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from ..checkpointer import Checkpointer
 from ..deltas import with_references
 from ..errors import CheckpointError, TwTritonError
 from ..rng import restore_rng_state
+from ..rules import resolve_rules
 from . import require
 
 require("transformers", "hf")
@@ -126,6 +128,19 @@ def load_checkpoint_state(
         reader.close()
 
 
+def _check_options(options: dict[str, Any]) -> None:
+    """Refuse ``tw_options`` the Checkpointer would refuse, now rather than at the first
+    optimizer step or save: unknown names, and rules that do not resolve."""
+    accepted = set(inspect.signature(Checkpointer.__init__).parameters) - {"self", "directory", "keep_last"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise TwTritonError(
+            f"tw_options: unknown option(s) {unknown}; the Checkpointer takes {sorted(accepted)}"
+        )
+    if "rules" in options:
+        resolve_rules(options["rules"], {}, bits=options.get("bits", 8), block=options.get("block", 128))
+
+
 class TwCheckpointMixin:
     """Makes a ``transformers.Trainer`` (sub)class write and resume tw_triton checkpoints.
 
@@ -135,6 +150,12 @@ class TwCheckpointMixin:
             ``async_write``, ...); what is not given keeps the Checkpointer's default.
             ``keep_last`` is not accepted: ``save_total_limit`` decides retention.
         *args, **kwargs: passed to the ``Trainer``.
+
+    Raises:
+        TwTritonError: ``tw_options`` names ``directory``, ``keep_last`` or an option the
+            Checkpointer does not take.
+        QuantizationError: ``tw_options["rules"]`` does not resolve (an unknown preset or
+            codec, a malformed rule).
     """
 
     def __init__(self, *args: Any, tw_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -144,6 +165,7 @@ class TwCheckpointMixin:
                 raise TwTritonError(
                     f"tw_options[{reserved!r}] is set by the Trainer (output_dir, save_total_limit)"
                 )
+        _check_options(options)
         self._tw_options = options
         self._tw_ckpt: Checkpointer | None = None
         self._tw_saved_steps: set[int] = set()

@@ -236,6 +236,14 @@ def test_unsupported_entry_is_refused_naming_it(tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.parametrize("rules", ["nonsense", [("*", "no-such-codec")]])
+def test_rules_that_do_not_resolve_are_refused_when_the_plugin_is_made(rules):
+    # They were refused at the first save, after an epoch, with a hint about plain values.
+    with pytest.raises(QuantizationError, match="nonsense|no-such-codec") as info:
+        TwCheckpointIO(rules=rules)
+    assert "on_save_checkpoint" not in str(info.value)
+
+
 def test_load_errors_and_remote_paths(tmp_path):
     io = TwCheckpointIO()
     with pytest.raises(FileNotFoundError, match="not found"):

@@ -82,6 +82,10 @@ class TwCheckpointIO(CheckpointIO):
         snapshot_pool_bytes: cap on the host memory kept between saves for their CPU
             copies (async only); ``None``: ``max_pending + 1`` times the largest save so
             far; ``0``: every copy in fresh memory.
+
+    Raises:
+        QuantizationError: ``rules`` do not resolve (an unknown preset or codec, a
+            malformed rule).
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class TwCheckpointIO(CheckpointIO):
         snapshot_pool_bytes: int | None = None,
     ) -> None:
         super().__init__()
+        resolve_rules(rules, {}, bits=bits, block=block)  # refused now, not at the first save
         self.rules = rules
         self.bits = bits
         self.block = block

@@ -84,3 +84,8 @@ def test_a_file_holding_such_a_value_is_refused_at_the_load_naming_it(tmp_path, 
     tw_dcp.save({"w": torch.zeros(4), "cfg": Config()}, tmp_path / "a", no_dist=True)
     with pytest.raises(CheckpointError, match="entry 'cfg': not plain data"):
         tw_dcp.load({"w": torch.zeros(4), "cfg": None}, tmp_path / "a", no_dist=True)
+
+
+def test_rules_that_do_not_resolve_are_refused_when_the_checkpointer_is_made(tmp_path):
+    with pytest.raises(QuantizationError, match="nonsense"):
+        DistributedCheckpointer(tmp_path / "run", rules="nonsense")

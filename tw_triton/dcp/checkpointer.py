@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..errors import CheckpointError
 from ..format import MAX_EXPANSION, verify_file
 from ..resume import as_step
+from ..rules import resolve_rules
 from . import api
 from .directory import find_keyframe, is_complete
 from .keyframe import Keyframe
@@ -102,6 +103,11 @@ class DistributedCheckpointer:
         max_expansion: the bound on what a file's compressed buffers may decode to, times
             its size, for every load and verification (:func:`tw_triton.format.read_file`);
             ``None`` lifts it, for states that hold large constant tensors on purpose.
+
+    Raises:
+        CheckpointError: ``keyframe_every`` or ``keep`` below 1.
+        QuantizationError: ``rules`` do not resolve (an unknown preset or codec, a
+            malformed rule).
     """
 
     def __init__(
@@ -118,6 +124,7 @@ class DistributedCheckpointer:
     ) -> None:
         if keyframe_every < 1 or keep < 1:
             raise CheckpointError(f"keyframe_every and keep must be >= 1, got {keyframe_every}, {keep}")
+        resolve_rules(rules, {}, bits=bits, block=block)  # refused now, not at the first save
         self.directory = os.fspath(directory)
         self.rules, self.bits, self.block = rules, bits, block
         self.keyframe_every, self.keep = keyframe_every, keep

@@ -132,6 +132,13 @@ def dcp_temp_files(directory: str) -> list[str]:
     return sorted(found)
 
 
+def write_temp_files(directory: str) -> list[str]:
+    """Every temp file of :func:`~tw_triton.format.write_file` in ``directory``, whatever
+    its final name (``.<final name>.<16 hex>.tmp``): a Lightning ``TwCheckpointIO`` writes
+    files under names Lightning chooses."""
+    return _temp_files_for(directory, lambda final: True)
+
+
 def _temp_files_for(directory: str, is_final: Callable[[str], Any], also: tuple[str, ...] = ()) -> list[str]:
     """Temp files of :func:`~tw_triton.format.write_file` in ``directory`` whose final name
     passes ``is_final``, and the files named in ``also``."""

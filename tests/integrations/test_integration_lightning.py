@@ -244,6 +244,23 @@ def test_rules_that_do_not_resolve_are_refused_when_the_plugin_is_made(rules):
     assert "on_save_checkpoint" not in str(info.value)
 
 
+def test_temp_files_of_killed_writes_go_unless_another_writer_holds_the_directory(tmp_path):
+    # What a write killed mid-way leaves beside the checkpoint (format.write_file's temp).
+    leftover = tmp_path / ".last.ckpt.0123456789abcdef.tmp"
+    other = tmp_path / "notes.tmp"
+    leftover.write_bytes(b"x")
+    other.write_bytes(b"x")
+    holder = TwCheckpointIO(fsync=False)
+    holder.save_checkpoint({"a": torch.ones(2)}, tmp_path / "a.ckpt")
+    assert not leftover.exists() and other.exists()
+    leftover.write_bytes(b"x")  # as if the holder's write were in flight
+    second = TwCheckpointIO(fsync=False)
+    second.save_checkpoint({"b": torch.ones(2)}, tmp_path / "b.ckpt")
+    assert leftover.exists()  # the holder may still be writing it
+    second.teardown()
+    holder.teardown()
+
+
 def test_load_errors_and_remote_paths(tmp_path):
     io = TwCheckpointIO()
     with pytest.raises(FileNotFoundError, match="not found"):

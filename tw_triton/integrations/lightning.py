@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..checkpointer import DEFAULT_RULES, collect_setup_garbage
+from ..directory_claim import DirectoryClaim, write_temp_files
 from ..errors import CheckpointError, QuantizationError
 from ..format import write_file
 from ..rules import keyframe_rules, resolve_rules, rules_as_specs
@@ -115,6 +116,8 @@ class TwCheckpointIO(CheckpointIO):
         self._load_into: weakref.ref | None = None
         # Each save's pooled buffers, until its write is done (the writer reads them).
         self._saves = SavePool(snapshot_pool_bytes, max_pending + 1)
+        # The directories written to, held (and swept once) as a Checkpointer holds its own.
+        self._claims: dict[str, DirectoryClaim] = {}
 
     @property
     def save_pool(self) -> SavePool:
@@ -171,11 +174,11 @@ class TwCheckpointIO(CheckpointIO):
                 "them out of save_hyperparameters(ignore=[...])"
             ) from e
         if not self.async_write:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._claim(path)
             write_file(job, path, fsync=self.fsync)
             return
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._claim(path)
             self._wait_for(path)  # two saves to one path (last.ckpt) land in order anyway
             self._pending = {p: f for p, f in self._pending.items() if not f.done()}
             if self._writer is None:
@@ -247,8 +250,8 @@ class TwCheckpointIO(CheckpointIO):
             self._saves.release_written()
 
     def teardown(self) -> None:
-        """Flush, stop the writer thread (a later save starts a new one) and give the
-        snapshot memory back."""
+        """Flush, stop the writer thread (a later save starts a new one), give the
+        snapshot memory back and let go of the directories written to."""
         writer, self._writer = self._writer, None
         self._pending.clear()
         try:
@@ -256,6 +259,9 @@ class TwCheckpointIO(CheckpointIO):
                 writer.close()
         finally:
             self._saves.close()
+            claims, self._claims = self._claims, {}
+            for claim in claims.values():
+                claim.close()
 
     def prepare(self, checkpoint: dict[str, Any]) -> int:
         """Fault in the host memory the next save will copy ``checkpoint``'s tensors into.
@@ -276,6 +282,15 @@ class TwCheckpointIO(CheckpointIO):
         if not self.async_write or any(t.device.type != "cpu" for t in tensors):
             return 0
         return self._saves.reserve([t.numel() * t.element_size() for t in tensors])
+
+    def _claim(self, path: str) -> None:
+        """Make ``path``'s directory; the first time, remove the temp files that killed
+        writes left there unless another writer holds it, and hold it until teardown."""
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        if directory not in self._claims:
+            claim = self._claims[directory] = DirectoryClaim(directory)
+            claim.sweep(lambda: write_temp_files(directory))
 
     def _wait_for(self, path: str) -> None:
         future = self._pending.pop(path, None)

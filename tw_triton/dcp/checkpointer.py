@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
-from ..format import MAX_EXPANSION, verify_file
+from ..format import MAX_EXPANSION, check_max_expansion, verify_file
 from . import api
 from .directory import find_keyframe, is_complete
 from .keyframe import Keyframe
@@ -98,6 +98,7 @@ class DistributedCheckpointer:
     ) -> None:
         if keyframe_every < 1 or keep < 1:
             raise CheckpointError(f"keyframe_every and keep must be >= 1, got {keyframe_every}, {keep}")
+        check_max_expansion(max_expansion)
         self.directory = os.fspath(directory)
         self.rules, self.bits, self.block = rules, bits, block
         self.keyframe_every, self.keep = keyframe_every, keep

@@ -472,6 +472,24 @@ def test_load_to_cuda_without_cuda_is_a_clear_error(tmp_path):
         load(tmp_path / "a.tw", device="cuda")
 
 
+def test_a_bad_device_or_a_non_state_is_a_checkpoint_error_naming_it(tmp_path):
+    """A device torch cannot parse was a raw RuntimeError/TypeError, CUDA without CUDA in
+    dequantize_state_dict an AssertionError inside the first codec, a dict given to it an
+    AttributeError."""
+    save(quantize_state_dict(make_state()), tmp_path / "a.tw")
+    q = quantize_state_dict(make_state())
+    for bad in ("nope", "cuda:x", 3.5):
+        with pytest.raises(CheckpointError, match=rf"a\.tw.*device {bad!r}"):
+            load(tmp_path / "a.tw", device=bad)
+        with pytest.raises(CheckpointError, match=rf"in-memory state.*device {bad!r}"):
+            dequantize_state_dict(q, device=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(CheckpointError, match="to cuda: CUDA is not available"):
+            dequantize_state_dict(q, device="cuda")
+    with pytest.raises(CheckpointError, match="expected a QuantizedState, got dict"):
+        dequantize_state_dict(make_state())
+
+
 json_values = st.recursive(
     st.one_of(
         st.none(), st.booleans(), st.integers(-300, 5000), st.floats(allow_nan=False), st.text(max_size=4)

@@ -6,6 +6,7 @@ the exact error bound has its own property tests in ``test_codec_properties.py``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -370,6 +371,24 @@ def test_reference_of_another_shape_names_both_shapes():
     q = tw_triton.quantize(x)
     with pytest.raises(QuantizationError, match=re.escape("(24,)") + ".*" + re.escape("(4, 6)")):
         tw_triton.dequantize(q, reference=torch.zeros(24))
+
+
+def test_dequantize_needs_the_reference_exactly_when_quantize_had_one():
+    """Without the check a delta decoded without its reference came back as the delta, and
+    a plain encoding decoded with one came back shifted by it: silently wrong values."""
+    x, ref = _randn(300, torch.float32, seed=1), _randn(300, torch.float32, seed=2)
+    delta, plain = tw_triton.quantize(x, reference=ref), tw_triton.quantize(x)
+    assert delta.delta and not plain.delta and delta.to("cpu").delta
+    with pytest.raises(QuantizationError, match="encoded as a delta.*pass reference="):
+        tw_triton.dequantize(delta)
+    with pytest.raises(QuantizationError, match="encoded without a reference"):
+        tw_triton.dequantize(plain, reference=ref)
+    assert (tw_triton.dequantize(delta, reference=ref) - x).abs().max() < 0.05
+    # An encoding built by hand (delta not recorded) decodes as asked, as before.
+    by_hand = dataclasses.replace(delta, delta=None)
+    assert torch.equal(
+        tw_triton.dequantize(by_hand, reference=ref), tw_triton.dequantize(delta, reference=ref)
+    )
 
 
 @pytest.mark.parametrize("bits", [0, 1, 3, 16, 8.0, True, "8", None])

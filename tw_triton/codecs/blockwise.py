@@ -76,6 +76,8 @@ class QuantizedTensor:
         nonfinite: a 0-dim bool tensor on the codes' device, true exactly when some block
             held a NaN or an infinity (in ``x``, in the reference, or in their difference);
             the tensor must then be stored exact. Reading it as a Python bool syncs.
+        delta: whether it was encoded against a reference, which :func:`dequantize` then
+            requires (and refuses otherwise); ``None`` (built by hand): not checked.
     """
 
     codes: torch.Tensor
@@ -85,6 +87,7 @@ class QuantizedTensor:
     bits: int
     block: int
     nonfinite: torch.Tensor
+    delta: bool | None = None
 
     @property
     def numel(self) -> int:
@@ -111,6 +114,7 @@ class QuantizedTensor:
         bits: int,
         block: int,
         device: torch.device,
+        delta: bool | None = None,
     ) -> QuantizedTensor:
         """A checked stored entry's encoding on ``device`` (it holds no NaN/Inf block)."""
         return cls(
@@ -121,6 +125,7 @@ class QuantizedTensor:
             bits=bits,
             block=block,
             nonfinite=torch.zeros((), dtype=torch.bool, device=device),
+            delta=delta,
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> QuantizedTensor:
@@ -133,6 +138,7 @@ class QuantizedTensor:
             bits=self.bits,
             block=self.block,
             nonfinite=self.nonfinite.to(device, non_blocking=non_blocking),
+            delta=self.delta,
         )
 
 
@@ -230,6 +236,7 @@ def quantize(
         bits=bits,
         block=block,
         nonfinite=nonfinite,
+        delta=reference is not None,
     )
 
 
@@ -253,6 +260,10 @@ def dequantize(
 
     Returns:
         A tensor of ``q.shape`` and ``dtype`` on ``device``.
+
+    Raises:
+        QuantizationError: bad arguments, or a ``reference`` missing for a delta (given for
+            an encoding made without one).
     """
     if not isinstance(q, QuantizedTensor):
         raise QuantizationError(f"expected a QuantizedTensor, got {type(q).__name__}")
@@ -271,6 +282,12 @@ def dequantize(
                 f"reference shape {tuple(reference.shape)} does not match encoded shape {q.shape}"
             )
         rc = reference.to(dev).contiguous()
+    if q.delta is not None and q.delta != (rc is not None) and q.numel:
+        raise QuantizationError(
+            "q was encoded as a delta from a reference: pass reference= (the tensor it was encoded against)"
+            if q.delta
+            else "q was encoded without a reference: dequantize it without reference="
+        )
     flat = ops.dequantize_blockwise(q.codes, q.scales, q.numel, q.bits, q.block, rc, out_dtype)
     return flat.view(q.shape)
 
@@ -442,7 +459,7 @@ class BlockwiseCodec(Codec):
         if delta and reference is None:
             raise CheckpointError(f"{context}: delta entry decoded without its reference tensor")
         dev = codes.device if device is None else device
-        q = QuantizedTensor.stored(codes, scales, tuple(entry.shape), entry.dtype, bits, block, dev)
+        q = QuantizedTensor.stored(codes, scales, tuple(entry.shape), entry.dtype, bits, block, dev, delta)
         ref = move_to(reference, dev) if reference is not None else None
         return dequantize(q, reference=ref if delta else None)
 

@@ -430,6 +430,28 @@ def test_bad_types_and_devices():
     assert issubclass(QuantizationError, ValueError)
 
 
+def test_tensors_without_dense_data_and_bad_devices_are_quantization_errors():
+    """Each was a raw RuntimeError, NotImplementedError or AssertionError from torch."""
+    x = torch.randn(64, 64)
+    with pytest.raises(QuantizationError, match="meta tensor"):
+        tw_triton.quantize(torch.empty(64, device="meta"))
+    with pytest.raises(QuantizationError, match="layout torch.sparse_coo"):
+        tw_triton.quantize(x.to_sparse())
+    with pytest.raises(QuantizationError, match="reference has layout torch.sparse_coo"):
+        tw_triton.quantize(x, reference=x.to_sparse())
+    q = tw_triton.quantize(x, reference=x)
+    with pytest.raises(QuantizationError, match="reference is a meta tensor"):
+        tw_triton.dequantize(q, reference=torch.empty(64, 64, device="meta"))
+    with pytest.raises(QuantizationError, match="reference has layout torch.sparse_coo"):
+        tw_triton.dequantize(q, reference=x.to_sparse())
+    for device in ("nope", "meta"):
+        with pytest.raises(QuantizationError, match=f"device {device!r}"):
+            tw_triton.dequantize(tw_triton.quantize(x), device=device)
+    if not torch.cuda.is_available():
+        with pytest.raises(QuantizationError, match="CUDA is not available"):
+            tw_triton.dequantize(tw_triton.quantize(x), device="cuda")
+
+
 # ---------------------------------------------------------------------------- API details
 
 

@@ -49,6 +49,7 @@ from ..ops.reference import (  # noqa: F401,E402
 from ..ops.reference.buffers import decode_output, encode_outputs  # noqa: F401,E402
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
+from .arguments import check_dense, check_input, decode_device
 from .base import (
     BatchLayout,
     Codec,
@@ -145,25 +146,6 @@ class QuantizedTensor:
 def stored_bytes_per_element(bits: int, block: int) -> float:
     """Asymptotic stored bytes per element: ``bits / 8 + 4 / block``."""
     return bits / 8 + 4 / block
-
-
-def check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise QuantizationError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise QuantizationError(f"can only quantize float32, float16 or bfloat16 tensors, got {x.dtype}")
-    if reference is None:
-        return
-    if not isinstance(reference, torch.Tensor):
-        raise QuantizationError(f"reference must be a torch.Tensor, got {type(reference).__name__}")
-    if reference.dtype not in FLOAT_DTYPES:
-        raise QuantizationError(f"reference must be float32, float16 or bfloat16, got {reference.dtype}")
-    if tuple(reference.shape) != tuple(x.shape):
-        raise QuantizationError(
-            f"reference shape {tuple(reference.shape)} does not match tensor shape {tuple(x.shape)}"
-        )
-    if reference.device != x.device:
-        raise QuantizationError(f"reference is on {reference.device} but the tensor is on {x.device}")
 
 
 def batchable(x: torch.Tensor, block: int, reference: torch.Tensor | None) -> bool:
@@ -270,13 +252,15 @@ def dequantize(
     out_dtype = q.dtype if dtype is None else dtype
     if out_dtype not in FLOAT_DTYPES:
         raise QuantizationError(f"can only decode to float32, float16 or bfloat16, got {out_dtype}")
-    dev = q.device if device is None else torch.device(device)
+    dev = decode_device(device, q.device)
     if dev != q.device:
         q = q.to(dev)
     rc = None
     if reference is not None:
         if not isinstance(reference, torch.Tensor) or reference.dtype not in FLOAT_DTYPES:
-            raise QuantizationError("reference must be a float32, float16 or bfloat16 tensor")
+            got = reference.dtype if isinstance(reference, torch.Tensor) else type(reference).__name__
+            raise QuantizationError(f"reference must be a float32, float16 or bfloat16 tensor, got {got}")
+        check_dense(reference, "reference")
         if tuple(reference.shape) != tuple(q.shape):
             raise QuantizationError(
                 f"reference shape {tuple(reference.shape)} does not match encoded shape {q.shape}"

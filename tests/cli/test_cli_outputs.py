@@ -1,5 +1,5 @@
 """Where `tw export` and `tw convert` write: never over their own inputs, and a target that
-cannot be written is a one-line error, not a traceback."""
+cannot be written is a one-line error, not a traceback; a path of the wrong kind is named so."""
 
 from __future__ import annotations
 
@@ -67,3 +67,20 @@ def test_export_to_a_missing_directory_or_a_directory_is_a_one_line_error(tmp_pa
     assert list((tmp_path / "adir").iterdir()) == []
     code, _ = run(["export", key, tmp_path / "ok.safetensors"])
     assert code == EXIT_OK
+
+
+def test_a_directory_given_for_a_file_and_a_file_for_a_directory_are_named_as_such(tmp_path, capsys):
+    key, _ = keyframe_and_delta(tmp_path)
+    for argv in (
+        ["inspect", tmp_path],
+        ["verify", tmp_path],
+        ["export", tmp_path, tmp_path / "o.safetensors"],
+    ):
+        code, _ = run(argv)
+        err = capsys.readouterr().err
+        assert code == EXIT_USAGE and f"{tmp_path}: is a directory, not a checkpoint file" in err, err
+    code, _ = run(["ls", key])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and f"{key}: not a directory" in err, err
+    code, _ = run(["inspect", tmp_path / "missing.tw"])
+    assert code == EXIT_USAGE and "missing.tw: no such file" in capsys.readouterr().err

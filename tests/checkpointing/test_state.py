@@ -592,3 +592,13 @@ def test_decode_targets_take_objects_state_dicts_and_leave_shared_memory_out():
     assert tw_triton.decode_targets({"w": torch.ones(3).as_subclass(Wrapped), "v": torch.ones(3)}).keys() == {
         "v"
     }
+
+
+def test_a_state_whose_buffers_were_released_is_not_saved(tmp_path):
+    """save() of what dequantize_state_dict(release_buffers=True) emptied wrote a file that
+    no load could read; it is refused before the disk is touched."""
+    q = quantize_state_dict(make_state())
+    dequantize_state_dict(q, release_buffers=True)
+    with pytest.raises(CheckpointError, match=r"holds no buffers.*release_buffers"):
+        save(q, tmp_path / "r.tw")
+    assert os.listdir(tmp_path) == []

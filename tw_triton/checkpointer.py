@@ -450,9 +450,8 @@ class Checkpointer:
                 object's error chained), or anything :meth:`load` raises.
         """
         check_restorable(objects)
-        if device is None:
-            device = default_device(objects)
-        into = decode_targets(objects) if torch.device(device).type == "cpu" else None
+        device = default_device(objects, device, self.directory)
+        into = decode_targets(objects) if device.type == "cpu" else None
         state, info = self._load(step, device=device, verify=True, into=into)
         restore_into(state, info.path, objects, rng=rng)
         self._pipeline.last_step = info.step  # "auto" rules: the next save's interval

@@ -551,3 +551,20 @@ def test_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path):
                 ck.save(bad, model=model)
         ck.save(np.int64(3), model=model)
         assert ck.steps() == [3]
+
+
+def test_load_and_restore_refuse_a_bad_step_or_device_naming_it(tmp_path):
+    """restore(step="3") was a raw ValueError from formatting the file name, a device
+    torch cannot parse a raw RuntimeError."""
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(tmp_path / "ck", async_write=False) as ck:
+        ck.save(3, model=model)
+        for bad, match in (("3", "got '3'"), (1.5, "got 1.5"), (-1, "non-negative")):
+            with pytest.raises(CheckpointError, match=match):
+                ck.restore(bad, model=model)
+            with pytest.raises(CheckpointError, match=match):
+                ck.load(bad)
+        for call in (lambda: ck.restore(model=model, device="nope"), lambda: ck.load(device="nope")):
+            with pytest.raises(CheckpointError, match="device 'nope'"):
+                call()
+        assert ck.restore(np.int64(3), model=model)["model"] is not None

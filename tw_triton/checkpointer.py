@@ -46,6 +46,7 @@ from .reference_chain import ReferenceChain, leaves
 from .resume import as_step, check_restorable, default_device, load_from, named_state, restore_into
 from .retention import InFlight, retain
 from .rng import capture_rng_state, restore_rng_state
+from .rules import check_rules
 from .save_encode import KIND_DELTA, KIND_KEYFRAME, KIND_STANDALONE  # noqa: F401 - re-exported
 from .save_pipeline import SavePipeline, collect_setup_garbage  # noqa: F401 - re-exported
 from .snapshot_pool import SavePool
@@ -119,6 +120,7 @@ class Checkpointer:
         reference_device: str | None = None,
     ) -> None:
         self.delta_mode = delta_mode(delta)
+        check_rules(rules, bits=bits, block=block)  # here, not as every save's error on the writer
         if reference_device not in (None, "cpu"):
             raise CheckpointError(f"reference_device must be None or 'cpu', got {reference_device!r}")
         if keyframe_every < 1:

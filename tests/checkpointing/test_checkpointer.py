@@ -17,7 +17,7 @@ from tw_triton.checkpointer import (
     parse_checkpoint_name,
     restore_rng_state,
 )
-from tw_triton.errors import CheckpointError
+from tw_triton.errors import CheckpointError, QuantizationError
 from tw_triton.format import read_manifest
 
 
@@ -568,3 +568,17 @@ def test_load_and_restore_refuse_a_bad_step_or_device_naming_it(tmp_path):
             with pytest.raises(CheckpointError, match="device 'nope'"):
                 call()
         assert ck.restore(np.int64(3), model=model)["model"] is not None
+
+
+def test_rules_bits_or_block_no_save_could_use_are_refused_by_the_constructor(tmp_path):
+    """Each was accepted, and every save then failed on the writer thread (bits=3: the
+    Future's error, logged, and again at close)."""
+    for kw, match in (
+        ({"bits": 3}, "bits must be one of"),
+        ({"block": 100}, "block must be a power of two"),
+        ({"rules": "nope"}, "unknown rules preset 'nope'"),
+        ({"rules": [("model/*", "nope")]}, "rule 0: unknown codec 'nope'"),
+    ):
+        with pytest.raises(QuantizationError, match=match):
+            Checkpointer(tmp_path / "ck", **kw)
+    assert not (tmp_path / "ck").exists()

@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
 from ..format import MAX_EXPANSION, check_max_expansion, verify_file
+from ..rules import check_rules
 from . import api
 from .directory import find_keyframe, is_complete
 from .keyframe import Keyframe
@@ -99,6 +100,7 @@ class DistributedCheckpointer:
         if keyframe_every < 1 or keep < 1:
             raise CheckpointError(f"keyframe_every and keep must be >= 1, got {keyframe_every}, {keep}")
         check_max_expansion(max_expansion)
+        check_rules(rules, bits=bits, block=block)
         self.directory = os.fspath(directory)
         self.rules, self.bits, self.block = rules, bits, block
         self.keyframe_every, self.keep = keyframe_every, keep

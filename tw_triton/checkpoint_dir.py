@@ -64,6 +64,7 @@ class CheckpointDirectory:
         self, path: str | os.PathLike, *, max_expansion: float | None = _format.MAX_EXPANSION
     ) -> None:
         self.path = os.fspath(path)
+        _format.check_max_expansion(max_expansion)
         self.max_expansion = max_expansion
         try:
             os.makedirs(self.path, exist_ok=True)

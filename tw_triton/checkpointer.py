@@ -46,6 +46,7 @@ from .reference_chain import ReferenceChain, leaves
 from .resume import as_step, check_restorable, default_device, load_from, named_state, restore_into
 from .retention import InFlight, retain
 from .rng import capture_rng_state, restore_rng_state
+from .rules import check_rules
 from .save_encode import KIND_DELTA, KIND_KEYFRAME, KIND_STANDALONE  # noqa: F401 - re-exported
 from .save_pipeline import SavePipeline, collect_setup_garbage  # noqa: F401 - re-exported
 from .snapshot_pool import SavePool
@@ -119,6 +120,7 @@ class Checkpointer:
         reference_device: str | None = None,
     ) -> None:
         self.delta_mode = delta_mode(delta)
+        check_rules(rules, bits=bits, block=block)  # here, not as every save's error on the writer
         if reference_device not in (None, "cpu"):
             raise CheckpointError(f"reference_device must be None or 'cpu', got {reference_device!r}")
         if keyframe_every < 1:
@@ -450,9 +452,8 @@ class Checkpointer:
                 object's error chained), or anything :meth:`load` raises.
         """
         check_restorable(objects)
-        if device is None:
-            device = default_device(objects)
-        into = decode_targets(objects) if torch.device(device).type == "cpu" else None
+        device = default_device(objects, device, self.directory)
+        into = decode_targets(objects) if device.type == "cpu" else None
         state, info = self._load(step, device=device, verify=True, into=into)
         restore_into(state, info.path, objects, rng=rng)
         self._pipeline.last_step = info.step  # "auto" rules: the next save's interval

@@ -48,7 +48,8 @@ def load_from(
         CheckpointError: no good checkpoint, no checkpoint for ``step``, a bad file, or a
             file that is not a Checkpointer's.
     """
-    dev = torch.device(device)
+    dev = load_device(device, directory.path)
+    step = None if step is None else as_step(step)
     if dev.type == "cuda" and not torch.cuda.is_available():  # not a bad file: say so first
         raise TwTritonError(f"cannot load from {directory.path!r} to {dev}: CUDA is not available")
     if step is None and verify:
@@ -113,9 +114,20 @@ def as_step(step: Any) -> int:
     return value
 
 
-def default_device(objects: dict[str, Any]) -> torch.device:
-    """Where a restore loads to by default: the device of the first parameter of the object
-    named ``model`` (or of any module given), else the CPU."""
+def load_device(device: Any, directory: str) -> torch.device:
+    """``device`` as a :class:`torch.device`, or CheckpointError naming it and ``directory``."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"cannot load from {directory!r} to device {device!r}: {e}") from e
+
+
+def default_device(objects: dict[str, Any], device: Any = None, directory: str = "") -> torch.device:
+    """Where a restore loads to: ``device`` if given (checked, see :func:`load_device`),
+    else the device of the first parameter of the object named ``model`` (or of any module
+    given), else the CPU."""
+    if device is not None:
+        return load_device(device, directory)
     candidates = [objects["model"]] if "model" in objects else []
     candidates += [o for o in objects.values() if isinstance(o, torch.nn.Module)]
     for obj in candidates:

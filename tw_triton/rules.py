@@ -99,6 +99,7 @@ from .codecs import Codec, codec_names, get_codec
 from .errors import QuantizationError
 from .interval_rules import AUTO, SHORT_INTERVAL_PRESET
 from .lowbit import stored_as_is
+from .ops.layout import check_params
 from .tree import Flattened
 
 DEFAULT_MIN_NUMEL = 4096
@@ -391,6 +392,17 @@ def rules_as_specs(rules: Sequence[Rule]) -> list[tuple[str, dict[str, Any]]]:
             spec["max_error"] = r.max_error
         out.append((r.pattern, spec))
     return out
+
+
+def check_rules(rules: Any, *, bits: int, block: int) -> None:
+    """Refuse up front what no save could resolve: ``bits`` or ``block`` outside the codec's,
+    an unknown preset, a malformed rule or an unknown codec (see :func:`resolve_rules`).
+
+    Raises:
+        QuantizationError: naming what is wrong.
+    """
+    check_params(bits, block)
+    resolve_rules(rules, {}, bits=bits, block=block)
 
 
 def resolve_rules(rules: Any, state: Any, *, bits: int, block: int) -> list[Rule]:

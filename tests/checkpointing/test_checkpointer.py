@@ -17,7 +17,7 @@ from tw_triton.checkpointer import (
     parse_checkpoint_name,
     restore_rng_state,
 )
-from tw_triton.errors import CheckpointError
+from tw_triton.errors import CheckpointError, QuantizationError
 from tw_triton.format import read_manifest
 
 
@@ -551,3 +551,34 @@ def test_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path):
                 ck.save(bad, model=model)
         ck.save(np.int64(3), model=model)
         assert ck.steps() == [3]
+
+
+def test_load_and_restore_refuse_a_bad_step_or_device_naming_it(tmp_path):
+    """restore(step="3") was a raw ValueError from formatting the file name, a device
+    torch cannot parse a raw RuntimeError."""
+    model = torch.nn.Linear(4, 4)
+    with Checkpointer(tmp_path / "ck", async_write=False) as ck:
+        ck.save(3, model=model)
+        for bad, match in (("3", "got '3'"), (1.5, "got 1.5"), (-1, "non-negative")):
+            with pytest.raises(CheckpointError, match=match):
+                ck.restore(bad, model=model)
+            with pytest.raises(CheckpointError, match=match):
+                ck.load(bad)
+        for call in (lambda: ck.restore(model=model, device="nope"), lambda: ck.load(device="nope")):
+            with pytest.raises(CheckpointError, match="device 'nope'"):
+                call()
+        assert ck.restore(np.int64(3), model=model)["model"] is not None
+
+
+def test_rules_bits_or_block_no_save_could_use_are_refused_by_the_constructor(tmp_path):
+    """Each was accepted, and every save then failed on the writer thread (bits=3: the
+    Future's error, logged, and again at close)."""
+    for kw, match in (
+        ({"bits": 3}, "bits must be one of"),
+        ({"block": 100}, "block must be a power of two"),
+        ({"rules": "nope"}, "unknown rules preset 'nope'"),
+        ({"rules": [("model/*", "nope")]}, "rule 0: unknown codec 'nope'"),
+    ):
+        with pytest.raises(QuantizationError, match=match):
+            Checkpointer(tmp_path / "ck", **kw)
+    assert not (tmp_path / "ck").exists()

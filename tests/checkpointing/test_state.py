@@ -472,6 +472,24 @@ def test_load_to_cuda_without_cuda_is_a_clear_error(tmp_path):
         load(tmp_path / "a.tw", device="cuda")
 
 
+def test_a_bad_device_or_a_non_state_is_a_checkpoint_error_naming_it(tmp_path):
+    """A device torch cannot parse was a raw RuntimeError/TypeError, CUDA without CUDA in
+    dequantize_state_dict an AssertionError inside the first codec, a dict given to it an
+    AttributeError."""
+    save(quantize_state_dict(make_state()), tmp_path / "a.tw")
+    q = quantize_state_dict(make_state())
+    for bad in ("nope", "cuda:x", 3.5):
+        with pytest.raises(CheckpointError, match=rf"a\.tw.*device {bad!r}"):
+            load(tmp_path / "a.tw", device=bad)
+        with pytest.raises(CheckpointError, match=rf"in-memory state.*device {bad!r}"):
+            dequantize_state_dict(q, device=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(CheckpointError, match="to cuda: CUDA is not available"):
+            dequantize_state_dict(q, device="cuda")
+    with pytest.raises(CheckpointError, match="expected a QuantizedState, got dict"):
+        dequantize_state_dict(make_state())
+
+
 json_values = st.recursive(
     st.one_of(
         st.none(), st.booleans(), st.integers(-300, 5000), st.floats(allow_nan=False), st.text(max_size=4)
@@ -574,3 +592,13 @@ def test_decode_targets_take_objects_state_dicts_and_leave_shared_memory_out():
     assert tw_triton.decode_targets({"w": torch.ones(3).as_subclass(Wrapped), "v": torch.ones(3)}).keys() == {
         "v"
     }
+
+
+def test_a_state_whose_buffers_were_released_is_not_saved(tmp_path):
+    """save() of what dequantize_state_dict(release_buffers=True) emptied wrote a file that
+    no load could read; it is refused before the disk is touched."""
+    q = quantize_state_dict(make_state())
+    dequantize_state_dict(q, release_buffers=True)
+    with pytest.raises(CheckpointError, match=r"holds no buffers.*release_buffers"):
+        save(q, tmp_path / "r.tw")
+    assert os.listdir(tmp_path) == []

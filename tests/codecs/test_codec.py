@@ -6,6 +6,7 @@ the exact error bound has its own property tests in ``test_codec_properties.py``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -372,6 +373,24 @@ def test_reference_of_another_shape_names_both_shapes():
         tw_triton.dequantize(q, reference=torch.zeros(24))
 
 
+def test_dequantize_needs_the_reference_exactly_when_quantize_had_one():
+    """Without the check a delta decoded without its reference came back as the delta, and
+    a plain encoding decoded with one came back shifted by it: silently wrong values."""
+    x, ref = _randn(300, torch.float32, seed=1), _randn(300, torch.float32, seed=2)
+    delta, plain = tw_triton.quantize(x, reference=ref), tw_triton.quantize(x)
+    assert delta.delta and not plain.delta and delta.to("cpu").delta
+    with pytest.raises(QuantizationError, match="encoded as a delta.*pass reference="):
+        tw_triton.dequantize(delta)
+    with pytest.raises(QuantizationError, match="encoded without a reference"):
+        tw_triton.dequantize(plain, reference=ref)
+    assert (tw_triton.dequantize(delta, reference=ref) - x).abs().max() < 0.05
+    # An encoding built by hand (delta not recorded) decodes as asked, as before.
+    by_hand = dataclasses.replace(delta, delta=None)
+    assert torch.equal(
+        tw_triton.dequantize(by_hand, reference=ref), tw_triton.dequantize(delta, reference=ref)
+    )
+
+
 @pytest.mark.parametrize("bits", [0, 1, 3, 16, 8.0, True, "8", None])
 def test_bad_bits(bits):
     with pytest.raises(QuantizationError, match="bits must be one of"):
@@ -409,6 +428,28 @@ def test_bad_types_and_devices():
     # Errors are of the library's family and still ValueErrors.
     assert issubclass(QuantizationError, tw_triton.TwTritonError)
     assert issubclass(QuantizationError, ValueError)
+
+
+def test_tensors_without_dense_data_and_bad_devices_are_quantization_errors():
+    """Each was a raw RuntimeError, NotImplementedError or AssertionError from torch."""
+    x = torch.randn(64, 64)
+    with pytest.raises(QuantizationError, match="meta tensor"):
+        tw_triton.quantize(torch.empty(64, device="meta"))
+    with pytest.raises(QuantizationError, match="layout torch.sparse_coo"):
+        tw_triton.quantize(x.to_sparse())
+    with pytest.raises(QuantizationError, match="reference has layout torch.sparse_coo"):
+        tw_triton.quantize(x, reference=x.to_sparse())
+    q = tw_triton.quantize(x, reference=x)
+    with pytest.raises(QuantizationError, match="reference is a meta tensor"):
+        tw_triton.dequantize(q, reference=torch.empty(64, 64, device="meta"))
+    with pytest.raises(QuantizationError, match="reference has layout torch.sparse_coo"):
+        tw_triton.dequantize(q, reference=x.to_sparse())
+    for device in ("nope", "meta"):
+        with pytest.raises(QuantizationError, match=f"device {device!r}"):
+            tw_triton.dequantize(tw_triton.quantize(x), device=device)
+    if not torch.cuda.is_available():
+        with pytest.raises(QuantizationError, match="CUDA is not available"):
+            tw_triton.dequantize(tw_triton.quantize(x), device="cuda")
 
 
 # ---------------------------------------------------------------------------- API details

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 import tw_triton.dcp as tw_dcp
 import tw_triton.state.encode
 from tw_triton.dcp import Keyframe, StorageWriter
-from tw_triton.errors import CheckpointError
+from tw_triton.errors import CheckpointError, TwTritonError
 from tw_triton.format import reader
 
 
@@ -54,3 +54,16 @@ def test_a_larger_bound_loads_the_checkpoint_and_its_keyframe(saved, bound):
     tw_dcp.load(state, saved[1], no_dist=True, max_expansion=bound)
     assert torch.equal(state["zeros"], torch.zeros(1 << 20))
     assert (state["w"] - (_state()["w"] + 0.01)).abs().max() < 0.01
+
+
+def test_the_constructor_refuses_a_bound_or_rules_no_load_or_save_could_use(tmp_path):
+    """NaN turned the expansion bound off; bits, block or rules no save could resolve failed
+    only inside the first save."""
+    for kw, match in (
+        ({"max_expansion": float("nan")}, "max_expansion must be None or a number"),
+        ({"bits": 3}, "bits must be one of"),
+        ({"rules": "nope"}, "unknown rules preset 'nope'"),
+    ):
+        with pytest.raises(TwTritonError, match=match):
+            tw_dcp.DistributedCheckpointer(tmp_path / "run", **kw)
+    assert not (tmp_path / "run").exists()

@@ -690,6 +690,8 @@ def _one(entry: EncodedEntry, **kw) -> QuantizedState:
             "not valid UTF-8",
         ),
         ("not a state", "expected a QuantizedState"),
+        # What dequantize_state_dict(release_buffers=True) leaves: was written, then unloadable.
+        (_one(EncodedEntry("exact", {}, (2,), torch.float32, {})), "entry 'e': holds no buffers"),
     ],
 )
 def test_unwritable_states_raise_before_touching_the_disk(tmp_path, state, match):

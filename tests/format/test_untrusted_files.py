@@ -317,3 +317,21 @@ def _decoded_ratio(path: Path) -> float:
         if "stage" in b
     )
     return staged / path.stat().st_size
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, "32", True, [32]])
+def test_a_max_expansion_that_is_not_a_bound_is_refused_naming_it(tmp_path, bad):
+    """NaN compared false with every size (the bound was silently off), a string was
+    repeated by the file's size; each is refused by every reader before a file is read."""
+    path = tmp_path / "small.tw"
+    tw_triton.save(tw_triton.quantize_state_dict({"w": torch.ones(64)}), path, fsync=False)
+    for read in (
+        lambda: fmt.read_file(path, max_expansion=bad),
+        lambda: fmt.verify_file(path, max_expansion=bad),
+        lambda: tw_triton.load(path, max_expansion=bad),
+        lambda: Checkpointer(tmp_path / "run", max_expansion=bad),
+    ):
+        with pytest.raises(CheckpointError, match="max_expansion must be None or a number"):
+            read()
+    assert torch.equal(tw_triton.load(path, max_expansion=0)["w"], torch.ones(64))
+    assert torch.equal(tw_triton.load(path, max_expansion=math.inf)["w"], torch.ones(64))

@@ -43,11 +43,13 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
     for name in ("path", "input", "reference"):
         value = getattr(args, name, None)
         if value is not None and not os.path.isfile(value):
-            say(f"tw {args.command}: error: {value}: no such file", sys.stderr)
+            why = "is a directory, not a checkpoint file" if os.path.isdir(value) else "no such file"
+            say(f"tw {args.command}: error: {value}: {why}", sys.stderr)
             return EXIT_USAGE
     directory = getattr(args, "directory", None)
     if directory is not None and not os.path.isdir(directory):
-        say(f"tw {args.command}: error: {directory}: no such directory", sys.stderr)
+        why = "not a directory" if os.path.exists(directory) else "no such directory"
+        say(f"tw {args.command}: error: {directory}: {why}", sys.stderr)
         return EXIT_USAGE
     func: Callable[[argparse.Namespace, TextIO], int] = args.func
     try:

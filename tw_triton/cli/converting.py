@@ -13,7 +13,7 @@ from ..codecs import get_codec
 from ..errors import TwTritonError
 from ..lowbit import installed_classes
 from ..state import quantize_state_dict, save
-from .exits import EXIT_OK, UsageError
+from .exits import EXIT_OK, UsageError, refuse_overwrite
 from .output import ProgressBar, codec_label, plural, say
 
 
@@ -58,6 +58,7 @@ def read_input(path: str) -> Any:
 def run_convert(args: argparse.Namespace, out: TextIO) -> int:
     """``tw convert IN OUT [--lossy] [--rules PRESET] [--bits] [--block] [--reference]``."""
     rules = convert_rules(args)
+    refuse_overwrite(args.output, [args.input, args.reference])
     state = read_input(args.input)
     bar = ProgressBar("convert")
     try:

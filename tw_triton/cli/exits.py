@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
+
 from ..errors import TwTritonError
 
 EXIT_OK = 0
@@ -21,4 +24,17 @@ class UsageError(TwTritonError):
     """Arguments that parse but do not go together (exit code 2)."""
 
 
-__all__ = ["EXIT_OK", "EXIT_CHECKPOINT", "EXIT_USAGE", "EPILOG", "UsageError"]
+def refuse_overwrite(output: str, inputs: Iterable[str | None]) -> None:
+    """Refuse an output that is one of the files the command reads.
+
+    Raises:
+        UsageError: ``output`` is the same file as one of ``inputs``.
+    """
+    if not os.path.isfile(output):
+        return
+    for path in inputs:
+        if path is not None and os.path.exists(path) and os.path.samefile(output, path):
+            raise UsageError(f"{output}: writing it would overwrite the input {path}; choose another output")
+
+
+__all__ = ["EXIT_OK", "EXIT_CHECKPOINT", "EXIT_USAGE", "EPILOG", "UsageError", "refuse_overwrite"]

@@ -12,11 +12,11 @@ import torch
 
 from ..codecs import get_codec
 from ..deltas import missing_reference
-from ..errors import ReferenceMismatchError, checkpoint_label
+from ..errors import CheckpointIOError, ReferenceMismatchError, checkpoint_label
 from ..format import read_manifest, verify_file
 from ..state import find_checkpoint, load
 from ..tree import flatten
-from .exits import EXIT_OK
+from .exits import EXIT_OK, refuse_overwrite
 from .output import ProgressBar, plural, say
 
 
@@ -54,10 +54,12 @@ def run_verify(args: argparse.Namespace, out: TextIO) -> int:
 
 def run_export(args: argparse.Namespace, out: TextIO) -> int:
     """``tw export PATH OUT.safetensors [--reference REF]``."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     manifest = read_manifest(args.path)
     chain = reference_chain(args.path, manifest, args.reference)
+    refuse_overwrite(args.out, [args.path, *(path for path, _ in chain)])
     bar = ProgressBar("export")
     try:
         state = load(args.path, reference=chain[0][0] if chain else None, verify=True, progress=bar)
@@ -80,6 +82,10 @@ def run_export(args: argparse.Namespace, out: TextIO) -> int:
     try:
         save_file(plain, tmp, metadata=meta)
         os.replace(tmp, args.out)
+    except OSError as e:
+        raise CheckpointIOError(e.errno, f"cannot write {args.out}: {e.strerror}") from e
+    except SafetensorError as e:
+        raise CheckpointIOError(f"cannot write {args.out}: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

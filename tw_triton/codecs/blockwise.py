@@ -49,6 +49,7 @@ from ..ops.reference import (  # noqa: F401,E402
 from ..ops.reference.buffers import decode_output, encode_outputs  # noqa: F401,E402
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
+from .arguments import check_dense, check_input, decode_device
 from .base import (
     BatchLayout,
     Codec,
@@ -76,6 +77,8 @@ class QuantizedTensor:
         nonfinite: a 0-dim bool tensor on the codes' device, true exactly when some block
             held a NaN or an infinity (in ``x``, in the reference, or in their difference);
             the tensor must then be stored exact. Reading it as a Python bool syncs.
+        delta: whether it was encoded against a reference, which :func:`dequantize` then
+            requires (and refuses otherwise); ``None`` (built by hand): not checked.
     """
 
     codes: torch.Tensor
@@ -85,6 +88,7 @@ class QuantizedTensor:
     bits: int
     block: int
     nonfinite: torch.Tensor
+    delta: bool | None = None
 
     @property
     def numel(self) -> int:
@@ -111,6 +115,7 @@ class QuantizedTensor:
         bits: int,
         block: int,
         device: torch.device,
+        delta: bool | None = None,
     ) -> QuantizedTensor:
         """A checked stored entry's encoding on ``device`` (it holds no NaN/Inf block)."""
         return cls(
@@ -121,6 +126,7 @@ class QuantizedTensor:
             bits=bits,
             block=block,
             nonfinite=torch.zeros((), dtype=torch.bool, device=device),
+            delta=delta,
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> QuantizedTensor:
@@ -133,31 +139,13 @@ class QuantizedTensor:
             bits=self.bits,
             block=self.block,
             nonfinite=self.nonfinite.to(device, non_blocking=non_blocking),
+            delta=self.delta,
         )
 
 
 def stored_bytes_per_element(bits: int, block: int) -> float:
     """Asymptotic stored bytes per element: ``bits / 8 + 4 / block``."""
     return bits / 8 + 4 / block
-
-
-def check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise QuantizationError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise QuantizationError(f"can only quantize float32, float16 or bfloat16 tensors, got {x.dtype}")
-    if reference is None:
-        return
-    if not isinstance(reference, torch.Tensor):
-        raise QuantizationError(f"reference must be a torch.Tensor, got {type(reference).__name__}")
-    if reference.dtype not in FLOAT_DTYPES:
-        raise QuantizationError(f"reference must be float32, float16 or bfloat16, got {reference.dtype}")
-    if tuple(reference.shape) != tuple(x.shape):
-        raise QuantizationError(
-            f"reference shape {tuple(reference.shape)} does not match tensor shape {tuple(x.shape)}"
-        )
-    if reference.device != x.device:
-        raise QuantizationError(f"reference is on {reference.device} but the tensor is on {x.device}")
 
 
 def batchable(x: torch.Tensor, block: int, reference: torch.Tensor | None) -> bool:
@@ -230,6 +218,7 @@ def quantize(
         bits=bits,
         block=block,
         nonfinite=nonfinite,
+        delta=reference is not None,
     )
 
 
@@ -253,24 +242,36 @@ def dequantize(
 
     Returns:
         A tensor of ``q.shape`` and ``dtype`` on ``device``.
+
+    Raises:
+        QuantizationError: bad arguments, or a ``reference`` missing for a delta (given for
+            an encoding made without one).
     """
     if not isinstance(q, QuantizedTensor):
         raise QuantizationError(f"expected a QuantizedTensor, got {type(q).__name__}")
     out_dtype = q.dtype if dtype is None else dtype
     if out_dtype not in FLOAT_DTYPES:
         raise QuantizationError(f"can only decode to float32, float16 or bfloat16, got {out_dtype}")
-    dev = q.device if device is None else torch.device(device)
+    dev = decode_device(device, q.device)
     if dev != q.device:
         q = q.to(dev)
     rc = None
     if reference is not None:
         if not isinstance(reference, torch.Tensor) or reference.dtype not in FLOAT_DTYPES:
-            raise QuantizationError("reference must be a float32, float16 or bfloat16 tensor")
+            got = reference.dtype if isinstance(reference, torch.Tensor) else type(reference).__name__
+            raise QuantizationError(f"reference must be a float32, float16 or bfloat16 tensor, got {got}")
+        check_dense(reference, "reference")
         if tuple(reference.shape) != tuple(q.shape):
             raise QuantizationError(
                 f"reference shape {tuple(reference.shape)} does not match encoded shape {q.shape}"
             )
         rc = reference.to(dev).contiguous()
+    if q.delta is not None and q.delta != (rc is not None) and q.numel:
+        raise QuantizationError(
+            "q was encoded as a delta from a reference: pass reference= (the tensor it was encoded against)"
+            if q.delta
+            else "q was encoded without a reference: dequantize it without reference="
+        )
     flat = ops.dequantize_blockwise(q.codes, q.scales, q.numel, q.bits, q.block, rc, out_dtype)
     return flat.view(q.shape)
 
@@ -442,7 +443,7 @@ class BlockwiseCodec(Codec):
         if delta and reference is None:
             raise CheckpointError(f"{context}: delta entry decoded without its reference tensor")
         dev = codes.device if device is None else device
-        q = QuantizedTensor.stored(codes, scales, tuple(entry.shape), entry.dtype, bits, block, dev)
+        q = QuantizedTensor.stored(codes, scales, tuple(entry.shape), entry.dtype, bits, block, dev, delta)
         ref = move_to(reference, dev) if reference is not None else None
         return dequantize(q, reference=ref if delta else None)
 

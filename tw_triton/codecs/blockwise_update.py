@@ -23,8 +23,9 @@ from ..errors import CheckpointError, QuantizationError
 from ..ops.layout import FLOAT_DTYPES, check_params, check_qmax, qmax_for
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
+from .arguments import check_input
 from .base import Codec, Encoded, check_param_names, move_to, param_error
-from .blockwise import BlockwiseCodec, QuantizedTensor, check_input, dequantize
+from .blockwise import BlockwiseCodec, QuantizedTensor, dequantize
 from .packed import PACKING, check_packed_params, per_block_buffer, stored_codes
 
 DEFAULT_EPS = 1e-8

@@ -18,8 +18,9 @@ import torch
 
 from .. import ops
 from ..qstate import EncodedEntry
+from .arguments import check_input
 from .base import Encoded, move_to
-from .blockwise import BlockwiseCodec, check_input, check_params, check_qmax
+from .blockwise import BlockwiseCodec, check_params, check_qmax
 
 
 def encode_blockwise_group(

@@ -28,9 +28,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
-from ..format import MAX_EXPANSION, verify_file
+from ..format import MAX_EXPANSION, check_max_expansion, verify_file
 from ..resume import as_step
-from ..rules import resolve_rules
+from ..rules import check_rules
 from . import api
 from .directory import find_keyframe, is_complete
 from .keyframe import Keyframe
@@ -124,7 +124,8 @@ class DistributedCheckpointer:
     ) -> None:
         if keyframe_every < 1 or keep < 1:
             raise CheckpointError(f"keyframe_every and keep must be >= 1, got {keyframe_every}, {keep}")
-        resolve_rules(rules, {}, bits=bits, block=block)  # refused now, not at the first save
+        check_max_expansion(max_expansion)
+        check_rules(rules, bits=bits, block=block)  # refused now, not at the first save
         self.directory = os.fspath(directory)
         self.rules, self.bits, self.block = rules, bits, block
         self.keyframe_every, self.keep = keyframe_every, keep

@@ -24,7 +24,14 @@ from .compact import (
 )
 from .files import IO_CHUNK_BYTES, is_temp_file, remove_quietly, temp_path_for
 from .header import HeaderCache
-from .reader import EXPANSION_SLACK_BYTES, MAX_EXPANSION, read_file, read_manifest, verify_file
+from .reader import (
+    EXPANSION_SLACK_BYTES,
+    MAX_EXPANSION,
+    check_max_expansion,
+    read_file,
+    read_manifest,
+    verify_file,
+)
 from .spec import (
     BUFFER_DTYPES,
     BUFFER_NAME_RE,
@@ -50,6 +57,7 @@ __all__ = [
     "COMPACT_VERSION",
     "ENTRY_DTYPES",
     "EXPANSION_SLACK_BYTES",
+    "check_max_expansion",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "HeaderCache",

@@ -166,6 +166,12 @@ def _check_state(qstate: QuantizedState, path: str) -> list[tuple[str, str, torc
         check_shape(tuple(entry.shape), entry.dtype.itemsize, where)
         if not isinstance(entry.buffers, dict):
             raise CheckpointError(f"{where}: buffers must be a dict")
+        if not entry.buffers:
+            # Every codec stores at least one buffer (a 0-element one included).
+            raise CheckpointError(
+                f"{where}: holds no buffers (were they given up by dequantize_state_dict("
+                "release_buffers=True)?): the file could not be loaded"
+            )
         for name, tensor in entry.buffers.items():
             bwhere = f"{where} buffer {name!r}"
             if not isinstance(name, str) or not BUFFER_NAME_RE.fullmatch(name):

@@ -55,6 +55,20 @@ EXPANSION_SLACK_BYTES = 64 << 20
 RING_SLOTS = 4
 
 
+def check_max_expansion(max_expansion: Any) -> None:
+    """Refuse a ``max_expansion`` that is not a bound: NaN would compare false with every
+    size (no bound at all), a negative one refuses every file.
+
+    Raises:
+        CheckpointError: not ``None`` or a number at least 0 (``math.inf`` is ``None``).
+    """
+    if max_expansion is None:
+        return
+    number = isinstance(max_expansion, (int, float)) and not isinstance(max_expansion, bool)
+    if not number or not max_expansion >= 0:
+        raise CheckpointError(f"max_expansion must be None or a number at least 0, got {max_expansion!r}")
+
+
 def check_expansion(layout: Layout, path: str, max_expansion: float | None) -> None:
     """Refuse a file whose staged buffers decode to more than ``max_expansion`` times its
     size plus :data:`EXPANSION_SLACK_BYTES` (from the header: nothing is decoded yet;
@@ -279,6 +293,7 @@ class MappedCheckpoint:
         self.path = path
         self.device = device  # buffers go there through a ring of pinned slots
         self.ring: PinnedRing | None = None
+        check_max_expansion(max_expansion)
         self._max_expansion = max_expansion
         self._headers = headers
         self.verify = verify

@@ -32,6 +32,24 @@ from .references import checked_reference, read_reference
 Progress = Callable[[int, int], None]
 
 
+def decode_device(device: Any, where: str) -> torch.device | None:
+    """The device a decode puts its tensors on (``None``: where the buffers are).
+
+    Raises:
+        CheckpointError: not a device torch knows, or CUDA where none is available; names
+            ``where`` and the device.
+    """
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"cannot decode {where} to device {device!r}: {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError(f"cannot decode {where} to {dev}: CUDA is not available")
+    return dev
+
+
 def dequantize_state_dict(
     qstate: QuantizedState,
     *,
@@ -107,7 +125,9 @@ def decode_state(
     """:func:`dequantize_state_dict`; ``ref_into``: tensors to read a reference given as a
     path into (its exact entries, see :func:`~tw_triton.format.read_file`)."""
     where = source or MEMORY_SOURCE
-    dev = torch.device(device) if device is not None else None
+    if not isinstance(qstate, QuantizedState):
+        raise CheckpointError(f"{where}: expected a QuantizedState, got {type(qstate).__name__}")
+    dev = decode_device(device, where)
     out = decode_entries(
         qstate,
         None,
@@ -151,7 +171,9 @@ def dequantize_entries(
             raises for those entries.
     """
     where = source or MEMORY_SOURCE
-    dev = torch.device(device) if device is not None else None
+    if not isinstance(qstate, QuantizedState):
+        raise CheckpointError(f"{where}: expected a QuantizedState, got {type(qstate).__name__}")
+    dev = decode_device(device, where)
     wanted = set(paths)
     missing = sorted(p for p in wanted if p not in qstate.entries and p not in qstate.aliases)
     if missing:

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from ..codecs.entropy import EntropyPolicy
-from ..errors import QuantizationError, TwTritonError
+from ..errors import QuantizationError
 from ..format import MAX_EXPANSION
 from ..qstate import QuantizedState
 from ..tree import flatten
-from .decode import Progress, decode_state
+from .decode import Progress, decode_device, decode_state
 from .entries import disjoint_paths, manifest_delta_paths, wants_pinned
 from .references import PathLike, read_reference
 
@@ -84,10 +84,8 @@ def load(
     """
     from ..format import HeaderCache, read_file, read_manifest
 
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TwTritonError(f"cannot load {os.fspath(path)} to {dev}: CUDA is not available")
     source = os.fspath(path)
+    dev = decode_device("cpu" if device is None else device, source)
     targets = decode_targets(into) if into is not None and dev.type == "cpu" else None
     headers = HeaderCache()  # the manifest read first is the read's header too
     pending = None

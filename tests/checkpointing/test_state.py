@@ -468,7 +468,7 @@ def test_cuda_round_trip_matches_cpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_load_to_cuda_without_cuda_is_a_clear_error(tmp_path):
     save(quantize_state_dict(make_state()), tmp_path / "a.tw")
-    with pytest.raises(tw_triton.TwTritonError, match=r"a\.tw to cuda.*not available"):
+    with pytest.raises(tw_triton.TwTritonError, match=r"a\.tw to device 'cuda'.*not available"):
         load(tmp_path / "a.tw", device="cuda")
 
 
@@ -484,7 +484,7 @@ def test_a_bad_device_or_a_non_state_is_a_checkpoint_error_naming_it(tmp_path):
         with pytest.raises(CheckpointError, match=rf"in-memory state.*device {bad!r}"):
             dequantize_state_dict(q, device=bad)
     if not torch.cuda.is_available():
-        with pytest.raises(CheckpointError, match="to cuda: CUDA is not available"):
+        with pytest.raises(CheckpointError, match="to device 'cuda': CUDA is not available"):
             dequantize_state_dict(q, device="cuda")
     with pytest.raises(CheckpointError, match="expected a QuantizedState, got dict"):
         dequantize_state_dict(make_state())

@@ -5,9 +5,11 @@ reference like the tensor, a device torch knows. Each failure is a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ..errors import QuantizationError
+from ..errors import QuantizationError, TwTritonError
 from ..ops.layout import FLOAT_DTYPES
 
 
@@ -44,24 +46,28 @@ def check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
     check_dense(reference, "reference")
 
 
+def parse_device(device: Any, what: str, error: type[TwTritonError]) -> torch.device:
+    """``device`` as a ``torch.device`` that can hold decoded data, or ``error`` naming
+    ``what`` is decoded: not a device torch knows, the meta device, or CUDA where none is
+    available."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise error(f"cannot decode {what} to device {device!r}: {e}") from e
+    if dev.type == "meta":
+        raise error(f"cannot decode {what} to device {device!r}: the meta device holds no data")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise error(f"cannot decode {what} to device {device!r}: CUDA is not available")
+    return dev
+
+
 def decode_device(device: torch.device | str | None, default: torch.device) -> torch.device:
     """The device ``dequantize`` decodes on (``None``: ``default``, where the codes are).
 
     Raises:
-        QuantizationError: not a device torch knows, the meta device, or CUDA where none
-            is available.
+        QuantizationError: as :func:`parse_device`.
     """
-    if device is None:
-        return default
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise QuantizationError(f"cannot decode to device {device!r}: {e}") from e
-    if dev.type == "meta":
-        raise QuantizationError(f"cannot decode to device {device!r}: the meta device holds no data")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise QuantizationError(f"cannot decode to device {device!r}: CUDA is not available")
-    return dev
+    return default if device is None else parse_device(device, "the tensor", QuantizationError)
 
 
-__all__ = ["check_dense", "check_input", "decode_device"]
+__all__ = ["check_dense", "check_input", "decode_device", "parse_device"]

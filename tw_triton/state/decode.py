@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..codecs.arguments import parse_device
 from ..errors import (
     CheckpointError,
     QuantizationError,
@@ -36,18 +37,10 @@ def decode_device(device: Any, where: str) -> torch.device | None:
     """The device a decode puts its tensors on (``None``: where the buffers are).
 
     Raises:
-        CheckpointError: not a device torch knows, or CUDA where none is available; names
+        CheckpointError: as :func:`~tw_triton.codecs.arguments.parse_device`, naming
             ``where`` and the device.
     """
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise CheckpointError(f"cannot decode {where} to device {device!r}: {e}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError(f"cannot decode {where} to {dev}: CUDA is not available")
-    return dev
+    return None if device is None else parse_device(device, where, CheckpointError)
 
 
 def dequantize_state_dict(

@@ -244,6 +244,11 @@ def test_rules_that_do_not_resolve_are_refused_when_the_plugin_is_made(rules):
     assert "on_save_checkpoint" not in str(info.value)
 
 
+def test_bits_or_block_no_save_could_use_are_refused_when_the_plugin_is_made():
+    with pytest.raises(QuantizationError, match="bits must be one of"):
+        TwCheckpointIO(bits=3)
+
+
 def test_temp_files_of_killed_writes_go_unless_another_writer_holds_the_directory(tmp_path):
     # What a write killed mid-way leaves beside the checkpoint (format.write_file's temp).
     leftover = tmp_path / ".last.ckpt.0123456789abcdef.tmp"

@@ -271,6 +271,7 @@ def test_reserved_options_are_refused(tmp_path):
         ({"keyframe_evry": 2}, TwTritonError, "'keyframe_evry'.*keyframe_every"),
         ({"rules": "nonsense"}, QuantizationError, "nonsense"),
         ({"rules": [("*", "no-such-codec")]}, QuantizationError, "no-such-codec"),
+        ({"bits": 3}, QuantizationError, "bits must be one of"),
     ],
 )
 def test_bad_options_are_refused_when_the_trainer_is_made(tmp_path, options, error, match):

@@ -32,7 +32,7 @@ from ..checkpointer import DEFAULT_RULES, collect_setup_garbage
 from ..directory_claim import DirectoryClaim, write_temp_files
 from ..errors import CheckpointError, QuantizationError
 from ..format import write_file
-from ..rules import keyframe_rules, resolve_rules, rules_as_specs
+from ..rules import check_rules, keyframe_rules, resolve_rules, rules_as_specs
 from ..snapshot_pool import SavePool, SnapshotLease
 from ..state import dequantize_state_dict, load, quantize_state_dict
 from ..tree import flatten
@@ -102,7 +102,7 @@ class TwCheckpointIO(CheckpointIO):
         snapshot_pool_bytes: int | None = None,
     ) -> None:
         super().__init__()
-        resolve_rules(rules, {}, bits=bits, block=block)  # refused now, not at the first save
+        check_rules(rules, bits=bits, block=block)  # refused now, not at the first save
         self.rules = rules
         self.bits = bits
         self.block = block

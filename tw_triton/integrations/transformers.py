@@ -30,8 +30,9 @@ from ..checkpoint_dir import checkpoint_name, parse_checkpoint_name
 from ..checkpointer import Checkpointer
 from ..deltas import with_references
 from ..errors import CheckpointError, TwTritonError
+from ..interval_rules import AUTO
 from ..rng import restore_rng_state
-from ..rules import resolve_rules
+from ..rules import check_rules
 from . import require
 
 require("transformers", "hf")
@@ -137,8 +138,8 @@ def _check_options(options: dict[str, Any]) -> None:
         raise TwTritonError(
             f"tw_options: unknown option(s) {unknown}; the Checkpointer takes {sorted(accepted)}"
         )
-    if "rules" in options:
-        resolve_rules(options["rules"], {}, bits=options.get("bits", 8), block=options.get("block", 128))
+    if {"rules", "bits", "block"} & set(options):
+        check_rules(options.get("rules", AUTO), bits=options.get("bits", 8), block=options.get("block", 128))
 
 
 class TwCheckpointMixin:

@@ -46,15 +46,15 @@ def check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
     check_dense(reference, "reference")
 
 
-def parse_device(device: Any, what: str, error: type[TwTritonError]) -> torch.device:
-    """``device`` as a ``torch.device`` that can hold decoded data, or ``error`` naming
-    ``what`` is decoded: not a device torch knows, the meta device, or CUDA where none is
-    available."""
+def parse_device(device: Any, what: str, error: type[TwTritonError], *, meta: bool = False) -> torch.device:
+    """``device`` as a ``torch.device``, or ``error`` naming what is decoded (``what``): not
+    a device torch knows, CUDA where none is available, or (unless ``meta``: a state's
+    decode plans its placement there) the meta device, which holds no data."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
         raise error(f"cannot decode {what} to device {device!r}: {e}") from e
-    if dev.type == "meta":
+    if dev.type == "meta" and not meta:
         raise error(f"cannot decode {what} to device {device!r}: the meta device holds no data")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise error(f"cannot decode {what} to device {device!r}: CUDA is not available")

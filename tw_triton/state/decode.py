@@ -40,7 +40,7 @@ def decode_device(device: Any, where: str) -> torch.device | None:
         CheckpointError: as :func:`~tw_triton.codecs.arguments.parse_device`, naming
             ``where`` and the device.
     """
-    return None if device is None else parse_device(device, where, CheckpointError)
+    return None if device is None else parse_device(device, where, CheckpointError, meta=True)
 
 
 def dequantize_state_dict(

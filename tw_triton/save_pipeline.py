@@ -16,6 +16,7 @@ import gc
 import logging
 import time
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -110,10 +111,10 @@ class SavePipeline:
         self.warned_coarse = False
         # The step of the last save made or restored ("auto" rules: the interval since it).
         self.last_step: int | None = None
-        # The reference and the tensor layout (path: shape, dtype) of the last save: a save
-        # of the same layout against the same reference fits it, unchecked (the check
-        # selects a rule per entry).
-        self.fitted: tuple[Reference | None, Any] = (None, None)
+        # The reference (weakly: a dropped reference's tensors must go) and the tensor layout
+        # (path: shape, dtype) of the last save: a save of the same layout against the same
+        # reference fits it, unchecked (the check selects a rule per entry).
+        self.fitted: tuple[weakref.ref[Reference] | None, Any] = (None, None)
 
     def rules_for(self, step: int) -> Any:
         """The rules a save of ``step`` codes with: for ``"auto"``, the preset of its interval
@@ -147,9 +148,8 @@ class SavePipeline:
         tensors = flat.tensors.values()  # few objects: the layout is built at every save
         layout = (list(flat.tensors), [t.shape for t in tensors], [t.dtype for t in tensors])
         misfit = None
-        if chain.reference is not None and (
-            self.fitted[0] is not chain.reference or self.fitted[1] != layout
-        ):
+        fitted_ref = self.fitted[0]() if self.fitted[0] is not None else None
+        if chain.reference is not None and (fitted_ref is not chain.reference or self.fitted[1] != layout):
             misfit = reference_misfit(flat, rule_list, chain.reference)
         if misfit is not None:
             # The model changed since the keyframe (grown, resized, a part removed).
@@ -199,7 +199,7 @@ class SavePipeline:
                 self.warm_up(queued.warm_up, lease, future)
         else:
             chain.add_delta(reference, queued.checkpoint_id, queued.reference_id, step, future)
-        self.fitted = (chain.reference, layout)
+        self.fitted = (weakref.ref(chain.reference) if chain.reference is not None else None, layout)
         return future
 
     def queue_snapshot(self, job: SaveJob) -> Queued:

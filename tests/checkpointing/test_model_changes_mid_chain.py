@@ -133,3 +133,24 @@ def test_a_state_of_the_last_saves_layout_is_not_checked_again(tmp_path, monkeyp
     assert calls == [1]
     kinds = [i.kind for i in Checkpointer(tmp_path).infos()]
     assert kinds == ["keyframe", "delta", "delta", "delta", "keyframe", "delta", "keyframe", "delta", "delta"]
+
+
+def test_the_fit_check_does_not_keep_a_dropped_reference_alive(tmp_path):
+    """It remembers the reference it checked against weakly: a reference the chain drops
+    (a keyframe, a restart) must free its tensors, on a GPU its device memory."""
+    import gc
+    import weakref
+
+    model, opt = build()
+    with Checkpointer(tmp_path, keyframe_every=4, keep_last=None, fsync=False, async_write=False) as ck:
+        for step in range(2):
+            train(model, opt, step)
+            ck.save(step, model=model, optimizer=opt)
+        chain = ck._pipeline.chain
+        dropped = weakref.ref(chain.reference)
+        chain.restart()
+        gc.collect()
+        assert dropped() is None
+        train(model, opt, 2)
+        ck.save(2, model=model, optimizer=opt)  # a keyframe, after the restart
+        assert chain.reference is not None

@@ -472,6 +472,16 @@ def test_load_to_cuda_without_cuda_is_a_clear_error(tmp_path):
         load(tmp_path / "a.tw", device="cuda")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_load_to_cuda_without_cuda_does_not_blame_the_file(tmp_path):
+    """Callers take a CheckpointError for a bad file (and pass over it): a machine without
+    CUDA is not one."""
+    save(quantize_state_dict(make_state()), tmp_path / "a.tw")
+    with pytest.raises(tw_triton.TwTritonError, match="CUDA is not available") as err:
+        load(tmp_path / "a.tw", device="cuda")
+    assert not isinstance(err.value, CheckpointError)
+
+
 def test_a_bad_device_or_a_non_state_is_a_checkpoint_error_naming_it(tmp_path):
     """A device torch cannot parse was a raw RuntimeError/TypeError, CUDA without CUDA in
     dequantize_state_dict an AssertionError inside the first codec, a dict given to it an

@@ -46,10 +46,18 @@ def check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
     check_dense(reference, "reference")
 
 
-def parse_device(device: Any, what: str, error: type[TwTritonError], *, meta: bool = False) -> torch.device:
+def parse_device(
+    device: Any,
+    what: str,
+    error: type[TwTritonError],
+    *,
+    meta: bool = False,
+    no_cuda: type[TwTritonError] | None = None,
+) -> torch.device:
     """``device`` as a ``torch.device``, or ``error`` naming what is decoded (``what``): not
-    a device torch knows, CUDA where none is available, or (unless ``meta``: a state's
-    decode plans its placement there) the meta device, which holds no data."""
+    a device torch knows, CUDA where none is available (``no_cuda`` if given: a reader
+    must not blame the file for it), or (unless ``meta``: a state's decode plans its
+    placement there) the meta device, which holds no data."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
@@ -57,7 +65,7 @@ def parse_device(device: Any, what: str, error: type[TwTritonError], *, meta: bo
     if dev.type == "meta" and not meta:
         raise error(f"cannot decode {what} to device {device!r}: the meta device holds no data")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise error(f"cannot decode {what} to device {device!r}: CUDA is not available")
+        raise (no_cuda or error)(f"cannot decode {what} to device {device!r}: CUDA is not available")
     return dev
 
 

@@ -33,14 +33,16 @@ from .references import checked_reference, read_reference
 Progress = Callable[[int, int], None]
 
 
-def decode_device(device: Any, where: str) -> torch.device | None:
+def decode_device(device: Any, where: str, no_cuda: type[TwTritonError] | None = None) -> torch.device | None:
     """The device a decode puts its tensors on (``None``: where the buffers are).
 
     Raises:
         CheckpointError: as :func:`~tw_triton.codecs.arguments.parse_device`, naming
-            ``where`` and the device.
+            ``where`` and the device (``no_cuda``, if given, where CUDA is not available).
     """
-    return None if device is None else parse_device(device, where, CheckpointError, meta=True)
+    return (
+        None if device is None else parse_device(device, where, CheckpointError, meta=True, no_cuda=no_cuda)
+    )
 
 
 def dequantize_state_dict(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..codecs.entropy import EntropyPolicy
-from ..errors import QuantizationError
+from ..errors import QuantizationError, TwTritonError
 from ..format import MAX_EXPANSION
 from ..qstate import QuantizedState
 from ..tree import flatten
@@ -85,7 +85,8 @@ def load(
     from ..format import HeaderCache, read_file, read_manifest
 
     source = os.fspath(path)
-    dev = decode_device("cpu" if device is None else device, source)
+    # CUDA missing is not the file's fault: not a CheckpointError, which callers take for one.
+    dev = decode_device("cpu" if device is None else device, source, no_cuda=TwTritonError)
     targets = decode_targets(into) if into is not None and dev.type == "cpu" else None
     headers = HeaderCache()  # the manifest read first is the read's header too
     pending = None

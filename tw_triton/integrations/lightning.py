@@ -85,8 +85,8 @@ class TwCheckpointIO(CheckpointIO):
             far; ``0``: every copy in fresh memory.
 
     Raises:
-        QuantizationError: ``rules`` do not resolve (an unknown preset or codec, a
-            malformed rule).
+        QuantizationError: ``rules``, ``bits`` or ``block`` no save could use (an unknown
+            preset or codec, a malformed rule, bits or block outside the codec's).
     """
 
     def __init__(

@@ -30,7 +30,6 @@ from ..checkpoint_dir import checkpoint_name, parse_checkpoint_name
 from ..checkpointer import Checkpointer
 from ..deltas import with_references
 from ..errors import CheckpointError, TwTritonError
-from ..interval_rules import AUTO
 from ..rng import restore_rng_state
 from ..rules import check_rules
 from . import require
@@ -131,15 +130,16 @@ def load_checkpoint_state(
 
 def _check_options(options: dict[str, Any]) -> None:
     """Refuse ``tw_options`` the Checkpointer would refuse, now rather than at the first
-    optimizer step or save: unknown names, and rules that do not resolve."""
-    accepted = set(inspect.signature(Checkpointer.__init__).parameters) - {"self", "directory", "keep_last"}
+    optimizer step or save: unknown names, and rules, bits or block no save could use."""
+    params = inspect.signature(Checkpointer.__init__).parameters
+    accepted = set(params) - {"self", "directory", "keep_last"}
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise TwTritonError(
             f"tw_options: unknown option(s) {unknown}; the Checkpointer takes {sorted(accepted)}"
         )
-    if {"rules", "bits", "block"} & set(options):
-        check_rules(options.get("rules", AUTO), bits=options.get("bits", 8), block=options.get("block", 128))
+    rules, bits, block = (options.get(n, params[n].default) for n in ("rules", "bits", "block"))
+    check_rules(rules, bits=bits, block=block)
 
 
 class TwCheckpointMixin:
@@ -155,8 +155,9 @@ class TwCheckpointMixin:
     Raises:
         TwTritonError: ``tw_options`` names ``directory``, ``keep_last`` or an option the
             Checkpointer does not take.
-        QuantizationError: ``tw_options["rules"]`` does not resolve (an unknown preset or
-            codec, a malformed rule).
+        QuantizationError: ``tw_options``' ``rules``, ``bits`` or ``block`` no save could
+            use (an unknown preset or codec, a malformed rule, bits or block outside the
+            codec's).
     """
 
     def __init__(self, *args: Any, tw_options: dict[str, Any] | None = None, **kwargs: Any) -> None:

@@ -17,27 +17,33 @@ LONG_INTERVAL_PRESET = "safe"
 # measured 0.14x, 0.69x and 1.11x of its floor at 50, 100 and 200 steps; switching at 100
 # keeps a margin (where between 100 and 200 it reaches the floor is not measured).
 LONG_INTERVAL_STEPS = 100
+# The DistributedCheckpointer's short-interval preset: its chunks are coded on their own, so
+# ``smallest``'s first moment in the update's domain (which needs its partner entry) and its
+# 2-bit closed-loop weight deltas do not apply to its open-loop deltas.
+DCP_SHORT_INTERVAL_PRESET = "small"
 
 
-def rules_at(rules: Any, interval: int | None) -> Any:
+def rules_at(rules: Any, interval: int | None, *, short: str = SHORT_INTERVAL_PRESET) -> Any:
     """The rules a save codes with, ``interval`` steps after the save before it (``None``:
-    unknown): ``rules`` itself unless it is ``"auto"``."""
+    unknown): ``rules`` itself unless it is ``"auto"``, then ``short`` below
+    :data:`LONG_INTERVAL_STEPS` and :data:`LONG_INTERVAL_PRESET` from there."""
     if not (isinstance(rules, str) and rules == AUTO):
         return rules
     if interval is not None and interval >= LONG_INTERVAL_STEPS:
         return LONG_INTERVAL_PRESET
-    return SHORT_INTERVAL_PRESET
+    return short
 
 
-def candidates(rules: Any) -> list[Any]:
+def candidates(rules: Any, *, short: str = SHORT_INTERVAL_PRESET) -> list[Any]:
     """Every rules value ``rules`` may code a save with (two for ``"auto"``)."""
     if isinstance(rules, str) and rules == AUTO:
-        return [SHORT_INTERVAL_PRESET, LONG_INTERVAL_PRESET]
+        return [short, LONG_INTERVAL_PRESET]
     return [rules]
 
 
 __all__ = [
     "AUTO",
+    "DCP_SHORT_INTERVAL_PRESET",
     "LONG_INTERVAL_PRESET",
     "LONG_INTERVAL_STEPS",
     "SHORT_INTERVAL_PRESET",

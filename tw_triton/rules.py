@@ -59,8 +59,9 @@ decodes a negative value nor a zero where there was none, both from 4096 element
 everything else, and any name no optimizer of ``torch.optim`` uses, exact:
 
 ``"safe"``      weight deltas int8, signed int8, non-negative log2 8 bits;
-``"small"``     weight deltas int8, signed int4, non-negative log2 4 bits (the
-                default of :class:`~tw_triton.dcp.DistributedCheckpointer`), between
+``"small"``     weight deltas int8, signed int4, non-negative log2 4 bits (what the
+                :class:`~tw_triton.dcp.DistributedCheckpointer`'s ``"auto"`` takes
+                below ``LONG_INTERVAL_STEPS``), between
                 keyframes the float32 non-negative moments as ``log2-temporal``;
 ``"smallest"``  weight deltas int2, signed int4 but Adam's ``exp_avg`` as int3 codes of
                 the update ``exp_avg / (sqrt(exp_avg_sq) + eps)`` (``blockwise-update``),
@@ -75,8 +76,9 @@ everything else, and any name no optimizer of ``torch.optim`` uses, exact:
                 four levels are too coarse, and the resumed run drifts;
 ``"auto"``      the :class:`~tw_triton.checkpointer.Checkpointer` default: ``smallest``
                 for saves fewer than ``LONG_INTERVAL_STEPS`` (100) steps apart, ``safe``
-                from there (:mod:`tw_triton.interval_rules`); without a save interval
-                (:func:`resolve_rules`), ``smallest``.
+                from there (:mod:`tw_triton.interval_rules`; the
+                :class:`~tw_triton.dcp.DistributedCheckpointer`'s takes ``small`` and
+                ``safe``); without a save interval (:func:`resolve_rules`), ``smallest``.
 
 How each preset resumes against the noise floor: docs/performance.md.
 

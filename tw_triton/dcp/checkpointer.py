@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .. import interval_rules
 from ..errors import CheckpointError
 from ..format import MAX_EXPANSION, check_max_expansion, verify_file
 from ..resume import as_step
@@ -95,7 +96,10 @@ class DistributedCheckpointer:
 
     Args:
         directory: where the ``step_*`` checkpoint directories go (shared by all ranks).
-        rules, bits, block: as for :class:`StorageWriter`; default preset ``"small"``.
+        rules, bits, block: as for :class:`StorageWriter`; the default ``"auto"`` codes a
+            save with ``"small"`` when it is fewer than 100 steps after the save before it
+            (or the checkpoint loaded; the first save: after step 0) and with ``"safe"``
+            from there (docs/distributed.md).
         keyframe_every: a keyframe every this many saves; the saves between are deltas
             against the last keyframe (1: every save is a keyframe).
         keep: how many complete checkpoints to keep (plus keyframes they need).
@@ -114,7 +118,7 @@ class DistributedCheckpointer:
         self,
         directory: str | os.PathLike,
         *,
-        rules: Any = "small",
+        rules: Any = interval_rules.AUTO,
         bits: int = 8,
         block: int = 128,
         keyframe_every: int = 4,
@@ -125,7 +129,8 @@ class DistributedCheckpointer:
         if keyframe_every < 1 or keep < 1:
             raise CheckpointError(f"keyframe_every and keep must be >= 1, got {keyframe_every}, {keep}")
         check_max_expansion(max_expansion)
-        check_rules(rules, bits=bits, block=block)  # refused now, not at the first save
+        for candidate in interval_rules.candidates(rules, short=interval_rules.DCP_SHORT_INTERVAL_PRESET):
+            check_rules(candidate, bits=bits, block=block)  # refused now, not at the first save
         self.directory = os.fspath(directory)
         self.rules, self.bits, self.block = rules, bits, block
         self.keyframe_every, self.keep = keyframe_every, keep
@@ -134,6 +139,8 @@ class DistributedCheckpointer:
         self._keyframe: Keyframe | None = None
         self._since_keyframe = 0
         self._pending: Future | None = None
+        # The step of the last save made or checkpoint loaded ("auto": the next interval).
+        self._last_step: int | None = None
         os.makedirs(self.directory, exist_ok=True)
         # Temp files of killed saves go, unless another rank or writer holds the directory.
         from ..checkpoint_dir import DirectoryClaim, dcp_temp_files
@@ -181,6 +188,14 @@ class DistributedCheckpointer:
         return None
 
     # -- saving ----------------------------------------------------------------------
+    def rules_for(self, step: int) -> Any:
+        """The rules a save of ``step`` codes with: ``rules`` itself, or for ``"auto"`` the
+        preset of its interval since the last save made or checkpoint loaded (the first:
+        since step 0; a step not after it: ``"small"``)."""
+        last = self._last_step
+        interval = step if last is None else (step - last if step > last else None)
+        return interval_rules.rules_at(self.rules, interval, short=interval_rules.DCP_SHORT_INTERVAL_PRESET)
+
     def _rank(self) -> int:
         return dist.get_rank(self.process_group) if dist.is_initialized() else 0
 
@@ -202,7 +217,7 @@ class DistributedCheckpointer:
         is_keyframe = self._keyframe is None or self._since_keyframe >= self.keyframe_every - 1
         writer = StorageWriter(
             path,
-            rules=self.rules,
+            rules=self.rules_for(step),
             bits=self.bits,
             block=self.block,
             reference=None if is_keyframe else self._keyframe,
@@ -221,6 +236,7 @@ class DistributedCheckpointer:
             raise api.tw_error(exc) from exc
         if not asynchronous and not no_dist:
             dist.barrier(self.process_group)
+        self._last_step = step
         if is_keyframe:
             self._pending_keyframe = path
             self._since_keyframe = 0
@@ -284,7 +300,10 @@ class DistributedCheckpointer:
         api.load(state, path, no_dist=not dist.is_initialized(), max_expansion=self.max_expansion)
         self._continue_from(path)
         m = _STEP_RE.fullmatch(os.path.basename(path))
-        return int(m.group(1)) if m else None
+        step = int(m.group(1)) if m else None
+        if step is not None:
+            self._last_step = step
+        return step
 
     def _continue_from(self, path: str) -> None:
         """After loading ``path``: the next saves are deltas against its keyframe (read from

@@ -28,7 +28,7 @@ from .state import decode_targets
 # The manifest metadata key of the record.
 METADATA_KEY = "optimizers"
 
-# What a refused restore, load into objects and TwTrainer resume tell the user to do.
+# What a refused restore, and a refused load into objects, tell the user to do.
 RESTORE_ADVICE = (
     "to switch optimizers, restore without it (restore(model=model, ...)) and let it start "
     "afresh, or pass allow_optimizer_mismatch=True to load the saved state into it anyway"
@@ -128,8 +128,10 @@ def check_classes(metadata: Any, source: str, objects: Mapping[str, Any], advice
 
 
 def check_file(path: str, objects: Mapping[str, Any], advice: str, headers: Any = None) -> None:
-    """:func:`check_classes` of the checkpoint file ``path`` (its header only)."""
-    check_classes(_format.read_manifest(path, headers=headers).get("metadata"), path, objects, advice)
+    """:func:`check_classes` of the checkpoint file ``path`` (its header only), if
+    ``objects`` holds an optimizer (a file's record matters to nothing else)."""
+    if class_record(objects):
+        check_classes(_format.read_manifest(path, headers=headers).get("metadata"), path, objects, advice)
 
 
 def targets_of(directory: CheckpointDirectory, objects: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -140,7 +140,7 @@ def targets_of(directory: CheckpointDirectory, objects: Mapping[str, Any]) -> di
     before it knows which file it loads (the newest that verifies), and an optimizer it
     then refuses must be left as it was."""
     refused: set[str] = set()
-    for info in directory.scan().values():
+    for info in directory.scan().values() if class_record(objects) else ():
         try:
             metadata = _format.read_manifest(info.path, headers=directory.headers).get("metadata")
             refused |= set(mismatches(recorded(metadata, info.path), objects))

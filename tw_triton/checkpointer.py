@@ -42,6 +42,7 @@ from .deltas import delta_mode
 from .device_memory import bound_of, held_nbytes
 from .directory_claim import DirectoryClaim
 from .errors import CheckpointError, TwTritonError
+from .optimizer_classes import LOAD_ADVICE, check_file, class_record, targets_of
 from .reference_chain import ReferenceChain, leaves
 from .resume import as_step, check_restorable, default_device, load_from, named_state, restore_into
 from .retention import InFlight, retain
@@ -50,7 +51,6 @@ from .rules import check_rules
 from .save_encode import KIND_DELTA, KIND_KEYFRAME, KIND_STANDALONE  # noqa: F401 - re-exported
 from .save_pipeline import SavePipeline, collect_setup_garbage  # noqa: F401 - re-exported
 from .snapshot_pool import SavePool
-from .state import decode_targets
 from .writer import AsyncWriter
 
 logger = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ class Checkpointer:
             self._seeded = False
             rules = self._pipeline.rules_for(step)
             check_seeded(self._chain, tree, rules=rules, bits=self.bits, block=self.block)
-        future = self._pipeline.save(step, tree, self._dir.path_for(step))
+        future = self._pipeline.save(step, tree, self._dir.path_for(step), class_record(state))
         if self._writer is None:
             self._collect_finished()
             self._retain()
@@ -385,7 +385,8 @@ class Checkpointer:
                 one, and stored exact (or decoded over such a one) is filled in place, and
                 the returned state holds it (see :meth:`restore`, which does this for the
                 objects it restores). ``load_state_dict`` is not called. If the load fails
-                part way, they may hold part of what was read.
+                part way, they may hold part of what was read. An optimizer of a class
+                other than the one saved is refused, as by :meth:`restore`.
 
         Returns:
             ``{"step": int, <names given to save>: their state dicts or values,
@@ -397,8 +398,10 @@ class Checkpointer:
                 and the entry), a file over the Checkpointer's ``max_expansion`` included.
             ReferenceMismatchError: the keyframe a delta needs is missing or different.
         """
-        targets = decode_targets(into) if into and torch.device(device).type == "cpu" else None
-        return self._load(step, device=device, verify=verify, into=targets)[0]
+        targets = targets_of(self._dir, into) if into and torch.device(device).type == "cpu" else None
+        state, info = self._load(step, device=device, verify=verify, into=targets)
+        check_file(info.path, into or {}, LOAD_ADVICE, self._dir.headers)
+        return state
 
     def _load(
         self,
@@ -418,6 +421,7 @@ class Checkpointer:
         *,
         device: torch.device | str | None = None,
         rng: bool = True,
+        allow_optimizer_mismatch: bool = False,
         **objects: Any,
     ) -> dict[str, Any]:
         """Load a checkpoint (default: :meth:`latest`) back into live objects.
@@ -441,6 +445,8 @@ class Checkpointer:
                 device of the first parameter of the object named ``model`` (or of any
                 module given), else the CPU.
             rng: restore the RNG states too.
+            allow_optimizer_mismatch: load an optimizer's state even into an optimizer of a
+                class other than the one it was saved from (docs/training-loop.md).
             **objects: objects with ``load_state_dict``, by the names used in ``save``.
 
         Returns:
@@ -449,13 +455,14 @@ class Checkpointer:
         Raises:
             CheckpointError: a name that the checkpoint lacks, an object without
                 ``load_state_dict`` or whose ``load_state_dict`` refuses its state (the
-                object's error chained), or anything :meth:`load` raises.
+                object's error chained), an optimizer of another class than the one saved
+                (``allow_optimizer_mismatch``), or anything :meth:`load` raises.
         """
         check_restorable(objects)
         device = default_device(objects, device, self.directory)
-        into = decode_targets(objects) if device.type == "cpu" else None
+        into = targets_of(self._dir, objects) if device.type == "cpu" else None
         state, info = self._load(step, device=device, verify=True, into=into)
-        restore_into(state, info.path, objects, rng=rng)
+        restore_into(state, info.path, objects, rng=rng, any_optimizer=allow_optimizer_mismatch)
         self._pipeline.last_step = info.step  # "auto" rules: the next save's interval
         self._seeded = seed_chain(
             self._chain,
@@ -484,11 +491,5 @@ class Checkpointer:
         retain(self._dir, self.keep_last, self._inflight, self.reference_id, self._writer)
 
 
-__all__ = [
-    "Checkpointer",
-    "CheckpointInfo",
-    "checkpoint_name",
-    "parse_checkpoint_name",
-    "capture_rng_state",
-    "restore_rng_state",
-]
+__all__ = ["Checkpointer", "CheckpointInfo", "checkpoint_name", "parse_checkpoint_name"]
+__all__ += ["capture_rng_state", "restore_rng_state"]

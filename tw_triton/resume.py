@@ -14,6 +14,7 @@ import torch
 
 from .checkpoint_dir import CheckpointDirectory, CheckpointInfo, wants_pinned
 from .errors import CheckpointError, TwTritonError
+from .optimizer_classes import RESTORE_ADVICE, check_file
 from .rng import restore_rng_state
 from .state import state_of
 
@@ -75,15 +76,21 @@ def check_restorable(objects: dict[str, Any]) -> None:
             )
 
 
-def restore_into(state: dict[str, Any], source: str, objects: dict[str, Any], *, rng: bool) -> None:
+def restore_into(
+    state: dict[str, Any], source: str, objects: dict[str, Any], *, rng: bool, any_optimizer: bool = False
+) -> None:
     """Call each object's ``load_state_dict`` with the state saved under its name, and
     (with ``rng``) put back the RNG states.
 
     Raises:
         CheckpointError: ``state`` (read from ``source``) holds no state of that name, no
-            RNG states, or an object's ``load_state_dict`` refused its state (a missing or
-            extra key, another shape: its error is the cause).
+            RNG states, an optimizer of a class other than the file records (unless
+            ``any_optimizer``: :mod:`~tw_triton.optimizer_classes`), or an object's
+            ``load_state_dict`` refused its state (a missing or extra key, another shape:
+            its error is the cause).
     """
+    if not any_optimizer:
+        check_file(source, objects, RESTORE_ADVICE)
     for name, obj in objects.items():
         if name not in state:
             saved = sorted(k for k in state if k not in RESERVED_NAMES)

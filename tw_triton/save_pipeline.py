@@ -30,6 +30,7 @@ from . import format as _format
 from . import interval_rules, kernel_variants
 from .deltas import Reference, delta_coded, keyframe_values, reference_misfit
 from .device_memory import private_copies
+from .optimizer_classes import METADATA_KEY
 from .qstate import QuantizedState
 from .reference_chain import ReferenceChain, depends_on, ref_at
 from .retention import InFlight, NotedFile, SaveInFlight
@@ -123,8 +124,11 @@ class SavePipeline:
         interval = step if last is None else (step - last if step >= last else None)
         return interval_rules.rules_at(self.rules, interval)
 
-    def save(self, step: int, tree: dict[str, Any], path: str) -> Future:
-        """Snapshot and encode ``tree`` (the whole saved state) for ``path``; return its Future."""
+    def save(
+        self, step: int, tree: dict[str, Any], path: str, record: dict[str, Any] | None = None
+    ) -> Future:
+        """Snapshot and encode ``tree`` (the whole saved state) for ``path``; return its Future.
+        ``record``: more for the file's metadata (:mod:`~tw_triton.optimizer_classes`)."""
         chain = self.chain
         rules = self.rules_for(step)
         if chain.reference is not None and chain.rules != rules:
@@ -166,6 +170,8 @@ class SavePipeline:
             chain.retire()
             self.saves.release_written()
         meta: dict[str, Any] = {"step": step, "saved_at": time.time()}
+        if record:
+            meta[METADATA_KEY] = record
         lease = self.saves.lease(chain.kept_bytes())
         reference = chain.reference if chain.delta else None
         if not self.warned_coarse:

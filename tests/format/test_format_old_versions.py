@@ -115,3 +115,31 @@ def test_an_old_keyframe_serves_as_reference_for_a_new_delta(tmp_path, version):
     err = (back["model"]["0.weight"] - state["model"]["0.weight"]).abs().max()
     assert err < 1e-3
     assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+
+
+@pytest.fixture
+def pre_record_dir(tmp_path):
+    """The Checkpointer files written before files recorded optimizer classes (tests/data/
+    make_v3_checkpointer_files.py), copied (a Checkpointer holds its directory)."""
+    shutil.copytree(data("v3_checkpointer"), tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_checkpointer_files_without_the_optimizer_record_restore_as_before(pre_record_dir):
+    for name in os.listdir(pre_record_dir):
+        assert "optimizers" not in fmt.read_manifest(pre_record_dir / name)["metadata"]
+    expected = safetensors.torch.load_file(data("v3_checkpointer_expected.safetensors"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    state = tw_triton.Checkpointer(pre_record_dir).restore(model=model, optimizer=opt)
+    assert state["step"] == 8
+    flat, _ = flatten({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    assert set(flat) == set(expected)
+    for path, tensor in flat.items():
+        assert same_bytes(tensor, expected[path]), path
+    # Nothing recorded, nothing compared: another class loads as torch's load_state_dict lets it.
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    tw_triton.Checkpointer(pre_record_dir).restore(5, model=model, optimizer=sgd)
+    assert set(sgd.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert tw_triton.Checkpointer(pre_record_dir).load(into={"optimizer": sgd})["step"] == 8

@@ -67,6 +67,25 @@ def test_checkpointer_route_resumes_bit_for_bit(tmp_path):
         assert torch.equal(v, want[k]), k
 
 
+def test_a_prepared_optimizer_is_recorded_and_checked_as_the_one_it_wraps(tmp_path):
+    acc, model, opt, sched = setup()
+    assert type(opt).__name__ == "AcceleratedOptimizer"
+    with tw_triton.Checkpointer(tmp_path, fsync=False) as ckpt:
+        train(acc, model, opt, sched, range(2), ckpt, save_at={1})
+    recorded = tw_triton.format.read_manifest(tmp_path / "step-00000001.tw.safetensors")["metadata"]
+    assert recorded["optimizers"] == {"optimizer": "torch.optim.AdamW"}
+
+    acc2 = Accelerator(cpu=True)
+    model2 = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Dropout(0.1), torch.nn.Linear(128, 1))
+    model2, sgd = acc2.prepare(model2, torch.optim.SGD(model2.parameters(), lr=0.1))
+    with pytest.raises(tw_triton.CheckpointError, match=r"(?s)'torch.optim.AdamW'.*'torch.optim.SGD'"):
+        load_state(acc2, tw_triton.Checkpointer(tmp_path), model=model2, optimizer=sgd)
+    load_state(
+        acc2, tw_triton.Checkpointer(tmp_path), model=model2, optimizer=sgd, allow_optimizer_mismatch=True
+    )
+    assert set(sgd.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
 class Counter:
     """An object a loop registers with ``accelerator.register_for_checkpointing``."""
 

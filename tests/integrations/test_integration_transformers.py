@@ -295,6 +295,18 @@ def test_corrupted_file_fails_the_resume_naming_it(uninterrupted, tmp_path):
         trainer.train(resume_from_checkpoint=str(copy / "checkpoint-6"))
 
 
+def test_resuming_with_another_optimizer_is_refused_naming_both(uninterrupted, tmp_path):
+    src, _, _ = uninterrupted
+    metadata = read_manifest(src / TW_SUBDIR / "step-00000006.tw.safetensors")["metadata"]
+    assert metadata["optimizers"] == {"optimizer": "torch.optim.AdamW"}  # not accelerate's wrapper
+    trainer = make_trainer(tmp_path, tw_options={"fsync": False}, optim="sgd")
+    with pytest.raises(
+        CheckpointError,
+        match=r"(?s)step-00000006.*'optimizer'.*'torch.optim.AdamW'.*'torch.optim.SGD'.*TrainingArguments.optim",
+    ):
+        trainer.train(resume_from_checkpoint=str(src / "checkpoint-6"))
+
+
 def test_sharded_runs_are_refused(tmp_path):
     trainer = make_trainer(tmp_path, tw_options={"fsync": False})
     trainer.is_fsdp_enabled = True  # what Trainer sets for an FSDP run

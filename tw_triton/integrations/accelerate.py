@@ -73,20 +73,29 @@ def save_state(accelerator: Any, checkpointer: Checkpointer, step: int, **object
 
 
 def load_state(
-    accelerator: Any, checkpointer: Checkpointer, step: int | None = None, **objects: Any
+    accelerator: Any,
+    checkpointer: Checkpointer,
+    step: int | None = None,
+    *,
+    allow_optimizer_mismatch: bool = False,
+    **objects: Any,
 ) -> dict[str, Any]:
     """Restore ``objects`` (and the grad scaler, registered objects, RNG states) from
-    ``step`` (default: latest).
+    ``step`` (default: latest). ``allow_optimizer_mismatch``: as for
+    :meth:`Checkpointer.restore` (the prepared optimizer's class is that of the one it wraps).
 
     Returns:
         The loaded state, as :meth:`Checkpointer.restore` (``state["step"]``, ...).
 
     Raises:
         CheckpointError: the checkpoint lacks one of these (e.g. an object registered after
-            it was saved), as :meth:`Checkpointer.restore`.
+            it was saved), or an optimizer of another class, as :meth:`Checkpointer.restore`.
     """
     _check_single_process(accelerator)
-    return checkpointer.restore(step, device=accelerator.device, **_objects(accelerator, objects))
+    objects = _objects(accelerator, objects)
+    return checkpointer.restore(
+        step, device=accelerator.device, allow_optimizer_mismatch=allow_optimizer_mismatch, **objects
+    )
 
 
 __all__ = ["save_state", "load_state"]

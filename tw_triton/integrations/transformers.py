@@ -30,6 +30,7 @@ from ..checkpoint_dir import checkpoint_name, parse_checkpoint_name
 from ..checkpointer import Checkpointer
 from ..deltas import with_references
 from ..errors import CheckpointError, TwTritonError
+from ..optimizer_classes import check_file
 from ..rng import restore_rng_state
 from ..rules import check_rules
 from . import require
@@ -46,6 +47,11 @@ TW_SUBDIR = "tw_triton"
 POINTER_NAME = "tw_checkpoint.json"
 POINTER_FORMAT = "tw_triton.hf_trainer"
 POINTER_VERSION = 1
+# What a resume refused for another optimizer class (optimizer_classes) tells the user to do.
+RESUME_ADVICE = (
+    "resume with the optimizer the run was saved with (TrainingArguments.optim), or start a new "
+    "run from the weights alone (load_checkpoint_state(folder)['model']), without resume_from_checkpoint"
+)
 
 
 def read_pointer(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -253,6 +259,7 @@ class TwCheckpointMixin:
             super()._load_optimizer_and_scheduler(checkpoint)
             return
         if "optimizer" in state and "scheduler" in state:
+            check_file(read_pointer(checkpoint)["path"], {"optimizer": self.optimizer}, RESUME_ADVICE)
             self.optimizer.load_state_dict(state["optimizer"])
             self.lr_scheduler.load_state_dict(state["scheduler"])
 

@@ -22,6 +22,7 @@ import torch
 from . import format as _format
 from .checkpoint_files import (  # noqa: F401 - re-exported: their documented home
     CHECKPOINT_SUFFIX,
+    CHECKPOINTER_KINDS,
     CheckpointInfo,
     checkpoint_name,
     parse_checkpoint_name,
@@ -138,7 +139,8 @@ class CheckpointDirectory:
 
         With ``verify`` every candidate file is read and its checksums checked; a file that
         fails, or a delta whose keyframe is missing or fails, is skipped with a logged
-        warning, and the next older one is tried.
+        warning, and the next older one is tried; so is a file no Checkpointer wrote (its
+        metadata records none of :data:`CHECKPOINTER_KINDS`), verified or not.
         """
         return self._newest_good(verify)[0]
 
@@ -224,6 +226,8 @@ class CheckpointDirectory:
             if os.path.exists(path):
                 _format.read_manifest(path)  # raises the reason, naming the file
             raise CheckpointError(f"no checkpoint for step {step} in {self.path!r}; steps: {sorted(found)}")
+        if not found[step].by_checkpointer:
+            raise CheckpointError(f"{found[step].path}: {not_written_here(found[step])}")
         return found, found[step]
 
     def decode(
@@ -312,6 +316,8 @@ class CheckpointDirectory:
         reading them whole, and each good read is kept there by path (for
         :meth:`latest_read`).
         """
+        if not info.by_checkpointer:  # known from its header: verify or not
+            return not_written_here(info)
         try:
             chain = chain_of(info, by_id, self.path)
         except ReferenceMismatchError as e:  # a missing link, or a cycle
@@ -359,6 +365,15 @@ class CheckpointDirectory:
                 held = reads.get(item.path)
                 needs = delta_paths(held.state, item.path) if held is not None else None
         return None
+
+
+def not_written_here(info: CheckpointInfo) -> str:
+    """Why a file named like a step's is not loaded as one: no Checkpointer wrote it."""
+    recorded = "records no kind" if info.kind == "unknown" else f"records kind {info.kind!r}"
+    return (
+        f"it is not a Checkpointer's checkpoint: its metadata {recorded}, not one of "
+        f"{', '.join(CHECKPOINTER_KINDS)} (a file of tw_triton.save?)"
+    )
 
 
 def _passed_over(info: CheckpointInfo, problem: str) -> str:

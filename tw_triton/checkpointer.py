@@ -341,9 +341,9 @@ class Checkpointer:
         """The newest step whose checkpoint (and the keyframe it needs) is good, or ``None``.
 
         With ``verify`` every candidate file is read and its checksums checked; a file that
-        fails (corrupted, or over the Checkpointer's ``max_expansion``), or a delta whose
-        keyframe is missing or fails, is skipped with a logged warning, and the next older
-        one is tried. Waits for pending saves first.
+        fails (corrupted, or over the Checkpointer's ``max_expansion``), a delta whose keyframe
+        is missing or fails, and a file no Checkpointer wrote (``tw_triton.save``'s) are
+        skipped with a logged warning, and the next older one is tried. Waits for pending saves.
         """
         self._wait_inflight()
         return self._dir.latest(verify=verify)

@@ -4,7 +4,8 @@
 written from what its encode noted (:class:`NotedFile`), so that retention parses no
 header on the loop's thread. :func:`retain` keeps the ``keep_last`` newest complete
 checkpoints, every save in flight, and every checkpoint a kept one or the next delta
-needs (a closed-loop chain back to its keyframe); it never deletes a needed reference.
+needs (a closed-loop chain back to its keyframe); it never deletes a needed reference,
+nor a file no Checkpointer wrote.
 Why: docs/training-loop.md ("Retention").
 """
 
@@ -112,7 +113,9 @@ def retain(
     pending = inflight.saves
     # A file in flight can be renamed into place before its Future is done; it is kept
     # anyway and noted once collected, so its header is not parsed on the loop's thread.
-    found = directory.scan(writing={s.noted.path for s in pending.values()})
+    listed = directory.scan(writing={s.noted.path for s in pending.values()})
+    # A file no Checkpointer wrote (tw_triton.save's, named like a step) is not retention's.
+    found = {step: info for step, info in listed.items() if info.by_checkpointer}
     complete = [s for s in sorted(found, reverse=True) if s not in pending]
     keep = set(complete[:keep_last]) | set(pending)
     needed = {s.reference_id for s in pending.values() if s.reference_id is not None}

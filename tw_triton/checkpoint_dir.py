@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from . import format as _format
+from .arguments import as_path
 from .checkpoint_files import (  # noqa: F401 - re-exported: their documented home
     CHECKPOINT_SUFFIX,
     CHECKPOINTER_KINDS,
@@ -64,7 +65,7 @@ class CheckpointDirectory:
     def __init__(
         self, path: str | os.PathLike, *, max_expansion: float | None = _format.MAX_EXPANSION
     ) -> None:
-        self.path = os.fspath(path)
+        self.path = as_path(path, "directory")
         _format.check_max_expansion(max_expansion)
         self.max_expansion = max_expansion
         try:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from . import format as _format
+from .arguments import as_int
 from .chain_restart import check_seeded, seed_chain
 from .checkpoint_dir import (
     CheckpointDirectory,
@@ -123,10 +124,10 @@ class Checkpointer:
         check_rules(rules, bits=bits, block=block)  # here, not as every save's error on the writer
         if reference_device not in (None, "cpu"):
             raise CheckpointError(f"reference_device must be None or 'cpu', got {reference_device!r}")
-        if keyframe_every < 1:
-            raise CheckpointError(f"keyframe_every must be at least 1, got {keyframe_every}")
-        if keep_last is not None and keep_last < 1:
-            raise CheckpointError(f"keep_last must be at least 1 or None, got {keep_last}")
+        keyframe_every = as_int(keyframe_every, "keyframe_every", minimum=1)
+        keep_last = as_int(keep_last, "keep_last", minimum=1, optional=True)
+        max_pending = as_int(max_pending, "max_pending", minimum=1)  # checked unused too
+        pinned_bytes = as_int(pinned_bytes, "pinned_bytes", minimum=1, optional=True)
         self._dir = CheckpointDirectory(directory, max_expansion=max_expansion)
         self.directory = self._dir.path
         self.max_expansion = max_expansion
@@ -350,7 +351,7 @@ class Checkpointer:
 
     def path_for(self, step: int) -> str:
         """Path of the checkpoint file of ``step`` (whether or not it exists)."""
-        return self._dir.path_for(step)
+        return self._dir.path_for(as_step(step))
 
     def remove_temp_files(self) -> list[str]:
         """Delete the temp files that interrupted writes left here; return their paths.

@@ -69,7 +69,7 @@ class Checkpointer:
         directory: where the checkpoints go (created if missing).
         keyframe_every: one save in this many is a keyframe (1: no deltas).
         keep_last: how many of the newest checkpoints retention keeps (plus the keyframes
-            they need); ``None`` keeps everything.
+            they need, and those of a run gone back, newer than its saves); ``None``: all.
         rules: which tensors are coded how, as in :func:`tw_triton.quantize_state_dict`:
             a preset name (default ``"auto"``, :data:`DEFAULT_RULES`: ``"smallest"``,
             or ``"safe"`` for saves 100 or more steps apart), ``None`` (the
@@ -145,7 +145,7 @@ class Checkpointer:
         # Each save's pooled buffers, until its write is done (then back to the pool).
         self._saves = SavePool(snapshot_pool_bytes, (max_pending + 1) if async_write else 1)
         self._chain = ReferenceChain(self.delta_mode, keyframe_every, self._saves)
-        self._inflight = InFlight(self._dir)
+        self._inflight, self._abandoned = InFlight(self._dir), set()  # retention's
         self._pipeline = SavePipeline(
             self._writer,
             self._saves,
@@ -198,7 +198,7 @@ class Checkpointer:
             except TwTritonError:
                 self._chain.drop_if_lost()
                 raise
-        self._retain()
+        self._retain(saving=step)
         tree: dict[str, Any] = {"step": step, **named, "rng": capture_rng_state()}
         if self._seeded:  # the first save after a restore: does the state fit it?
             self._seeded = False
@@ -481,8 +481,9 @@ class Checkpointer:
         self._inflight.wait()
         self._collect_finished()
 
-    def _retain(self) -> None:
-        retain(self._dir, self.keep_last, self._inflight, self.reference_id, self._writer)
+    def _retain(self, saving: int | None = None) -> None:
+        args = self._dir, self.keep_last, self._inflight, self.reference_id, self._writer
+        retain(*args, self._abandoned, saving)  # saving: the step save() is about to write
 
 
 __all__ = [

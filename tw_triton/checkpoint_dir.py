@@ -116,6 +116,10 @@ class CheckpointDirectory:
         self.headers.retain(seen)
         return found
 
+    def written_steps(self) -> list[int]:
+        """Steps of the complete files here that a Checkpointer wrote (see :meth:`scan`)."""
+        return sorted(step for step, info in self.scan().items() if info.by_checkpointer)
+
     def note(self, step: int, path: str, nbytes: int, fields: tuple[str, str | None, str]) -> None:
         """List a file just written here from what its writer knows of it, so that the next
         :meth:`scan` need not parse its header.

@@ -2,12 +2,15 @@
 
 ``smallest`` resumes within the noise floor at saves 5 to 100 steps apart, and on the GPT
 trained from scratch at 200; on a long fine-tune saved every 200 steps it ends at the floor,
-and ``safe`` (every part at 8 bits) does not. Why, and what was measured:
-docs/performance.md ("Save intervals").
+and ``safe`` (every part at 8 bits) does not. The interval is the steps since the last save
+made or restored, or for a first save, since the newest checkpoint before it in the
+directory (:func:`counted_from`). Why, and what was measured: docs/performance.md ("Save
+intervals").
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 AUTO = "auto"
@@ -19,10 +22,15 @@ LONG_INTERVAL_PRESET = "safe"
 LONG_INTERVAL_STEPS = 100
 
 
+def is_auto(rules: Any) -> bool:
+    """Whether ``rules`` is ``"auto"``: a preset chosen per save by its interval."""
+    return isinstance(rules, str) and rules == AUTO
+
+
 def rules_at(rules: Any, interval: int | None) -> Any:
     """The rules a save codes with, ``interval`` steps after the save before it (``None``:
     unknown): ``rules`` itself unless it is ``"auto"``."""
-    if not (isinstance(rules, str) and rules == AUTO):
+    if not is_auto(rules):
         return rules
     if interval is not None and interval >= LONG_INTERVAL_STEPS:
         return LONG_INTERVAL_PRESET
@@ -31,9 +39,18 @@ def rules_at(rules: Any, interval: int | None) -> Any:
 
 def candidates(rules: Any) -> list[Any]:
     """Every rules value ``rules`` may code a save with (two for ``"auto"``)."""
-    if isinstance(rules, str) and rules == AUTO:
+    if is_auto(rules):
         return [SHORT_INTERVAL_PRESET, LONG_INTERVAL_PRESET]
     return [rules]
+
+
+def counted_from(step: int, steps: Iterable[int]) -> int:
+    """The step the first save of a Checkpointer that restored nothing counts its interval
+    from: the newest of ``steps`` (the checkpoints in its directory) before ``step``. With
+    none, ``step`` itself: no interval is known, and an interval of 0 takes the short
+    interval's preset, as ``None`` does in :func:`rules_at`; never the steps since step 0
+    (a first save at step 1000 of saves 50 apart is not 1000 steps after anything)."""
+    return max((s for s in steps if s < step), default=step)
 
 
 __all__ = [
@@ -42,5 +59,7 @@ __all__ = [
     "LONG_INTERVAL_STEPS",
     "SHORT_INTERVAL_PRESET",
     "candidates",
+    "counted_from",
+    "is_auto",
     "rules_at",
 ]

@@ -132,7 +132,7 @@ def retain(
     abandoned &= {info.checkpoint_id for info in found.values()} | {s.checkpoint_id for s in pending.values()}
     own = [s for s in found if found[s].checkpoint_id not in abandoned]
     complete = [s for s in sorted(own, reverse=True) if s not in pending]
-    newest = max([*own, *pending], default=-1)
+    newest = max([*own, *(s for s, p in pending.items() if p.checkpoint_id not in abandoned)], default=-1)
     keep = set(complete[:keep_last]) | set(pending)
     keep |= {s for s in found if s > newest}  # abandoned, and newer than every save of the run
     needed = {s.reference_id for s in pending.values() if s.reference_id is not None}

@@ -7,10 +7,14 @@ and drops them like any older checkpoint once the new run passes them."""
 from __future__ import annotations
 
 import logging
+import os
+import threading
 
 import pytest
 import torch
 
+from tw_triton import format as fmt
+from tw_triton.checkpoint_dir import checkpoint_name
 from tw_triton.checkpointer import Checkpointer
 
 
@@ -70,3 +74,27 @@ def test_a_new_run_in_an_old_directory_keeps_its_own_checkpoints(tmp_path):
     with Checkpointer(tmp_path, **options(keyframe_every=1, async_write=False)) as ck:
         save_steps(ck, [0, 1, 2, 3], model)  # no restore: a new run from step 0
         assert ck.steps() == [2, 3, 100, 200]
+
+
+def test_a_save_in_flight_that_a_rewind_abandons_does_not_count_as_the_runs_newest(tmp_path, monkeypatch):
+    """Step 40 still being written when the run goes back to 25: the abandoned 30 is newer
+    than every save of the run, so it stays (it was dropped: 40 counted as the run's)."""
+    model = torch.nn.Linear(64, 64)
+    real, gate = fmt.write_file, threading.Event()
+
+    def held_write(qstate, path, **kw):
+        if path.endswith(checkpoint_name(40)):
+            assert gate.wait(10)
+        return real(qstate, path, **kw)
+
+    monkeypatch.setattr(fmt, "write_file", held_write)
+    with Checkpointer(tmp_path, **options(keyframe_every=1, keep_last=1, max_pending=2)) as ck:
+        save_steps(ck, [10, 20, 30], model)
+        try:
+            ck.save(40, model=model)
+            ck.save(25, model=model)  # retention runs here, with 40 in flight
+            assert os.path.exists(ck.path_for(30))
+        finally:
+            gate.set()
+        ck.flush()
+        assert ck.steps() == [25, 30, 40]

@@ -1,6 +1,7 @@
-"""Wrongly typed arguments of the public API (tw_triton's exports) are errors of the
-library's family naming the argument and what was expected, never a raw TypeError from
-deep inside. A bool is not an integer anywhere (as ``bits=True`` was refused already)."""
+"""Wrongly typed arguments of the public API (tw_triton's exports, and tw_triton.dcp's
+DistributedCheckpointer) are errors of the library's family naming the argument and what
+was expected, never a raw TypeError from deep inside. A bool is not an integer anywhere
+(as ``bits=True`` was refused already)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ def qstate():
 
 def ckpt(tmp_path, **options):
     return lambda: Checkpointer(tmp_path / "ck", fsync=False, **options).close()
+
+
+def dcp_checkpointer(directory, **options):
+    from tw_triton.dcp import DistributedCheckpointer  # imports torch.distributed: only here
+
+    return DistributedCheckpointer(directory, **options)
 
 
 CASES = {
@@ -78,6 +85,15 @@ CASES = {
     "save step bool": (
         lambda tmp: Checkpointer(tmp / "s", fsync=False).save(True, w=torch.nn.Linear(2, 2)),
         "step must be an integer, got True",
+    ),
+    "dcp directory int": (lambda tmp: dcp_checkpointer(3), "directory must be a path.*got 3"),
+    "dcp keyframe_every str": (
+        lambda tmp: dcp_checkpointer(tmp / "d", keyframe_every="3"),
+        "keyframe_every must be an integer, got '3'",
+    ),
+    "dcp keep bool": (
+        lambda tmp: dcp_checkpointer(tmp / "d", keep=True),
+        "keep must be an integer, got True",
     ),
     "writer max_pending str": (lambda tmp: AsyncWriter(max_pending="1"), "max_pending must be an integer"),
     "writer pinned_bytes str": (lambda tmp: AsyncWriter(pinned_bytes="1"), "pinned_bytes must be an integer"),

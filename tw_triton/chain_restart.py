@@ -66,7 +66,7 @@ def seed_chain(
             "restored %s: the next save is a keyframe: the directory cannot be read again: %s", info.path, exc
         )
         return False
-    newer = sorted(s for s in found if s > info.step)
+    newer = sorted(s for s in found if s > info.step and found[s].by_checkpointer)
     if newer:
         logger.warning(
             "restored step %d of %s, but step %d is newer: until a save passes step %d, restore() "
@@ -125,7 +125,7 @@ def _why_not(
 ) -> tuple[str | None, int, Any]:
     """Why the chain cannot continue from ``info`` (``None``: it can), the deltas since its
     keyframe, and the rules it was coded with (for ``"auto"``, one of its presets)."""
-    newest = max(found, default=info.step)
+    newest = max((s for s in found if found[s].by_checkpointer), default=info.step)
     if newest > info.step:
         return f"it is not the newest checkpoint here (step {newest} is)", 0, rules
     manifest = _format.read_manifest(info.path, headers=directory.headers)

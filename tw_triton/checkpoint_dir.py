@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from . import format as _format
+from .arguments import as_path
 from .checkpoint_files import (  # noqa: F401 - re-exported: their documented home
     CHECKPOINT_SUFFIX,
+    CHECKPOINTER_KINDS,
     CheckpointInfo,
     checkpoint_name,
     parse_checkpoint_name,
@@ -63,7 +65,7 @@ class CheckpointDirectory:
     def __init__(
         self, path: str | os.PathLike, *, max_expansion: float | None = _format.MAX_EXPANSION
     ) -> None:
-        self.path = os.fspath(path)
+        self.path = as_path(path, "directory")
         _format.check_max_expansion(max_expansion)
         self.max_expansion = max_expansion
         try:
@@ -114,6 +116,10 @@ class CheckpointDirectory:
         self.headers.retain(seen)
         return found
 
+    def written_steps(self) -> list[int]:
+        """Steps of the complete files here that a Checkpointer wrote (see :meth:`scan`)."""
+        return sorted(step for step, info in self.scan().items() if info.by_checkpointer)
+
     def note(self, step: int, path: str, nbytes: int, fields: tuple[str, str | None, str]) -> None:
         """List a file just written here from what its writer knows of it, so that the next
         :meth:`scan` need not parse its header.
@@ -138,7 +144,8 @@ class CheckpointDirectory:
 
         With ``verify`` every candidate file is read and its checksums checked; a file that
         fails, or a delta whose keyframe is missing or fails, is skipped with a logged
-        warning, and the next older one is tried.
+        warning, and the next older one is tried; so is a file no Checkpointer wrote (its
+        metadata records none of :data:`CHECKPOINTER_KINDS`), verified or not.
         """
         return self._newest_good(verify)[0]
 
@@ -224,6 +231,8 @@ class CheckpointDirectory:
             if os.path.exists(path):
                 _format.read_manifest(path)  # raises the reason, naming the file
             raise CheckpointError(f"no checkpoint for step {step} in {self.path!r}; steps: {sorted(found)}")
+        if not found[step].by_checkpointer:
+            raise CheckpointError(f"{found[step].path}: {not_written_here(found[step])}")
         return found, found[step]
 
     def decode(
@@ -312,6 +321,8 @@ class CheckpointDirectory:
         reading them whole, and each good read is kept there by path (for
         :meth:`latest_read`).
         """
+        if not info.by_checkpointer:  # known from its header: verify or not
+            return not_written_here(info)
         try:
             chain = chain_of(info, by_id, self.path)
         except ReferenceMismatchError as e:  # a missing link, or a cycle
@@ -359,6 +370,15 @@ class CheckpointDirectory:
                 held = reads.get(item.path)
                 needs = delta_paths(held.state, item.path) if held is not None else None
         return None
+
+
+def not_written_here(info: CheckpointInfo) -> str:
+    """Why a file named like a step's is not loaded as one: no Checkpointer wrote it."""
+    recorded = "records no kind" if info.kind == "unknown" else f"records kind {info.kind!r}"
+    return (
+        f"it is not a Checkpointer's checkpoint: its metadata {recorded}, not one of "
+        f"{', '.join(CHECKPOINTER_KINDS)} (a file of tw_triton.save?)"
+    )
 
 
 def _passed_over(info: CheckpointInfo, problem: str) -> str:

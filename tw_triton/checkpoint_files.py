@@ -14,6 +14,12 @@ from dataclasses import dataclass
 CHECKPOINT_SUFFIX = ".tw.safetensors"
 STEP_DIGITS = 8
 NAME_RE = re.compile(r"step-(\d+)\.tw\.safetensors")
+# The ``kind`` a Checkpointer records in each file's metadata (docs/training-loop.md); a
+# file without one (``tw_triton.save``'s) is not a Checkpointer's checkpoint.
+KIND_KEYFRAME = "keyframe"  # everything exact, no reference
+KIND_DELTA = "delta"  # quantized entries are deltas from a keyframe
+KIND_STANDALONE = "standalone"  # quantized without a reference (delta=False mode)
+CHECKPOINTER_KINDS = (KIND_KEYFRAME, KIND_DELTA, KIND_STANDALONE)
 
 
 def checkpoint_name(step: int) -> str:
@@ -48,5 +54,20 @@ class CheckpointInfo:
     kind: str
     nbytes: int
 
+    @property
+    def by_checkpointer(self) -> bool:
+        """Whether a Checkpointer wrote the file (its metadata records one of its kinds)."""
+        return self.kind in CHECKPOINTER_KINDS
 
-__all__ = ["CHECKPOINT_SUFFIX", "STEP_DIGITS", "CheckpointInfo", "checkpoint_name", "parse_checkpoint_name"]
+
+__all__ = [
+    "CHECKPOINTER_KINDS",
+    "KIND_DELTA",
+    "KIND_KEYFRAME",
+    "KIND_STANDALONE",
+    "CHECKPOINT_SUFFIX",
+    "STEP_DIGITS",
+    "CheckpointInfo",
+    "checkpoint_name",
+    "parse_checkpoint_name",
+]

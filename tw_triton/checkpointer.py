@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from . import format as _format
+from .arguments import as_int
 from .chain_restart import check_seeded, seed_chain
 from .checkpoint_dir import (
     CheckpointDirectory,
@@ -42,6 +43,7 @@ from .deltas import delta_mode
 from .device_memory import bound_of, held_nbytes
 from .directory_claim import DirectoryClaim
 from .errors import CheckpointError, TwTritonError
+from .interval_rules import counted_from, is_auto
 from .optimizer_classes import LOAD_ADVICE, check_file, class_record, targets_of
 from .reference_chain import ReferenceChain, leaves
 from .resume import as_step, check_restorable, default_device, load_from, named_state, restore_into
@@ -68,7 +70,7 @@ class Checkpointer:
         directory: where the checkpoints go (created if missing).
         keyframe_every: one save in this many is a keyframe (1: no deltas).
         keep_last: how many of the newest checkpoints retention keeps (plus the keyframes
-            they need); ``None`` keeps everything.
+            they need, and those of a run gone back, newer than its saves); ``None``: all.
         rules: which tensors are coded how, as in :func:`tw_triton.quantize_state_dict`:
             a preset name (default ``"auto"``, :data:`DEFAULT_RULES`: ``"smallest"``,
             or ``"safe"`` for saves 100 or more steps apart), ``None`` (the
@@ -123,10 +125,10 @@ class Checkpointer:
         check_rules(rules, bits=bits, block=block)  # here, not as every save's error on the writer
         if reference_device not in (None, "cpu"):
             raise CheckpointError(f"reference_device must be None or 'cpu', got {reference_device!r}")
-        if keyframe_every < 1:
-            raise CheckpointError(f"keyframe_every must be at least 1, got {keyframe_every}")
-        if keep_last is not None and keep_last < 1:
-            raise CheckpointError(f"keep_last must be at least 1 or None, got {keep_last}")
+        keyframe_every = as_int(keyframe_every, "keyframe_every", minimum=1)
+        keep_last = as_int(keep_last, "keep_last", minimum=1, optional=True)
+        max_pending = as_int(max_pending, "max_pending", minimum=1)  # checked unused too
+        pinned_bytes = as_int(pinned_bytes, "pinned_bytes", minimum=1, optional=True)
         self._dir = CheckpointDirectory(directory, max_expansion=max_expansion)
         self.directory = self._dir.path
         self.max_expansion = max_expansion
@@ -144,7 +146,7 @@ class Checkpointer:
         # Each save's pooled buffers, until its write is done (then back to the pool).
         self._saves = SavePool(snapshot_pool_bytes, (max_pending + 1) if async_write else 1)
         self._chain = ReferenceChain(self.delta_mode, keyframe_every, self._saves)
-        self._inflight = InFlight(self._dir)
+        self._inflight, self._abandoned = InFlight(self._dir), set()  # retention's
         self._pipeline = SavePipeline(
             self._writer,
             self._saves,
@@ -197,7 +199,9 @@ class Checkpointer:
             except TwTritonError:
                 self._chain.drop_if_lost()
                 raise
-        self._retain()
+        self._retain(saving=step)
+        if self._pipeline.last_step is None and is_auto(self.rules):  # the first save's interval
+            self._pipeline.last_step = counted_from(step, self._dir.written_steps())
         tree: dict[str, Any] = {"step": step, **named, "rng": capture_rng_state()}
         if self._seeded:  # the first save after a restore: does the state fit it?
             self._seeded = False
@@ -341,16 +345,16 @@ class Checkpointer:
         """The newest step whose checkpoint (and the keyframe it needs) is good, or ``None``.
 
         With ``verify`` every candidate file is read and its checksums checked; a file that
-        fails (corrupted, or over the Checkpointer's ``max_expansion``), or a delta whose
-        keyframe is missing or fails, is skipped with a logged warning, and the next older
-        one is tried. Waits for pending saves first.
+        fails (corrupted, or over the Checkpointer's ``max_expansion``), a delta whose keyframe
+        is missing or fails, and a file no Checkpointer wrote (``tw_triton.save``'s) are
+        skipped with a logged warning, and the next older one is tried. Waits for pending saves.
         """
         self._wait_inflight()
         return self._dir.latest(verify=verify)
 
     def path_for(self, step: int) -> str:
         """Path of the checkpoint file of ``step`` (whether or not it exists)."""
-        return self._dir.path_for(step)
+        return self._dir.path_for(as_step(step))
 
     def remove_temp_files(self) -> list[str]:
         """Delete the temp files that interrupted writes left here; return their paths.
@@ -487,8 +491,9 @@ class Checkpointer:
         self._inflight.wait()
         self._collect_finished()
 
-    def _retain(self) -> None:
-        retain(self._dir, self.keep_last, self._inflight, self.reference_id, self._writer)
+    def _retain(self, saving: int | None = None) -> None:
+        args = self._dir, self.keep_last, self._inflight, self.reference_id, self._writer
+        retain(*args, self._abandoned, saving)  # saving: the step save() is about to write
 
 
 __all__ = ["Checkpointer", "CheckpointInfo", "checkpoint_name", "parse_checkpoint_name"]

@@ -2,12 +2,15 @@
 
 ``smallest`` resumes within the noise floor at saves 5 to 100 steps apart, and on the GPT
 trained from scratch at 200; on a long fine-tune saved every 200 steps it ends at the floor,
-and ``safe`` (every part at 8 bits) does not. Why, and what was measured:
-docs/performance.md ("Save intervals").
+and ``safe`` (every part at 8 bits) does not. The interval is the steps since the last save
+made or restored, or for a first save, since the newest checkpoint before it in the
+directory, else since step 0 (:func:`counted_from`). Why, and what was measured: docs/performance.md ("Save
+intervals").
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 AUTO = "auto"
@@ -23,11 +26,16 @@ LONG_INTERVAL_STEPS = 100
 DCP_SHORT_INTERVAL_PRESET = "small"
 
 
+def is_auto(rules: Any) -> bool:
+    """Whether ``rules`` is ``"auto"``: a preset chosen per save by its interval."""
+    return isinstance(rules, str) and rules == AUTO
+
+
 def rules_at(rules: Any, interval: int | None, *, short: str = SHORT_INTERVAL_PRESET) -> Any:
     """The rules a save codes with, ``interval`` steps after the save before it (``None``:
     unknown): ``rules`` itself unless it is ``"auto"``, then ``short`` below
     :data:`LONG_INTERVAL_STEPS` and :data:`LONG_INTERVAL_PRESET` from there."""
-    if not (isinstance(rules, str) and rules == AUTO):
+    if not is_auto(rules):
         return rules
     if interval is not None and interval >= LONG_INTERVAL_STEPS:
         return LONG_INTERVAL_PRESET
@@ -36,9 +44,17 @@ def rules_at(rules: Any, interval: int | None, *, short: str = SHORT_INTERVAL_PR
 
 def candidates(rules: Any, *, short: str = SHORT_INTERVAL_PRESET) -> list[Any]:
     """Every rules value ``rules`` may code a save with (two for ``"auto"``)."""
-    if isinstance(rules, str) and rules == AUTO:
+    if is_auto(rules):
         return [short, LONG_INTERVAL_PRESET]
     return [rules]
+
+
+def counted_from(step: int, steps: Iterable[int]) -> int:
+    """The step the first save of a Checkpointer that restored nothing counts its interval
+    from: the newest of ``steps`` (the checkpoints in its directory) before ``step``, else
+    step 0 (a run starts there: its first save at step 500 of saves 500 apart takes the
+    long interval's preset at once, not after a keyframe of the other preset)."""
+    return max((s for s in steps if s < step), default=0)
 
 
 __all__ = [
@@ -48,5 +64,7 @@ __all__ = [
     "LONG_INTERVAL_STEPS",
     "SHORT_INTERVAL_PRESET",
     "candidates",
+    "counted_from",
+    "is_auto",
     "rules_at",
 ]

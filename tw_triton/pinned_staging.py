@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .arguments import as_int
 from .errors import CheckpointError
 from .pinned_memory import HostSlab
 from .qstate import EncodedEntry, QuantizedState
@@ -80,8 +81,7 @@ class PinnedPool:
     """
 
     def __init__(self, cap_bytes: int | None, *, pin_memory: bool = True) -> None:
-        if cap_bytes is not None and cap_bytes <= 0:
-            raise CheckpointError(f"pinned pool cap must be positive, got {cap_bytes} bytes")
+        cap_bytes = as_int(cap_bytes, "pinned_bytes", minimum=1, optional=True)
         self.cap_bytes = cap_bytes
         self.pin_memory = pin_memory
         self._free: list[torch.Tensor] = []

@@ -7,11 +7,11 @@ docs/training-loop.md.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 
+from .arguments import as_int
 from .checkpoint_dir import CheckpointDirectory, CheckpointInfo, wants_pinned
 from .errors import CheckpointError, TwTritonError
 from .optimizer_classes import RESTORE_ADVICE, check_file
@@ -111,14 +111,8 @@ def restore_into(
 
 
 def as_step(step: Any) -> int:
-    """``step`` as a non-negative ``int`` (any integer type), or CheckpointError."""
-    try:
-        value = operator.index(step)
-    except TypeError:
-        raise CheckpointError(f"step must be an integer, got {step!r} ({type(step).__name__})") from None
-    if value < 0:
-        raise CheckpointError(f"step must be non-negative, got {value}")
-    return value
+    """``step`` as a non-negative ``int`` (any integer type but ``bool``), or CheckpointError."""
+    return as_int(step, "step")
 
 
 def load_device(device: Any, directory: str) -> torch.device:

@@ -4,7 +4,9 @@
 written from what its encode noted (:class:`NotedFile`), so that retention parses no
 header on the loop's thread. :func:`retain` keeps the ``keep_last`` newest complete
 checkpoints, every save in flight, and every checkpoint a kept one or the next delta
-needs (a closed-loop chain back to its keyframe); it never deletes a needed reference.
+needs (a closed-loop chain back to its keyframe); it never deletes a needed reference,
+nor a file no Checkpointer wrote. Checkpoints newer than a save (:func:`abandon`: a run
+gone back) are not counted, and kept until the run passes them.
 Why: docs/training-loop.md ("Retention").
 """
 
@@ -17,7 +19,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 from . import format as _format
-from .checkpoint_dir import CheckpointDirectory
+from .checkpoint_dir import CheckpointDirectory, CheckpointInfo
 from .deltas import with_references
 from .qstate import QuantizedState
 from .writer import AsyncWriter
@@ -97,8 +99,16 @@ def retain(
     inflight: InFlight,
     reference_id: str | None,
     writer: AsyncWriter | None,
+    abandoned: set[str],
+    saving: int | None = None,
 ) -> None:
     """Delete the checkpoints that are neither among the newest nor needed by a kept one.
+
+    A save of a step older than checkpoints already here (a run gone back: ``restore`` of
+    an older step, or a new run in an old directory) abandons those newer ones: they are
+    not counted for ``keep_last``, so they never displace the run's own; they are kept
+    while newer than every save of the run (``restore()`` without a step picks them until
+    then), and dropped like any older checkpoint once it passes them.
 
     Args:
         directory: the checkpoint directory.
@@ -106,15 +116,25 @@ def retain(
         inflight: the saves in flight (all kept, with the checkpoints they need).
         reference_id: the checkpoint the next delta is coded against (kept), or ``None``.
         writer: the thread that unlinks the files dropped; ``None``: unlink here.
+        abandoned: ids of the checkpoints abandoned so far (updated here).
+        saving: the step of the save about to be made, if any (what it abandons is noted).
     """
     if keep_last is None:
         return
     pending = inflight.saves
     # A file in flight can be renamed into place before its Future is done; it is kept
     # anyway and noted once collected, so its header is not parsed on the loop's thread.
-    found = directory.scan(writing={s.noted.path for s in pending.values()})
-    complete = [s for s in sorted(found, reverse=True) if s not in pending]
+    listed = directory.scan(writing={s.noted.path for s in pending.values()})
+    # A file no Checkpointer wrote (tw_triton.save's, named like a step) is not retention's.
+    found = {step: info for step, info in listed.items() if info.by_checkpointer}
+    if saving is not None:
+        abandon(directory, found, pending, saving, abandoned)
+    abandoned &= {info.checkpoint_id for info in found.values()} | {s.checkpoint_id for s in pending.values()}
+    own = [s for s in found if found[s].checkpoint_id not in abandoned]
+    complete = [s for s in sorted(own, reverse=True) if s not in pending]
+    newest = max([*own, *(s for s, p in pending.items() if p.checkpoint_id not in abandoned)], default=-1)
     keep = set(complete[:keep_last]) | set(pending)
+    keep |= {s for s in found if s > newest}  # abandoned, and newer than every save of the run
     needed = {s.reference_id for s in pending.values() if s.reference_id is not None}
     if reference_id is not None:
         needed.add(reference_id)
@@ -136,4 +156,28 @@ def retain(
         logger.debug("retention removed %s", info.path)
 
 
-__all__ = ["InFlight", "NotedFile", "SaveInFlight", "retain"]
+def abandon(
+    directory: CheckpointDirectory,
+    found: dict[int, CheckpointInfo],
+    pending: dict[int, SaveInFlight],
+    step: int,
+    abandoned: set[str],
+) -> None:
+    """Add to ``abandoned`` the checkpoints newer than ``step``, the save about to be made
+    (listed, or in flight), logging those newly abandoned."""
+    newer = {s: info.checkpoint_id for s, info in found.items() if s > step}
+    newer.update({s: save.checkpoint_id for s, save in pending.items() if s > step})
+    fresh = sorted(s for s, checkpoint_id in newer.items() if checkpoint_id not in abandoned)
+    abandoned.update(newer.values())
+    if fresh:
+        logger.warning(
+            "saving step %d in %s, which holds newer checkpoints (steps %s): retention does not "
+            "count them for keep_last and keeps them until a save passes step %d",
+            step,
+            directory.path,
+            ", ".join(map(str, fresh)),
+            max(newer),
+        )
+
+
+__all__ = ["InFlight", "NotedFile", "SaveInFlight", "abandon", "retain"]

@@ -9,14 +9,11 @@ from typing import Any
 
 import torch
 
+from .checkpoint_files import KIND_DELTA, KIND_KEYFRAME, KIND_STANDALONE
 from .deltas import Reference, advance, keyframe_values
 from .qstate import QuantizedState
 from .snapshot_pool import SnapshotLease
 from .state import quantize_state_dict
-
-KIND_KEYFRAME = "keyframe"  # everything exact, no reference
-KIND_DELTA = "delta"  # quantized entries are deltas from a keyframe
-KIND_STANDALONE = "standalone"  # quantized without a reference (delta=False mode)
 
 
 def encode_delta(

@@ -43,6 +43,7 @@ from concurrent.futures import Future
 
 import torch
 
+from .arguments import as_int
 from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,7 @@ class SnapshotPool:
     """
 
     def __init__(self, cap_bytes: int | None = None, *, min_bytes: int = MIN_POOLED_BYTES) -> None:
-        if cap_bytes is not None and cap_bytes < 0:
-            raise CheckpointError(f"snapshot pool cap must be non-negative, got {cap_bytes} bytes")
+        cap_bytes = as_int(cap_bytes, "cap_bytes", optional=True)
         self.cap_bytes = cap_bytes
         self.min_bytes = min_bytes
         self._free: dict[int, list[torch.Tensor]] = {}
@@ -283,8 +283,7 @@ class SavePool:
     """
 
     def __init__(self, cap_bytes: int | None, saves_in_flight: int) -> None:
-        if cap_bytes is not None and cap_bytes < 0:
-            raise CheckpointError(f"snapshot_pool_bytes must be >= 0 or None, got {cap_bytes}")
+        cap_bytes = as_int(cap_bytes, "snapshot_pool_bytes", optional=True)
         self.pool = SnapshotPool(cap_bytes) if cap_bytes != 0 else None
         self._auto = cap_bytes is None
         self._saves = saves_in_flight

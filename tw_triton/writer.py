@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from . import format as _format
+from .arguments import as_int
 from .codecs import entropy as _entropy
 from .errors import CheckpointError, CheckpointIOError
 from .pinned_staging import (  # noqa: F401 - re-exported: their documented home was here
@@ -106,8 +107,7 @@ class AsyncWriter:
         exit_timeout: float | None = None,
         entropy: str | _entropy.EntropyPolicy | None = "auto",
     ) -> None:
-        if max_pending < 1:
-            raise CheckpointError(f"max_pending must be at least 1, got {max_pending}")
+        max_pending = as_int(max_pending, "max_pending", minimum=1)
         # Checked here, so that a bad value fails at construction, not on the first save.
         _entropy.resolve_policy(entropy)
         self.entropy = entropy

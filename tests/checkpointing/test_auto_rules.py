@@ -1,6 +1,7 @@
 """The Checkpointer's default rules, ``"auto"`` (tw_triton.interval_rules): ``smallest`` for
 saves fewer than ``LONG_INTERVAL_STEPS`` steps apart, ``safe`` from there, keyed to the
-steps since the last save made or restored."""
+steps since the last save made or restored, or for a first save since the newest
+checkpoint before it in the directory (never since step 0)."""
 
 from __future__ import annotations
 
@@ -77,14 +78,44 @@ def save_at(directory, steps, model, opt, **options) -> None:
 @pytest.mark.parametrize("every", [10, LONG, 2 * LONG])
 def test_the_saves_code_with_the_preset_of_their_interval(tmp_path, every):
     model, opt = objects()
-    steps = [every * (i + 1) for i in range(5)]  # the first save: its step since step 0
+    steps = [every * (i + 1) for i in range(5)]
     save_at(tmp_path, steps, model, opt)
+    state = tree(model, opt, 0)
+    # The first save counts from step 0 (nothing before it here): one preset throughout.
+    preset = "safe" if every >= LONG else "smallest"
+    kinds = ["keyframe"] + ["delta"] * 3 + ["keyframe"]
+    expected = [(kind, preset) for kind in kinds]
+    got = [recorded(tmp_path, step) for step in steps]
+    assert got == [(kind, rules_of(preset, state, kind)) for kind, preset in expected]
+
+
+@pytest.mark.parametrize("first", [1000, 100_000])
+def test_a_first_save_far_from_step_0_in_an_empty_directory_counts_from_step_0(tmp_path, first):
+    """Runs start at step 0: a first save far from it, with nothing before it in the
+    directory, takes the long interval's preset, and the second (50 steps on) starts a
+    keyframe of the short one's. (Counting such a save as of no known interval instead
+    would give every fresh run saving 100 or more steps apart an extra keyframe.)"""
+    model, opt = objects()
+    steps = [first + 50 * i for i in range(4)]
+    save_at(tmp_path, steps, model, opt)
+    state = tree(model, opt, 0)
+    expected = [("keyframe", "safe"), ("keyframe", "smallest"), ("delta", "smallest"), ("delta", "smallest")]
+    assert [recorded(tmp_path, s) for s in steps] == [(k, rules_of(p, state, k)) for k, p in expected]
+
+
+@pytest.mark.parametrize("every", [50, 2 * LONG])
+def test_a_first_save_without_restore_counts_from_the_newest_checkpoint_there(tmp_path, every):
+    """A process resumed without restore() (its state loaded otherwise) that saves on in the
+    same directory: its first save is ``every`` steps after the newest checkpoint there (not
+    10 000 and more after step 0, nor an unknown interval)."""
+    model, opt = objects()
+    steps = [10_000 + every * i for i in range(4)]
+    save_at(tmp_path, steps[:2], model, opt)
+    save_at(tmp_path, steps[2:], model, opt)  # a new Checkpointer, nothing restored
     preset = "safe" if every >= LONG else "smallest"
     state = tree(model, opt, 0)
-    for i, step in enumerate(steps):
-        kind, rules = recorded(tmp_path, step)
-        assert kind == ("keyframe" if i % 4 == 0 else "delta")
-        assert rules == rules_of(preset, state, kind), (every, i)
+    assert recorded(tmp_path, steps[2]) == ("keyframe", rules_of(preset, state, "keyframe"))
+    assert recorded(tmp_path, steps[3]) == ("delta", rules_of(preset, state, "delta"))
 
 
 def test_a_change_of_preset_starts_a_keyframe(tmp_path, caplog):
@@ -105,7 +136,7 @@ def test_a_change_of_preset_starts_a_keyframe(tmp_path, caplog):
 
 def test_a_restore_counts_the_interval_from_the_restored_step(tmp_path):
     model, opt = objects()
-    save_at(tmp_path, [LONG, 2 * LONG], model, opt)
+    save_at(tmp_path, [0, LONG, 2 * LONG], model, opt)
     # A save LONG steps after the restored one continues its chain (same preset); 5 steps
     # after a restored save is a short interval, whatever its step.
     for seed, step in ((1, 3 * LONG), (2, 3 * LONG + 5)):

@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import interval_rules
+from ..arguments import as_int, as_path
 from ..errors import CheckpointError
 from ..format import MAX_EXPANSION, check_max_expansion, verify_file
 from ..resume import as_step
@@ -126,12 +127,12 @@ class DistributedCheckpointer:
         process_group: Any = None,
         max_expansion: float | None = MAX_EXPANSION,
     ) -> None:
-        if keyframe_every < 1 or keep < 1:
-            raise CheckpointError(f"keyframe_every and keep must be >= 1, got {keyframe_every}, {keep}")
+        keyframe_every = as_int(keyframe_every, "keyframe_every", minimum=1)
+        keep = as_int(keep, "keep", minimum=1)
         check_max_expansion(max_expansion)
         for candidate in interval_rules.candidates(rules, short=interval_rules.DCP_SHORT_INTERVAL_PRESET):
             check_rules(candidate, bits=bits, block=block)  # refused now, not at the first save
-        self.directory = os.fspath(directory)
+        self.directory = as_path(directory, "directory")
         self.rules, self.bits, self.block = rules, bits, block
         self.keyframe_every, self.keep = keyframe_every, keep
         self.process_group = process_group

@@ -23,7 +23,7 @@ from ..codecs.bitmask import BitmaskCodec, sparse_candidate, sparse_pays, sparsi
 from ..codecs.blockwise import check_params
 from ..delta_bits import adapt as adapt_delta_bits
 from ..errors import QuantizationError
-from ..format import MAX_EXPANSION
+from ..format import MAX_EXPANSION, check_max_expansion
 from ..parallel import parallel_map
 from ..qstate import EncodedEntry, QuantizedState
 from ..rules import keyframe_rule, resolve_rules, select_rule
@@ -133,10 +133,18 @@ def quantize_state_dict(
         A :class:`QuantizedState`; its buffers live where the source tensors did.
 
     Raises:
-        QuantizationError: an unsupported leaf (naming its path), bad rules or params.
+        QuantizationError: an unsupported leaf (naming its path), bad rules or params, an
+            id that is not a str, ``metadata`` that is not a mapping.
+        CheckpointError: a ``max_expansion`` that is not a bound.
         ReferenceMismatchError: a reference misses a quantized path, or has another shape.
     """
     check_params(bits, block)
+    for name, value in (("checkpoint_id", checkpoint_id), ("reference_id", reference_id)):
+        if value is not None and not isinstance(value, str):
+            raise QuantizationError(f"{name} must be a str or None, got {value!r} ({type(value).__name__})")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise QuantizationError(f"metadata must be a mapping or None, got {type(metadata).__name__}")
+    check_max_expansion(max_expansion)  # used only with a reference path: checked always
     flat = Flattened.of(state)
     tensors, skeleton = flat.tensors, flat.skeleton
     rule_list = resolve_rules(rules, state, bits=bits, block=block)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..arguments import as_path
 from ..codecs.entropy import EntropyPolicy
 from ..errors import QuantizationError, TwTritonError
 from ..format import MAX_EXPANSION
@@ -38,7 +39,7 @@ def save(
     """
     from ..format import write_file
 
-    return write_file(qstate, path, fsync=fsync, entropy=entropy)
+    return write_file(qstate, as_path(path, "path"), fsync=fsync, entropy=entropy)
 
 
 def load(
@@ -84,7 +85,7 @@ def load(
     """
     from ..format import HeaderCache, read_file, read_manifest
 
-    source = os.fspath(path)
+    source = path = as_path(path, "path")
     # CUDA missing is not the file's fault: not a CheckpointError, which callers take for one.
     dev = decode_device("cpu" if device is None else device, source, no_cuda=TwTritonError)
     targets = decode_targets(into) if into is not None and dev.type == "cpu" else None

@@ -68,7 +68,9 @@ def seed_chain(
         return False
     newer = sorted(s for s in found if s > info.step and found[s].by_checkpointer)
     if newer:
-        logger.warning(
+        # INFO: a restore to evaluate or inspect an older step is fine; a save before the
+        # newer steps is what mixes two runs, and that save warns (retention.abandon).
+        logger.info(
             "restored step %d of %s, but step %d is newer: until a save passes step %d, restore() "
             "without a step picks the newer checkpoints again; remove them to abandon that run",
             info.step,

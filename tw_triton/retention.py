@@ -171,8 +171,9 @@ def abandon(
     abandoned.update(newer.values())
     if fresh:
         logger.warning(
-            "saving step %d in %s, which holds newer checkpoints (steps %s): retention does not "
-            "count them for keep_last and keeps them until a save passes step %d",
+            "saving step %d in %s, which holds newer checkpoints (steps %s): until a save passes "
+            "step %d, restore() without a step picks them again, and retention keeps them without "
+            "counting them for keep_last; remove them to abandon that run",
             step,
             directory.path,
             ", ".join(map(str, fresh)),

@@ -51,6 +51,7 @@ def test_a_rewound_run_keeps_its_own_newest_and_the_abandoned_ones_until_passed(
         assert ck.steps()[-1] == 50 and ck.latest() == 50  # kept whole: still loadable
         warned = [r.getMessage() for r in caplog.records if "saving step 41" in r.getMessage()]
         assert len(warned) == 1 and "steps 50" in warned[0] and "keep_last" in warned[0]
+        assert "restore() without a step picks them again" in warned[0]
         assert not any("saving step 42" in r.getMessage() for r in caplog.records)  # once
         save_steps(ck, [51], model)  # passes 50: now an older checkpoint like any other
         assert 50 not in ck.steps() and ck.steps()[-2:] == [43, 51]

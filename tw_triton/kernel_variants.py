@@ -1,9 +1,10 @@
 """The kernel variants a state's first saves launch, and running them ahead of time.
 
 Triton compiles one binary per specialization of a kernel: its ``constexpr`` arguments
-(bits, block, rows, whether a reference is added, the largest code, whether the tile is
-masked, a grouped kernel's table bucket ``LOG_T``), its pointers' dtypes and alignment,
-and whether integer arguments are 1 or multiples of 16. On a cold cache each costs about a
+(bits, block, rows, whether a reference is added, whether the tile is masked, a grouped
+kernel's table bucket ``LOG_T``; not the largest code ``qmax``, a runtime value), its
+pointers' dtypes and alignment, and whether integer arguments are 1 or multiples of 16.
+On a cold cache each costs about a
 second, on the thread that launches. Where a device's launches are grouped
 (:mod:`tw_triton.state.grouped`), :func:`precompile_saves` runs the first keyframe's and
 first delta's encode (and the closed-loop advance's decode) through that path on small

@@ -100,9 +100,11 @@ def held_out(model, width: int) -> float:
 
 
 def coded_as(manifest: dict[str, Any]) -> dict[str, Any]:
-    """Per optimizer state name, the codecs of its entries; the weight-delta bits chosen."""
+    """Per optimizer state name, the codecs of its entries; the weight-delta bits chosen, and
+    ``(bits, qmax)`` of each (``max_error`` may code fewer levels than a container holds)."""
     names: dict[str, set[str]] = {}
     bits: set[int] = set()
+    codes: set[tuple[int, int]] = set()
     for path, entry in manifest["entries"].items():
         parts = path.split("/")
         large = math.prod(entry["shape"]) >= DEFAULT_MIN_NUMEL
@@ -111,8 +113,28 @@ def coded_as(manifest: dict[str, Any]) -> dict[str, Any]:
             label = {"blockwise": f"int{b}", "log2": f"log2 {b}-bit"}.get(entry["codec"], entry["codec"])
             names.setdefault(parts[3], set()).add(label)
         elif parts[0] == "model" and entry["codec"] == "blockwise":
-            bits.add(entry["params"]["bits"])
-    return {"states": {n: sorted(c) for n, c in sorted(names.items())}, "weight_bits": sorted(bits)}
+            b = entry["params"]["bits"]
+            bits.add(b)
+            codes.add((b, entry["params"].get("qmax", (1 << (b - 1)) - 1)))
+    return {
+        "states": {n: sorted(c) for n, c in sorted(names.items())},
+        "weight_bits": sorted(bits),
+        "weight_codes": sorted(codes),
+    }
+
+
+def codes_label(codes: list) -> str:
+    """``(bits, qmax)`` pairs as ``2, 4 (q3-7), 8 (q9)``: each container with its codes'
+    largest magnitudes where they are not just the container's full range."""
+    out = []
+    for b in sorted({b for b, _ in codes}):
+        qs = sorted(q for c, q in codes if c == b)
+        full = [q for q in qs if q == (1 << (b - 1)) - 1]
+        if qs == full:
+            out.append(str(b))
+        else:
+            out.append(f"{b} (q{qs[0]})" if len(qs) == 1 else f"{b} (q{qs[0]}-{qs[-1]})")
+    return ", ".join(out)
 
 
 def run_one(name: str, width: int, saves: int, every: int, resume_steps: int) -> dict[str, Any]:
@@ -173,7 +195,7 @@ def markdown(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
         )
         delta = f"{r['delta_ratio']:.1f}x" if r["delta_ratio"] else "-"
         gap = f"{r['gap_over_floor']:.2f}" if r["gap_over_floor"] is not None else "-"
-        bits = "/".join(map(str, r["weight_bits"]))
+        bits = codes_label(r.get("weight_codes") or [(b, (1 << (b - 1)) - 1) for b in r["weight_bits"]])
         table.append(
             [
                 r["optimizer"],
@@ -198,7 +220,9 @@ def markdown(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
         "# Every torch.optim optimizer with the Checkpointer's defaults\n\n"
         f"From `python benchmarks/optimizers.py` ({cfg['params']:,} parameters, {cfg['saves']} saves "
         f"{cfg['every']} steps apart, {cfg['resume_steps']} resumed steps; {machine_description()}); ratios against `torch.save` "
-        "of the same state; every other state is exact (Adafactor's factored moments are under the "
+        "of the same state; weight-delta bits are each container, with the largest code `qmax` where "
+        "the `max_error` choice keeps fewer levels than it holds (of the last delta); every other "
+        "state is exact (Adafactor's factored moments are under the "
         "presets' 4096-element floor; ASGD, L-BFGS and Rprop keep no moment).\n\n"
         + fmt_table(head, table)
         + "\n"

@@ -87,14 +87,16 @@ def pack_lsb_first(u, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexp
 
 
 @triton.jit
-def quantize_tile(d, QMAX: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def quantize_tile(d, qmax, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """``(packed codes, scales)`` of a ``(ROWS, BLOCK)`` fp32 tile of ``d`` (one row per
-    block): the codec's arithmetic, shared by the single and the grouped encode."""
+    block): the codec's arithmetic, shared by the single and the grouped encode. ``qmax``
+    (fp32, an integer) is a value, not a constexpr: fewer levels in a container compile
+    nothing the container's full range does not."""
     CODE_OFFSET: tl.constexpr = 1 << (BITS - 1)
     a = tl.abs(d)
     a = tl.where(a == a, a, float("inf"))
     absmax = tl.max(a, axis=1)
-    scale = tl.div_rn(absmax, QMAX * 1.0)
+    scale = tl.div_rn(absmax, qmax)
     usable = (scale > 0.0) & (scale < float("inf"))
     # Dividing by 1 where the block is unusable keeps NaN out; those codes are zeroed below.
     safe_scale = tl.where(usable, scale, 1.0)
@@ -109,7 +111,7 @@ def quantize_tile(d, QMAX: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr
     p2 = (v + v) * s_lo[:, None]
     tie = tl.abs(v - r) == 0.5
     v = tl.where(tie & (r2 > p2), v + 0.5, tl.where(tie & (r2 < p2), v - 0.5, r))
-    v = tl.minimum(tl.maximum(v, -QMAX * 1.0), QMAX * 1.0)
+    v = tl.minimum(tl.maximum(v, -qmax), qmax)
     v = tl.where(usable[:, None], v, 0.0)
     u = v.to(tl.int32) + CODE_OFFSET
     packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
@@ -124,10 +126,10 @@ def quantize_blockwise_kernel(
     scales_ptr,
     n,
     row0,
+    qmax,
     MASKED: tl.constexpr,
     HAS_REF: tl.constexpr,
     BITS: tl.constexpr,
-    QMAX: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
@@ -135,8 +137,8 @@ def quantize_blockwise_kernel(
 
     ``MASKED`` is False for tiles wholly inside the tensor, which then need no bounds
     checks (and keep 16-byte vector loads whatever ``n`` is); the launcher runs the one
-    partial tile at the end as a separate ``MASKED`` launch. ``QMAX`` is the largest code
-    magnitude: ``2**(BITS-1) - 1``, or fewer levels in the same container (3 in 4 bits).
+    partial tile at the end as a separate ``MASKED`` launch. ``qmax`` (fp32) is the largest
+    code magnitude: ``2**(BITS-1) - 1``, or fewer levels in the same container (3 in 4 bits).
     """
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
@@ -158,7 +160,7 @@ def quantize_blockwise_kernel(
             r = tl.load(ref_ptr + offs)
         d = d - widen_to_f32(r)
 
-    packed, scale = quantize_tile(d, QMAX, BITS, BLOCK, ROWS)
+    packed, scale = quantize_tile(d, qmax, BITS, BLOCK, ROWS)
 
     byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
     if MASKED:
@@ -195,9 +197,9 @@ def launch_quantize(
         row0,
         block,
         x.device,
+        scalars=(float((1 << (bits - 1)) - 1 if qmax is None else qmax),),
         HAS_REF=reference is not None,
         BITS=bits,
-        QMAX=(1 << (bits - 1)) - 1 if qmax is None else qmax,
     )
 
 

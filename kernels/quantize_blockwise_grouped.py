@@ -25,17 +25,18 @@ def quantize_blockwise_grouped_kernel(
     flags_ptr,
     x_type_ptr,
     ref_type_ptr,
+    qmax,
     T,
     LOG_T: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_REF: tl.constexpr,
     BITS: tl.constexpr,
-    QMAX: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """Encode one tile of one tensor of the table (``T`` rows: addresses of x, ref, codes,
-    scales). ``x_type_ptr`` and ``ref_type_ptr`` only carry the inputs' element types."""
+    scales). ``x_type_ptr`` and ``ref_type_ptr`` only carry the inputs' element types;
+    ``qmax`` (fp32) is the largest code magnitude."""
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
 
@@ -64,7 +65,7 @@ def quantize_blockwise_grouped_kernel(
             r = tl.load(ref_ptr + offs)
         d = d - widen_to_f32(r)
 
-    packed, scale = quantize_tile(d, QMAX, BITS, BLOCK, ROWS)
+    packed, scale = quantize_tile(d, qmax, BITS, BLOCK, ROWS)
 
     byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
     if MASKED:
@@ -109,9 +110,8 @@ def quantize_blockwise_grouped(
         block,
         flags,
         list(range(len(xs))) if slots is None else slots,
-        (xs[0], xs[0] if refs is None else refs[0]),
+        (xs[0], xs[0] if refs is None else refs[0], float(qmax)),
         HAS_REF=refs is not None,
         BITS=bits,
-        QMAX=qmax,
     )
     return [(v[0], v[1]) for v in views]

@@ -26,16 +26,17 @@ def quantize_blockwise_update_grouped_kernel(
     m_type_ptr,
     v_type_ptr,
     eps,
+    qmax,
     T,
     LOG_T: tl.constexpr,
     MASKED: tl.constexpr,
     BITS: tl.constexpr,
-    QMAX: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """Encode one tile of one tensor of the table (``T`` rows: addresses of m, v_hat, codes,
-    scales); ``eps`` is fp32. ``m_type_ptr`` and ``v_type_ptr`` only carry element types."""
+    scales); ``eps`` and ``qmax`` (the largest code magnitude) are fp32. ``m_type_ptr`` and
+    ``v_type_ptr`` only carry element types."""
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
 
@@ -61,7 +62,7 @@ def quantize_blockwise_update_grouped_kernel(
     den = tl.sqrt_rn(widen_to_f32(v)) + tl.full((ROWS, BLOCK), eps, tl.float32)
     u = tl.div_rn(widen_to_f32(m), den)
 
-    packed, scale = quantize_tile(u, QMAX, BITS, BLOCK, ROWS)
+    packed, scale = quantize_tile(u, qmax, BITS, BLOCK, ROWS)
 
     byte_offs = rows[:, None] * BYTES_PER_ROW + tl.arange(0, BYTES_PER_ROW)[None, :]
     inf_den = den == float("inf")
@@ -107,8 +108,7 @@ def quantize_blockwise_update_grouped(
         block,
         flags,
         list(range(len(ms))) if slots is None else slots,
-        (ms[0], vs[0], float(eps)),
+        (ms[0], vs[0], float(eps), float(qmax)),
         BITS=bits,
-        QMAX=qmax,
     )
     return [(v[0], v[1]) for v in views]

@@ -40,10 +40,12 @@ def launch_row_tiles(
     row0: int,
     block: int,
     device: torch.device,
+    scalars: tuple = (),
     **constexprs,
 ) -> None:
-    """Run ``kernel[grid](*pointers, n, row0', MASKED=..., BLOCK, ROWS, ...)`` over rows
-    ``row0 ..`` of an ``n``-element flat tensor: the unmasked whole tiles, then the tail.
+    """Run ``kernel[grid](*pointers, n, row0', *scalars, MASKED=..., BLOCK, ROWS, ...)``
+    over rows ``row0 ..`` of an ``n``-element flat tensor: the unmasked whole tiles, then
+    the tail. ``scalars`` are runtime values (not specialized on: fp32 ones).
 
     ``row0`` is 0 in normal use; tests set it far past 2**31 elements to exercise the
     kernels' int64 offsets without allocating such a tensor.
@@ -55,10 +57,10 @@ def launch_row_tiles(
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with on_device:
         if full_tiles:
-            kernel[(full_tiles,)](*pointers, n, row0, MASKED=False, **meta)
+            kernel[(full_tiles,)](*pointers, n, row0, *scalars, MASKED=False, **meta)
         tail_row0 = row0 + full_tiles * rows
         if tail_row0 * block < n:
-            kernel[(1,)](*pointers, n, tail_row0, MASKED=True, **meta)
+            kernel[(1,)](*pointers, n, tail_row0, *scalars, MASKED=True, **meta)
 
 
 # A grouped kernel's table row (int64): four addresses, then the length, the first row,

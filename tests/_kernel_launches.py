@@ -3,8 +3,9 @@ plugin (``-p _kernel_launches``) that writes a session's launches as JSON to the
 ``TW_TRITON_LAUNCHES_OUT``.
 
 A launch's key is what makes Triton compile a binary of its own: the kernel, the dtypes of
-its tensor arguments and its constexprs (``BITS``, ``BLOCK``, ``ROWS``, ``QMAX``,
-``HAS_REF``, ``MASKED``). The launch itself still runs, unless ``run=False``.
+its tensor arguments and its constexprs (``BITS``, ``BLOCK``, ``ROWS``, ``HAS_REF``,
+``MASKED``; the encode's ``qmax`` is a runtime fp32 value, which Triton does not specialize
+on). The launch itself still runs, unless ``run=False``.
 """
 
 from __future__ import annotations

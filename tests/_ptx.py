@@ -352,12 +352,14 @@ def _grouped_source(v: Variant):
             "m_type_ptr": f"*{v.dtype}",
             "v_type_ptr": "*fp32",
             "eps": "fp32",
+            "qmax": "fp32",
             "T": "i32",
         }
-        constexprs = {"LOG_T": 4, "MASKED": v.masked, "BITS": v.bits, "QMAX": (1 << (v.bits - 1)) - 1}
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "BITS": v.bits}
         constexprs.update({"BLOCK": v.block, "ROWS": rows_per_program(v.block)})
         signature.update({name: "constexpr" for name in constexprs})
-        # The table, the flags and the carriers are 16-byte aligned; eps and T are not specialized.
+        # The table, the flags and the carriers are 16-byte aligned; eps, qmax and T are not
+        # specialized.
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
         return ASTSource(
             fn=quantize_blockwise_update_grouped_kernel,
@@ -415,19 +417,15 @@ def _grouped_source(v: Variant):
             "flags_ptr": "*i64",
             "x_type_ptr": f"*{v.dtype}",
             "ref_type_ptr": f"*{v.ref_dtype or v.dtype}",
+            "qmax": "fp32",
             "T": "i32",
         }
-        constexprs = {
-            "LOG_T": 4,
-            "MASKED": v.masked,
-            "HAS_REF": v.ref_dtype is not None,
-            "BITS": v.bits,
-            "QMAX": (1 << (v.bits - 1)) - 1,
-        }
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "HAS_REF": v.ref_dtype is not None, "BITS": v.bits}
     constexprs.update({"BLOCK": v.block, "ROWS": rows_per_program(v.block)})
     # Pointers are 16-byte aligned (the tail launch's table slice starts 64 bytes per row
-    # in; the carriers of the element types are tensors of the group); T is not specialized.
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(signature) - 1)}
+    # in; the carriers of the element types are tensors of the group); qmax and T are not
+    # specialized.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
     signature.update({name: "constexpr" for name in constexprs})
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
@@ -561,6 +559,7 @@ def compile_variant(v: Variant):
             "scales_ptr": "*fp32",
             "n": "i32",
             "row0": "i32",
+            "qmax": "fp32",  # a value: fewer levels in a container compile nothing new
         }
     else:
         signature = {
@@ -575,13 +574,13 @@ def compile_variant(v: Variant):
         "MASKED": v.masked,
         "HAS_REF": v.ref_dtype is not None,
         "BITS": v.bits,
-        **({"QMAX": (1 << (v.bits - 1)) - 1} if v.op == "encode" else {}),
         "BLOCK": v.block,
         "ROWS": rows_per_program(v.block),
     }
     signature.update({name: "constexpr" for name in constexprs})
     # Arguments 0-4 (four pointers and n) are 16-divisible, as the JIT specializes them for
-    # fresh torch allocations; row0 is declared do_not_specialize in the kernels.
+    # fresh torch allocations; row0 is declared do_not_specialize in the kernels (and an
+    # fp32 qmax is not specialized on).
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(

@@ -1,24 +1,33 @@
-"""Weight-delta bits that follow the change: per tensor, the fewest bits whose error bound fits.
+"""Weight-delta codes that follow the change: per tensor, the fewest bits whose error bound fits.
 
 A rule with ``max_error`` (``{"codec": "int2", "max_error": 0.01}``) codes each tensor it
-matches with its ``bits`` only if that leaves the tensor within ``max_error`` of its value,
-measured as a relative norm ``||x_hat - x|| / ||x||``; otherwise with 4, else 8 bits. The
+matches with the fewest code bits, from its ``bits`` up to 8, that leave the tensor within
+``max_error`` of its value, measured as a relative norm ``||x_hat - x|| / ||x||``. The
 blockwise codec's error is at most ``s / (2 * qmax)`` per element, ``s`` the block's largest
-``|d|`` (``d`` the delta, or the tensor without a reference) and ``qmax`` 1, 7 or 127 for 2, 4
-or 8 bits, so the bound at ``bits`` is::
+``|d|`` (``d`` the delta, or the tensor without a reference) and ``qmax`` the largest code
+(codes ``-qmax .. qmax``), ``2**(w-1) - 1`` at ``w`` bits (1, 3, 7, 15, 31, 63, 127 for 2
+to 8), so the bound at ``w`` bits is::
 
-    e(bits) = sqrt(block * sum_b s_b**2) / (2 * qmax(bits) * ||x||)
+    e(w) = sqrt(block * sum_b s_b**2) / (2 * qmax(w) * ||x||)
 
-An optimizer whose steps are small relative to the weights (AdamW) keeps 2 bits; one with
-large steps (SGD at a large learning rate, Adagrad early on) gets more, for the tensors that
-moved. The entry's params record the bits chosen.
+A width the codec has no container for (3, 5, 6, 7 bits) is its ``qmax`` in the next one,
+4 or 8 bits (:func:`container`). The entropy stage stores a container's unused levels in
+about their entropy (docs/codecs.md), and the encode kernels take ``qmax`` as a value, so
+such a width compiles nothing the container's full range does not. An optimizer whose
+steps are small relative to the weights (AdamW) keeps 2 bits; one with large steps (SGD at
+a large learning rate, Adagrad early on) gets more, for the tensors that moved. The
+entry's params record the container's ``bits`` and, where it narrows it, ``qmax``. (Any
+``qmax`` would do for the codec; the widths keep a save's distinct codes, and so its
+device groups, to at most seven: docs/codecs.md.)
 
 The choice must be the same on every device, or a CPU and a GPU save of one state would
 differ. Sums in floating point depend on their order, so the bound is computed from exact
 quantities only: the maxima ``A = max_b s_b`` and ``B = max |x|`` (fp32, exact), and the
 integer sums ``sum_b floor(s_b * (4096 / A))**2`` and ``sum_i floor(|x_i| * (256 / B))**2``
 (exact: every fp32 operation is correctly rounded on every device, and the sums are of
-integers small enough that fp32 and float64 add them exactly in any order). All of a state's statistics
+integers small enough that fp32 and float64 add them exactly in any order); the bound at
+each width is then the same float64 arithmetic on the host, whatever device computed
+them. All of a state's statistics
 are read with one transfer per device, before its tensors are encoded (the bits decide the
 encode's launches and buffer sizes, so this read cannot join the save's one after it). On
 a device whose launches are grouped the statistics are one grouped op per block size
@@ -36,13 +45,16 @@ from typing import Any
 import torch
 
 from . import ops
-from .ops.layout import qmax_for
+from .ops.layout import SUPPORTED_BITS, qmax_for
 from .ops.reference.delta_statistics import BLOCK_LEVELS, ELEMENT_LEVELS
 from .parallel import parallel_map
 from .state.fingerprints import read_device_scalars
 
-# Candidate bits above a rule's own, in order.
+# Code containers above a rule's own bits, in order (a width between two is coded with
+# fewer levels in the wider: :func:`container`).
 WIDER_BITS = (4, 8)
+# The widest code: a tensor no narrower width fits gets it (the 8-bit container's full range).
+WIDEST = 8
 # Maxima below this make the statistics' ``scale / max`` overflow fp32 (from about 1e-35):
 # such a tensor or delta gets the widest bits, whatever its sums.
 TINY = 2.0**-100
@@ -52,11 +64,27 @@ def _as_float(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
-def error_bound(values: Sequence[int], block: int, bits: int) -> float:
-    """The bound ``e(bits)`` (module doc) from :func:`tw_triton.ops.delta_statistics` read
-    as ints: ``0`` for a zero delta; ``inf`` for a non-finite tensor or delta, and for a
-    non-zero delta where either maximum is below :data:`TINY` (there the statistics' level
-    scale overflows fp32, so their sums say nothing: the widest bits)."""
+def container(qmax: int) -> int:
+    """The codec's ``bits`` that hold codes up to ``qmax``: the narrowest of 2, 4 and 8."""
+    return min(b for b in SUPPORTED_BITS if qmax_for(b) >= qmax)
+
+
+def coded_params(params: dict[str, Any], qmax: int) -> dict[str, Any]:
+    """A blockwise rule's ``params`` coding with codes up to ``qmax``: its container's
+    ``bits`` and, where ``qmax`` narrows the container, ``qmax``."""
+    out = {k: v for k, v in params.items() if k != "qmax"}
+    out["bits"] = container(qmax)
+    if qmax != qmax_for(out["bits"]):
+        out["qmax"] = qmax
+    return out
+
+
+def error_bound(values: Sequence[int], block: int, bits: int, qmax: int | None = None) -> float:
+    """The bound ``e`` (module doc) at ``bits`` with codes up to ``qmax`` (default: the
+    container's full range) from :func:`tw_triton.ops.delta_statistics` read as ints:
+    ``0`` for a zero delta; ``inf`` for a non-finite tensor or delta, and for a non-zero
+    delta where either maximum is below :data:`TINY` (there the statistics' level scale
+    overflows fp32, so their sums say nothing: the widest code)."""
     a, b = _as_float(values[0]), _as_float(values[1])
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
@@ -64,18 +92,19 @@ def error_bound(values: Sequence[int], block: int, bits: int) -> float:
         return 0.0
     if a < TINY or b < TINY or values[3] <= 0:
         return math.inf
+    q = qmax_for(bits) if qmax is None else qmax
     delta_norm = a / BLOCK_LEVELS * math.sqrt(block * values[2])
-    return delta_norm / (2 * qmax_for(bits) * b / ELEMENT_LEVELS * math.sqrt(values[3]))
+    return delta_norm / (2 * q * b / ELEMENT_LEVELS * math.sqrt(values[3]))
 
 
-def choose(values: Sequence[int], block: int, bits: int, max_error: float) -> int:
-    """The fewest bits, from ``bits`` up through :data:`WIDER_BITS`, whose bound is at most
-    ``max_error`` (the widest when none is)."""
-    candidates = [bits] + [b for b in WIDER_BITS if b > bits]
-    for b in candidates:
-        if error_bound(values, block, b) <= max_error:
-            return b
-    return candidates[-1]
+def choose(values: Sequence[int], block: int, bits: int, max_error: float) -> tuple[int, int]:
+    """``(bits, qmax)``: the fewest code bits, from the rule's ``bits`` to :data:`WIDEST`,
+    whose bound is at most ``max_error`` (the widest when none is), as the largest code
+    ``qmax_for(width)`` in the narrowest container that holds it (:func:`container`)."""
+    for width in range(bits, WIDEST):
+        if error_bound(values, block, bits, qmax_for(width)) <= max_error:
+            return container(qmax_for(width)), qmax_for(width)
+    return WIDEST, qmax_for(WIDEST)
 
 
 def adapt(
@@ -108,11 +137,10 @@ def adapt(
     out = list(jobs)
     for i in todo:
         x, rule, codec, ref = jobs[i]
-        bits = choose(values[i], rule.params["block"], rule.params["bits"], rule.max_error)
-        if bits != rule.params["bits"]:
-            rule = type(rule)(
-                rule.pattern, rule.codec, {**rule.params, "bits": bits}, rule.min_numel, rule.max_error
-            )
+        bits, qmax = choose(values[i], rule.params["block"], rule.params["bits"], rule.max_error)
+        if (bits, qmax) != (rule.params["bits"], qmax_for(bits)):
+            params = coded_params(rule.params, qmax)
+            rule = type(rule)(rule.pattern, rule.codec, params, rule.min_numel, rule.max_error)
         out[i] = (x, rule, codec, ref)
     return out
 

@@ -290,7 +290,8 @@ def private_copies(
 def _save_nbytes(rule: Any, t: torch.Tensor) -> int:
     """Device bytes a save encodes ``t`` into with ``rule``: an exact entry of a contiguous
     tensor is copied to the host from the tensor itself (nothing on the device). A rule
-    with ``max_error`` counts the widest bits it may choose (delta_bits.py)."""
+    with ``max_error`` counts the widest container it may choose (delta_bits.py: a width
+    between two containers is fewer levels in the wider, of the wider's bytes)."""
     if rule.codec == "exact":
         return 0 if t.is_contiguous() else allocated(t.numel() * t.element_size())
     params = rule.params

@@ -16,8 +16,9 @@ Codec specs:
   their entropy;
 * a dict ``{"codec": "blockwise", "bits": 4, "block": 64, "delta": False, "min_numel": 0}``;
   a blockwise dict may add ``"max_error": 0.015``: per tensor, the fewest bits from its
-  ``bits`` up (then 4, 8) whose error bound relative to the tensor stays under it
-  (:mod:`tw_triton.delta_bits`; each entry records the bits chosen).
+  ``bits`` up to 8 whose error bound relative to the tensor stays under it, 3, 5, 6 and 7
+  bits coded as that many bits' levels (``qmax``) in a 4- or 8-bit container
+  (:mod:`tw_triton.delta_bits`; each entry records its ``bits`` and ``qmax``).
 
 Parameters a spec leaves out (``bits``, ``block``) come from the call
 (``quantize_state_dict(..., bits=8, block=128)``). ``delta`` defaults to true: quantized
@@ -69,7 +70,7 @@ everything else, and any name no optimizer of ``torch.optim`` uses, exact:
                 the float32 non-negative moments as ``log2-temporal`` changes against
                 the last reconstruction (others stay log2); a tensor whose
                 change 2 bits would code with a relative error above
-                :data:`DELTA_MAX_ERROR` gets 4 or 8 (``max_error``, below). Its 2-bit weight
+                :data:`DELTA_MAX_ERROR` gets 3 to 8 (``max_error``, below). Its 2-bit weight
                 deltas need *closed-loop* deltas
                 (``Checkpointer(delta="closed")``, the default; see
                 :mod:`tw_triton.deltas`): against a keyframe many saves back (open loop)

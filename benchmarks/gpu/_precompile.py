@@ -1,9 +1,9 @@
 """The kernel variant grid the defaults use, and its parallel precompile (GPU validation).
 
 Triton compiles one binary per specialization of a kernel: its ``constexpr`` arguments
-(``BITS``, ``BLOCK``, ``ROWS``, ``HAS_REF``, ``QMAX``, ``MASKED``), its pointer dtypes and
-alignment, and whether ``n`` is a multiple of 16. On a cold cache each costs about a second
-or more, one after the other in the process that launches; the grid the defaults use is
+(``BITS``, ``BLOCK``, ``ROWS``, ``HAS_REF``, ``MASKED``; not the encode's ``qmax``, a
+runtime value), its pointer dtypes and alignment, and whether ``n`` is a multiple of 16.
+On a cold cache each costs about a second or more, one after the other in the process that launches; the grid the defaults use is
 compiled here first, by a pool of processes (one per core) that each run a share of it on
 the device and so fill the shared on-disk cache (``TRITON_CACHE_DIR``), before anything is
 timed. Running each variant through the codec (instead of triton's AOT API) makes the

@@ -2,8 +2,9 @@
 
 Without a GPU the kernels' device type is set to the CPU's. Where launches are not grouped
 (the CPU as it is) the codec ops are spied on: each call is reduced to what Triton
-specializes a launch on (op, dtypes, bits, block, the largest code, and per launch of the
-row tiles whether it is masked and which integer arguments are multiples of 16 or 1), and
+specializes a launch on (op, dtypes, bits, block, and per launch of the row tiles whether
+it is masked and which integer arguments are multiples of 16 or 1; not the largest code,
+``qmax``, a runtime value of the encode kernels), and
 prepare must make exactly the calls the saves make. Where they are grouped (a device; here
 forced for CPU tensors, as tests/checkpointing/test_launches_per_save.py does) every
 kernel launch is recorded as Triton specializes it, and the saves must launch nothing
@@ -48,7 +49,7 @@ def launches(monkeypatch):
     }
 
     def qb(x, reference, bits, block, *, out=None, qmax=None):
-        seen.add(("qb", x.dtype, _dt(reference), bits, block, qmax, _launches(x.numel(), block)))
+        seen.add(("qb", x.dtype, _dt(reference), bits, block, _launches(x.numel(), block)))
         return real["quantize_blockwise"](x, reference, bits, block, out=out, qmax=qmax)
 
     def db(codes, scales, numel, bits, block, reference, dtype, *, out=None):
@@ -206,11 +207,14 @@ KERNELS = [
 
 def _specialization(value):
     """What Triton specializes a positional argument on: a tensor's dtype and 16-byte
-    alignment, an int's being 1 or a multiple of 16."""
+    alignment, an int's being 1 or a multiple of 16; a float (``eps``, the encode's
+    ``qmax``) only on being one."""
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.data_ptr() % 16 == 0)
     if isinstance(value, int) and not isinstance(value, bool):
         return ("int", value == 1, value % 16 == 0)
+    if isinstance(value, float):
+        return "fp32"
     return value
 
 

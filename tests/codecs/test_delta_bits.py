@@ -14,6 +14,7 @@ import tw_triton
 from tw_triton import delta_bits, ops
 from tw_triton.errors import QuantizationError
 from tw_triton.ops.backends import native
+from tw_triton.ops.layout import qmax_for
 from tw_triton.ops.reference import delta_statistics_torch
 from tw_triton.rules import DELTA_MAX_ERROR, resolve_rules, rules_as_specs
 from tw_triton.state.fingerprints import read_device_scalars
@@ -48,12 +49,15 @@ def test_more_bits_for_a_large_change_and_two_for_a_small_one():
     small = ref + 1e-4 * torch.randn(64, 128, generator=g)
     large = ref + 0.05 * torch.randn(64, 128, generator=g)
     huge = ref + 2.0 * torch.randn(64, 128, generator=g)
-    state = {"model": {"small": small, "large": large, "huge": huge}}
+    fast = ref + 0.2 * torch.randn(64, 128, generator=g)
+    state = {"model": {"small": small, "large": large, "huge": huge, "fast": fast}}
     q = tw_triton.quantize_state_dict(
-        state, reference={"model": {"small": ref, "large": ref, "huge": ref}}, rules="smallest"
+        state, reference={"model": {k: ref for k in state["model"]}}, rules="smallest"
     )
-    bits = {p.split("/")[-1]: e.params["bits"] for p, e in q.entries.items()}
-    assert bits == {"small": 2, "large": 4, "huge": 8}
+    bits = {p.split("/")[-1]: (e.params["bits"], e.params.get("qmax")) for p, e in q.entries.items()}
+    # The bound (max_error 1.5 %) is 7.2 % / qmax for large: 4 bits (qmax 7, 1.03 %); fast,
+    # about 4x that: 6 bits (qmax 31 in the 8-bit container); huge, 126 % / qmax: 8 bits.
+    assert bits == {"small": (2, None), "large": (4, None), "fast": (8, 31), "huge": (8, None)}
     # The file records each entry's bits and the rule's bound.
     assert any(r.get("max_error") == DELTA_MAX_ERROR["smallest"] for r in q.rules)
 
@@ -61,15 +65,39 @@ def test_more_bits_for_a_large_change_and_two_for_a_small_one():
 def test_choice_is_the_fewest_bits_within_the_bound():
     values = [0] * 4
     # A zero delta keeps the rule's bits; a zero tensor with a change takes the widest.
-    assert delta_bits.choose([0, 1065353216, 0, 1], 128, 2, 0.01) == 2
-    assert delta_bits.choose([1065353216, 0, 1, 0], 128, 2, 0.01) == 8
+    assert delta_bits.choose([0, 1065353216, 0, 1], 128, 2, 0.01) == (2, 1)
+    assert delta_bits.choose([1065353216, 0, 1, 0], 128, 2, 0.01) == (8, 127)
     assert delta_bits.error_bound(values, 128, 2) == 0.0
     ref = torch.zeros(4096)
-    x = torch.ones(4096)  # no reference: the delta is the tensor, e(2) = 0.5
+    x = torch.ones(4096)  # no reference: the delta is the tensor, e(w) = 0.5 / qmax(w)
     stats = read_device_scalars(ops.delta_statistics(x, ref, 128))
     assert delta_bits.error_bound(stats, 128, 2) == pytest.approx(0.5)
-    assert delta_bits.choose(stats, 128, 2, 0.5) == 2 and delta_bits.choose(stats, 128, 2, 0.4) == 4
-    assert delta_bits.choose(stats, 128, 2, 0.5 / 7 - 1e-9) == 8
+    # Each width in turn, 2 to 8 bits: qmax 1, 3, 7, 15, 31, 63, 127 in 2, 4 or 8 bits.
+    ladder = [(2, 1), (4, 3), (4, 7), (8, 15), (8, 31), (8, 63), (8, 127)]
+    for k, (bits, qmax) in enumerate(ladder):
+        assert delta_bits.error_bound(stats, 128, bits, qmax) == pytest.approx(0.5 / qmax)
+        assert delta_bits.error_bound(stats, 128, 8, qmax) == delta_bits.error_bound(stats, 128, bits, qmax)
+        # Just at the bound and just above it: this width; just below it: the next.
+        assert delta_bits.choose(stats, 128, 2, 0.5 / qmax) == (bits, qmax)
+        assert delta_bits.choose(stats, 128, 2, 0.5 / qmax * (1 + 1e-9)) == (bits, qmax)
+        if qmax < 127:
+            assert delta_bits.choose(stats, 128, 2, 0.5 / qmax * (1 - 1e-9)) == ladder[k + 1]
+    assert delta_bits.choose(stats, 128, 2, 0.5 / 127 - 1e-9) == (8, 127)  # none fits: the widest
+    assert delta_bits.choose(stats, 128, 4, 0.5) == (4, 7)  # never fewer than the rule's bits
+    assert delta_bits.choose(stats, 128, 4, 0.03) == (8, 31)
+
+
+def test_levels_are_coded_in_the_narrowest_container():
+    """``qmax`` 1 is 2 bits; 2 to 7 are levels in the 4-bit container, 8 to 127 in the 8-bit
+    one; the params record ``qmax`` only where it narrows the container."""
+    base = {"bits": 2, "block": 128, "packing": "lsb-first", "delta": True}
+    got = {q: delta_bits.coded_params(base, q) for q in range(1, 128)}
+    for q, params in got.items():
+        bits = 2 if q == 1 else 4 if q <= 7 else 8
+        assert params["bits"] == delta_bits.container(q) == bits
+        assert params.get("qmax") == (None if q in (1, 7, 127) else q)
+        assert params["block"] == 128 and params["delta"] is True
+    assert "qmax" not in delta_bits.coded_params({**base, "qmax": 3}, 127)
 
 
 def test_nonfinite_tensor_keeps_a_choice_and_is_stored_exact():
@@ -197,3 +225,34 @@ def test_a_tensor_or_delta_of_tiny_values_gets_the_widest_bits(tiny):
     assert q.entries["model/w"].params["bits"] == 8
     back = tw_triton.dequantize_state_dict(q, reference={"model": {"w": torch.zeros(4096)}})
     assert float((back["model"]["w"] - x).abs().max()) <= tiny / 127 * 0.51 + 1e-45  # half an 8-bit step
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 9000),
+    scale=st.floats(1e-5, 3.0),
+    max_error=st.floats(1e-3, 0.2),
+    bits=st.sampled_from([2, 4]),
+)
+def test_every_width_restores_within_max_error(seed, n, scale, max_error, bits):
+    """Whatever width the choice takes (fewer levels than a container's included), the
+    restored tensor is within the bound and ``max_error`` of the saved one, the entry
+    records the container and ``qmax``, and one bit fewer would not have fit."""
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randn(n, generator=g)
+    x = ref + scale * torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 2
+    rule = [("model/*", {"codec": "blockwise", "bits": bits, "max_error": max_error, "min_numel": 0})]
+    q = tw_triton.quantize_state_dict({"model": {"w": x}}, reference={"model": {"w": ref}}, rules=rule)
+    entry = q.entries["model/w"]
+    back = tw_triton.dequantize_state_dict(q, reference={"model": {"w": ref}})["model"]["w"]
+    values = read_device_scalars(ops.delta_statistics(x, ref, 128))
+    chosen, qmax = delta_bits.choose(values, 128, bits, max_error)
+    assert (entry.params["bits"], entry.params.get("qmax", qmax_for(chosen))) == (chosen, qmax)
+    error = float((back - x).norm() / x.norm())
+    assert error <= delta_bits.error_bound(values, 128, chosen, qmax) * (1 + 1e-5) + 1e-7
+    if qmax < 127:
+        assert error <= max_error * (1 + 1e-5) + 1e-7
+    assert qmax in (1, 3, 7, 15, 31, 63, 127) and qmax >= qmax_for(bits)
+    if qmax > qmax_for(bits):
+        assert delta_bits.error_bound(values, 128, 8, (qmax - 1) // 2) > max_error

@@ -80,19 +80,21 @@ def test_the_gpu_kernel_tests_launch_only_precompiled_variants(tmp_path):
 
 
 def test_an_off_grid_launch_is_told_apart():
-    """The key tells a block, a reference dtype or a qmax outside the grid from the grid's
-    (qmax 3 at 4 bits is on it: the "smallest" preset's exp_avg, u coded as int3)."""
+    """The key tells a block or a reference dtype outside the grid from the grid's; fewer
+    levels in a container (any ``qmax``: the ``max_error`` widths 3, 5, 6, 7) launch the
+    container's own variants, ``qmax`` being a runtime value."""
     grid = precompiled_launches()
     from tw_triton.kernels import quantize_blockwise
 
     x = on_kernel_device(torch.randn(300))
-    for ref, block, qmax in ((None, 32, None), (x.to(torch.bfloat16), 128, None), (None, 128, 5)):
+    for ref, block in ((None, 32), (x.to(torch.bfloat16), 128)):
         with launches.recording(run=False) as seen:  # on a GPU, nothing compiled off the grid
-            quantize_blockwise(x, ref, 4, block, qmax)
-        assert seen and not seen & grid, (block, ref, qmax)
-    with launches.recording(run=False) as seen:
-        quantize_blockwise(x, x.clone(), 4, 128)
-    assert seen and seen <= grid
+            quantize_blockwise(x, ref, 4, block)
+        assert seen and not seen & grid, (block, ref)
+    for bits, qmax in ((4, None), (4, 3), (4, 5), (8, 15), (8, 31), (8, 63)):
+        with launches.recording(run=False) as seen:
+            quantize_blockwise(x, x.clone(), bits, 128, qmax)
+        assert seen and seen <= grid, (bits, qmax)
 
 
 def test_the_gpu_offset_windows_are_grid_variants():

@@ -51,6 +51,8 @@ from _precompile import group_sizes, launches_kernels
 
 from tw_triton import ops
 from tw_triton.codecs import Codec, codec_names, get_codec
+from tw_triton.delta_bits import WIDEST, container
+from tw_triton.ops.layout import qmax_for
 from tw_triton.qstate import EncodedEntry
 
 FLOATS = (torch.bfloat16, torch.float32, torch.float16)
@@ -465,10 +467,30 @@ def plan_grid(grid: list[Any]) -> list[Case]:
     for e in grid:
         extra = tuple((k, v) for k, v in e.params if k not in ("bits", "block", "packing"))
         dtype = getattr(torch, e.dtype)
+        ref = dtype if e.has_ref else None
         for variant in ("finite", "adversarial", "nonneg"):
-            ref = dtype if e.has_ref else None
             out.append(Case(e.codec, e.bits, e.block, dtype, variant, "contiguous", ref, extra=extra))
+        if e.codec == "blockwise" and e.has_ref and not extra:
+            # A weight delta's max_error bits (tw_triton.delta_bits) code fewer levels in this
+            # container: the same binary, qmax a runtime value, so its arithmetic is checked.
+            for q in ladder_qmax(e.bits):
+                for variant in ("finite", "adversarial"):
+                    out.append(
+                        Case(
+                            e.codec, e.bits, e.block, dtype, variant, "contiguous", ref, extra=(("qmax", q),)
+                        )
+                    )
     return out
+
+
+def ladder_qmax(bits: int) -> list[int]:
+    """The ``qmax`` below the container's full range that the ``max_error`` bits choice
+    codes in a ``bits`` container (3 in 4 bits; 15, 31, 63 in 8)."""
+    return [
+        qmax_for(w)
+        for w in range(2, WIDEST)
+        if container(qmax_for(w)) == bits and qmax_for(w) < qmax_for(bits)
+    ]
 
 
 def run_identity(

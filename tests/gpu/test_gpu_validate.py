@@ -565,6 +565,16 @@ def test_the_grid_is_what_the_presets_code_with_a_kernel():
         (e.codec, e.bits, e.block, getattr(torch, e.dtype), e.has_ref) for e in grid
     }
     assert {c.variant for c in cases} == {"finite", "adversarial", "nonneg"}
+    # The weight deltas' max_error widths: fewer levels in the 4- and 8-bit containers.
+    assert _identity.ladder_qmax(4) == [3] and _identity.ladder_qmax(8) == [15, 31, 63]
+    assert _identity.ladder_qmax(2) == []
+    laddered = {(c.bits, dict(c.extra)["qmax"], c.dtype) for c in cases if c.codec == "blockwise" and c.extra}
+    assert laddered == {
+        (b, q, getattr(torch, d))
+        for b in (4, 8)
+        for q in _identity.ladder_qmax(b)
+        for d in _precompile.DTYPES
+    }
 
 
 def test_the_precompile_plan_splits_the_grid_over_the_workers(tmp_path, monkeypatch):

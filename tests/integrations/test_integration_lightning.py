@@ -365,6 +365,53 @@ def test_the_callback_prepares_the_first_save_after_the_first_batch(tmp_path, mo
     assert off.prepare({"w": torch.ones(1 << 16)}) == 0
 
 
+class _StepLoss(TinyModule):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("step_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+
+def test_a_name_whose_write_is_in_flight_counts_as_taken(tmp_path, monkeypatch):
+    """ModelCheckpoint adds -v1, -v2 to a name that exists; a name whose background write
+    has not landed yet exists too, or the next checkpoint overwrites it (one file for three
+    checkpoints). The writes are held until training ends, so each name is chosen while
+    the one before is still in flight."""
+    import threading
+
+    from tw_triton import format as fmt
+
+    real, landed = fmt.write_file, threading.Event()
+
+    def held_write(qstate, path, **kw):
+        landed.wait(timeout=20)  # a safety net only: the test releases them at train end
+        return real(qstate, path, **kw)
+
+    class Release(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            landed.set()
+
+    monkeypatch.setattr(fmt, "write_file", held_write)
+    io = TwCheckpointIO(fsync=False, max_pending=8)
+    trainer, cb = make_trainer(
+        tmp_path,
+        io,
+        max_epochs=1,
+        save_last=False,
+        monitor="step_loss",
+        filename="{epoch}",
+        every_n_train_steps=1,
+    )
+    trainer.callbacks.extend([TwPrepareFirstSave(), Release()])
+    trainer.fit(_StepLoss(), loader())
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-v1.ckpt", "epoch=0.ckpt"]
+    assert {os.path.basename(p) for p in cb.best_k_models} == {"epoch=0-v1.ckpt", "epoch=0.ckpt"}
+    steps = {name: io.load_checkpoint(tmp_path / name)["global_step"] for name in os.listdir(tmp_path)}
+    assert steps == {"epoch=0.ckpt": 1, "epoch=0-v1.ckpt": 2}
+    assert "file_exists" not in vars(cb)  # given back at teardown
+
+
 def test_prepare_runs_the_full_collection_that_setup_brings_close(gc_generations):
     TwCheckpointIO(fsync=False).prepare({"w": torch.ones(1 << 16)})
     assert 2 in gc_generations

@@ -197,6 +197,28 @@ def test_convert_from_safetensors_and_torch_files(tmp_path):
     assert not (tmp_path / "f.tw").exists()
 
 
+def test_convert_reads_what_a_file_is_not_what_it_is_named(tmp_path, capsys):
+    # A safetensors file under another name (a Lightning TwCheckpointIO checkpoint is a
+    # tw_triton file named last.ckpt) was read as a torch pickle, and the refusal said that
+    # torch.load(weights_only=False) "will likely succeed".
+    save_file({"w": torch.arange(4.0)}, str(tmp_path / "weights.bin"))
+    assert run(["convert", tmp_path / "weights.bin", tmp_path / "a.tw"])[0] == EXIT_OK
+    assert torch.equal(tw_triton.load(tmp_path / "a.tw")["w"], torch.arange(4.0))
+    os.replace(tmp_path / "a.tw", tmp_path / "last.ckpt")
+    capsys.readouterr()
+    assert run(["convert", tmp_path / "last.ckpt", tmp_path / "b.tw"])[0] == EXIT_CHECKPOINT
+    err = capsys.readouterr().err
+    assert "last.ckpt is already a tw_triton checkpoint" in err and "weights_only" not in err
+    # An empty file, and a state whose keys the format cannot hold: the file is named, and why.
+    (tmp_path / "empty.pt").write_bytes(b"")
+    assert run(["convert", tmp_path / "empty.pt", tmp_path / "c.tw"])[0] == EXIT_CHECKPOINT
+    assert re.search(r"empty\.pt: .*the file is empty", capsys.readouterr().err)
+    torch.save({(1, 2): torch.ones(2)}, tmp_path / "tuple.pt")
+    assert run(["convert", tmp_path / "tuple.pt", tmp_path / "d.tw"])[0] == EXIT_CHECKPOINT
+    assert re.search(r"tuple\.pt: .*unsupported dict key \(1, 2\)", capsys.readouterr().err)
+    assert not any((tmp_path / n).exists() for n in ("b.tw", "c.tw", "d.tw"))
+
+
 class Payload:
     """A class a full pickle would instantiate; weights_only refuses it."""
 

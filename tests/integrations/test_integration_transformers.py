@@ -222,6 +222,31 @@ def test_resume_true_skips_a_newest_folder_whose_file_was_never_written(uninterr
     assert losses(trainer)[STEPS] == full_losses[STEPS]
 
 
+def test_with_save_total_limit_1_a_failed_save_does_not_cost_the_checkpoint_before_it(tmp_path, monkeypatch):
+    # Trainer deletes the older checkpoint-N folders as soon as _save_checkpoint returns.
+    # With one kept, the folder before went while the new file was still being written, so
+    # a save that never landed (a full disk here; a kill while writing alike) left nothing
+    # to resume from.
+    from tw_triton import format as fmt
+
+    real = fmt.write_file
+
+    def full_disk_at_step_4(qstate, path, **kw):
+        if os.path.basename(path).startswith("step-00000004"):
+            raise OSError(28, "No space left on device")
+        return real(qstate, path, **kw)
+
+    monkeypatch.setattr(fmt, "write_file", full_disk_at_step_4)
+    trainer = make_trainer(tmp_path, save_total_limit=1, tw_options={"fsync": False, "rules": "default"})
+    with pytest.raises(CheckpointError, match="step-00000004"):
+        trainer.train()
+    monkeypatch.undo()
+    assert load_checkpoint_state(tmp_path / "checkpoint-2")["step"] == 2
+    resumed = make_trainer(tmp_path, save_total_limit=1, tw_options={"fsync": False, "rules": "default"})
+    resumed.train(resume_from_checkpoint=True)  # passes over checkpoint-4, whose file is not there
+    assert resumed.state.global_step == STEPS
+
+
 @pytest.mark.parametrize(
     "delta,kept",
     [

@@ -191,6 +191,10 @@ class TwCheckpointMixin:
             ckpt.save(step, **self._tw_objects())
             self._tw_saved_steps.add(step)
             _write_pointer(folder, ckpt.directory, step)
+            if self.args.save_total_limit == 1:
+                # Trainer deletes the folder before this one right after it: the one
+                # checkpoint kept must be on disk first (a failed write is raised here).
+                ckpt.flush()
         # Trainer writes trainer_state.json, keeps the callbacks' states and rotates the
         # folders; its model/optimizer/scheduler/scaler/RNG writers are no-ops meanwhile.
         self._tw_in_save = True

@@ -289,6 +289,37 @@ def test_a_failed_background_write_is_raised_naming_the_file(tmp_path):
     assert io.load_checkpoint(tmp_path / "ok.ckpt") == {"a": 1}
 
 
+def test_the_checkpoint_before_goes_only_once_the_next_one_is_on_disk(tmp_path, monkeypatch, caplog):
+    # save_top_k=1 removes the older file right after the newer one's save_checkpoint
+    # returned, while it was still being written: a write that never landed (a full disk
+    # here; a kill while writing alike) left no checkpoint at all.
+    from tw_triton import format as fmt
+
+    real = fmt.write_file
+
+    def full_disk_at_step_4(qstate, path, **kw):
+        if "step=4" in os.path.basename(path):
+            raise OSError(28, "No space left on device")
+        return real(qstate, path, **kw)
+
+    monkeypatch.setattr(fmt, "write_file", full_disk_at_step_4)
+    trainer, _ = make_trainer(
+        tmp_path, TwCheckpointIO(fsync=False), max_epochs=2, save_top_k=1, save_last=False
+    )
+    with pytest.raises(CheckpointError, match=r"step=4\.ckpt"):
+        trainer.fit(TinyModule(), loader())
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["epoch=0-step=2.ckpt"]
+    assert TwCheckpointIO().load_checkpoint(tmp_path / "epoch=0-step=2.ckpt")["global_step"] == 2
+    assert "kept" in caplog.text and "epoch=0-step=2.ckpt" in caplog.text
+    # Without a failure the older one goes, after the newer one landed.
+    trainer, cb = make_trainer(
+        tmp_path / "ok", TwCheckpointIO(fsync=False), max_epochs=2, save_top_k=1, save_last=False
+    )
+    trainer.fit(TinyModule(), loader())
+    assert os.listdir(tmp_path / "ok") == ["epoch=1-step=4.ckpt"]
+
+
 def test_copies_reuse_pooled_buffers_only_after_their_write(tmp_path, monkeypatch):
     """Every save's copy goes into the pool; a buffer comes back only once its write is
     done, so files written late still hold their own values."""

@@ -18,6 +18,7 @@ The why, and the loading rules: docs/integrations.md#lightning.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import time
@@ -44,6 +45,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 WRITER = "tw_triton.integrations.lightning"
+logger = logging.getLogger(__name__)
 
 
 def _local_path(path: Any) -> str:
@@ -242,13 +244,20 @@ class TwCheckpointIO(CheckpointIO):
         self._load_into = weakref.ref(module) if module is not None else None
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` (after its pending write, if any)."""
+        """Delete the checkpoint at ``path`` (after its pending write, if any).
+
+        While a later checkpoint is still being written, ``path`` goes on the writer thread
+        once it has landed, and stays (logged) if that write fails: ``ModelCheckpoint``
+        removes the older file right after saving the newer one, and a kill or a failure
+        meanwhile must not leave no checkpoint at all.
+        """
         path = _local_path(path)
         self._wait_for(path)
-        if os.path.islink(path) or os.path.isfile(path):
-            os.unlink(path)
-        elif os.path.isdir(path):
-            shutil.rmtree(path)
+        later = [f for f in self._pending.values() if not f.done()]
+        if self._writer is None or not later:
+            _remove(path)
+            return
+        self._writer.call(functools.partial(_remove_after, path, later))
 
     def flush(self) -> None:
         """Wait for every pending write; raise a failed one's error."""
@@ -308,6 +317,22 @@ class TwCheckpointIO(CheckpointIO):
             wait_futures([future])
             if self._writer is not None:
                 self._writer.check()
+
+
+def _remove(path: str) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def _remove_after(path: str, saves: list[Future]) -> None:
+    """On the writer thread, after ``saves``: delete ``path`` unless one of them failed."""
+    failed = [f for f in saves if f.exception() is not None]
+    if failed:
+        logger.warning("kept %s: a checkpoint written after it failed (%s)", path, failed[0].exception())
+        return
+    _remove(path)
 
 
 class _TakenNames:

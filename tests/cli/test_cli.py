@@ -306,6 +306,20 @@ def test_ls_of_an_empty_or_missing_directory(tmp_path):
     assert code == EXIT_OK and "DistributedCheckpointer directory" in text
 
 
+def test_ls_of_another_writers_directory_says_where_its_checkpoints_are(tmp_path):
+    # A TwTrainer output_dir and a Lightning checkpoint directory hold tw_triton files that
+    # tw ls did not list: it said "0 checkpoints" and nothing else.
+    runs = _run_dir(tmp_path / "hf-run" / "tw_triton", saves=1)
+    code, text = run(["ls", tmp_path / "hf-run"])
+    assert code == EXIT_OK and "0 checkpoints" in text
+    assert f"TwTrainer output_dir: its checkpoints are in {runs}" in text
+    (tmp_path / "pl-run").mkdir()
+    shutil.copy(runs / "step-00000000.tw.safetensors", tmp_path / "pl-run" / "last.ckpt")
+    (tmp_path / "pl-run" / "notes.ckpt").write_bytes(b"not a checkpoint")
+    code, text = run(["ls", tmp_path / "pl-run", "--verify"])
+    assert code == EXIT_OK and "1 tw_triton file not named as a Checkpointer names them: last.ckpt" in text
+
+
 def test_help_documents_exit_codes_and_pickle_policy(capsys):
     assert main(["--help"]) == EXIT_OK
     text = capsys.readouterr().out

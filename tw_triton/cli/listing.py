@@ -65,11 +65,11 @@ def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
     if verify:
         loadable = [s for s in sorted(problems) if problems[s] is None]
         lines.append(f"latest loadable: step {loadable[-1]}" if loadable else "latest loadable: none")
+    elif found:
+        # Not an unreadable file's step: that one is known not to load.
+        lines.append(f"newest: step {max(found)} (not verified; --verify checks every file and chain)")
     elif listed:
-        lines.append(
-            f"newest: step {max(set(found) | set(unreadable))} (not verified; --verify checks every "
-            "file and chain)"
-        )
+        lines.append("newest: none whose header reads")
     return lines, all(p is None for p in problems.values())
 
 

@@ -283,6 +283,15 @@ def test_missing_file_is_a_clear_error(uninterrupted, tmp_path):
     (folder / POINTER_NAME).write_text("{not json")
     with pytest.raises(CheckpointError, match=POINTER_NAME):
         load_checkpoint_state(folder)
+    # A pointer to a directory, a folder that is not there or is a file: each said as it is.
+    pointer["file"] = os.path.relpath(src / TW_SUBDIR, folder)
+    (folder / POINTER_NAME).write_text(json.dumps(pointer))
+    with pytest.raises(CheckpointError, match="a directory, not a checkpoint file"):
+        load_checkpoint_state(folder)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        load_checkpoint_state(tmp_path / "checkpoint-99")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_checkpoint_state(folder / POINTER_NAME)
 
 
 def test_reserved_options_are_refused(tmp_path):

@@ -108,14 +108,16 @@ def load_checkpoint_state(
         CheckpointError: the folder has no (valid) ``tw_checkpoint.json``, the file it names
             is missing (e.g. deleted by retention), or the file or its keyframe is bad.
     """
+    if not os.path.isdir(checkpoint_dir):
+        why = "not a directory" if os.path.exists(checkpoint_dir) else "no such directory"
+        raise CheckpointError(f"{os.fspath(checkpoint_dir)}: {why}; expected a checkpoint-N folder")
     pointer = read_pointer(checkpoint_dir)
     if pointer is None:
         raise CheckpointError(f"{os.fspath(checkpoint_dir)}: no {POINTER_NAME}; not a TwTrainer checkpoint")
     path = pointer["path"]
     if not os.path.isfile(path):
-        raise CheckpointError(
-            f"{os.fspath(checkpoint_dir)}: {POINTER_NAME} names {path}, which does not exist"
-        )
+        why = "a directory, not a checkpoint file" if os.path.isdir(path) else "which does not exist"
+        raise CheckpointError(f"{os.fspath(checkpoint_dir)}: {POINTER_NAME} names {path}, {why}")
     if os.path.basename(path) != checkpoint_name(pointer["step"]):
         raise CheckpointError(
             f"{os.fspath(checkpoint_dir)}: {POINTER_NAME} names {path}, expected a file named "

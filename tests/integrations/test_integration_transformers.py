@@ -247,6 +247,40 @@ def test_with_save_total_limit_1_a_failed_save_does_not_cost_the_checkpoint_befo
     assert resumed.state.global_step == STEPS
 
 
+def test_with_saves_in_flight_rotation_waits_for_all_but_the_newest(tmp_path, monkeypatch):
+    # max_pending=2 lets step 6's save start while step 4's file is still being written;
+    # Trainer then deletes checkpoint-2 (save_total_limit=2 keeps 4 and 6), and a step-4
+    # write that never landed left two folders without files and nothing to resume from.
+    import threading
+
+    from tw_triton import format as fmt
+    from tw_triton.checkpointer import Checkpointer
+
+    real_write, real_save = fmt.write_file, Checkpointer.save
+    step_6_submitted = threading.Event()
+
+    def write(qstate, path, **kw):
+        if os.path.basename(path).startswith("step-00000004"):
+            step_6_submitted.wait(timeout=20)  # a safety net: the test sets it
+            raise OSError(28, "No space left on device")
+        return real_write(qstate, path, **kw)
+
+    def save(self, step, **state):
+        future = real_save(self, step, **state)
+        if step == 6:
+            step_6_submitted.set()
+        return future
+
+    monkeypatch.setattr(fmt, "write_file", write)
+    monkeypatch.setattr(Checkpointer, "save", save)
+    options = {"fsync": False, "rules": "default", "max_pending": 2, "keyframe_every": 10}
+    trainer = make_trainer(tmp_path, save_total_limit=2, tw_options=options)
+    with pytest.raises(CheckpointError, match="step-00000004"):
+        trainer.train()
+    monkeypatch.undo()
+    assert load_checkpoint_state(tmp_path / "checkpoint-2")["step"] == 2
+
+
 @pytest.mark.parametrize(
     "delta,kept",
     [

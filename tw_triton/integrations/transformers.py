@@ -22,6 +22,8 @@ import json
 import logging
 import os
 import weakref
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -108,21 +110,19 @@ def load_checkpoint_state(
         CheckpointError: the folder has no (valid) ``tw_checkpoint.json``, the file it names
             is missing (e.g. deleted by retention), or the file or its keyframe is bad.
     """
-    if not os.path.isdir(checkpoint_dir):
-        why = "not a directory" if os.path.exists(checkpoint_dir) else "no such directory"
-        raise CheckpointError(f"{os.fspath(checkpoint_dir)}: {why}; expected a checkpoint-N folder")
-    pointer = read_pointer(checkpoint_dir)
+    where = os.fspath(checkpoint_dir)
+    if not os.path.isdir(where):
+        why = "not a directory" if os.path.exists(where) else "no such directory"
+        raise CheckpointError(f"{where}: {why}; expected a checkpoint-N folder")
+    pointer = read_pointer(where)
     if pointer is None:
-        raise CheckpointError(f"{os.fspath(checkpoint_dir)}: no {POINTER_NAME}; not a TwTrainer checkpoint")
-    path = pointer["path"]
+        raise CheckpointError(f"{where}: no {POINTER_NAME}; not a TwTrainer checkpoint")
+    path, name = pointer["path"], checkpoint_name(pointer["step"])
     if not os.path.isfile(path):
         why = "a directory, not a checkpoint file" if os.path.isdir(path) else "which does not exist"
-        raise CheckpointError(f"{os.fspath(checkpoint_dir)}: {POINTER_NAME} names {path}, {why}")
-    if os.path.basename(path) != checkpoint_name(pointer["step"]):
-        raise CheckpointError(
-            f"{os.fspath(checkpoint_dir)}: {POINTER_NAME} names {path}, expected a file named "
-            f"{checkpoint_name(pointer['step'])}"
-        )
+        raise CheckpointError(f"{where}: {POINTER_NAME} names {path}, {why}")
+    if os.path.basename(path) != name:
+        raise CheckpointError(f"{where}: {POINTER_NAME} names {path}, expected a file named {name}")
     reader = Checkpointer(os.path.dirname(path), keep_last=None, async_write=False)
     try:
         return reader.load(pointer["step"], device=device, into=into)
@@ -173,6 +173,7 @@ class TwCheckpointMixin:
         self._tw_options = options
         self._tw_ckpt: Checkpointer | None = None
         self._tw_saved_steps: set[int] = set()
+        self._tw_last_save: Future | None = None
         self._tw_in_save = False
         self._tw_resume: tuple[str, dict[str, Any]] | None = None
         super().__init__(*args, **kwargs)
@@ -190,13 +191,10 @@ class TwCheckpointMixin:
             # Files of folders Trainer deleted at the last save go now: every earlier save
             # is complete by here (a listing waits), so each file's keyframe is known.
             self._tw_prune(run_dir, keep_reference=True)
-            ckpt.save(step, **self._tw_objects())
+            future = ckpt.save(step, **self._tw_objects())
             self._tw_saved_steps.add(step)
             _write_pointer(folder, ckpt.directory, step)
-            if self.args.save_total_limit == 1:
-                # Trainer deletes the folder before this one right after it: the one
-                # checkpoint kept must be on disk first (a failed write is raised here).
-                ckpt.flush()
+            self._tw_before_rotation(ckpt, future)
         # Trainer writes trainer_state.json, keeps the callbacks' states and rotates the
         # folders; its model/optimizer/scheduler/scaler/RNG writers are no-ops meanwhile.
         self._tw_in_save = True
@@ -204,6 +202,16 @@ class TwCheckpointMixin:
             super()._save_checkpoint(model, trial)
         finally:
             self._tw_in_save = False
+
+    def _tw_before_rotation(self, ckpt: Checkpointer, future: Future) -> None:
+        """What Trainer keeps when it deletes folders must hold a file on disk (see docs)."""
+        earlier, self._tw_last_save = self._tw_last_save, future
+        if self.args.save_total_limit == 1:
+            ckpt.flush()  # this save's file: the one kept
+        elif (self.args.save_total_limit or 0) > 1 and earlier is not None:
+            wait_futures([earlier])  # done already unless max_pending > 1
+            if earlier.exception() is not None:
+                ckpt.flush()  # raises it as the Checkpointer does (once, as a CheckpointError)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self._tw_in_save:

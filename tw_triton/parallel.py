@@ -91,19 +91,21 @@ def parallel_map(
     big = [i for i in range(n) if sizes is None or sizes[i] >= MIN_PARALLEL_SIZE]
     workers = min(cpu_threads() if threads is None else threads, len(big))
     if workers <= 1:
-        results = []
-        for i, item in enumerate(items):
-            results.append(fn(item))
-            if done is not None:
-                done(i)
-        return results
+        return _in_order(fn, items, done)
     order = sorted(big, key=lambda i: -sizes[i]) if sizes is not None else big
     intraop = torch.get_num_threads()
     try:
         with ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="tw_triton-cpu", initializer=_one_intraop_thread
         ) as pool:
-            futures = {i: pool.submit(fn, items[i]) for i in order}
+            try:
+                futures = {i: pool.submit(fn, items[i]) for i in order}
+            except RuntimeError as e:
+                if "interpreter shutdown" not in str(e):
+                    raise
+                # Interpreter exit has begun (the writer's exit hook finishing a save):
+                # concurrent.futures takes no new work, so the same calls run here.
+                return _in_order(fn, items, done)
             try:
                 results = []
                 for i in range(n):
@@ -121,6 +123,15 @@ def parallel_map(
         # run a torch op; the workers set it to 1, so it is put back (this thread's own
         # count is the same value: nothing changes for it).
         torch.set_num_threads(intraop)
+
+
+def _in_order(fn: Callable[[T], R], items: Sequence[T], done: Callable[[int], None] | None) -> list[R]:
+    results = []
+    for i, item in enumerate(items):
+        results.append(fn(item))
+        if done is not None:
+            done(i)
+    return results
 
 
 class Background(Generic[R]):

@@ -387,6 +387,51 @@ def test_exit_hook_finishes_or_warns(tmp_path):
     assert "not finished" in r.stderr and "late.tw.safetensors" in r.stderr
 
 
+UNCLOSED_CHECKPOINTER = """
+import sys, torch
+from tw_triton import Checkpointer
+torch.manual_seed(0)
+model = torch.nn.Linear(1024, 1024)  # 4 MiB tensors: encoded on a thread pool
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(4, 1024)).sum().backward()
+opt.step()
+ckpt = Checkpointer(sys.argv[1], fsync=False)
+ckpt.save(0, model=model, optimizer=opt)
+ckpt.save(1, model=model, optimizer=opt)
+torch.save(model.state_dict(), sys.argv[2])
+# no close(): the exit hook finishes the saves, step 1 encoded at exit
+"""
+
+
+def test_saves_a_script_leaves_unclosed_are_encoded_and_written_at_exit(tmp_path):
+    # The exit hook ran the last save's encode after concurrent.futures had stopped taking
+    # work: "cannot schedule new futures after interpreter shutdown", the file lost, a log
+    # line the only trace.
+    script = tmp_path / "unclosed.py"
+    script.write_text(textwrap.dedent(UNCLOSED_CHECKPOINTER))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TW_TRITON_THREADS="2")
+    run = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, str(script), str(run), str(tmp_path / "model.pt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "failed" not in r.stderr, r.stderr
+    from tw_triton import Checkpointer
+
+    reader = Checkpointer(run)
+    assert reader.steps() == [0, 1]
+    model = torch.nn.Linear(1024, 1024)
+    assert reader.restore(1, model=model)["step"] == 1
+    want = torch.load(tmp_path / "model.pt")
+    # Step 1 is a delta of weights that did not move since the keyframe: exact too.
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    reader.close()
+
+
 @pytest.mark.cuda
 def test_cuda_buffers_are_staged_through_a_reused_pinned_pool(tmp_path):
     states = []

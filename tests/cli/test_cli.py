@@ -197,6 +197,28 @@ def test_convert_from_safetensors_and_torch_files(tmp_path):
     assert not (tmp_path / "f.tw").exists()
 
 
+def test_convert_reads_what_a_file_is_not_what_it_is_named(tmp_path, capsys):
+    # A safetensors file under another name (a Lightning TwCheckpointIO checkpoint is a
+    # tw_triton file named last.ckpt) was read as a torch pickle, and the refusal said that
+    # torch.load(weights_only=False) "will likely succeed".
+    save_file({"w": torch.arange(4.0)}, str(tmp_path / "weights.bin"))
+    assert run(["convert", tmp_path / "weights.bin", tmp_path / "a.tw"])[0] == EXIT_OK
+    assert torch.equal(tw_triton.load(tmp_path / "a.tw")["w"], torch.arange(4.0))
+    os.replace(tmp_path / "a.tw", tmp_path / "last.ckpt")
+    capsys.readouterr()
+    assert run(["convert", tmp_path / "last.ckpt", tmp_path / "b.tw"])[0] == EXIT_CHECKPOINT
+    err = capsys.readouterr().err
+    assert "last.ckpt is already a tw_triton checkpoint" in err and "weights_only" not in err
+    # An empty file, and a state whose keys the format cannot hold: the file is named, and why.
+    (tmp_path / "empty.pt").write_bytes(b"")
+    assert run(["convert", tmp_path / "empty.pt", tmp_path / "c.tw"])[0] == EXIT_CHECKPOINT
+    assert re.search(r"empty\.pt: .*the file is empty", capsys.readouterr().err)
+    torch.save({(1, 2): torch.ones(2)}, tmp_path / "tuple.pt")
+    assert run(["convert", tmp_path / "tuple.pt", tmp_path / "d.tw"])[0] == EXIT_CHECKPOINT
+    assert re.search(r"tuple\.pt: .*unsupported dict key \(1, 2\)", capsys.readouterr().err)
+    assert not any((tmp_path / n).exists() for n in ("b.tw", "c.tw", "d.tw"))
+
+
 class Payload:
     """A class a full pickle would instantiate; weights_only refuses it."""
 
@@ -282,6 +304,20 @@ def test_ls_of_an_empty_or_missing_directory(tmp_path):
     (tmp_path / "step_00000003" / "tw_dcp.json").write_text("{}")
     code, text = run(["ls", tmp_path])
     assert code == EXIT_OK and "DistributedCheckpointer directory" in text
+
+
+def test_ls_of_another_writers_directory_says_where_its_checkpoints_are(tmp_path):
+    # A TwTrainer output_dir and a Lightning checkpoint directory hold tw_triton files that
+    # tw ls did not list: it said "0 checkpoints" and nothing else.
+    runs = _run_dir(tmp_path / "hf-run" / "tw_triton", saves=1)
+    code, text = run(["ls", tmp_path / "hf-run"])
+    assert code == EXIT_OK and "0 checkpoints" in text
+    assert f"TwTrainer output_dir: its checkpoints are in {runs}" in text
+    (tmp_path / "pl-run").mkdir()
+    shutil.copy(runs / "step-00000000.tw.safetensors", tmp_path / "pl-run" / "last.ckpt")
+    (tmp_path / "pl-run" / "notes.ckpt").write_bytes(b"not a checkpoint")
+    code, text = run(["ls", tmp_path / "pl-run", "--verify"])
+    assert code == EXIT_OK and "1 tw_triton file not named as a Checkpointer names them: last.ckpt" in text
 
 
 def test_help_documents_exit_codes_and_pickle_policy(capsys):

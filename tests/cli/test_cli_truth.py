@@ -230,6 +230,8 @@ def test_ls_shows_a_truncated_newest_checkpoint_and_exits_1(tmp_path):
     # Without --verify the file is listed too, and why it cannot be read is said.
     code, text = run(["ls", d])
     assert code == EXIT_OK and "unreadable" in text and "step 2: its header cannot be read" in text
+    # ... and the newest checkpoint it names is one whose header reads, not step 2.
+    assert "newest: step 1 (not verified" in text
 
 
 def test_ls_names_a_truncated_keyframe_as_truncated_not_missing(tmp_path):

@@ -191,6 +191,15 @@ def test_appended_bytes_raise(tmp_path, good):
 # --------------------------------------------------------------------------------------
 
 
+def test_a_torch_save_file_is_named_as_one_not_as_a_truncated_checkpoint(tmp_path):
+    # A stock Lightning .ckpt given to TwCheckpointIO, or a .pt to tw inspect: the message
+    # said "header length 578712552184433488 ... (truncated or not a safetensors file)".
+    torch.save({"w": torch.ones(3)}, tmp_path / "zip.pt")
+    torch.save({"w": torch.ones(3)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    expect_error(tmp_path, (tmp_path / "zip.pt").read_bytes(), r"a zip archive \(what torch\.save writes\)")
+    expect_error(tmp_path, (tmp_path / "legacy.pt").read_bytes(), r"a pickle \(torch\.save's legacy format\)")
+
+
 @pytest.mark.parametrize("n", [2**64 - 1, 2**63, 2**40, 10**9])
 def test_header_length_larger_than_the_file(tmp_path, good, n):
     expect_error(tmp_path, struct.pack("<Q", n) + good[1][8:], "header length")

@@ -17,8 +17,8 @@ from tw_triton.integrations.accelerate import load_state, save_state  # noqa: E4
 STEPS = 6
 
 
-def setup(seed: int = 0):
-    accelerator = Accelerator(cpu=True)
+def setup(seed: int = 0, accumulate: int = 1):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Dropout(0.1), torch.nn.Linear(128, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -34,15 +34,21 @@ def batch(step: int):
 
 
 def train(accelerator, model, opt, sched, steps, ckpt=None, save_at=()):
+    """Returns the batches after which the optimizer stepped."""
+    stepped = []
     for step in steps:
         x, y = batch(step)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        accelerator.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if accelerator.sync_gradients:
+            stepped.append(step)
         if step in save_at:
             save_state(accelerator, ckpt, step, model=model, optimizer=opt, scheduler=sched)
+    return stepped
 
 
 def test_checkpointer_route_resumes_bit_for_bit(tmp_path):
@@ -84,6 +90,23 @@ def test_a_prepared_optimizer_is_recorded_and_checked_as_the_one_it_wraps(tmp_pa
         acc2, tw_triton.Checkpointer(tmp_path), model=model2, optimizer=sgd, allow_optimizer_mismatch=True
     )
     assert set(sgd.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_a_resume_keeps_the_phase_of_gradient_accumulation(tmp_path):
+    # With 2 batches per optimizer step the accelerator counts batches (accelerator.step,
+    # which accelerate's own save_state keeps) to know which ones step. A save after batch
+    # 2 falls between two steps: a resume that counted from 0 again would step after
+    # batches 4 and 6 where the uninterrupted run steps after 3 and 5.
+    acc, model, opt, sched = setup(accumulate=2)
+    ckpt = tw_triton.Checkpointer(tmp_path, keyframe_every=1, rules="default", fsync=False)
+    stepped = train(acc, model, opt, sched, range(STEPS + 1), ckpt, save_at={2})
+    ckpt.close()
+    assert stepped == [1, 3, 5]
+
+    acc2, model2, opt2, sched2 = setup(seed=99, accumulate=2)
+    state = load_state(acc2, tw_triton.Checkpointer(tmp_path), model=model2, optimizer=opt2, scheduler=sched2)
+    assert state["step"] == 2 and acc2.step == 3  # batches 0, 1 and 2 counted
+    assert train(acc2, model2, opt2, sched2, range(3, STEPS + 1)) == [3, 5]
 
 
 class Counter:

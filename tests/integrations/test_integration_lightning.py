@@ -289,6 +289,37 @@ def test_a_failed_background_write_is_raised_naming_the_file(tmp_path):
     assert io.load_checkpoint(tmp_path / "ok.ckpt") == {"a": 1}
 
 
+def test_the_checkpoint_before_goes_only_once_the_next_one_is_on_disk(tmp_path, monkeypatch, caplog):
+    # save_top_k=1 removes the older file right after the newer one's save_checkpoint
+    # returned, while it was still being written: a write that never landed (a full disk
+    # here; a kill while writing alike) left no checkpoint at all.
+    from tw_triton import format as fmt
+
+    real = fmt.write_file
+
+    def full_disk_at_step_4(qstate, path, **kw):
+        if "step=4" in os.path.basename(path):
+            raise OSError(28, "No space left on device")
+        return real(qstate, path, **kw)
+
+    monkeypatch.setattr(fmt, "write_file", full_disk_at_step_4)
+    trainer, _ = make_trainer(
+        tmp_path, TwCheckpointIO(fsync=False), max_epochs=2, save_top_k=1, save_last=False
+    )
+    with pytest.raises(CheckpointError, match=r"step=4\.ckpt"):
+        trainer.fit(TinyModule(), loader())
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["epoch=0-step=2.ckpt"]
+    assert TwCheckpointIO().load_checkpoint(tmp_path / "epoch=0-step=2.ckpt")["global_step"] == 2
+    assert "kept" in caplog.text and "epoch=0-step=2.ckpt" in caplog.text
+    # Without a failure the older one goes, after the newer one landed.
+    trainer, cb = make_trainer(
+        tmp_path / "ok", TwCheckpointIO(fsync=False), max_epochs=2, save_top_k=1, save_last=False
+    )
+    trainer.fit(TinyModule(), loader())
+    assert os.listdir(tmp_path / "ok") == ["epoch=1-step=4.ckpt"]
+
+
 def test_copies_reuse_pooled_buffers_only_after_their_write(tmp_path, monkeypatch):
     """Every save's copy goes into the pool; a buffer comes back only once its write is
     done, so files written late still hold their own values."""
@@ -363,6 +394,53 @@ def test_the_callback_prepares_the_first_save_after_the_first_batch(tmp_path, mo
     assert io.prepare({"w": torch.ones(4)}) == 0  # too small to pool: nothing to reserve
     off = TwCheckpointIO(snapshot_pool_bytes=0)
     assert off.prepare({"w": torch.ones(1 << 16)}) == 0
+
+
+class _StepLoss(TinyModule):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("step_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+
+def test_a_name_whose_write_is_in_flight_counts_as_taken(tmp_path, monkeypatch):
+    """ModelCheckpoint adds -v1, -v2 to a name that exists; a name whose background write
+    has not landed yet exists too, or the next checkpoint overwrites it (one file for three
+    checkpoints). The writes are held until training ends, so each name is chosen while
+    the one before is still in flight."""
+    import threading
+
+    from tw_triton import format as fmt
+
+    real, landed = fmt.write_file, threading.Event()
+
+    def held_write(qstate, path, **kw):
+        landed.wait(timeout=20)  # a safety net only: the test releases them at train end
+        return real(qstate, path, **kw)
+
+    class Release(pl.Callback):
+        def on_train_end(self, trainer, pl_module):
+            landed.set()
+
+    monkeypatch.setattr(fmt, "write_file", held_write)
+    io = TwCheckpointIO(fsync=False, max_pending=8)
+    trainer, cb = make_trainer(
+        tmp_path,
+        io,
+        max_epochs=1,
+        save_last=False,
+        monitor="step_loss",
+        filename="{epoch}",
+        every_n_train_steps=1,
+    )
+    trainer.callbacks.extend([TwPrepareFirstSave(), Release()])
+    trainer.fit(_StepLoss(), loader())
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-v1.ckpt", "epoch=0.ckpt"]
+    assert {os.path.basename(p) for p in cb.best_k_models} == {"epoch=0-v1.ckpt", "epoch=0.ckpt"}
+    steps = {name: io.load_checkpoint(tmp_path / name)["global_step"] for name in os.listdir(tmp_path)}
+    assert steps == {"epoch=0.ckpt": 1, "epoch=0-v1.ckpt": 2}
+    assert "file_exists" not in vars(cb)  # given back at teardown
 
 
 def test_prepare_runs_the_full_collection_that_setup_brings_close(gc_generations):

@@ -222,6 +222,65 @@ def test_resume_true_skips_a_newest_folder_whose_file_was_never_written(uninterr
     assert losses(trainer)[STEPS] == full_losses[STEPS]
 
 
+def test_with_save_total_limit_1_a_failed_save_does_not_cost_the_checkpoint_before_it(tmp_path, monkeypatch):
+    # Trainer deletes the older checkpoint-N folders as soon as _save_checkpoint returns.
+    # With one kept, the folder before went while the new file was still being written, so
+    # a save that never landed (a full disk here; a kill while writing alike) left nothing
+    # to resume from.
+    from tw_triton import format as fmt
+
+    real = fmt.write_file
+
+    def full_disk_at_step_4(qstate, path, **kw):
+        if os.path.basename(path).startswith("step-00000004"):
+            raise OSError(28, "No space left on device")
+        return real(qstate, path, **kw)
+
+    monkeypatch.setattr(fmt, "write_file", full_disk_at_step_4)
+    trainer = make_trainer(tmp_path, save_total_limit=1, tw_options={"fsync": False, "rules": "default"})
+    with pytest.raises(CheckpointError, match="step-00000004"):
+        trainer.train()
+    monkeypatch.undo()
+    assert load_checkpoint_state(tmp_path / "checkpoint-2")["step"] == 2
+    resumed = make_trainer(tmp_path, save_total_limit=1, tw_options={"fsync": False, "rules": "default"})
+    resumed.train(resume_from_checkpoint=True)  # passes over checkpoint-4, whose file is not there
+    assert resumed.state.global_step == STEPS
+
+
+def test_with_saves_in_flight_rotation_waits_for_all_but_the_newest(tmp_path, monkeypatch):
+    # max_pending=2 lets step 6's save start while step 4's file is still being written;
+    # Trainer then deletes checkpoint-2 (save_total_limit=2 keeps 4 and 6), and a step-4
+    # write that never landed left two folders without files and nothing to resume from.
+    import threading
+
+    from tw_triton import format as fmt
+    from tw_triton.checkpointer import Checkpointer
+
+    real_write, real_save = fmt.write_file, Checkpointer.save
+    step_6_submitted = threading.Event()
+
+    def write(qstate, path, **kw):
+        if os.path.basename(path).startswith("step-00000004"):
+            step_6_submitted.wait(timeout=20)  # a safety net: the test sets it
+            raise OSError(28, "No space left on device")
+        return real_write(qstate, path, **kw)
+
+    def save(self, step, **state):
+        future = real_save(self, step, **state)
+        if step == 6:
+            step_6_submitted.set()
+        return future
+
+    monkeypatch.setattr(fmt, "write_file", write)
+    monkeypatch.setattr(Checkpointer, "save", save)
+    options = {"fsync": False, "rules": "default", "max_pending": 2, "keyframe_every": 10}
+    trainer = make_trainer(tmp_path, save_total_limit=2, tw_options=options)
+    with pytest.raises(CheckpointError, match="step-00000004"):
+        trainer.train()
+    monkeypatch.undo()
+    assert load_checkpoint_state(tmp_path / "checkpoint-2")["step"] == 2
+
+
 @pytest.mark.parametrize(
     "delta,kept",
     [
@@ -258,6 +317,15 @@ def test_missing_file_is_a_clear_error(uninterrupted, tmp_path):
     (folder / POINTER_NAME).write_text("{not json")
     with pytest.raises(CheckpointError, match=POINTER_NAME):
         load_checkpoint_state(folder)
+    # A pointer to a directory, a folder that is not there or is a file: each said as it is.
+    pointer["file"] = os.path.relpath(src / TW_SUBDIR, folder)
+    (folder / POINTER_NAME).write_text(json.dumps(pointer))
+    with pytest.raises(CheckpointError, match="a directory, not a checkpoint file"):
+        load_checkpoint_state(folder)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        load_checkpoint_state(tmp_path / "checkpoint-99")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_checkpoint_state(folder / POINTER_NAME)
 
 
 def test_reserved_options_are_refused(tmp_path):

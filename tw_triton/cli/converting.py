@@ -10,7 +10,7 @@ from typing import Any, TextIO
 import torch
 
 from ..codecs import get_codec
-from ..errors import TwTritonError
+from ..errors import QuantizationError, TwTritonError
 from ..lowbit import installed_classes
 from ..state import quantize_state_dict, save
 from .exits import EXIT_OK, UsageError, refuse_overwrite
@@ -21,13 +21,25 @@ class ConvertError(TwTritonError):
     """An input of ``tw convert`` that cannot be read."""
 
 
+def _looks_like_safetensors(path: str) -> bool:
+    """Whether ``path`` starts as a safetensors file does (an 8-byte header length that
+    fits the file, then a JSON object); a torch file starts with a zip or pickle magic."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return head[8:9] == b"{" and 0 < n <= os.path.getsize(path) - 8
+
+
 def read_input(path: str) -> Any:
-    """The state in ``path``: a .safetensors file, or a weights-only torch checkpoint.
+    """The state in ``path``: a safetensors file (by its name or its first bytes), or a
+    weights-only torch checkpoint.
 
     Raises:
         ConvertError: not readable as either, or already a tw_triton checkpoint.
     """
-    if path.endswith(".safetensors"):
+    if path.endswith(".safetensors") or _looks_like_safetensors(path):
         from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file
 
@@ -52,7 +64,8 @@ def read_input(path: str) -> Any:
         with torch.serialization.safe_globals(installed_classes()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        raise ConvertError(f"{path}: not a weights-only torch checkpoint: {e}") from e
+        why = str(e) or ("the file is empty" if os.path.getsize(path) == 0 else type(e).__name__)
+        raise ConvertError(f"{path}: not a weights-only torch checkpoint: {why}") from e
 
 
 def run_convert(args: argparse.Namespace, out: TextIO) -> int:
@@ -62,14 +75,7 @@ def run_convert(args: argparse.Namespace, out: TextIO) -> int:
     state = read_input(args.input)
     bar = ProgressBar("convert")
     try:
-        qstate = quantize_state_dict(
-            state,
-            reference=args.reference,
-            rules=rules,
-            bits=8 if args.bits is None else args.bits,
-            block=128 if args.block is None else args.block,
-            progress=bar,
-        )
+        qstate = _quantize(args, state, rules, bar)
     finally:
         bar.close()
     size = save(qstate, args.output)
@@ -82,6 +88,21 @@ def run_convert(args: argparse.Namespace, out: TextIO) -> int:
     )
     say(_loss_line(qstate, rules), out)
     return EXIT_OK
+
+
+def _quantize(args: argparse.Namespace, state: Any, rules: str, bar: ProgressBar) -> Any:
+    """``state`` encoded; an error of the state names the input file."""
+    try:
+        return quantize_state_dict(
+            state,
+            reference=args.reference,
+            rules=rules,
+            bits=8 if args.bits is None else args.bits,
+            block=128 if args.block is None else args.block,
+            progress=bar,
+        )
+    except QuantizationError as e:
+        raise ConvertError(f"{args.input}: cannot be stored: {e}") from e
 
 
 def convert_rules(args: argparse.Namespace) -> str:

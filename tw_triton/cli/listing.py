@@ -54,11 +54,8 @@ def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
         lines += [
             f"step {step}: its header cannot be read: {why}" for step, (_, why) in sorted(unreadable.items())
         ]
-    if not listed and _looks_distributed(directory):
-        lines.append(
-            "this looks like a DistributedCheckpointer directory (step_*/ folders with "
-            "tw_dcp.json): tw ls lists the files of a Checkpointer"
-        )
+    if not listed:
+        lines += _other_writers(directory)
     temps = d.temp_files()
     if temps:
         lines.append(
@@ -68,11 +65,11 @@ def list_lines(directory: str, *, verify: bool) -> tuple[list[str], bool]:
     if verify:
         loadable = [s for s in sorted(problems) if problems[s] is None]
         lines.append(f"latest loadable: step {loadable[-1]}" if loadable else "latest loadable: none")
+    elif found:
+        # Not an unreadable file's step: that one is known not to load.
+        lines.append(f"newest: step {max(found)} (not verified; --verify checks every file and chain)")
     elif listed:
-        lines.append(
-            f"newest: step {max(set(found) | set(unreadable))} (not verified; --verify checks every "
-            "file and chain)"
-        )
+        lines.append("newest: none whose header reads")
     return lines, all(p is None for p in problems.values())
 
 
@@ -109,6 +106,38 @@ def _reference_cell(
     if not isinstance(step, int) or isinstance(step, bool):
         return f"missing {info.reference_id}"
     return f"step {step} (unreadable)" if step in unreadable else f"missing: step {step}"
+
+
+def _other_writers(directory: str) -> list[str]:
+    """Where the checkpoints are in a directory another writer of tw_triton files made (a
+    DistributedCheckpointer's, a TwTrainer output_dir, a Lightning checkpoint directory)."""
+    if _looks_distributed(directory):
+        return [
+            "this looks like a DistributedCheckpointer directory (step_*/ folders with "
+            "tw_dcp.json): tw ls lists the files of a Checkpointer"
+        ]
+    sub = os.path.join(directory, "tw_triton")
+    if os.path.isdir(sub) and any(parse_checkpoint_name(n) is not None for n in os.listdir(sub)):
+        return [f"this looks like a TwTrainer output_dir: its checkpoints are in {sub} (tw ls {sub})"]
+    named = [n for n in sorted(os.listdir(directory)) if _is_checkpoint_file(os.path.join(directory, n))]
+    if not named:
+        return []
+    shown = ", ".join(named[:3]) + (", ..." if len(named) > 3 else "")
+    return [
+        f"{plural(len(named), 'tw_triton file', 'tw_triton files')} not named as a Checkpointer "
+        f"names them: {shown} (tw inspect / tw verify each)"
+    ]
+
+
+def _is_checkpoint_file(path: str) -> bool:
+    """Whether ``path`` is a file whose header reads as a tw_triton checkpoint's."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        read_manifest(path)
+    except (TwTritonError, OSError):
+        return False
+    return True
 
 
 def _looks_distributed(directory: str) -> bool:

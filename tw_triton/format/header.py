@@ -103,8 +103,19 @@ def read_layout(f: BinaryIO, path: str) -> Layout:
         raise CheckpointError(
             f"checkpoint {path}: file is {file_size} bytes, too short for the 8-byte header length"
         )
-    (header_len,) = struct.unpack("<Q", _read_exact(f, 8, path, "the header length"))
+    head = _read_exact(f, 8, path, "the header length")
+    (header_len,) = struct.unpack("<Q", head)
     if header_len > file_size - 8:
+        if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+            what = (
+                "a zip archive (what torch.save writes)"
+                if head[:1] == b"P"
+                else "a pickle (torch.save's legacy format)"
+            )
+            raise CheckpointError(
+                f"checkpoint {path}: the file is {what}, not a tw_triton checkpoint (a safetensors "
+                "file); `tw convert` makes one from a weights-only torch file"
+            )
         raise CheckpointError(
             f"checkpoint {path}: header length {header_len} is larger than the "
             f"{file_size - 8} bytes that follow it (truncated or not a safetensors file)"

@@ -10,7 +10,7 @@ Checkpointer instead::
 :func:`save_state` and :func:`load_state` unwrap modules and add the grad scaler of a
 mixed-precision accelerator and the objects registered with
 ``accelerator.register_for_checkpointing`` (as ``custom_checkpoint_<i>``, accelerate's own
-names); single process only (else a :class:`~tw_triton.errors.TwTritonError`). The why:
+names) and the accelerator's batch counter (``accelerator_step``); single process only (else a :class:`~tw_triton.errors.TwTritonError`). The why:
 docs/integrations.md#accelerate.
 """
 
@@ -29,6 +29,9 @@ require("accelerate", "hf")
 
 SCALER_NAME = "scaler"
 CUSTOM_PREFIX = "custom_checkpoint_"
+# accelerate's batch counter (accelerator.step), which accelerate's own save_state keeps:
+# with gradient accumulation it decides which batches step the optimizer.
+STEP_NAME = "accelerator_step"
 
 
 def _check_single_process(accelerator: Any) -> None:
@@ -58,18 +61,21 @@ def _objects(accelerator: Any, objects: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_state(accelerator: Any, checkpointer: Checkpointer, step: int, **objects: Any) -> Future:
-    """Save ``objects`` (modules unwrapped), the accelerator's grad scaler and registered
-    objects at ``step``.
+    """Save ``objects`` (modules unwrapped), the accelerator's grad scaler, registered
+    objects and batch counter at ``step``.
 
     Returns:
         The Checkpointer's Future (resolves when the file is written).
 
     Raises:
-        TwTritonError: more than one process, or a name clash with ``scaler`` or
-            ``custom_checkpoint_<i>``.
+        TwTritonError: more than one process, or a name clash with ``scaler``,
+            ``custom_checkpoint_<i>`` or ``accelerator_step``.
     """
     _check_single_process(accelerator)
-    return checkpointer.save(step, **_objects(accelerator, objects))
+    objects = _objects(accelerator, objects)
+    if STEP_NAME in objects:
+        raise TwTritonError(f"{STEP_NAME!r} is the accelerator's batch counter here; use another name")
+    return checkpointer.save(step, **objects, **{STEP_NAME: int(accelerator.step)})
 
 
 def load_state(
@@ -80,9 +86,10 @@ def load_state(
     allow_optimizer_mismatch: bool = False,
     **objects: Any,
 ) -> dict[str, Any]:
-    """Restore ``objects`` (and the grad scaler, registered objects, RNG states) from
-    ``step`` (default: latest). ``allow_optimizer_mismatch``: as for
-    :meth:`Checkpointer.restore` (the prepared optimizer's class is that of the one it wraps).
+    """Restore ``objects`` (and the grad scaler, registered objects, RNG states and the
+    accelerator's batch counter) from ``step`` (default: latest). ``allow_optimizer_mismatch``:
+    as for :meth:`Checkpointer.restore` (the prepared optimizer's class is that of the one it
+    wraps).
 
     Returns:
         The loaded state, as :meth:`Checkpointer.restore` (``state["step"]``, ...).
@@ -93,9 +100,13 @@ def load_state(
     """
     _check_single_process(accelerator)
     objects = _objects(accelerator, objects)
-    return checkpointer.restore(
+    state = checkpointer.restore(
         step, device=accelerator.device, allow_optimizer_mismatch=allow_optimizer_mismatch, **objects
     )
+    counter = state.get(STEP_NAME)
+    if isinstance(counter, int) and not isinstance(counter, bool):
+        accelerator.step = counter  # files saved before it was kept leave it as it is
+    return state
 
 
 __all__ = ["save_state", "load_state"]

@@ -18,6 +18,7 @@ The why, and the loading rules: docs/integrations.md#lightning.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import time
@@ -41,9 +42,10 @@ from . import require
 
 require("lightning", "lightning")
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 WRITER = "tw_triton.integrations.lightning"
+logger = logging.getLogger(__name__)
 
 
 def _local_path(path: Any) -> str:
@@ -223,6 +225,16 @@ class TwCheckpointIO(CheckpointIO):
             raise CheckpointError(f"{path}: not a Lightning checkpoint (expected a dict at the top)")
         return state
 
+    def writing(self, path: Any) -> bool:
+        """Whether a save to ``path`` is still being written in the background: the file
+        is not there yet, but the name is taken (:class:`TwPrepareFirstSave` tells
+        ``ModelCheckpoint`` so)."""
+        text = os.fspath(path)
+        if "://" in text:
+            return False  # never written by this plugin
+        target = os.path.abspath(text)
+        return any(not f.done() and os.path.abspath(p) == target for p, f in list(self._pending.items()))
+
     def load_into(self, module: Any | None) -> None:
         """Let the next :meth:`load_checkpoint` decode the checkpoint's ``state_dict`` into
         ``module``'s own CPU tensors where they fit (as
@@ -232,13 +244,20 @@ class TwCheckpointIO(CheckpointIO):
         self._load_into = weakref.ref(module) if module is not None else None
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` (after its pending write, if any)."""
+        """Delete the checkpoint at ``path`` (after its pending write, if any).
+
+        While a later checkpoint is still being written, ``path`` goes on the writer thread
+        once it has landed, and stays (logged) if that write fails: ``ModelCheckpoint``
+        removes the older file right after saving the newer one, and a kill or a failure
+        meanwhile must not leave no checkpoint at all.
+        """
         path = _local_path(path)
         self._wait_for(path)
-        if os.path.islink(path) or os.path.isfile(path):
-            os.unlink(path)
-        elif os.path.isdir(path):
-            shutil.rmtree(path)
+        later = [f for f in self._pending.values() if not f.done()]
+        if self._writer is None or not later:
+            _remove(path)
+            return
+        self._writer.call(functools.partial(_remove_after, path, later))
 
     def flush(self) -> None:
         """Wait for every pending write; raise a failed one's error."""
@@ -300,10 +319,44 @@ class TwCheckpointIO(CheckpointIO):
                 self._writer.check()
 
 
+def _remove(path: str) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def _remove_after(path: str, saves: list[Future]) -> None:
+    """On the writer thread, after ``saves``: delete ``path`` unless one of them failed."""
+    failed = [f for f in saves if f.exception() is not None]
+    if failed:
+        logger.warning("kept %s: a checkpoint written after it failed (%s)", path, failed[0].exception())
+        return
+    _remove(path)
+
+
+class _TakenNames:
+    """``ModelCheckpoint.file_exists`` that also counts a name whose write is in flight,
+    so that the checkpoint after it gets ``-v1`` instead of overwriting it."""
+
+    def __init__(self, exists: Any, io: TwCheckpointIO) -> None:
+        self._exists = exists
+        self._io = weakref.ref(io)
+
+    def __call__(self, filepath: Any, trainer: Any) -> bool:
+        io = self._io()
+        return self._exists(filepath, trainer) or (io is not None and io.writing(filepath))
+
+
 class TwPrepareFirstSave(Callback):
     """Fills a :class:`TwCheckpointIO`'s snapshot pool after the first training batch of a
     fit (the optimizer creates its state in that batch's step), so the first checkpoint
     pauses training no longer than the later ones. Does nothing with another plugin.
+
+    It also shows ``ModelCheckpoint`` the names whose writes are still in flight as taken
+    (from ``setup`` to ``teardown``): its version counter looks for existing files, and
+    without that a second checkpoint under the same name (``filename="{epoch}"`` saved
+    every few steps) would overwrite the first before it landed.
 
     It also lets a resume decode into the module: in ``setup``, which Lightning runs just
     before it restores ``ckpt_path``, it hands the module to
@@ -318,6 +371,14 @@ class TwPrepareFirstSave(Callback):
         io = trainer.strategy.checkpoint_io
         if isinstance(io, TwCheckpointIO):
             io.load_into(pl_module)
+            for cb in trainer.checkpoint_callbacks:
+                if isinstance(cb, ModelCheckpoint) and "file_exists" not in vars(cb):
+                    cb.file_exists = _TakenNames(cb.file_exists, io)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(vars(cb).get("file_exists"), _TakenNames):
+                del cb.file_exists
 
     def _end_hand_over(self, trainer: Any) -> None:
         io = trainer.strategy.checkpoint_io

@@ -18,10 +18,11 @@ needs. DeepSpeed, FSDP and multi-process runs are refused with a
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import weakref
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from ..optimizer_classes import check_file
 from ..rng import restore_rng_state
 from ..rules import check_rules
 from . import require
+from .hf_pointer import POINTER_NAME, read_pointer, write_pointer
 
 require("transformers", "hf")
 require("accelerate", "hf")  # Trainer cannot run without it
@@ -44,55 +46,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 logger = logging.getLogger(__name__)
 
 TW_SUBDIR = "tw_triton"
-POINTER_NAME = "tw_checkpoint.json"
-POINTER_FORMAT = "tw_triton.hf_trainer"
-POINTER_VERSION = 1
 # What a resume refused for another optimizer class (optimizer_classes) tells the user to do.
 RESUME_ADVICE = (
     "resume with the optimizer the run was saved with (TrainingArguments.optim), or start a new "
     "run from the weights alone (load_checkpoint_state(folder)['model']), without resume_from_checkpoint"
 )
-
-
-def read_pointer(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The ``tw_checkpoint.json`` of a ``checkpoint-N`` folder, or ``None`` if it has none.
-
-    The returned dict has ``step`` and ``path`` (the tw_triton file, absolute).
-
-    Raises:
-        CheckpointError: the pointer exists but is malformed.
-    """
-    where = os.path.join(os.fspath(checkpoint_dir), POINTER_NAME)
-    if not os.path.isfile(where):
-        return None
-    try:
-        with open(where, encoding="utf-8") as f:
-            data = json.load(f)
-        if data.get("format") != POINTER_FORMAT or data.get("version") != POINTER_VERSION:
-            raise ValueError(f"format {data.get('format')!r} v{data.get('version')!r}")
-        step = data["step"]
-        rel = data["file"]
-        if not isinstance(step, int) or isinstance(step, bool) or not isinstance(rel, str):
-            raise ValueError("'step' must be an int and 'file' a string")
-    except (OSError, ValueError, KeyError, AttributeError) as e:
-        raise CheckpointError(
-            f"{where}: not a valid tw_triton checkpoint pointer (expected JSON with format "
-            f"{POINTER_FORMAT!r} v{POINTER_VERSION}, 'step' and 'file'): {e}"
-        ) from e
-    path = os.path.normpath(os.path.join(os.fspath(checkpoint_dir), rel))
-    return {"step": step, "path": path}
-
-
-def _write_pointer(checkpoint_dir: str, tw_dir: str, step: int) -> None:
-    os.makedirs(checkpoint_dir, exist_ok=True)
-    rel = os.path.relpath(os.path.join(tw_dir, checkpoint_name(step)), checkpoint_dir)
-    data = {"format": POINTER_FORMAT, "version": POINTER_VERSION, "step": step, "file": rel}
-    final = os.path.join(checkpoint_dir, POINTER_NAME)
-    tmp = final + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, final)
 
 
 def load_checkpoint_state(
@@ -114,19 +72,19 @@ def load_checkpoint_state(
         CheckpointError: the folder has no (valid) ``tw_checkpoint.json``, the file it names
             is missing (e.g. deleted by retention), or the file or its keyframe is bad.
     """
-    pointer = read_pointer(checkpoint_dir)
+    where = os.fspath(checkpoint_dir)
+    if not os.path.isdir(where):
+        why = "not a directory" if os.path.exists(where) else "no such directory"
+        raise CheckpointError(f"{where}: {why}; expected a checkpoint-N folder")
+    pointer = read_pointer(where)
     if pointer is None:
-        raise CheckpointError(f"{os.fspath(checkpoint_dir)}: no {POINTER_NAME}; not a TwTrainer checkpoint")
-    path = pointer["path"]
+        raise CheckpointError(f"{where}: no {POINTER_NAME}; not a TwTrainer checkpoint")
+    path, name = pointer["path"], checkpoint_name(pointer["step"])
     if not os.path.isfile(path):
-        raise CheckpointError(
-            f"{os.fspath(checkpoint_dir)}: {POINTER_NAME} names {path}, which does not exist"
-        )
-    if os.path.basename(path) != checkpoint_name(pointer["step"]):
-        raise CheckpointError(
-            f"{os.fspath(checkpoint_dir)}: {POINTER_NAME} names {path}, expected a file named "
-            f"{checkpoint_name(pointer['step'])}"
-        )
+        why = "a directory, not a checkpoint file" if os.path.isdir(path) else "which does not exist"
+        raise CheckpointError(f"{where}: {POINTER_NAME} names {path}, {why}")
+    if os.path.basename(path) != name:
+        raise CheckpointError(f"{where}: {POINTER_NAME} names {path}, expected a file named {name}")
     reader = Checkpointer(os.path.dirname(path), keep_last=None, async_write=False)
     try:
         return reader.load(pointer["step"], device=device, into=into)
@@ -177,6 +135,7 @@ class TwCheckpointMixin:
         self._tw_options = options
         self._tw_ckpt: Checkpointer | None = None
         self._tw_saved_steps: set[int] = set()
+        self._tw_last_save: Future | None = None
         self._tw_in_save = False
         self._tw_resume: tuple[str, dict[str, Any]] | None = None
         super().__init__(*args, **kwargs)
@@ -194,9 +153,10 @@ class TwCheckpointMixin:
             # Files of folders Trainer deleted at the last save go now: every earlier save
             # is complete by here (a listing waits), so each file's keyframe is known.
             self._tw_prune(run_dir, keep_reference=True)
-            ckpt.save(step, **self._tw_objects())
+            future = ckpt.save(step, **self._tw_objects())
             self._tw_saved_steps.add(step)
-            _write_pointer(folder, ckpt.directory, step)
+            write_pointer(folder, ckpt.directory, step)
+            self._tw_before_rotation(ckpt, future)
         # Trainer writes trainer_state.json, keeps the callbacks' states and rotates the
         # folders; its model/optimizer/scheduler/scaler/RNG writers are no-ops meanwhile.
         self._tw_in_save = True
@@ -204,6 +164,16 @@ class TwCheckpointMixin:
             super()._save_checkpoint(model, trial)
         finally:
             self._tw_in_save = False
+
+    def _tw_before_rotation(self, ckpt: Checkpointer, future: Future) -> None:
+        """What Trainer keeps when it deletes folders must hold a file on disk (see docs)."""
+        earlier, self._tw_last_save = self._tw_last_save, future
+        if self.args.save_total_limit == 1:
+            ckpt.flush()  # this save's file: the one kept
+        elif (self.args.save_total_limit or 0) > 1 and earlier is not None:
+            wait_futures([earlier])  # done already unless max_pending > 1
+            if earlier.exception() is not None:
+                ckpt.flush()  # raises it as the Checkpointer does (once, as a CheckpointError)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self._tw_in_save:

@@ -43,7 +43,6 @@ from .deltas import delta_mode
 from .device_memory import bound_of, held_nbytes
 from .directory_claim import DirectoryClaim
 from .errors import CheckpointError, TwTritonError
-from .interval_rules import counted_from, is_auto
 from .optimizer_classes import LOAD_ADVICE, check_file, class_record, targets_of
 from .reference_chain import ReferenceChain, leaves
 from .resume import as_step, check_restorable, default_device, load_from, named_state, restore_into
@@ -200,8 +199,7 @@ class Checkpointer:
                 self._chain.drop_if_lost()
                 raise
         self._retain(saving=step)
-        if self._pipeline.last_step is None and is_auto(self.rules):  # the first save's interval
-            self._pipeline.last_step = counted_from(step, self._dir.written_steps())
+        self._pipeline.count_first_interval(step, self._dir.written_steps)
         tree: dict[str, Any] = {"step": step, **named, "rng": capture_rng_state()}
         if self._seeded:  # the first save after a restore: does the state fit it?
             self._seeded = False

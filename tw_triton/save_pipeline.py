@@ -117,6 +117,13 @@ class SavePipeline:
         # reference fits it, unchecked (the check selects a rule per entry).
         self.fitted: tuple[weakref.ref[Reference] | None, Any] = (None, None)
 
+    def count_first_interval(self, step: int, written_steps: Callable[[], list[int]]) -> None:
+        """Before a save of ``step``: for ``"auto"`` rules with no save made or restored yet,
+        count its interval from the newest checkpoint before it in the directory
+        (``written_steps()``), else step 0 (:func:`~tw_triton.interval_rules.counted_from`)."""
+        if self.last_step is None and interval_rules.is_auto(self.rules):
+            self.last_step = interval_rules.counted_from(step, written_steps())
+
     def rules_for(self, step: int) -> Any:
         """The rules a save of ``step`` codes with: for ``"auto"``, the preset of its interval
         since the last save made or restored (the first: since step 0)."""

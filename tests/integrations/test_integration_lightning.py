@@ -289,6 +289,24 @@ def test_a_failed_background_write_is_raised_naming_the_file(tmp_path):
     assert io.load_checkpoint(tmp_path / "ok.ckpt") == {"a": 1}
 
 
+def test_a_checkpoint_is_kept_when_the_write_after_it_already_failed(tmp_path):
+    # The order the fit above leaves to chance: the later write has failed (and landed as
+    # a failure) before ModelCheckpoint removes the older file.
+    from concurrent.futures import wait
+
+    io = TwCheckpointIO(fsync=False)
+    io.save_checkpoint({"state_dict": OrderedDict(w=torch.ones(4))}, tmp_path / "old.ckpt")
+    io.flush()
+    (tmp_path / "new.ckpt").mkdir()  # the final rename onto a directory fails
+    io.save_checkpoint({"state_dict": OrderedDict(w=torch.zeros(4))}, tmp_path / "new.ckpt")
+    wait(list(io._pending.values()))
+    io.remove_checkpoint(tmp_path / "old.ckpt")
+    assert (tmp_path / "old.ckpt").is_file()
+    with pytest.raises(CheckpointError, match="new.ckpt"):
+        io.flush()
+    io.teardown()
+
+
 def test_the_checkpoint_before_goes_only_once_the_next_one_is_on_disk(tmp_path, monkeypatch, caplog):
     # save_top_k=1 removes the older file right after the newer one's save_checkpoint
     # returned, while it was still being written: a write that never landed (a full disk

@@ -253,11 +253,14 @@ class TwCheckpointIO(CheckpointIO):
         """
         path = _local_path(path)
         self._wait_for(path)
-        later = [f for f in self._pending.values() if not f.done()]
+        # Every later save still listed, landed or not: one that already failed keeps it too.
+        later = list(self._pending.values())
         if self._writer is None or not later:
             _remove(path)
-            return
-        self._writer.call(functools.partial(_remove_after, path, later))
+        elif all(f.done() for f in later):
+            _remove_after(path, later)
+        else:
+            self._writer.call(functools.partial(_remove_after, path, later))
 
     def flush(self) -> None:
         """Wait for every pending write; raise a failed one's error."""

@@ -464,7 +464,8 @@ class Checkpointer:
         device = default_device(objects, device, self.directory)
         into = targets_of(self._dir, objects) if device.type == "cpu" else None
         state, info = self._load(step, device=device, verify=True, into=into)
-        restore_into(state, info.path, objects, rng=rng, any_optimizer=allow_optimizer_mismatch)
+        mismatch_ok, headers = allow_optimizer_mismatch, self._dir.headers  # headers: parsed once
+        restore_into(state, info.path, objects, rng=rng, any_optimizer=mismatch_ok, headers=headers)
         self._pipeline.last_step = info.step  # "auto" rules: the next save's interval
         self._seeded = seed_chain(
             self._chain,

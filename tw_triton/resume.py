@@ -77,10 +77,17 @@ def check_restorable(objects: dict[str, Any]) -> None:
 
 
 def restore_into(
-    state: dict[str, Any], source: str, objects: dict[str, Any], *, rng: bool, any_optimizer: bool = False
+    state: dict[str, Any],
+    source: str,
+    objects: dict[str, Any],
+    *,
+    rng: bool,
+    any_optimizer: bool = False,
+    headers: Any = None,
 ) -> None:
     """Call each object's ``load_state_dict`` with the state saved under its name, and
-    (with ``rng``) put back the RNG states.
+    (with ``rng``) put back the RNG states. ``headers``: the directory's header cache, for
+    the optimizer record's check.
 
     Raises:
         CheckpointError: ``state`` (read from ``source``) holds no state of that name, no
@@ -90,7 +97,7 @@ def restore_into(
             its error is the cause).
     """
     if not any_optimizer:
-        check_file(source, objects, RESTORE_ADVICE)
+        check_file(source, objects, RESTORE_ADVICE, headers)
     for name, obj in objects.items():
         if name not in state:
             saved = sorted(k for k in state if k not in RESERVED_NAMES)

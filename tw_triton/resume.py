@@ -13,6 +13,7 @@ import torch
 
 from .arguments import as_int
 from .checkpoint_dir import CheckpointDirectory, CheckpointInfo, wants_pinned
+from .codecs.arguments import parse_device
 from .errors import CheckpointError, TwTritonError
 from .optimizer_classes import RESTORE_ADVICE, check_file
 from .rng import restore_rng_state
@@ -49,10 +50,8 @@ def load_from(
         CheckpointError: no good checkpoint, no checkpoint for ``step``, a bad file, or a
             file that is not a Checkpointer's.
     """
-    dev = load_device(device, directory.path)
+    dev = load_device(device, directory.path)  # no CUDA: not a bad file, said first
     step = None if step is None else as_step(step)
-    if dev.type == "cuda" and not torch.cuda.is_available():  # not a bad file: say so first
-        raise TwTritonError(f"cannot load from {directory.path!r} to {dev}: CUDA is not available")
     if step is None and verify:
         found, info, reads = directory.latest_read(upload=dev if wants_pinned(dev) else None, into=into)
     else:
@@ -123,11 +122,11 @@ def as_step(step: Any) -> int:
 
 
 def load_device(device: Any, directory: str) -> torch.device:
-    """``device`` as a :class:`torch.device`, or CheckpointError naming it and ``directory``."""
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise CheckpointError(f"cannot load from {directory!r} to device {device!r}: {e}") from e
+    """``device`` as a :class:`torch.device` for a load from ``directory``: CheckpointError
+    naming both for one torch cannot parse, TwTritonError (not a bad file) for CUDA where
+    none is available (:func:`~tw_triton.codecs.arguments.parse_device`)."""
+    what = f"the checkpoints of {directory!r}"
+    return parse_device(device, what, CheckpointError, meta=True, no_cuda=TwTritonError)
 
 
 def default_device(objects: dict[str, Any], device: Any = None, directory: str = "") -> torch.device:

@@ -119,9 +119,9 @@ def retain(
         abandoned: ids of the checkpoints abandoned so far (updated here).
         saving: the step of the save about to be made, if any (what it abandons is noted).
     """
-    if keep_last is None:
-        return
     pending = inflight.saves
+    if keep_last is None and saving is None:
+        return
     # A file in flight can be renamed into place before its Future is done; it is kept
     # anyway and noted once collected, so its header is not parsed on the loop's thread.
     listed = directory.scan(writing={s.noted.path for s in pending.values()})
@@ -129,6 +129,8 @@ def retain(
     found = {step: info for step, info in listed.items() if info.by_checkpointer}
     if saving is not None:
         abandon(directory, found, pending, saving, abandoned)
+    if keep_last is None:  # nothing to delete; the save that goes back was warned of above
+        return
     abandoned &= {info.checkpoint_id for info in found.values()} | {s.checkpoint_id for s in pending.values()}
     own = [s for s in found if found[s].checkpoint_id not in abandoned]
     complete = [s for s in sorted(own, reverse=True) if s not in pending]

@@ -99,3 +99,17 @@ def test_a_save_in_flight_that_a_rewind_abandons_does_not_count_as_the_runs_newe
             gate.set()
         ck.flush()
         assert ck.steps() == [25, 30, 40]
+
+
+def test_a_rewound_run_that_keeps_every_checkpoint_is_warned_too(tmp_path, caplog):
+    """With keep_last=None retention deletes nothing, but the save that mixes two runs
+    (restore() without a step picks the newer files until passed) is the only WARNING of it."""
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(tmp_path, **options(keep_last=None, async_write=False)) as ck:
+        save_steps(ck, [10, 20, 30], model)
+        ck.restore(10, model=model)
+        with caplog.at_level(logging.WARNING, logger="tw_triton"):
+            save_steps(ck, [11, 12], model)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "saving step 11" in warned[0] and "steps 20, 30" in warned[0]
+        assert ck.steps() == [10, 11, 12, 20, 30]

@@ -42,6 +42,14 @@ def rules_at(rules: Any, interval: int | None, *, short: str = SHORT_INTERVAL_PR
     return short
 
 
+def rules_after(rules: Any, step: int, last_step: int | None, *, short: str = SHORT_INTERVAL_PRESET) -> Any:
+    """:func:`rules_at` for a save of ``step`` after one of ``last_step`` (the last save
+    made or restored; ``None``: none, the interval counts from step 0). A step before
+    ``last_step`` (a run gone back) has no interval."""
+    interval = step if last_step is None else (step - last_step if step >= last_step else None)
+    return rules_at(rules, interval, short=short)
+
+
 def candidates(rules: Any, *, short: str = SHORT_INTERVAL_PRESET) -> list[Any]:
     """Every rules value ``rules`` may code a save with (two for ``"auto"``)."""
     if is_auto(rules):
@@ -66,5 +74,6 @@ __all__ = [
     "candidates",
     "counted_from",
     "is_auto",
+    "rules_after",
     "rules_at",
 ]

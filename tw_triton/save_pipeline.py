@@ -127,9 +127,7 @@ class SavePipeline:
     def rules_for(self, step: int) -> Any:
         """The rules a save of ``step`` codes with: for ``"auto"``, the preset of its interval
         since the last save made or restored (the first: since step 0)."""
-        last = self.last_step
-        interval = step if last is None else (step - last if step >= last else None)
-        return interval_rules.rules_at(self.rules, interval)
+        return interval_rules.rules_after(self.rules, step, self.last_step)
 
     def save(
         self, step: int, tree: dict[str, Any], path: str, record: dict[str, Any] | None = None

@@ -193,9 +193,8 @@ class DistributedCheckpointer:
         """The rules a save of ``step`` codes with: ``rules`` itself, or for ``"auto"`` the
         preset of its interval since the last save made or checkpoint loaded (the first:
         since step 0; a step not after it: ``"small"``)."""
-        last = self._last_step
-        interval = step if last is None else (step - last if step > last else None)
-        return interval_rules.rules_at(self.rules, interval, short=interval_rules.DCP_SHORT_INTERVAL_PRESET)
+        short = interval_rules.DCP_SHORT_INTERVAL_PRESET
+        return interval_rules.rules_after(self.rules, step, self._last_step, short=short)
 
     def _rank(self) -> int:
         return dist.get_rank(self.process_group) if dist.is_initialized() else 0

@@ -330,7 +330,8 @@ def _remove(path: str) -> None:
 
 
 def _remove_after(path: str, saves: list[Future]) -> None:
-    """On the writer thread, after ``saves``: delete ``path`` unless one of them failed."""
+    """Once ``saves`` are done (on the writer thread, or here when they already are):
+    delete ``path`` unless one of them failed."""
     failed = [f for f in saves if f.exception() is not None]
     if failed:
         logger.warning("kept %s: a checkpoint written after it failed (%s)", path, failed[0].exception())

@@ -355,8 +355,10 @@ def test_runs_as_a_module_and_as_the_installed_script(ckpts):
     )
     assert proc.returncode == 0, proc.stderr
     assert "model/0.weight" in proc.stdout
-    exe = shutil.which("tw")
-    if exe is not None:  # installed by `pip install -e .`
+    # The script `pip install -e .` put beside this interpreter: a `tw` found elsewhere on
+    # PATH may belong to another environment.
+    exe = shutil.which("tw", path=str(Path(sys.executable).parent))
+    if exe is not None:
         proc = subprocess.run(
             [exe, "verify", str(d / "nope.tw")], capture_output=True, text=True, timeout=120
         )

@@ -18,6 +18,7 @@ from .errors import CheckpointError, TwTritonError
 from .optimizer_classes import RESTORE_ADVICE, check_file
 from .rng import restore_rng_state
 from .state import state_of
+from .wrapper_prefixes import rekeyed_for
 
 # Names a Checkpointer stores beside the user's own.
 RESERVED_NAMES = ("step", "rng")
@@ -102,7 +103,7 @@ def restore_into(
             saved = sorted(k for k in state if k not in RESERVED_NAMES)
             raise CheckpointError(f"{source}: holds no state named {name!r}; it holds {saved}")
         try:
-            obj.load_state_dict(state[name])
+            obj.load_state_dict(rekeyed_for(state[name], obj, name=name, source=source))
         except TwTritonError:
             raise
         except Exception as err:

@@ -496,3 +496,28 @@ def test_the_first_save_copies_into_memory_prepared_after_the_first_step(tmp_pat
     assert first_save["reused"] >= 3 * len(pooled) > 0
     state = load_checkpoint_state(tmp_path / "checkpoint-2")
     assert state["step"] == 2
+
+
+def test_a_pointer_the_disk_cannot_take_is_a_checkpoint_io_error_naming_it(tmp_path, monkeypatch):
+    # A full disk while TwTrainer wrote checkpoint-N/tw_checkpoint.json raised json's bare
+    # OSError (no file named, outside tw_triton's errors) and left the temp file behind.
+    import errno
+
+    from tw_triton.errors import CheckpointIOError
+    from tw_triton.integrations import hf_pointer
+
+    folder = tmp_path / "checkpoint-4"
+    hf_pointer.write_pointer(str(folder), str(tmp_path / TW_SUBDIR), 4)
+    real_dump = hf_pointer.json.dump
+
+    def full_disk(data, f, **kw):
+        f.write("{")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hf_pointer.json, "dump", full_disk)
+    with pytest.raises(CheckpointIOError, match=POINTER_NAME) as err:
+        hf_pointer.write_pointer(str(folder), str(tmp_path / TW_SUBDIR), 6)
+    assert err.value.errno == errno.ENOSPC
+    monkeypatch.setattr(hf_pointer.json, "dump", real_dump)
+    assert os.listdir(folder) == [POINTER_NAME]  # no temp file left; the pointer before intact
+    assert hf_pointer.read_pointer(folder)["step"] == 4

@@ -31,6 +31,7 @@ from .. import interval_rules
 from ..arguments import as_int, as_path
 from ..errors import CheckpointError
 from ..format import MAX_EXPANSION, check_max_expansion, verify_file
+from ..format.files import io_error
 from ..resume import as_step
 from ..rules import check_rules
 from . import api
@@ -142,7 +143,12 @@ class DistributedCheckpointer:
         self._pending: Future | None = None
         # The step of the last save made or checkpoint loaded ("auto": the next interval).
         self._last_step: int | None = None
-        os.makedirs(self.directory, exist_ok=True)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:  # a file of that name, or in its parents; no permission
+            raise io_error(
+                exc, f"{self.directory}: cannot be made or used as a checkpoint directory"
+            ) from exc
         # Temp files of killed saves go, unless another rank or writer holds the directory.
         from ..checkpoint_dir import DirectoryClaim, dcp_temp_files
 

@@ -276,6 +276,21 @@ def test_load_errors_and_remote_paths(tmp_path):
         io.save_checkpoint({"a": 1}, tmp_path / "x.ckpt", storage_options={"x": 1})
 
 
+def test_a_directory_that_cannot_be_made_is_a_checkpoint_io_error_naming_it(tmp_path):
+    # A dirpath under a file raised the bare FileExistsError of os.makedirs, not a
+    # tw_triton error naming the directory as a failed write is.
+    import errno
+
+    from tw_triton.errors import CheckpointIOError
+
+    (tmp_path / "file").write_bytes(b"")
+    io = TwCheckpointIO(fsync=False)
+    with pytest.raises(CheckpointIOError, match="cannot be made or used as a checkpoint directory") as err:
+        io.save_checkpoint({"a": 1}, tmp_path / "file" / "runs" / "last.ckpt")
+    assert err.value.errno == errno.ENOTDIR and str(tmp_path / "file" / "runs") in str(err.value)
+    io.teardown()
+
+
 def test_a_failed_background_write_is_raised_naming_the_file(tmp_path):
     io = TwCheckpointIO(fsync=False)
     target = tmp_path / "taken.ckpt"

@@ -117,6 +117,15 @@ def restore_into(
         restore_rng_state(state["rng"], source=source)
 
 
+# Why a module on the meta device cannot be restored into, and what to do instead.
+META_ADVICE = (
+    "its tensor %r is on the meta device, which holds no data, and load_state_dict does not "
+    "fill such tensors; materialize the module first (module.to_empty(device='cpu'), then "
+    "restore), or take the state from load() and call "
+    "module.load_state_dict(state[name], assign=True)"
+)
+
+
 def as_step(step: Any) -> int:
     """``step`` as a non-negative ``int`` (any integer type but ``bool``), or CheckpointError."""
     return as_int(step, "step")
@@ -133,9 +142,24 @@ def load_device(device: Any, directory: str) -> torch.device:
 def default_device(objects: dict[str, Any], device: Any = None, directory: str = "") -> torch.device:
     """Where a restore loads to: ``device`` if given (checked, see :func:`load_device`),
     else the device of the first parameter of the object named ``model`` (or of any module
-    given), else the CPU."""
+    given), else the CPU.
+
+    Raises:
+        CheckpointError: the meta device, given or where a module's tensors are:
+            ``load_state_dict`` cannot fill tensors that hold no data.
+    """
+    for name, obj in objects.items():
+        held = obj.state_dict(keep_vars=True).items() if isinstance(obj, torch.nn.Module) else ()
+        on_meta = next((key for key, t in held if isinstance(t, torch.Tensor) and t.is_meta), None)
+        if on_meta is not None:
+            raise CheckpointError(f"cannot restore {name!r} from {directory!r}: {META_ADVICE % on_meta}")
     if device is not None:
-        return load_device(device, directory)
+        dev = load_device(device, directory)
+        if dev.type == "meta":
+            raise CheckpointError(
+                f"cannot restore from {directory!r} to device {device!r}: the meta device holds no data"
+            )
+        return dev
     candidates = [objects["model"]] if "model" in objects else []
     candidates += [o for o in objects.values() if isinstance(o, torch.nn.Module)]
     for obj in candidates:

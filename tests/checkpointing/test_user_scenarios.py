@@ -149,6 +149,7 @@ SCHEDULERS = {
         opt, [L.LinearLR(opt, 0.1, total_iters=3), L.CosineAnnealingLR(opt, 10)], milestones=[3]
     ),
     "CyclicLR": lambda opt: L.CyclicLR(opt, 1e-4, 1e-2, step_size_up=3),
+    "MultiStepLR": lambda opt: L.MultiStepLR(opt, milestones=[2, 4, 4]),  # milestones: a Counter
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import numpy as np
 import pytest
@@ -183,6 +183,7 @@ def test_checkpoint_dict_comes_back_exactly(tmp_path):
         "np": np.arange(3, dtype=np.int16),
         "npf": np.float32(0.5),
         "od": OrderedDict(b=1, a=2),
+        "milestones": Counter({30: 1, 80: 1}),  # a MultiStepLR's, in lr_schedulers
     }
     for async_write in (True, False):
         io = TwCheckpointIO(rules="default", fsync=False, async_write=async_write)

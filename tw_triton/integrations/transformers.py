@@ -11,7 +11,8 @@ go into one file ``output_dir/tw_triton/step-N.tw.safetensors`` written by a
 :class:`~tw_triton.Checkpointer`; ``checkpoint-N/`` holds ``trainer_state.json`` and
 ``tw_checkpoint.json`` (which names the file) and no pickle. ``save_total_limit`` deletes
 folders as usual, once what it keeps has landed (with 1, the folder before goes at the next
-save); their files go at the next save, except those a kept delta or the next one needs. DeepSpeed, FSDP and multi-process runs are refused with a
+save); their files go at the next save, except those a kept delta or the next one needs.
+DeepSpeed, FSDP and multi-process runs are refused with a
 :class:`~tw_triton.errors.TwTritonError`. The why: docs/integrations.md#hugging-face-trainer.
 """
 

@@ -37,6 +37,10 @@ from .state import check_manifest, delta_paths
 
 logger = logging.getLogger(__name__)
 
+# How many times choosing the latest checkpoint lists the directory when a live writer
+# changes its files meanwhile (each listing is tried whole before the next).
+LISTINGS = 3
+
 
 @dataclass(frozen=True)
 class VerifiedRead:
@@ -152,17 +156,20 @@ class CheckpointDirectory:
     def _newest_good(self, verify: bool) -> tuple[int | None, str]:
         """:meth:`latest`, and why the newest file was passed over (``""``: it was not),
         for the error when none is good."""
-        found = self.scan()
-        by_id = _by_id(found)
-        verified: dict[str, str | None] = {}
-        newest = ""
-        for step in sorted(found, reverse=True):
-            info = found[step]
-            problem = self._problem(info, by_id, verified, verify)
-            if problem is None:
-                return step, newest
-            newest = newest or _passed_over(info, problem)
-            logger.warning("skipping checkpoint %s: %s", info.path, problem)
+        for _ in range(LISTINGS):
+            found = self.scan()
+            by_id = _by_id(found)
+            verified: dict[str, str | None] = {}
+            newest = ""
+            for step in sorted(found, reverse=True):
+                info = found[step]
+                problem = self._problem(info, by_id, verified, verify)
+                if problem is None:
+                    return step, newest
+                newest = newest or _passed_over(info, problem)
+                logger.warning("skipping checkpoint %s: %s", info.path, problem)
+            if not self._outdated(found):
+                break
         return None, newest
 
     def problems(self, *, verify: bool = True) -> dict[int, str | None]:
@@ -199,20 +206,30 @@ class CheckpointDirectory:
         Raises:
             CheckpointError: no checkpoint here verifies.
         """
-        found = self.scan()
-        by_id = _by_id(found)
-        verified: dict[str, str | None] = {}
-        reads: dict[str, VerifiedRead] = {}
-        newest = ""
-        for step in sorted(found, reverse=True):
-            info = found[step]
-            problem = self._problem(info, by_id, verified, True, reads=reads, upload=upload, into=into)
-            if problem is None:
-                return found, info, reads
-            reads.pop(info.path, None)  # good, but its keyframe is not: keep no memory for it
-            newest = newest or _passed_over(info, problem)
-            logger.warning("skipping checkpoint %s: %s", info.path, problem)
+        for _ in range(LISTINGS):
+            found = self.scan()
+            by_id = _by_id(found)
+            verified: dict[str, str | None] = {}
+            reads: dict[str, VerifiedRead] = {}
+            newest = ""
+            for step in sorted(found, reverse=True):
+                info = found[step]
+                problem = self._problem(info, by_id, verified, True, reads=reads, upload=upload, into=into)
+                if problem is None:
+                    return found, info, reads
+                reads.pop(info.path, None)  # good, but its keyframe is not: keep no memory for it
+                newest = newest or _passed_over(info, problem)
+                logger.warning("skipping checkpoint %s: %s", info.path, problem)
+            if not self._outdated(found):
+                break
         raise CheckpointError(f"no complete, verified checkpoint in {self.path!r}{newest}")
+
+    def _outdated(self, found: dict[int, CheckpointInfo]) -> bool:
+        """Whether the files here are no longer those of ``found``: a live writer (another
+        process's retention, a new save) changed them while they were being verified, so
+        a choice that found none good is made again from a new listing."""
+        now = self.scan()
+        return {s: i.checkpoint_id for s, i in now.items()} != {s: i.checkpoint_id for s, i in found.items()}
 
     def find(self, step: int | None, *, verify: bool) -> tuple[dict[int, CheckpointInfo], CheckpointInfo]:
         """The listing and the info of ``step`` (``None``: the :meth:`latest` good one).

@@ -18,6 +18,7 @@ from .errors import CheckpointError, TwTritonError
 from .optimizer_classes import RESTORE_ADVICE, check_file
 from .rng import restore_rng_state
 from .state import state_of
+from .wrapper_prefixes import rekeyed_for
 
 # Names a Checkpointer stores beside the user's own.
 RESERVED_NAMES = ("step", "rng")
@@ -102,7 +103,7 @@ def restore_into(
             saved = sorted(k for k in state if k not in RESERVED_NAMES)
             raise CheckpointError(f"{source}: holds no state named {name!r}; it holds {saved}")
         try:
-            obj.load_state_dict(state[name])
+            obj.load_state_dict(rekeyed_for(state[name], obj, name=name, source=source))
         except TwTritonError:
             raise
         except Exception as err:
@@ -114,6 +115,15 @@ def restore_into(
         if "rng" not in state:
             raise CheckpointError(f"{source}: holds no RNG states")
         restore_rng_state(state["rng"], source=source)
+
+
+# Why a module on the meta device cannot be restored into, and what to do instead.
+META_ADVICE = (
+    "its tensor %r is on the meta device, which holds no data, and load_state_dict does not "
+    "fill such tensors; materialize the module first (module.to_empty(device='cpu'), then "
+    "restore), or take the state from load() and call "
+    "module.load_state_dict(state[name], assign=True)"
+)
 
 
 def as_step(step: Any) -> int:
@@ -132,9 +142,24 @@ def load_device(device: Any, directory: str) -> torch.device:
 def default_device(objects: dict[str, Any], device: Any = None, directory: str = "") -> torch.device:
     """Where a restore loads to: ``device`` if given (checked, see :func:`load_device`),
     else the device of the first parameter of the object named ``model`` (or of any module
-    given), else the CPU."""
+    given), else the CPU.
+
+    Raises:
+        CheckpointError: the meta device, given or where a module's tensors are:
+            ``load_state_dict`` cannot fill tensors that hold no data.
+    """
+    for name, obj in objects.items():
+        held = obj.state_dict(keep_vars=True).items() if isinstance(obj, torch.nn.Module) else ()
+        on_meta = next((key for key, t in held if isinstance(t, torch.Tensor) and t.is_meta), None)
+        if on_meta is not None:
+            raise CheckpointError(f"cannot restore {name!r} from {directory!r}: {META_ADVICE % on_meta}")
     if device is not None:
-        return load_device(device, directory)
+        dev = load_device(device, directory)
+        if dev.type == "meta":
+            raise CheckpointError(
+                f"cannot restore from {directory!r} to device {device!r}: the meta device holds no data"
+            )
+        return dev
     candidates = [objects["model"]] if "model" in objects else []
     candidates += [o for o in objects.values() if isinstance(o, torch.nn.Module)]
     for obj in candidates:

@@ -1,6 +1,6 @@
 """Flatten a nested training state to ``{path: tensor}`` plus a JSON skeleton, and back.
 
-A training state is any nesting of ``dict`` (including ``OrderedDict``), ``list`` and
+A training state is any nesting of ``dict`` (including ``OrderedDict`` and ``Counter``), ``list`` and
 ``tuple`` whose leaves are tensors, numpy arrays and plain values. :func:`flatten` splits it
 into the tensors (which the codecs encode) and a *skeleton*: a JSON-serializable tree that
 records every container's type, every dict key's type, and every plain leaf, with each tensor
@@ -30,6 +30,8 @@ Skeleton nodes (JSON)
         {"odict": [[key, node], ...], "meta": ...}
                                                 an OrderedDict, with the ``_metadata``
                                                 attribute ``nn.Module.state_dict()`` attaches
+        {"counter": [[key, node], ...]}         a collections.Counter (``MultiStepLR``'s
+                                                milestones)
         {"subclass": name, "inner": [[name, node], ...], "meta": ..., "size": [...],
          "stride": [...]}                       a known tensor subclass (torchao's low-bit
                                                 optimizer states), see :mod:`tw_triton.lowbit`
@@ -42,7 +44,7 @@ why: docs/format.md.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -157,10 +159,10 @@ def _flatten_node(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any
         tensors[path] = torch.from_numpy(native)
         return {"ndarray": path, "dtype": node.dtype.str}
     if isinstance(node, dict):
-        if type(node) not in (dict, OrderedDict):
+        if type(node) not in (dict, OrderedDict, Counter):
             raise QuantizationError(
                 f"unsupported mapping type {type(node).__qualname__} at {describe_path(path)}: "
-                "use dict or OrderedDict"
+                "use dict, OrderedDict or Counter"
             )
         items = []
         seen: dict[str, Any] = {}
@@ -182,7 +184,7 @@ def _flatten_node(node: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any
             if meta is not None:
                 out["meta"] = _flatten_plain(meta, join_path(path, "_metadata"))
             return out
-        return {"dict": items}
+        return {"counter" if type(node) is Counter else "dict": items}
     if isinstance(node, (list, tuple)):
         if type(node) not in (list, tuple):
             raise QuantizationError(
@@ -277,6 +279,7 @@ _NODE_KEYS = {
     "tuple": ({"tuple"},),
     "dict": ({"dict"},),
     "odict": ({"odict"}, {"odict", "meta"}),
+    "counter": ({"counter"},),
     "subclass": ({"subclass", "inner", "meta", "size", "stride"},),
 }
 
@@ -334,7 +337,7 @@ def _unflatten_node(node: Any, tensors: Mapping[str, torch.Tensor], path: str, b
             for i, v in enumerate(_as_list(node[kind], path))
         ]
         return kids if kind == "list" else tuple(kids)
-    out: dict[Any, Any] = OrderedDict() if kind == "odict" else {}
+    out: dict[Any, Any] = OrderedDict() if kind == "odict" else Counter() if kind == "counter" else {}
     seen: set[str] = set()
     for pair in _as_list(node[kind], path):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
@@ -388,7 +391,7 @@ def _collect_paths(node: Any, out: list[str], kinds: tuple[str, ...]) -> None:
             for v in node[key]:
                 _collect_paths(v, out, kinds)
             return
-    for key in ("dict", "odict", "inner"):
+    for key in ("dict", "odict", "counter", "inner"):
         if isinstance(node.get(key), list):
             for pair in node[key]:
                 if isinstance(pair, (list, tuple)) and len(pair) == 2:

@@ -162,3 +162,44 @@ def test_a_directory_that_is_a_file_is_a_checkpoint_io_error_naming_it(tmp_path,
     ) as err:
         Checkpointer(path)
     assert err.value.errno is not None
+
+
+def test_a_reader_whose_listing_a_live_writer_outdates_loads_what_the_writer_left(tmp_path, monkeypatch):
+    # An evaluation process loads the latest checkpoint of a run still training with
+    # keep_last=1: between its listing and its reads the writer lands a new keyframe and
+    # retention deletes every file the listing held. The load raised "no complete,
+    # verified checkpoint" (the newest "fails verification: [Errno 2]") while the
+    # directory held a good one.
+    model = torch.nn.Linear(64, 64)
+    with Checkpointer(tmp_path / "run", keyframe_every=2, keep_last=None) as ckpt:
+        for step in range(3):  # 0 keyframe, 1 delta, 2 keyframe
+            with torch.no_grad():
+                model.weight.add_(0.01)
+            ckpt.save(step, model=model)
+    landed = tmp_path / checkpoint_name(2)
+    os.replace(tmp_path / "run" / checkpoint_name(2), landed)  # not written yet at the listing
+    reader = Checkpointer(tmp_path / "run")
+    real_read, real_verify = fmt.read_file, fmt.verify_file
+    writer_ran = []
+
+    def the_writer_moves_on():
+        if not writer_ran:
+            writer_ran.append(True)
+            os.replace(landed, tmp_path / "run" / checkpoint_name(2))  # the new keyframe lands
+            for step in (0, 1):  # and retention drops the files before it
+                os.unlink(tmp_path / "run" / checkpoint_name(step))
+
+    def read_file(*args, **kwargs):
+        the_writer_moves_on()
+        return real_read(*args, **kwargs)
+
+    def verify_file(*args, **kwargs):
+        the_writer_moves_on()
+        return real_verify(*args, **kwargs)
+
+    monkeypatch.setattr(fmt, "read_file", read_file)
+    monkeypatch.setattr(fmt, "verify_file", verify_file)
+    state = reader.load()
+    assert writer_ran and state["step"] == 2
+    assert torch.equal(state["model"]["weight"], model.weight)
+    reader.close()

@@ -65,3 +65,28 @@ def test_loading_to_cuda_without_cuda_says_so_not_that_the_file_is_bad(saved, st
     with pytest.raises(TwTritonError, match="CUDA is not available") as err:
         Checkpointer(saved).load(step, device="cuda", verify=verify)
     assert not isinstance(err.value, CheckpointError)
+
+
+@pytest.mark.parametrize("how", ["a model built on meta", "device='meta'"])
+def test_restoring_into_or_onto_the_meta_device_is_refused_before_anything_is_read(saved, how, monkeypatch):
+    # A model built on the meta device (large-model init) made restore() load every
+    # tensor to meta, load_state_dict a no-op, and then fail on the RNG states ("Cannot
+    # copy out of meta tensor") with the model still holding no data.
+    from tw_triton import format as fmt
+
+    monkeypatch.setattr(fmt, "read_file", lambda *a, **k: pytest.fail("read before the device was checked"))
+    if how == "device='meta'":
+        model, kwargs = mlp(), {"device": "meta"}
+    else:
+        with torch.device("meta"):
+            model, kwargs = mlp(), {}
+    rng = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match="meta device") as err:
+        Checkpointer(saved).restore(model=model, **kwargs)
+    if how == "a model built on meta":
+        assert (
+            "'0.weight'" in str(err.value)
+            and "to_empty" in str(err.value)
+            and "assign=True" in str(err.value)
+        )
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -149,6 +149,7 @@ SCHEDULERS = {
         opt, [L.LinearLR(opt, 0.1, total_iters=3), L.CosineAnnealingLR(opt, 10)], milestones=[3]
     ),
     "CyclicLR": lambda opt: L.CyclicLR(opt, 1e-4, 1e-2, step_size_up=3),
+    "MultiStepLR": lambda opt: L.MultiStepLR(opt, milestones=[2, 4, 4]),  # milestones: a Counter
 }
 
 
@@ -375,3 +376,53 @@ def test_unrelated_entries_in_the_directory_are_left_alone(tmp_path):
     ckpt.close()
     left = set(os.listdir(tmp_path))
     assert before <= left and left - before == {"step-00000006.tw.safetensors"}
+
+
+def _compiled(model):
+    return torch.compile(model, backend="eager")  # the _orig_mod. prefix, without a compiler
+
+
+@pytest.mark.parametrize(
+    "saved_as,restored_as",
+    [
+        (_compiled, lambda m: m),  # compiled for training, restored before compiling again
+        (lambda m: m, _compiled),  # restored into a model compiled first
+        (torch.nn.DataParallel, lambda m: m),  # module. (as DDP writes it)
+        (lambda m: m, torch.nn.DataParallel),
+        (lambda m: _compiled(torch.nn.DataParallel(m)), lambda m: m),
+    ],
+)
+def test_a_model_saved_and_restored_under_other_wrappers_restores(tmp_path, saved_as, restored_as):
+    # torch.compile and DDP/DataParallel prefix every key ('_orig_mod.', 'module.'); the
+    # model the checkpoint is restored into is often not wrapped the same way (compiled
+    # after the restore, wrapped by DDP only on some runs). restore() refused it:
+    # 'Missing key(s) ... Unexpected key(s)', for the same weights under another prefix.
+    torch.manual_seed(0)
+    inner = mlp()
+    model = saved_as(inner)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Checkpointer(tmp_path, keyframe_every=2, fsync=False) as ckpt:
+        for step in range(3):  # 0 keyframe, 1 delta, 2 keyframe
+            plain_train({"model": model, "optimizer": opt}, step)
+            ckpt.save(step, model=model, optimizer=opt)
+    fresh_inner = mlp()
+    fresh = restored_as(fresh_inner)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    state = Checkpointer(tmp_path).restore(model=fresh, optimizer=fresh_opt)
+    assert state["step"] == 2
+    for got, want in zip(fresh_inner.state_dict().values(), inner.state_dict().values()):
+        assert torch.equal(got, want)
+    assert torch.equal(fresh_opt.state[fresh_opt.param_groups[0]["params"][0]]["step"], torch.tensor(3.0))
+
+
+def test_a_model_that_differs_by_more_than_a_wrapper_is_still_refused(tmp_path):
+    from tw_triton.errors import CheckpointError
+
+    model = _compiled(mlp())
+    with Checkpointer(tmp_path, fsync=False) as ckpt:
+        ckpt.save(0, model=model)
+    other = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64), torch.nn.Linear(64, 64)
+    )
+    with pytest.raises(CheckpointError, match="does not fit the Sequential"):
+        Checkpointer(tmp_path).restore(model=other)

@@ -320,6 +320,25 @@ def test_ls_of_another_writers_directory_says_where_its_checkpoints_are(tmp_path
     assert code == EXIT_OK and "1 tw_triton file not named as a Checkpointer names them: last.ckpt" in text
 
 
+def test_a_twtrainer_checkpoint_folder_names_its_file(tmp_path, capsys):
+    # hf-run/checkpoint-N is what a TwTrainer user has in hand; tw ls said "0 checkpoints"
+    # and nothing else, and tw inspect / tw verify only "is a directory".
+    from tw_triton.integrations.hf_pointer import write_pointer
+
+    runs = _run_dir(tmp_path / "hf-run" / "tw_triton", saves=1)
+    folder = tmp_path / "hf-run" / "checkpoint-0"
+    write_pointer(str(folder), str(runs), 0)
+    file = runs / "step-00000000.tw.safetensors"
+    code, text = run(["ls", folder])
+    assert code == EXIT_OK and "0 checkpoints" in text
+    assert f"a TwTrainer checkpoint folder: its file is {file}" in text and f"tw ls {runs}" in text
+    for command in ("inspect", "verify"):
+        assert run([command, folder])[0] == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert "is a directory, not a checkpoint file" in err
+        assert f"a TwTrainer checkpoint folder: its file is {file}" in err
+
+
 def test_help_documents_exit_codes_and_pickle_policy(capsys):
     assert main(["--help"]) == EXIT_OK
     text = capsys.readouterr().out

@@ -83,3 +83,37 @@ def test_loading_an_older_checkpoint_saves_a_keyframe_next(tmp_path, caplog):
     assert ckpt.latest() == ckpt.path_for(1)
     ckpt.save(state, 5)
     assert files(str(tmp_path))[("step_00000005", "__0_0.tw.safetensors")]["reference"] is False
+
+
+def test_a_load_whose_checkpoint_a_live_writer_removes_loads_the_newer_one(tmp_path, monkeypatch):
+    # An evaluation process loading the latest checkpoint of a run still training with
+    # keep=1: rank 0's retention removed the step folder being read once the next save
+    # completed, and load() raised CheckpointIOError ([Errno 2] cannot open ...) beside a
+    # good newer checkpoint (about 1 load in 20 with saves back to back).
+    import shutil
+
+    from tw_triton.dcp import reader as dcp_reader
+
+    run(str(tmp_path / "run"), restart=False, steps=4)  # 0 keyframe, 1, 2 deltas, 3 keyframe
+    landed = tmp_path / "landed"
+    os.replace(tmp_path / "run" / "step_00000003", landed)  # not complete yet when listed
+    real_read, moved = dcp_reader.read_file, []
+
+    def read_file(*args, **kwargs):
+        if not moved:  # the writer lands step 3 and its retention removes the rest
+            moved.append(True)
+            os.replace(landed, tmp_path / "run" / "step_00000003")
+            for step in range(3):
+                shutil.rmtree(tmp_path / "run" / f"step_{step:08d}")
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(dcp_reader, "read_file", read_file)
+    reader = DistributedCheckpointer(str(tmp_path / "run"), keyframe_every=3, keep=1)
+    state = fresh()
+    assert reader.load(state) == 3 and moved
+    expected = fresh()
+    set_values(expected, 3)
+    flat, _ = compat.flatten_state_dict(state)
+    want, _ = compat.flatten_state_dict(expected)
+    weights = [k for k in want if k.startswith("model.")]  # a keyframe's: exact
+    assert weights and all(torch.equal(flat[k], want[k]) for k in weights)

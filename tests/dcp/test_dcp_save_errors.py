@@ -32,6 +32,19 @@ def test_a_directory_that_cannot_be_made_is_a_checkpoint_io_error(tmp_path):
     assert info.value.errno == errno.EEXIST
 
 
+@pytest.mark.parametrize("under", [False, True])
+def test_a_distributed_checkpointer_whose_directory_cannot_be_made_is_a_checkpoint_io_error(tmp_path, under):
+    # DistributedCheckpointer(a file) raised the bare FileExistsError / NotADirectoryError
+    # of os.makedirs, where a Checkpointer raises CheckpointIOError naming the directory.
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    where = blocker / "run" if under else blocker
+    with pytest.raises(CheckpointIOError, match="cannot be made or used as a checkpoint directory") as info:
+        DistributedCheckpointer(where)
+    assert info.value.errno == (errno.ENOTDIR if under else errno.EEXIST)
+    assert str(where) in str(info.value)
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_failed_distributed_save_raises_the_tw_triton_error(tmp_path, asynchronous):
     ckpt = DistributedCheckpointer(tmp_path / "run", keyframe_every=2, keep=2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections import OrderedDict, namedtuple
+from collections import Counter, OrderedDict, namedtuple
 
 import numpy as np
 import pytest
@@ -66,6 +66,8 @@ trees = st.recursive(
         st.lists(kids, max_size=4).map(tuple),
         st.dictionaries(keys, kids, max_size=4).map(_unique_keys),
         st.dictionaries(st.text(max_size=5), kids, max_size=3).map(lambda d: OrderedDict(_unique_keys(d))),
+        # MultiStepLR keeps its milestones as a Counter
+        st.dictionaries(keys, kids, max_size=3).map(lambda d: Counter(_unique_keys(d))),
     ),
     max_leaves=20,
 )

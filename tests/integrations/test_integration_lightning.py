@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import numpy as np
 import pytest
@@ -183,6 +183,7 @@ def test_checkpoint_dict_comes_back_exactly(tmp_path):
         "np": np.arange(3, dtype=np.int16),
         "npf": np.float32(0.5),
         "od": OrderedDict(b=1, a=2),
+        "milestones": Counter({30: 1, 80: 1}),  # a MultiStepLR's, in lr_schedulers
     }
     for async_write in (True, False):
         io = TwCheckpointIO(rules="default", fsync=False, async_write=async_write)
@@ -274,6 +275,21 @@ def test_load_errors_and_remote_paths(tmp_path):
         io.save_checkpoint({"a": 1}, "s3://bucket/x.ckpt")
     with pytest.raises(TypeError, match="storage_options"):
         io.save_checkpoint({"a": 1}, tmp_path / "x.ckpt", storage_options={"x": 1})
+
+
+def test_a_directory_that_cannot_be_made_is_a_checkpoint_io_error_naming_it(tmp_path):
+    # A dirpath under a file raised the bare FileExistsError of os.makedirs, not a
+    # tw_triton error naming the directory as a failed write is.
+    import errno
+
+    from tw_triton.errors import CheckpointIOError
+
+    (tmp_path / "file").write_bytes(b"")
+    io = TwCheckpointIO(fsync=False)
+    with pytest.raises(CheckpointIOError, match="cannot be made or used as a checkpoint directory") as err:
+        io.save_checkpoint({"a": 1}, tmp_path / "file" / "runs" / "last.ckpt")
+    assert err.value.errno == errno.ENOTDIR and str(tmp_path / "file" / "runs") in str(err.value)
+    io.teardown()
 
 
 def test_a_failed_background_write_is_raised_naming_the_file(tmp_path):

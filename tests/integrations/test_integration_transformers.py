@@ -247,6 +247,56 @@ def test_with_save_total_limit_1_a_failed_save_does_not_cost_the_checkpoint_befo
     assert resumed.state.global_step == STEPS
 
 
+def test_with_save_total_limit_1_a_save_does_not_wait_and_the_folder_before_stays_until_its_file_lands(
+    tmp_path, monkeypatch
+):
+    # save_total_limit=1 used to make each save wait for its own file (a flush), since
+    # Trainer deletes the folder before right after _save_checkpoint. Now the save returns
+    # while its file is written and that folder goes once the file is on disk.
+    import threading
+
+    from tw_triton import format as fmt
+
+    real_write, real_rmtree = fmt.write_file, shutil.rmtree
+    step_4_returned = threading.Event()
+    tw_dir = tmp_path / TW_SUBDIR
+    removed = []  # (folder removed, the files on disk at that moment)
+    seen = {}  # step -> (checkpoint folders, whether its file is on disk) after its save returned
+
+    def write(qstate, path, **kw):
+        if os.path.basename(path).startswith("step-00000004"):
+            assert step_4_returned.wait(timeout=20)  # a safety net: on_save(4) sets it
+        return real_write(qstate, path, **kw)
+
+    def rmtree(path, *args, **kw):
+        removed.append((os.path.basename(path), sorted(os.listdir(tw_dir))))
+        return real_rmtree(path, *args, **kw)
+
+    class Watch(transformers.TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            step = state.global_step
+            folders = sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-"))
+            seen[step] = (folders, os.path.exists(tw_dir / f"step-{step:08d}.tw.safetensors"))
+            if step == 4:
+                step_4_returned.set()
+
+    monkeypatch.setattr(fmt, "write_file", write)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    trainer = make_trainer(tmp_path, save_total_limit=1, tw_options={"fsync": False, "rules": "default"})
+    trainer.add_callback(Watch())
+    trainer.train()
+    # Step 4's save returned before its file was written, checkpoint-2 still there.
+    assert seen[4] == (["checkpoint-2", "checkpoint-4"], False)
+    assert seen[6][0] == ["checkpoint-4", "checkpoint-6"]
+    # Each folder went only once the file of a newer one was on disk.
+    assert [name for name, _ in removed] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    for name, files in removed:
+        step = int(name.split("-")[1])
+        assert f"step-{step + SAVE_EVERY:08d}.tw.safetensors" in files, (name, files)
+    assert sorted(d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")) == ["checkpoint-8"]
+    assert load_checkpoint_state(tmp_path / "checkpoint-8")["step"] == STEPS
+
+
 def test_with_saves_in_flight_rotation_waits_for_all_but_the_newest(tmp_path, monkeypatch):
     # max_pending=2 lets step 6's save start while step 4's file is still being written;
     # Trainer then deletes checkpoint-2 (save_total_limit=2 keeps 4 and 6), and a step-4
@@ -446,3 +496,28 @@ def test_the_first_save_copies_into_memory_prepared_after_the_first_step(tmp_pat
     assert first_save["reused"] >= 3 * len(pooled) > 0
     state = load_checkpoint_state(tmp_path / "checkpoint-2")
     assert state["step"] == 2
+
+
+def test_a_pointer_the_disk_cannot_take_is_a_checkpoint_io_error_naming_it(tmp_path, monkeypatch):
+    # A full disk while TwTrainer wrote checkpoint-N/tw_checkpoint.json raised json's bare
+    # OSError (no file named, outside tw_triton's errors) and left the temp file behind.
+    import errno
+
+    from tw_triton.errors import CheckpointIOError
+    from tw_triton.integrations import hf_pointer
+
+    folder = tmp_path / "checkpoint-4"
+    hf_pointer.write_pointer(str(folder), str(tmp_path / TW_SUBDIR), 4)
+    real_dump = hf_pointer.json.dump
+
+    def full_disk(data, f, **kw):
+        f.write("{")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hf_pointer.json, "dump", full_disk)
+    with pytest.raises(CheckpointIOError, match=POINTER_NAME) as err:
+        hf_pointer.write_pointer(str(folder), str(tmp_path / TW_SUBDIR), 6)
+    assert err.value.errno == errno.ENOSPC
+    monkeypatch.setattr(hf_pointer.json, "dump", real_dump)
+    assert os.listdir(folder) == [POINTER_NAME]  # no temp file left; the pointer before intact
+    assert hf_pointer.read_pointer(folder)["step"] == 4

@@ -19,7 +19,7 @@ from typing import TextIO
 from ..errors import TwTritonError
 from .exits import EXIT_CHECKPOINT, EXIT_OK, EXIT_USAGE, UsageError
 from .inspecting import inspect_lines
-from .listing import list_lines
+from .listing import list_lines, trainer_folder
 from .output import ProgressBar, printable, say
 from .parser import build_parser
 
@@ -44,6 +44,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None) -> 
         value = getattr(args, name, None)
         if value is not None and not os.path.isfile(value):
             why = "is a directory, not a checkpoint file" if os.path.isdir(value) else "no such file"
+            folder = trainer_folder(value) if os.path.isdir(value) else None
+            why += f"; {folder}" if folder is not None else ""
             say(f"tw {args.command}: error: {value}: {why}", sys.stderr)
             return EXIT_USAGE
     directory = getattr(args, "directory", None)

@@ -9,6 +9,7 @@ from typing import Any, TextIO
 from ..checkpoint_dir import CheckpointDirectory, parse_checkpoint_name
 from ..errors import TwTritonError
 from ..format import read_manifest
+from ..integrations.hf_pointer import read_pointer
 from .exits import EXIT_CHECKPOINT, EXIT_OK
 from .output import human, plural, say, table
 
@@ -108,9 +109,26 @@ def _reference_cell(
     return f"step {step} (unreadable)" if step in unreadable else f"missing: step {step}"
 
 
+def trainer_folder(directory: str) -> str | None:
+    """What a ``TwTrainer`` ``checkpoint-N`` folder holds (the file its pointer names), or
+    ``None`` for any other directory (an unreadable pointer included: ``tw`` only reads)."""
+    try:
+        pointer = read_pointer(directory)
+    except TwTritonError:
+        return None
+    if pointer is None:
+        return None
+    file, run = pointer["path"], os.path.dirname(pointer["path"])
+    return f"a TwTrainer checkpoint folder: its file is {file} (tw inspect {file}; tw ls {run} lists the run)"
+
+
 def _other_writers(directory: str) -> list[str]:
     """Where the checkpoints are in a directory another writer of tw_triton files made (a
-    DistributedCheckpointer's, a TwTrainer output_dir, a Lightning checkpoint directory)."""
+    DistributedCheckpointer's, a TwTrainer output_dir or checkpoint folder, a Lightning
+    checkpoint directory)."""
+    folder = trainer_folder(directory)
+    if folder is not None:
+        return [f"this is {folder}"]
     if _looks_distributed(directory):
         return [
             "this looks like a DistributedCheckpointer directory (step_*/ folders with "

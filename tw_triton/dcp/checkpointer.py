@@ -29,8 +29,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import interval_rules
 from ..arguments import as_int, as_path
+from ..checkpoint_dir import LISTINGS
 from ..errors import CheckpointError
 from ..format import MAX_EXPANSION, check_max_expansion, verify_file
+from ..format.files import io_error
 from ..resume import as_step
 from ..rules import check_rules
 from . import api
@@ -142,7 +144,12 @@ class DistributedCheckpointer:
         self._pending: Future | None = None
         # The step of the last save made or checkpoint loaded ("auto": the next interval).
         self._last_step: int | None = None
-        os.makedirs(self.directory, exist_ok=True)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:  # a file of that name, or in its parents; no permission
+            raise io_error(
+                exc, f"{self.directory}: cannot be made or used as a checkpoint directory"
+            ) from exc
         # Temp files of killed saves go, unless another rank or writer holds the directory.
         from ..checkpoint_dir import DirectoryClaim, dcp_temp_files
 
@@ -291,13 +298,29 @@ class DistributedCheckpointer:
     def load(self, state: dict[str, Any], path: str | None = None) -> int | None:
         """Load the checkpoint :meth:`latest` returns (or ``path``) into ``state`` in place.
 
+        Without ``path``, on one process, a checkpoint that goes while it is read (a live
+        writer's retention in another process) is followed by the newest one then, up to
+        ``LISTINGS`` times.
+
         Returns:
             The step loaded, or ``None`` when no checkpoint loads.
         """
-        path = path or self.latest()
-        if path is None:
-            return None
-        api.load(state, path, no_dist=not dist.is_initialized(), max_expansion=self.max_expansion)
+        given = path
+        # Ranks list the directory each on their own: only a single process may choose again.
+        alone = not dist.is_initialized() or dist.get_world_size(self.process_group) == 1
+        for attempt in range(LISTINGS if alone else 1):
+            path = given or self.latest()
+            if path is None:
+                return None
+            try:
+                api.load(state, path, no_dist=not dist.is_initialized(), max_expansion=self.max_expansion)
+                break
+            except CheckpointError:
+                # A live writer's retention (another process) may have removed it, or its
+                # keyframe, while it was read: then the newest is another one, loaded over it.
+                if given is not None or not alone or attempt == LISTINGS - 1 or self.latest() in (None, path):
+                    raise
+                logger.info("%s went while it was read (a live writer's retention): loading the newest", path)
         self._continue_from(path)
         m = _STEP_RE.fullmatch(os.path.basename(path))
         step = int(m.group(1)) if m else None

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..checkpoint_dir import checkpoint_name
 from ..errors import CheckpointError
+from ..format.files import io_error, remove_quietly
 
 POINTER_NAME = "tw_checkpoint.json"
 POINTER_FORMAT = "tw_triton.hf_trainer"
@@ -46,16 +47,24 @@ def read_pointer(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 def write_pointer(checkpoint_dir: str, tw_dir: str, step: int) -> None:
     """Write the ``tw_checkpoint.json`` of ``checkpoint_dir`` naming step ``step``'s file in
-    ``tw_dir`` (relative, so a moved output_dir still resolves; atomic by rename)."""
+    ``tw_dir`` (relative, so a moved output_dir still resolves; atomic by rename).
+
+    Raises:
+        CheckpointIOError: the operating system failed (``errno`` kept); no temp file left.
+    """
     os.makedirs(checkpoint_dir, exist_ok=True)
     rel = os.path.relpath(os.path.join(tw_dir, checkpoint_name(step)), checkpoint_dir)
     data = {"format": POINTER_FORMAT, "version": POINTER_VERSION, "step": step, "file": rel}
     final = os.path.join(checkpoint_dir, POINTER_NAME)
     tmp = final + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, final)
+    except OSError as exc:  # a full disk, no permission: named, in tw_triton's errors
+        remove_quietly(tmp)
+        raise io_error(exc, f"cannot write the checkpoint pointer {final}") from exc
 
 
 __all__ = ["POINTER_FORMAT", "POINTER_NAME", "POINTER_VERSION", "read_pointer", "write_pointer"]

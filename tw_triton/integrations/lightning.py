@@ -33,6 +33,7 @@ from ..checkpointer import DEFAULT_RULES, collect_setup_garbage
 from ..directory_claim import DirectoryClaim, write_temp_files
 from ..errors import CheckpointError, QuantizationError
 from ..format import write_file
+from ..format.files import io_error
 from ..rules import check_rules, keyframe_rules, resolve_rules, rules_as_specs
 from ..snapshot_pool import SavePool, SnapshotLease
 from ..state import dequantize_state_dict, load, quantize_state_dict
@@ -309,7 +310,10 @@ class TwCheckpointIO(CheckpointIO):
         """Make ``path``'s directory; the first time, remove the temp files that killed
         writes left there unless another writer holds it, and hold it until teardown."""
         directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:  # a file of that name, or in its parents; no permission
+            raise io_error(exc, f"{directory}: cannot be made or used as a checkpoint directory") from exc
         if directory not in self._claims:
             claim = self._claims[directory] = DirectoryClaim(directory)
             claim.sweep(lambda: write_temp_files(directory))

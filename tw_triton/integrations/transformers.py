@@ -10,8 +10,9 @@ in your own subclass). Contract: model, optimizer, scheduler, scaler and RNG sta
 go into one file ``output_dir/tw_triton/step-N.tw.safetensors`` written by a
 :class:`~tw_triton.Checkpointer`; ``checkpoint-N/`` holds ``trainer_state.json`` and
 ``tw_checkpoint.json`` (which names the file) and no pickle. ``save_total_limit`` deletes
-folders as usual; their files go at the next save, except those a kept delta or the next one
-needs. DeepSpeed, FSDP and multi-process runs are refused with a
+folders as usual, once what it keeps has landed (with 1, the folder before goes at the next
+save); their files go at the next save, except those a kept delta or the next one needs.
+DeepSpeed, FSDP and multi-process runs are refused with a
 :class:`~tw_triton.errors.TwTritonError`. The why: docs/integrations.md#hugging-face-trainer.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import shutil
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -136,6 +138,8 @@ class TwCheckpointMixin:
         self._tw_ckpt: Checkpointer | None = None
         self._tw_saved_steps: set[int] = set()
         self._tw_last_save: Future | None = None
+        # save_total_limit=1: the run dir, step and Future of the save whose rotation waits.
+        self._tw_rotation_due: tuple[str, int, Future] | None = None
         self._tw_in_save = False
         self._tw_resume: tuple[str, dict[str, Any]] | None = None
         super().__init__(*args, **kwargs)
@@ -159,21 +163,51 @@ class TwCheckpointMixin:
             self._tw_before_rotation(ckpt, future)
         # Trainer writes trainer_state.json, keeps the callbacks' states and rotates the
         # folders; its model/optimizer/scheduler/scaler/RNG writers are no-ops meanwhile.
+        # With one folder kept, its rotation would delete the folder before while this
+        # save's file is still being written: that one goes once it has landed instead
+        # (_tw_rotate_behind), and Trainer is shown no limit for this call.
+        limit = self.args.save_total_limit
         self._tw_in_save = True
         try:
+            if limit == 1:
+                self.args.save_total_limit = None
             super()._save_checkpoint(model, trial)
         finally:
+            self.args.save_total_limit = limit
             self._tw_in_save = False
+        if limit == 1 and self.args.should_save:
+            self._tw_rotation_due = (run_dir, step, future)
 
     def _tw_before_rotation(self, ckpt: Checkpointer, future: Future) -> None:
         """What Trainer keeps when it deletes folders must hold a file on disk (see docs)."""
         earlier, self._tw_last_save = self._tw_last_save, future
-        if self.args.save_total_limit == 1:
-            ckpt.flush()  # this save's file: the one kept
-        elif (self.args.save_total_limit or 0) > 1 and earlier is not None:
+        if (self.args.save_total_limit or 0) >= 1 and earlier is not None:
             wait_futures([earlier])  # done already unless max_pending > 1
             if earlier.exception() is not None:
                 ckpt.flush()  # raises it as the Checkpointer does (once, as a CheckpointError)
+        if self.args.save_total_limit == 1:
+            self._tw_rotate_behind()  # the save before has landed: the folders before it go
+
+    def _tw_rotate_behind(self) -> None:
+        """``save_total_limit=1``: delete the ``checkpoint-N`` folders older than the last
+        save whose rotation was put off (its file is on disk by now), but the best one, as
+        Trainer's rotation would have right after that save."""
+        due, self._tw_rotation_due = self._tw_rotation_due, None
+        if due is None or not due[2].done() or due[2].exception() is not None:
+            return  # a save that failed deletes nothing (its error was raised)
+        run_dir, landed, _ = due
+        best = self.state.best_model_checkpoint
+        prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+        for name in os.listdir(run_dir):
+            number = name[len(prefix) :]
+            folder = os.path.join(run_dir, name)
+            if not name.startswith(prefix) or not number.isdigit() or int(number) >= landed:
+                continue
+            if best is not None and os.path.abspath(best) == os.path.abspath(folder):
+                continue
+            if os.path.isdir(folder):
+                logger.info("deleting older checkpoint [%s] due to args.save_total_limit", folder)
+                shutil.rmtree(folder, ignore_errors=True)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self._tw_in_save:
@@ -417,6 +451,7 @@ class TwCheckpointMixin:
             return
         try:
             ckpt.flush()
+            self._tw_rotate_behind()
             self._tw_prune(os.path.dirname(ckpt.directory), keep_reference=False)
         finally:
             self._tw_ckpt = None

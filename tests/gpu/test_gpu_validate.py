@@ -387,6 +387,31 @@ def test_validate_sh_stops_at_once_without_a_c_compiler(tmp_path):
     assert got.returncode == 2 and "no C compiler" in got.stderr, got.stderr
 
 
+def test_validate_sh_hands_a_plain_cc_to_triton(tmp_path):
+    """Triton's launcher build takes $CC, else gcc, else clang (triton/runtime/build.py),
+    never ``cc``: where ``cc`` is the only compiler, validate.sh exports it as $CC."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("bash", "dirname"):
+        found = shutil.which(tool)
+        assert found is not None
+        (bindir / tool).symlink_to(found)
+    seen = tmp_path / "seen"
+    for tool in ("cc", "python"):  # a python that records the CC it runs with, and passes
+        (bindir / tool).write_text(f'#!/bin/sh\necho "CC=${{CC:-}}" >> {seen}\nexit 0\n')
+        (bindir / tool).chmod(0o755)
+    env = {"PATH": str(bindir), "PYTHON": str(bindir / "python"), "HOME": str(tmp_path)}
+    got = subprocess.run(
+        [str(bindir / "bash"), str(GPU_DIR / "validate.sh"), "--phase", "smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert got.returncode == 0, got.stderr
+    assert seen.read_text().splitlines()[-1] == f"CC={bindir / 'cc'}", seen.read_text()
+
+
 def test_phases_split_every_step_in_three_and_fit_their_limits():
     all_steps = [n for steps, _ in validate.PHASES.values() for n in steps]
     assert sorted(all_steps) == sorted(validate.RUNNERS) and len(set(all_steps)) == len(all_steps)

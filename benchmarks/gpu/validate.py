@@ -283,12 +283,18 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
             "no:cacheprovider",
             "--collect-only",
         ]
+    # Streamed to pytest.log as it runs (unbuffered): a whole command killed at its limit
+    # mid-pytest still brings back the lines of the tests that ended.
+    log_path = out / "pytest.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=budget)
-        output, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        (out / "pytest.log").write_text(output, encoding="utf-8")
+        with open(log_path, "w", encoding="utf-8") as log_file:
+            proc = subprocess.run(
+                cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, timeout=budget, env=env
+            )
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        output = log_path.read_text(encoding="utf-8", errors="replace")
         ended = {
             k: len(re.findall(rf"::\S+ {k}\b", output)) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")
         }
@@ -300,7 +306,7 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
             f"{ended['FAILED']} failed, {ended['ERROR']} errors, {ended['SKIPPED']} skipped (see pytest.log)"
         )
         return s
-    (out / "pytest.log").write_text(output, encoding="utf-8")
+    output = log_path.read_text(encoding="utf-8", errors="replace")
     s.data = {"command": " ".join(cmd[1:]), "returncode": rc}
     if dry:
         m = re.search(r"(\d+)/\d+ tests collected|(\d+) tests? collected", output)

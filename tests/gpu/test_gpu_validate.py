@@ -631,7 +631,8 @@ def test_a_pytest_step_killed_at_its_budget_counts_the_tests_that_ended(tmp_path
 
     def killed(cmd, **kw):
         assert "-v" in cmd and kw["timeout"] == 12.0
-        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output="\n".join(lines))
+        kw["stdout"].write("\n".join(lines))
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
 
     monkeypatch.setattr(validate.subprocess, "run", killed)
     step = validate.step_pytest(torch.device("cpu"), False, 12.0, tmp_path, tmp_path)
@@ -641,6 +642,24 @@ def test_a_pytest_step_killed_at_its_budget_counts_the_tests_that_ended(tmp_path
     lines.insert(1, "tests/gpu/test_a.py::test_bad FAILED [  1%]")
     step = validate.step_pytest(torch.device("cpu"), False, 12.0, tmp_path, tmp_path)
     assert step.status == "FAIL" and step.data["failed"] == 1
+
+
+def test_a_command_killed_during_the_pytest_step_keeps_its_log(tmp_path, monkeypatch):
+    """The pytest output goes to pytest.log as it is written, unbuffered: when the whole
+    command is killed at its limit mid-pytest, the lines of the tests that ended are there."""
+    seen = {}
+
+    def killed_with_the_command(cmd, **kw):
+        seen["unbuffered"] = kw["env"]["PYTHONUNBUFFERED"]
+        kw["stdout"].write("tests/gpu/test_a.py::test_one PASSED [  1%]\n")
+        kw["stdout"].flush()
+        raise KeyboardInterrupt  # stands for the kill: nothing after this line runs
+
+    monkeypatch.setattr(validate.subprocess, "run", killed_with_the_command)
+    with pytest.raises(KeyboardInterrupt):
+        validate.step_pytest(torch.device("cpu"), False, 12.0, tmp_path, tmp_path)
+    assert (tmp_path / "pytest.log").read_text() == "tests/gpu/test_a.py::test_one PASSED [  1%]\n"
+    assert seen["unbuffered"] == "1"
 
 
 def _pytest_on(tests: Path, real: Callable) -> Callable:

@@ -484,10 +484,19 @@ def write_report(
     started: float,
     phase: str = "all",
     planned: list[str] | None = None,
+    running: tuple[str, float, float] | None = None,
 ) -> None:
-    """The table and the JSON of the steps so far; the planned ones not run yet as PENDING."""
+    """The table and the JSON of the steps so far; the planned ones not run yet as PENDING,
+    ``running`` (its name, the run's second it started at and its budget) as RUNNING."""
     done = {s.name for s in steps}
     pending = [Step(n, n, "PENDING", detail="not run yet") for n in (planned or []) if n not in done]
+    for p in pending:
+        if running is not None and p.name == running[0]:
+            p.status = "RUNNING"
+            p.detail = (
+                f"started {running[1]:.0f} s into the run with a budget of {running[2]:.0f} s "
+                "(a command killed now loses only this step)"
+            )
     names = report_names(phase)
     payload = {
         "dry_run": dry,
@@ -642,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 log(f"--- {name} (budget {budget:.0f} s)")
                 t0 = _clock()
+                write_report(out, steps, info, dry, started, phase, names, (name, t0 - clock0, budget))
                 try:
                     step = RUNNERS[name](Ctx(device, dry, budget, work, out))
                 except Exception as exc:  # noqa: BLE001 - one broken step must not hide the others

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -484,7 +485,8 @@ def test_smoke_phase_goes_to_out_and_writes_only_its_files(tmp_path):
 
 def test_a_run_killed_midway_leaves_the_finished_rows_and_the_plan(tmp_path):
     """The table is written before the first step, and each finished step's row is on the
-    disk before the next starts: a process that dies in step 2 returns step 1's result."""
+    disk before the next starts: a process that dies in step 2 returns step 1's result,
+    and the table names the step it died in (RUNNING)."""
     out = tmp_path / "partial"
     code = "validate.RUNNERS['identity_grid'] = lambda c: os._exit(7)"
     proc = _run_validate(["--phase", "smoke", "--dry-run", "--out", str(out)], {}, code)
@@ -493,10 +495,13 @@ def test_a_run_killed_midway_leaves_the_finished_rows_and_the_plan(tmp_path):
     assert [(r["name"], r["status"]) for r in rows] == [("precompile", "PASS")]
     result = json.loads((out / "results-smoke.json").read_text())
     status = {n: s["status"] for n, s in result["steps"].items()}
-    assert status == {"precompile": "PASS", "identity_grid": "PENDING", "save_load": "PENDING"}
+    assert status == {"precompile": "PASS", "identity_grid": "RUNNING", "save_load": "PENDING"}
     assert result["passed"] is False
+    detail = result["steps"]["identity_grid"]["detail"]
+    assert re.match(r"started \d+ s into the run with a budget of 50 s", detail), detail
     summary = (out / "summary-smoke.md").read_text()
-    assert "Overall: **RUNNING**" in summary and summary.count("| **PENDING** |") == 2
+    assert "Overall: **RUNNING**" in summary and summary.count("| **PENDING** |") == 1
+    assert summary.count("| **RUNNING** |") == 1
     assert not list(out.glob("*.tmp"))
 
 

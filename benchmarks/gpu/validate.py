@@ -572,6 +572,30 @@ RUNNERS: dict[str, Callable[[Ctx], Step]] = {
 }
 
 
+def device_error(device: torch.device) -> str | None:
+    """``None`` while ``device`` still runs work; else the error it raises (a CUDA error
+    such as an illegal address is sticky: the process cannot use the device again)."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).cpu()
+        torch.cuda.empty_cache()
+    except Exception as exc:  # noqa: BLE001 - any error here means the context is gone
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
+def restart(args: argparse.Namespace, phase: str, out: Path, steps: list[str], budget: float) -> None:
+    """Replace this process with a fresh run of ``steps`` (a budget of ``budget`` seconds
+    before ``--budget-scale``) that appends to the same results (``--resume``)."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--phase", phase, "--out", str(out)]
+    argv += ["--steps", ",".join(steps), "--phase-budget", f"{max(budget, 1e-3):.3f}"]
+    argv += ["--budget-scale", str(args.budget_scale), "--resume"]
+    argv += ["--dry-run"] * args.dry_run + ["--strict-goals"] * args.strict_goals
+    os.execv(sys.executable, argv)
+
+
 def plan_phase(phase: str, steps: str | None) -> tuple[list[str], float]:
     """The steps of ``phase`` (``all``: ``ONE_CALL``) and its budget in seconds."""
     if phase == "all":
@@ -609,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every time budget")
     p.add_argument("--phase-budget", type=float, default=None, help="the phase's budget in seconds")
     p.add_argument("--strict-goals", action="store_true", help="a missed performance goal fails the run")
+    # Internal: a run restarted after the device failed (see device_error) goes on with the
+    # steps already in the phase's .jsonl, appending to it.
+    p.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     phase = PHASE_ALIASES.get(args.phase, args.phase)
     if phase != "all" and phase not in PHASES:
@@ -628,14 +655,18 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     files = report_names(phase)
     stale = list(files.values()) + (["pytest.log", "pytest.xml"] if "pytest" in names else [])
+    steps: list[Step] = []
+    if args.resume:
+        steps = [Step(**json.loads(line)) for line in (out / files["steps"]).read_text().splitlines()]
+        stale = ["pytest.log", "pytest.xml"] if "pytest" in names else []
     for name in stale:
         (out / name).unlink(missing_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tw-validate-"))
     started = time.time()
     clock0 = _clock()
-    steps: list[Step] = []
+    planned = [s.name for s in steps] + names
     # The table first, every step PENDING: a command killed at once still says what it planned.
-    write_report(out, steps, info, dry, started, phase, names)
+    write_report(out, steps, info, dry, started, phase, planned)
     try:
         for name in names:
             left = phase_budget - (_clock() - clock0)
@@ -651,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 log(f"--- {name} (budget {budget:.0f} s)")
                 t0 = _clock()
-                write_report(out, steps, info, dry, started, phase, names, (name, t0 - clock0, budget))
+                write_report(out, steps, info, dry, started, phase, planned, (name, t0 - clock0, budget))
                 try:
                     step = RUNNERS[name](Ctx(device, dry, budget, work, out))
                 except Exception as exc:  # noqa: BLE001 - one broken step must not hide the others
@@ -665,10 +696,21 @@ def main(argv: list[str] | None = None) -> int:
                     log(traceback.format_exc())
                 step.seconds = _clock() - t0
             steps.append(step)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            broken = device_error(device)
+            if broken is not None:
+                step.data["device_error_after"] = broken
             append_row(out / files["steps"], step)
-            write_report(out, steps, info, dry, started, phase, names)  # partial results survive a kill
+            write_report(out, steps, info, dry, started, phase, planned)  # partial results survive a kill
+            rest = names[names.index(name) + 1 :]
+            if broken is not None and rest:
+                # A CUDA error poisons the process's context: every later step would fail
+                # on it. A fresh process goes on with the steps left and what is left of
+                # the run's budget.
+                left = max(phase_budget - (_clock() - clock0), 0.0) / args.budget_scale
+                log(f"--- the device failed after {name} ({broken}): a new process runs {', '.join(rest)}")
+                shutil.rmtree(work, ignore_errors=True)
+                sys.stdout.flush()
+                restart(args, phase, out, rest, left)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(status_table(steps))

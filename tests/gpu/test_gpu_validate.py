@@ -515,6 +515,41 @@ def test_a_step_that_raises_fails_and_the_phase_goes_on(tmp_path):
     assert steps["save_load"]["status"] == "PASS"
 
 
+def test_a_device_error_restarts_the_process_for_the_steps_left(tmp_path):
+    """A CUDA error (an illegal address, say) poisons the process's context, so every later
+    step would fail on it: the run goes on in a fresh process (exec) with the steps left,
+    appending to the same results. Here the device check reports an error after the step
+    that raises; the fresh process (no injected code) runs save_load and passes it."""
+    out = tmp_path / "restarted"
+    code = (
+        "def boom(c):\n    raise RuntimeError('CUDA error: an illegal memory access was encountered')\n"
+        "validate.RUNNERS['identity_grid'] = boom\n"
+        "calls = []\n"  # the check after the second step (identity_grid) finds the error
+        "def broken(d):\n    calls.append(d)\n    return 'AcceleratorError: injected' if len(calls) == 2 else None\n"
+        "validate.device_error = broken\n"
+    )
+    proc = _run_validate(["--phase", "smoke", "--dry-run", "--out", str(out)], {}, code)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (
+        "the device failed after identity_grid (AcceleratorError: injected): a new process runs save_load"
+        in proc.stderr
+    )
+    rows = [json.loads(line) for line in (out / "steps-smoke.jsonl").read_text().splitlines()]
+    assert [(r["name"], r["status"]) for r in rows] == [
+        ("precompile", "PASS"),
+        ("identity_grid", "FAIL"),
+        ("save_load", "PASS"),
+    ]
+    assert rows[1]["data"]["device_error_after"] == "AcceleratorError: injected"
+    result = json.loads((out / "results-smoke.json").read_text())
+    assert {n: s["status"] for n, s in result["steps"].items()} == {
+        "precompile": "PASS",
+        "identity_grid": "FAIL",
+        "save_load": "PASS",
+    }
+    assert result["passed"] is False and "VALIDATION smoke FAILED: identity_grid" in proc.stdout
+
+
 def test_the_run_budget_trims_or_skips_steps(tmp_path, monkeypatch):
     """On a fake clock: each fake step advances it by its cost and records the budget it
     was given. identity_grid (stops itself) gets what is left; save_load, which cannot stop,

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tw_triton
 import tw_triton.codecs as tw_codecs
 import tw_triton.format
 from tw_triton.codecs import ExactCodec, get_codec
@@ -31,6 +32,7 @@ sys.path.insert(0, str(GPU_DIR))
 import _end_to_end  # noqa: E402
 import _identity  # noqa: E402
 import _precompile  # noqa: E402
+import _smoke  # noqa: E402
 import validate  # noqa: E402
 
 
@@ -139,6 +141,30 @@ def test_identity_check_reports_a_byte_difference(request):
     assert any("buffer 'codes'" in p for p in problems), problems
     report = _identity.run_identity(torch.device("cpu"), dry_run=True, budget_s=60, codecs=["noisy-test"])
     assert report.run == report.planned and len(report.failures) >= report.run
+
+
+def test_the_smoke_load_check_expects_the_steps_on_the_host(tmp_path):
+    """A load to the GPU decodes the optimizer's 0-dim ``step`` tensors (and numpy leaves)
+    on the host (state/decode.py host_leaf_paths): the smoke step must not count them as
+    misplaced. Here the "device" is ``meta``: every other leaf is moved there, as a load to
+    CUDA puts it on CUDA. The smoke's first check (every leaf on the device) flagged the
+    steps of a real AdamW state, so the step would have failed on every GPU."""
+    model, opt, _ = _end_to_end.build(torch.device("cpu"), "tiny")
+    with tw_triton.Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, model=model, optimizer=opt).result()
+        loaded = tw_triton.tree.flatten(ck.load(1))[0]
+        on_host = _smoke.host_paths(ck.path_for(1))
+    steps = {n for n in loaded if n.startswith("optimizer/state/") and n.endswith("/step")}
+    assert steps and steps <= on_host
+    on_device = {n: t if n in on_host else t.to("meta") for n, t in loaded.items()}
+    meta = torch.device("meta")
+    assert _smoke.misplaced(on_device, meta, on_host) == []
+    assert steps <= {n for n, t in on_device.items() if t.device.type != "meta"}  # the first check's flags
+    on_device[sorted(steps)[0]] = on_device[sorted(steps)[0]].to("meta")
+    assert _smoke.misplaced(on_device, meta, on_host) == [f"{sorted(steps)[0]}: loaded on meta, not cpu"]
+    first = next(n for n in loaded if n not in on_host)
+    on_device[first] = loaded[first]
+    assert f"{first}: loaded on cpu, not meta" in _smoke.misplaced(on_device, meta, on_host)
 
 
 def test_the_smoke_grid_matches_the_cpu_on_the_kernels():

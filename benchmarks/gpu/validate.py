@@ -572,6 +572,43 @@ RUNNERS: dict[str, Callable[[Ctx], Step]] = {
 }
 
 
+def libcuda_for_triton(maps: str = "/proc/self/maps") -> str | None:
+    """Make sure Triton can link its launcher against ``libcuda.so.1``.
+
+    Triton looks it up in ``/sbin/ldconfig -p`` (else ``LD_LIBRARY_PATH``) and fails every
+    launch when that finds nothing (no ldconfig, or a cache without it), though torch has
+    loaded it: then ``TRITON_LIBCUDA_PATH`` is set to the directory torch loaded it from
+    (the steps' child processes inherit it).
+
+    Returns:
+        That directory, or ``None`` when Triton finds it itself, the variable is set
+        already, or torch's copy is not found either.
+    """
+    if os.environ.get("TRITON_LIBCUDA_PATH"):
+        return None
+    from triton.backends.nvidia.driver import libcuda_dirs
+
+    try:
+        libcuda_dirs()
+        return None
+    except Exception as exc:  # noqa: BLE001 - an assertion, or no /sbin/ldconfig at all
+        problem = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    torch.cuda.init()  # loads libcuda
+    with open(maps, encoding="utf-8") as f:
+        loaded = sorted({line.split()[-1] for line in f if "/libcuda.so" in line})
+    dirs = [
+        os.path.dirname(p) for p in loaded if os.path.exists(os.path.join(os.path.dirname(p), "libcuda.so.1"))
+    ]
+    if not dirs:
+        log(f"Triton does not find libcuda.so.1 ({problem}), nor where torch loaded it: kernels will fail")
+        return None
+    os.environ["TRITON_LIBCUDA_PATH"] = dirs[0]
+    log(
+        f"Triton does not find libcuda.so.1 ({problem}): TRITON_LIBCUDA_PATH={dirs[0]}, where torch loaded it"
+    )
+    return dirs[0]
+
+
 def device_error(device: torch.device) -> str | None:
     """``None`` while ``device`` still runs work; else the error it raises (a CUDA error
     such as an illegal address is sticky: the process cannot use the device again)."""
@@ -650,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and dry:
         log("no CUDA device: running the dry run on the CPU")
     device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+    if not dry:
+        libcuda_for_triton()
     info = device_info(device)
     out = results_dir(args.out, dry, info["device_name"])
     out.mkdir(parents=True, exist_ok=True)

@@ -576,6 +576,39 @@ def test_a_device_error_restarts_the_process_for_the_steps_left(tmp_path):
     assert result["passed"] is False and "VALIDATION smoke FAILED: identity_grid" in proc.stdout
 
 
+def test_triton_is_pointed_at_the_libcuda_torch_loaded_when_its_lookup_fails(tmp_path, monkeypatch):
+    """Triton links its launcher against libcuda.so.1, found through ``/sbin/ldconfig -p``;
+    where that finds nothing every launch fails, though torch loaded it: the run sets
+    TRITON_LIBCUDA_PATH to torch's directory. Faked: the lookup, CUDA's init, the maps."""
+    import triton.backends.nvidia.driver as nvidia
+
+    lib = tmp_path / "nvidia" / "lib64"
+    lib.mkdir(parents=True)
+    (lib / "libcuda.so.1").write_bytes(b"")
+    (lib / "libcuda.so.550.54").write_bytes(b"")
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+        f"7f02-7f03 r-xp 00000000 08:01 2 {lib / 'libcuda.so.550.54'}\n"
+    )
+    monkeypatch.setattr(validate.torch.cuda, "init", lambda: None)
+    monkeypatch.delenv("TRITON_LIBCUDA_PATH", raising=False)
+    monkeypatch.setattr(nvidia, "libcuda_dirs", lambda: ["/usr/lib/x86_64-linux-gnu"])
+    assert validate.libcuda_for_triton(str(maps)) is None and "TRITON_LIBCUDA_PATH" not in os.environ
+
+    def not_found():
+        raise FileNotFoundError("[Errno 2] No such file or directory: '/sbin/ldconfig'")
+
+    monkeypatch.setattr(nvidia, "libcuda_dirs", not_found)
+    assert validate.libcuda_for_triton(str(maps)) == str(lib)
+    assert os.environ["TRITON_LIBCUDA_PATH"] == str(lib)
+    assert nvidia.knobs.nvidia.libcuda_path == str(lib)  # what Triton's own lookup reads first
+    assert validate.libcuda_for_triton(str(maps)) is None  # set already: left alone
+    monkeypatch.delenv("TRITON_LIBCUDA_PATH")
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
+    assert validate.libcuda_for_triton(str(maps)) is None and "TRITON_LIBCUDA_PATH" not in os.environ
+
+
 def test_the_run_budget_trims_or_skips_steps(tmp_path, monkeypatch):
     """On a fake clock: each fake step advances it by its cost and records the budget it
     was given. identity_grid (stops itself) gets what is left; save_load, which cannot stop,

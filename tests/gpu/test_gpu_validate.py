@@ -650,8 +650,20 @@ def test_end_to_end_starts_no_round_past_its_budget(tmp_path):
     r = _end_to_end.run_save_load(torch.device("cpu"), tmp_path / "a", size="tiny", rounds=3, budget_s=0.0)
     assert (r["rounds"], r["rounds_planned"]) == (1, 3)
     assert r["save"]["tw delta"]["file_bytes"] > 0 and r["save"]["dcp.async_save"]["file_bytes"] > 0
-    r = _end_to_end.run_save_load(torch.device("cpu"), tmp_path / "b", size="tiny", rounds=2, budget_s=None)
+    lines: list[str] = []
+    r = _end_to_end.run_save_load(
+        torch.device("cpu"), tmp_path / "b", size="tiny", rounds=2, budget_s=None, log=lines.append
+    )
     assert (r["rounds"], r["rounds_planned"]) == (2, 2)
+    # Each round's timings reach the console as it ends: a command killed in a later round
+    # (the step's results are written when it ends) keeps them in console.log.
+    rounds = [line for line in lines if line.startswith("end-to-end round ")]
+    assert [line.split(" in ")[0] for line in rounds] == [
+        "end-to-end round 0 (warm-up)",
+        "end-to-end round 1",
+        "end-to-end round 2",
+    ]
+    assert all(f"{m} " in rounds[-1] for m in _end_to_end.SAVE_METHODS + ("load torch.load",))
 
 
 def test_the_grid_is_what_the_presets_code_with_a_kernel():

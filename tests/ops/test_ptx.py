@@ -34,7 +34,7 @@ def test_no_kernel_needs_an_allocator_or_more_shared_memory_than_a_launch_gets(p
     """What a launch on a GPU needs beyond the cubin: a kernel compiled with global scratch
     memory fails at launch ("no allocator was set": the library never calls
     ``triton.set_allocator``), and shared memory over 48 KiB needs an opt-in. Every variant
-    needs neither (the most shared memory, 32 KiB, is a bitmask scatter's under triton 3.9)."""
+    needs neither (at most 32 KiB of shared memory, a bitmask scatter's, under triton 3.6 and 3.9)."""
     assert len(ptx_facts) == len(_ptx.every_variant())
     for label, facts in ptx_facts.items():
         assert facts["global_scratch_bytes"] == 0, label

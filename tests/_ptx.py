@@ -645,6 +645,10 @@ def facts(v: Variant) -> dict:
         "ctaid_regs": len(_CTAID.findall(ptx)),
         "ctaid_uses": ctaid_uses(ptx),
         "cubin_bytes": len(kernel.asm["cubin"]),
+        # Launch needs: global scratch asks triton.set_allocator for memory at each launch
+        # (the library never sets one), shared memory beyond 48 KiB needs an opt-in.
+        "global_scratch_bytes": getattr(kernel.metadata, "global_scratch_size", 0),
+        "shared_bytes": kernel.metadata.shared,
         "target": f"sm_{v.cc}",
         "ptx_target": (re.search(r"^\.target\s+(\S+)", ptx, re.MULTILINE) or [None, None])[1],
     }

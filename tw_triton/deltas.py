@@ -307,7 +307,11 @@ def after_copies(reference: Reference) -> bool:
     if not reference.copied:
         return False
     for event in reference.copied:
-        event.wait()  # on CUDA: the current stream waits; the host does not
+        # The current stream of the event's device waits (the host does not): the advance's
+        # kernels run there, on the reference's device. ``wait()`` alone would make the
+        # current device's stream wait, another device's when the state is not on it.
+        device = getattr(event, "device", None)
+        event.wait(None if device is None else torch.cuda.current_stream(device))
     return True
 
 

@@ -179,6 +179,7 @@ def run_save_load(
             break
         step()
         last_step = r + 1
+        this_round: list[str] = []  # logged as the round ends: a kill later keeps it
         for method in SAVE_METHODS:
             sync(device)
             if device.type == "cuda":
@@ -208,6 +209,7 @@ def run_save_load(
                 fut.result()
                 total = time.perf_counter() - t0
             peak = (torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else None
+            this_round.append(f"{method} {blocked:.3f}/{total:.3f} s")
             if r:
                 saves[method].append({"blocked_s": blocked, "total_s": total, "peak_device_bytes": peak})
         for method, ck in in_loop.items():
@@ -217,6 +219,7 @@ def run_save_load(
             fut = ck.save(last_step, model=model, optimizer=opt)
             blocked = time.perf_counter() - t0
             fut.result()
+            this_round.append(f"{method} in the loop {blocked:.3f} s")
             if r:
                 in_loop_s[method].append(blocked)
         for method in LOAD_METHODS:
@@ -230,11 +233,16 @@ def run_save_load(
                 ck = ck_kf if method == "tw keyframe" else ck_delta
                 out = ck.load(last_step, device=device)
             sync(device)
+            this_round.append(f"load {method} {time.perf_counter() - t0:.3f} s")
             if r:
                 loads[method].append(time.perf_counter() - t0)
             del out
         last_round_s = time.perf_counter() - t_round
         done = r
+        log(
+            f"end-to-end round {r}{' (warm-up)' if r == 0 else ''} in {last_round_s:.1f} s "
+            f"(save: blocked/total): {'; '.join(this_round)}"
+        )
     sizes = {
         "torch.save": (workdir / "state.pt").stat().st_size,
         "safetensors": (workdir / "state.safetensors").stat().st_size,

@@ -283,12 +283,18 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
             "no:cacheprovider",
             "--collect-only",
         ]
+    # Streamed to pytest.log as it runs (unbuffered): a whole command killed at its limit
+    # mid-pytest still brings back the lines of the tests that ended.
+    log_path = out / "pytest.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=budget)
-        output, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        (out / "pytest.log").write_text(output, encoding="utf-8")
+        with open(log_path, "w", encoding="utf-8") as log_file:
+            proc = subprocess.run(
+                cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, timeout=budget, env=env
+            )
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        output = log_path.read_text(encoding="utf-8", errors="replace")
         ended = {
             k: len(re.findall(rf"::\S+ {k}\b", output)) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")
         }
@@ -300,7 +306,7 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
             f"{ended['FAILED']} failed, {ended['ERROR']} errors, {ended['SKIPPED']} skipped (see pytest.log)"
         )
         return s
-    (out / "pytest.log").write_text(output, encoding="utf-8")
+    output = log_path.read_text(encoding="utf-8", errors="replace")
     s.data = {"command": " ".join(cmd[1:]), "returncode": rc}
     if dry:
         m = re.search(r"(\d+)/\d+ tests collected|(\d+) tests? collected", output)
@@ -478,10 +484,19 @@ def write_report(
     started: float,
     phase: str = "all",
     planned: list[str] | None = None,
+    running: tuple[str, float, float] | None = None,
 ) -> None:
-    """The table and the JSON of the steps so far; the planned ones not run yet as PENDING."""
+    """The table and the JSON of the steps so far; the planned ones not run yet as PENDING,
+    ``running`` (its name, the run's second it started at and its budget) as RUNNING."""
     done = {s.name for s in steps}
     pending = [Step(n, n, "PENDING", detail="not run yet") for n in (planned or []) if n not in done]
+    for p in pending:
+        if running is not None and p.name == running[0]:
+            p.status = "RUNNING"
+            p.detail = (
+                f"started {running[1]:.0f} s into the run with a budget of {running[2]:.0f} s "
+                "(a command killed now loses only this step)"
+            )
     names = report_names(phase)
     payload = {
         "dry_run": dry,
@@ -557,6 +572,67 @@ RUNNERS: dict[str, Callable[[Ctx], Step]] = {
 }
 
 
+def libcuda_for_triton(maps: str = "/proc/self/maps") -> str | None:
+    """Make sure Triton can link its launcher against ``libcuda.so.1``.
+
+    Triton looks it up in ``/sbin/ldconfig -p`` (else ``LD_LIBRARY_PATH``) and fails every
+    launch when that finds nothing (no ldconfig, or a cache without it), though torch has
+    loaded it: then ``TRITON_LIBCUDA_PATH`` is set to the directory torch loaded it from
+    (the steps' child processes inherit it).
+
+    Returns:
+        That directory, or ``None`` when Triton finds it itself, the variable is set
+        already, or torch's copy is not found either.
+    """
+    if os.environ.get("TRITON_LIBCUDA_PATH"):
+        return None
+    from triton.backends.nvidia.driver import libcuda_dirs
+
+    try:
+        libcuda_dirs()
+        return None
+    except Exception as exc:  # noqa: BLE001 - an assertion, or no /sbin/ldconfig at all
+        problem = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    torch.cuda.init()  # loads libcuda
+    with open(maps, encoding="utf-8") as f:
+        loaded = sorted({line.split()[-1] for line in f if "/libcuda.so" in line})
+    dirs = [
+        os.path.dirname(p) for p in loaded if os.path.exists(os.path.join(os.path.dirname(p), "libcuda.so.1"))
+    ]
+    if not dirs:
+        log(f"Triton does not find libcuda.so.1 ({problem}), nor where torch loaded it: kernels will fail")
+        return None
+    os.environ["TRITON_LIBCUDA_PATH"] = dirs[0]
+    log(
+        f"Triton does not find libcuda.so.1 ({problem}): TRITON_LIBCUDA_PATH={dirs[0]}, where torch loaded it"
+    )
+    return dirs[0]
+
+
+def device_error(device: torch.device) -> str | None:
+    """``None`` while ``device`` still runs work; else the error it raises (a CUDA error
+    such as an illegal address is sticky: the process cannot use the device again)."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).cpu()
+        torch.cuda.empty_cache()
+    except Exception as exc:  # noqa: BLE001 - any error here means the context is gone
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
+def restart(args: argparse.Namespace, phase: str, out: Path, steps: list[str], budget: float) -> None:
+    """Replace this process with a fresh run of ``steps`` (a budget of ``budget`` seconds
+    before ``--budget-scale``) that appends to the same results (``--resume``)."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--phase", phase, "--out", str(out)]
+    argv += ["--steps", ",".join(steps), "--phase-budget", f"{max(budget, 1e-3):.3f}"]
+    argv += ["--budget-scale", str(args.budget_scale), "--resume"]
+    argv += ["--dry-run"] * args.dry_run + ["--strict-goals"] * args.strict_goals
+    os.execv(sys.executable, argv)
+
+
 def plan_phase(phase: str, steps: str | None) -> tuple[list[str], float]:
     """The steps of ``phase`` (``all``: ``ONE_CALL``) and its budget in seconds."""
     if phase == "all":
@@ -594,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-scale", type=float, default=1.0, help="multiply every time budget")
     p.add_argument("--phase-budget", type=float, default=None, help="the phase's budget in seconds")
     p.add_argument("--strict-goals", action="store_true", help="a missed performance goal fails the run")
+    # Internal: a run restarted after the device failed (see device_error) goes on with the
+    # steps already in the phase's .jsonl, appending to it.
+    p.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     phase = PHASE_ALIASES.get(args.phase, args.phase)
     if phase != "all" and phase not in PHASES:
@@ -608,19 +687,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and dry:
         log("no CUDA device: running the dry run on the CPU")
     device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+    if not dry:
+        libcuda_for_triton()
     info = device_info(device)
     out = results_dir(args.out, dry, info["device_name"])
     out.mkdir(parents=True, exist_ok=True)
     files = report_names(phase)
     stale = list(files.values()) + (["pytest.log", "pytest.xml"] if "pytest" in names else [])
+    steps: list[Step] = []
+    if args.resume:
+        steps = [Step(**json.loads(line)) for line in (out / files["steps"]).read_text().splitlines()]
+        stale = ["pytest.log", "pytest.xml"] if "pytest" in names else []
     for name in stale:
         (out / name).unlink(missing_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tw-validate-"))
     started = time.time()
     clock0 = _clock()
-    steps: list[Step] = []
+    planned = [s.name for s in steps] + names
     # The table first, every step PENDING: a command killed at once still says what it planned.
-    write_report(out, steps, info, dry, started, phase, names)
+    write_report(out, steps, info, dry, started, phase, planned)
     try:
         for name in names:
             left = phase_budget - (_clock() - clock0)
@@ -636,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 log(f"--- {name} (budget {budget:.0f} s)")
                 t0 = _clock()
+                write_report(out, steps, info, dry, started, phase, planned, (name, t0 - clock0, budget))
                 try:
                     step = RUNNERS[name](Ctx(device, dry, budget, work, out))
                 except Exception as exc:  # noqa: BLE001 - one broken step must not hide the others
@@ -649,10 +735,21 @@ def main(argv: list[str] | None = None) -> int:
                     log(traceback.format_exc())
                 step.seconds = _clock() - t0
             steps.append(step)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            broken = device_error(device)
+            if broken is not None:
+                step.data["device_error_after"] = broken
             append_row(out / files["steps"], step)
-            write_report(out, steps, info, dry, started, phase, names)  # partial results survive a kill
+            write_report(out, steps, info, dry, started, phase, planned)  # partial results survive a kill
+            rest = names[names.index(name) + 1 :]
+            if broken is not None and rest:
+                # A CUDA error poisons the process's context: every later step would fail
+                # on it. A fresh process goes on with the steps left and what is left of
+                # the run's budget.
+                left = max(phase_budget - (_clock() - clock0), 0.0) / args.budget_scale
+                log(f"--- the device failed after {name} ({broken}): a new process runs {', '.join(rest)}")
+                shutil.rmtree(work, ignore_errors=True)
+                sys.stdout.flush()
+                restart(args, phase, out, rest, left)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(status_table(steps))

@@ -20,6 +20,10 @@ export PYTHON="${PYTHON:-python3}"
 if [ "${1:-}" != "--dry-run" ]; then
     cc="${CC:-$(command -v gcc || command -v clang || command -v cc || true)}"
     [ -n "$cc" ] || { echo "validate.sh: no C compiler (gcc, clang, cc or \$CC): Triton cannot build its launcher" >&2; exit 2; }
+    # Triton takes $CC, else gcc, else clang, never cc: a plain cc is handed to it as $CC.
+    if [ -z "${CC:-}" ] && ! command -v gcc >/dev/null && ! command -v clang >/dev/null; then
+        export CC="$cc"
+    fi
     "$PYTHON" -c "import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))" \
         || { echo "validate.sh: Python.h not found: Triton cannot build its launcher" >&2; exit 2; }
 fi

@@ -24,7 +24,7 @@ from tw_triton import format as fmt
 from tw_triton.checkpoint_files import checkpoint_name
 from tw_triton.codecs import ExactCodec
 from tw_triton.codecs.log2_temporal import group_stored
-from tw_triton.deltas import advance, make_reference
+from tw_triton.deltas import advance, after_copies, make_reference
 from tw_triton.device_memory import allocated, encoded_nbytes
 from tw_triton.pinned_staging import DeviceStaging
 
@@ -288,6 +288,26 @@ def test_the_advance_decodes_over_the_keyframe_once_its_copies_are_done():
         assert (got.data_ptr() == keyframe.data_ptr()) == (copied is not None)
         if copied is not None:
             assert copied[0].log == [("wait", None)]
+
+
+def test_the_advance_waits_for_the_copies_on_the_streams_of_their_devices(monkeypatch):
+    """The keyframe's copy events are waited for on the current stream of each event's
+    device, where the advance's kernels run (a state on cuda:1 while cuda:0 is current):
+    ``Event.wait()`` without a stream picks the current device's. CUDA faked: an event on
+    cuda:1 and the current streams by device."""
+    log: list = []
+
+    class Event:
+        device = torch.device("cuda", 1)
+
+        def wait(self, stream=None):
+            log.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("current stream of", device))
+    ref = make_reference("k", {"model/w": torch.zeros(4)}, 0, Future(), closed=True)
+    ref.copied = [Event()]
+    assert after_copies(ref)
+    assert log == [("current stream of", torch.device("cuda", 1))]
 
 
 class _Gate:

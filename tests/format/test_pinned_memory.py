@@ -198,6 +198,70 @@ def test_a_corrupted_buffer_read_through_the_ring_is_refused(tmp_path):
                 ck.read_buffer(s)
 
 
+def test_a_read_to_cuda_uploads_on_the_callers_device_and_stream(tmp_path, monkeypatch):
+    """The uploads run on worker threads, whose current CUDA device and stream are their
+    own (device 0, its default stream): read_file fixes the caller's. Without that, a rank
+    on cuda:3 loading to "cuda" put its buffers on cuda:0, and a caller inside a stream
+    context had its decode kernels race the uploads. CUDA is faked: its current device
+    and stream, and a MappedCheckpoint that records what it was given."""
+    path = _file(tmp_path)
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
+
+    class Given(Exception):
+        pass
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        raise Given
+
+    monkeypatch.setattr(fmt.reader, "MappedCheckpoint", recording)
+    with pytest.raises(Given):
+        fmt.read_file(path, device="cuda")
+    assert seen["device"] == torch.device("cuda", 3)
+    assert seen["stream"] == ("stream of", torch.device("cuda", 3))
+    with pytest.raises(Given):
+        fmt.read_file(path, device="cuda:1")
+    assert seen["device"] == torch.device("cuda", 1)
+    assert seen["stream"] == ("stream of", torch.device("cuda", 1))
+
+
+def test_the_ring_uploads_run_on_the_stream_given(tmp_path, monkeypatch):
+    """Every upload of a MappedCheckpoint runs inside ``torch.cuda.stream`` of the stream it
+    was given, on whatever thread reads it (faked: a recorder stands for the context)."""
+    path = _file(tmp_path)
+    want = fmt.read_file(path)
+    entered = []
+    inside = threading.local()
+
+    class Context:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            entered.append(self.stream)
+            inside.on = True
+
+        def __exit__(self, *exc):
+            inside.on = False
+
+    monkeypatch.setattr(torch.cuda, "stream", Context)
+    real_upload = fmt.reader.upload_raw
+
+    def upload_raw(*args, **kwargs):
+        assert getattr(inside, "on", False), "an upload outside the caller's stream"
+        return real_upload(*args, **kwargs)
+
+    monkeypatch.setattr(fmt.reader, "upload_raw", upload_raw)
+    cpu = torch.device("cpu")
+    with MappedCheckpoint(path, verify=True, pin=False, entries=None, device=cpu, stream="S") as ck:
+        got = tw_triton.parallel.parallel_map(ck.read_buffer, ck.layout.buffers, threads=4)
+    assert entered == ["S"] * len(ck.layout.buffers)
+    for s, t in zip(ck.layout.buffers, got):
+        assert torch.equal(t, want.entries[s.entry].buffers[s.name])
+
+
 @pytest.mark.cuda
 def test_on_a_gpu_slabs_are_pinned_and_a_read_to_the_device_is_the_same(tmp_path):
     slab = HostSlab(3 << 20)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tw_triton
 import tw_triton.codecs as tw_codecs
 import tw_triton.format
 from tw_triton.codecs import ExactCodec, get_codec
@@ -30,6 +32,7 @@ sys.path.insert(0, str(GPU_DIR))
 import _end_to_end  # noqa: E402
 import _identity  # noqa: E402
 import _precompile  # noqa: E402
+import _smoke  # noqa: E402
 import validate  # noqa: E402
 
 
@@ -138,6 +141,30 @@ def test_identity_check_reports_a_byte_difference(request):
     assert any("buffer 'codes'" in p for p in problems), problems
     report = _identity.run_identity(torch.device("cpu"), dry_run=True, budget_s=60, codecs=["noisy-test"])
     assert report.run == report.planned and len(report.failures) >= report.run
+
+
+def test_the_smoke_load_check_expects_the_steps_on_the_host(tmp_path):
+    """A load to the GPU decodes the optimizer's 0-dim ``step`` tensors (and numpy leaves)
+    on the host (state/decode.py host_leaf_paths): the smoke step must not count them as
+    misplaced. Here the "device" is ``meta``: every other leaf is moved there, as a load to
+    CUDA puts it on CUDA. The smoke's first check (every leaf on the device) flagged the
+    steps of a real AdamW state, so the step would have failed on every GPU."""
+    model, opt, _ = _end_to_end.build(torch.device("cpu"), "tiny")
+    with tw_triton.Checkpointer(tmp_path / "ck") as ck:
+        ck.save(1, model=model, optimizer=opt).result()
+        loaded = tw_triton.tree.flatten(ck.load(1))[0]
+        on_host = _smoke.host_paths(ck.path_for(1))
+    steps = {n for n in loaded if n.startswith("optimizer/state/") and n.endswith("/step")}
+    assert steps and steps <= on_host
+    on_device = {n: t if n in on_host else t.to("meta") for n, t in loaded.items()}
+    meta = torch.device("meta")
+    assert _smoke.misplaced(on_device, meta, on_host) == []
+    assert steps <= {n for n, t in on_device.items() if t.device.type != "meta"}  # the first check's flags
+    on_device[sorted(steps)[0]] = on_device[sorted(steps)[0]].to("meta")
+    assert _smoke.misplaced(on_device, meta, on_host) == [f"{sorted(steps)[0]}: loaded on meta, not cpu"]
+    first = next(n for n in loaded if n not in on_host)
+    on_device[first] = loaded[first]
+    assert f"{first}: loaded on cpu, not meta" in _smoke.misplaced(on_device, meta, on_host)
 
 
 def test_the_smoke_grid_matches_the_cpu_on_the_kernels():
@@ -387,6 +414,31 @@ def test_validate_sh_stops_at_once_without_a_c_compiler(tmp_path):
     assert got.returncode == 2 and "no C compiler" in got.stderr, got.stderr
 
 
+def test_validate_sh_hands_a_plain_cc_to_triton(tmp_path):
+    """Triton's launcher build takes $CC, else gcc, else clang (triton/runtime/build.py),
+    never ``cc``: where ``cc`` is the only compiler, validate.sh exports it as $CC."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("bash", "dirname"):
+        found = shutil.which(tool)
+        assert found is not None
+        (bindir / tool).symlink_to(found)
+    seen = tmp_path / "seen"
+    for tool in ("cc", "python"):  # a python that records the CC it runs with, and passes
+        (bindir / tool).write_text(f'#!/bin/sh\necho "CC=${{CC:-}}" >> {seen}\nexit 0\n')
+        (bindir / tool).chmod(0o755)
+    env = {"PATH": str(bindir), "PYTHON": str(bindir / "python"), "HOME": str(tmp_path)}
+    got = subprocess.run(
+        [str(bindir / "bash"), str(GPU_DIR / "validate.sh"), "--phase", "smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert got.returncode == 0, got.stderr
+    assert seen.read_text().splitlines()[-1] == f"CC={bindir / 'cc'}", seen.read_text()
+
+
 def test_phases_split_every_step_in_three_and_fit_their_limits():
     all_steps = [n for steps, _ in validate.PHASES.values() for n in steps]
     assert sorted(all_steps) == sorted(validate.RUNNERS) and len(set(all_steps)) == len(all_steps)
@@ -459,7 +511,8 @@ def test_smoke_phase_goes_to_out_and_writes_only_its_files(tmp_path):
 
 def test_a_run_killed_midway_leaves_the_finished_rows_and_the_plan(tmp_path):
     """The table is written before the first step, and each finished step's row is on the
-    disk before the next starts: a process that dies in step 2 returns step 1's result."""
+    disk before the next starts: a process that dies in step 2 returns step 1's result,
+    and the table names the step it died in (RUNNING)."""
     out = tmp_path / "partial"
     code = "validate.RUNNERS['identity_grid'] = lambda c: os._exit(7)"
     proc = _run_validate(["--phase", "smoke", "--dry-run", "--out", str(out)], {}, code)
@@ -468,10 +521,13 @@ def test_a_run_killed_midway_leaves_the_finished_rows_and_the_plan(tmp_path):
     assert [(r["name"], r["status"]) for r in rows] == [("precompile", "PASS")]
     result = json.loads((out / "results-smoke.json").read_text())
     status = {n: s["status"] for n, s in result["steps"].items()}
-    assert status == {"precompile": "PASS", "identity_grid": "PENDING", "save_load": "PENDING"}
+    assert status == {"precompile": "PASS", "identity_grid": "RUNNING", "save_load": "PENDING"}
     assert result["passed"] is False
+    detail = result["steps"]["identity_grid"]["detail"]
+    assert re.match(r"started \d+ s into the run with a budget of 50 s", detail), detail
     summary = (out / "summary-smoke.md").read_text()
-    assert "Overall: **RUNNING**" in summary and summary.count("| **PENDING** |") == 2
+    assert "Overall: **RUNNING**" in summary and summary.count("| **PENDING** |") == 1
+    assert summary.count("| **RUNNING** |") == 1
     assert not list(out.glob("*.tmp"))
 
 
@@ -483,6 +539,74 @@ def test_a_step_that_raises_fails_and_the_phase_goes_on(tmp_path):
     steps = json.loads((out / "results-smoke.json").read_text())["steps"]
     assert steps["identity_grid"]["status"] == "FAIL" and "injected" in steps["identity_grid"]["detail"]
     assert steps["save_load"]["status"] == "PASS"
+
+
+def test_a_device_error_restarts_the_process_for_the_steps_left(tmp_path):
+    """A CUDA error (an illegal address, say) poisons the process's context, so every later
+    step would fail on it: the run goes on in a fresh process (exec) with the steps left,
+    appending to the same results. Here the device check reports an error after the step
+    that raises; the fresh process (no injected code) runs save_load and passes it."""
+    out = tmp_path / "restarted"
+    code = (
+        "def boom(c):\n    raise RuntimeError('CUDA error: an illegal memory access was encountered')\n"
+        "validate.RUNNERS['identity_grid'] = boom\n"
+        "calls = []\n"  # the check after the second step (identity_grid) finds the error
+        "def broken(d):\n    calls.append(d)\n    return 'AcceleratorError: injected' if len(calls) == 2 else None\n"
+        "validate.device_error = broken\n"
+    )
+    proc = _run_validate(["--phase", "smoke", "--dry-run", "--out", str(out)], {}, code)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (
+        "the device failed after identity_grid (AcceleratorError: injected): a new process runs save_load"
+        in proc.stderr
+    )
+    rows = [json.loads(line) for line in (out / "steps-smoke.jsonl").read_text().splitlines()]
+    assert [(r["name"], r["status"]) for r in rows] == [
+        ("precompile", "PASS"),
+        ("identity_grid", "FAIL"),
+        ("save_load", "PASS"),
+    ]
+    assert rows[1]["data"]["device_error_after"] == "AcceleratorError: injected"
+    result = json.loads((out / "results-smoke.json").read_text())
+    assert {n: s["status"] for n, s in result["steps"].items()} == {
+        "precompile": "PASS",
+        "identity_grid": "FAIL",
+        "save_load": "PASS",
+    }
+    assert result["passed"] is False and "VALIDATION smoke FAILED: identity_grid" in proc.stdout
+
+
+def test_triton_is_pointed_at_the_libcuda_torch_loaded_when_its_lookup_fails(tmp_path, monkeypatch):
+    """Triton links its launcher against libcuda.so.1, found through ``/sbin/ldconfig -p``;
+    where that finds nothing every launch fails, though torch loaded it: the run sets
+    TRITON_LIBCUDA_PATH to torch's directory. Faked: the lookup, CUDA's init, the maps."""
+    import triton.backends.nvidia.driver as nvidia
+
+    lib = tmp_path / "nvidia" / "lib64"
+    lib.mkdir(parents=True)
+    (lib / "libcuda.so.1").write_bytes(b"")
+    (lib / "libcuda.so.550.54").write_bytes(b"")
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+        f"7f02-7f03 r-xp 00000000 08:01 2 {lib / 'libcuda.so.550.54'}\n"
+    )
+    monkeypatch.setattr(validate.torch.cuda, "init", lambda: None)
+    monkeypatch.delenv("TRITON_LIBCUDA_PATH", raising=False)
+    monkeypatch.setattr(nvidia, "libcuda_dirs", lambda: ["/usr/lib/x86_64-linux-gnu"])
+    assert validate.libcuda_for_triton(str(maps)) is None and "TRITON_LIBCUDA_PATH" not in os.environ
+
+    def not_found():
+        raise FileNotFoundError("[Errno 2] No such file or directory: '/sbin/ldconfig'")
+
+    monkeypatch.setattr(nvidia, "libcuda_dirs", not_found)
+    assert validate.libcuda_for_triton(str(maps)) == str(lib)
+    assert os.environ["TRITON_LIBCUDA_PATH"] == str(lib)
+    assert nvidia.knobs.nvidia.libcuda_path == str(lib)  # what Triton's own lookup reads first
+    assert validate.libcuda_for_triton(str(maps)) is None  # set already: left alone
+    monkeypatch.delenv("TRITON_LIBCUDA_PATH")
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n")
+    assert validate.libcuda_for_triton(str(maps)) is None and "TRITON_LIBCUDA_PATH" not in os.environ
 
 
 def test_the_run_budget_trims_or_skips_steps(tmp_path, monkeypatch):
@@ -526,8 +650,20 @@ def test_end_to_end_starts_no_round_past_its_budget(tmp_path):
     r = _end_to_end.run_save_load(torch.device("cpu"), tmp_path / "a", size="tiny", rounds=3, budget_s=0.0)
     assert (r["rounds"], r["rounds_planned"]) == (1, 3)
     assert r["save"]["tw delta"]["file_bytes"] > 0 and r["save"]["dcp.async_save"]["file_bytes"] > 0
-    r = _end_to_end.run_save_load(torch.device("cpu"), tmp_path / "b", size="tiny", rounds=2, budget_s=None)
+    lines: list[str] = []
+    r = _end_to_end.run_save_load(
+        torch.device("cpu"), tmp_path / "b", size="tiny", rounds=2, budget_s=None, log=lines.append
+    )
     assert (r["rounds"], r["rounds_planned"]) == (2, 2)
+    # Each round's timings reach the console as it ends: a command killed in a later round
+    # (the step's results are written when it ends) keeps them in console.log.
+    rounds = [line for line in lines if line.startswith("end-to-end round ")]
+    assert [line.split(" in ")[0] for line in rounds] == [
+        "end-to-end round 0 (warm-up)",
+        "end-to-end round 1",
+        "end-to-end round 2",
+    ]
+    assert all(f"{m} " in rounds[-1] for m in _end_to_end.SAVE_METHODS + ("load torch.load",))
 
 
 def test_the_grid_is_what_the_presets_code_with_a_kernel():
@@ -606,7 +742,8 @@ def test_a_pytest_step_killed_at_its_budget_counts_the_tests_that_ended(tmp_path
 
     def killed(cmd, **kw):
         assert "-v" in cmd and kw["timeout"] == 12.0
-        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output="\n".join(lines))
+        kw["stdout"].write("\n".join(lines))
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
 
     monkeypatch.setattr(validate.subprocess, "run", killed)
     step = validate.step_pytest(torch.device("cpu"), False, 12.0, tmp_path, tmp_path)
@@ -616,6 +753,24 @@ def test_a_pytest_step_killed_at_its_budget_counts_the_tests_that_ended(tmp_path
     lines.insert(1, "tests/gpu/test_a.py::test_bad FAILED [  1%]")
     step = validate.step_pytest(torch.device("cpu"), False, 12.0, tmp_path, tmp_path)
     assert step.status == "FAIL" and step.data["failed"] == 1
+
+
+def test_a_command_killed_during_the_pytest_step_keeps_its_log(tmp_path, monkeypatch):
+    """The pytest output goes to pytest.log as it is written, unbuffered: when the whole
+    command is killed at its limit mid-pytest, the lines of the tests that ended are there."""
+    seen = {}
+
+    def killed_with_the_command(cmd, **kw):
+        seen["unbuffered"] = kw["env"]["PYTHONUNBUFFERED"]
+        kw["stdout"].write("tests/gpu/test_a.py::test_one PASSED [  1%]\n")
+        kw["stdout"].flush()
+        raise KeyboardInterrupt  # stands for the kill: nothing after this line runs
+
+    monkeypatch.setattr(validate.subprocess, "run", killed_with_the_command)
+    with pytest.raises(KeyboardInterrupt):
+        validate.step_pytest(torch.device("cpu"), False, 12.0, tmp_path, tmp_path)
+    assert (tmp_path / "pytest.log").read_text() == "tests/gpu/test_a.py::test_one PASSED [  1%]\n"
+    assert seen["unbuffered"] == "1"
 
 
 def _pytest_on(tests: Path, real: Callable) -> Callable:

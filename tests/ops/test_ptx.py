@@ -30,6 +30,17 @@ def _ops(facts: dict, prefix: str) -> dict[str, int]:
     return {op: n for op, n in facts["opcodes"].items() if op.startswith(prefix)}
 
 
+def test_no_kernel_needs_an_allocator_or_more_shared_memory_than_a_launch_gets(ptx_facts: dict) -> None:
+    """What a launch on a GPU needs beyond the cubin: a kernel compiled with global scratch
+    memory fails at launch ("no allocator was set": the library never calls
+    ``triton.set_allocator``), and shared memory over 48 KiB needs an opt-in. Every variant
+    needs neither (at most 32 KiB of shared memory, a bitmask scatter's, under triton 3.6 and 3.9)."""
+    assert len(ptx_facts) == len(_ptx.every_variant())
+    for label, facts in ptx_facts.items():
+        assert facts["global_scratch_bytes"] == 0, label
+        assert facts["shared_bytes"] <= 48 << 10, (label, facts["shared_bytes"])
+
+
 def test_variant_list_covers_the_acceptance_grid() -> None:
     seen = {(v.op, v.bits, v.block, v.dtype, v.ref_dtype is None, v.masked, v.cc) for v in VARIANTS}
     assert len(seen) == len(VARIANTS) == 2 * 3 * 3 * 3 * 2 * 2 * 2

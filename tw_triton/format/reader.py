@@ -12,6 +12,7 @@ read with ``verify`` checks every buffer's CRC-32 over its stored bytes, as
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -182,6 +183,13 @@ def read_file(
     path = os.fspath(path)
     dev = torch.device(device) if device is not None else None
     to_device = dev is not None and dev.type != "cpu"
+    stream = None
+    if to_device and dev.type == "cuda":  # type: ignore[union-attr]
+        # The uploads run on worker threads, whose current device and stream are their own
+        # (device 0 and its default stream): the caller's are fixed here.
+        if dev.index is None:  # type: ignore[union-attr]
+            dev = torch.device("cuda", torch.cuda.current_device())
+        stream = torch.cuda.current_stream(dev)
     pin = pin_memory and not to_device and can_pin(path)
     with MappedCheckpoint(
         path,
@@ -192,6 +200,7 @@ def read_file(
         into=None if to_device else into,
         max_expansion=max_expansion,
         device=dev if to_device else None,
+        stream=stream,
     ) as ck:
         specs = [s for s in ck.layout.buffers if ck.wanted is None or s.entry in ck.wanted]
         others = (
@@ -289,9 +298,11 @@ class MappedCheckpoint:
         into: Mapping[str, torch.Tensor] | None = None,
         max_expansion: float | None = MAX_EXPANSION,
         device: torch.device | None = None,
+        stream: Any = None,
     ) -> None:
         self.path = path
         self.device = device  # buffers go there through a ring of pinned slots
+        self.stream = stream  # the CUDA stream the uploads are queued on (any thread's)
         self.ring: PinnedRing | None = None
         check_max_expansion(max_expansion)
         self._max_expansion = max_expansion
@@ -343,6 +354,9 @@ class MappedCheckpoint:
         finally:
             self._opener.__exit__(exc_type, exc, tb)
 
+    def _on_stream(self) -> Any:
+        return contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
+
     def read_buffer(self, spec: BufferSpec) -> torch.Tensor:
         """Read one buffer into a new tensor, or into its destination (see :func:`read_file`'s
         ``into``): straight in, or through its stage; thread-safe."""
@@ -353,13 +367,15 @@ class MappedCheckpoint:
             )
             self.done_with(spec)
             if self.ring is not None and self.device is not None:
-                return upload_host(tensor, self.ring, self.device)
+                with self._on_stream():
+                    return upload_host(tensor, self.ring, self.device)
             return tensor
         if self.ring is not None and self.device is not None:
             start = self.layout.data_start + spec.begin
-            return upload_raw(
-                self.file, spec, start, self.path, verify=self.verify, ring=self.ring, device=self.device
-            )
+            with self._on_stream():
+                return upload_raw(
+                    self.file, spec, start, self.path, verify=self.verify, ring=self.ring, device=self.device
+                )
         return read_raw(
             self.file,
             spec,

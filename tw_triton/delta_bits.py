@@ -55,6 +55,9 @@ from .state.fingerprints import read_device_scalars
 WIDER_BITS = (4, 8)
 # The widest code: a tensor no narrower width fits gets it (the 8-bit container's full range).
 WIDEST = 8
+# The largest codes a max_error choice may take: every one from 1 to 127 (why not a
+# coarser ladder: docs/codecs.md).
+QMAX_CHOICES = tuple(range(1, qmax_for(WIDEST) + 1))
 # Maxima below this make the statistics' ``scale / max`` overflow fp32 (from about 1e-35):
 # such a tensor or delta gets the widest bits, whatever its sums.
 TINY = 2.0**-100
@@ -97,13 +100,16 @@ def error_bound(values: Sequence[int], block: int, bits: int, qmax: int | None =
     return delta_norm / (2 * q * b / ELEMENT_LEVELS * math.sqrt(values[3]))
 
 
-def choose(values: Sequence[int], block: int, bits: int, max_error: float) -> tuple[int, int]:
-    """``(bits, qmax)``: the fewest code bits, from the rule's ``bits`` to :data:`WIDEST`,
-    whose bound is at most ``max_error`` (the widest when none is), as the largest code
-    ``qmax_for(width)`` in the narrowest container that holds it (:func:`container`)."""
-    for width in range(bits, WIDEST):
-        if error_bound(values, block, bits, qmax_for(width)) <= max_error:
-            return container(qmax_for(width)), qmax_for(width)
+def choose(
+    values: Sequence[int], block: int, bits: int, max_error: float, choices: Sequence[int] | None = None
+) -> tuple[int, int]:
+    """``(bits, qmax)``: the smallest largest code ``qmax`` of ``choices`` (ascending;
+    default :data:`QMAX_CHOICES`), from the rule's ``qmax_for(bits)`` up, whose bound is at
+    most ``max_error`` (127 when none is), in the narrowest container that holds it
+    (:func:`container`)."""
+    for q in QMAX_CHOICES if choices is None else choices:
+        if q >= qmax_for(bits) and error_bound(values, block, bits, q) <= max_error:
+            return container(q), q
     return WIDEST, qmax_for(WIDEST)
 
 

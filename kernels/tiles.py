@@ -8,7 +8,8 @@ the partial tile at the end, if any, is one masked program of its own.
 The grouped kernels do the same over many tensors (:func:`launch_grouped`): row ``j`` of
 an int64 table holds tensor ``j``'s four addresses (inputs and outputs), its element
 count, the first row of its first tile, the index of its first program and the slot of its
-flag; a program finds its row by a binary search of the programs' start indices
+flag (then any values of its own a kernel adds, such as the encode's ``qmax``); a program
+finds its row by a binary search of the programs' start indices
 (:func:`find_entry`). One launch runs every whole tile of every tensor unmasked, one the
 partial tile of each tensor that has one: two launches and one table copy per group.
 """

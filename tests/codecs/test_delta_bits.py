@@ -263,3 +263,34 @@ def test_every_width_restores_within_max_error(seed, n, scale, max_error, bits):
     assert qmax >= qmax_for(bits)
     if qmax > qmax_for(bits):  # one level fewer would not have fit
         assert delta_bits.error_bound(values, 128, 8, qmax - 1) > max_error
+
+
+def test_a_file_records_any_qmax_and_reads_it_back(tmp_path):
+    """Every ``qmax`` the choice may take, 1 to 127, is written in its container, read back
+    with its params checked, and decoded as in memory; one over the container is refused."""
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(4, 64, generator=g)
+    x = ref + 0.1 * torch.randn(4, 64, generator=g)
+    for q in range(1, 128):
+        params = delta_bits.coded_params({"bits": 2, "block": 32}, q)
+        rule = [("model/*", {"codec": "blockwise", **params, "min_numel": 0})]
+        state = tw_triton.quantize_state_dict(
+            {"model": {"w": x}}, reference={"model": {"w": ref}}, rules=rule
+        )
+        path = tmp_path / f"q{q}.safetensors"
+        tw_triton.format.write_file(state, path)
+        back = tw_triton.format.read_file(path)
+        entry = back.entries["model/w"]
+        assert (
+            entry.params["bits"] == delta_bits.container(q)
+            and entry.params.get("qmax", qmax_for(entry.params["bits"])) == q
+        )
+        got = tw_triton.dequantize_state_dict(back, reference={"model": {"w": ref}})["model"]["w"]
+        want = tw_triton.dequantize_state_dict(state, reference={"model": {"w": ref}})["model"]["w"]
+        assert torch.equal(got, want), q
+    with pytest.raises(QuantizationError, match="qmax"):
+        tw_triton.quantize_state_dict(
+            {"model": {"w": x}},
+            reference={"model": {"w": ref}},
+            rules=[("model/*", {"codec": "blockwise", "bits": 4, "qmax": 8, "min_numel": 0})],
+        )

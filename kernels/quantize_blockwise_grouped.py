@@ -4,7 +4,9 @@ The single-tensor encode (``quantize_blockwise``) over a table of tensors instea
 (the table and the launches: ``tiles.launch_grouped``). Each program finds its tensor, loads
 one ``(ROWS, BLOCK)`` tile of it (and of its reference) and runs the same tile arithmetic
 (``quantize_tile``), so every tensor's codes and scales are the bytes the single kernel
-gives it alone. A program whose tile holds a NaN/Inf block (an infinite scale) raises its
+gives it alone. Each tensor's largest code ``qmax`` is a column of the table (an integer,
+converted exactly to fp32), so tensors coded with different numbers of levels in one
+container share the launches. A program whose tile holds a NaN/Inf block (an infinite scale) raises its
 tensor's flag with an atomic max, an OR whatever the order of the programs: the caller's
 flags start at zero, and the flags of a whole save are one buffer read back once.
 """
@@ -16,7 +18,10 @@ import triton
 import triton.language as tl
 
 from .quantize_blockwise import quantize_tile, widen_to_f32
-from .tiles import find_entry, group_outputs, launch_grouped
+from .tiles import find_entry, group_outputs, launch_grouped, table_width
+
+# The table's columns: the common eight (tiles.launch_grouped), then each tensor's qmax.
+_COLUMNS = tl.constexpr(table_width(1))
 
 
 @triton.jit
@@ -25,7 +30,6 @@ def quantize_blockwise_grouped_kernel(
     flags_ptr,
     x_type_ptr,
     ref_type_ptr,
-    qmax,
     T,
     LOG_T: tl.constexpr,
     MASKED: tl.constexpr,
@@ -35,14 +39,16 @@ def quantize_blockwise_grouped_kernel(
     ROWS: tl.constexpr,
 ):
     """Encode one tile of one tensor of the table (``T`` rows: addresses of x, ref, codes,
-    scales). ``x_type_ptr`` and ``ref_type_ptr`` only carry the inputs' element types;
-    ``qmax`` (fp32) is the largest code magnitude."""
+    scales, .., then the largest code magnitude ``qmax``). ``x_type_ptr`` and
+    ``ref_type_ptr`` only carry the inputs' element types."""
     PER_BYTE: tl.constexpr = 8 // BITS
     BYTES_PER_ROW: tl.constexpr = BLOCK // PER_BYTE
 
     pid = tl.program_id(0).to(tl.int64)
-    row = table_ptr + find_entry(table_ptr, pid, T, LOG_T) * 8
+    row = table_ptr + find_entry(table_ptr, pid, T, LOG_T, _COLUMNS) * _COLUMNS
     n = tl.load(row + 4)
+    # An integer up to 127: exact in fp32, as the single kernel's fp32 argument.
+    qmax = tl.load(row + 8).to(tl.float32)
     first_row = tl.load(row + 5) + (pid - tl.load(row + 6)) * ROWS
     # Addresses to typed pointers; every one is 16-byte aligned (tiles.ALIGN).
     x_ptr = tl.multiple_of(tl.load(row + 0).to(x_type_ptr.dtype, bitcast=True), 16)
@@ -85,13 +91,14 @@ def quantize_blockwise_grouped(
     refs: list[torch.Tensor] | None,
     bits: int,
     block: int,
-    qmax: int,
+    qmax: int | list[int],
     flags: torch.Tensor,
     slots: list[int] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Encode ``xs`` (contiguous, 16-byte aligned, one dtype; ``refs`` likewise, one dtype)
-    with one table copy and at most two launches; raise ``flags[slots[i]]`` (int64;
-    ``slots`` default ``0, 1, ..``) where tensor ``i`` has a NaN/Inf block.
+    with codes up to ``qmax`` (one for all, or one per tensor), with one table copy and at
+    most two launches; raise ``flags[slots[i]]`` (int64; ``slots`` default ``0, 1, ..``)
+    where tensor ``i`` has a NaN/Inf block.
 
     Returns:
         ``(codes, scales)`` per tensor: views of one codes and one scales buffer, the
@@ -103,6 +110,7 @@ def quantize_blockwise_grouped(
     addresses = [
         [x.data_ptr(), 0 if refs is None else refs[i].data_ptr(), *out_addrs[i]] for i, x in enumerate(xs)
     ]
+    qmaxes = [qmax] * len(xs) if isinstance(qmax, int) else qmax
     launch_grouped(
         quantize_blockwise_grouped_kernel,
         addresses,
@@ -110,7 +118,8 @@ def quantize_blockwise_grouped(
         block,
         flags,
         list(range(len(xs))) if slots is None else slots,
-        (xs[0], xs[0] if refs is None else refs[0], float(qmax)),
+        (xs[0], xs[0] if refs is None else refs[0]),
+        columns=[[q] for q in qmaxes],
         HAS_REF=refs is not None,
         BITS=bits,
     )

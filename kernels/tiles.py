@@ -8,7 +8,8 @@ the partial tile at the end, if any, is one masked program of its own.
 The grouped kernels do the same over many tensors (:func:`launch_grouped`): row ``j`` of
 an int64 table holds tensor ``j``'s four addresses (inputs and outputs), its element
 count, the first row of its first tile, the index of its first program and the slot of its
-flag; a program finds its row by a binary search of the programs' start indices
+flag (then any values of its own a kernel adds, such as the encode's ``qmax``); a program
+finds its row by a binary search of the programs' start indices
 (:func:`find_entry`). One launch runs every whole tile of every tensor unmasked, one the
 partial tile of each tensor that has one: two launches and one table copy per group.
 """
@@ -64,21 +65,29 @@ def launch_row_tiles(
 
 
 # A grouped kernel's table row (int64): four addresses, then the length, the first row,
-# the row's index and the flag slot (the kernels read them at row + 4 .. row + 7).
+# the row's index and the flag slot (the kernels read them at row + 4 .. row + 7), then
+# any per-tensor values a kernel adds (``launch_grouped``'s ``columns``).
 TABLE_COLUMNS = 8
 # Every input and output region of a group starts on this many bytes: the kernels declare
 # the table's addresses 16-byte aligned, so whole tiles load and store 16-byte vectors.
 ALIGN = 16
 
 
+def table_width(extra: int) -> int:
+    """Columns of a grouped table with ``extra`` per-tensor values after the slot: rounded
+    up to 16 bytes, so the tail launch's table (a slice after the main rows) stays as
+    aligned as the whole, whatever the number of rows (one kernel specialization)."""
+    return -(-(TABLE_COLUMNS + extra) // 2) * 2
+
+
 @triton.jit
-def find_entry(table_ptr, pid, T, LOG_T: tl.constexpr):
-    """The last row ``j < T`` of a grouped table whose start column is ``<= pid`` (starts
-    ascend): the tensor whose tile program ``pid`` encodes."""
+def find_entry(table_ptr, pid, T, LOG_T: tl.constexpr, COLUMNS: tl.constexpr = 8):
+    """The last row ``j < T`` of a grouped table (``COLUMNS`` int64 a row) whose start
+    column is ``<= pid`` (starts ascend): the tensor whose tile program ``pid`` encodes."""
     j = pid * 0
     for k in tl.static_range(LOG_T):
         cand = j + (1 << (LOG_T - 1 - k))
-        start = tl.load(table_ptr + cand * 8 + 6, mask=cand < T, other=pid + 1)
+        start = tl.load(table_ptr + cand * COLUMNS + 6, mask=cand < T, other=pid + 1)
         j = tl.where(start <= pid, cand, j)
     return j
 
@@ -122,6 +131,7 @@ def launch_grouped(
     slots: Sequence[int],
     type_carriers: tuple,
     passes: Sequence[dict] = ({},),
+    columns: Sequence[Sequence[int]] | None = None,
     **constexprs,
 ) -> None:
     """Run a grouped ``kernel[grid](table, flags, *type_carriers, T, LOG_T=.., MASKED=..,
@@ -129,18 +139,22 @@ def launch_grouped(
     launch, the tails in another, after one copy of the table to the device (from pinned
     memory on CUDA, so no sync). With several ``passes`` (extra constexprs each) the one
     table serves each pass's two launches in turn, a pass reading what the one before
-    wrote."""
+    wrote. ``columns``: more int64 values per tensor, after its slot (the kernel's rows
+    are then :func:`table_width` wide)."""
     rows = rows_per_program(block)
+    width = table_width(len(columns[0]) if columns else 0)
+    pad = [0] * (width - TABLE_COLUMNS)
+    extra = [pad] * len(numels) if columns is None else [[*c, *pad[len(c) :]] for c in columns]
     main: list[int] = []
     tail: list[int] = []
     programs = 0
-    for addr, n, slot in zip(addresses, numels, slots):
+    for addr, n, slot, more in zip(addresses, numels, slots, extra):
         full = n // (rows * block)
         if full:
-            main += [*addr, n, 0, programs, slot]
+            main += [*addr, n, 0, programs, slot, *more]
             programs += full
         if full * rows * block < n:
-            tail += [*addr, n, full * rows, len(tail) // TABLE_COLUMNS, slot]
+            tail += [*addr, n, full * rows, len(tail) // width, slot, *more]
     if not main and not tail:
         return
     device = flags.device
@@ -148,7 +162,7 @@ def launch_grouped(
     table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
     meta = dict(BLOCK=block, ROWS=rows, num_warps=NUM_WARPS, enable_fp_fusion=False, **constexprs)
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    n_main, n_tail = len(main) // TABLE_COLUMNS, len(tail) // TABLE_COLUMNS
+    n_main, n_tail = len(main) // width, len(tail) // width
     with on_device:
         for extra in passes:
             if n_main:

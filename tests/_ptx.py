@@ -417,14 +417,13 @@ def _grouped_source(v: Variant):
             "flags_ptr": "*i64",
             "x_type_ptr": f"*{v.dtype}",
             "ref_type_ptr": f"*{v.ref_dtype or v.dtype}",
-            "qmax": "fp32",
             "T": "i32",
         }
         constexprs = {"LOG_T": 4, "MASKED": v.masked, "HAS_REF": v.ref_dtype is not None, "BITS": v.bits}
     constexprs.update({"BLOCK": v.block, "ROWS": rows_per_program(v.block)})
     # Pointers are 16-byte aligned (the tail launch's table slice starts 64 bytes per row
-    # in; the carriers of the element types are tensors of the group); qmax and T are not
-    # specialized.
+    # in, or 80 for the encode, whose rows hold each tensor's qmax; the carriers of the
+    # element types are tensors of the group); T is not specialized.
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
     signature.update({name: "constexpr" for name in constexprs})
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)

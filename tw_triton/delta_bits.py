@@ -1,24 +1,25 @@
-"""Weight-delta codes that follow the change: per tensor, the fewest bits whose error bound fits.
+"""Weight-delta codes that follow the change: per tensor, the fewest levels whose error bound fits.
 
 A rule with ``max_error`` (``{"codec": "int2", "max_error": 0.01}``) codes each tensor it
-matches with the fewest code bits, from its ``bits`` up to 8, that leave the tensor within
+matches with the smallest largest code ``qmax`` (codes ``-qmax .. qmax``), from its
+``bits``' own (``2**(bits-1) - 1``: 1 at 2 bits) up to 127, that leaves the tensor within
 ``max_error`` of its value, measured as a relative norm ``||x_hat - x|| / ||x||``. The
 blockwise codec's error is at most ``s / (2 * qmax)`` per element, ``s`` the block's largest
-``|d|`` (``d`` the delta, or the tensor without a reference) and ``qmax`` the largest code
-(codes ``-qmax .. qmax``), ``2**(w-1) - 1`` at ``w`` bits (1, 3, 7, 15, 31, 63, 127 for 2
-to 8), so the bound at ``w`` bits is::
+``|d|`` (``d`` the delta, or the tensor without a reference), so the bound at ``qmax`` is::
 
-    e(w) = sqrt(block * sum_b s_b**2) / (2 * qmax(w) * ||x||)
+    e(qmax) = sqrt(block * sum_b s_b**2) / (2 * qmax * ||x||)
 
-A width the codec has no container for (3, 5, 6, 7 bits) is its ``qmax`` in the next one,
-4 or 8 bits (:func:`container`). The entropy stage stores a container's unused levels in
-about their entropy (docs/codecs.md), and the encode kernels take ``qmax`` as a value, so
-such a width compiles nothing the container's full range does not. An optimizer whose
-steps are small relative to the weights (AdamW) keeps 2 bits; one with large steps (SGD at
-a large learning rate, Adagrad early on) gets more, for the tensors that moved. The
-entry's params record the container's ``bits`` and, where it narrows it, ``qmax``. (Any
-``qmax`` would do for the codec; the widths keep a save's distinct codes, and so its
-device groups, to at most seven: docs/codecs.md.)
+The codes go into the narrowest container that holds them (:func:`container`): ``qmax`` 1
+in 2 bits, 2 to 7 in 4, 8 to 127 in 8. The entropy stage stores a container's unused
+levels in about their entropy, and a tensor's stored bytes grow with ``qmax``, so the
+smallest that fits is also the smallest file; every integer is a choice
+(:data:`QMAX_CHOICES`; measurements against coarser ladders: docs/codecs.md). The encode
+kernels take ``qmax`` as a value (the grouped one from its table, a column per tensor), so
+no ``qmax`` compiles or launches anything its container's full range does not. An
+optimizer whose steps are small relative to the weights (AdamW) keeps 2 bits; one with
+large steps (SGD at a large learning rate, Adagrad early on) gets more levels, for the
+tensors that moved. The entry's params record the container's ``bits`` and, where it
+narrows it, ``qmax``.
 
 The choice must be the same on every device, or a CPU and a GPU save of one state would
 differ. Sums in floating point depend on their order, so the bound is computed from exact
@@ -26,7 +27,7 @@ quantities only: the maxima ``A = max_b s_b`` and ``B = max |x|`` (fp32, exact),
 integer sums ``sum_b floor(s_b * (4096 / A))**2`` and ``sum_i floor(|x_i| * (256 / B))**2``
 (exact: every fp32 operation is correctly rounded on every device, and the sums are of
 integers small enough that fp32 and float64 add them exactly in any order); the bound at
-each width is then the same float64 arithmetic on the host, whatever device computed
+each ``qmax`` is then the same float64 arithmetic on the host, whatever device computed
 them. All of a state's statistics
 are read with one transfer per device, before its tensors are encoded (the bits decide the
 encode's launches and buffer sizes, so this read cannot join the save's one after it). On
@@ -55,6 +56,9 @@ from .state.fingerprints import read_device_scalars
 WIDER_BITS = (4, 8)
 # The widest code: a tensor no narrower width fits gets it (the 8-bit container's full range).
 WIDEST = 8
+# The largest codes a max_error choice may take: every one from 1 to 127 (why not a
+# coarser ladder: docs/codecs.md).
+QMAX_CHOICES = tuple(range(1, qmax_for(WIDEST) + 1))
 # Maxima below this make the statistics' ``scale / max`` overflow fp32 (from about 1e-35):
 # such a tensor or delta gets the widest bits, whatever its sums.
 TINY = 2.0**-100
@@ -97,13 +101,16 @@ def error_bound(values: Sequence[int], block: int, bits: int, qmax: int | None =
     return delta_norm / (2 * q * b / ELEMENT_LEVELS * math.sqrt(values[3]))
 
 
-def choose(values: Sequence[int], block: int, bits: int, max_error: float) -> tuple[int, int]:
-    """``(bits, qmax)``: the fewest code bits, from the rule's ``bits`` to :data:`WIDEST`,
-    whose bound is at most ``max_error`` (the widest when none is), as the largest code
-    ``qmax_for(width)`` in the narrowest container that holds it (:func:`container`)."""
-    for width in range(bits, WIDEST):
-        if error_bound(values, block, bits, qmax_for(width)) <= max_error:
-            return container(qmax_for(width)), qmax_for(width)
+def choose(
+    values: Sequence[int], block: int, bits: int, max_error: float, choices: Sequence[int] | None = None
+) -> tuple[int, int]:
+    """``(bits, qmax)``: the smallest largest code ``qmax`` of ``choices`` (ascending;
+    default :data:`QMAX_CHOICES`), from the rule's ``qmax_for(bits)`` up, whose bound is at
+    most ``max_error`` (127 when none is), in the narrowest container that holds it
+    (:func:`container`)."""
+    for q in QMAX_CHOICES if choices is None else choices:
+        if q >= qmax_for(bits) and error_bound(values, block, bits, q) <= max_error:
+            return container(q), q
     return WIDEST, qmax_for(WIDEST)
 
 

@@ -2,7 +2,8 @@
 
 Triton compiles one binary per specialization of a kernel: its ``constexpr`` arguments
 (bits, block, rows, whether a reference is added, whether the tile is masked, a grouped
-kernel's table bucket ``LOG_T``; not the largest code ``qmax``, a runtime value), its
+kernel's table bucket ``LOG_T``; not the largest code ``qmax``, a runtime value or a
+column of a grouped kernel's table), its
 pointers' dtypes and alignment, and whether integer arguments are 1 or multiples of 16.
 On a cold cache each costs about a
 second, on the thread that launches. Where a device's launches are grouped
@@ -120,8 +121,8 @@ def save_variants(
             has_ref = not keyframe and delta_mode != "none" and codec.uses_reference(rule.params)
             n = representative_numel(t.numel(), rule.params["block"])
             # A rule with max_error picks the bits from the values (delta_bits.py): every
-            # container may be launched (a width between two is fewer levels in the wider,
-            # whose kernels take qmax as a value: nothing more to compile).
+            # container may be launched (any qmax is fewer levels in a container, whose
+            # kernels take qmax as a value: nothing more to compile).
             bits_options = [rule.params.get("bits")]
             if not keyframe and rule.max_error is not None:
                 bits_options += [b for b in WIDER_BITS if b > rule.params["bits"]]
@@ -324,7 +325,8 @@ def precompile_saves(
             paths.append(path)
     # A rule with max_error codes each tensor in one of its candidate containers: one pass
     # of the first delta each, every such tensor in it (docs/training-loop.md; the levels
-    # in a container, qmax, are a runtime value of its kernels).
+    # in a container, qmax, are a column of the grouped kernel's table: one group whatever
+    # the qmax its tensors take).
     widths = [None] + [b for b in WIDER_BITS if any(r.max_error is not None for r in rule_list)]
     passes = [(keyframe_rules(rule_list), False, None)]
     passes += [(rule_list, delta_mode != "none", b) for b in widths]

@@ -15,9 +15,9 @@ Codec specs:
   seven levels (``qmax`` 3) in a 4-bit container, which the entropy stage stores in about
   their entropy;
 * a dict ``{"codec": "blockwise", "bits": 4, "block": 64, "delta": False, "min_numel": 0}``;
-  a blockwise dict may add ``"max_error": 0.015``: per tensor, the fewest bits from its
-  ``bits`` up to 8 whose error bound relative to the tensor stays under it, 3, 5, 6 and 7
-  bits coded as that many bits' levels (``qmax``) in a 4- or 8-bit container
+  a blockwise dict may add ``"max_error": 0.015``: per tensor, the fewest levels (the
+  largest code ``qmax``, from its ``bits``' own up to 127) whose error bound relative to
+  the tensor stays under it, in the narrowest of the 2-, 4- and 8-bit containers
   (:mod:`tw_triton.delta_bits`; each entry records its ``bits`` and ``qmax``).
 
 Parameters a spec leaves out (``bits``, ``block``) come from the call

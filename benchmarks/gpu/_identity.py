@@ -51,7 +51,7 @@ from _precompile import group_sizes, launches_kernels
 
 from tw_triton import ops
 from tw_triton.codecs import Codec, codec_names, get_codec
-from tw_triton.delta_bits import WIDEST, container
+from tw_triton.delta_bits import QMAX_CHOICES, WIDEST, container
 from tw_triton.ops.layout import qmax_for
 from tw_triton.qstate import EncodedEntry
 
@@ -85,11 +85,16 @@ class Case:
     ref_dtype: torch.dtype | None  # None: no reference
     numel: int | None = None  # None: the default size for the block
     extra: tuple[tuple[str, Any], ...] = ()  # more codec params (e.g. qmax), sorted
+    # A grouped encode's members' qmax (one grouped op, each member coded with its own);
+    # empty: the single path.
+    group_qmax: tuple[int, ...] = ()
 
     def label(self) -> str:
         ref = "none" if self.ref_dtype is None else _short(self.ref_dtype)
         n = "" if self.numel is None else f" n={self.numel}"
         more = "".join(f" {k}={v}" for k, v in self.extra)
+        if self.group_qmax:
+            more += " group qmax=" + "/".join(map(str, self.group_qmax))
         return (
             f"{self.codec} bits={self.bits} block={self.block}{more} {_short(self.dtype)} ref={ref} "
             f"{self.variant} {self.layout}{n}"
@@ -271,6 +276,8 @@ def run_case(
     ``device_side()`` is entered around the device's calls (:func:`kernels_on_cpu`)."""
     if getattr(codec, "has_partners", False):
         return run_partner_case(codec, case, device, seed, device_side)
+    if case.group_qmax:
+        return run_group_case(codec, case, device, seed, device_side)
     x_host, ref_host = make_input(case, seed)
     x_dev = lay_out(x_host, case.layout, device)
     x_cpu = lay_out(x_host, case.layout, torch.device("cpu"))
@@ -324,6 +331,36 @@ def compare_decoded(
     bad = same_bits(dec_dev.cpu(), dec_cpu)
     if bad:
         problems.append(f"{what}decoded tensor: {bad}")
+    return problems
+
+
+def run_group_case(
+    codec: Codec, case: Case, device: torch.device, seed: int, device_side: Callable = contextlib.nullcontext
+) -> list[str]:
+    """A grouped encode (and the closed-loop advance's grouped decode) of the case's input
+    split into :func:`~_precompile.group_sizes` members, member ``i`` coded with
+    ``case.group_qmax[i]`` levels in one launch group, each against the CPU's single
+    encode and decode of that member alone."""
+    x_host, ref_host = make_input(case, seed)
+    ctx = f"validate {case.label()}"
+    sizes = group_sizes(x_host.numel())
+    xs, refs = x_host.split(sizes), [None] * len(sizes) if ref_host is None else ref_host.split(sizes)
+    each = [codec.resolve_params({"qmax": q}, bits=case.bits, block=case.block) for q in case.group_qmax]
+    problems = []
+    on_device = [(x.to(device), None if r is None else r.to(device)) for x, r in zip(xs, refs)]
+    flags = torch.zeros(len(xs), dtype=torch.int64, device=device)
+    dev_refs = None if ref_host is None else [r for _, r in on_device]
+    with device_side():
+        encs = codec.encode_group([x for x, _ in on_device], each[0], dev_refs, flags, each=each)
+        if dev_refs is not None:
+            decs = codec.decode_group([e.entry for e in encs], dev_refs, device, [ctx] * len(xs))
+        else:
+            decs = [codec.decode(e.entry, None, device, ctx) for e in encs]
+    for i, (x, r, params) in enumerate(zip(xs, refs, each)):
+        what = f"group member {i} of {len(xs)} (qmax {case.group_qmax[i]}): "
+        enc_cpu = codec.encode(x, params, r)
+        problems += compare_encoded(encs[i], enc_cpu, what)
+        problems += compare_decoded(decs[i], codec.decode(enc_cpu.entry, r, CPU, ctx), device, what)
     return problems
 
 
@@ -470,27 +507,35 @@ def plan_grid(grid: list[Any]) -> list[Case]:
         ref = dtype if e.has_ref else None
         for variant in ("finite", "adversarial", "nonneg"):
             out.append(Case(e.codec, e.bits, e.block, dtype, variant, "contiguous", ref, extra=extra))
-        if e.codec == "blockwise" and e.has_ref and not extra:
-            # A weight delta's max_error bits (tw_triton.delta_bits) code fewer levels in this
-            # container: the same binary, qmax a runtime value, so its arithmetic is checked.
-            for q in ladder_qmax(e.bits):
-                for variant in ("finite", "adversarial"):
+        if e.codec == "blockwise" and e.has_ref and not extra and ladder_qmax(e.bits):
+            # A weight delta's max_error choice (tw_triton.delta_bits) codes fewer levels in
+            # this container: the same binary, qmax a runtime value (a column of the grouped
+            # kernel's table), so its arithmetic is checked alone and in a group whose
+            # members each have their own.
+            mixed = (qmax_for(e.bits), ladder_qmax(e.bits)[0], ladder_qmax(e.bits)[-1])
+            for variant in ("finite", "adversarial"):
+                for q in ladder_qmax(e.bits):
                     out.append(
                         Case(
                             e.codec, e.bits, e.block, dtype, variant, "contiguous", ref, extra=(("qmax", q),)
                         )
                     )
+                out.append(
+                    Case(e.codec, e.bits, e.block, dtype, variant, "contiguous", ref, group_qmax=mixed)
+                )
     return out
 
 
 def ladder_qmax(bits: int) -> list[int]:
-    """The ``qmax`` below the container's full range that the ``max_error`` bits choice
-    codes in a ``bits`` container (3 in 4 bits; 15, 31, 63 in 8)."""
-    return [
-        qmax_for(w)
-        for w in range(2, WIDEST)
-        if container(qmax_for(w)) == bits and qmax_for(w) < qmax_for(bits)
-    ]
+    """``qmax`` below the container's full range that the ``max_error`` choice codes in a
+    ``bits`` container (it takes any, :data:`~tw_triton.delta_bits.QMAX_CHOICES`) and the
+    grid checks: the smallest, each old width's (3 in 4 bits; 15, 31, 63 in 8), the largest
+    and, in 8 bits, one between."""
+    inside = [q for q in QMAX_CHOICES if container(q) == bits and q < qmax_for(bits)]
+    if not inside:
+        return []
+    widths = [qmax_for(w) for w in range(2, WIDEST) if qmax_for(w) in inside]
+    return sorted({inside[0], *widths, *([100] if 100 in inside else []), inside[-1]})
 
 
 def run_identity(

@@ -55,36 +55,43 @@ def test_more_bits_for_a_large_change_and_two_for_a_small_one():
         state, reference={"model": {k: ref for k in state["model"]}}, rules="smallest"
     )
     bits = {p.split("/")[-1]: (e.params["bits"], e.params.get("qmax")) for p, e in q.entries.items()}
-    # The bound (max_error 1.5 %) is 7.2 % / qmax for large: 4 bits (qmax 7, 1.03 %); fast,
-    # about 4x that: 6 bits (qmax 31 in the 8-bit container); huge, 126 % / qmax: 8 bits.
-    assert bits == {"small": (2, None), "large": (4, None), "fast": (8, 31), "huge": (8, None)}
+    # The bound (max_error 1.5 %) is 7.2 % / qmax for large: qmax 5 in the 4-bit container
+    # (1.44 %); fast, about 4x that: qmax 19 in the 8-bit one; huge, 126 % / qmax: qmax 84.
+    assert bits == {"small": (2, None), "large": (4, 5), "fast": (8, 19), "huge": (8, 84)}
     # The file records each entry's bits and the rule's bound.
     assert any(r.get("max_error") == DELTA_MAX_ERROR["smallest"] for r in q.rules)
 
 
-def test_choice_is_the_fewest_bits_within_the_bound():
+def test_choice_is_the_smallest_qmax_within_the_bound():
     values = [0] * 4
     # A zero delta keeps the rule's bits; a zero tensor with a change takes the widest.
     assert delta_bits.choose([0, 1065353216, 0, 1], 128, 2, 0.01) == (2, 1)
     assert delta_bits.choose([1065353216, 0, 1, 0], 128, 2, 0.01) == (8, 127)
     assert delta_bits.error_bound(values, 128, 2) == 0.0
     ref = torch.zeros(4096)
-    x = torch.ones(4096)  # no reference: the delta is the tensor, e(w) = 0.5 / qmax(w)
+    x = torch.ones(4096)  # no reference: the delta is the tensor, e(qmax) = 0.5 / qmax
     stats = read_device_scalars(ops.delta_statistics(x, ref, 128))
     assert delta_bits.error_bound(stats, 128, 2) == pytest.approx(0.5)
-    # Each width in turn, 2 to 8 bits: qmax 1, 3, 7, 15, 31, 63, 127 in 2, 4 or 8 bits.
-    ladder = [(2, 1), (4, 3), (4, 7), (8, 15), (8, 31), (8, 63), (8, 127)]
-    for k, (bits, qmax) in enumerate(ladder):
+    # Every qmax in turn, 1 to 127, in the narrowest container (2, 4 or 8 bits).
+    for qmax in range(1, 128):
+        bits = delta_bits.container(qmax)
         assert delta_bits.error_bound(stats, 128, bits, qmax) == pytest.approx(0.5 / qmax)
         assert delta_bits.error_bound(stats, 128, 8, qmax) == delta_bits.error_bound(stats, 128, bits, qmax)
-        # Just at the bound and just above it: this width; just below it: the next.
+        # Just at the bound and just above it: this qmax; just below it: the next.
         assert delta_bits.choose(stats, 128, 2, 0.5 / qmax) == (bits, qmax)
         assert delta_bits.choose(stats, 128, 2, 0.5 / qmax * (1 + 1e-9)) == (bits, qmax)
         if qmax < 127:
-            assert delta_bits.choose(stats, 128, 2, 0.5 / qmax * (1 - 1e-9)) == ladder[k + 1]
+            assert delta_bits.choose(stats, 128, 2, 0.5 / qmax * (1 - 1e-9)) == (
+                delta_bits.container(qmax + 1),
+                qmax + 1,
+            )
     assert delta_bits.choose(stats, 128, 2, 0.5 / 127 - 1e-9) == (8, 127)  # none fits: the widest
     assert delta_bits.choose(stats, 128, 4, 0.5) == (4, 7)  # never fewer than the rule's bits
-    assert delta_bits.choose(stats, 128, 4, 0.03) == (8, 31)
+    assert delta_bits.choose(stats, 128, 4, 0.03) == (8, 17)  # 0.5 / 17 <= 0.03 < 0.5 / 16
+    # A coarser set of choices takes the next of its own.
+    widths = (1, 3, 7, 15, 31, 63, 127)
+    assert delta_bits.choose(stats, 128, 4, 0.03, widths) == (8, 31)
+    assert delta_bits.choose(stats, 128, 2, 0.2, widths) == (4, 3)
 
 
 def test_levels_are_coded_in_the_narrowest_container():
@@ -236,9 +243,9 @@ def test_a_tensor_or_delta_of_tiny_values_gets_the_widest_bits(tiny):
     bits=st.sampled_from([2, 4]),
 )
 def test_every_width_restores_within_max_error(seed, n, scale, max_error, bits):
-    """Whatever width the choice takes (fewer levels than a container's included), the
+    """Whatever ``qmax`` the choice takes (fewer levels than a container's included), the
     restored tensor is within the bound and ``max_error`` of the saved one, the entry
-    records the container and ``qmax``, and one bit fewer would not have fit."""
+    records the container and ``qmax``, and one level fewer would not have fit."""
     g = torch.Generator().manual_seed(seed)
     ref = torch.randn(n, generator=g)
     x = ref + scale * torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 2
@@ -253,6 +260,37 @@ def test_every_width_restores_within_max_error(seed, n, scale, max_error, bits):
     assert error <= delta_bits.error_bound(values, 128, chosen, qmax) * (1 + 1e-5) + 1e-7
     if qmax < 127:
         assert error <= max_error * (1 + 1e-5) + 1e-7
-    assert qmax in (1, 3, 7, 15, 31, 63, 127) and qmax >= qmax_for(bits)
-    if qmax > qmax_for(bits):
-        assert delta_bits.error_bound(values, 128, 8, (qmax - 1) // 2) > max_error
+    assert qmax >= qmax_for(bits)
+    if qmax > qmax_for(bits):  # one level fewer would not have fit
+        assert delta_bits.error_bound(values, 128, 8, qmax - 1) > max_error
+
+
+def test_a_file_records_any_qmax_and_reads_it_back(tmp_path):
+    """Every ``qmax`` the choice may take, 1 to 127, is written in its container, read back
+    with its params checked, and decoded as in memory; one over the container is refused."""
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(4, 64, generator=g)
+    x = ref + 0.1 * torch.randn(4, 64, generator=g)
+    for q in range(1, 128):
+        params = delta_bits.coded_params({"bits": 2, "block": 32}, q)
+        rule = [("model/*", {"codec": "blockwise", **params, "min_numel": 0})]
+        state = tw_triton.quantize_state_dict(
+            {"model": {"w": x}}, reference={"model": {"w": ref}}, rules=rule
+        )
+        path = tmp_path / f"q{q}.safetensors"
+        tw_triton.format.write_file(state, path)
+        back = tw_triton.format.read_file(path)
+        entry = back.entries["model/w"]
+        assert (
+            entry.params["bits"] == delta_bits.container(q)
+            and entry.params.get("qmax", qmax_for(entry.params["bits"])) == q
+        )
+        got = tw_triton.dequantize_state_dict(back, reference={"model": {"w": ref}})["model"]["w"]
+        want = tw_triton.dequantize_state_dict(state, reference={"model": {"w": ref}})["model"]["w"]
+        assert torch.equal(got, want), q
+    with pytest.raises(QuantizationError, match="qmax"):
+        tw_triton.quantize_state_dict(
+            {"model": {"w": x}},
+            reference={"model": {"w": ref}},
+            rules=[("model/*", {"codec": "blockwise", "bits": 4, "qmax": 8, "min_numel": 0})],
+        )

@@ -702,8 +702,9 @@ def test_the_grid_is_what_the_presets_code_with_a_kernel():
         (e.codec, e.bits, e.block, getattr(torch, e.dtype), e.has_ref) for e in grid
     }
     assert {c.variant for c in cases} == {"finite", "adversarial", "nonneg"}
-    # The weight deltas' max_error widths: fewer levels in the 4- and 8-bit containers.
-    assert _identity.ladder_qmax(4) == [3] and _identity.ladder_qmax(8) == [15, 31, 63]
+    # The weight deltas' max_error choice: fewer levels in the 4- and 8-bit containers,
+    # alone and in a group whose members each have their own.
+    assert _identity.ladder_qmax(4) == [2, 3, 6] and _identity.ladder_qmax(8) == [8, 15, 31, 63, 100, 126]
     assert _identity.ladder_qmax(2) == []
     laddered = {(c.bits, dict(c.extra)["qmax"], c.dtype) for c in cases if c.codec == "blockwise" and c.extra}
     assert laddered == {
@@ -711,6 +712,13 @@ def test_the_grid_is_what_the_presets_code_with_a_kernel():
         for b in (4, 8)
         for q in _identity.ladder_qmax(b)
         for d in _precompile.DTYPES
+    }
+    mixed = {(c.bits, c.group_qmax, c.dtype, c.variant) for c in cases if c.group_qmax}
+    assert mixed == {
+        (b, (q, *_identity.ladder_qmax(b)[:: len(_identity.ladder_qmax(b)) - 1]), getattr(torch, d), v)
+        for b, q in ((4, 7), (8, 127))
+        for d in _precompile.DTYPES
+        for v in ("finite", "adversarial")
     }
 
 

@@ -24,6 +24,7 @@ from _kernel_testing import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tw_triton.errors import QuantizationError
 from tw_triton.ops.backends.triton import (
     copy_many_cuda,
     dequantize_blockwise_many_cuda,
@@ -44,9 +45,14 @@ grouped_module = importlib.import_module("tw_triton.kernels.tiles")
 
 
 def assert_group_encodes_like_torch(
-    xs: list[torch.Tensor], refs: list[torch.Tensor] | None, bits: int, block: int, qmax: int | None = None
+    xs: list[torch.Tensor],
+    refs: list[torch.Tensor] | None,
+    bits: int,
+    block: int,
+    qmax: int | list[int | None] | None = None,
 ) -> torch.Tensor:
-    """Encode ``xs`` as one group on the kernel device and each alone with torch on the CPU."""
+    """Encode ``xs`` as one group on the kernel device and each alone with torch on the CPU
+    (``qmax``: one for all, or tensor ``i``'s at ``i``)."""
     flags = torch.zeros(len(xs), dtype=torch.int64, device=KERNEL_DEVICE)
     pairs = quantize_blockwise_many_cuda(
         [on_kernel_device(x) for x in xs],
@@ -59,7 +65,8 @@ def assert_group_encodes_like_torch(
     assert len(pairs) == len(xs)
     for i, (x, (codes, scales)) in enumerate(zip(xs, pairs)):
         ref = None if refs is None else refs[i]
-        t_codes, t_scales = quantize_blockwise_torch(x, ref, bits, block, qmax=qmax)
+        q = qmax if qmax is None or isinstance(qmax, int) else qmax[i]
+        t_codes, t_scales = quantize_blockwise_torch(x, ref, bits, block, qmax=q)
         assert torch.equal(codes.cpu(), t_codes), f"tensor {i}: codes differ"
         assert torch.equal(scales.cpu().view(torch.int32), t_scales.view(torch.int32)), (
             f"tensor {i}: scales differ"
@@ -118,6 +125,38 @@ def test_narrowed_qmax_is_applied_to_every_tensor() -> None:
     assert_group_encodes_like_torch(xs, None, 4, 64, qmax=3)
 
 
+def ties_at(qmax: int, n: int, block: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` fp32 values whose blocks' absmax is ``qmax * 2**-4``, so that at ``qmax`` the
+    scale is ``2**-4`` and every other element ``d / s`` an exact half-integer (a tie); at
+    another ``qmax`` the scale and codes differ."""
+    k = torch.randint(-qmax, qmax, (n,), generator=gen).double() + 0.5
+    k[::block] = qmax
+    return (k * 2.0**-4).float()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_each_tensor_is_coded_with_its_own_qmax(bits) -> None:
+    """One group, tensors coded with different numbers of levels in one container (the
+    ``max_error`` choice's any ``qmax``): each gets the bytes of its own ``qmax`` alone,
+    ties at that ``qmax`` included, in the whole-tile launch and the tail launch."""
+    gen = torch.Generator().manual_seed(bits)
+    top = (1 << (bits - 1)) - 1
+    qmaxes = [top, 1, 2, None, top - 1, 5 if bits == 8 else 3, 3, 1 + top // 2]
+    sizes = [4096, 5000, 33, 4096 * 2 + 7, 128, 9000, 4096, 300]
+    xs = [ties_at(q or top, n, 64, gen) for q, n in zip(qmaxes, sizes)]
+    refs = [torch.zeros(n, dtype=d) for n, d in zip(sizes, FLOATS * 3)]
+    assert_group_encodes_like_torch(xs, refs, bits, 64, qmax=qmaxes)
+    assert_group_encodes_like_torch([x.bfloat16() for x in xs], None, bits, 64, qmax=qmaxes)
+
+
+def test_a_qmax_per_tensor_is_checked_per_tensor() -> None:
+    xs = [torch.ones(64), torch.ones(64)]
+    flags = torch.zeros(2, dtype=torch.int64)
+    for bad in ([3], [3, 8], [3, 0], [3, 2.0]):
+        with pytest.raises(QuantizationError, match="qmax"):
+            quantize_blockwise_many_cuda(xs, None, 4, 32, flags=flags, qmax=bad)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sizes=st.lists(st.integers(0, 9000), min_size=1, max_size=5),
@@ -126,12 +165,16 @@ def test_narrowed_qmax_is_applied_to_every_tensor() -> None:
     dtype=st.sampled_from(FLOATS),
     ref_dtype=st.sampled_from((None, *FLOATS)),
     seed=st.integers(0, 2**31 - 1),
+    levels=st.lists(st.integers(0, 127), min_size=5, max_size=5),
 )
-def test_any_group_matches_the_torch_path(sizes, bits, block, dtype, ref_dtype, seed) -> None:
+def test_any_group_matches_the_torch_path(sizes, bits, block, dtype, ref_dtype, seed, levels) -> None:
+    """Any tensors, each with any ``qmax`` its container holds (``None``: the full range)."""
     gen = torch.Generator().manual_seed(seed)
     xs = [random_floats(gen, n, dtype, -6, 4, zero_fraction=0.1) for n in sizes]
     refs = None if ref_dtype is None else [random_floats(gen, n, ref_dtype, -6, 4) for n in sizes]
-    assert_group_encodes_like_torch(xs, refs, bits, block)
+    top = (1 << (bits - 1)) - 1
+    qmax = [None if q == 0 else 1 + (q - 1) % top for q in levels[: len(sizes)]]
+    assert_group_encodes_like_torch(xs, refs, bits, block, qmax=qmax)
 
 
 def test_fingerprints_match_the_reference_in_one_call_per_dtype() -> None:

@@ -54,6 +54,9 @@ class Codec(ABC):
     #: Whether a decode gives back every bit of what was encoded (``tw convert`` reports a
     #: file holding only such entries as lossless).
     lossless: bool = False
+    #: Params whose value may differ between the tensors of one grouped encode (the rest
+    #: are the group's): :meth:`encode_group` then also gets each tensor's params, ``each``.
+    tensor_params: frozenset[str] = frozenset()
 
     @abstractmethod
     def resolve_params(self, params: Mapping[str, Any], *, bits: int, block: int) -> dict[str, Any]:
@@ -164,7 +167,8 @@ class Codec(ABC):
         """Encode device tensors of one :meth:`group_key` in a number of launches that does
         not grow with their count. Each result is what :meth:`encode` gives that tensor
         alone, except its ``unusable`` flag: element ``i`` of ``flags`` (int64, zero on
-        entry, on the tensors' device), raised where tensor ``i`` cannot be coded.
+        entry, on the tensors' device), raised where tensor ``i`` cannot be coded. A codec
+        with :attr:`tensor_params` takes a keyword ``each``, tensor ``i``'s params at ``i``.
         """
         raise NotImplementedError(f"codec {self.name!r} has no grouped encode")
 

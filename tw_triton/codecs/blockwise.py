@@ -356,10 +356,13 @@ class BlockwiseCodec(Codec):
     ) -> Hashable | None:
         return ("delta" if reference is not None else "plain",)  # the op splits by dtypes
 
-    def encode_group(self, xs, params, references, flags):  # type: ignore[no-untyped-def]
+    # Fewer levels in a container are a column of the grouped kernel's table, not a launch.
+    tensor_params = frozenset({"qmax"})
+
+    def encode_group(self, xs, params, references, flags, each=None):  # type: ignore[no-untyped-def]
         from .grouped import encode_blockwise_group
 
-        return encode_blockwise_group(self, xs, params, references, flags)
+        return encode_blockwise_group(self, xs, params, references, flags, each)
 
     def decode_group_key(self, entry: EncodedEntry, reference: torch.Tensor | None) -> Hashable | None:
         if not self.uses_reference(entry.params) or reference is None or entry.dtype not in FLOAT_DTYPES:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import ops
+from ..errors import QuantizationError
 from ..qstate import EncodedEntry
 from .arguments import check_input
 from .base import Encoded, move_to
@@ -29,25 +30,31 @@ def encode_blockwise_group(
     params: Mapping[str, Any],
     references: Sequence[torch.Tensor] | None,
     flags: torch.Tensor,
+    each: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[Encoded]:
     """:meth:`BlockwiseCodec.encode` of each of ``xs`` (``references`` at the same
-    positions, or ``None``), with one grouped op; tensor ``i``'s flag is ``flags[i]``."""
+    positions, or ``None``), with one grouped op; tensor ``i``'s flag is ``flags[i]``.
+    ``each``: tensor ``i``'s params at ``i``, where their ``qmax`` differ (the rest as
+    ``params``); default ``params`` for all."""
     refs: Sequence[torch.Tensor | None] = [None] * len(xs) if references is None else references
     for x, r in zip(xs, refs):
         check_input(x, r)
     bits, block = params["bits"], params["block"]
     check_params(bits, block)
+    per_tensor = [params] * len(xs) if each is None else list(each)
+    if any(p["bits"] != bits or p["block"] != block for p in per_tensor):
+        raise QuantizationError("a grouped blockwise encode takes one bits and block for all its tensors")
     pairs = ops.quantize_blockwise_many(
         list(xs),
         None if references is None else list(references),
         bits,
         block,
         flags=flags,
-        qmax=check_qmax(bits, params.get("qmax")),
+        qmax=[check_qmax(bits, p.get("qmax")) for p in per_tensor],
     )
     return [
-        Encoded(codec.entry_of(x, params, r is not None, codes, scales), unusable=flags[i])
-        for i, (x, r, (codes, scales)) in enumerate(zip(xs, refs, pairs))
+        Encoded(codec.entry_of(x, p, r is not None, codes, scales), unusable=flags[i])
+        for i, (x, r, p, (codes, scales)) in enumerate(zip(xs, refs, per_tensor, pairs))
     ]
 
 

@@ -30,6 +30,8 @@ parameters: the codecs do. Rules and layout: docs/codecs.md.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from . import registry
@@ -149,15 +151,17 @@ def quantize_blockwise_many(
     block: int,
     *,
     flags: torch.Tensor,
-    qmax: int | None = None,
+    qmax: int | Sequence[int | None] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`quantize_blockwise` of many tensors on one device, in a number of kernel
-    launches that does not grow with their count (on CUDA: two per pair of dtypes).
+    launches that does not grow with their count (on CUDA: two per pair of dtypes,
+    whatever their ``qmax``).
 
     Args:
         xs: float tensors on one device (any shapes and strides).
         references: ``None``, or one float tensor per ``xs`` of its shape on its device.
-        bits, block, qmax: as for :func:`quantize_blockwise`, shared by all.
+        bits, block: as for :func:`quantize_blockwise`, shared by all.
+        qmax: as for :func:`quantize_blockwise`: one for all, or one per tensor.
         flags: int64, ``len(xs)`` elements on the device, zero where nothing raised them:
             ``flags[i]`` becomes nonzero where tensor ``i`` has a NaN/Inf block (its scale
             is infinite); nothing is read back here.

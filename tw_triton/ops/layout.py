@@ -43,6 +43,21 @@ def check_qmax(bits: int, qmax: Any) -> int:
     return qmax
 
 
+def check_qmaxes(bits: int, qmax: Any, count: int) -> list[int]:
+    """A grouped op's ``qmax`` (one for all ``count`` tensors, ``None`` included, or a
+    sequence of one per tensor) as one checked :func:`check_qmax` per tensor.
+
+    Raises:
+        QuantizationError: a value :func:`check_qmax` refuses, or not one per tensor.
+    """
+    if qmax is None or isinstance(qmax, int):
+        return [check_qmax(bits, qmax)] * count
+    each = list(qmax)
+    if len(each) != count:
+        raise QuantizationError(f"qmax must be one value or one per tensor ({count}), got {len(each)}")
+    return [check_qmax(bits, q) for q in each]
+
+
 def packed_nbytes(numel: int, bits: int) -> int:
     """Bytes of packed codes for ``numel`` elements: padding is never stored."""
     return (numel * bits + 7) // 8

@@ -3,8 +3,9 @@
 On the CPU :func:`~tw_triton.state.quantize_state_dict` encodes entries on worker threads;
 on a GPU each call is a kernel launch queued on the training stream, so this module groups
 them instead: the entries whose codec has a grouped encode (:meth:`Codec.encode_group`:
-blockwise, log2, log2-temporal, exact) are grouped by device, codec, params and the codec's
-:meth:`Codec.group_key`, and each group is one grouped op (on CUDA a table copy and at most
+blockwise, log2, log2-temporal, exact) are grouped by device, codec, params (but those
+the codec takes per tensor, :attr:`Codec.tensor_params`: a blockwise code's ``qmax``) and
+the codec's :meth:`Codec.group_key`, and each group is one grouped op (on CUDA a table copy and at most
 two launches per pair of dtypes). Their
 NaN/Inf flags and the fingerprints of every reference are written into one int64 buffer
 per device (one zero-fill), and so are the sparse candidates' counts (one grouped op,
@@ -43,8 +44,8 @@ def group_of(job: Job) -> Any:
     key = codec.group_key(x, rule.params, ref)
     if key is None:
         return None
-    try:
-        frozen = tuple(sorted(rule.params.items()))
+    try:  # params a codec takes per tensor (Codec.tensor_params) do not split groups
+        frozen = tuple(sorted((k, v) for k, v in rule.params.items() if k not in codec.tensor_params))
         hash(frozen)
     except TypeError:  # params holding lists or dicts: encoded alone
         return None
@@ -111,8 +112,9 @@ class DeviceEncode:
             flags = self.buffers[x0.device][first : first + len(members)]
             xs = [self.jobs[i][0] for i in members]
             refs = None if ref0 is None else [self.jobs[i][3] for i in members]
+            each = {"each": [self.jobs[i][1].params for i in members]} if codec.tensor_params else {}
             try:
-                encs = codec.encode_group(xs, rule.params, refs, flags)
+                encs = codec.encode_group(xs, rule.params, refs, flags, **each)
             except QuantizationError:
                 # One at a time, so that the error names the entry it is about.
                 encs = [self.encode_alone(i) for i in members]

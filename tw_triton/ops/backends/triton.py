@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import re
 import types
+from collections.abc import Sequence
 
 import torch
 
 from ...errors import CheckpointError
-from ..layout import check_qmax
+from ..layout import check_qmax, check_qmaxes
 
 DEVICE_TYPE = "cuda"
 
@@ -156,17 +157,19 @@ def quantize_blockwise_many_cuda(
     block: int,
     *,
     flags: torch.Tensor,
-    qmax: int | None = None,
+    qmax: int | Sequence[int | None] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The grouped encode kernel: one table copy and at most two launches per pair of
-    (input, reference) dtypes, whatever the number of tensors."""
+    (input, reference) dtypes, whatever the number of tensors and their ``qmax`` (a
+    column of the table)."""
     k = kernels()
-    q = check_qmax(bits, qmax)
+    q = check_qmaxes(bits, qmax, len(xs))
     out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(xs)  # type: ignore[list-item]
     for members in _by_dtypes(xs, references).values():
         gx = [readable(xs[i]) for i in members]
         gr = None if references is None else [readable(references[i]) for i in members]
-        for i, pair in zip(members, k.quantize_blockwise_grouped(gx, gr, bits, block, q, flags, members)):
+        gq = [q[i] for i in members]
+        for i, pair in zip(members, k.quantize_blockwise_grouped(gx, gr, bits, block, gq, flags, members)):
             out[i] = pair
     return out
 

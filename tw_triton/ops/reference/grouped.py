@@ -13,8 +13,11 @@ does each in a fixed number of launches (docs/design.md, "Launches and syncs per
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from ..layout import check_qmaxes
 from .update_root import update_multiply_torch, update_root_torch
 
 # Elements sampled by a fingerprint.
@@ -28,17 +31,19 @@ def quantize_blockwise_many_torch(
     block: int,
     *,
     flags: torch.Tensor,
-    qmax: int | None = None,
+    qmax: int | Sequence[int | None] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`tw_triton.ops.quantize_blockwise` of each tensor; ``flags[i]`` (int64) is
-    raised to 1 where tensor ``i`` has a block with an infinite scale (a NaN/Inf block)."""
+    """:func:`tw_triton.ops.quantize_blockwise` of each tensor (with its ``qmax``, where
+    one is given per tensor); ``flags[i]`` (int64) is raised to 1 where tensor ``i`` has a
+    block with an infinite scale (a NaN/Inf block)."""
     from .. import quantize_blockwise  # the single op, dispatched by device
 
+    qmaxes = check_qmaxes(bits, qmax, len(xs))
     out = []
     bad = []
     for i, x in enumerate(xs):
         codes, scales = quantize_blockwise(
-            x, None if references is None else references[i], bits, block, qmax=qmax
+            x, None if references is None else references[i], bits, block, qmax=qmaxes[i]
         )
         out.append((codes, scales))
         bad.append(torch.isinf(scales).any())

@@ -394,47 +394,46 @@ def test_wheel_script_and_validate_sh_never_reach_the_network():
     assert ".whl/" in (REPO / ".gitignore").read_text()
 
 
-def test_validate_sh_stops_at_once_without_a_c_compiler(tmp_path):
-    """Triton builds its launcher with a C compiler at the first launch: validate.sh checks
-    for one before installing or running anything."""
+def _bin_of(tmp_path: Path, tools: tuple[str, ...]) -> Path:
+    """A folder holding links to ``tools`` alone, to be the whole ``PATH``."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    for tool in ("bash", "dirname", "env"):  # what the script needs before the check
+    for tool in tools:
         found = shutil.which(tool)
         assert found is not None
         (bindir / tool).symlink_to(found)
-    env = {"PATH": str(bindir), "PYTHON": sys.executable, "HOME": str(tmp_path)}
-    got = subprocess.run(
+    return bindir
+
+
+def _smoke_in(bindir: Path, python: str, home: Path) -> subprocess.CompletedProcess:
+    """``validate.sh --phase smoke`` with ``bindir`` the whole ``PATH``."""
+    env = {"PATH": str(bindir), "PYTHON": python, "HOME": str(home)}
+    return subprocess.run(
         [str(bindir / "bash"), str(GPU_DIR / "validate.sh"), "--phase", "smoke"],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_validate_sh_stops_at_once_without_a_c_compiler(tmp_path):
+    """Triton builds its launcher with a C compiler at the first launch: validate.sh checks
+    for one before installing or running anything."""
+    bindir = _bin_of(tmp_path, ("bash", "dirname", "env"))  # what the script needs before the check
+    got = _smoke_in(bindir, sys.executable, tmp_path)
     assert got.returncode == 2 and "no C compiler" in got.stderr, got.stderr
 
 
 def test_validate_sh_hands_a_plain_cc_to_triton(tmp_path):
     """Triton's launcher build takes $CC, else gcc, else clang (triton/runtime/build.py),
     never ``cc``: where ``cc`` is the only compiler, validate.sh exports it as $CC."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    for tool in ("bash", "dirname"):
-        found = shutil.which(tool)
-        assert found is not None
-        (bindir / tool).symlink_to(found)
+    bindir = _bin_of(tmp_path, ("bash", "dirname"))
     seen = tmp_path / "seen"
     for tool in ("cc", "python"):  # a python that records the CC it runs with, and passes
         (bindir / tool).write_text(f'#!/bin/sh\necho "CC=${{CC:-}}" >> {seen}\nexit 0\n')
         (bindir / tool).chmod(0o755)
-    env = {"PATH": str(bindir), "PYTHON": str(bindir / "python"), "HOME": str(tmp_path)}
-    got = subprocess.run(
-        [str(bindir / "bash"), str(GPU_DIR / "validate.sh"), "--phase", "smoke"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    got = _smoke_in(bindir, str(bindir / "python"), tmp_path)
     assert got.returncode == 0, got.stderr
     assert seen.read_text().splitlines()[-1] == f"CC={bindir / 'cc'}", seen.read_text()
 

@@ -70,7 +70,7 @@ everything else, and any name no optimizer of ``torch.optim`` uses, exact:
                 the float32 non-negative moments as ``log2-temporal`` changes against
                 the last reconstruction (others stay log2); a tensor whose
                 change 2 bits would code with a relative error above
-                :data:`DELTA_MAX_ERROR` gets 3 to 8 (``max_error``, below). Its 2-bit weight
+                :data:`DELTA_MAX_ERROR` gets more levels, up to 8 bits (``max_error``, below). Its 2-bit weight
                 deltas need *closed-loop* deltas
                 (``Checkpointer(delta="closed")``, the default; see
                 :mod:`tw_triton.deltas`): against a keyframe many saves back (open loop)

@@ -149,11 +149,18 @@ def shares(grid: list[Entry], workers: int) -> list[list[Entry]]:
     return [grid[i::n] for i in range(n)]
 
 
+def entry_params(entry: Entry) -> dict[str, Any]:
+    """The entry's codec params, resolved as a rule does: ``bits`` and ``block`` are the
+    call's, passed apart (a codec such as ``bitmask`` takes neither as a parameter)."""
+    rest = {k: v for k, v in entry.params if k not in ("bits", "block")}
+    return get_codec(entry.codec).resolve_params(rest, bits=entry.bits, block=entry.block)
+
+
 def run_entry(entry: Entry, device: torch.device) -> None:
     """Encode and decode through the codec at each of :func:`sizes`: every launch of the
     entry, so every specialization it needs is compiled (or loaded from the cache)."""
     codec = get_codec(entry.codec)
-    params = codec.resolve_params(dict(entry.params), bits=entry.bits, block=entry.block)
+    params = entry_params(entry)
     dtype = getattr(torch, entry.dtype)
     gen = torch.Generator().manual_seed(0)
     if codec.has_partners:

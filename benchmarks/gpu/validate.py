@@ -173,8 +173,9 @@ def step_precompile(c: Ctx, grid: list[_precompile.Entry] | None = None) -> Step
     return s
 
 
-def step_precompile_all(c: Ctx) -> Step:
-    cases = list(_identity.plan(_identity.kernel_codecs()[0], c.dry))
+def precompile_all_grid(dry: bool) -> list[_precompile.Entry]:
+    """The default grid and every contiguous configuration of the identity sweep."""
+    cases = list(_identity.plan(_identity.kernel_codecs()[0], dry))
     extra = {
         _precompile.Entry(
             k.codec,
@@ -185,8 +186,11 @@ def step_precompile_all(c: Ctx) -> Step:
         for k in cases
         if k.layout == "contiguous" and k.ref_dtype in (None, k.dtype)
     }
-    grid = list(dict.fromkeys(_precompile.default_grid() + list(extra)))
-    s = step_precompile(c, grid)
+    return list(dict.fromkeys(_precompile.default_grid() + list(extra)))
+
+
+def step_precompile_all(c: Ctx) -> Step:
+    s = step_precompile(c, precompile_all_grid(c.dry))
     s.name, s.title = "precompile_all", "(2) precompile the grid and the identity sweep's variants"
     return s
 
@@ -270,6 +274,8 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
         "tests",
         "-p",
         "no:cacheprovider",
+        "-p",
+        "_instafail",
         f"--junitxml={xml}",
     ]
     if dry:
@@ -288,7 +294,14 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
     # Streamed to pytest.log as it runs (unbuffered): a whole command killed at its limit
     # mid-pytest still brings back the lines of the tests that ended.
     log_path = out / "pytest.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Each failure's traceback as it happens (_instafail.py): the summary comes only at the end.
+    here = str(Path(__file__).resolve().parent)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
+        "TW_PYTEST_FAILURES": str(out / "pytest_failures.log"),
+    }
     try:
         with open(log_path, "w", encoding="utf-8") as log_file:
             proc = subprocess.run(

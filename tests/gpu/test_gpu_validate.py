@@ -821,3 +821,38 @@ def test_a_module_that_skips_on_import_does_not_fail_the_pytest_step(tmp_path, m
     else:
         assert step.status == "PASS" and step.data["skipped"] == 0, step.detail
         assert step.detail.endswith("1 module(s) of optional extras skipped on import")
+
+
+def test_precompile_all_runs_every_entry_of_its_grid() -> None:
+    """Every entry of the full grid resolves its params as a rule would; the first GPU run
+    failed here on ``bitmask`` (which takes neither ``bits`` nor ``block``). One entry of each
+    codec runs end to end on the CPU, where nothing compiles."""
+    grid = validate.precompile_all_grid(dry=False)
+    for entry in grid:
+        _precompile.entry_params(entry)
+    first = {}
+    for entry in grid:
+        first.setdefault(entry.codec, entry)
+    assert "bitmask" in first
+    for entry in first.values():
+        _precompile.run_entry(entry, torch.device("cpu"))
+
+
+def test_pytest_failures_are_written_as_they_happen(tmp_path: Path) -> None:
+    """The GPU run's pytest step loads _instafail: a failing test's traceback is in the file
+    before pytest's end-of-run summary (which a killed run never prints)."""
+    test = tmp_path / "test_fails.py"
+    test.write_text("def test_boom():\n    assert 1 + 1 == 3, 'arithmetic'\n\ndef test_ok():\n    pass\n")
+    log = tmp_path / "failures.log"
+    env = {**_env(), "PYTHONPATH": str(GPU_DIR), "TW_PYTEST_FAILURES": str(log)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "_instafail", "-p", "no:cacheprovider", str(test)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1, proc.stdout
+    text = log.read_text()
+    assert "test_fails.py::test_boom (call)" in text and "arithmetic" in text
+    assert "test_ok" not in text

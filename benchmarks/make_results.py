@@ -582,7 +582,8 @@ def summary_table(
     return "\n".join(
         [
             f"Measured on a {env['machine']} (CPU only, shared with other jobs; medians of repeated runs). "
-            "No GPU numbers: none was lent. Details, commands and plots: "
+            "GPU numbers are from one H100 run, in [docs/gpu-validation.md](docs/gpu-validation.md#the-first-h100-run). "
+            "Details, commands and plots: "
             "[benchmarks/results](benchmarks/results/README.md).",
             "",
             fmt_table(["what", "size", "fidelity / speed"], rows),

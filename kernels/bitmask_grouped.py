@@ -48,7 +48,7 @@ def grouped_tile(table_ptr, x_type_ptr, T, LOG_T: tl.constexpr):
     return row, n, tile, x_ptr
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["counts_ptr", "x_type_ptr"])
 def bitmask_mask_grouped_kernel(
     table_ptr,
     counts_ptr,
@@ -69,7 +69,7 @@ def bitmask_mask_grouped_kernel(
     tl.store(counts_ptr + tl.load(row + 7) + tile, tl.sum(nz, axis=0).to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["starts_ptr", "x_type_ptr"])
 def bitmask_scatter_grouped_kernel(
     table_ptr,
     starts_ptr,

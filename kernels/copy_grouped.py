@@ -18,7 +18,7 @@ from .tiles import find_entry, group_outputs, launch_grouped
 COPY_BLOCK = 4096
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["flags_ptr"])
 def copy_grouped_kernel(
     table_ptr,
     flags_ptr,

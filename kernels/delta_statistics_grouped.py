@@ -58,7 +58,7 @@ def squared_levels(v, factor):
     return q * q
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["out_ptr", "x_type_ptr", "ref_type_ptr"])
 def delta_statistics_grouped_kernel(
     table_ptr,
     out_ptr,

@@ -98,6 +98,18 @@ def to_output(v, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def codes_to_f32(u):
+    """Codes (int32, ``0 <= u < 2**23``) as exact fp32, read from the bits of ``2**23 + u``.
+
+    Not ``u.to(tl.float32)``: LLVM folds a following ``- c`` into the integer (``(u - c)``,
+    then packed 16-bit adds for byte codes), and ptxas 12.8 (triton 3.6's) dropped the
+    immediate of such an add for one pair of lanes in eight on an H100. fp32 arithmetic on
+    a bit pattern is not folded back into integers.
+    """
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
 def unpack_lsb_first(packed, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """Unpack (ROWS, BLOCK * BITS // 8) bytes into a (ROWS, BLOCK) int32 tile of codes."""
     p = packed.to(tl.int32)
@@ -128,7 +140,7 @@ def dequantize_tile(
     scales and (``HAS_REF``) its reference tile: the codec's arithmetic, shared by the
     single and the grouped decode."""
     CODE_OFFSET: tl.constexpr = 1 << (BITS - 1)
-    q = (unpack_lsb_first(packed, ROWS, BLOCK, BITS) - CODE_OFFSET).to(tl.float32)
+    q = codes_to_f32(unpack_lsb_first(packed, ROWS, BLOCK, BITS)) - CODE_OFFSET
     v = q * scale[:, None]
     if HAS_REF:
         # An overflowed product is brought back by a reference of the other sign only if

@@ -72,7 +72,7 @@ def store_tile(out_ptr, offs, y, in_bounds, MASKED: tl.constexpr):
         tl.store(out_ptr + offs, y)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["flags_ptr", "ref_type_ptr", "out_type_ptr"])
 def dequantize_blockwise_grouped_kernel(
     table_ptr,
     flags_ptr,

@@ -23,7 +23,7 @@ from .dequantize_blockwise_grouped import grouped_decode_row, load_codes_tile, s
 from .tiles import group_outputs, launch_grouped
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["flags_ptr", "out_type_ptr"])
 def dequantize_blockwise_update_grouped_kernel(
     table_ptr,
     flags_ptr,

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
-from .dequantize_blockwise import narrow_from_f32, unpack_lsb_first
+from .dequantize_blockwise import codes_to_f32, narrow_from_f32, unpack_lsb_first
 from .tiles import launch_row_tiles
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -31,7 +31,7 @@ def log2_decode_tile(
     N_STEPS: tl.constexpr = (1 << BITS) - 2
     u = unpack_lsb_first(packed, ROWS, BLOCK, BITS)
     step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
-    p = (u - 1).to(tl.float32) * step[:, None]
+    p = (codes_to_f32(u) - 1.0) * step[:, None]
     t = lo[:, None] + (p + 0.5).to(tl.int32)
     t = tl.minimum(t, hi[:, None])
     t = tl.where(u > 0, t, 0)

@@ -20,7 +20,7 @@ from .dequantize_log2 import log2_decode_rows
 from .tiles import aligned, find_entry, group_outputs, launch_grouped
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["flags_ptr", "out_type_ptr"])
 def dequantize_log2_grouped_kernel(
     table_ptr,
     flags_ptr,

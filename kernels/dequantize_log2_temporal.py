@@ -16,6 +16,7 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
+from .dequantize_blockwise import codes_to_f32
 from .quantize_log2_temporal import check_temporal_args, temporal_step
 from .tiles import launch_row_tiles
 
@@ -39,7 +40,7 @@ def temporal_decode_tile(c8, r, lo, hi, min_step, BITS: tl.constexpr):
     t_tmp = tl.where(q == _ZERO_CODE, 0, t_tmp).to(tl.int32)
 
     a_step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
-    p = (u - 1).to(tl.float32) * a_step[:, None]
+    p = (codes_to_f32(u) - 1.0) * a_step[:, None]
     t_abs = lo[:, None] + (p + 0.5).to(tl.int32)
     t_abs = tl.minimum(t_abs, hi[:, None])
     t_abs = tl.where(u > 0, t_abs, 0)

@@ -24,7 +24,7 @@ from .quantize_log2_temporal import check_temporal_args
 from .tiles import aligned, find_entry, group_outputs, launch_grouped
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["flags_ptr"])
 def dequantize_log2_temporal_grouped_kernel(
     table_ptr,
     flags_ptr,

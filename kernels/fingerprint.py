@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dequantize_blockwise import codes_to_f32
 from .quantize_blockwise import widen_to_f32
 from .tiles import NUM_WARPS
 
@@ -23,7 +24,7 @@ from .tiles import NUM_WARPS
 # step, number of samples, output slot.
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["out_ptr", "type_ptr"])
 def fingerprint_kernel(table_ptr, out_ptr, type_ptr, SAMPLES: tl.constexpr):
     """Write tensor ``pid``'s fingerprint to ``out_ptr[slot]``."""
     pid = tl.program_id(0).to(tl.int64)
@@ -36,7 +37,10 @@ def fingerprint_kernel(table_ptr, out_ptr, type_ptr, SAMPLES: tl.constexpr):
     valid = k < count
     v = tl.load(base + k * step, mask=valid, other=0.0)
     bits = widen_to_f32(v).to(tl.int32, bitcast=True).to(tl.int64)
-    total = tl.sum(tl.where(valid, bits * (k + 1), 0), axis=0)
+    # The weights k + 1 through fp32 (exact): as int arithmetic LLVM narrows them to packed
+    # 16-bit adds, which ptxas 12.8 has miscompiled (see codes_to_f32).
+    weight = (codes_to_f32(tl.arange(0, SAMPLES)) + 1.0).to(tl.int64)
+    total = tl.sum(tl.where(valid, bits * weight, 0), axis=0)
     tl.store(out_ptr + tl.load(row + 4), total + n)
 
 

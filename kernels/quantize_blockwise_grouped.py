@@ -24,7 +24,7 @@ from .tiles import find_entry, group_outputs, launch_grouped, table_width
 _COLUMNS = tl.constexpr(table_width(1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["flags_ptr", "x_type_ptr", "ref_type_ptr"])
 def quantize_blockwise_grouped_kernel(
     table_ptr,
     flags_ptr,

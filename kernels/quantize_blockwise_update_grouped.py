@@ -19,7 +19,7 @@ from .quantize_blockwise import quantize_tile, widen_to_f32
 from .tiles import find_entry, group_outputs, launch_grouped
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["flags_ptr", "m_type_ptr", "v_type_ptr"])
 def quantize_blockwise_update_grouped_kernel(
     table_ptr,
     flags_ptr,

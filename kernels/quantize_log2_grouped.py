@@ -17,7 +17,7 @@ from .quantize_log2 import log2_tile
 from .tiles import find_entry, group_outputs, launch_grouped
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["flags_ptr", "x_type_ptr"])
 def quantize_log2_grouped_kernel(
     table_ptr,
     flags_ptr,

@@ -21,7 +21,7 @@ from .quantize_log2_temporal import check_temporal_args, temporal_encode_rows
 from .tiles import ALIGN, find_entry, group_outputs, launch_grouped
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["flags_ptr"])
 def quantize_log2_temporal_grouped_kernel(
     table_ptr,
     flags_ptr,

@@ -28,7 +28,7 @@ TILE = 4096
 _BIT_VIEW = {2: torch.int16, 4: torch.int32}
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["out_ptr", "x_type_ptr"])
 def sparsity_counts_grouped_kernel(
     table_ptr,
     out_ptr,

@@ -64,6 +64,10 @@ def launch_row_tiles(
             kernel[(1,)](*pointers, n, tail_row0, *scalars, MASKED=True, **meta)
 
 
+# A grouped kernel is specialized on the alignment of its table only: its flag or output
+# slots are int64 slices of a save's scalars at any 8-byte offset, and its type carriers are
+# never read, so each of their alignments would otherwise compile again at a save
+# (do_not_specialize_on_alignment; tests/checkpointing/test_first_save_kernels.py).
 # A grouped kernel's table row (int64): four addresses, then the length, the first row,
 # the row's index and the flag slot (the kernels read them at row + 4 .. row + 7), then
 # any per-tensor values a kernel adds (``launch_grouped``'s ``columns``).

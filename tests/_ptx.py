@@ -504,6 +504,17 @@ def _log2_source(v: Variant):
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
+def as_jit_specializes(source):
+    """``source`` without the divisibility of the pointers its kernel is not specialized on
+    for alignment (``do_not_specialize_on_alignment``): what the JIT compiles for them."""
+    names = list(source.fn.arg_names)
+    skip = {
+        names.index(p) if isinstance(p, str) else p for p in source.fn.do_not_specialize_on_alignment or []
+    }
+    source.attrs = {k: a for k, a in source.attrs.items() if k[0] not in skip}
+    return source
+
+
 def compile_variant(v: Variant):
     """Compile ``v`` for ``sm_{v.cc}`` (PTX and cubin); returns triton's ``CompiledKernel``."""
     import triton
@@ -529,7 +540,7 @@ def compile_variant(v: Variant):
         else:
             source = _grouped_source(v)
         return triton.compile(
-            source,
+            as_jit_specializes(source),
             target=GPUTarget("cuda", v.cc, 32),
             options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
         )

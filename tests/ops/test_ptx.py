@@ -41,6 +41,22 @@ def test_no_kernel_needs_an_allocator_or_more_shared_memory_than_a_launch_gets(p
         assert facts["shared_bytes"] <= 48 << 10, (label, facts["shared_bytes"])
 
 
+# Packed 16-bit integer arithmetic (add.s16x2 and the like). LLVM forms it from int32
+# arithmetic on byte codes; ptxas 12.8 (bundled with triton 3.6) compiled one such add with
+# its immediate -1 dropped to 0 for one pair of lanes in eight, so the first H100 run decoded
+# log2 bits=8 to bf16 wrong (docs/gpu-validation.md). Conversions (cvt.*x2) and abs.f16x2
+# (a bit clear) are not integer arithmetic.
+_PACKED_INT = re.compile(r"^(?!cvt\.)(?!abs\.f16x2$)\w+\.[a-z0-9.]*[su]16x2\b")
+
+
+def test_no_kernel_does_packed_16_bit_integer_arithmetic(ptx_facts: dict) -> None:
+    assert _PACKED_INT.match("add.s16x2") and _PACKED_INT.match("sub.u16x2")
+    assert not _PACKED_INT.match("cvt.rn.f16x2.f32") and not _PACKED_INT.match("abs.f16x2")
+    for label, facts in ptx_facts.items():
+        packed = sorted(op for op in facts["opcodes"] if _PACKED_INT.match(op))
+        assert packed == [], (label, packed)
+
+
 def test_variant_list_covers_the_acceptance_grid() -> None:
     seen = {(v.op, v.bits, v.block, v.dtype, v.ref_dtype is None, v.masked, v.cc) for v in VARIANTS}
     assert len(seen) == len(VARIANTS) == 2 * 3 * 3 * 3 * 2 * 2 * 2

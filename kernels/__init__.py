@@ -18,6 +18,7 @@ from .dequantize_log2_grouped import dequantize_log2_grouped
 from .dequantize_log2_temporal import dequantize_log2_temporal
 from .dequantize_log2_temporal_grouped import dequantize_log2_temporal_grouped
 from .fingerprint import fingerprints
+from .log2_temporal_check import log2_temporal_check
 from .quantize_blockwise import quantize_blockwise
 from .quantize_blockwise_grouped import quantize_blockwise_grouped
 from .quantize_blockwise_update_grouped import quantize_blockwise_update_grouped
@@ -38,6 +39,7 @@ __all__ = [
     "dequantize_log2",
     "dequantize_log2_grouped",
     "fingerprints",
+    "log2_temporal_check",
     "quantize_blockwise",
     "quantize_blockwise_grouped",
     "quantize_blockwise_update_grouped",

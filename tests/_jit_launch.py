@@ -109,6 +109,7 @@ def cases():
         x, r = torch.zeros(N), torch.zeros(N)
         codes, lo, hi = backend.quantize_log2_temporal_cuda(x, r, 4, 128, MIN_STEP)
         backend.dequantize_log2_temporal_cuda(codes, lo, hi, r, N, 4, 128, MIN_STEP)
+        backend.log2_temporal_code_errors_cuda(codes, lo, hi, r, 4, 128)  # JIT only: the flag stays 0
 
     def group(dtype):  # every tensor one whole tile (block 128) and a tail
         return [torch.zeros(4096 + 16, dtype=dtype) for _ in range(GROUP)]
@@ -216,7 +217,9 @@ def cases():
             "log2-temporal-b4-B128",
             temporal,
             lambda cc: (
-                pair("temporal-encode", 4, 128, f32, f32, cc) + pair("temporal-decode", 4, 128, f32, f32, cc)
+                pair("temporal-encode", 4, 128, f32, f32, cc)
+                + pair("temporal-decode", 4, 128, f32, f32, cc)
+                + pair("temporal-check", 4, 128, f32, f32, cc)
             ),
         ),
         ("grouped-b4", lambda: grouped(4), lambda cc: grouped_expected(4, cc)),

@@ -181,6 +181,17 @@ def temporal_variants() -> list[Variant]:
     ]
 
 
+def check_variants() -> list[Variant]:
+    """The ``log2-temporal`` code check (a load's, before its decode): blocks x {main, tail}
+    x targets, 4 bits (``BITS`` only sets the largest absolute code)."""
+    return [
+        Variant("temporal-check", 4, block, "fp32", "fp32", masked, cc)
+        for block in LOG2_BLOCKS
+        for masked in (False, True)
+        for cc in TARGETS
+    ]
+
+
 def sparsity_variants() -> list[Variant]:
     """The grouped sparsity count (a save's sparse candidates): element widths (the launcher
     passes float tensors as the integer of their width) x {main, tail} x targets."""
@@ -234,6 +245,7 @@ def every_variant() -> list[Variant]:
         + grouped_variants()
         + bitmask_variants()
         + temporal_variants()
+        + check_variants()
         + sparsity_variants()
         + statistics_variants()
         + sparse_grouped_variants()
@@ -467,6 +479,19 @@ def _temporal_source(v: Variant):
     from tw_triton.kernels.quantize_log2_temporal import quantize_log2_temporal_kernel
     from tw_triton.kernels.tiles import rows_per_program
 
+    if v.op == "temporal-check":
+        from tw_triton.kernels.log2_temporal_check import log2_temporal_check_kernel
+
+        names = ("codes_ptr", "lo_ptr", "hi_ptr", "ref_ptr", "flag_ptr")
+        signature = dict(zip(names, ("*u8", "*i32", "*i32", "*fp32", "*i32")))
+        signature.update({"n": "i32", "row0": "i32"})
+        constexprs = {"MASKED": v.masked, "BITS": v.bits, "BLOCK": v.block, "ROWS": rows_per_program(v.block)}
+        signature.update({name: "constexpr" for name in constexprs})
+        # The five pointers and n are 16-divisible.
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+        return ASTSource(
+            fn=log2_temporal_check_kernel, signature=signature, constexprs=constexprs, attrs=attrs
+        )
     if v.op == "temporal-encode":
         fn = quantize_log2_temporal_kernel
         names = ("x_ptr", "ref_ptr", "codes_ptr", "lo_ptr", "hi_ptr")

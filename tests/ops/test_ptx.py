@@ -202,6 +202,26 @@ def test_temporal_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, vari
         assert set(stores) == {"st.global.v4.b32"}, stores
 
 
+@pytest.mark.parametrize("variant", _ptx.check_variants(), ids=lambda v: v.label)
+def test_temporal_check_variant_compiles_to_integer_ptx(ptx_facts: dict, variant: _ptx.Variant) -> None:
+    """The temporal code check before a load's decode: integer comparisons only (no float
+    arithmetic, so no rounding to agree on), 64-bit offsets, vectorized main loads, one
+    predicated store of the flag."""
+    facts = ptx_facts[variant.label]
+    ops = facts["opcodes"]
+    assert facts["cubin_bytes"] > 0
+    assert facts["ptx_target"].startswith(f"sm_{variant.cc}"), facts["ptx_target"]
+    assert not [op for op in ops if re.match(r"(add|sub|mul|div|fma|mad|cvt)\.\w*f(16|32|64)\b", op)], ops
+    assert facts["ctaid_uses"], "program id register never read"
+    narrow = [op for op in facts["ctaid_uses"] if not _WIDE.match(op)]
+    assert not narrow, f"program id used in 32-bit arithmetic: {narrow}"
+    stores = _ops(facts, "st.global")
+    assert set(stores) == {"st.global.b32"} and sum(stores.values()) == 1, stores
+    if not variant.masked:
+        loads = _ops(facts, "ld.global")
+        assert loads.get("ld.global.v4.b32", 0) >= 1, loads
+
+
 GROUPED_VARIANTS = _ptx.grouped_variants()
 
 

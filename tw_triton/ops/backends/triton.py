@@ -16,6 +16,7 @@ import torch
 
 from ...errors import CheckpointError
 from ..layout import check_qmax, check_qmaxes
+from ..reference import log2_temporal_code_errors_torch
 
 DEVICE_TYPE = "cuda"
 
@@ -416,6 +417,17 @@ def dequantize_log2_temporal_many_cuda(
     return [t if out is None or out[i] is None else out[i] for i, t in enumerate(got)]  # type: ignore[misc]
 
 
+def log2_temporal_code_errors_cuda(
+    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
+) -> str | None:
+    """The check kernel's flag, read back once (a sync); the torch spec names the culprit
+    only when the flag is set."""
+    flag = kernels().log2_temporal_check(codes, lo, hi, reference.float(), bits, block)
+    if not int(flag.item()):
+        return None
+    return log2_temporal_code_errors_torch(codes, lo, hi, reference, bits, block)
+
+
 def dequantize_log2_many_cuda(
     codes: list[torch.Tensor],
     lo: list[torch.Tensor],
@@ -474,6 +486,7 @@ BACKEND = {
     "quantize_log2_temporal": quantize_log2_temporal_cuda,
     "quantize_log2_temporal_many": quantize_log2_temporal_many_cuda,
     "dequantize_log2_temporal": dequantize_log2_temporal_cuda,
+    "log2_temporal_code_errors": log2_temporal_code_errors_cuda,
     "sparsity_counts_many": sparsity_counts_many_cuda,
     "dequantize_log2_temporal_many": dequantize_log2_temporal_many_cuda,
     "dequantize_log2_many": dequantize_log2_many_cuda,

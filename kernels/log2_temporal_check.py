@@ -1,0 +1,102 @@
+"""``log2-temporal`` codes checked before a decode: one flag for the whole tensor.
+
+The spec is ``tw_triton.ops.reference.log2_temporal_code_errors_torch``: a block's bounds
+must be ``0, 0`` (temporal), ``-1, -1`` (uncodable) or ``1 <= lo <= hi < bits(+inf)``; an
+element's code must be at most ``2**bits - 1`` (0 in an uncodable block), and a temporal
+block's code other than ``-128`` needs a positive finite reference. Integer comparisons
+only. The kernel says whether anything is wrong; the torch spec then says what.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tw_triton.errors import QuantizationError
+
+from .tiles import launch_row_tiles
+
+_F32_INF_BITS = tl.constexpr(0x7F800000)
+_ZERO_CODE_BYTE = tl.constexpr(0x80)
+
+
+@triton.jit(do_not_specialize=["row0"])
+def log2_temporal_check_kernel(
+    codes_ptr,
+    lo_ptr,
+    hi_ptr,
+    ref_ptr,
+    flag_ptr,
+    n,
+    row0,
+    MASKED: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Set ``flag_ptr[0]`` to 1 if rows ``row0 + pid * ROWS`` .. ``+ ROWS`` hold a bad
+    bound or code (it is left alone otherwise: every program writes the same 1)."""
+    rows = row0 + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    if MASKED:
+        inside = offs < n
+        row_inside = rows * BLOCK < n
+        c = tl.load(codes_ptr + offs, mask=inside, other=_ZERO_CODE_BYTE).to(tl.int32)
+        r = tl.load(ref_ptr + offs, mask=inside, other=1.0).to(tl.int32, bitcast=True)
+        lo = tl.load(lo_ptr + rows, mask=row_inside, other=0)
+        hi = tl.load(hi_ptr + rows, mask=row_inside, other=0)
+    else:
+        c = tl.load(codes_ptr + offs).to(tl.int32)
+        r = tl.load(ref_ptr + offs).to(tl.int32, bitcast=True)
+        lo = tl.load(lo_ptr + rows)
+        hi = tl.load(hi_ptr + rows)
+    temporal = (lo == 0) & (hi == 0)
+    uncodable = (lo == -1) & (hi == -1)
+    bounds_bad = ~(temporal | uncodable | ((lo >= 1) & (lo <= hi) & (hi < _F32_INF_BITS)))
+    limit = tl.where(uncodable, 0, (1 << BITS) - 1)
+    positive = (r > 0) & (r < _F32_INF_BITS)
+    bad = tl.where(temporal[:, None], (c != _ZERO_CODE_BYTE) & ~positive, c > limit[:, None])
+    if MASKED:
+        # Outside the tensor: code 0x80 over a reference of 1.0 passes a temporal block but
+        # not an absolute one, so the padding is masked out here (its rows' bounds, loaded
+        # as 0, 0, pass).
+        bad = bad & inside
+    worst = tl.maximum(tl.max(bad.to(tl.int32)), tl.max(bounds_bad.to(tl.int32)))
+    tl.store(flag_ptr, worst, mask=worst > 0)
+
+
+def log2_temporal_check(
+    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
+) -> torch.Tensor:
+    """A device int32 scalar: 1 if the codes hold what no encoder writes, else 0.
+
+    Raises:
+        QuantizationError: buffers of the wrong dtype, size or device.
+    """
+    n = codes.numel()
+    nblocks = -(-n // block)
+    ref = reference.reshape(-1)
+    if codes.dtype != torch.uint8 or ref.dtype != torch.float32 or ref.numel() != n:
+        raise QuantizationError(
+            f"log2_temporal_check: codes {codes.dtype} x {n} over a reference {ref.dtype} x "
+            f"{ref.numel()}; expected uint8 codes over a float32 reference of as many elements"
+        )
+    for name, b in (("lo", lo), ("hi", hi)):
+        if b.dtype != torch.int32 or b.numel() != nblocks or b.device != codes.device:
+            raise QuantizationError(
+                f"log2_temporal_check: {name} is {b.dtype} x {b.numel()} on {b.device}, expected "
+                f"int32 x {nblocks} on {codes.device}"
+            )
+    flag = torch.zeros(1, dtype=torch.int32, device=codes.device)
+    if n:
+        launch_row_tiles(
+            log2_temporal_check_kernel,
+            (codes.contiguous().view(-1), lo.contiguous(), hi.contiguous(), ref.contiguous(), flag),
+            n,
+            0,
+            block,
+            codes.device,
+            BITS=bits,
+        )
+    return flag

@@ -1,0 +1,77 @@
+"""The ``log2-temporal`` code check's kernel (a load's, before its decode) against the torch
+spec, ``log2_temporal_code_errors_torch``: it passes what the encoder writes and flags
+every corruption the spec refuses, in whole tiles and in a ragged tail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kernel_testing import KERNEL_DEVICE, require_runnable_kernels
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_log2_temporal_native import MIN_STEP, _checked_cases, pair
+
+from tw_triton import ops
+from tw_triton.ops.backends.triton import kernels, log2_temporal_code_errors_cuda
+from tw_triton.ops.reference import log2_temporal_code_errors_torch, quantize_log2_temporal_torch
+
+require_runnable_kernels()
+
+
+def _flag(codes, lo, hi, ref, bits, block) -> int:
+    on = [t.to(KERNEL_DEVICE) for t in (codes, lo, hi, ref)]
+    return int(kernels().log2_temporal_check(*on, bits, block).item())
+
+
+@pytest.mark.parametrize("bits", (8, 4, 2))
+@pytest.mark.parametrize("block", (64, 128))
+def test_log2_temporal_check_flags_what_the_spec_refuses(bits, block):
+    for name, (codes, lo, hi, ref) in _checked_cases(bits, block):
+        want = log2_temporal_code_errors_torch(codes, lo, hi, ref, bits, block)
+        assert (want is None) == (name == "encoded"), name
+        assert _flag(codes, lo, hi, ref, bits, block) == (want is not None), name
+        on = [t.to(KERNEL_DEVICE) for t in (codes, lo, hi, ref)]
+        # The op the codec calls: None, or the spec's own message naming the culprit.
+        assert log2_temporal_code_errors_cuda(*on, bits, block) == want, name
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**16),
+    bits=st.sampled_from((8, 4, 2)),
+    blocks=st.integers(1, 70),
+    tail=st.integers(0, 127),
+    where=st.floats(0, 1, exclude_max=True),
+    what=st.sampled_from(("code", "lo", "hi", "ref", "none")),
+    value=st.integers(-(2**31), 2**31 - 1),
+)
+def test_log2_temporal_check_agrees_with_the_spec_on_any_change(seed, bits, blocks, tail, where, what, value):
+    """One element, bound or reference value changed to anything: the kernel's verdict is
+    the spec's (both see a change that happens to be valid as valid)."""
+    block = 128
+    n = blocks * block + tail
+    x, ref = pair(torch.Generator().manual_seed(seed), n, "plain", 8.0, 0.01)
+    codes, lo, hi = quantize_log2_temporal_torch(x, ref, bits, block, MIN_STEP)
+    i = int(where * n)
+    b = i // block
+    if what == "code":
+        codes[i] = value & 0xFF
+    elif what == "lo":
+        lo[b] = value
+    elif what == "hi":
+        hi[b] = value
+    elif what == "ref":
+        ref.view(torch.int32)[i] = value
+    want = log2_temporal_code_errors_torch(codes, lo, hi, ref, bits, block)
+    assert _flag(codes, lo, hi, ref, bits, block) == (want is not None)
+
+
+def test_the_codec_decode_refuses_corrupt_codes_through_the_op():
+    """``ops.log2_temporal_code_errors`` on the kernels' device is the check kernel (the
+    "cuda" backend, here serving the CPU), and the codec's decode raises its message."""
+    bits, block = 4, 64
+    name, (codes, lo, hi, ref) = _checked_cases(bits, block)[1]
+    on = [t.to(KERNEL_DEVICE) for t in (codes, lo, hi, ref)]
+    with ops.using("log2_temporal_code_errors", KERNEL_DEVICE.type, log2_temporal_code_errors_cuda):
+        got = ops.log2_temporal_code_errors(*on, bits, block)
+    assert got == log2_temporal_code_errors_torch(codes, lo, hi, ref, bits, block) and got is not None, name

@@ -275,7 +275,7 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
         "-p",
         "no:cacheprovider",
         "-p",
-        "_instafail",
+        "_gpu_pytest",
         f"--junitxml={xml}",
     ]
     if dry:
@@ -294,7 +294,7 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
     # Streamed to pytest.log as it runs (unbuffered): a whole command killed at its limit
     # mid-pytest still brings back the lines of the tests that ended.
     log_path = out / "pytest.log"
-    # Each failure's traceback as it happens (_instafail.py): the summary comes only at the end.
+    # Each failure's traceback as it happens (_gpu_pytest.py): the summary comes only at the end.
     here = str(Path(__file__).resolve().parent)
     env = {
         **os.environ,

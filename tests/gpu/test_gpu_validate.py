@@ -838,15 +838,19 @@ def test_precompile_all_runs_every_entry_of_its_grid() -> None:
         _precompile.run_entry(entry, torch.device("cpu"))
 
 
-def test_pytest_failures_are_written_as_they_happen(tmp_path: Path) -> None:
-    """The GPU run's pytest step loads _instafail: a failing test's traceback is in the file
-    before pytest's end-of-run summary (which a killed run never prints)."""
+def test_pytest_failures_are_written_as_they_happen_and_the_huge_tests_run_last(tmp_path: Path) -> None:
+    """The GPU run's pytest step loads _gpu_pytest: a failing test's traceback is in the file
+    before pytest's end-of-run summary (which a killed run never prints), and the tests that
+    allocate tens of GiB run after every other."""
     test = tmp_path / "test_fails.py"
-    test.write_text("def test_boom():\n    assert 1 + 1 == 3, 'arithmetic'\n\ndef test_ok():\n    pass\n")
+    test.write_text(
+        "def test_int64_offsets_past_2_31():\n    pass\n\n"
+        "def test_boom():\n    assert 1 + 1 == 3, 'arithmetic'\n\ndef test_ok():\n    pass\n"
+    )
     log = tmp_path / "failures.log"
     env = {**_env(), "PYTHONPATH": str(GPU_DIR), "TW_PYTEST_FAILURES": str(log)}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "_instafail", "-p", "no:cacheprovider", str(test)],
+        [sys.executable, "-m", "pytest", "-v", "-p", "_gpu_pytest", "-p", "no:cacheprovider", str(test)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -856,3 +860,5 @@ def test_pytest_failures_are_written_as_they_happen(tmp_path: Path) -> None:
     text = log.read_text()
     assert "test_fails.py::test_boom (call)" in text and "arithmetic" in text
     assert "test_ok" not in text
+    order = re.findall(r"::(test_\w+) (?:PASSED|FAILED)", proc.stdout)
+    assert order == ["test_boom", "test_ok", "test_int64_offsets_past_2_31"], proc.stdout

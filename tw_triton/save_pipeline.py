@@ -160,6 +160,9 @@ class SavePipeline:
         fitted_ref = self.fitted[0]() if self.fitted[0] is not None else None
         if chain.reference is not None and (fitted_ref is not chain.reference or self.fitted[1] != layout):
             misfit = reference_misfit(flat, rule_list, chain.reference)
+        # Not held past here: a keyframe below retires the reference, whose tensors must be
+        # free before the new keyframe copies its own.
+        del fitted_ref
         if misfit is not None:
             # The model changed since the keyframe (grown, resized, a part removed).
             logger.info(
@@ -332,6 +335,11 @@ class SavePipeline:
                     }
                     lossy = {p: fresh[id(t)] for p, t in ref_values.items() if id(t) in fresh}
                     ref_values.update(lossy)
+                elif live and not self.host_reference and (into := own_copies(ref_values, state, flat)):
+                    # A device keyframe's lossy entries are decoded into the save's own copies
+                    # of those tensors (encoded already, on this stream; the writer reads only
+                    # their codes), not beside them: no second copy of them on the device.
+                    ref_values = keyframe_values(q, into, in_place=True)
                 else:
                     ref_values = keyframe_values(q, ref_values, in_place=False)
         else:
@@ -447,6 +455,32 @@ class SavePipeline:
             extra = nbytes_each(delta_coded(flat, rule_list).values())
             self.ref_share_reserved = bool(extra)
         return self.saves.reserve(sizes, self.chain.kept_bytes(), extra)
+
+
+def own_copies(
+    ref_values: dict[str, torch.Tensor], copies: Flattened, live: Flattened | None
+) -> dict[str, torch.Tensor] | None:
+    """``ref_values`` with each placeholder (a meta tensor) replaced by the save's private
+    copy of that path in ``copies`` (:func:`~tw_triton.device_memory.private_copies`), or
+    ``None`` if one has no such copy: contiguous, of its shape and dtype, and not the live
+    tensor itself (``live``: the state as saved)."""
+    out = dict(ref_values)
+    for path, t in ref_values.items():
+        if not t.is_meta:
+            continue
+        c = copies.tensors.get(path)
+        own = live is None or live.tensors.get(path) is not c
+        if (
+            c is None
+            or c.is_meta
+            or not own
+            or c.shape != t.shape
+            or c.dtype != t.dtype
+            or not c.is_contiguous()
+        ):
+            return None
+        out[path] = c
+    return out
 
 
 def collect_setup_garbage() -> None:

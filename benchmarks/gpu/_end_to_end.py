@@ -243,6 +243,13 @@ def run_save_load(
             f"end-to-end round {r}{' (warm-up)' if r == 0 else ''} in {last_round_s:.1f} s "
             f"(save: blocked/total): {'; '.join(this_round)}"
         )
+    # Where a load's time goes (the first H100 run: a delta loaded in 3.8x safetensors' time):
+    # one more load of each kind under cProfile, its heaviest functions by their own time.
+    profiles = {}
+    for method in ("tw keyframe", "tw delta"):
+        ck = ck_kf if method == "tw keyframe" else ck_delta
+        sync(device)
+        profiles[method] = profile_call(lambda: (ck.load(last_step, device=device), sync(device)))
     sizes = {
         "torch.save": (workdir / "state.pt").stat().st_size,
         "safetensors": (workdir / "state.safetensors").stat().st_size,
@@ -288,6 +295,37 @@ def run_save_load(
         "save": save_rows,
         "load": load_rows,
         "goals": goals,
+        "load_profile": profiles,
+    }
+
+
+def profile_call(fn: Callable[[], Any], top: int = 25) -> dict[str, Any]:
+    """``fn()`` under cProfile (every thread's work shows as the wait of the one that runs
+    ``fn``): its wall time, and the ``top`` functions by their own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    try:
+        fn()
+    finally:
+        prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive, own, cumulative, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {
+        "wall_s": round(wall, 4),
+        "top_own_time": [
+            {
+                "function": f"{os.path.basename(f)}:{line}:{name}",
+                "calls": calls,
+                "own_s": round(own, 4),
+                "cumulative_s": round(cum, 4),
+            }
+            for (f, line, name), (calls, _, own, cum, _) in rows
+        ],
     }
 
 

@@ -433,6 +433,18 @@ def end_to_end_table(data: dict[str, Any]) -> str:
     lines += ["", "| load method | load to the device (s) |", "|---|---:|"]
     for m, r in data["load"].items():
         lines.append(f"| {m} | {r['load_s']:.4f} |")
+    for m, prof in (data.get("load_profile") or {}).items():
+        lines += [
+            "",
+            f"Load of a {m.removeprefix('tw ')} under cProfile ({prof['wall_s']:.3f} s; its own thread only):",
+            "",
+            "| function | calls | own (s) | cumulative (s) |",
+            "|---|---:|---:|---:|",
+        ]
+        for row in prof["top_own_time"][:10]:
+            lines.append(
+                f"| `{row['function']}` | {row['calls']} | {row['own_s']:.4f} | {row['cumulative_s']:.4f} |"
+            )
     return "\n".join(lines)
 
 

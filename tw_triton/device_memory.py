@@ -287,6 +287,32 @@ def private_copies(
     return Flattened(tensors, flat.skeleton)
 
 
+def own_copies(
+    ref_values: dict[str, torch.Tensor], copies: Flattened, live: Flattened | None
+) -> dict[str, torch.Tensor] | None:
+    """``ref_values`` with each placeholder (a meta tensor) replaced by the save's private
+    copy of that path in ``copies`` (:func:`private_copies`), or
+    ``None`` if one has no such copy: contiguous, of its shape and dtype, and not the live
+    tensor itself (``live``: the state as saved)."""
+    out = dict(ref_values)
+    for path, t in ref_values.items():
+        if not t.is_meta:
+            continue
+        c = copies.tensors.get(path)
+        own = live is None or live.tensors.get(path) is not c
+        if (
+            c is None
+            or c.is_meta
+            or not own
+            or c.shape != t.shape
+            or c.dtype != t.dtype
+            or not c.is_contiguous()
+        ):
+            return None
+        out[path] = c
+    return out
+
+
 def _save_nbytes(rule: Any, t: torch.Tensor) -> int:
     """Device bytes a save encodes ``t`` into with ``rule``: an exact entry of a contiguous
     tensor is copied to the host from the tensor itself (nothing on the device). A rule
@@ -306,6 +332,7 @@ __all__ = [
     "device_memory_bound",
     "encoded_nbytes",
     "held_nbytes",
+    "own_copies",
     "private_copies",
     "sparse_scratch",
 ]

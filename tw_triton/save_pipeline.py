@@ -29,7 +29,7 @@ import torch
 from . import format as _format
 from . import interval_rules, kernel_variants
 from .deltas import Reference, delta_coded, keyframe_values, reference_misfit
-from .device_memory import private_copies
+from .device_memory import own_copies, private_copies
 from .optimizer_classes import METADATA_KEY
 from .qstate import QuantizedState
 from .reference_chain import ReferenceChain, depends_on, ref_at
@@ -455,32 +455,6 @@ class SavePipeline:
             extra = nbytes_each(delta_coded(flat, rule_list).values())
             self.ref_share_reserved = bool(extra)
         return self.saves.reserve(sizes, self.chain.kept_bytes(), extra)
-
-
-def own_copies(
-    ref_values: dict[str, torch.Tensor], copies: Flattened, live: Flattened | None
-) -> dict[str, torch.Tensor] | None:
-    """``ref_values`` with each placeholder (a meta tensor) replaced by the save's private
-    copy of that path in ``copies`` (:func:`~tw_triton.device_memory.private_copies`), or
-    ``None`` if one has no such copy: contiguous, of its shape and dtype, and not the live
-    tensor itself (``live``: the state as saved)."""
-    out = dict(ref_values)
-    for path, t in ref_values.items():
-        if not t.is_meta:
-            continue
-        c = copies.tensors.get(path)
-        own = live is None or live.tensors.get(path) is not c
-        if (
-            c is None
-            or c.is_meta
-            or not own
-            or c.shape != t.shape
-            or c.dtype != t.dtype
-            or not c.is_contiguous()
-        ):
-            return None
-        out[path] = c
-    return out
 
 
 def collect_setup_garbage() -> None:

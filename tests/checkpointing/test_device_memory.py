@@ -642,9 +642,9 @@ def test_a_device_save_stays_within_the_bound_forced_on_the_cpu(tmp_path, monkey
     monkeypatch.setattr(deltas, "groups_launches", lambda device: True)
     monkeypatch.setattr(save_pipeline, "on_device", lambda t: True)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(8, 512)).square().mean().backward()
+    model(torch.randn(8, 256)).square().mean().backward()
     opt.step()
     with contextlib.ExitStack() as stack:
         for op, fn in triton_backend.BACKEND.items():

@@ -10,7 +10,7 @@ A GPU is not needed to count them. The state API encodes a device state in group
 * host syncs: every read of device values on the host, i.e. calls of
   ``fingerprints.to_host`` (the one copy + event) and any ``item``/``nonzero``-like op.
 
-What this proves: the orchestration issues the same operations for 10 and for 200 coded
+What this proves: the orchestration issues the same operations for 10 and for 50 coded
 tensors. What it does not: on CUDA the table copies are pinned-memory copies and the
 wait is a CUDA event (those lines run only on a GPU: benchmarks/gpu).
 """
@@ -161,7 +161,7 @@ def spy(monkeypatch):
 
 def make_state(n: int, seed: int) -> dict[str, torch.Tensor]:
     """``n`` small tensors of two dtypes and many sizes: weights and second moments, each
-    kind and dtype with whole tiles and a tail among the first eight (so that 10 and 200
+    kind and dtype with whole tiles and a tail among the first eight (so that 10 and 50
     tensors hold the same kinds, and differ in number only)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -187,10 +187,10 @@ def counted_save(spy: LaunchSpy, n: int):
     return q, (spy.launches(), spy.syncs(), dict(spy.kernels), dict(spy.ops))
 
 
-def test_a_delta_save_launches_and_syncs_the_same_for_10_and_200_tensors(spy) -> None:
+def test_a_delta_save_launches_and_syncs_the_same_for_10_and_50_tensors(spy) -> None:
     _, small = counted_save(spy, 10)
-    _, large = counted_save(spy, 200)
-    assert small == large, f"10 tensors: {small}\n200 tensors: {large}"
+    _, large = counted_save(spy, 50)
+    assert small == large, f"10 tensors: {small}\n50 tensors: {large}"
     launches, syncs, kernels, torch_ops = large
     # Two dtype pairs (two dtypes for log2): at most two encode launches each; two
     # reference dtypes: one fingerprint launch each; one zero-fill of the flags and
@@ -224,10 +224,10 @@ def test_the_grouped_path_gives_the_bytes_of_the_per_tensor_path(spy, monkeypatc
     assert grouped.reference_id == alone.reference_id
 
 
-def test_an_open_loop_checkpointer_costs_the_same_for_10_and_200_tensors(spy, tmp_path) -> None:
+def test_an_open_loop_checkpointer_costs_the_same_for_10_and_50_tensors(spy, tmp_path) -> None:
     """Both kinds of save: the keyframe (every entry exact: grouped copies) and a delta."""
     counts = []
-    for n in (10, 200):
+    for n in (10, 50):
         state = make_state(n, seed=n)
         per_save = []
         with Checkpointer(
@@ -286,7 +286,7 @@ def closed_loop_saves(root, n: int, spy: LaunchSpy | None) -> tuple[list, dict[s
 
 def test_a_closed_loop_delta_advances_its_reference_in_grouped_launches(spy, tmp_path, monkeypatch) -> None:
     small, _ = closed_loop_saves(tmp_path / "10", 10, spy)
-    large, loaded = closed_loop_saves(tmp_path / "200", 200, spy)
+    large, loaded = closed_loop_saves(tmp_path / "50", 50, spy)
     assert small == large, (small, large)
     for _, syncs, kernels in large[1:]:
         assert syncs == 1
@@ -295,7 +295,7 @@ def test_a_closed_loop_delta_advances_its_reference_in_grouped_launches(spy, tmp
     # The same files and reconstructions as the per-tensor path.
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
     monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
-    _, alone = closed_loop_saves(tmp_path / "alone", 200, None)
+    _, alone = closed_loop_saves(tmp_path / "alone", 50, None)
     assert loaded.keys() == alone.keys()
     for path, t in alone.items():
         assert torch.equal(loaded[path].view(torch.uint8), t.view(torch.uint8)), path
@@ -365,8 +365,8 @@ def test_a_delta_save_of_the_default_preset_codes_its_moments_in_launches_indepe
     count_bits_choice(spy, monkeypatch)
     q, small = counted_default_save(spy, 10)
     assert sum(e.codec == "log2-temporal" for e in q.entries.values()) == 10
-    _, large = counted_default_save(spy, 200)
-    assert small == large, f"10 tensors: {small}\n200 tensors: {large}"
+    _, large = counted_default_save(spy, 50)
+    assert small == large, f"10 tensors: {small}\n50 tensors: {large}"
     _, syncs, kernels, torch_ops = large
     assert kernels["quantize_log2_temporal_grouped_kernel"] <= 2  # one dtype: whole tiles, tails
     assert kernels["quantize_blockwise_grouped_kernel"] <= 4  # the weights' deltas, 2 dtypes
@@ -420,7 +420,7 @@ def test_the_default_presets_grouped_path_gives_the_bytes_of_the_per_tensor_path
     assert grouped.reference_id == alone.reference_id
 
 
-def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_and_200_tensors(
+def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_and_50_tensors(
     spy, tmp_path, monkeypatch
 ) -> None:
     """Its keyframe (log2 moments, weights exact) and its first delta (log2-temporal
@@ -428,7 +428,7 @@ def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_a
     delta loads back to the per-tensor path's values."""
     count_bits_choice(spy, monkeypatch)
     counts = []
-    for n in (10, 200):
+    for n in (10, 50):
         state = make_training_state(n, seed=n)
         per_save = []
         with Checkpointer(tmp_path / str(n), async_write=False, fsync=False, delta="open") as ckpt:
@@ -454,7 +454,7 @@ def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_a
     assert "quantize_log2_temporal" not in delta[1]
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
     monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
-    state = make_training_state(200, seed=200)
+    state = make_training_state(50, seed=50)
     with Checkpointer(tmp_path / "alone", async_write=False, fsync=False, delta="open") as ckpt:
         ckpt.save(0, **state)
         ckpt.save(1, **moved(state))
@@ -480,11 +480,11 @@ def test_a_closed_loop_keyframe_of_the_default_preset_decodes_its_moments_in_gro
     spy, tmp_path, monkeypatch
 ) -> None:
     """The keyframe's log2 moments, decoded to the reference the next deltas are coded
-    against (deltas.keyframe_values): the same launches and syncs for 10 and 200 tensors,
+    against (deltas.keyframe_values): the same launches and syncs for 10 and 50 tensors,
     no moment decoded alone, and the reference bit for bit the per-tensor path's."""
     count_bits_choice(spy, monkeypatch)
     counts, references = [], []
-    for n in (10, 200):
+    for n in (10, 50):
         spy.ops.clear()
         spy.kernels.clear()
         got, reference = closed_loop_keyframe(tmp_path / str(n), n, spy)
@@ -496,10 +496,10 @@ def test_a_closed_loop_keyframe_of_the_default_preset_decodes_its_moments_in_gro
     # float32 moments, whole tiles and tails: decoded as exp_avg's partners, then to the reference.
     assert 1 <= kernels["dequantize_log2_grouped_kernel"] <= 4
     moments = [p for p in references[1] if p.endswith("exp_avg_sq")]
-    assert len(moments) == 200
+    assert len(moments) == 50
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
     monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
-    _, alone = closed_loop_keyframe(tmp_path / "alone", 200, None)
+    _, alone = closed_loop_keyframe(tmp_path / "alone", 50, None)
     assert alone.keys() == references[1].keys()
     for path, t in alone.items():
         assert torch.equal(references[1][path].view(torch.uint8), t.view(torch.uint8)), path
@@ -521,14 +521,14 @@ def default_delta_reference(n: int) -> tuple:
 
 def test_a_closed_loop_advance_of_the_default_preset_is_grouped_and_in_place(spy, monkeypatch) -> None:
     """The advance after a default-preset delta (weights' blockwise deltas, second moments'
-    log2-temporal changes): the same grouped launches for 10 and 200 tensors, no host read
+    log2-temporal changes): the same grouped launches for 10 and 50 tensors, no host read
     at all (the temporal codes are the encoder's own: no per-tensor check), each reference
     tensor decoded over itself, to the bits of the per-tensor path."""
     # The corrupt-code check as CUDA runs it (the torch reference: its verdict is read back
     # to the host), not the CPU's compiled codec, which the spy does not see.
     counts, advanced = [], []
     with ops.using("log2_temporal_code_errors", "cpu", log2_temporal_code_errors_torch):
-        for n in (10, 200):
+        for n in (10, 50):
             q, reference = default_delta_reference(n)
             before, _ = flatten(reference.tree)
             assert sum(q.entries[p].codec == "log2-temporal" for p in before) == n
@@ -548,7 +548,7 @@ def test_a_closed_loop_advance_of_the_default_preset_is_grouped_and_in_place(spy
     assert 1 <= kernels["dequantize_blockwise_grouped_kernel"]
     # The per-tensor path (host worker threads, the checked single decode) gives the same.
     monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
-    q, reference = default_delta_reference(200)
+    q, reference = default_delta_reference(50)
     deltas.advance(reference, q)
     alone, _ = flatten(reference.tree)
     assert alone.keys() == advanced[1][1].keys()
@@ -586,13 +586,13 @@ def test_a_closed_loop_delta_of_the_default_preset_chooses_its_bits_in_grouped_l
     spy, tmp_path
 ) -> None:
     """The weights' ``max_error`` statistics (ops.delta_statistics_many) are counted here
-    launch by launch, not as one call: the same launches and syncs for 10 and 200 weights,
+    launch by launch, not as one call: the same launches and syncs for 10 and 50 weights,
     the weights' encode included (one group per container and dtype pair, whatever the
     ``qmax`` chosen in it: a column of the kernel's table), two syncs in all (the bits
     choice's read, then the save's), no weight's statistics computed alone."""
     small = counted_closed_loop_delta(tmp_path / "10", 10, spy)
-    large = counted_closed_loop_delta(tmp_path / "200", 200, spy)
-    assert small == large, f"10 tensors: {small}\n200 tensors: {large}"
+    large = counted_closed_loop_delta(tmp_path / "50", 50, spy)
+    assert small == large, f"10 tensors: {small}\n50 tensors: {large}"
     _, syncs, kernels, torch_ops = large
     # Two dtype pairs (float32 and bfloat16 weights against references of their dtype):
     # the maxima, then the sums, each in whole tiles and tails.
@@ -654,7 +654,7 @@ def keyframe_state(n: int, seed: int) -> dict[str, torch.Tensor]:
     """``n`` exact float tensors of at least 4096 elements (sparse candidates): among the
     first eight, sparse ones (half zeros, stored by bitmask) and dense ones of both widths,
     with a tail and without, beside a small exact tensor and a second moment each; the
-    others dense and of whole tiles (so that 10 and 200 hold the same kinds and the same
+    others dense and of whole tiles (so that 10 and 50 hold the same kinds and the same
     sparse tensors)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -676,7 +676,7 @@ def test_a_keyframe_counts_its_sparse_candidates_in_grouped_launches(spy, monkey
     one host read through one grouped op, and the dense ones are copied (``copy``) in one
     grouped copy after it, whatever their number; the files are the per-tensor path's."""
     counts, saved = [], []
-    for n in (10, 200):
+    for n in (10, 50):
         state = keyframe_state(n, seed=n)
         spy.ops.clear()
         spy.kernels.clear()
@@ -727,10 +727,10 @@ def sparse_keyframe_state(n: int, seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("copy", [True, False])
 def test_a_keyframe_encodes_its_sparse_tensors_in_grouped_launches(spy, monkeypatch, copy) -> None:
     """The candidates that pay are encoded together after the one host read (mask pass,
-    scan, scatter per element width): 10 and 200 sparse tensors cost the same launches and
+    scan, scatter per element width): 10 and 50 sparse tensors cost the same launches and
     syncs, none is encoded alone, and the entries are the per-tensor path's bytes."""
     counts, saved = [], []
-    for n in (10, 200):
+    for n in (10, 50):
         state = sparse_keyframe_state(n, seed=n)
         spy.ops.clear()
         spy.kernels.clear()
@@ -783,8 +783,8 @@ def test_a_delta_save_with_blockwise_update_codes_its_first_moments_in_grouped_l
     count_bits_choice(spy, monkeypatch)
     q, small = counted_update_save(spy, 10)
     assert sum(e.codec == "blockwise-update" for e in q.entries.values()) == 10
-    _, large = counted_update_save(spy, 200)
-    assert small == large, f"10 tensors: {small}\n200 tensors: {large}"
+    _, large = counted_update_save(spy, 50)
+    assert small == large, f"10 tensors: {small}\n50 tensors: {large}"
     _, syncs, kernels, torch_ops = large
     assert kernels["quantize_blockwise_update_grouped_kernel"] <= 2  # one dtype: whole tiles, tails
     assert kernels["dequantize_log2_temporal_grouped_kernel"] <= 2  # the partners' decode
@@ -838,7 +838,7 @@ def counted_update_load(n: int, path, phases: list) -> tuple:
 
 def test_a_load_decodes_its_blockwise_update_entries_in_grouped_launches(spy, monkeypatch, tmp_path) -> None:
     """Loading to a device a file with N ``blockwise-update`` entries: after their
-    partners, the same launches for 10 and 200 entries (one grouped decode, none alone),
+    partners, the same launches for 10 and 50 entries (one grouped decode, none alone),
     no host read, and the per-tensor path's values bit for bit."""
     real = decode_module.decode_grouped_with_partners
     phases: list = []
@@ -854,13 +854,13 @@ def test_a_load_decodes_its_blockwise_update_entries_in_grouped_launches(spy, mo
     monkeypatch.setattr(decode_module, "decode_grouped_with_partners", counted)
     monkeypatch.setattr(decode_module, "groups_launches", lambda device: True)
     small, _ = counted_update_load(10, tmp_path / "10.tw", phases)
-    large, loaded = counted_update_load(200, tmp_path / "200.tw", phases)
-    assert small == large, f"10 entries: {small}\n200 entries: {large}"
+    large, loaded = counted_update_load(50, tmp_path / "50.tw", phases)
+    assert small == large, f"10 entries: {small}\n50 entries: {large}"
     launches, syncs, kernels, _ = large
     assert syncs == 0
     assert kernels == {"dequantize_blockwise_update_grouped_kernel": 2}  # float32: tiles, tails
     monkeypatch.setattr(decode_module, "groups_launches", lambda device: False)
-    alone = tw_triton.load(tmp_path / "200.tw")
+    alone = tw_triton.load(tmp_path / "50.tw")
     assert not phases[1:], "the per-tensor path decoded in groups"
     for i, moments in alone["optimizer"]["state"].items():
         got = loaded["optimizer"]["state"][i]["exp_avg"]

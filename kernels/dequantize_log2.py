@@ -17,7 +17,7 @@ import triton.language as tl
 from tw_triton.errors import QuantizationError
 
 from .dequantize_blockwise import codes_to_f32, narrow_from_f32, unpack_lsb_first
-from .tiles import launch_row_tiles
+from .tiles import check_block_bounds, launch_row_tiles
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -115,12 +115,7 @@ def dequantize_log2(
             f"dequantize_log2: codes are {codes.dtype} x {codes.numel()}, expected uint8 x "
             f"{(numel * bits + 7) // 8}"
         )
-    for name, b in (("lo", lo), ("hi", hi)):
-        if b.dtype != torch.int32 or b.numel() != nblocks or b.device != codes.device:
-            raise QuantizationError(
-                f"dequantize_log2: {name} is {b.dtype} x {b.numel()} on {b.device}, expected "
-                f"int32 x {nblocks} on {codes.device}"
-            )
+    check_block_bounds("dequantize_log2", lo, hi, nblocks, codes.device)
     out = torch.empty(numel, dtype=dtype, device=codes.device)
     if numel:
         launch_row_tiles(

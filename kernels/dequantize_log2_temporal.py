@@ -18,7 +18,7 @@ from tw_triton.errors import QuantizationError
 
 from .dequantize_blockwise import codes_to_f32
 from .quantize_log2_temporal import check_temporal_args, temporal_step
-from .tiles import launch_row_tiles
+from .tiles import check_block_bounds, launch_row_tiles
 
 _F32_MAX_BITS = tl.constexpr(0x7F7FFFFF)
 _ZERO_CODE = tl.constexpr(-128)
@@ -128,12 +128,7 @@ def dequantize_log2_temporal(
         raise QuantizationError(
             f"dequantize_log2_temporal: codes are {codes.dtype} x {codes.numel()}, expected uint8 x {numel}"
         )
-    for name, b in (("lo", lo), ("hi", hi)):
-        if b.dtype != torch.int32 or b.numel() != nblocks or b.device != codes.device:
-            raise QuantizationError(
-                f"dequantize_log2_temporal: {name} is {b.dtype} x {b.numel()} on {b.device}, expected "
-                f"int32 x {nblocks} on {codes.device}"
-            )
+    check_block_bounds("dequantize_log2_temporal", lo, hi, nblocks, codes.device)
     ref = reference.contiguous().view(-1)
     out = torch.empty(numel, dtype=torch.float32, device=codes.device)
     check_temporal_args(out, ref, bits, block, "dequantize_log2_temporal")

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
-from .tiles import launch_row_tiles
+from .tiles import check_block_bounds, launch_row_tiles
 
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 _ZERO_CODE_BYTE = tl.constexpr(0x80)
@@ -82,12 +82,7 @@ def log2_temporal_check(
             f"log2_temporal_check: codes {codes.dtype} x {n} over a reference {ref.dtype} x "
             f"{ref.numel()}; expected uint8 codes over a float32 reference of as many elements"
         )
-    for name, b in (("lo", lo), ("hi", hi)):
-        if b.dtype != torch.int32 or b.numel() != nblocks or b.device != codes.device:
-            raise QuantizationError(
-                f"log2_temporal_check: {name} is {b.dtype} x {b.numel()} on {b.device}, expected "
-                f"int32 x {nblocks} on {codes.device}"
-            )
+    check_block_bounds("log2_temporal_check", lo, hi, nblocks, codes.device)
     flag = torch.zeros(1, dtype=torch.int32, device=codes.device)
     if n:
         launch_row_tiles(

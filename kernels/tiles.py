@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tw_triton.errors import QuantizationError
+
 # Elements per program: large enough to amortize the program's scalar work, small enough to
 # keep the tile in registers (16 elements per thread with 8 warps).
 TILE_ELEMENTS = 4096
@@ -32,6 +34,18 @@ NUM_WARPS = 8
 def rows_per_program(block: int) -> int:
     """Blocks (rows) handled by one program for a given block size."""
     return max(1, TILE_ELEMENTS // block)
+
+
+def check_block_bounds(
+    op: str, lo: torch.Tensor, hi: torch.Tensor, nblocks: int, device: torch.device
+) -> None:
+    """Raise unless ``lo`` and ``hi`` are int32 with one value per block, on ``device``: the
+    per-block bounds of the log2 codecs' launchers."""
+    for name, b in (("lo", lo), ("hi", hi)):
+        if b.dtype != torch.int32 or b.numel() != nblocks or b.device != device:
+            raise QuantizationError(
+                f"{op}: {name} is {b.dtype} x {b.numel()} on {b.device}, expected int32 x {nblocks} on {device}"
+            )
 
 
 def launch_row_tiles(

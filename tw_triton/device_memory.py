@@ -288,7 +288,7 @@ def private_copies(
 
 
 def own_copies(
-    ref_values: dict[str, torch.Tensor], copies: Flattened, live: Flattened | None
+    ref_values: dict[str, torch.Tensor], copies: Flattened, live: Flattened
 ) -> dict[str, torch.Tensor] | None:
     """``ref_values`` with each placeholder (a meta tensor) replaced by the save's private
     copy of that path in ``copies`` (:func:`private_copies`), or
@@ -299,11 +299,10 @@ def own_copies(
         if not t.is_meta:
             continue
         c = copies.tensors.get(path)
-        own = live is None or live.tensors.get(path) is not c
         if (
             c is None
             or c.is_meta
-            or not own
+            or c is live.tensors.get(path)
             or c.shape != t.shape
             or c.dtype != t.dtype
             or not c.is_contiguous()

@@ -6,7 +6,7 @@ serve the "cuda" backend of :mod:`tw_triton.ops` (imported on first use, so trit
 optional) and match its plain-torch reference bit for bit (docs/codecs.md).
 """
 
-from .bitmask import bitmask_decode, bitmask_encode
+from .bitmask import bitmask_decode, bitmask_encode, mask_popcount
 from .bitmask_grouped import bitmask_encode_grouped
 from .copy_grouped import copy_grouped
 from .delta_statistics_grouped import delta_statistics_grouped
@@ -40,6 +40,7 @@ __all__ = [
     "dequantize_log2_grouped",
     "fingerprints",
     "log2_temporal_check",
+    "mask_popcount",
     "quantize_blockwise",
     "quantize_blockwise_grouped",
     "quantize_blockwise_update_grouped",

@@ -174,6 +174,29 @@ def bitmask_encode(x: torch.Tensor, nnz: int | None = None) -> tuple[torch.Tenso
     return mask, values
 
 
+def mask_popcount(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 ``[set bits among the first n, 1 if a bit past n is set else 0]`` of a mask of
+    ``ceil(n / 8)`` bytes (``tw_triton.ops.mask_popcount``'s contract).
+
+    Raises:
+        QuantizationError: a mask of the wrong dtype or size.
+    """
+    if mask.dtype != torch.uint8 or mask.numel() != (n + 7) // 8 or not mask.is_contiguous():
+        raise QuantizationError(
+            f"mask_popcount: mask must be {(n + 7) // 8} contiguous uint8 bytes, got {mask.numel()} of {mask.dtype}"
+        )
+    flat = mask.view(-1)
+    counts = torch.empty(-(-n // TILE), dtype=torch.int64, device=mask.device)  # every tile written
+    if n:
+        launch_tiles(bitmask_popcount_kernel, (flat, counts), n, device=mask.device)
+    tail = n % 8
+    if tail:
+        padded = (flat[-1:].to(torch.int32) >> tail) != 0
+    else:
+        padded = torch.zeros(1, dtype=torch.bool, device=mask.device)
+    return torch.cat([counts.sum().view(1), padded.to(torch.int64)])
+
+
 def bitmask_decode(mask: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
     """The flat tensor of ``n`` elements that ``(mask, values)`` encode.
 

@@ -16,17 +16,22 @@ Why the arithmetic looks the way it does: the CUDA kernel, this kernel under
 ``TRITON_INTERPRET=1`` and the torch path (``tw_triton.ops.reference.quantize_blockwise_torch``)
 must give the same bytes, so every fp32 operation has to be correctly rounded.
 
-* ``tl.div_rn``: Triton's ``/`` on fp32 lowers to ``div.full.f32``, which may be 2 ulp off.
+* The code is the integer nearest the exact quotient ``d / s``, ties to even. The kernel
+  multiplies by the row's reciprocal (``tl.div_rn``: Triton's ``/`` on fp32 lowers to
+  ``div.full.f32``, which may be 2 ulp off) instead of dividing each element, which made
+  the encode compute-bound on the H100 (bf16 at half of fp32's bandwidth, the same
+  elements per second). ``v = fl(d * fl(1/s))`` is within ``|d/s| * 2**-23`` of the
+  quotient, so ``rne(v)`` is the code unless ``v`` lies that close to a half-integer;
+  there the side of the exact quotient is decided exactly by comparing
+  ``2 * (d - h * s_hi)`` with ``(2 * h) * s_lo`` for the half-integer ``h`` beside ``v``
+  (``s`` split into its top and bottom 12 significant bits; every step exact), as in
+  ``tw_triton.ops.reference.nearest_integer_by_reciprocal``, whose docstring has the proof.
+  That step runs only in tiles that hold such an element.
 * The launcher passes ``enable_fp_fusion=False``: a contracted multiply-add rounds once
   where torch rounds twice.
 * Round half to even by ``(v + 1.5 * 2**23) - 1.5 * 2**23``: exact for ``|v| < 2**22``, which
   covers every unclamped code, and it runs under the interpreter, where
   ``libdevice.rint`` does not.
-* Where ``v = fl(d / s)`` is exactly a half-integer, the code is the integer on the side of
-  the exact ``d / s``, found by comparing ``2 * (d - v * s_hi)`` with ``(2 * v) * s_lo``
-  (``s`` split into its top and bottom 12 significant bits; every step exact), as in
-  ``tw_triton.ops.reference.nearest_integer_at_ties``. Branch-free with ``tl.where``: a few ALU ops
-  per element in a memory-bound kernel.
 * bf16 is widened with an integer shift rather than a cast, because the 3.9 interpreter's
   software bf16 -> fp32 conversion gets subnormals wrong (1e-39 comes out as 4.4e-39).
 * NaN is mapped to +inf before the row max, since the GPU ``max`` ignores NaN while the
@@ -47,6 +52,17 @@ from .tiles import NUM_WARPS, TILE_ELEMENTS, launch_row_tiles, rows_per_program 
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 of magnitude < 2**22 to an integer,
 # ties to even, in the current (round-to-nearest-even) mode.
 _RNE_MAGIC = tl.constexpr(12582912.0)
+
+# The bit pattern of _RNE_MAGIC: v + _RNE_MAGIC has bits _RNE_MAGIC_BITS + v for an integer
+# |v| < 2**22.
+_RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
+
+# Twice the relative error of fl(d * fl(1 / s)) against d / s (two roundings, 2**-24 each).
+_APPROX_ERROR = tl.constexpr(2.0**-22)
+
+# Scales below this are multiplied by _UNTINY, with their deltas, before the reciprocal.
+_TINY_SCALE = tl.constexpr(2.0**-64)
+_UNTINY = tl.constexpr(2.0**64)
 
 # 0xFFFFF000 as an int32: a scale with the low 12 bits of its mantissa cleared.
 _SCALE_HI_MASK = tl.constexpr(-4096)
@@ -91,8 +107,13 @@ def quantize_tile(d, qmax, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.con
     """``(packed codes, scales)`` of a ``(ROWS, BLOCK)`` fp32 tile of ``d`` (one row per
     block): the codec's arithmetic, shared by the single and the grouped encode. ``qmax``
     (fp32, an integer) is a value, not a constexpr: fewer levels in a container compile
-    nothing the container's full range does not."""
-    CODE_OFFSET: tl.constexpr = 1 << (BITS - 1)
+    nothing the container's full range does not.
+
+    A code is the integer nearest the exact quotient ``d / s``, ties to even (the spec's
+    rule, docs/codecs.md). The quotient is approximated by one multiply with the row's
+    correctly rounded reciprocal; only where that lands near a half-integer is the side
+    of the exact quotient decided exactly, and only in tiles that hold such an element.
+    """
     a = tl.abs(d)
     a = tl.where(a == a, a, float("inf"))
     absmax = tl.max(a, axis=1)
@@ -100,22 +121,44 @@ def quantize_tile(d, qmax, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.con
     usable = (scale > 0.0) & (scale < float("inf"))
     # Dividing by 1 where the block is unusable keeps NaN out; those codes are zeroed below.
     safe_scale = tl.where(usable, scale, 1.0)
-    v = tl.div_rn(d, safe_scale[:, None])
+    # A tiny scale and its deltas are scaled by 2**64 (exact: a power of two, far from
+    # overflow), so that the reciprocal is finite and the exact side test below never
+    # underflows.
+    f = tl.where(safe_scale < _TINY_SCALE, _UNTINY, 1.0)
+    s = safe_scale * f
+    d = d * f[:, None]
+    inv = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), s)
+    v = d * inv[:, None]
     r = (v + _RNE_MAGIC) - _RNE_MAGIC
-    # Where v is a half-integer, rne(v) may be on the wrong side of the exact d / s: decide
-    # the side exactly (tw_triton.ops.reference.nearest_integer_at_ties has the proof).
-    s_hi = (safe_scale.to(tl.int32, bitcast=True) & _SCALE_HI_MASK).to(tl.float32, bitcast=True)
-    s_lo = safe_scale - s_hi
-    r1 = d - v * s_hi[:, None]
-    r2 = r1 + r1
-    p2 = (v + v) * s_lo[:, None]
-    tie = tl.abs(v - r) == 0.5
-    v = tl.where(tie & (r2 > p2), v + 0.5, tl.where(tie & (r2 < p2), v - 0.5, r))
-    v = tl.minimum(tl.maximum(v, -qmax), qmax)
+    # |v - d/s| <= |d/s| * 2**-23 (two roundings); the window is twice that. Outside it
+    # rne(v) is the nearest integer to d/s.
+    near = tl.abs(v - r) > 0.5 - tl.abs(v) * _APPROX_ERROR
+    if tl.max(near.to(tl.int32)) > 0:
+        r = nearest_at_half(v, r, near, d, s)
+    v = tl.minimum(tl.maximum(r, -qmax), qmax)
     v = tl.where(usable[:, None], v, 0.0)
-    u = v.to(tl.int32) + CODE_OFFSET
+    # v is an integer of magnitude < 2**22: its code is read from the bits of v plus the
+    # rounding constant and the code offset (cheaper than a float-to-int conversion).
+    u = (v + (_RNE_MAGIC + (1 << (BITS - 1)))).to(tl.int32, bitcast=True) - _RNE_MAGIC_BITS
     packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
     return packed, scale
+
+
+@triton.jit
+def nearest_at_half(v, r, near, d, s):
+    """``r`` where ``near`` is false; elsewhere the integer nearest the exact ``d / s``
+    beside ``h``, the half-integer nearest ``v`` (ties to even), decided exactly as in
+    ``tw_triton.ops.reference.nearest_integer_at_ties`` (which has the proof; with the
+    scaling of tiny scales every product here is exact)."""
+    h = tl.where(v > r, r + 0.5, r - 0.5)
+    s_hi = (s.to(tl.int32, bitcast=True) & _SCALE_HI_MASK).to(tl.float32, bitcast=True)
+    s_lo = s - s_hi
+    r1 = d - h * s_hi[:, None]
+    r2 = r1 + r1
+    p2 = (h + h) * s_lo[:, None]
+    even = (h + _RNE_MAGIC) - _RNE_MAGIC
+    exact = tl.where(r2 > p2, h + 0.5, tl.where(r2 < p2, h - 0.5, even))
+    return tl.where(near, exact, r)
 
 
 @triton.jit(do_not_specialize=["row0"])

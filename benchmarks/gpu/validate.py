@@ -441,7 +441,12 @@ def end_to_end_table(data: dict[str, Any]) -> str:
             "| function | calls | own (s) | cumulative (s) |",
             "|---|---:|---:|---:|",
         ]
-        for row in prof["top_own_time"][:10]:
+        rows = prof["top_own_time"][:10] + [{"function": "tw_triton, by cumulative time:"}]
+        rows += prof.get("top_cumulative", [])[:15]
+        for row in rows:
+            if "calls" not in row:
+                lines.append(f"| *{row['function']}* | | | |")
+                continue
             lines.append(
                 f"| `{row['function']}` | {row['calls']} | {row['own_s']:.4f} | {row['cumulative_s']:.4f} |"
             )

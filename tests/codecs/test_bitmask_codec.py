@@ -101,7 +101,7 @@ def test_corrupt_buffers_are_refused_naming_the_entry() -> None:
     cases = [
         (broken(mask=good.buffers["mask"] | 1), "mask has 7 set bits, expected 6"),
         # Six set bits, one of them past the 11 elements.
-        (broken(mask=torch.tensor([0x9A, 0x09], dtype=torch.uint8)), "6 set bits and padding bits set"),
+        (broken(mask=torch.tensor([0x9A, 0x09], dtype=torch.uint8)), "5 set bits and padding bits set"),
         (broken(values=good.buffers["values"][:-1]), "mask has 6 set bits, expected 5"),
         (broken(values=good.buffers["values"].double()), "values are torch.float64"),
         (broken(mask=good.buffers["mask"][:1]), "mask is torch.uint8 x 1, expected uint8 x 2"),
@@ -118,6 +118,6 @@ def test_corrupt_buffers_are_refused_naming_the_entry() -> None:
 
 def test_mask_popcount() -> None:
     assert mask_popcount(torch.tensor([255, 1], dtype=torch.uint8), 9) == (9, False)
-    assert mask_popcount(torch.tensor([255, 3], dtype=torch.uint8), 9) == (10, True)
+    assert mask_popcount(torch.tensor([255, 3], dtype=torch.uint8), 9) == (9, True)  # the padding bit apart
     assert mask_popcount(torch.tensor([255, 128], dtype=torch.uint8), 16) == (9, False)
     assert mask_popcount(torch.zeros(0, dtype=torch.uint8), 0) == (0, False)

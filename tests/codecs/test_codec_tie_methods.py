@@ -1,7 +1,8 @@
 """The two ways the codec rounds the exact quotient ``d/s`` agree with exact arithmetic.
 
-The kernel settles half-integer fp32 quotients with :func:`tw_triton.codecs.blockwise.nearest_integer_at_ties`
-(fp32 ops only); the CPU torch path rounds an fp64 quotient (a product by the fp64 inverse,
+The kernel multiplies by the block's reciprocal and settles the quotients that land near a
+half-integer with :func:`tw_triton.codecs.blockwise.nearest_integer_at_ties` (fp32 ops only:
+:func:`tw_triton.ops.reference.nearest_integer_by_reciprocal`); the CPU torch path rounds an fp64 quotient (a product by the fp64 inverse,
 snapped to ``2**-30``, at 8 bits; a division at 4 bits), half a chunk or a whole chunk at a
 time. Both are checked here against the Fraction-exact oracle on deltas built to sit on and
 next to half-integer multiples of their scale, normal and subnormal scales alike. The
@@ -17,7 +18,7 @@ from _codec_oracle import near_tie_blocks, nearest_integer, scale_of, spec_encod
 
 import tw_triton
 from tw_triton.codecs import blockwise as codec
-from tw_triton.ops.reference import buffers
+from tw_triton.ops.reference import buffers, nearest_integer_by_reciprocal
 
 # (lowest, highest) log2 of the scales: normal ones, and subnormal ones where d/s has up to
 # 24 significant bits against a short scale.
@@ -43,6 +44,29 @@ def test_kernel_tie_method_matches_exact_rounding(bits, log2_lo, log2_hi):
     assert np.array_equal(got.numpy().astype(np.int64), want)
     # And rne(v) alone is wrong for some of them: the settling is doing work.
     assert np.any(np.rint(v[at_half]).astype(np.int64) != want)
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+@pytest.mark.parametrize("log2_lo,log2_hi", [*SCALE_RANGES, (-70.0, -58.0)])
+def test_kernel_reciprocal_method_matches_exact_rounding(bits, log2_lo, log2_hi):
+    """Deltas within 24 ulps of half-integer multiples of their scale (and scales on both
+    sides of the 2**-64 rescaling), where one multiply by the reciprocal can land on the
+    wrong side of the half-integer."""
+    rng = np.random.default_rng(bits * 7 + int(-log2_lo))
+    block = 64
+    d = near_tie_blocks(rng, 512, block, bits, log2_lo, log2_hi).reshape(512, block)
+    s = scale_of(np.abs(d).max(axis=1), bits)[:, None]
+    body = d[:, 1:]  # the absmax stays where it is
+    moved = np.abs(body).view(np.int32) + rng.integers(-24, 25, body.shape).astype(np.int32)
+    d[:, 1:] = np.copysign(np.maximum(moved, 0).view(np.float32), body)
+    want = nearest_integer(d, s)
+    got = nearest_integer_by_reciprocal(torch.from_numpy(d), torch.from_numpy(s))
+    assert np.array_equal(got.numpy().astype(np.int64), want)
+    # The exact step is doing work: rounding the approximate quotient alone is wrong for some.
+    f = np.where(s < 2.0**-64, np.float32(2.0**64), np.float32(1.0))
+    with np.errstate(all="ignore"):
+        v = (d * f) * (np.float32(1.0) / (s * f))
+    assert np.any(np.rint(v).astype(np.int64) != want)
 
 
 @pytest.mark.parametrize("bits", (8, 4))

@@ -83,6 +83,7 @@ def test_dry_run_passes_and_writes_its_report(dry_run):
     saves = steps["end_to_end"]["data"]["save"]
     assert all(saves[m]["blocked_in_loop_s"] > 0 for m in ("tw keyframe", "tw delta"))
     assert "right after a step" in summary
+    assert "tw_triton, by cumulative time:" in summary
 
 
 def test_results_page_shows_gpu_runs_and_says_not_run_otherwise(dry_run, tmp_path):
@@ -663,6 +664,10 @@ def test_end_to_end_starts_no_round_past_its_budget(tmp_path):
         "end-to-end round 2",
     ]
     assert all(f"{m} " in rounds[-1] for m in _end_to_end.SAVE_METHODS + ("load torch.load",))
+    # Where a load's time goes: the library's phases by cumulative time (the own times of
+    # the loading thread show mostly its waits on the reading threads).
+    phases = [row["function"] for row in r["load_profile"]["tw delta"]["top_cumulative"]]
+    assert any(f.startswith("checkpointer.py:") and f.endswith(":load") for f in phases), phases
 
 
 def test_the_grid_is_what_the_presets_code_with_a_kernel():

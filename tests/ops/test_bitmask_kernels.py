@@ -22,9 +22,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tw_triton.errors import QuantizationError
-from tw_triton.kernels import bitmask_decode, bitmask_encode
+from tw_triton.kernels import bitmask_decode, bitmask_encode, mask_popcount
 from tw_triton.kernels.bitmask import TILE
-from tw_triton.ops.reference.bitmask import bitmask_decode_torch, bitmask_encode_torch, nonzero_count
+from tw_triton.ops.reference.bitmask import (
+    bitmask_decode_torch,
+    bitmask_encode_torch,
+    mask_popcount_torch,
+    nonzero_count,
+)
 
 require_runnable_kernels()
 
@@ -71,6 +76,29 @@ def test_bitmask_kernels_across_tiles(dtype) -> None:
     assert_like_torch(x[: 2 * TILE].clone(), given_count=False)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    numel=st.sampled_from((0, 1, 7, 8, 9, 100, TILE - 1, TILE, TILE + 3, 2 * TILE + 13)),
+    density=st.sampled_from((0.0, 0.3, 1.0)),
+    padding=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_mask_popcount_kernel_matches_torch(numel, density, padding, seed) -> None:
+    """The decode's check of a stored mask: set bits among the first ``numel`` and whether a
+    padding bit is set, the same as the reference's (which counts with ``bincount``)."""
+    gen = torch.Generator().manual_seed(seed)
+    bits = (torch.rand((numel + 7) // 8 * 8, generator=gen) < density).to(torch.int64)
+    if padding and numel % 8:
+        bits[numel] = 1
+    else:
+        bits[numel:] = 0
+    mask = (bits.view(-1, 8) << torch.arange(8)).sum(1).to(torch.uint8)
+    got = mask_popcount(on_kernel_device(mask), numel).cpu()
+    want = mask_popcount_torch(mask, numel)
+    assert torch.equal(got, want)
+    assert want.tolist() == [int(bits[:numel].sum()), int(padding and numel % 8 != 0)]
+
+
 def test_bitmask_kernel_reads_and_writes_within_values() -> None:
     """A mask with more set bits than there are values (a crafted file) gathers zeros past
     the end instead of reading beyond the buffer; a count too small stores fewer values."""
@@ -91,3 +119,5 @@ def test_bitmask_kernels_reject_what_they_cannot_read() -> None:
         bitmask_encode(torch.ones(8, dtype=torch.int32, device=KERNEL_DEVICE))
     with pytest.raises(QuantizationError, match="mask"):
         bitmask_decode(torch.zeros(3, dtype=torch.uint8, device=KERNEL_DEVICE), x.reshape(-1), 64)
+    with pytest.raises(QuantizationError, match="mask_popcount"):
+        mask_popcount(torch.zeros(3, dtype=torch.uint8, device=KERNEL_DEVICE), 64)

@@ -28,10 +28,6 @@ from ..snapshot_pool import Allocator
 from .base import Codec, Encoded, check_param_names, entry_buffer, host_outputs, move_to, param_error
 from .packed import PACKING
 
-# Set bits of each byte value, for the check of a stored mask against its values.
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
-
-
 # The state API stores a float tensor it would store exact with this codec instead when it
 # has at least SPARSE_MIN_NUMEL elements, the bitmask's raw bytes are at most
 # SPARSE_MAX_RATIO of the exact ones (at least 9.4 % zeros in fp32, 12.5 % in 16 bits), and
@@ -70,11 +66,8 @@ def sparse_pays(numel: int, nnz: int, itemsize: int, runs: int) -> bool:
 def mask_popcount(mask: torch.Tensor, numel: int) -> tuple[int, bool]:
     """``(set bits among the first numel, whether a padding bit past numel is set)`` of a
     mask on any device (one read back to the host)."""
-    flat = mask.reshape(-1)
-    count = int((torch.bincount(flat, minlength=256) * _POPCOUNT.to(flat.device)).sum())
-    tail = numel % 8
-    padded = bool(tail) and flat.numel() > 0 and int(flat[-1]) >> tail != 0
-    return count, padded
+    count, padded = ops.mask_popcount(mask.reshape(-1), numel).tolist()
+    return count, bool(padded)
 
 
 class BitmaskCodec(Codec):

@@ -265,6 +265,13 @@ def bitmask_decode(
     return lookup("bitmask_decode", mask.device.type)(mask, values, numel, out=out)
 
 
+def mask_popcount(mask: torch.Tensor, numel: int) -> torch.Tensor:
+    """What a decode checks of a bitmask of ``ceil(numel / 8)`` bytes, on its device: int64
+    ``[set bits among the first numel, 1 if a padding bit past numel is set else 0]``
+    (one read to the host)."""
+    return lookup("mask_popcount", mask.device.type)(mask, numel)
+
+
 def quantize_log2_temporal(
     x: torch.Tensor,
     reference: torch.Tensor,
@@ -376,6 +383,7 @@ __all__ = [
     "OPS",
     "backends",
     "bitmask_decode",
+    "mask_popcount",
     "bitmask_encode",
     "bitmask_encode_many",
     "copy_many",

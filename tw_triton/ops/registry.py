@@ -28,6 +28,7 @@ OPS = (
     "dequantize_blockwise_many",
     "bitmask_encode",
     "bitmask_decode",
+    "mask_popcount",
     "quantize_log2_temporal",
     "quantize_log2_temporal_many",
     "dequantize_log2_temporal",

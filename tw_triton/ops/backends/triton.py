@@ -315,6 +315,12 @@ def bitmask_decode_cuda(
     return _out(kernels().bitmask_decode(mask.contiguous(), values.contiguous(), numel), out)
 
 
+def mask_popcount_cuda(mask: torch.Tensor, numel: int) -> torch.Tensor:
+    """Per-tile popcounts (the decode's first pass) summed, and the padding bits (no
+    ``bincount``: its atomics all hit one bin on a dense or empty mask)."""
+    return kernels().mask_popcount(mask.contiguous(), numel)
+
+
 def update_root_cuda(v: torch.Tensor, eps: float) -> torch.Tensor:
     """``sqrt(v) + eps`` with torch's CUDA ops (``sqrt.rn``, then one rounded add)."""
     return torch.sqrt(v.float()).add_(eps)
@@ -483,6 +489,7 @@ BACKEND = {
     "dequantize_blockwise_many": dequantize_blockwise_many_cuda,
     "bitmask_encode": bitmask_encode_cuda,
     "bitmask_decode": bitmask_decode_cuda,
+    "mask_popcount": mask_popcount_cuda,
     "quantize_log2_temporal": quantize_log2_temporal_cuda,
     "quantize_log2_temporal_many": quantize_log2_temporal_many_cuda,
     "dequantize_log2_temporal": dequantize_log2_temporal_cuda,

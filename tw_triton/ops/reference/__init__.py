@@ -11,12 +11,18 @@ from .bitmask import (
     bitmask_decode_torch,
     bitmask_encode_many_torch,
     bitmask_encode_torch,
+    mask_popcount_torch,
     nonzero_count,
     sparsity_counts_many_torch,
     sparsity_counts_torch,
 )
 from .blockwise_decode import crumb_table, dequantize_blockwise_torch, signed_codes
-from .blockwise_encode import nearest_integer_at_ties, pack_codes, quantize_blockwise_torch
+from .blockwise_encode import (
+    nearest_integer_at_ties,
+    nearest_integer_by_reciprocal,
+    pack_codes,
+    quantize_blockwise_torch,
+)
 from .buffers import CHUNK_ELEMENTS, copy_flat_range, release_scratch, scratch, scratch_buffers
 from .delta_statistics import delta_statistics_many_torch, delta_statistics_torch
 from .grouped import (
@@ -58,6 +64,7 @@ REFERENCE = {
     "dequantize_blockwise_many": dequantize_blockwise_many_torch,
     "bitmask_encode": bitmask_encode_torch,
     "bitmask_decode": bitmask_decode_torch,
+    "mask_popcount": mask_popcount_torch,
     "quantize_log2_temporal": quantize_log2_temporal_torch,
     "quantize_log2_temporal_many": quantize_log2_temporal_many_torch,
     "dequantize_log2_temporal": dequantize_log2_temporal_torch,
@@ -81,6 +88,7 @@ __all__ = [
     "update_multiply_torch",
     "update_root_torch",
     "bitmask_decode_torch",
+    "mask_popcount_torch",
     "bitmask_encode_many_torch",
     "bitmask_encode_torch",
     "copy_flat_range",
@@ -100,6 +108,7 @@ __all__ = [
     "log2_temporal_code_errors_torch",
     "nonzero_count",
     "nearest_integer_at_ties",
+    "nearest_integer_by_reciprocal",
     "pack_codes",
     "quantize_blockwise_many_torch",
     "quantize_blockwise_update_many_torch",

@@ -168,6 +168,24 @@ def bitmask_encode_many_torch(
     return [bitmask_encode(x, nnz=nnz, out=o) for x, nnz, o in zip(xs, nnzs, outs)]
 
 
+# Set bits of each byte value.
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
+
+
+def mask_popcount_torch(mask: torch.Tensor, numel: int) -> torch.Tensor:
+    """``[set bits among the first numel, 1 if a padding bit past numel is set else 0]``
+    (int64, on ``mask``'s device) of a mask of ``ceil(numel / 8)`` bytes."""
+    flat = mask.reshape(-1)
+    table = _POPCOUNT.to(flat.device)
+    count = (torch.bincount(flat, minlength=256) * table).sum()
+    tail = numel % 8
+    if tail and flat.numel():
+        padding = table[flat[-1].to(torch.int64) >> tail]
+    else:
+        padding = torch.zeros((), dtype=torch.int64, device=flat.device)
+    return torch.stack([count - padding, (padding != 0).to(torch.int64)])
+
+
 def bitmask_decode_torch(
     mask: torch.Tensor, values: torch.Tensor, numel: int, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -34,8 +34,9 @@ _SCALE_HI_MASK = -4096
 
 def nearest_integer_at_ties(v: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """The integer nearest to the exact quotient ``d / s`` where ``v = fl(d / s)`` is a
-    half-integer, ties to even: the encoder's rounding rule, in fp32 ops only. This is
-    the kernel's method (GPUs divide fp64 slowly); the torch path divides in fp64 instead.
+    half-integer, ties to even: the encoder's rounding rule, in fp32 ops only. The kernel
+    settles its near-half quotients with it (:func:`nearest_integer_by_reciprocal`; GPUs
+    divide fp64 slowly); the torch path divides in fp64 instead.
 
     ``rne(v)`` is that integer everywhere except where the one rounding of the division
     lands exactly on a half-integer ``v`` that ``d / s`` is not on; ``d / s`` is then above
@@ -69,6 +70,49 @@ def nearest_integer_at_ties(v: torch.Tensor, d: torch.Tensor, s: torch.Tensor) -
     r2 = r1 + r1
     p2 = (v + v) * s_lo
     return torch.where(r2 > p2, v + 0.5, torch.where(r2 < p2, v - 0.5, torch.round(v)))
+
+
+# Scales below _TINY_SCALE are multiplied by _UNTINY, with their deltas, before the
+# reciprocal (see nearest_integer_by_reciprocal).
+_TINY_SCALE = 2.0**-64
+_UNTINY = 2.0**64
+# Twice the relative error of fl(d * fl(1 / s)) against d / s.
+_APPROX_ERROR = 2.0**-22
+
+
+def nearest_integer_by_reciprocal(d: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The integer nearest to the exact quotient ``d / s``, ties to even, by the encode
+    kernel's method (``kernels/quantize_blockwise.py``): a multiply per element, no division.
+
+    1. Where ``s < 2**-64``, ``d`` and ``s`` are both multiplied by ``2**64``: exact (a power
+       of two, and ``|d| <= qmax * s`` stays far below overflow), ``d / s`` unchanged, and
+       ``1 / s`` finite.
+    2. ``v = fl(d * fl(1 / s))`` is ``(d / s)(1 + e1)(1 + e2)`` with ``|e1|, |e2| <= 2**-24``,
+       so ``|v - d/s| < |v| * 2**-22`` (a margin of two over the bound). ``v - rne(v)`` is exact.
+    3. Where ``|v - rne(v)| <= fl(0.5 - |v| * 2**-22)``, ``d / s`` is strictly inside
+       ``rne(v) +- 1/2`` (the subtraction's rounding, at most ``2**-26`` for a result in
+       ``[1/4, 1/2]``, is within the margin), so ``rne(v)`` is the answer.
+    4. Elsewhere ``h``, the half-integer beside ``v`` (``rne(v) +- 1/2``, on ``v``'s side), is
+       within ``|h| * 2**-21`` of ``d / s``, and :func:`nearest_integer_at_ties` decides the
+       side exactly: its proof needs ``d / (h * s_hi)`` within a factor 2 of 1 (Sterbenz), so
+       it holds for this ``h`` as for a once-rounded quotient; after step 1 every scale is
+       normal and every product there exact.
+
+    Args:
+        d: fp32 deltas.
+        s: fp32 scales, positive and finite, broadcastable to ``d``.
+
+    Returns:
+        fp32 integers, before the clamp to ``+-qmax``.
+    """
+    f = torch.where(s < _TINY_SCALE, _UNTINY, 1.0)
+    s = s * f
+    d = d * f
+    v = d * (1.0 / s)
+    r = torch.round(v)
+    near = (v - r).abs() > 0.5 - v.abs() * _APPROX_ERROR
+    h = torch.where(v > r, r + 0.5, r - 0.5)
+    return torch.where(near, nearest_integer_at_ties(h, d, s.expand_as(d)), r)
 
 
 def _rows_absmax(rows: torch.Tensor, sc: torch.Tensor, low: torch.Tensor) -> None:

@@ -314,6 +314,7 @@ def profile_call(fn: Callable[[], Any], top: int = 25) -> dict[str, Any]:
         prof.disable()
     wall = time.perf_counter() - t0
     stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, primitive, own, cumulative, callers)}
+
     def table(rows: list) -> list[dict[str, Any]]:
         return [
             {

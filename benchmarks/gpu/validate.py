@@ -432,7 +432,12 @@ def end_to_end_table(data: dict[str, Any]) -> str:
         )
     lines += ["", "| load method | load to the device (s) |", "|---|---:|"]
     for m, r in data["load"].items():
-        lines.append(f"| {m} | {r['load_s']:.4f} |")
+        links = (
+            f" ({r['links']:g} links, {r['per_link_s']:.4f} s a link)"
+            if r.get("per_link_s") is not None
+            else ""
+        )
+        lines.append(f"| {m}{links} | {r['load_s']:.4f} |")
     for m, prof in (data.get("load_profile") or {}).items():
         lines += [
             "",

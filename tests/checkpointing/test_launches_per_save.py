@@ -116,6 +116,7 @@ def spy(monkeypatch):
         ("tw_triton.kernels.delta_statistics_grouped", "delta_statistics_grouped_kernel"),
         ("tw_triton.kernels.bitmask_grouped", "bitmask_mask_grouped_kernel"),
         ("tw_triton.kernels.bitmask_grouped", "bitmask_scatter_grouped_kernel"),
+        ("tw_triton.kernels.log2_temporal_check", "log2_temporal_check_kernel"),
     ]:
         mod = importlib.import_module(module)
         monkeypatch.setattr(mod, name, SpiedKernel(getattr(mod, name), name, spy))
@@ -140,6 +141,7 @@ def spy(monkeypatch):
         "dequantize_blockwise_update_many": triton_backend.dequantize_blockwise_update_many_cuda,
         "delta_statistics_many": triton_backend.delta_statistics_many_cuda,
         "bitmask_encode_many": triton_backend.bitmask_encode_many_cuda,
+        "log2_temporal_code_flag": triton_backend.log2_temporal_code_flag_cuda,
     }
     with contextlib.ExitStack() as stack:
         for op, fn in grouped.items():
@@ -865,3 +867,66 @@ def test_a_load_decodes_its_blockwise_update_entries_in_grouped_launches(spy, mo
     for i, moments in alone["optimizer"]["state"].items():
         got = loaded["optimizer"]["state"][i]["exp_avg"]
         assert torch.equal(got.view(torch.int32), moments["exp_avg"].view(torch.int32)), i
+
+
+def chain_load(spy: LaunchSpy, root, n: int, links: int) -> tuple:
+    """Saves of the default preset's training state of ``n`` weights, a keyframe then
+    ``links`` closed-loop deltas; the counts of loading the newest (the whole chain)."""
+    state = make_training_state(n, seed=n)
+    with Checkpointer(root, async_write=False, fsync=False) as ckpt:
+        for step in range(links + 1):
+            ckpt.save(step, model=state["model"], optimizer=state["optimizer"])
+            state = moved(state)
+        spy.ops.clear()
+        spy.kernels.clear()
+        with spy:
+            loaded = ckpt.load(links)
+    return (spy.launches(), spy.syncs(), dict(spy.kernels)), loaded
+
+
+def test_a_chain_load_on_a_device_decodes_each_link_in_grouped_launches(spy, monkeypatch, tmp_path) -> None:
+    """Loading a delta two links past its keyframe to a device: the grouped decodes and the
+    host reads are the same for 10 and 50 weights (each link: one read of the references'
+    fingerprints, one of the flags of its second moments' code check), and the values are
+    the per-tensor path's bit for bit. Only the code check launches per tensor."""
+    monkeypatch.setattr(decode_module, "groups_launches", lambda device: True)
+    small, _ = chain_load(spy, tmp_path / "10", 10, links=2)
+    large, loaded = chain_load(spy, tmp_path / "50", 50, links=2)
+    per_tensor = "log2_temporal_check_kernel"
+    assert small[2].pop(per_tensor) == 2 * 2 * 10 - 2  # a link's tensors: whole tiles and tails
+    assert large[2].pop(per_tensor) == 2 * 2 * 50 - 2
+    assert small[1:] == large[1:], f"10 weights: {small}\n50 weights: {large}"
+    _, syncs, kernels = large
+    assert syncs == 2 * 2
+    assert "dequantize_log2_temporal" not in kernels and "dequantize_blockwise" not in kernels
+    assert kernels["dequantize_log2_temporal_grouped_kernel"] == 2 * 2  # per link: tiles, tails
+    assert kernels["dequantize_blockwise_grouped_kernel"] <= 2 * 4  # per link: two dtypes
+    assert kernels["fingerprint_kernel"] == 2 * 2  # per link: the weights' two dtypes
+    monkeypatch.setattr(decode_module, "groups_launches", lambda device: False)
+    with Checkpointer(tmp_path / "50", async_write=False, fsync=False) as ckpt:
+        alone = flatten(ckpt.load(2))[0]
+    for path, t in flatten(loaded)[0].items():
+        assert torch.equal(t.reshape(-1).view(torch.uint8), alone[path].reshape(-1).view(torch.uint8)), path
+
+
+def test_a_corrupt_second_moment_in_a_grouped_load_is_named(spy, monkeypatch, tmp_path) -> None:
+    """A temporal code that no encoder writes, in one tensor of a grouped load: refused
+    before anything is decoded, naming the entry, as on the per-tensor path."""
+    state = make_training_state(6, seed=4)
+    with Checkpointer(tmp_path, async_write=False, fsync=False) as ckpt:
+        for step in range(2):
+            ckpt.save(step, model=state["model"], optimizer=state["optimizer"])
+            state = moved(state)
+    rq = tw_triton.format.read_file(tmp_path / "step-00000001.tw.safetensors")
+    keyframe = tmp_path / "step-00000000.tw.safetensors"
+    path = "optimizer/state/3/exp_avg_sq"
+    assert rq.entries[path].codec == "log2-temporal"
+    codes = rq.entries[path].buffers["codes"]
+    codes.view(-1)[:4].copy_(torch.tensor([5, 0, 0, 0], dtype=torch.uint8))  # block 0: lo=5, hi=0
+    errors = []
+    for grouped in (True, False):
+        monkeypatch.setattr(decode_module, "groups_launches", lambda device, g=grouped: g)
+        with pytest.raises(tw_triton.CheckpointError, match="corrupt log2-temporal codes") as info:
+            tw_triton.dequantize_state_dict(rq, reference=str(keyframe), device="cpu")
+        errors.append(str(info.value))
+    assert errors[0] == errors[1] and repr(path) in errors[0], errors

@@ -666,6 +666,9 @@ def test_end_to_end_starts_no_round_past_its_budget(tmp_path):
     assert all(f"{m} " in rounds[-1] for m in _end_to_end.SAVE_METHODS + ("load torch.load",))
     # Where a load's time goes: the library's phases by cumulative time (the own times of
     # the loading thread show mostly its waits on the reading threads).
+    # tw delta: the first delta after the keyframe, one link; tw chain: the newest, its chain
+    # a link longer each round (rounds 1 and 2: 2 and 3 links).
+    assert r["load"]["tw chain"]["links"] == 2.5 and "per_link_s" in r["load"]["tw chain"]
     phases = [row["function"] for row in r["load_profile"]["tw delta"]["top_cumulative"]]
     assert any(f.startswith("checkpointer.py:") and f.endswith(":load") for f in phases), phases
 

@@ -12,8 +12,16 @@ from hypothesis import strategies as st
 from test_log2_temporal_native import MIN_STEP, _checked_cases, pair
 
 from tw_triton import ops
-from tw_triton.ops.backends.triton import kernels, log2_temporal_code_errors_cuda
-from tw_triton.ops.reference import log2_temporal_code_errors_torch, quantize_log2_temporal_torch
+from tw_triton.ops.backends.triton import (
+    kernels,
+    log2_temporal_code_errors_cuda,
+    log2_temporal_code_flag_cuda,
+)
+from tw_triton.ops.reference import (
+    log2_temporal_code_errors_torch,
+    log2_temporal_code_flag_torch,
+    quantize_log2_temporal_torch,
+)
 
 require_runnable_kernels()
 
@@ -33,6 +41,13 @@ def test_log2_temporal_check_flags_what_the_spec_refuses(bits, block):
         on = [t.to(KERNEL_DEVICE) for t in (codes, lo, hi, ref)]
         # The op the codec calls: None, or the spec's own message naming the culprit.
         assert log2_temporal_code_errors_cuda(*on, bits, block) == want, name
+        # And the flag a grouped load reads: a 0-dim int32, as the reference's.
+        got, spec = (
+            log2_temporal_code_flag_cuda(*on, bits, block),
+            log2_temporal_code_flag_torch(codes, lo, hi, ref, bits, block),
+        )
+        assert (got.shape, got.dtype, got.device.type) == ((), torch.int32, KERNEL_DEVICE.type), name
+        assert spec.shape == () and int(got) == int(spec) == (want is not None), name
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -185,16 +185,25 @@ class Codec(ABC):
         device: torch.device,
         contexts: Sequence[str],
         outs: Sequence[torch.Tensor | None] | None = None,
+        *,
+        check: bool = False,
     ) -> list[torch.Tensor]:
         """:meth:`decode` of entries of one :meth:`decode_group_key` on ``device``, in a
         number of launches that does not grow with their count.
 
-        The entries are this process's own encodings (a closed-loop save's, advancing its
-        reference), never codes read from a file: a codec may skip the checks that only a
-        corrupt file fails (a load decodes with :meth:`decode`, which checks). ``outs[i]``,
-        where given, is a tensor to decode entry ``i`` into (its reference itself, which
-        nothing else reads): written in place where the codec can, so the reference is
-        not held twice; the result is then ``outs[i]``."""
+        ``check``: the entries were read from a file, so their codes are checked as
+        :meth:`decode` checks them before anything is written, with one host read for the
+        whole group; without it they are this process's own encodings (a closed-loop
+        save's, advancing its reference) and the checks that only a corrupt file fails are
+        skipped. ``outs[i]``, where given, is a tensor to decode entry ``i`` into (its
+        reference itself, which nothing else reads): written in place where the codec can,
+        so the reference is not held twice; the result is then ``outs[i]``.
+
+        Raises:
+            CheckpointError: an entry's buffers or params are not what the codec stores, or
+                (``check``) its codes are not what an encoder writes; the message names
+                the entry by its context.
+        """
         raise NotImplementedError(f"codec {self.name!r} has no grouped decode")
 
     def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:  # noqa: B027 - optional hook

@@ -365,11 +365,14 @@ class BlockwiseCodec(Codec):
         return encode_blockwise_group(self, xs, params, references, flags, each)
 
     def decode_group_key(self, entry: EncodedEntry, reference: torch.Tensor | None) -> Hashable | None:
-        if not self.uses_reference(entry.params) or reference is None or entry.dtype not in FLOAT_DTYPES:
+        # Deltas given their reference, or absolute codes (a reference given to those is unused).
+        delta = self.uses_reference(entry.params)
+        if (delta and reference is None) or entry.dtype not in FLOAT_DTYPES:
             return None
-        return (entry.params.get("bits"), entry.params.get("block"), entry.dtype)
+        return (entry.params.get("bits"), entry.params.get("block"), entry.dtype, delta)
 
-    def decode_group(self, entries, references, device, contexts, outs=None):  # type: ignore[no-untyped-def]
+    def decode_group(self, entries, references, device, contexts, outs=None, *, check=False):  # type: ignore[no-untyped-def]
+        # check: every code byte decodes, so a file's codes need no check beyond their sizes.
         from .grouped import decode_blockwise_group
 
         return decode_blockwise_group(self, entries, references, device, contexts, outs)

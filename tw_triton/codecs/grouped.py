@@ -66,11 +66,12 @@ def decode_blockwise_group(
     contexts: Sequence[str],
     outs: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
-    """:meth:`BlockwiseCodec.decode` of delta entries of one bits, block and dtype against
-    their references, on ``device``, with one grouped op; into ``outs[i]`` where it is a
-    contiguous tensor of the entry's dtype and size on ``device`` (the reference itself:
-    no second copy of it)."""
+    """:meth:`BlockwiseCodec.decode` of entries of one bits, block and dtype, all deltas
+    against their references or all absolute, on ``device``, with one grouped op; into
+    ``outs[i]`` where it is a contiguous tensor of the entry's dtype and size on ``device``
+    (the reference itself: no second copy of it)."""
     stored = [codec.stored_parts(e, c) for e, c in zip(entries, contexts)]
+    delta = codec.uses_reference(entries[0].params)
     numels = [math.prod(e.shape) for e in entries]
     given = [None] * len(entries) if outs is None else list(outs)
     into = [
@@ -83,7 +84,7 @@ def decode_blockwise_group(
         numels,
         stored[0][0],
         stored[0][1],
-        [move_to(r, device).reshape(-1) for r in references],  # type: ignore[arg-type]
+        [move_to(r, device).reshape(-1) for r in references] if delta else None,  # type: ignore[arg-type]
         entries[0].dtype,
         out=into,
     )

@@ -273,10 +273,13 @@ class Log2Codec(Codec):
         device: torch.device,
         contexts: Sequence[str],
         outs: Sequence[torch.Tensor | None] | None = None,
+        *,
+        check: bool = False,
     ) -> list[torch.Tensor]:
         """:meth:`decode` of entries of one :meth:`decode_group_key` with one grouped op,
         into ``outs[i]`` where it is a contiguous tensor of the entry's dtype and size on
-        ``device``."""
+        ``device``. ``check`` changes nothing: every code and bound decodes (as in
+        :meth:`decode`), once their sizes are checked."""
         from .grouped import fits, shaped
 
         codes, lo, hi = [], [], []

@@ -250,10 +250,14 @@ class Log2TemporalCodec(Codec):
         device: torch.device,
         contexts: Sequence[str],
         outs: Sequence[torch.Tensor | None] | None = None,
+        *,
+        check: bool = False,
     ) -> list[torch.Tensor]:
         """:meth:`decode` of delta entries of one :meth:`decode_group_key` with one grouped
         op, into ``outs[i]`` where it is a contiguous float32 tensor of the entry's size on
-        ``device`` (the reference itself: no second copy of it)."""
+        ``device`` (the reference itself: no second copy of it). ``check``: the codes of
+        every entry are checked first (:func:`~tw_triton.ops.log2_temporal_code_flag`),
+        with one host read for the group."""
         from .grouped import fits, shaped
 
         parts = [self._stored(e, c, copy_bounds=False) for e, c in zip(entries, contexts)]
@@ -264,15 +268,26 @@ class Log2TemporalCodec(Codec):
             o.view(-1) if o is not None and fits(o, torch.float32, c.numel(), device) else None
             for o, c in zip(given, codes)
         ]
-        # No log2_temporal_code_errors here: these codes are the encoder's own, from this
-        # very save (Codec.decode_group), so nothing can have corrupted them, and its check
-        # would read a verdict back to the host per tensor (a sync on a GPU). Codes read
-        # from a file are decoded by _decode, which checks them before writing anything.
+        lo = [move_to(p[4], device) for p in parts]
+        hi = [move_to(p[5], device) for p in parts]
+        refs = [move_to(r, device).reshape(-1) for r in references]  # type: ignore[union-attr]
+        # Without check the codes are the encoder's own, from this very save, so nothing
+        # can have corrupted them. With it, every tensor's flag is read in one transfer
+        # (one sync on a GPU, not one per tensor), before anything is written.
+        if check:
+            from ..state.fingerprints import read_device_scalars
+
+            flags = [ops.log2_temporal_code_flag(*t, bits, block) for t in zip(codes, lo, hi, refs)]
+            found = torch.stack(flags).to(torch.int64) if flags else torch.zeros(0, dtype=torch.int64)
+            for i, bad in enumerate(read_device_scalars(list(found), [found])):
+                if bad:
+                    why = ops.log2_temporal_code_errors(codes[i], lo[i], hi[i], refs[i], bits, block)
+                    raise CheckpointError(f"{contexts[i]}: corrupt {NAME} codes: {why}")
         flat = ops.dequantize_log2_temporal_many(
             codes,
-            [move_to(p[4], device) for p in parts],
-            [move_to(p[5], device) for p in parts],
-            [move_to(r, device).reshape(-1) for r in references],  # type: ignore[union-attr]
+            lo,
+            hi,
+            refs,
             bits,
             block,
             min_step,

@@ -357,6 +357,16 @@ def log2_temporal_code_errors(
     return lookup("log2_temporal_code_errors", codes.device.type)(codes, lo, hi, reference, bits, block)
 
 
+def log2_temporal_code_flag(
+    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
+) -> torch.Tensor:
+    """:func:`log2_temporal_code_errors` as a 0-dim int32 on the codes' device (1: the codes
+    hold what no encoder writes), read by nothing here: a grouped load reads the flags of
+    many tensors in one transfer, and asks :func:`log2_temporal_code_errors` what is wrong
+    only where one is set."""
+    return lookup("log2_temporal_code_flag", codes.device.type)(codes, lo, hi, reference, bits, block)
+
+
 def update_root(v: torch.Tensor, eps: float) -> torch.Tensor:
     """``sqrt(v) + eps`` in fp32 on ``v``'s device, each op correctly rounded on its own
     (the ``blockwise-update`` codec's denominator: the same bits on every device)."""
@@ -377,13 +387,9 @@ def update_multiply(u: torch.Tensor, v: torch.Tensor, eps: float, big: float) ->
 
 
 __all__ = [
-    "update_divide",
-    "update_multiply",
-    "update_root",
     "OPS",
     "backends",
     "bitmask_decode",
-    "mask_popcount",
     "bitmask_encode",
     "bitmask_encode_many",
     "copy_many",
@@ -394,11 +400,13 @@ __all__ = [
     "dequantize_blockwise_update_many",
     "dequantize_log2",
     "dequantize_log2_many",
-    "fingerprints",
     "dequantize_log2_temporal",
     "dequantize_log2_temporal_many",
+    "fingerprints",
     "log2_temporal_code_errors",
+    "log2_temporal_code_flag",
     "lookup",
+    "mask_popcount",
     "quantize_blockwise",
     "quantize_blockwise_many",
     "quantize_blockwise_update_many",
@@ -409,5 +417,8 @@ __all__ = [
     "register",
     "sparsity_counts",
     "sparsity_counts_many",
+    "update_divide",
+    "update_multiply",
+    "update_root",
     "using",
 ]

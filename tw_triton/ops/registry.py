@@ -33,6 +33,7 @@ OPS = (
     "quantize_log2_temporal_many",
     "dequantize_log2_temporal",
     "log2_temporal_code_errors",
+    "log2_temporal_code_flag",
     "sparsity_counts",
     "delta_statistics",
     "sparsity_counts_many",

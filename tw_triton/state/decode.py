@@ -26,7 +26,7 @@ from ..parallel import Background, parallel_map
 from ..qstate import QuantizedState
 from ..tree import skeleton_ndarray_paths, unflatten
 from .entries import MEMORY_SOURCE, codec_or_raise, delta_paths, disjoint_paths, entry_context, entry_facts
-from .grouped import groups_launches
+from .grouped import decode_grouped, groups_launches
 from .partners import decode_grouped_with_partners, partner_map
 from .references import checked_reference, read_reference
 
@@ -315,8 +315,37 @@ def decode_entries(
 
     decoded: dict[str, torch.Tensor] = {}
     done = decoded  # what decode_one reads a partner from (decoded in an earlier phase)
+    # On a device, entries of a codec with a grouped decode share its launches (and one
+    # host read for the checks of a group's codes); on the host, worker threads.
+    grouping = dev is not None and groups_launches(dev)
+
+    def decode_on_device(items: list[tuple[int, str]]) -> None:
+        count = len(decoded)
+        alone = [item for item in items if item[1] in host_paths]
+        items = [item for item in items if item[1] not in host_paths]
+        jobs = [
+            (
+                qstate.entries[p],
+                ref_tensors.get(p) if p in delta else None,
+                dev,
+                entry_context(where, p, qstate.entries[p].codec),
+            )
+            for _, p in items
+        ]
+        outs = [ref_tensors[p] if p in reusable else None for _, p in items]
+        results = decode_grouped(jobs, lambda k: decode_one(items[k]), outs, check=True)
+        results += [decode_one(item) for item in alone]
+        for k, ((_, path), t) in enumerate(zip(items + alone, results)):
+            decoded[path] = t
+            if release_buffers:
+                qstate.entries[path].buffers = {}
+            if progress is not None:
+                progress(count + k + 1, total)
 
     def decode(items: list[tuple[int, str]]) -> None:
+        if grouping:
+            decode_on_device(items)
+            return
         # An exact entry decodes to a view of its buffer on the host: no work for a worker
         # (the snapshot that save() decodes is all exact, and it blocks the loop).
         count = len(decoded)

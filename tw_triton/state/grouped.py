@@ -154,14 +154,20 @@ def decode_grouped(
     items: Sequence[tuple[EncodedEntry, torch.Tensor | None, torch.device, str]],
     decode_alone: Callable[[int], torch.Tensor],
     outs: Sequence[torch.Tensor | None] | None = None,
+    *,
+    check: bool = False,
 ) -> list[torch.Tensor]:
     """Decode ``(entry, reference, device, context)`` items on devices: those whose codec
     has a grouped decode (:meth:`Codec.decode_group`) in one grouped op per codec, key and
     device, the others with ``decode_alone(i)``. Results in the items' order.
 
-    The entries must be this process's own encodings (the grouped decodes may skip the
-    checks of codes read from a file). ``outs[i]``: a tensor item ``i`` may be decoded
-    into (its reference, which nothing else reads; ``None``: a fresh one)."""
+    ``check``: the entries were read from a file, and the grouped decodes check their
+    codes (:meth:`Codec.decode_group`); without it they must be this process's own
+    encodings. ``outs[i]``: a tensor item ``i`` may be decoded into (its reference, which
+    nothing else reads; ``None``: a fresh one). A group whose decode raises before writing
+    anything (its entries' params, buffers and codes are checked first) is decoded again
+    one item at a time, so that the error is the one ``decode_alone`` raises for the
+    entry at fault."""
     groups: dict[Any, list[int]] = {}
     out: list[torch.Tensor] = [None] * len(items)  # type: ignore[list-item]
     for i, (entry, ref, device, _) in enumerate(items):
@@ -173,13 +179,21 @@ def decode_grouped(
             groups.setdefault((entry.codec, key, device), []).append(i)
     for (name, _, device), members in groups.items():
         codec = get_codec(name)
-        decoded = codec.decode_group(  # type: ignore[union-attr]
-            [items[i][0] for i in members],
-            [items[i][1] for i in members],
-            device,
-            [items[i][3] for i in members],
-            None if outs is None else [outs[i] for i in members],
-        )
+        try:
+            decoded = codec.decode_group(  # type: ignore[union-attr]
+                [items[i][0] for i in members],
+                [items[i][1] for i in members],
+                device,
+                [items[i][3] for i in members],
+                None if outs is None else [outs[i] for i in members],
+                check=check,
+            )
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception:
+            # Raised before anything was written (the checks come first); one at a time,
+            # the error is the entry's own (decode_alone wraps what a crafted file causes).
+            decoded = [decode_alone(i) for i in members]
         for i, t in zip(members, decoded):
             out[i] = t
     return out

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .. import ops
 from ..codecs.blockwise import FLOAT_DTYPES
 from ..errors import CheckpointError, ReferenceMismatchError, checkpoint_label
 from ..format import MAX_EXPANSION
@@ -234,7 +235,7 @@ def checked_reference(
             max_expansion=max_expansion,
         )
     rid = qstate.reference_id
-    checks: list[tuple[str, torch.Tensor]] = []
+    checked: dict[torch.device, list[str]] = {}
     for path in sorted(delta):
         entry = qstate.entries[path]
         r = reference_tensor(ref_tensors, path, tuple(entry.shape), where, ref_what)
@@ -242,8 +243,17 @@ def checked_reference(
             r = r.to(dev)
         ref_tensors[path] = r
         if "ref_fp" in entry.params:
-            checks.append((path, fingerprints.fingerprint(r)))
-    for (path, _), fp in zip(checks, fingerprints.read_device_scalars([f for _, f in checks])):
+            checked.setdefault(r.device, []).append(path)
+    # One grouped op per device (launches that do not grow with the count of tensors), one
+    # read of them all.
+    checks: list[tuple[str, torch.Tensor]] = []
+    buffers = []
+    for device, paths in checked.items():
+        out = torch.zeros(len(paths), dtype=torch.int64, device=device)
+        ops.fingerprints([ref_tensors[p] for p in paths], out=out)
+        buffers.append(out)
+        checks += [(p, out[k]) for k, p in enumerate(paths)]
+    for (path, _), fp in zip(checks, fingerprints.read_device_scalars([f for _, f in checks], buffers)):
         want = qstate.entries[path].params["ref_fp"]
         if fingerprints.fp_hex(fp) != want:
             raise ReferenceMismatchError(

@@ -434,6 +434,13 @@ def log2_temporal_code_errors_cuda(
     return log2_temporal_code_errors_torch(codes, lo, hi, reference, bits, block)
 
 
+def log2_temporal_code_flag_cuda(
+    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
+) -> torch.Tensor:
+    """The check kernel's flag, left on the device (no sync)."""
+    return kernels().log2_temporal_check(codes, lo, hi, reference.float(), bits, block).view(())
+
+
 def dequantize_log2_many_cuda(
     codes: list[torch.Tensor],
     lo: list[torch.Tensor],
@@ -494,6 +501,7 @@ BACKEND = {
     "quantize_log2_temporal_many": quantize_log2_temporal_many_cuda,
     "dequantize_log2_temporal": dequantize_log2_temporal_cuda,
     "log2_temporal_code_errors": log2_temporal_code_errors_cuda,
+    "log2_temporal_code_flag": log2_temporal_code_flag_cuda,
     "sparsity_counts_many": sparsity_counts_many_cuda,
     "dequantize_log2_temporal_many": dequantize_log2_temporal_many_cuda,
     "dequantize_log2_many": dequantize_log2_many_cuda,

@@ -183,6 +183,15 @@ def dequantize_log2_temporal_torch(
     return out
 
 
+def log2_temporal_code_flag_torch(
+    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
+) -> torch.Tensor:
+    """A 0-dim int32 on the codes' device: 1 where :func:`log2_temporal_code_errors_torch`
+    finds something, else 0."""
+    bad = log2_temporal_code_errors_torch(codes, lo, hi, reference, bits, block) is not None
+    return torch.tensor(int(bad), dtype=torch.int32, device=codes.device)
+
+
 def log2_temporal_code_errors_torch(
     codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
 ) -> str | None:

@@ -18,7 +18,7 @@ from .dequantize_log2_grouped import dequantize_log2_grouped
 from .dequantize_log2_temporal import dequantize_log2_temporal
 from .dequantize_log2_temporal_grouped import dequantize_log2_temporal_grouped
 from .fingerprint import fingerprints
-from .log2_temporal_check import log2_temporal_check
+from .log2_temporal_check import log2_temporal_check, log2_temporal_check_grouped
 from .quantize_blockwise import quantize_blockwise
 from .quantize_blockwise_grouped import quantize_blockwise_grouped
 from .quantize_blockwise_update_grouped import quantize_blockwise_update_grouped
@@ -40,6 +40,7 @@ __all__ = [
     "dequantize_log2_grouped",
     "fingerprints",
     "log2_temporal_check",
+    "log2_temporal_check_grouped",
     "mask_popcount",
     "quantize_blockwise",
     "quantize_blockwise_grouped",

@@ -149,6 +149,8 @@ def cases():
         # The closed-loop advance: decoded from the stored buffers over the references.
         codes, lo, hi = ([o[k] for o in out] for k in range(3))
         backend.dequantize_log2_temporal_many_cuda(codes, lo, hi, refs, 4, 128, MIN_STEP, out=refs)
+        # A load's check of the codes before that decode.
+        backend.log2_temporal_code_flags_many_cuda(codes, lo, hi, refs, 4, 128)
 
     def grouped_log2_decode():  # a keyframe's moments, decoded into its reference tensors
         n, nb = 4096 + 16, -(-(4096 + 16) // 128)
@@ -231,6 +233,7 @@ def cases():
             lambda cc: (
                 pair("grouped-temporal-encode", 4, 128, f32, f32, cc)
                 + pair("grouped-temporal-decode", 4, 128, f32, f32, cc)
+                + pair("grouped-temporal-check", 4, 128, f32, f32, cc)
             ),
         ),
         (

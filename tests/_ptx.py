@@ -185,7 +185,8 @@ def check_variants() -> list[Variant]:
     """The ``log2-temporal`` code check (a load's, before its decode): blocks x {main, tail}
     x targets, 4 bits (``BITS`` only sets the largest absolute code)."""
     return [
-        Variant("temporal-check", 4, block, "fp32", "fp32", masked, cc)
+        Variant(op, 4, block, "fp32", "fp32", masked, cc)
+        for op in ("temporal-check", "grouped-temporal-check")
         for block in LOG2_BLOCKS
         for masked in (False, True)
         for cc in TARGETS
@@ -334,6 +335,18 @@ def _grouped_source(v: Variant):
     from tw_triton.kernels.quantize_log2_temporal_grouped import quantize_log2_temporal_grouped_kernel
     from tw_triton.kernels.tiles import rows_per_program
 
+    if v.op == "grouped-temporal-check":
+        from tw_triton.kernels.log2_temporal_check import log2_temporal_check_grouped_kernel
+
+        signature = {"table_ptr": "*i64", "flags_ptr": "*i64", "T": "i32"}
+        constexprs = {"LOG_T": 4, "MASKED": v.masked, "BITS": v.bits}
+        constexprs.update({"BLOCK": v.block, "ROWS": rows_per_program(v.block)})
+        signature.update({name: "constexpr" for name in constexprs})
+        # The table is 16-byte aligned; the flags are not specialized on; T is not.
+        attrs = {(0,): [["tt.divisibility", 16]]}
+        return ASTSource(
+            fn=log2_temporal_check_grouped_kernel, signature=signature, constexprs=constexprs, attrs=attrs
+        )
     if v.op in ("grouped-temporal-encode", "grouped-temporal-decode"):
         fn = {
             "grouped-temporal-encode": quantize_log2_temporal_grouped_kernel,

@@ -174,6 +174,9 @@ def run_entry(entry: Entry, device: torch.device) -> None:
         ref = (x * 0.99).contiguous() if entry.has_ref else None
         enc = codec.encode(x, params, ref)
         codec.decode(enc.entry, ref, device, f"precompile {entry.label()}")
+        if codec.decode_group_key(enc.entry, ref) is not None:
+            # A load's grouped decode, its check of codes read from a file included.
+            codec.decode_group([enc.entry], [ref], device, [f"precompile {entry.label()}"], check=True)
         if not entry.has_ref:
             # The grouped count and encode of a save's sparse candidates (exact float
             # tensors of this dtype), for one tensor; larger groups specialize on their

@@ -15,11 +15,11 @@ from tw_triton import ops
 from tw_triton.ops.backends.triton import (
     kernels,
     log2_temporal_code_errors_cuda,
-    log2_temporal_code_flag_cuda,
+    log2_temporal_code_flags_many_cuda,
 )
 from tw_triton.ops.reference import (
     log2_temporal_code_errors_torch,
-    log2_temporal_code_flag_torch,
+    log2_temporal_code_flags_many_torch,
     quantize_log2_temporal_torch,
 )
 
@@ -41,13 +41,6 @@ def test_log2_temporal_check_flags_what_the_spec_refuses(bits, block):
         on = [t.to(KERNEL_DEVICE) for t in (codes, lo, hi, ref)]
         # The op the codec calls: None, or the spec's own message naming the culprit.
         assert log2_temporal_code_errors_cuda(*on, bits, block) == want, name
-        # And the flag a grouped load reads: a 0-dim int32, as the reference's.
-        got, spec = (
-            log2_temporal_code_flag_cuda(*on, bits, block),
-            log2_temporal_code_flag_torch(codes, lo, hi, ref, bits, block),
-        )
-        assert (got.shape, got.dtype, got.device.type) == ((), torch.int32, KERNEL_DEVICE.type), name
-        assert spec.shape == () and int(got) == int(spec) == (want is not None), name
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -90,3 +83,26 @@ def test_the_codec_decode_refuses_corrupt_codes_through_the_op():
     with ops.using("log2_temporal_code_errors", KERNEL_DEVICE.type, log2_temporal_code_errors_cuda):
         got = ops.log2_temporal_code_errors(*on, bits, block)
     assert got == log2_temporal_code_errors_torch(codes, lo, hi, ref, bits, block) and got is not None, name
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_the_grouped_check_flags_each_tensor_as_the_spec_does(bits):
+    """The flags a grouped load reads: one per tensor, the spec's verdict on each, for a
+    group mixing every corruption with a tensor that passes (whole tiles and tails alike)."""
+    block = 64
+    cases = _checked_cases(bits, block)  # tails only: 581 elements
+    x, ref = pair(torch.Generator().manual_seed(7), 2 * 4096 + 70, "plain", 8.0, 0.01)
+    big = (*quantize_log2_temporal_torch(x, ref, bits, block, MIN_STEP), ref)
+    assert big[1][100] == 0 and big[1][129] == 0  # temporal blocks, in the whole tiles and the tail
+    bad_tile, bad_tail = [t.clone() for t in big], [t.clone() for t in big]
+    bad_tile[3][100 * block + 5] = 0.0  # a temporal code over a zero reference, in a whole tile
+    bad_tile[0][100 * block + 5] = 1
+    bad_tail[2][129] = -5  # bounds no encoder writes, in the tail's last block
+    cases += [("encoded", big), ("in a whole tile", tuple(bad_tile)), ("in the tail", tuple(bad_tail))]
+    codes, lo, hi, refs = ([c[1][k] for c in cases] for k in range(4))
+    on = ([t.to(KERNEL_DEVICE) for t in ts] for ts in (codes, lo, hi, refs))
+    got = log2_temporal_code_flags_many_cuda(*on, bits, block)
+    want = log2_temporal_code_flags_many_torch(codes, lo, hi, refs, bits, block)
+    assert (got.dtype, got.device.type) == (torch.int64, KERNEL_DEVICE.type)
+    assert got.cpu().tolist() == want.tolist() == [int(name != "encoded") for name, _ in cases]
+    assert len(cases) >= 9  # every kind of corruption, beside the encoder's own outputs

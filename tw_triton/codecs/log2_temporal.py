@@ -256,7 +256,7 @@ class Log2TemporalCodec(Codec):
         """:meth:`decode` of delta entries of one :meth:`decode_group_key` with one grouped
         op, into ``outs[i]`` where it is a contiguous float32 tensor of the entry's size on
         ``device`` (the reference itself: no second copy of it). ``check``: the codes of
-        every entry are checked first (:func:`~tw_triton.ops.log2_temporal_code_flag`),
+        every entry are checked first (:func:`~tw_triton.ops.log2_temporal_code_flags_many`),
         with one host read for the group."""
         from .grouped import fits, shaped
 
@@ -277,8 +277,7 @@ class Log2TemporalCodec(Codec):
         if check:
             from ..state.fingerprints import read_device_scalars
 
-            flags = [ops.log2_temporal_code_flag(*t, bits, block) for t in zip(codes, lo, hi, refs)]
-            found = torch.stack(flags).to(torch.int64) if flags else torch.zeros(0, dtype=torch.int64)
+            found = ops.log2_temporal_code_flags_many(codes, lo, hi, refs, bits, block)
             for i, bad in enumerate(read_device_scalars(list(found), [found])):
                 if bad:
                     why = ops.log2_temporal_code_errors(codes[i], lo[i], hi[i], refs[i], bits, block)

@@ -357,14 +357,22 @@ def log2_temporal_code_errors(
     return lookup("log2_temporal_code_errors", codes.device.type)(codes, lo, hi, reference, bits, block)
 
 
-def log2_temporal_code_flag(
-    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
+def log2_temporal_code_flags_many(
+    codes: list[torch.Tensor],
+    lo: list[torch.Tensor],
+    hi: list[torch.Tensor],
+    references: list[torch.Tensor],
+    bits: int,
+    block: int,
 ) -> torch.Tensor:
-    """:func:`log2_temporal_code_errors` as a 0-dim int32 on the codes' device (1: the codes
-    hold what no encoder writes), read by nothing here: a grouped load reads the flags of
-    many tensors in one transfer, and asks :func:`log2_temporal_code_errors` what is wrong
-    only where one is set."""
-    return lookup("log2_temporal_code_flag", codes.device.type)(codes, lo, hi, reference, bits, block)
+    """:func:`log2_temporal_code_errors` of many tensors on one device as flags: int64, one
+    per tensor (1: its codes hold what no encoder writes), in a number of launches that
+    does not grow with their count (on CUDA: a table copy and two) and read by nothing
+    here: a grouped load reads them in one transfer, and asks
+    :func:`log2_temporal_code_errors` what is wrong only where one is set."""
+    return lookup("log2_temporal_code_flags_many", codes[0].device.type)(
+        codes, lo, hi, references, bits, block
+    )
 
 
 def update_root(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -404,7 +412,7 @@ __all__ = [
     "dequantize_log2_temporal_many",
     "fingerprints",
     "log2_temporal_code_errors",
-    "log2_temporal_code_flag",
+    "log2_temporal_code_flags_many",
     "lookup",
     "mask_popcount",
     "quantize_blockwise",

@@ -33,7 +33,7 @@ OPS = (
     "quantize_log2_temporal_many",
     "dequantize_log2_temporal",
     "log2_temporal_code_errors",
-    "log2_temporal_code_flag",
+    "log2_temporal_code_flags_many",
     "sparsity_counts",
     "delta_statistics",
     "sparsity_counts_many",

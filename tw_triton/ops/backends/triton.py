@@ -16,7 +16,6 @@ import torch
 
 from ...errors import CheckpointError
 from ..layout import check_qmax, check_qmaxes
-from ..reference import log2_temporal_code_errors_torch
 
 DEVICE_TYPE = "cuda"
 
@@ -71,7 +70,7 @@ def kernels() -> types.ModuleType:
     return module
 
 
-def _out(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def write_out(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     # The kernels allocate; a caller's buffer receives a copy (no caller passes one today).
     if out is None:
         return result
@@ -107,7 +106,7 @@ def dequantize_blockwise_cuda(
 ) -> torch.Tensor:
     """The fused decode kernel (unpack, scale, add the reference, cast)."""
     rc = reference.contiguous() if reference is not None else None
-    return _out(kernels().dequantize_blockwise(codes, scales, numel, bits, block, rc, dtype), out)
+    return write_out(kernels().dequantize_blockwise(codes, scales, numel, bits, block, rc, dtype), out)
 
 
 def quantize_log2_cuda(
@@ -129,7 +128,7 @@ def dequantize_log2_cuda(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused log2 decode kernel."""
-    return _out(kernels().dequantize_log2(codes, lo, hi, numel, bits, block, dtype), out)
+    return write_out(kernels().dequantize_log2(codes, lo, hi, numel, bits, block, dtype), out)
 
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -312,7 +311,7 @@ def bitmask_decode_cuda(
     mask: torch.Tensor, values: torch.Tensor, numel: int, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The two-pass bitmask decode (popcounts, then the gather of the values)."""
-    return _out(kernels().bitmask_decode(mask.contiguous(), values.contiguous(), numel), out)
+    return write_out(kernels().bitmask_decode(mask.contiguous(), values.contiguous(), numel), out)
 
 
 def mask_popcount_cuda(mask: torch.Tensor, numel: int) -> torch.Tensor:
@@ -334,111 +333,6 @@ def update_divide_cuda(x: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Te
 def update_multiply_cuda(u: torch.Tensor, v: torch.Tensor, eps: float, big: float) -> torch.Tensor:
     """``u * (sqrt(v) + eps)`` in place with torch's CUDA ops, saturated to ``[-big, big]``."""
     return u.mul_(update_root_cuda(v, eps)).clamp_(-big, big)
-
-
-def quantize_log2_temporal_cuda(
-    x: torch.Tensor,
-    reference: torch.Tensor,
-    bits: int,
-    block: int,
-    min_step: int,
-    *,
-    out: tuple[torch.Tensor, ...] | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """The fused temporal encode kernel on contiguous copies. ``out`` is ignored."""
-    return kernels().quantize_log2_temporal(x.contiguous(), reference.contiguous(), bits, block, min_step)
-
-
-def quantize_log2_temporal_many_cuda(
-    xs: list[torch.Tensor],
-    references: list[torch.Tensor],
-    bits: int,
-    block: int,
-    min_step: int,
-    *,
-    flags: torch.Tensor,
-    out: list[tuple[torch.Tensor, ...]] | None = None,
-) -> list[tuple[torch.Tensor, ...]]:
-    """The grouped temporal encode kernel: one table copy and at most two launches, written
-    into ``out`` in place where its layout is the codec's (bounds, then 16-byte aligned
-    codes)."""
-    k = kernels()
-    gx = [readable(x) for x in xs]
-    gr = [readable(r if r.dtype == torch.float32 else r.float()) for r in references]
-    return k.quantize_log2_temporal_grouped(gx, gr, bits, block, min_step, flags, out=out)
-
-
-def dequantize_log2_temporal_cuda(
-    codes: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    reference: torch.Tensor,
-    numel: int,
-    bits: int,
-    block: int,
-    min_step: int,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The fused temporal decode kernel (``out`` may be ``reference``: the kernel writes a
-    fresh tensor, copied in afterwards)."""
-    return _out(
-        kernels().dequantize_log2_temporal(codes, lo, hi, reference, numel, bits, block, min_step), out
-    )
-
-
-def _bounds(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """``lo`` then ``hi`` as the grouped decode reads them: ``lo`` where ``hi`` follows it
-    directly (the codec's stored buffer), else a copy of both."""
-    nb = lo.numel()
-    if lo.is_contiguous() and hi.is_contiguous() and hi.data_ptr() == lo.data_ptr() + 4 * nb:
-        return torch.as_strided(lo, (2 * nb,), (1,))
-    return torch.cat([lo.reshape(-1), hi.reshape(-1)])
-
-
-def dequantize_log2_temporal_many_cuda(
-    codes: list[torch.Tensor],
-    lo: list[torch.Tensor],
-    hi: list[torch.Tensor],
-    references: list[torch.Tensor],
-    bits: int,
-    block: int,
-    min_step: int,
-    *,
-    out: list[torch.Tensor | None] | None = None,
-) -> list[torch.Tensor]:
-    """The grouped temporal decode kernel: one table copy and at most two launches, written
-    in place into ``out[i]`` where it is contiguous and 16-byte aligned (the reference
-    itself, in a closed-loop advance). Copies only what it cannot read in place."""
-    k = kernels()
-    got = k.dequantize_log2_temporal_grouped(
-        [readable(c) for c in codes],
-        [_bounds(a, b) for a, b in zip(lo, hi)],
-        [readable(r.detach().reshape(-1)) for r in references],
-        bits,
-        block,
-        min_step,
-        out=None if out is None else [None if o is None else o.view(-1) for o in out],
-    )
-    return [t if out is None or out[i] is None else out[i] for i, t in enumerate(got)]  # type: ignore[misc]
-
-
-def log2_temporal_code_errors_cuda(
-    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
-) -> str | None:
-    """The check kernel's flag, read back once (a sync); the torch spec names the culprit
-    only when the flag is set."""
-    flag = kernels().log2_temporal_check(codes, lo, hi, reference.float(), bits, block)
-    if not int(flag.item()):
-        return None
-    return log2_temporal_code_errors_torch(codes, lo, hi, reference, bits, block)
-
-
-def log2_temporal_code_flag_cuda(
-    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
-) -> torch.Tensor:
-    """The check kernel's flag, left on the device (no sync)."""
-    return kernels().log2_temporal_check(codes, lo, hi, reference.float(), bits, block).view(())
 
 
 def dequantize_log2_many_cuda(
@@ -476,6 +370,14 @@ from .triton_counts import (  # noqa: E402
     delta_statistics_many_cuda,
     sparsity_counts_many_cuda,
 )
+from .triton_temporal import (  # noqa: E402
+    dequantize_log2_temporal_cuda,
+    dequantize_log2_temporal_many_cuda,
+    log2_temporal_code_errors_cuda,
+    log2_temporal_code_flags_many_cuda,
+    quantize_log2_temporal_cuda,
+    quantize_log2_temporal_many_cuda,
+)
 
 # Ops served by torch's own CUDA ops (each correctly rounded), with no Triton kernel.
 TORCH_OPS = frozenset({"update_root", "update_divide", "update_multiply"})
@@ -501,7 +403,7 @@ BACKEND = {
     "quantize_log2_temporal_many": quantize_log2_temporal_many_cuda,
     "dequantize_log2_temporal": dequantize_log2_temporal_cuda,
     "log2_temporal_code_errors": log2_temporal_code_errors_cuda,
-    "log2_temporal_code_flag": log2_temporal_code_flag_cuda,
+    "log2_temporal_code_flags_many": log2_temporal_code_flags_many_cuda,
     "sparsity_counts_many": sparsity_counts_many_cuda,
     "dequantize_log2_temporal_many": dequantize_log2_temporal_many_cuda,
     "dequantize_log2_many": dequantize_log2_many_cuda,

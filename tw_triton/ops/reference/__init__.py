@@ -43,7 +43,7 @@ from .log2 import dequantize_log2_torch, levels, quantize_log2_torch
 from .log2_temporal import (
     dequantize_log2_temporal_torch,
     log2_temporal_code_errors_torch,
-    log2_temporal_code_flag_torch,
+    log2_temporal_code_flags_many_torch,
     quantize_log2_temporal_torch,
 )
 from .update_root import update_divide_torch, update_multiply_torch, update_root_torch
@@ -70,7 +70,7 @@ REFERENCE = {
     "quantize_log2_temporal_many": quantize_log2_temporal_many_torch,
     "dequantize_log2_temporal": dequantize_log2_temporal_torch,
     "log2_temporal_code_errors": log2_temporal_code_errors_torch,
-    "log2_temporal_code_flag": log2_temporal_code_flag_torch,
+    "log2_temporal_code_flags_many": log2_temporal_code_flags_many_torch,
     "sparsity_counts": sparsity_counts_torch,
     "delta_statistics": delta_statistics_torch,
     "delta_statistics_many": delta_statistics_many_torch,
@@ -108,7 +108,7 @@ __all__ = [
     "fingerprints_torch",
     "levels",
     "log2_temporal_code_errors_torch",
-    "log2_temporal_code_flag_torch",
+    "log2_temporal_code_flags_many_torch",
     "nonzero_count",
     "nearest_integer_at_ties",
     "nearest_integer_by_reciprocal",

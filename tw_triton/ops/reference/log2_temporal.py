@@ -183,13 +183,21 @@ def dequantize_log2_temporal_torch(
     return out
 
 
-def log2_temporal_code_flag_torch(
-    codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, reference: torch.Tensor, bits: int, block: int
+def log2_temporal_code_flags_many_torch(
+    codes: list[torch.Tensor],
+    lo: list[torch.Tensor],
+    hi: list[torch.Tensor],
+    references: list[torch.Tensor],
+    bits: int,
+    block: int,
 ) -> torch.Tensor:
-    """A 0-dim int32 on the codes' device: 1 where :func:`log2_temporal_code_errors_torch`
-    finds something, else 0."""
-    bad = log2_temporal_code_errors_torch(codes, lo, hi, reference, bits, block) is not None
-    return torch.tensor(int(bad), dtype=torch.int32, device=codes.device)
+    """int64, one per tensor, on the codes' device: 1 where
+    :func:`log2_temporal_code_errors_torch` finds something in that tensor, else 0."""
+    bad = [
+        int(log2_temporal_code_errors_torch(*t, bits, block) is not None)
+        for t in zip(codes, lo, hi, references)
+    ]
+    return torch.tensor(bad, dtype=torch.int64, device=codes[0].device if codes else None)
 
 
 def log2_temporal_code_errors_torch(

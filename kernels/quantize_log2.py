@@ -7,9 +7,15 @@ The spec is ``tw_triton.ops.reference.quantize_log2_torch``; the bytes must be i
 * ``t`` is the fp32 bit pattern of the input (bf16 widened by a shift, as in the blockwise
   encoder, because the 3.9 interpreter's bf16 conversion is wrong for subnormals);
 * the row bounds are integer min/max reductions, exact everywhere;
-* ``step`` and the quotient use ``tl.div_rn`` on fp32 values converted from int32 with
-  round-to-nearest (``cvt.rn``), as torch's CPU conversion does; the rounding to an integer is
-  the ``1.5 * 2**23`` trick (the quotient is at most 254, far below ``2**22``);
+* ``step`` uses ``tl.div_rn`` on fp32 values converted from int32 with round-to-nearest
+  (``cvt.rn``), as torch's CPU conversion does; the rounding to an integer is the
+  ``1.5 * 2**23`` trick (the quotient is at most 254, far below ``2**22``);
+* the code is ``rne(fl(a / step))``, ``a = fl(t - lo)``: the kernel multiplies by each
+  block's correctly rounded reciprocal instead of dividing each element (the division and
+  its conversions made the encode compute-bound on the H100: bf16 and fp32 coded the same
+  elements per second), and divides only in tiles where a product lands within its error
+  bound of a half-integer, for those elements (the proof:
+  ``tw_triton.ops.reference.log2_levels_by_reciprocal``);
 * ``enable_fp_fusion=False`` (from the launch helper) keeps every operation separately rounded.
 """
 
@@ -25,6 +31,12 @@ from .quantize_blockwise import pack_lsb_first, widen_to_f32
 from .tiles import launch_row_tiles
 
 _RNE_MAGIC = tl.constexpr(12582912.0)
+# The bit pattern of _RNE_MAGIC: v + _RNE_MAGIC has bits _RNE_MAGIC_BITS + v for an integer
+# 0 <= v < 2**22.
+_RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
+# Four times the unit roundoff: a product within |v| * _APPROX_ERROR of a half-integer is
+# decided by the division (log2_levels_by_reciprocal has the bound).
+_APPROX_ERROR = tl.constexpr(2.0**-22)
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 _NEG_ZERO_BITS = tl.constexpr(-(1 << 31))
 _INT32_MAX = tl.constexpr((1 << 31) - 1)
@@ -50,16 +62,33 @@ def log2_tile(x, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     lo = tl.where(bad, -1, lo)
     hi = tl.where(bad, -1, hi)
 
+    u = log2_codes(t, lo, hi, pos, N_STEPS)
+    packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
+    return packed, lo, hi
+
+
+@triton.jit
+def log2_codes(t, lo, hi, pos, N_STEPS: tl.constexpr):
+    """The int32 codes of a ``(ROWS, BLOCK)`` tile of bit patterns ``t`` between its rows'
+    bounds: ``rne(fl(fl(t - lo) / step)) + 1`` clamped to ``[1, N + 1]`` where ``pos``, else 0,
+    ``step = fl(fl(hi - lo) / N)`` (a row with no positive step codes 0 + 1). Shared with the
+    ``log2-temporal`` encode's absolute rows."""
     step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
     has_step = step > 0.0
     safe = tl.where(has_step, step, 1.0)
-    r = tl.div_rn((t - lo[:, None]).to(tl.float32), safe[:, None])
-    r = tl.where(has_step[:, None], r, 0.0)
-    q = (r + _RNE_MAGIC) - _RNE_MAGIC
+    a = (t - lo[:, None]).to(tl.float32)
+    # A step is at least 1/254 (hi > lo): its reciprocal is finite.
+    inv = tl.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)
+    v = tl.where(has_step[:, None], a * inv[:, None], 0.0)
+    q = (v + _RNE_MAGIC) - _RNE_MAGIC
+    near = (tl.abs(v - q) > 0.5 - tl.abs(v) * _APPROX_ERROR) & pos
+    if tl.max(near.to(tl.int32)) > 0:
+        r = tl.where(has_step[:, None], tl.div_rn(a, safe[:, None]), 0.0)
+        q = tl.where(near, (r + _RNE_MAGIC) - _RNE_MAGIC, q)
     q = tl.minimum(tl.maximum(q, 0.0), N_STEPS * 1.0)
-    u = tl.where(pos, q.to(tl.int32) + 1, 0)
-    packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
-    return packed, lo, hi
+    # q is an integer in [0, N]: its code q + 1 is read from the bits of q plus the rounding
+    # constant (cheaper than a float-to-int conversion).
+    return tl.where(pos, (q + (_RNE_MAGIC + 1.0)).to(tl.int32, bitcast=True) - _RNE_MAGIC_BITS, 0)
 
 
 @triton.jit(do_not_specialize=["row0"])

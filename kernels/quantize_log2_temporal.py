@@ -21,9 +21,13 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
+from .quantize_log2 import log2_codes
 from .tiles import launch_row_tiles
 
 _RNE_MAGIC = tl.constexpr(12582912.0)
+# The bit pattern of _RNE_MAGIC: v + _RNE_MAGIC has bits _RNE_MAGIC_BITS + v for an integer
+# |v| < 2**22.
+_RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 _NEG_ZERO_BITS = tl.constexpr(-(1 << 31))
 _INT32_MAX = tl.constexpr((1 << 31) - 1)
@@ -44,6 +48,24 @@ def temporal_step(rb, N_STEPS: tl.constexpr, min_step):
 
 
 @triton.jit
+def rounded_steps(ad, step):
+    """``(ad + step // 2) // step`` (int64) where it is at most 200, and a value above 127
+    elsewhere, for int32 ``ad`` in ``[0, 2**31)`` and int64 ``step`` in ``[1, 2**30]``: the
+    temporal code's magnitude without an int64 division per element (a long software
+    routine on a GPU). The fp32 estimate ``f`` is within a relative ``6 * 2**-24`` of the
+    quotient ``m / step`` (six roundings), so ``rne(f - 1/2)`` is within 1 of its floor for
+    a quotient up to 200, and one exact correction in int64 gives the floor."""
+    half = step // 2
+    m = ad.to(tl.int64) + half
+    inv = tl.div_rn(tl.full(half.shape, 1.0, tl.float32), step.to(tl.float32))
+    f = tl.minimum((ad.to(tl.float32) + half.to(tl.float32)) * inv, 200.0)
+    # rne(f - 1/2) by the rounding constant, read from the bits (f - 1/2 is exact).
+    q0 = ((f - 0.5) + _RNE_MAGIC).to(tl.int32, bitcast=True) - _RNE_MAGIC_BITS
+    rem = m - q0.to(tl.int64) * step
+    return q0.to(tl.int64) + (rem >= step).to(tl.int64) - (rem < 0).to(tl.int64)
+
+
+@triton.jit
 def temporal_tile(x, r, min_step, BITS: tl.constexpr):
     """``(codes, lo, hi)`` of a ``(ROWS, BLOCK)`` fp32 input tile ``x`` against its
     reference tile ``r`` (one row per block): the codec's arithmetic, shared by the single
@@ -60,25 +82,26 @@ def temporal_tile(x, r, min_step, BITS: tl.constexpr):
 
     # Temporal codes: the rounded change in steps of the reference block's log2 step.
     step = temporal_step(rb, N_STEPS, min_step)[:, None]
-    d = t.to(tl.int64) - rb.to(tl.int64)
-    qa = (tl.where(d < 0, -d, d) + step // 2) // step
+    # Where t and rb are both positive finite patterns (the only elements whose q is used),
+    # d = t - rb fits an int32.
+    d = t - rb
+    qa = rounded_steps(tl.abs(d), step)
     q = tl.where(d < 0, -qa, qa)
     ok = zero | (pos & rpos & (qa <= _QMAX))
     temporal = (tl.min(ok.to(tl.int32), axis=1) > 0) & ~bad
     c_t = tl.where(zero, _ZERO_CODE, tl.where(ok, q, 0))
 
-    # Absolute log2 codes, for the rows that cannot be coded as a change.
-    lo = tl.min(tl.where(pos, t, _INT32_MAX), axis=1)
-    hi = tl.max(tl.where(pos, t, 0), axis=1)
-    a_step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
-    safe = tl.where(a_step > 0.0, a_step, 1.0)
-    ra = tl.div_rn((t - lo[:, None]).to(tl.float32), safe[:, None])
-    ra = (ra + _RNE_MAGIC) - _RNE_MAGIC
-    ra = tl.minimum(tl.maximum(ra, 0.0), N_STEPS * 1.0)
-    u = tl.where(pos, ra.to(tl.int32) + 1, 0)
-
+    # Absolute log2 codes, for the rows that cannot be coded as a change: in a tile with
+    # none (the common case once a chain runs), their arithmetic is skipped.
     absolute = ~temporal & ~bad
-    code = tl.where(temporal[:, None], c_t, tl.where(absolute[:, None], u.to(tl.int64), 0))
+    lo = tl.zeros_like(temporal.to(tl.int32))
+    hi = lo
+    u = tl.zeros_like(t)
+    if tl.max(absolute.to(tl.int32)) > 0:
+        lo = tl.min(tl.where(pos, t, _INT32_MAX), axis=1)
+        hi = tl.max(tl.where(pos, t, 0), axis=1)
+        u = log2_codes(t, lo, hi, pos, N_STEPS)
+    code = tl.where(temporal[:, None], c_t.to(tl.int64), tl.where(absolute[:, None], u.to(tl.int64), 0))
     code = (code & 0xFF).to(tl.uint8)
     lo = tl.where(bad, -1, tl.where(temporal, 0, lo))
     hi = tl.where(bad, -1, tl.where(temporal, 0, hi))

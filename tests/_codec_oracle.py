@@ -260,3 +260,24 @@ def spec_decode_log2(
     t_hat = np.minimum(hi_e, lo_e + np.trunc(p).astype(np.int64))
     t_hat = np.where(u == 0, 0, t_hat)
     return t_hat.astype(np.int32).view(np.float32)
+
+
+def near_half_log2_blocks(rng: np.random.Generator, nblocks: int, block: int, bits: int) -> np.ndarray:
+    """fp32 positives, ``nblocks * block`` of them, whose log2 quotients ``fl(t - lo) / step``
+    sit on and within a few dozen units of half-integers: where one multiply by the
+    reciprocal of the step can land on the wrong side of the half-integer.
+
+    Block ``b`` spans bit patterns ``lo .. lo + D`` (``D`` up to ``2**30``, so the step is
+    large and an integer ``t - lo`` can come within an ulp of ``(k + 1/2) * step``); its first
+    two elements are its bounds, the others ``lo + round((k + 1/2) * step) + d``,
+    ``|d| <= 40``, clipped to the block's span.
+    """
+    n_steps = (1 << bits) - 2
+    lo = rng.integers(0x20000000, 0x30000000, nblocks).astype(np.int64)
+    span = rng.integers(1 << 20, 1 << 30, nblocks).astype(np.int64)
+    step = (span.astype(np.float32) / np.float32(n_steps)).astype(np.float64)
+    k = rng.integers(0, n_steps, (nblocks, block)) + 0.5
+    a = np.rint(k * step[:, None]).astype(np.int64) + rng.integers(-40, 41, (nblocks, block))
+    t = lo[:, None] + np.clip(a, 0, span[:, None])
+    t[:, 0], t[:, 1] = lo, lo + span
+    return t.astype(np.int32).view(np.float32).reshape(-1)

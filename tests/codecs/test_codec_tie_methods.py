@@ -14,11 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _codec_oracle import near_tie_blocks, nearest_integer, scale_of, spec_encode
+from _codec_oracle import near_half_log2_blocks, near_tie_blocks, nearest_integer, scale_of, spec_encode
 
 import tw_triton
 from tw_triton.codecs import blockwise as codec
-from tw_triton.ops.reference import buffers, nearest_integer_by_reciprocal
+from tw_triton.ops.reference import buffers, levels, log2_levels_by_reciprocal, nearest_integer_by_reciprocal
 
 # (lowest, highest) log2 of the scales: normal ones, and subnormal ones where d/s has up to
 # 24 significant bits against a short scale.
@@ -84,3 +84,20 @@ def test_fp64_quotient_path_matches_spec_across_sub_chunks(monkeypatch, bits, lo
         codes, scales = spec_encode(x.to(torch.float32).numpy(), None, bits, block)
         assert np.array_equal(q.scales.numpy().view(np.int32), scales.view(np.int32))
         assert np.array_equal(q.codes.numpy(), codes)
+
+
+@pytest.mark.parametrize("bits", (8, 4, 2))
+def test_log2_reciprocal_method_matches_division(bits):
+    """The log2 encode kernel's levels, ``rne(fl(a / step))`` by a multiply and a division
+    only near a half-integer, against the division everywhere, on quotients built to sit
+    next to half-integers."""
+    rng = np.random.default_rng(bits)
+    x = near_half_log2_blocks(rng, 4096, 64, bits)
+    t = torch.from_numpy(x.view(np.int32)).view(4096, 64)
+    lo, hi = t[:, :1], t[:, 1:2]
+    step = (hi - lo).to(torch.float32) / float(levels(bits))
+    a = (t - lo).to(torch.float32)
+    want = torch.round(a / step)
+    assert torch.equal(log2_levels_by_reciprocal(a, step), want)
+    # The division is doing work: rounding the product alone is wrong for some.
+    assert (torch.round(a * (1.0 / step)) != want).any()

@@ -7,8 +7,10 @@ parameters from the precompiled grid (``ON_GRID``, tests/_kernel_testing.py).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from _codec_oracle import near_half_log2_blocks
 from _kernel_testing import (
     BLOCKS,
     FLOATS,
@@ -106,6 +108,17 @@ def test_log2_kernels_on_adversarial_values(dtype: torch.dtype, bits: int) -> No
     block = block_for("log2", 32)
     x = torch.cat([b.repeat(block // 32) for b in blocks[:-1]] + blocks[-1:]).to(dtype)
     assert_round_trips_like_torch(x, bits, block)
+
+
+@pytest.mark.parametrize("bits", grid_bits("log2") if ON_GRID else (8, 4, 2))
+def test_log2_kernel_on_quotients_next_to_half_integers(bits: int) -> None:
+    """Elements whose quotient ``fl(t - lo) / step`` sits on or a few units from a
+    half-integer: where the kernel's product by the reciprocal can land on the wrong side,
+    it must divide, as the spec does (in whole tiles and in the tail)."""
+    block = block_for("log2", 128)
+    nblocks = 2 * (4096 // block) + 3
+    x = near_half_log2_blocks(np.random.default_rng(bits), nblocks, block, bits)
+    assert_round_trips_like_torch(torch.from_numpy(x), bits, block)
 
 
 def test_log2_kernel_tiles_and_tails() -> None:

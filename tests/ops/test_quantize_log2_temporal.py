@@ -154,6 +154,36 @@ def test_log2_temporal_kernels_at_every_remainder(min_step: int) -> None:
     assert_like_torch(x, ref, 4, 32, min_step)
 
 
+def near_step_boundaries(seed: int, nblocks: int, block: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, ref)``: blocks whose reference spans ``lo .. lo + span`` (``span`` up to
+    ``2**30``, so steps from ``min_step`` to millions of patterns), and inputs whose change
+    ``|d| + step // 2`` sits on and one or two patterns beside ``k * step``, ``k`` up to 130:
+    the kernel's estimate of the rounded quotient and its correction at every edge."""
+    gen = torch.Generator().manual_seed(seed)
+    n_steps = (1 << bits) - 2
+    lo = torch.randint(0x20000000, 0x30000000, (nblocks, 1), generator=gen, dtype=torch.int64)
+    span = torch.randint(1 << 10, 1 << 30, (nblocks, 1), generator=gen, dtype=torch.int64)
+    step = torch.clamp(span // n_steps, min=1)
+    r = lo + torch.randint(0, 1 << 62, (nblocks, block), generator=gen, dtype=torch.int64) % (span + 1)
+    r[:, 0:1], r[:, 1:2] = lo, lo + span
+    k = torch.randint(0, 131, (nblocks, block), generator=gen, dtype=torch.int64)
+    k[: nblocks // 2] = torch.clamp(k[: nblocks // 2], max=127)  # rows that stay temporal
+    ad = torch.clamp(k * step - step // 2 + torch.randint(-2, 3, (nblocks, block), generator=gen), min=0)
+    sign = torch.where(torch.rand(nblocks, block, generator=gen) < 0.5, -1, 1)
+    t = torch.clamp(r + sign * ad, 1, 0x7F7FFFFF)
+    as_f32 = lambda v: v.to(torch.int32).view(torch.float32).reshape(-1)  # noqa: E731
+    return as_f32(t), as_f32(r)
+
+
+@pytest.mark.parametrize("bits", (8, 4, 2))
+def test_log2_temporal_kernels_at_step_boundaries(bits: int) -> None:
+    """Steps of every size (up to millions of patterns): the rounded change of each input at
+    and beside every boundary between two codes, in whole tiles and in the tail."""
+    block = 64
+    x, ref = near_step_boundaries(bits, 2 * (4096 // block) + 5, block, bits)
+    assert_like_torch(x, ref, bits, block, 1)
+
+
 def test_log2_temporal_kernels_clamp_like_torch() -> None:
     """Changes that round to zero or past the largest finite value: the clamps."""
     top = 0x7F7FFFFF

@@ -39,7 +39,7 @@ from .grouped import (
     quantize_log2_many_torch,
     quantize_log2_temporal_many_torch,
 )
-from .log2 import dequantize_log2_torch, levels, quantize_log2_torch
+from .log2 import dequantize_log2_torch, levels, log2_levels_by_reciprocal, quantize_log2_torch
 from .log2_temporal import (
     dequantize_log2_temporal_torch,
     log2_temporal_code_errors_torch,
@@ -107,6 +107,7 @@ __all__ = [
     "fingerprint_torch",
     "fingerprints_torch",
     "levels",
+    "log2_levels_by_reciprocal",
     "log2_temporal_code_errors_torch",
     "log2_temporal_code_flags_many_torch",
     "nonzero_count",

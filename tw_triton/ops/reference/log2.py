@@ -100,6 +100,34 @@ def _levels(t: torch.Tensor, lo_b: torch.Tensor, hi_b: torch.Tensor, n_steps: fl
     torch.round(r, out=r).clamp_(0.0, n_steps)
 
 
+# Scaling of the bound on a product's error against the quotient it stands for.
+_APPROX_ERROR = 2.0**-22
+
+
+def log2_levels_by_reciprocal(a: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """``rne(fl(a / step))`` by the encode kernel's method (``kernels/quantize_log2.py``):
+    a multiply by ``fl(1 / step)`` per element, a division only near a half-integer.
+
+    ``v = fl(a * fl(1 / step))`` is ``(a / step)(1 + e1)(1 + e2)`` and ``fl(a / step)`` is
+    ``(a / step)(1 + e3)``, each ``|e| <= 2**-24``, so ``|v - fl(a / step)| < 3.001 * 2**-24 * |v|``.
+    Where ``|v - rne(v)| <= fl(0.5 - |v| * 2**-22)``, ``fl(a / step)`` lies strictly inside
+    ``rne(v) +- 1/2``, so its ``rne`` is ``rne(v)``: the subtraction's rounding, at most
+    ``2**-26``, is within the margin left, ``0.999 * 2**-24 * |v|``, wherever ``v`` is near a
+    half-integer (``|v| > 0.49``). Elsewhere the quotient is divided.
+
+    Args:
+        a: fp32 values (``fl(t - lo)``).
+        step: fp32 steps, positive and finite, broadcastable to ``a``.
+
+    Returns:
+        fp32 integers, before the clamp to ``[0, N]``.
+    """
+    v = a * (1.0 / step)
+    q = torch.round(v)
+    near = (v - q).abs() > 0.5 - v.abs() * _APPROX_ERROR
+    return torch.where(near, torch.round(a / step), q)
+
+
 def _general_rows(
     t: torch.Tensor, n_steps: float, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

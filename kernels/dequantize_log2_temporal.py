@@ -39,14 +39,16 @@ def temporal_decode_tile(c8, r, lo, hi, min_step, BITS: tl.constexpr):
     t_tmp = tl.minimum(tl.maximum(t_tmp, 1), _F32_MAX_BITS)
     t_tmp = tl.where(q == _ZERO_CODE, 0, t_tmp).to(tl.int32)
 
-    a_step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
-    p = (codes_to_f32(u) - 1.0) * a_step[:, None]
-    t_abs = lo[:, None] + (p + 0.5).to(tl.int32)
-    t_abs = tl.minimum(t_abs, hi[:, None])
-    t_abs = tl.where(u > 0, t_abs, 0)
-
+    # The absolute rows' levels, in a tile that holds one (once a chain runs, most hold none).
     temporal = (lo == 0) & (hi == 0)
-    t = tl.where(temporal[:, None], t_tmp, t_abs)
+    t = t_tmp
+    if tl.min(temporal.to(tl.int32)) == 0:
+        a_step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
+        p = (codes_to_f32(u) - 1.0) * a_step[:, None]
+        t_abs = lo[:, None] + (p + 0.5).to(tl.int32)
+        t_abs = tl.minimum(t_abs, hi[:, None])
+        t_abs = tl.where(u > 0, t_abs, 0)
+        t = tl.where(temporal[:, None], t_tmp, t_abs)
     return t.to(tl.float32, bitcast=True)
 
 

@@ -52,6 +52,13 @@ KERNEL_MODULES = frozenset(
         "test_quantize_log2_temporal_many.py",
         "test_delta_statistics_many.py",
         "test_bitmask_encode_many.py",
+        # The grouped decodes and checks of a load, and the other grouped kernels of a save.
+        "test_log2_temporal_check.py",
+        "test_dequantize_log2_temporal_many.py",
+        "test_dequantize_log2_many.py",
+        "test_dequantize_blockwise_update_many.py",
+        "test_quantize_blockwise_update_many.py",
+        "test_sparsity_counts_many.py",
     }
 )
 

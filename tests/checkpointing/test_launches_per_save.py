@@ -889,13 +889,13 @@ def chain_load(spy: LaunchSpy, root, n: int, links: int) -> tuple:
 
 def test_a_chain_load_on_a_device_decodes_each_link_in_grouped_launches(spy, monkeypatch, tmp_path) -> None:
     """Loading a delta two links past its keyframe to a device: the same launches and host
-    reads for 10 and 50 weights (each link: one read of the references' fingerprints, one of
+    reads for 10 and 30 weights (each link: one read of the references' fingerprints, one of
     the flags of its second moments' code check), but for a copy of the temporal codes that
     do not start on 16 bytes, and the values of the per-tensor path bit for bit."""
     monkeypatch.setattr(decode_module, "groups_launches", lambda device: True)
     small, _ = chain_load(spy, tmp_path / "10", 10, links=2)
-    large, loaded = chain_load(spy, tmp_path / "50", 50, links=2)
-    assert small == large, f"10 weights: {small}\n50 weights: {large}"
+    large, loaded = chain_load(spy, tmp_path / "30", 30, links=2)
+    assert small == large, f"10 weights: {small}\n30 weights: {large}"
     _, syncs, kernels = large
     assert syncs == 2 * 2
     assert kernels["log2_temporal_check_grouped_kernel"] == 2 * 2  # per link: tiles, tails
@@ -904,7 +904,7 @@ def test_a_chain_load_on_a_device_decodes_each_link_in_grouped_launches(spy, mon
     assert kernels["dequantize_blockwise_grouped_kernel"] <= 2 * 4  # per link: two dtypes
     assert kernels["fingerprint_kernel"] == 2 * 2  # per link: the weights' two dtypes
     monkeypatch.setattr(decode_module, "groups_launches", lambda device: False)
-    with Checkpointer(tmp_path / "50", async_write=False, fsync=False) as ckpt:
+    with Checkpointer(tmp_path / "30", async_write=False, fsync=False) as ckpt:
         alone = flatten(ckpt.load(2))[0]
     for path, t in flatten(loaded)[0].items():
         assert torch.equal(t.reshape(-1).view(torch.uint8), alone[path].reshape(-1).view(torch.uint8)), path

@@ -103,6 +103,14 @@ def pack_lsb_first(u, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexp
 
 
 @triton.jit
+def rounded_int(v, OFFSET: tl.constexpr):
+    """``rne(v) + OFFSET`` as int32, for ``|v + OFFSET| < 2**22`` and an integer ``OFFSET``:
+    the bits of ``v + (1.5 * 2**23 + OFFSET)``, which the add itself rounds (cheaper than a
+    float-to-int conversion). Shared by the encodes' codes."""
+    return (v + (_RNE_MAGIC + OFFSET)).to(tl.int32, bitcast=True) - _RNE_MAGIC_BITS
+
+
+@triton.jit
 def quantize_tile(d, qmax, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """``(packed codes, scales)`` of a ``(ROWS, BLOCK)`` fp32 tile of ``d`` (one row per
     block): the codec's arithmetic, shared by the single and the grouped encode. ``qmax``
@@ -137,9 +145,7 @@ def quantize_tile(d, qmax, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.con
         r = nearest_at_half(v, r, near, d, s)
     v = tl.minimum(tl.maximum(r, -qmax), qmax)
     v = tl.where(usable[:, None], v, 0.0)
-    # v is an integer of magnitude < 2**22: its code is read from the bits of v plus the
-    # rounding constant and the code offset (cheaper than a float-to-int conversion).
-    u = (v + (_RNE_MAGIC + (1 << (BITS - 1)))).to(tl.int32, bitcast=True) - _RNE_MAGIC_BITS
+    u = rounded_int(v, 1 << (BITS - 1))
     packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
     return packed, scale
 

@@ -27,13 +27,10 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
-from .quantize_blockwise import pack_lsb_first, widen_to_f32
+from .quantize_blockwise import pack_lsb_first, rounded_int, widen_to_f32
 from .tiles import launch_row_tiles
 
 _RNE_MAGIC = tl.constexpr(12582912.0)
-# The bit pattern of _RNE_MAGIC: v + _RNE_MAGIC has bits _RNE_MAGIC_BITS + v for an integer
-# 0 <= v < 2**22.
-_RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
 # Four times the unit roundoff: a product within |v| * _APPROX_ERROR of a half-integer is
 # decided by the division (log2_levels_by_reciprocal has the bound).
 _APPROX_ERROR = tl.constexpr(2.0**-22)
@@ -86,9 +83,7 @@ def log2_codes(t, lo, hi, pos, N_STEPS: tl.constexpr):
         r = tl.where(has_step[:, None], tl.div_rn(a, safe[:, None]), 0.0)
         q = tl.where(near, (r + _RNE_MAGIC) - _RNE_MAGIC, q)
     q = tl.minimum(tl.maximum(q, 0.0), N_STEPS * 1.0)
-    # q is an integer in [0, N]: its code q + 1 is read from the bits of q plus the rounding
-    # constant (cheaper than a float-to-int conversion).
-    return tl.where(pos, (q + (_RNE_MAGIC + 1.0)).to(tl.int32, bitcast=True) - _RNE_MAGIC_BITS, 0)
+    return tl.where(pos, rounded_int(q, 1), 0)
 
 
 @triton.jit(do_not_specialize=["row0"])

@@ -21,13 +21,10 @@ import triton.language as tl
 
 from tw_triton.errors import QuantizationError
 
+from .quantize_blockwise import rounded_int
 from .quantize_log2 import log2_codes
 from .tiles import launch_row_tiles
 
-_RNE_MAGIC = tl.constexpr(12582912.0)
-# The bit pattern of _RNE_MAGIC: v + _RNE_MAGIC has bits _RNE_MAGIC_BITS + v for an integer
-# |v| < 2**22.
-_RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 _NEG_ZERO_BITS = tl.constexpr(-(1 << 31))
 _INT32_MAX = tl.constexpr((1 << 31) - 1)
@@ -59,8 +56,7 @@ def rounded_steps(ad, step):
     m = ad.to(tl.int64) + half
     inv = tl.div_rn(tl.full(half.shape, 1.0, tl.float32), step.to(tl.float32))
     f = tl.minimum((ad.to(tl.float32) + half.to(tl.float32)) * inv, 200.0)
-    # rne(f - 1/2) by the rounding constant, read from the bits (f - 1/2 is exact).
-    q0 = ((f - 0.5) + _RNE_MAGIC).to(tl.int32, bitcast=True) - _RNE_MAGIC_BITS
+    q0 = rounded_int(f - 0.5, 0)  # f - 1/2 is exact
     rem = m - q0.to(tl.int64) * step
     return q0.to(tl.int64) + (rem >= step).to(tl.int64) - (rem < 0).to(tl.int64)
 

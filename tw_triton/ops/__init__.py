@@ -267,8 +267,8 @@ def bitmask_decode(
 
 def mask_popcount(mask: torch.Tensor, numel: int) -> torch.Tensor:
     """What a decode checks of a bitmask of ``ceil(numel / 8)`` bytes, on its device: int64
-    ``[set bits among the first numel, 1 if a padding bit past numel is set else 0]``
-    (one read to the host)."""
+    ``[set bits among the first numel, 1 if a padding bit past numel is set else 0]``, for
+    the caller to read in one transfer."""
     return lookup("mask_popcount", mask.device.type)(mask, numel)
 
 
@@ -370,6 +370,8 @@ def log2_temporal_code_flags_many(
     does not grow with their count (on CUDA: a table copy and two) and read by nothing
     here: a grouped load reads them in one transfer, and asks
     :func:`log2_temporal_code_errors` what is wrong only where one is set."""
+    if not codes:
+        return torch.zeros(0, dtype=torch.int64)
     return lookup("log2_temporal_code_flags_many", codes[0].device.type)(
         codes, lo, hi, references, bits, block
     )

@@ -254,6 +254,13 @@ def run_save_load(
     for method, ck, at in (("tw keyframe", ck_kf, last_step), ("tw delta", ck_delta, 1)):
         sync(device)
         profiles[method] = profile_call(lambda: (ck.load(at, device=device), sync(device)))
+        sync(device)
+        with phase_timers() as phases:
+            t0 = time.perf_counter()
+            ck.load(at, device=device)
+            sync(device)
+        profiles[method]["phases_wall_s"] = round(time.perf_counter() - t0, 4)
+        profiles[method]["phases"] = phases
     sizes = {
         "torch.save": (workdir / "state.pt").stat().st_size,
         "safetensors": (workdir / "state.safetensors").stat().st_size,
@@ -307,6 +314,76 @@ def run_save_load(
         "goals": goals,
         "load_profile": profiles,
     }
+
+
+# The phases of a load, timed in every thread that runs them (the cProfile table above sees
+# only the loading thread, where the reading threads' work is a wait): (label, module,
+# attribute). Nested: a buffer's read holds its entropy decode, upload and checksums.
+LOAD_PHASES = (
+    ("read the files", "tw_triton.format.reader", "read_file"),
+    ("read: one buffer", "tw_triton.format.reader", "MappedCheckpoint.read_buffer"),
+    ("read: checksum and entropy decode to host memory", "tw_triton.format.reader", "decode_staged"),
+    ("read: a decoded buffer to the device", "tw_triton.format.reader", "upload_host"),
+    ("read: a raw buffer to the device", "tw_triton.format.reader", "upload_raw"),
+    ("read: wait for a free pinned slot", "tw_triton.pinned_memory", "PinnedRing._acquire"),
+    ("read: pin the ring's slab", "tw_triton.pinned_memory", "PinnedRing.__init__"),
+    ("read: CRC-32", "zlib", "crc32"),
+    ("decode the entries", "tw_triton.state.decode", "decode_entries"),
+    ("decode: grouped launches", "tw_triton.state.grouped", "decode_grouped"),
+    ("rebuild the tree", "tw_triton.tree", "unflatten"),
+)
+
+
+@contextlib.contextmanager
+def phase_timers(phases: tuple[tuple[str, str, str], ...] = LOAD_PHASES) -> Iterator[dict[str, Any]]:
+    """Time ``phases`` while the block runs, in whichever thread calls them: yields a dict
+    that holds, on exit, ``{label: {"calls", "seconds" (summed over calls and threads),
+    "threads"}}``. Each function is replaced where it is defined and in every module that
+    imported it by name, and put back on exit."""
+    import importlib
+    import sys
+    import threading
+
+    lock = threading.Lock()
+    totals: dict[str, list[Any]] = {label: [0, 0.0, set()] for label, _, _ in phases}
+    undo: list[tuple[Any, str, Any]] = []
+
+    def timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                with lock:
+                    row = totals[label]
+                    row[0] += 1
+                    row[1] += dt
+                    row[2].add(threading.get_ident())
+
+        return wrapper
+
+    for label, module, attribute in phases:
+        owner: Any = importlib.import_module(module)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+        wrapper = timed(label, original)
+        holders = (
+            [owner] if path else [m for m in list(sys.modules.values()) if getattr(m, name, None) is original]
+        )
+        for holder in holders:
+            undo.append((holder, name, original))
+            setattr(holder, name, wrapper)
+    result: dict[str, Any] = {}
+    try:
+        yield result
+    finally:
+        for holder, name, original in reversed(undo):
+            setattr(holder, name, original)
+        for label, (calls, seconds, threads) in totals.items():
+            result[label] = {"calls": calls, "seconds": round(seconds, 4), "threads": len(threads)}
 
 
 def profile_call(fn: Callable[[], Any], top: int = 25) -> dict[str, Any]:

@@ -455,6 +455,17 @@ def end_to_end_table(data: dict[str, Any]) -> str:
             lines.append(
                 f"| `{row['function']}` | {row['calls']} | {row['own_s']:.4f} | {row['cumulative_s']:.4f} |"
             )
+        if prof.get("phases"):
+            lines += [
+                "",
+                f"The same load's phases in every thread ({prof['phases_wall_s']:.3f} s; seconds summed "
+                "over calls and threads, nested phases inside their parents):",
+                "",
+                "| phase | calls | threads | seconds |",
+                "|---|---:|---:|---:|",
+            ]
+            for label, row in prof["phases"].items():
+                lines.append(f"| {label} | {row['calls']} | {row['threads']} | {row['seconds']:.4f} |")
     return "\n".join(lines)
 
 

@@ -671,6 +671,40 @@ def test_end_to_end_starts_no_round_past_its_budget(tmp_path):
     assert r["load"]["tw chain"]["links"] == 2.5 and "per_link_s" in r["load"]["tw chain"]
     phases = [row["function"] for row in r["load_profile"]["tw delta"]["top_cumulative"]]
     assert any(f.startswith("checkpointer.py:") and f.endswith(":load") for f in phases), phases
+    # ...and in every thread: a delta's load reads two files (the keyframe only where the
+    # delta codes), decodes each, and checks every buffer it reads.
+    timed = r["load_profile"]["tw delta"]["phases"]
+    assert timed["read the files"]["calls"] == 2 and timed["rebuild the tree"]["calls"] == 1
+    assert timed["decode the entries"]["calls"] == 2
+    assert timed["read: CRC-32"]["calls"] >= timed["read: one buffer"]["calls"] > 0
+    assert timed["read: a decoded buffer to the device"]["calls"] == 0  # the CPU: no upload
+
+
+def test_phase_timers_time_every_thread_and_put_the_functions_back():
+    import zlib
+
+    from tw_triton.format import reader
+
+    crc32, read_file = zlib.crc32, reader.read_file
+    with _end_to_end.phase_timers() as phases:
+        assert zlib.crc32 is not crc32 and reader.read_file is not read_file
+        results: list[int] = []
+        alive = threading.Barrier(3)  # the three at once: no thread id reused
+
+        def work(start: int) -> None:
+            alive.wait()
+            results.append(zlib.crc32(b"ab", start))
+
+        threads = [threading.Thread(target=work, args=(start,)) for start in (0, 0, 7)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results.append(zlib.crc32(b"ab"))
+    assert zlib.crc32 is crc32 and reader.read_file is read_file
+    assert sorted(results) == sorted([crc32(b"ab")] * 3 + [crc32(b"ab", 7)])
+    assert phases["read: CRC-32"]["calls"] == 4 and phases["read: CRC-32"]["threads"] == 4
+    assert phases["read the files"] == {"calls": 0, "seconds": 0.0, "threads": 0}
 
 
 def test_the_grid_is_what_the_presets_code_with_a_kernel():
@@ -853,7 +887,9 @@ def test_pytest_failures_are_written_as_they_happen_and_the_huge_tests_run_last(
     test = tmp_path / "test_fails.py"
     test.write_text(
         "def test_int64_offsets_past_2_31():\n    pass\n\n"
-        "def test_boom():\n    assert 1 + 1 == 3, 'arithmetic'\n\ndef test_ok():\n    pass\n"
+        "def test_boom():\n    assert 1 + 1 == 3, 'arithmetic'\n\n"
+        "import time, pytest\n\n@pytest.fixture\ndef slow():\n    time.sleep(0.2)\n\n"
+        "def test_ok(slow):\n    pass\n"
     )
     log = tmp_path / "failures.log"
     env = {**_env(), "PYTHONPATH": str(GPU_DIR), "TW_PYTEST_FAILURES": str(log)}
@@ -870,3 +906,6 @@ def test_pytest_failures_are_written_as_they_happen_and_the_huge_tests_run_last(
     assert "test_ok" not in text
     order = re.findall(r"::(test_\w+) (?:PASSED|FAILED)", proc.stdout)
     assert order == ["test_boom", "test_ok", "test_int64_offsets_past_2_31"], proc.stdout
+    # Each line says how long its test took, setup included (the fixture sleeps 0.2 s).
+    seconds = dict(re.findall(r"::(test_\w+) (?:PASSED|FAILED) (\d+\.\d)s", proc.stdout))
+    assert set(seconds) == set(order) and float(seconds["test_ok"]) >= 0.2, proc.stdout

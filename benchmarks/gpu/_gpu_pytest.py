@@ -4,7 +4,8 @@
   test ends: a pytest killed at its budget (its summary is printed only at the end) still
   brings back why the tests that ran failed.
 * The tests that allocate tens of GiB (the int64 offset windows) run last: on the first
-  H100 run the budget ran out inside one of them with 87 tests not yet started.
+  H100 run the budget ran out inside one of them with 87 tests not yet started. Under
+  pytest-xdist they share one worker (``--dist loadgroup``), so never two at once.
 * Each test's ``-v`` line carries its seconds (setup and call): ``... PASSED 2.4s [ 5%]``.
   The first H100 run's log could not say which of its 53 tests took the 150 s budget.
 
@@ -20,11 +21,24 @@ import pytest
 LAST = ("int64_offsets_past",)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups off the markers
 def pytest_collection_modifyitems(session, config, items) -> None:
     items.sort(key=lambda item: any(name in item.name for name in LAST))  # stable: the rest keep their order
+    if config.pluginmanager.hasplugin("xdist"):
+        # Under xdist --dist loadgroup: one worker runs them all, one at a time (two at
+        # once would not fit in the device's memory), while the others run the rest.
+        for item in items:
+            if any(name in item.name for name in LAST):
+                item.add_marker(pytest.mark.xdist_group("huge"))
 
 
 _setup_s: dict[str, float] = {}
+_worker = False  # an xdist worker: its controller writes the failures it is sent
+
+
+def pytest_configure(config) -> None:
+    global _worker
+    _worker = hasattr(config, "workerinput")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -47,7 +61,7 @@ def pytest_runtest_logreport(report) -> None:
     if report.when == "setup":
         _setup_s[report.nodeid] = report.duration
     path = os.environ.get("TW_PYTEST_FAILURES")
-    if not path or not report.failed:
+    if not path or not report.failed or _worker:
         return
     with open(path, "a", encoding="utf-8") as f:
         f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -260,6 +260,22 @@ def step_concurrency(device: torch.device, dry: bool, budget: float, work: Path)
     return s
 
 
+# A test's line in pytest -v's output, serial (``tests/a.py::test PASSED 1.2s [ 5%]``) or
+# from an xdist worker (``[gw3] [  5%] PASSED 1.2s tests/a.py::test``).
+_ENDED = r"(?:::\S+ |\[gw\d+\] \[\s*\d+%\] ){}\b"
+
+
+def pytest_workers() -> int:
+    """pytest-xdist workers for the pytest step: half the cores, 2 to 8; 0 (one process)
+    without xdist. The first H100 run's serial pytest ran 53 of its 140 tests in its 150 s
+    budget; the workers compile the variants the precompile did not in parallel too."""
+    import importlib.util
+
+    if importlib.util.find_spec("xdist") is None:
+        return 0
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
 def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out: Path) -> Step:
     s = Step("pytest", "(a) pytest -m cuda (a skip with a GPU is a failure)")
     xml = out / "pytest.xml"
@@ -278,6 +294,10 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
         "_gpu_pytest",
         f"--junitxml={xml}",
     ]
+    workers = 0 if dry else pytest_workers()
+    if workers:
+        # loadgroup: the tests of tens of GiB share one worker, one after another (_gpu_pytest).
+        cmd += ["-n", str(workers), "--dist", "loadgroup"]
     if dry:
         cmd = [
             sys.executable,
@@ -311,7 +331,7 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
     except subprocess.TimeoutExpired:
         output = log_path.read_text(encoding="utf-8", errors="replace")
         ended = {
-            k: len(re.findall(rf"::\S+ {k}\b", output)) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")
+            k: len(re.findall(_ENDED.format(k), output)) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")
         }
         s.data = {"command": " ".join(cmd[1:]), "killed": True, **{k.lower(): n for k, n in ended.items()}}
         bad = ended["FAILED"] + ended["ERROR"] + ended["SKIPPED"]

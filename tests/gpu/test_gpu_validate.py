@@ -804,6 +804,64 @@ def test_a_pytest_step_killed_at_its_budget_counts_the_tests_that_ended(tmp_path
     assert step.status == "FAIL" and step.data["failed"] == 1
 
 
+def test_a_killed_pytest_step_counts_the_lines_of_xdist_workers_too(tmp_path, monkeypatch):
+    """With pytest-xdist (the GPU image has it) the step runs the tests on several workers,
+    whose -v lines put the outcome first; the count of a killed run reads both forms."""
+    lines = [
+        "[gw0] [  1%] PASSED 2.1s tests/gpu/test_a.py::test_one ",
+        "[gw3] [ 12%] FAILED 0.4s tests/gpu/test_a.py::test_two[int8] ",
+        "tests/gpu/test_b.py::test_three SKIPPED 0.0s (needs CUDA) [ 20%]",
+    ]
+    seen = {}
+
+    def killed(cmd, **kw):
+        seen["cmd"] = cmd
+        kw["stdout"].write("\n".join(lines))
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(validate.subprocess, "run", killed)
+    monkeypatch.setattr(validate, "pytest_workers", lambda: 6)
+    step = validate.step_pytest(torch.device("cpu"), False, 12.0, tmp_path, tmp_path)
+    assert seen["cmd"][-4:] == ["-n", "6", "--dist", "loadgroup"]
+    assert (step.data["passed"], step.data["failed"], step.data["skipped"]) == (1, 1, 1)
+    assert step.status == "FAIL"
+    monkeypatch.setattr(validate, "pytest_workers", lambda: 0)  # no xdist: one process
+    validate.step_pytest(torch.device("cpu"), False, 12.0, tmp_path, tmp_path)
+    assert "-n" not in seen["cmd"]
+
+
+HUGE = tuple(f"int64_offsets_past_{c}" for c in "abcd")
+SMALL = tuple(f"small_{c}" for c in "efghij")
+
+
+def test_under_xdist_the_huge_tests_share_one_worker(tmp_path: Path) -> None:
+    """Two tests of tens of GiB at once would not fit in the device: _gpu_pytest puts them
+    in one xdist group, which --dist loadgroup runs on one worker, one after the other."""
+    pytest.importorskip("xdist")
+    test = tmp_path / "test_huge.py"
+    test.write_text(
+        "import os\n\n"
+        + "".join(
+            f"def test_{name}():\n    open({str(tmp_path / name)!r}, 'w').write(os.environ['PYTEST_XDIST_WORKER'])\n\n"
+            for name in HUGE + SMALL
+        )
+    )
+    env = {**_env(), "PYTHONPATH": str(GPU_DIR)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-p", "_gpu_pytest", "-p", "no:cacheprovider"]
+        + ["-n", "2", "--dist", "loadgroup", str(test)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout
+    # Four huge tests among six others on two workers: all on one without the group is
+    # unlikely; with it, certain.
+    assert len({(tmp_path / name).read_text() for name in HUGE}) == 1, proc.stdout
+    assert len(re.findall(validate._ENDED.format("PASSED"), proc.stdout)) == 10, proc.stdout
+
+
 def test_a_command_killed_during_the_pytest_step_keeps_its_log(tmp_path, monkeypatch):
     """The pytest output goes to pytest.log as it is written, unbuffered: when the whole
     command is killed at its limit mid-pytest, the lines of the tests that ended are there."""

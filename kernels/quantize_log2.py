@@ -35,8 +35,7 @@ _RNE_MAGIC = tl.constexpr(12582912.0)
 # decided by the division (log2_levels_by_reciprocal has the bound).
 _APPROX_ERROR = tl.constexpr(2.0**-22)
 _F32_INF_BITS = tl.constexpr(0x7F800000)
-_NEG_ZERO_BITS = tl.constexpr(-(1 << 31))
-_INT32_MAX = tl.constexpr((1 << 31) - 1)
+_NEG_ZERO_U32 = tl.constexpr(1 << 31)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -49,13 +48,18 @@ def log2_tile(x, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     N_STEPS: tl.constexpr = (1 << BITS) - 2
     t = widen_to_f32(x).to(tl.int32, bitcast=True)
 
-    pos = (t > 0) & (t < _F32_INF_BITS)
-    zero = (t == 0) | (t == _NEG_ZERO_BITS)
-    bad = tl.max((~(pos | zero)).to(tl.int32), axis=1) > 0
-    lo = tl.min(tl.where(pos, t, _INT32_MAX), axis=1)
-    hi = tl.max(tl.where(pos, t, 0), axis=1)
-    lo = tl.where(hi > 0, lo, 0)
-    pos = pos & ~bad[:, None]
+    # The bounds come from three plain reductions of the bit patterns, with no per-element
+    # select: as int32 the positive finite patterns are 1 .. 0x7F7FFFFF, above them +inf
+    # and +NaN, below them the zeros and the negatives; as uint32 the negative non-zero
+    # patterns are the ones above 0x80000000 (-0.0); and ``t - 1`` as uint32 puts the
+    # positive finite patterns below everything else. A row with an element that is
+    # neither positive finite nor a zero is ``bad``.
+    tu = t.to(tl.uint32, bitcast=True)
+    top = tl.max(t, axis=1)
+    bad = (top >= _F32_INF_BITS) | (tl.max(tu, axis=1) > _NEG_ZERO_U32)
+    hi = tl.maximum(top, 0)
+    lo = tl.where(hi > 0, (tl.min(tu - 1, axis=1) + 1).to(tl.int32, bitcast=True), 0)
+    pos = (t > 0) & ~bad[:, None]
     lo = tl.where(bad, -1, lo)
     hi = tl.where(bad, -1, hi)
 

@@ -28,6 +28,7 @@ from .tiles import launch_row_tiles
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 _NEG_ZERO_BITS = tl.constexpr(-(1 << 31))
 _INT32_MAX = tl.constexpr((1 << 31) - 1)
+_NEG_ZERO_U32 = tl.constexpr(1 << 31)
 _ZERO_CODE = tl.constexpr(-128)
 _QMAX = tl.constexpr(127)
 
@@ -36,11 +37,12 @@ _QMAX = tl.constexpr(127)
 def temporal_step(rb, N_STEPS: tl.constexpr, min_step):
     """The int64 step of each row of reference patterns ``rb``: ``max((hi_r - lo_r) // N,
     min_step)`` over the row's positive finite values (``min_step`` when there is none)."""
-    rpos = (rb > 0) & (rb < _F32_INF_BITS)
-    lo_r = tl.min(tl.where(rpos, rb, _INT32_MAX), axis=1)
-    hi_r = tl.max(tl.where(rpos, rb, 0), axis=1)
-    any_r = tl.max(rpos.to(tl.int32), axis=1) > 0
-    span = tl.where(any_r, hi_r.to(tl.int64) - lo_r.to(tl.int64), 0)
+    # As uint32, ``rb - 1`` puts the positive finite patterns (1 .. 0x7F7FFFFF) below every
+    # other one: its minimum is the lowest of them less one, with no per-element select.
+    lo_u = tl.min(rb.to(tl.uint32, bitcast=True) - 1, axis=1)
+    any_r = lo_u < _F32_INF_BITS - 1
+    hi_r = tl.max(tl.where(rb < _F32_INF_BITS, rb, 0), axis=1)
+    span = tl.where(any_r, hi_r.to(tl.int64) - (lo_u + 1).to(tl.int64), 0)
     return tl.maximum(span // N_STEPS, min_step.to(tl.int64))
 
 
@@ -73,7 +75,11 @@ def temporal_tile(x, r, min_step, BITS: tl.constexpr):
 
     pos = (t > 0) & (t < _F32_INF_BITS)
     zero = (t == 0) | (t == _NEG_ZERO_BITS)
-    bad = tl.max((~(pos | zero)).to(tl.int32), axis=1) > 0
+    # Neither positive finite nor a zero: +inf or +NaN (int32 at least 0x7F800000), or a
+    # negative non-zero pattern (uint32 above -0.0's 0x80000000).
+    bad = (tl.max(t, axis=1) >= _F32_INF_BITS) | (
+        tl.max(t.to(tl.uint32, bitcast=True), axis=1) > _NEG_ZERO_U32
+    )
     rpos = (rb > 0) & (rb < _F32_INF_BITS)
 
     # Temporal codes: the rounded change in steps of the reference block's log2 step.

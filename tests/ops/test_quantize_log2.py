@@ -102,6 +102,14 @@ def test_log2_kernels_on_adversarial_values(dtype: torch.dtype, bits: int) -> No
         torch.tensor([1.0] * 31 + [float("inf")], dtype=torch.float64),
         torch.tensor([1.0] * 31 + [float("-inf")], dtype=torch.float64),
         torch.tensor([float(info.tiny)] * 16 + [float(info.max)] * 16, dtype=torch.float64),
+        # The bit patterns at the kernel's bounds: only -0.0 (the lowest int32, the uint32
+        # boundary itself), both zeros, -0.0 beside +inf, the negative pattern next to
+        # -0.0 (the smallest negative subnormal), a NaN with its sign bit set.
+        torch.full((32,), -0.0, dtype=torch.float64),
+        torch.tensor([-0.0, 0.0] * 16, dtype=torch.float64),
+        torch.tensor([-0.0] * 31 + [float("inf")], dtype=torch.float64),
+        torch.tensor([1.0] * 31 + [-float(info.smallest_normal) * float(info.eps)], dtype=torch.float64),
+        torch.tensor([1.0] * 31 + [-float("nan")], dtype=torch.float64),
         torch.tensor(special[:7], dtype=torch.float64),  # partial last block
     ]
     # On the GPU grid's larger block, each 32-value block repeated to fill one.

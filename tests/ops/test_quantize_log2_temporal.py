@@ -105,6 +105,15 @@ def test_log2_temporal_kernels_on_adversarial_values(bits: int) -> None:
         ([0.0] * 31 + [2.0], [-1.0] * 31 + [2.0]),  # negative reference under zeros
         ([float(info.max)] * 32, [float(info.tiny)] * 32),  # a jump far past 127 steps
         ([float(info.max)] * 16 + [1.0] * 16, [float(info.max)] * 16 + [1.0] * 16),
+        # Patterns at the kernel's bounds: -0.0 only; a NaN with its sign bit set and the
+        # negative pattern next to -0.0 (uncodable); a reference's +inf, +NaN, -NaN or
+        # negative under a zero, in a row that stays temporal (its step ignores them).
+        ([-0.0] * 32, [2.0] * 32),
+        ([1.0] * 31 + [-nan], [1.0] * 32),
+        ([1.0] * 31 + [-float(info.tiny) * float(info.eps)], [1.0] * 32),
+        ([1.0] * 31 + [0.0], [1.0] * 16 + [2.0] * 15 + [inf]),
+        ([1.0] * 30 + [0.0] * 2, [1.0] * 16 + [2.0] * 14 + [nan, -nan]),
+        ([1.0] * 31 + [0.0], [1.0] * 16 + [64.0] * 15 + [-float(info.tiny) * float(info.eps)]),
         (special[:7], special[:7]),  # partial last block
     ]
     x = torch.tensor([v for a, _ in pairs for v in a], dtype=torch.float32)

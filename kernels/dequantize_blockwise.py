@@ -98,15 +98,17 @@ def to_output(v, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def codes_to_f32(u):
-    """Codes (int32, ``0 <= u < 2**23``) as exact fp32, read from the bits of ``2**23 + u``.
+def codes_to_f32(u, LESS: tl.constexpr):
+    """Codes (int32, ``0 <= u < 2**23``) less ``LESS`` (an integer, ``|LESS| < 2**22``) as
+    exact fp32, read from the bits of ``2**23 + u``: one subtraction of ``2**23 + LESS``
+    (each decode's code offset folded in, an fp32 operation per element fewer).
 
     Not ``u.to(tl.float32)``: LLVM folds a following ``- c`` into the integer (``(u - c)``,
     then packed 16-bit adds for byte codes), and ptxas 12.8 (triton 3.6's) dropped the
     immediate of such an add for one pair of lanes in eight on an H100. fp32 arithmetic on
     a bit pattern is not folded back into integers.
     """
-    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + LESS)
 
 
 @triton.jit
@@ -140,7 +142,7 @@ def dequantize_tile(
     scales and (``HAS_REF``) its reference tile: the codec's arithmetic, shared by the
     single and the grouped decode."""
     CODE_OFFSET: tl.constexpr = 1 << (BITS - 1)
-    q = codes_to_f32(unpack_lsb_first(packed, ROWS, BLOCK, BITS)) - CODE_OFFSET
+    q = codes_to_f32(unpack_lsb_first(packed, ROWS, BLOCK, BITS), CODE_OFFSET)
     v = q * scale[:, None]
     if HAS_REF:
         # An overflowed product is brought back by a reference of the other sign only if

@@ -31,7 +31,7 @@ def log2_decode_tile(
     N_STEPS: tl.constexpr = (1 << BITS) - 2
     u = unpack_lsb_first(packed, ROWS, BLOCK, BITS)
     step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
-    p = (codes_to_f32(u) - 1.0) * step[:, None]
+    p = codes_to_f32(u, 1) * step[:, None]
     t = lo[:, None] + (p + 0.5).to(tl.int32)
     t = tl.minimum(t, hi[:, None])
     t = tl.where(u > 0, t, 0)

@@ -44,7 +44,7 @@ def temporal_decode_tile(c8, r, lo, hi, min_step, BITS: tl.constexpr):
     t = t_tmp
     if tl.min(temporal.to(tl.int32)) == 0:
         a_step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
-        p = (codes_to_f32(u) - 1.0) * a_step[:, None]
+        p = codes_to_f32(u, 1) * a_step[:, None]
         t_abs = lo[:, None] + (p + 0.5).to(tl.int32)
         t_abs = tl.minimum(t_abs, hi[:, None])
         t_abs = tl.where(u > 0, t_abs, 0)

@@ -39,7 +39,7 @@ def fingerprint_kernel(table_ptr, out_ptr, type_ptr, SAMPLES: tl.constexpr):
     bits = widen_to_f32(v).to(tl.int32, bitcast=True).to(tl.int64)
     # The weights k + 1 through fp32 (exact): as int arithmetic LLVM narrows them to packed
     # 16-bit adds, which ptxas 12.8 has miscompiled (see codes_to_f32).
-    weight = (codes_to_f32(tl.arange(0, SAMPLES)) + 1.0).to(tl.int64)
+    weight = codes_to_f32(tl.arange(0, SAMPLES), -1).to(tl.int64)
     total = tl.sum(tl.where(valid, bits * weight, 0), axis=0)
     tl.store(out_ptr + tl.load(row + 4), total + n)
 

@@ -60,6 +60,8 @@ _RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
 # Twice the relative error of fl(d * fl(1 / s)) against d / s (two roundings, 2**-24 each).
 _APPROX_ERROR = tl.constexpr(2.0**-22)
 
+_F32_INF_BITS = tl.constexpr(0x7F800000)
+
 # Scales below this are multiplied by _UNTINY, with their deltas, before the reciprocal.
 _TINY_SCALE = tl.constexpr(2.0**-64)
 _UNTINY = tl.constexpr(2.0**64)
@@ -122,19 +124,31 @@ def quantize_tile(d, qmax, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.con
     correctly rounded reciprocal; only where that lands near a half-integer is the side
     of the exact quotient decided exactly, and only in tiles that hold such an element.
     """
-    a = tl.abs(d)
-    a = tl.where(a == a, a, float("inf"))
-    absmax = tl.max(a, axis=1)
+    # The row's absmax from the integer max of |d|'s bit patterns, where NaN's lie above
+    # +inf (the fp32 max would skip a NaN; the spec makes its block uncodable): capped at
+    # +inf's pattern, a NaN gives the scale +inf, as in the spec.
+    a_bits = d.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    absmax = tl.minimum(tl.max(a_bits, axis=1), _F32_INF_BITS).to(tl.float32, bitcast=True)
     scale = tl.div_rn(absmax, qmax)
-    usable = (scale > 0.0) & (scale < float("inf"))
-    # Dividing by 1 where the block is unusable keeps NaN out; those codes are zeroed below.
-    safe_scale = tl.where(usable, scale, 1.0)
-    # A tiny scale and its deltas are scaled by 2**64 (exact: a power of two, far from
-    # overflow), so that the reciprocal is finite and the exact side test below never
-    # underflows.
-    f = tl.where(safe_scale < _TINY_SCALE, _UNTINY, 1.0)
-    s = safe_scale * f
-    d = d * f[:, None]
+    # A normal scale s = fl(absmax / qmax) is within 2**-24 of the quotient, so every
+    # |d / s| is below qmax + 1/2 and its nearest integer within [-qmax, qmax]: no clamp.
+    # A row of zeros codes zeros with any scale. Only tiles with a tiny (or subnormal)
+    # scale, or an uncodable row, take the careful path.
+    special = ((scale > 0.0) & (scale < _TINY_SCALE)) | (scale == float("inf"))
+    if tl.max(special.to(tl.int32)) > 0:
+        u = careful_codes(d, scale, qmax, BITS)
+    else:
+        s = tl.where(scale > 0.0, scale, 1.0)
+        u = rounded_int(nearest_codes(d, s, ROWS), 1 << (BITS - 1))
+    packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
+    return packed, scale
+
+
+@triton.jit
+def nearest_codes(d, s, ROWS: tl.constexpr):
+    """``rne(d / s)`` (fp32, ties to even) of a tile and its rows' scales, which are normal
+    and finite: one multiply by each row's correctly rounded reciprocal, and the exact side
+    test only near a half-integer, in tiles that hold such an element."""
     inv = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), s)
     v = d * inv[:, None]
     r = (v + _RNE_MAGIC) - _RNE_MAGIC
@@ -143,11 +157,25 @@ def quantize_tile(d, qmax, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.con
     near = tl.abs(v - r) > 0.5 - tl.abs(v) * _APPROX_ERROR
     if tl.max(near.to(tl.int32)) > 0:
         r = nearest_at_half(v, r, near, d, s)
+    return r
+
+
+@triton.jit
+def careful_codes(d, scale, qmax, BITS: tl.constexpr):
+    """The int32 codes (offset by ``2**(BITS-1)``) of a tile with a tiny, subnormal or
+    uncodable row: the rows that cannot be coded give 0, a tiny scale and its deltas are
+    scaled by 2**64 first (exact: a power of two, far from overflow), so that the
+    reciprocal is finite and the exact side test never underflows, and the codes are
+    clamped to ``[-qmax, qmax]`` (a subnormal scale's rounding can leave a quotient
+    above ``qmax``)."""
+    usable = (scale > 0.0) & (scale < float("inf"))
+    # Dividing by 1 where the block is unusable keeps NaN out; those codes are zeroed below.
+    safe_scale = tl.where(usable, scale, 1.0)
+    f = tl.where(safe_scale < _TINY_SCALE, _UNTINY, 1.0)
+    r = nearest_codes(d * f[:, None], safe_scale * f, scale.shape[0])
     v = tl.minimum(tl.maximum(r, -qmax), qmax)
     v = tl.where(usable[:, None], v, 0.0)
-    u = rounded_int(v, 1 << (BITS - 1))
-    packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
-    return packed, scale
+    return rounded_int(v, 1 << (BITS - 1))
 
 
 @triton.jit

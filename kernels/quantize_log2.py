@@ -73,20 +73,24 @@ def log2_codes(t, lo, hi, pos, N_STEPS: tl.constexpr):
     """The int32 codes of a ``(ROWS, BLOCK)`` tile of bit patterns ``t`` between its rows'
     bounds: ``rne(fl(fl(t - lo) / step)) + 1`` clamped to ``[1, N + 1]`` where ``pos``, else 0,
     ``step = fl(fl(hi - lo) / N)`` (a row with no positive step codes 0 + 1). Shared with the
-    ``log2-temporal`` encode's absolute rows."""
+    ``log2-temporal`` encode's absolute rows, whose ``lo`` and ``hi`` bound every ``pos``
+    element of their row.
+
+    Neither the clamp nor the zero of a row without a step is computed: where ``pos``,
+    ``0 <= t - lo <= hi - lo``, so the quotient lies in ``[0, N (1 + 2**-22)]`` (a few
+    roundings of ``fl(hi - lo) / step``) and rounds into ``[0, N]``; a row without a step
+    has ``t = lo`` there, so ``a = 0``. Elsewhere the codes are garbage, and zeroed."""
     step = tl.div_rn((hi - lo).to(tl.float32), N_STEPS * 1.0)
-    has_step = step > 0.0
-    safe = tl.where(has_step, step, 1.0)
+    safe = tl.where(step > 0.0, step, 1.0)
     a = (t - lo[:, None]).to(tl.float32)
     # A step is at least 1/254 (hi > lo): its reciprocal is finite.
     inv = tl.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)
-    v = tl.where(has_step[:, None], a * inv[:, None], 0.0)
+    v = a * inv[:, None]
     q = (v + _RNE_MAGIC) - _RNE_MAGIC
     near = (tl.abs(v - q) > 0.5 - tl.abs(v) * _APPROX_ERROR) & pos
     if tl.max(near.to(tl.int32)) > 0:
-        r = tl.where(has_step[:, None], tl.div_rn(a, safe[:, None]), 0.0)
+        r = tl.div_rn(a, safe[:, None])
         q = tl.where(near, (r + _RNE_MAGIC) - _RNE_MAGIC, q)
-    q = tl.minimum(tl.maximum(q, 0.0), N_STEPS * 1.0)
     return tl.where(pos, rounded_int(q, 1), 0)
 
 

@@ -174,6 +174,22 @@ def test_edge_blocks(bits: int, dtype: torch.dtype) -> None:
     assert (u[3 * block : 4 * block] == offset - qmax).all()
 
 
+@pytest.mark.parametrize(("bits", "qmax", "top"), [(8, None, 190), (4, None, 10), (4, 3, 4)])
+def test_a_subnormal_scale_rounded_down_clamps_its_codes(bits: int, qmax: int | None, top: int) -> None:
+    """A block whose absmax is ``top`` units of 2**-149: its scale ``top / qmax`` units rounds
+    down to one unit (fp32's subnormal spacing), so quotients reach ``top`` and the codes
+    clamp at ``qmax``; only such a tile needs the clamp (the kernel skips it elsewhere)."""
+    unit = 2.0**-149
+    q = qmax or (1 << (bits - 1)) - 1
+    block = block_for("blockwise", 32)
+    ramp = torch.linspace(-top, top, block, dtype=torch.float64).round()
+    x = torch.cat([ramp * unit, torch.randn(block, dtype=torch.float64)]).float()
+    codes, scales = assert_encodes_like_torch(x, None, bits, block, qmax)
+    assert scales[0].item() == unit
+    u = unpack_codes(codes, bits)[:block].to(torch.int64) - (1 << (bits - 1))
+    assert u.min().item() == -q and u.max().item() == q and (u.abs() == q).sum() > 2
+
+
 @pytest.mark.parametrize("ref_dtype", [torch.float32, torch.bfloat16])
 def test_delta_overflowing_to_inf_marks_the_block(ref_dtype: torch.dtype) -> None:
     """Finite x and finite ref whose fp32 difference overflows: that block is unusable.

@@ -135,11 +135,23 @@ def quantize_tile(d, qmax, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.con
     # A row of zeros codes zeros with any scale. Only tiles with a tiny (or subnormal)
     # scale, or an uncodable row, take the careful path.
     special = ((scale > 0.0) & (scale < _TINY_SCALE)) | (scale == float("inf"))
-    if tl.max(special.to(tl.int32)) > 0:
-        u = careful_codes(d, scale, qmax, BITS)
-    else:
-        s = tl.where(scale > 0.0, scale, 1.0)
-        u = rounded_int(nearest_codes(d, s, ROWS), 1 << (BITS - 1))
+    careful = tl.max(special.to(tl.int32)) > 0
+    usable = (scale > 0.0) & (scale < float("inf"))
+    # Dividing by 1 where the block is unusable, or all zeros, keeps NaN out.
+    s = tl.where(usable, scale, 1.0)
+    if careful:
+        # A tiny scale and its deltas are scaled by 2**64 (exact: a power of two, far from
+        # overflow), so that the reciprocal is finite and the exact side test below never
+        # underflows.
+        f = tl.where(s < _TINY_SCALE, _UNTINY, 1.0)
+        d = d * f[:, None]
+        s = s * f
+    r = nearest_codes(d, s, ROWS)
+    if careful:
+        # A subnormal scale's rounding can leave a quotient above qmax; the rows that
+        # cannot be coded give 0.
+        r = tl.where(usable[:, None], tl.minimum(tl.maximum(r, -qmax), qmax), 0.0)
+    u = rounded_int(r, 1 << (BITS - 1))
     packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
     return packed, scale
 
@@ -158,24 +170,6 @@ def nearest_codes(d, s, ROWS: tl.constexpr):
     if tl.max(near.to(tl.int32)) > 0:
         r = nearest_at_half(v, r, near, d, s)
     return r
-
-
-@triton.jit
-def careful_codes(d, scale, qmax, BITS: tl.constexpr):
-    """The int32 codes (offset by ``2**(BITS-1)``) of a tile with a tiny, subnormal or
-    uncodable row: the rows that cannot be coded give 0, a tiny scale and its deltas are
-    scaled by 2**64 first (exact: a power of two, far from overflow), so that the
-    reciprocal is finite and the exact side test never underflows, and the codes are
-    clamped to ``[-qmax, qmax]`` (a subnormal scale's rounding can leave a quotient
-    above ``qmax``)."""
-    usable = (scale > 0.0) & (scale < float("inf"))
-    # Dividing by 1 where the block is unusable keeps NaN out; those codes are zeroed below.
-    safe_scale = tl.where(usable, scale, 1.0)
-    f = tl.where(safe_scale < _TINY_SCALE, _UNTINY, 1.0)
-    r = nearest_codes(d * f[:, None], safe_scale * f, scale.shape[0])
-    v = tl.minimum(tl.maximum(r, -qmax), qmax)
-    v = tl.where(usable[:, None], v, 0.0)
-    return rounded_int(v, 1 << (BITS - 1))
 
 
 @triton.jit

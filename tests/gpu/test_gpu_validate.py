@@ -910,6 +910,8 @@ def test_a_module_that_skips_on_import_does_not_fail_the_pytest_step(tmp_path, m
         f"import pytest\n@pytest.mark.cuda\ndef test_on_the_gpu():\n    {body}\n"
     )
     monkeypatch.setattr(validate.subprocess, "run", _pytest_on(tests, subprocess.run))
+    if cuda_test_skips:
+        monkeypatch.setattr(validate, "pytest_workers", lambda: 0)  # one case in one process
     out = tmp_path / "out"
     out.mkdir()
     step = validate.step_pytest(torch.device("cpu"), False, 120.0, tmp_path, out)

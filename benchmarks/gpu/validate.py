@@ -424,14 +424,14 @@ def status_table(steps: list[Step]) -> str:
 
 def throughput_table(data: dict[str, Any]) -> str:
     lines = [
-        "| codec | op | dtype | ref | bits | MiB | GB/s | copy GB/s | % of copy |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| codec | op | dtype | ref | bits | MiB | GB/s | G elements/s | copy GB/s | % of copy |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in data.get("rows", []):
         lines.append(
             f"| {r['codec']} | {r['op']} | {r['dtype']} | {'yes' if r['reference'] else 'no'} | "
-            f"{r['bits']} | {r['input_mib']} | {r['gb_per_s']} | {r['copy_gb_per_s']} | "
-            f"{100 * r['fraction_of_copy']:.0f} |"
+            f"{r['bits']} | {r['input_mib']} | {r['gb_per_s']} | {r.get('g_elements_per_s', '-')} | "
+            f"{r['copy_gb_per_s']} | {100 * r['fraction_of_copy']:.0f} |"
         )
     return "\n".join(lines)
 

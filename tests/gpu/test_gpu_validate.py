@@ -84,6 +84,11 @@ def test_dry_run_passes_and_writes_its_report(dry_run):
     assert all(saves[m]["blocked_in_loop_s"] > 0 for m in ("tw keyframe", "tw delta"))
     assert "right after a step" in summary
     assert "tw_triton, by cumulative time:" in summary
+    assert "The same load's phases in every thread" in summary
+    # Elements a second beside the bandwidth: equal across dtypes where a kernel is compute-bound.
+    timed = steps["throughput"]["data"]["rows"]
+    assert timed and all(r["g_elements_per_s"] > 0 for r in timed)
+    assert "| GB/s | G elements/s | copy GB/s |" in summary
 
 
 def test_results_page_shows_gpu_runs_and_says_not_run_otherwise(dry_run, tmp_path):

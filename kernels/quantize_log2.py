@@ -48,17 +48,15 @@ def log2_tile(x, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     N_STEPS: tl.constexpr = (1 << BITS) - 2
     t = widen_to_f32(x).to(tl.int32, bitcast=True)
 
-    # The bounds come from three plain reductions of the bit patterns, with no per-element
-    # select: as int32 the positive finite patterns are 1 .. 0x7F7FFFFF, above them +inf
-    # and +NaN, below them the zeros and the negatives; as uint32 the negative non-zero
-    # patterns are the ones above 0x80000000 (-0.0); and ``t - 1`` as uint32 puts the
-    # positive finite patterns below everything else. A row with an element that is
-    # neither positive finite nor a zero is ``bad``.
-    tu = t.to(tl.uint32, bitcast=True)
+    # The bounds come from plain reductions of the bit patterns, with no per-element
+    # select: as int32 the positive finite patterns are 1 .. 0x7F7FFFFF, below them the
+    # zeros and the negatives; ``t - 1`` as uint32 puts them below everything else.
     top = tl.max(t, axis=1)
-    bad = (top >= _F32_INF_BITS) | (tl.max(tu, axis=1) > _NEG_ZERO_U32)
+    bad = uncodable_rows(t, top)
     hi = tl.maximum(top, 0)
-    lo = tl.where(hi > 0, (tl.min(tu - 1, axis=1) + 1).to(tl.int32, bitcast=True), 0)
+    lo = tl.where(
+        hi > 0, (tl.min(t.to(tl.uint32, bitcast=True) - 1, axis=1) + 1).to(tl.int32, bitcast=True), 0
+    )
     pos = (t > 0) & ~bad[:, None]
     lo = tl.where(bad, -1, lo)
     hi = tl.where(bad, -1, hi)
@@ -66,6 +64,15 @@ def log2_tile(x, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     u = log2_codes(t, lo, hi, pos, N_STEPS)
     packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
     return packed, lo, hi
+
+
+@triton.jit
+def uncodable_rows(t, top):
+    """The rows of bit patterns ``t`` (``top``: their int32 maxima) that hold an element
+    neither positive finite nor a zero, from reductions alone: +inf and +NaN are the int32
+    patterns from 0x7F800000 up, the negative non-zero ones the uint32 patterns above
+    -0.0's 0x80000000. Shared with the ``log2-temporal`` encode."""
+    return (top >= _F32_INF_BITS) | (tl.max(t.to(tl.uint32, bitcast=True), axis=1) > _NEG_ZERO_U32)
 
 
 @triton.jit

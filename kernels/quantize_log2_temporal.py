@@ -22,13 +22,12 @@ import triton.language as tl
 from tw_triton.errors import QuantizationError
 
 from .quantize_blockwise import rounded_int
-from .quantize_log2 import log2_codes
+from .quantize_log2 import log2_codes, uncodable_rows
 from .tiles import launch_row_tiles
 
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 _NEG_ZERO_BITS = tl.constexpr(-(1 << 31))
 _INT32_MAX = tl.constexpr((1 << 31) - 1)
-_NEG_ZERO_U32 = tl.constexpr(1 << 31)
 _ZERO_CODE = tl.constexpr(-128)
 _QMAX = tl.constexpr(127)
 
@@ -75,11 +74,7 @@ def temporal_tile(x, r, min_step, BITS: tl.constexpr):
 
     pos = (t > 0) & (t < _F32_INF_BITS)
     zero = (t == 0) | (t == _NEG_ZERO_BITS)
-    # Neither positive finite nor a zero: +inf or +NaN (int32 at least 0x7F800000), or a
-    # negative non-zero pattern (uint32 above -0.0's 0x80000000).
-    bad = (tl.max(t, axis=1) >= _F32_INF_BITS) | (
-        tl.max(t.to(tl.uint32, bitcast=True), axis=1) > _NEG_ZERO_U32
-    )
+    bad = uncodable_rows(t, tl.max(t, axis=1))
     rpos = (rb > 0) & (rb < _F32_INF_BITS)
 
     # Temporal codes: the rounded change in steps of the reference block's log2 step.

@@ -21,15 +21,18 @@ import pytest
 LAST = ("int64_offsets_past",)
 
 
+def _huge(item) -> bool:
+    return any(name in item.name for name in LAST)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups off the markers
 def pytest_collection_modifyitems(session, config, items) -> None:
-    items.sort(key=lambda item: any(name in item.name for name in LAST))  # stable: the rest keep their order
+    items.sort(key=_huge)  # stable: the rest keep their order
     if config.pluginmanager.hasplugin("xdist"):
         # Under xdist --dist loadgroup: one worker runs them all, one at a time (two at
         # once would not fit in the device's memory), while the others run the rest.
-        for item in items:
-            if any(name in item.name for name in LAST):
-                item.add_marker(pytest.mark.xdist_group("huge"))
+        for item in filter(_huge, items):
+            item.add_marker(pytest.mark.xdist_group("huge"))
 
 
 _setup_s: dict[str, float] = {}

@@ -322,8 +322,9 @@ def run_save_load(
 LOAD_PHASES = (
     ("read the files", "tw_triton.format.reader", "read_file"),
     ("read: one buffer", "tw_triton.format.reader", "MappedCheckpoint.read_buffer"),
-    ("read: checksum and entropy decode to host memory", "tw_triton.format.reader", "decode_staged"),
-    ("read: a decoded buffer to the device", "tw_triton.format.reader", "upload_host"),
+    ("read: a compressed buffer to the device", "tw_triton.format.reader", "upload_staged"),
+    ("read: decode a piece of byte planes", "tw_triton.codecs.entropy.planes", "PlaneStream.fill"),
+    ("read: zstd decode", "tw_triton.codecs.entropy.zstd", "FrameReader.fill"),
     ("read: a raw buffer to the device", "tw_triton.format.reader", "upload_raw"),
     ("read: wait for a free pinned slot", "tw_triton.pinned_memory", "PinnedRing._acquire"),
     ("read: pin the ring's slab", "tw_triton.pinned_memory", "PinnedRing.__init__"),

@@ -14,7 +14,7 @@ import pytest
 import torch
 import zstandard
 from _format_samples import STAGE_EVERYTHING, assert_same_state, sample_state
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import tw_triton
@@ -106,6 +106,39 @@ def _tensor(kind: str, dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
 def test_every_stage_gives_the_bytes_back(name, dtype, n, kind, seed, level):
     raw, back = round_trip(name, _tensor(kind, dtype, n, seed), level)
     assert back == raw
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(STAGES),
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(1, 3000) | st.sampled_from([4096, 70001]),
+    kind=st.sampled_from(["bytes", "values"]),
+    seed=st.integers(0, 2**16),
+    cuts=st.lists(st.integers(0, 1 << 20), max_size=6),
+    one_shot=st.booleans(),
+)
+@example(name="zstd-planes", dtype=torch.float32, n=1000, kind="values", seed=0, cuts=[5, 9], one_shot=True)
+@example(name="zstd-planes", dtype=torch.bfloat16, n=4096, kind="bytes", seed=1, cuts=[1, 3], one_shot=False)
+def test_every_stage_streams_the_bytes_back_in_any_pieces(name, dtype, n, kind, seed, cuts, one_shot):
+    """What a load to a device does: the decoded bytes a piece at a time into slots, pieces
+    that may end inside an element; one byte more than the buffer is an error."""
+    t = _tensor(kind, dtype, n, seed)
+    stage = get_stage(name)
+    raw = as_bytes(t)
+    stored, params = stage.encode(raw, t.element_size(), ZstdSettings(level=3))
+    stage.check(memoryview(stored), params, len(raw), "w")
+    bounds = sorted({0, len(raw), *(c % (len(raw) + 1) for c in cuts)})
+    with mock.patch.object(entropy.zstd, "ONE_SHOT_MAX_BYTES", 1 << 20 if one_shot else 0):
+        stream = stage.stream(memoryview(stored), params, len(raw), "w")
+        out = bytearray(len(raw))
+        for start, stop in zip(bounds, bounds[1:]):
+            stream.fill(memoryview(out)[start:stop])
+        stream.finish()
+        assert bytes(out) == bytes(raw)
+        stream = stage.stream(memoryview(stored), params, len(raw), "w")
+        with pytest.raises(CheckpointError, match="w"):
+            stream.fill(memoryview(bytearray(len(raw) + 1)))
 
 
 @pytest.mark.parametrize("name", STAGES)

@@ -176,12 +176,59 @@ def test_a_read_to_a_device_through_the_ring_gives_the_same_buffers(tmp_path, mo
     path = _file(tmp_path)
     if entropy == "none":
         fmt.write_file(fmt.read_file(path), path, fsync=False, entropy=None)
-    monkeypatch.setattr(fmt.reader, "IO_CHUNK_BYTES", 4096)  # many chunks per buffer
+    monkeypatch.setattr(fmt.reader, "RING_SLOT_BYTES", 4096)  # many pieces per buffer
+    monkeypatch.setenv("TW_TRITON_THREADS", "3")
     want = fmt.read_file(path)
     with MappedCheckpoint(path, verify=True, pin=False, entries=None, device=torch.device("cpu")) as ck:
-        assert ck.ring is not None and ck.ring.slab.nbytes == fmt.reader.RING_SLOTS * 4096
-        got = {(s.entry, s.name): ck.read_buffer(s) for s in ck.layout.buffers}
-        assert ck.ring.in_use_peak <= fmt.reader.RING_SLOTS
+        # A slot for each of the 3 reading threads, and the spares.
+        assert fmt.reader.ring_slots() == 3 + fmt.reader.RING_SPARE_SLOTS
+        assert ck.ring is not None and ck.ring.slab.nbytes == fmt.reader.ring_slots() * 4096
+        got = dict(
+            zip(
+                [(s.entry, s.name) for s in ck.layout.buffers],
+                tw_triton.parallel.parallel_map(ck.read_buffer, ck.layout.buffers, threads=3),
+            )
+        )
+        assert ck.ring.in_use_peak <= 3
+    for (entry, name), t in got.items():
+        assert torch.equal(t, want.entries[entry].buffers[name]), (entry, name)
+
+
+def test_a_compressed_buffer_goes_to_the_device_a_slot_at_a_time(tmp_path, monkeypatch):
+    """A load to a device never holds a compressed buffer's decoded bytes on the host: each
+    piece is decoded straight into a pinned slot. The whole-buffer decodes are made to fail,
+    and every buffer streams (no one-shot frames)."""
+    g = torch.Generator().manual_seed(1)
+    # Floats get zstd-planes, the codes zstd: both stages that stream.
+    state = {
+        "w": torch.randn(256, 1024, generator=g) * 1e-3,
+        "c": torch.randint(0, 3, (1 << 18,), generator=g).to(torch.uint8),
+    }
+    path = tmp_path / "s.tw.safetensors"
+    fmt.write_file(tw_triton.quantize_state_dict(state, rules="exact"), path, fsync=False)
+    want = fmt.read_file(path)
+    monkeypatch.setattr(fmt.reader, "RING_SLOT_BYTES", 4096 + 3)  # pieces that split elements
+    monkeypatch.setattr(tw_triton.codecs.entropy.zstd, "ONE_SHOT_MAX_BYTES", 0)
+    pieces = []
+
+    def no_whole_decode(*args, **kwargs):
+        raise AssertionError("a whole buffer decoded on the host")
+
+    for stage in ("zstd", "zstd-planes"):
+        monkeypatch.setattr(type(tw_triton.codecs.entropy.get_stage(stage)), "decode", no_whole_decode)
+    monkeypatch.setattr(fmt.reader, "decode_staged", no_whole_decode)
+    fill = PinnedRing.upload
+
+    def upload(self, dest, fill_slot):
+        pieces.append(dest.nbytes)
+        return fill(self, dest, fill_slot)
+
+    monkeypatch.setattr(PinnedRing, "upload", upload)
+    with MappedCheckpoint(path, verify=True, pin=False, entries=None, device=torch.device("cpu")) as ck:
+        staged = [s for s in ck.layout.buffers if s.stage is not None]
+        assert {s.stage.name for s in staged} == {"zstd", "zstd-planes"}
+        got = {(s.entry, s.name): ck.read_buffer(s) for s in staged}
+    assert len(pieces) == len(staged) and min(pieces) > 4096 * 4
     for (entry, name), t in got.items():
         assert torch.equal(t, want.entries[entry].buffers[name]), (entry, name)
 
@@ -254,6 +301,13 @@ def test_the_ring_uploads_run_on_the_stream_given(tmp_path, monkeypatch):
         return real_upload(*args, **kwargs)
 
     monkeypatch.setattr(fmt.reader, "upload_raw", upload_raw)
+    real_staged = fmt.reader.upload_staged
+
+    def upload_staged(*args, **kwargs):
+        assert getattr(inside, "on", False), "an upload outside the caller's stream"
+        return real_staged(*args, **kwargs)
+
+    monkeypatch.setattr(fmt.reader, "upload_staged", upload_staged)
     cpu = torch.device("cpu")
     with MappedCheckpoint(path, verify=True, pin=False, entries=None, device=cpu, stream="S") as ck:
         got = tw_triton.parallel.parallel_map(ck.read_buffer, ck.layout.buffers, threads=4)

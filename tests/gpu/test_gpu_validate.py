@@ -682,7 +682,7 @@ def test_end_to_end_starts_no_round_past_its_budget(tmp_path):
     assert timed["read the files"]["calls"] == 2 and timed["rebuild the tree"]["calls"] == 1
     assert timed["decode the entries"]["calls"] == 2
     assert timed["read: CRC-32"]["calls"] >= timed["read: one buffer"]["calls"] > 0
-    assert timed["read: a decoded buffer to the device"]["calls"] == 0  # the CPU: no upload
+    assert timed["read: a compressed buffer to the device"]["calls"] == 0  # the CPU: no upload
 
 
 def test_phase_timers_time_every_thread_and_put_the_functions_back():

@@ -1,5 +1,6 @@
 """Reading one buffer of a validated file: raw bytes straight into a tensor, a staged
-buffer decoded from its stored bytes, each checked against its CRC-32 on the way.
+buffer decoded from its stored bytes, each checked against its CRC-32 on the way; to a
+device, either one a slot of a pinned ring at a time.
 
 Used by :mod:`tw_triton.format.reader`, which validates the header first, so every read
 here is bounded by the file's size or by the staged buffer's recorded raw size.
@@ -150,14 +151,28 @@ def upload_raw(
     return tensor
 
 
-def upload_host(host: torch.Tensor, ring: Any, device: torch.device) -> torch.Tensor:
-    """A copy of the CPU tensor ``host`` on ``device``, through ``ring`` (see :func:`upload_raw`)."""
-    src = host.reshape(-1).view(torch.uint8)
-
-    def fill(view: torch.Tensor, at: int) -> None:
-        view.copy_(src[at : at + view.numel()])
-
-    return ring.upload(torch.empty(host.shape, dtype=host.dtype, device=device), fill)
+def upload_staged(
+    stored: memoryview,
+    spec: BufferSpec,
+    path: str,
+    *,
+    verify: bool,
+    ring: Any,
+    device: torch.device,
+) -> torch.Tensor:
+    """Check a staged buffer's stored bytes (as :func:`decode_staged` does) and decode them
+    into a new tensor on ``device`` through ``ring``: each piece is decoded straight into a
+    pinned slot and copied on from there, so the host never holds the decoded buffer."""
+    assert spec.stage is not None and spec.stage_params is not None
+    where = spec.where(path)
+    if verify:
+        check_crc(path, spec, zlib.crc32(stored))
+    spec.stage.check(stored, spec.stage_params, spec.raw_nbytes, where)
+    stream = spec.stage.stream(stored, spec.stage_params, spec.raw_nbytes, where)
+    tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+    ring.upload(tensor, lambda view, at: stream.fill(byte_view(view)))
+    stream.finish()
+    return tensor
 
 
 def check_crc(path: str, spec: BufferSpec, crc: int) -> None:

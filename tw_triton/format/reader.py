@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..parallel import parallel_map
+from ..parallel import cpu_threads, parallel_map
 from ..pinned_memory import PinnedRing
 from ..qstate import QuantizedState
 from .buffer_io import (
@@ -34,8 +34,8 @@ from .buffer_io import (
     read_exact_into,
     read_raw,
     unmap_pages,
-    upload_host,
     upload_raw,
+    upload_staged,
 )
 from .files import IO_CHUNK_BYTES, open_for_reading
 from .header import HeaderCache, Layout, layout_of
@@ -52,8 +52,16 @@ logger = logging.getLogger(__name__)
 MAX_EXPANSION = 32.0
 EXPANSION_SLACK_BYTES = 64 << 20
 
-# A read to a device streams through this many pinned slots of IO_CHUNK_BYTES each.
-RING_SLOTS = 4
+# A read to a device streams through a ring of pinned slots of RING_SLOT_BYTES: one per
+# reading thread, which holds its slot while it reads or decodes a piece into it, and
+# RING_SPARE_SLOTS more whose copies to the device may still be in flight.
+RING_SLOT_BYTES = 4 << 20
+RING_SPARE_SLOTS = 2
+
+
+def ring_slots() -> int:
+    """How many slots a read to a device pins: its reading threads plus the spares."""
+    return (cpu_threads() if POSITIONAL_READS else 1) + RING_SPARE_SLOTS
 
 
 def check_max_expansion(max_expansion: Any) -> None:
@@ -167,8 +175,9 @@ def read_file(
             stores large constant tensors on purpose.
         device: a device to read the buffers to (CUDA): each one goes there chunk by
             chunk through a bounded ring of pinned host memory
-            (:class:`~tw_triton.pinned_memory.PinnedRing`, :data:`RING_SLOTS` chunks of
-            ``IO_CHUNK_BYTES``), instead of the whole file being pinned; ``pin_memory`` and
+            (:class:`~tw_triton.pinned_memory.PinnedRing`, :func:`ring_slots` slots of
+            :data:`RING_SLOT_BYTES`; a compressed buffer is decoded into the slots piece
+            by piece), instead of the whole file being pinned; ``pin_memory`` and
             ``into`` are then ignored. ``None`` or the CPU: host memory.
 
     Returns:
@@ -334,7 +343,7 @@ class MappedCheckpoint:
                     # A file system that cannot map files: the same bytes, read instead.
                     logger.debug("checkpoint %s: cannot memory-map it (%s); reading it", self.path, exc)
             if self.device is not None:
-                self.ring = PinnedRing(RING_SLOTS, IO_CHUNK_BYTES)
+                self.ring = PinnedRing(ring_slots(), RING_SLOT_BYTES)
         except BaseException as exc:
             self._opener.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -362,13 +371,21 @@ class MappedCheckpoint:
         ``into``): straight in, or through its stage; thread-safe."""
         out = self._destination(spec)
         if spec.stage is not None:
-            tensor = decode_staged(
-                self.stored(spec), spec, self.path, verify=self.verify, pin=self.pin, out=out
-            )
-            self.done_with(spec)
             if self.ring is not None and self.device is not None:
                 with self._on_stream():
-                    return upload_host(tensor, self.ring, self.device)
+                    tensor = upload_staged(
+                        self.stored(spec),
+                        spec,
+                        self.path,
+                        verify=self.verify,
+                        ring=self.ring,
+                        device=self.device,
+                    )
+            else:
+                tensor = decode_staged(
+                    self.stored(spec), spec, self.path, verify=self.verify, pin=self.pin, out=out
+                )
+            self.done_with(spec)
             return tensor
         if self.ring is not None and self.device is not None:
             start = self.layout.data_start + spec.begin

@@ -136,22 +136,70 @@ class StreamedPlane:
         return chunk
 
 
-def merge(words: np.ndarray, width: int, sources: Sequence[Callable[[int, int], np.ndarray]]) -> None:
+def merge(
+    words: np.ndarray, width: int, sources: Sequence[Callable[[int, int], np.ndarray]], base: int = 0
+) -> None:
     """Put the byte planes back into ``words``, chunk by chunk; ``sources[k](start, stop)``
-    gives plane ``k``'s bytes of elements ``[start, stop)``. One compiled pass per chunk
-    where the library is built, else the numpy putter's passes per plane."""
+    gives plane ``k``'s bytes of elements ``[start, stop)`` of the buffer, whose element
+    ``base`` is ``words``' first. One compiled pass per chunk where the library is built,
+    else the numpy putter's passes per plane."""
     count = words.shape[0]
     out = words.reshape(-1).view(np.uint8)
     rows = chunk_rows(width, count)
     putter = None
     for start in range(0, count, rows):
         stop = min(start + rows, count)
-        chunks = [source(start, stop) for source in sources]
+        chunks = [source(base + start, base + stop) for source in sources]
         if native.merge_planes(chunks, out[start * width : stop * width]):
             continue
         putter = putter or PlanePutter(words)
         for plane, chunk in enumerate(chunks):
             putter.put(plane, start, chunk)
+
+
+class PlaneStream:
+    """The decoded bytes of a byte-plane buffer in memory order, a piece at a time (a
+    :class:`~tw_triton.codecs.entropy.zstd.DecodeStream`): each piece's elements merged
+    from their planes' sources (see :func:`merge`), which ``readers`` feed in order. A piece
+    that ends inside an element keeps the element's other bytes for the next one."""
+
+    def __init__(
+        self,
+        sources: Sequence[Callable[[int, int], np.ndarray]],
+        width: int,
+        count: int,
+        readers: Sequence[FrameReader],
+        where: str,
+    ) -> None:
+        self.sources, self.width, self.count = sources, width, count
+        self.readers, self.where = readers, where
+        self.done = 0  # elements merged so far
+        self._carry = memoryview(b"")  # the bytes of the last merged element not yet handed out
+
+    def fill(self, out: memoryview) -> None:
+        got = min(len(self._carry), len(out))
+        out[:got] = self._carry[:got]
+        self._carry = self._carry[got:]
+        whole = (len(out) - got) // self.width
+        if whole:
+            self._merge(out[got : got + whole * self.width], whole)
+            got += whole * self.width
+        if got < len(out):
+            element = memoryview(bytearray(self.width))
+            self._merge(element, 1)
+            rest = len(out) - got
+            out[got:] = element[:rest]
+            self._carry = element[rest:]
+
+    def _merge(self, out: memoryview, elements: int) -> None:
+        if self.done + elements > self.count:
+            raise CheckpointError(f"{self.where}: read past the buffer's {self.count} elements")
+        merge(element_words(out, self.width), self.width, self.sources, base=self.done)
+        self.done += elements
+
+    def finish(self) -> None:
+        for reader in self.readers:
+            reader.finish()
 
 
 class PlaneStage(Stage):
@@ -299,12 +347,18 @@ class PlanesZstdStage(PlaneStage):
                 check_zstd_frame(segment, count, pwhere)
 
     def decode(self, stored: memoryview, params: Mapping[str, Any], out: memoryview, where: str) -> None:
+        stream = self.stream(stored, params, len(out), where)
+        stream.fill(out)
+        stream.finish()
+
+    def stream(
+        self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str
+    ) -> PlaneStream:
         width = params["width"]
-        words = element_words(out, width)
-        count = words.shape[0]
+        count = raw_nbytes // width
         sources: list[Callable[[int, int], np.ndarray]] = []
         readers = []
-        for plane, segment, pwhere in self._segments(stored, params, len(out), where):
+        for plane, segment, pwhere in self._segments(stored, params, raw_nbytes, where):
             if not params["frames"][plane]:
                 sources.append(whole_plane(np.frombuffer(segment, dtype=np.uint8)))
             elif count <= zstd_stage.ONE_SHOT_MAX_BYTES:
@@ -314,9 +368,7 @@ class PlanesZstdStage(PlaneStage):
             else:
                 readers.append(FrameReader(segment, pwhere))
                 sources.append(StreamedPlane(readers[-1], chunk_rows(width, count)))
-        merge(words, width, sources)
-        for reader in readers:
-            reader.finish()
+        return PlaneStream(sources, width, count, readers, where)
 
 
 # How a plane is judged before zstd runs on all of it: the order-0 entropy (bits per byte)

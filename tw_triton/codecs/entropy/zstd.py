@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import zstandard
 
@@ -86,14 +86,79 @@ class Stage(ABC):
             CheckpointError: the stored bytes are corrupted.
         """
 
-    def verify(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
-        """Check that the stored bytes decode to ``raw_nbytes`` bytes, keeping nothing.
+    def stream(
+        self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str
+    ) -> DecodeStream:
+        """The decoded bytes a piece at a time, after :meth:`check`: what a load to a device
+        copies on slot by slot without holding the whole buffer on the host.
 
-        The default decodes into a scratch buffer of the raw size; a streaming stage can
-        do it in constant memory.
+        The default decodes the whole buffer on the first piece; a streaming stage decodes
+        only what each piece needs.
         """
+
+        def decoded() -> memoryview:
+            out = memoryview(bytearray(raw_nbytes))
+            self.decode(stored, params, out, where)
+            return out
+
+        return WholeDecode(decoded, raw_nbytes, where)
+
+    def verify(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
+        """Check that the stored bytes decode to ``raw_nbytes`` bytes, keeping nothing:
+        decoded through :meth:`stream` into a scratch piece at a time (constant memory
+        where the stage streams)."""
         self.check(stored, params, raw_nbytes, where)
-        self.decode(stored, params, memoryview(bytearray(raw_nbytes)), where)
+        drain(self.stream(stored, params, raw_nbytes, where), raw_nbytes)
+
+
+class DecodeStream(Protocol):
+    """A buffer's decoded bytes, handed out in order (see :meth:`Stage.stream`)."""
+
+    def fill(self, out: memoryview) -> None:
+        """Write the next ``len(out)`` decoded bytes into ``out``.
+
+        Raises:
+            CheckpointError: the stored bytes are corrupted, or decode to fewer bytes.
+        """
+
+    def finish(self) -> None:
+        """After the last piece: check that nothing is left over.
+
+        Raises:
+            CheckpointError: the stored bytes decode to more than was read.
+        """
+
+
+def drain(stream: DecodeStream, raw_nbytes: int) -> None:
+    """Decode all ``raw_nbytes`` of ``stream`` into a chunk of scratch, dropping them."""
+    scratch = memoryview(bytearray(min(CHUNK_BYTES, max(raw_nbytes, 1))))
+    for start in range(0, raw_nbytes, len(scratch)):
+        stream.fill(scratch[: min(len(scratch), raw_nbytes - start)])
+    stream.finish()
+
+
+class WholeDecode:
+    """A :class:`DecodeStream` over a buffer that ``decoded()`` decodes whole (the
+    ``raw_nbytes`` it was checked against), called when the first piece is asked for: the
+    default for a stage that cannot stream, and small frames."""
+
+    def __init__(self, decoded: Callable[[], bytes | memoryview], raw_nbytes: int, where: str) -> None:
+        self._decoded = decoded
+        self._where = where
+        self._raw_nbytes = raw_nbytes
+        self._data: memoryview | None = None
+        self.done = 0
+
+    def fill(self, out: memoryview) -> None:
+        if self._data is None:
+            self._data = memoryview(self._decoded())
+        if self.done + len(out) > self._raw_nbytes:
+            raise CheckpointError(f"{self._where}: read past the buffer's {self._raw_nbytes} decoded bytes")
+        out[:] = self._data[self.done : self.done + len(out)]
+        self.done += len(out)
+
+    def finish(self) -> None:
+        self._data = None
 
 
 def default_threads(nbytes: int) -> int:
@@ -297,14 +362,10 @@ class ZstdFrameStage(Stage):
         check_zstd_frame(stored, raw_nbytes, where)
 
     def verify(self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str) -> None:
-        # Decode in chunks and drop them: constant memory, and zstd's content checksum
-        # still checks every decoded byte.
+        # The frame alone, decoded in chunks that are dropped: constant memory whatever the
+        # stage does with the frame's bytes, and zstd's content checksum checks every one.
         self.check(stored, params, raw_nbytes, where)
-        scratch = memoryview(bytearray(min(CHUNK_BYTES, max(raw_nbytes, 1))))
-        reader = FrameReader(stored, where)
-        for start in range(0, raw_nbytes, len(scratch)):
-            reader.fill(scratch[: min(len(scratch), raw_nbytes - start)])
-        reader.finish()
+        drain(FrameReader(stored, where), raw_nbytes)
 
 
 class ZstdStage(ZstdFrameStage):
@@ -326,3 +387,10 @@ class ZstdStage(ZstdFrameStage):
         reader = FrameReader(stored, where)
         reader.fill(out)
         reader.finish()
+
+    def stream(
+        self, stored: memoryview, params: Mapping[str, Any], raw_nbytes: int, where: str
+    ) -> DecodeStream:
+        if raw_nbytes <= ONE_SHOT_MAX_BYTES:
+            return WholeDecode(lambda: decode_small(stored, raw_nbytes, where), raw_nbytes, where)
+        return FrameReader(stored, where)

@@ -787,3 +787,28 @@ def test_sparse_benchmark_measures_pruned_tensors_side_by_side(tmp_path):
         assert r["exact_best_bytes"] <= min(r["exact_stage_bytes"].values())
     deltas = sparse.measure_deltas(weights, 1e-3)
     assert deltas["codes_at_reference_nonzeros_bytes"] < deltas["blockwise_entropy_bytes"]
+
+
+def test_ring_load_compares_two_paths_that_give_the_same_buffers(tmp_path: Path) -> None:
+    """benchmarks/ring_load.py times the library's piece-by-piece path against a whole
+    decode first: both must hand over the same bytes, or the comparison means nothing."""
+    import ring_load
+
+    import tw_triton
+    from tw_triton.format import reader
+
+    saver = tw_triton.Checkpointer(tmp_path)
+    saver.save(1, **ring_load.build_state(1, width=128, vocab=4096))  # a 2 MiB embedding
+    saver.close()
+    (path,) = tmp_path.glob("*.tw.safetensors")
+    got = {}
+    for label, read in ring_load.PATHS.items():
+        with reader.MappedCheckpoint(
+            str(path), verify=True, pin=False, entries=None, device=torch.device("cpu")
+        ) as ck:
+            assert any(s.stage is not None and s.raw_nbytes > 1 << 20 for s in ck.layout.buffers)
+            got[label] = [read(ck, s) for s in ck.layout.buffers]
+    mine, before = got.values()
+    assert len(mine) == len(before) and all(torch.equal(a, b) for a, b in zip(mine, before))
+    seconds, held = ring_load.load_once(path, ring_load.PATHS["piece by piece into the slots"])
+    assert seconds > 0 and isinstance(held, int)

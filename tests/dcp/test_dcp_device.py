@@ -201,6 +201,31 @@ def test_the_reader_decodes_each_chunk_on_its_targets_device(tmp_path, monkeypat
     assert state["extra"] == {"lr": 0.1}
 
 
+def test_the_entries_for_a_gpu_are_read_straight_to_it_and_the_others_to_the_host(tmp_path, monkeypatch):
+    """A rank file's tensors bound for a GPU go there through the pinned ring (read_file
+    with their device, only their entries); its non-tensor items are read to the host.
+    "meta" stands for the GPU: the spy reads to the host instead, and the decode spy
+    decodes there."""
+    path = str(tmp_path / "ckpt")
+    dcp.save(_state(), storage_writer=StorageWriter(path, rules="small"), no_dist=True)
+    reads: list = []
+    real_read = dcp_reader.read_file
+
+    def read_file(*args, entries=None, device=None, **kwargs):
+        reads.append((None if entries is None else sorted(entries), device))
+        return real_read(*args, entries=entries, **kwargs)
+
+    monkeypatch.setattr(dcp_reader, "read_file", read_file)
+    monkeypatch.setattr(dcp_reader, "wants_pinned", lambda device: device.type == "meta")
+    _spy(monkeypatch, dcp_reader, "dequantize_entries", [], real_device="cpu")
+    planner = MetaTargets()
+    dcp.load(_zeros_like(_state()), storage_reader=StorageReader(path), planner=planner, no_dist=True)
+    assert len(planner.committed) == 4
+    by_device = {str(device): entries for entries, device in reads}
+    assert len(reads) == 2 and by_device["meta"] == ["model/b", "model/w", "optim/m", "optim/v"]
+    assert len(by_device["None"]) == 1  # the pickled non-tensor item, to the host
+
+
 def test_a_delta_and_its_keyframe_regions_are_decoded_on_the_targets_device(tmp_path, monkeypatch):
     key, delta = str(tmp_path / "key"), str(tmp_path / "delta")
     dcp.save(_state(), storage_writer=StorageWriter(key, rules="small", as_keyframe=True), no_dist=True)

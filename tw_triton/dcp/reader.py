@@ -21,9 +21,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CheckpointError, ReferenceMismatchError
-from ..format import MAX_EXPANSION, read_file
+from ..format import MAX_EXPANSION, HeaderCache, read_file, read_manifest
 from ..lowbit import outer_path
 from ..state import dequantize_entries, dequantize_state_dict
+from ..state.entries import wants_pinned
 from ..tree import join_path
 from .chunks import CHUNK_TABLE_KEY, is_delta_entry, nest
 from .directory import complete_record, find_keyframe
@@ -127,17 +128,24 @@ class StorageReader(FileSystemReader):
         self, name: str, wanted: dict[str, torch.device]
     ) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
         """Decode the entries of rank file ``name`` in ``wanted``, each on its device (the
-        keyframe regions of delta entries too); ``{entry: (tensor, chunk table row)}``."""
+        keyframe regions of delta entries too); ``{entry: (tensor, chunk table row)}``.
+
+        The entries bound for one CUDA device are read straight there through the ring of
+        pinned slots (:func:`~tw_triton.format.read_file` with ``device``); the others,
+        and a file that holds a tensor subclass (rebuilt from the whole file on the host),
+        are read into host memory."""
         rec = self._record
         path = os.path.join(os.fspath(self.path), name)
-        qstate = read_file(path, verify=self.verify, max_expansion=self.max_expansion)
-        if qstate.checkpoint_id != rec.checkpoint_id:
+        headers = HeaderCache()  # the manifest read first is every read's header too
+        manifest = read_manifest(path, headers=headers)
+        if manifest["checkpoint_id"] != rec.checkpoint_id:
             raise CheckpointError(
-                f"{path}: file of checkpoint {qstate.checkpoint_id!r}, but {METADATA_NAME} "
+                f"{path}: file of checkpoint {manifest['checkpoint_id']!r}, but {METADATA_NAME} "
                 f"describes checkpoint {rec.checkpoint_id!r} (files and metadata do not match)"
             )
-        table = qstate.metadata.get(CHUNK_TABLE_KEY, {}).get("chunks")
-        stored = {outer_path(p) for p in (*qstate.entries, *qstate.aliases)}
+        table = manifest["metadata"].get(CHUNK_TABLE_KEY, {}).get("chunks")
+        entries, aliases = manifest["entries"], manifest["aliases"]
+        stored = {outer_path(p) for p in (*entries, *aliases)}
         if not isinstance(table, dict) or set(table) != stored:
             raise CheckpointError(f"{path}: no valid DCP chunk table in the manifest metadata")
         by_device: dict[torch.device, list[str]] = {}
@@ -145,13 +153,26 @@ class StorageReader(FileSystemReader):
         for p, dev in wanted.items():
             if p not in table:  # a missing entry is the caller's to report, with its request
                 continue
-            if p in qstate.entries or p in qstate.aliases:
+            if p in entries or p in aliases:
                 by_device.setdefault(dev, []).append(p)
             else:
                 subclassed[p] = dev
+
+        def read(only: set[str] | None, device: torch.device | None) -> Any:
+            return read_file(
+                path,
+                verify=self.verify,
+                max_expansion=self.max_expansion,
+                headers=headers,
+                entries=only,
+                device=device,
+            )
+
+        whole = read(None, None) if subclassed else None
         decoded: dict[str, torch.Tensor] = {}
         for dev, paths in by_device.items():
-            targets = {qstate.aliases.get(p, p) for p in paths}
+            targets = {aliases.get(p, p) for p in paths}
+            qstate = whole if whole is not None else read(targets, dev if wants_pinned(dev) else None)
             delta = sorted(p for p in targets if is_delta_entry(qstate.entries[p]))
             reference = self._regions_of(qstate, table, delta, dev, path)
             decoded.update(
@@ -160,7 +181,7 @@ class StorageReader(FileSystemReader):
                 )
             )
         if subclassed:
-            decoded.update(self._decode_subclassed(qstate, table, subclassed, path))
+            decoded.update(self._decode_subclassed(whole, table, subclassed, path))
         return {p: (t, table[p]) for p, t in decoded.items()}
 
     def _regions_of(

@@ -250,11 +250,22 @@ def test_keyframe_regions_are_decoded_where_they_are_asked_for(tmp_path, monkeyp
     dcp.save(_state(), storage_writer=StorageWriter(key, rules="small", as_keyframe=True), no_dist=True)
     calls: list = []
     _spy(monkeypatch, dcp_keyframe, "dequantize_entries", calls)
+    reads: list = []
+    real_read = dcp_keyframe.read_file
+
+    def read_file(*args, entries=None, device=None, **kwargs):
+        reads.append((sorted(entries), str(device)))
+        return real_read(*args, entries=entries, **kwargs)  # to the host: meta has no bytes
+
+    monkeypatch.setattr(dcp_keyframe, "read_file", read_file)
+    monkeypatch.setattr(dcp_keyframe, "wants_pinned", lambda device: device.type == "meta")
     kf = Keyframe(key)
-    # Two regions of one chunk: the file is read once, and only the entry they need.
+    # Two regions of one chunk: the file is read once, only the entry they need, straight
+    # to the device (meta standing for a GPU).
     (a, b) = kf.regions([("model.w", (0, 0), (10, 64)), ("model.w", (10, 0), (86, 64))], "meta")
     assert a.device.type == "meta" and b.device.type == "meta"
     assert [(d.type, sorted(out)) for d, out in calls] == [("meta", ["model/w"])]
+    assert reads == [(["model/w"], "meta")]
     (full,) = kf.regions([("model.w", (0, 0), (96, 64))])
     assert torch.equal(full, _state()["model"]["w"])  # exact in a keyframe
 

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from ..errors import ReferenceMismatchError
-from ..format import MAX_EXPANSION, read_file
+from ..format import MAX_EXPANSION, HeaderCache, read_file, read_manifest
 from ..state import dequantize_entries, dequantize_state_dict
+from ..state.entries import wants_pinned
 from ..tree import flatten
 from .meta import Record, read_record
 
@@ -148,12 +149,22 @@ class Keyframe:
             CheckpointError: the file lacks one of ``entries``.
         """
         path = os.path.join(self.path, name)
-        qstate = read_file(path, verify=self.verify, max_expansion=self.max_expansion)
-        if qstate.checkpoint_id != self.checkpoint_id:
+        headers = HeaderCache()
+        found = read_manifest(path, headers=headers)["checkpoint_id"]
+        if found != self.checkpoint_id:
             raise ReferenceMismatchError(
-                f"{path}: a file of checkpoint {qstate.checkpoint_id!r}, but reference "
+                f"{path}: a file of checkpoint {found!r}, but reference "
                 f"{self.path} is checkpoint {self.checkpoint_id!r} (files and metadata do not match)"
             )
+        # Only those entries, to a GPU straight through the ring of pinned slots.
+        qstate = read_file(
+            path,
+            verify=self.verify,
+            max_expansion=self.max_expansion,
+            headers=headers,
+            entries=entries,
+            device=device if wants_pinned(device) else None,
+        )
         return dequantize_entries(qstate, entries, device=device, source=path, verify=self.verify)
 
 

@@ -34,6 +34,7 @@ from .errors import CheckpointError, ReferenceMismatchError
 from .format.files import io_error
 from .qstate import QuantizedState
 from .state import check_manifest, delta_paths
+from .state.entries import wants_pinned
 
 logger = logging.getLogger(__name__)
 
@@ -402,11 +403,6 @@ def _passed_over(info: CheckpointInfo, problem: str) -> str:
     """What the error for a directory with no good checkpoint says of the newest one: the
     reason is often one the caller can act on (a bound to raise, a missing keyframe)."""
     return f"; the newest, {info.path}: {problem}"
-
-
-def wants_pinned(device: torch.device) -> bool:
-    """Whether reads for ``device`` go to pinned host memory (CUDA, when available)."""
-    return device.type == "cuda" and torch.cuda.is_available()
 
 
 def _by_id(found: dict[int, CheckpointInfo]) -> dict[str, CheckpointInfo]:

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from .arguments import as_int
-from .checkpoint_dir import CheckpointDirectory, CheckpointInfo, wants_pinned
+from .checkpoint_dir import CheckpointDirectory, CheckpointInfo
 from .codecs.arguments import parse_device
 from .errors import CheckpointError, TwTritonError
 from .optimizer_classes import RESTORE_ADVICE, check_file
 from .rng import restore_rng_state
 from .state import state_of
+from .state.entries import wants_pinned
 from .wrapper_prefixes import rekeyed_for
 
 # Names a Checkpointer stores beside the user's own.

@@ -124,7 +124,7 @@ def run_throughput(
                             "gb_per_s": round(gbps, 2),
                             # Elements a second, whatever the dtype: equal in bf16 and fp32
                             # where the arithmetic, not the memory, is the bound.
-                            "g_elements_per_s": round(numel / ms / 1e6, 1),
+                            "g_elements_per_s": float(f"{numel / ms / 1e6:.4g}"),  # > 0 on a slow CPU too
                             "copy_gb_per_s": round(copy_gbps, 2),
                             "fraction_of_copy": round(frac, 4),
                         }

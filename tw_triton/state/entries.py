@@ -91,6 +91,8 @@ def entry_facts(entries: Mapping[str, Any]) -> dict[str, tuple[str, Any, torch.d
 
 
 def wants_pinned(device: torch.device | None) -> bool:
+    """Whether reads for ``device`` go to it through the ring of pinned slots (CUDA, when
+    available; see :func:`tw_triton.format.read_file`'s ``device``)."""
     return device is not None and device.type == "cuda" and torch.cuda.is_available()
 
 

@@ -4,9 +4,9 @@ absolute ``log2`` codes, one byte per element.
 Same tile layout as ``quantize_log2`` (a ``(ROWS, BLOCK)`` tile per program, one row per
 codec block, whole tiles unmasked and the partial tile as one masked program; int64
 offsets). The spec is ``tw_triton.ops.reference.quantize_log2_temporal_torch``; the bytes
-must be identical, so the temporal part is integer arithmetic only (int64 for the step, the
-delta and the rounding by ``(|d| + S // 2) // S``, whose operands are non-negative: C's
-truncating division is then floor division), and the absolute fallback is the ``log2``
+must be identical, so the temporal part is integer arithmetic only (the step from an int64
+span, the delta and its rounding by ``(|d| + S // 2) // S`` exact in 32 bits: see
+``rounded_steps``), and the absolute fallback is the ``log2``
 kernel's own rule (``tl.div_rn``, ``cvt.rn`` and the ``1.5 * 2**23`` rounding trick).
 The tile arithmetic (``temporal_tile``) and the rows' load, encode and store
 (``temporal_encode_rows``) are shared with the grouped encode
@@ -47,19 +47,21 @@ def temporal_step(rb, N_STEPS: tl.constexpr, min_step):
 
 @triton.jit
 def rounded_steps(ad, step):
-    """``(ad + step // 2) // step`` (int64) where it is at most 200, and a value above 127
-    elsewhere, for int32 ``ad`` in ``[0, 2**31)`` and int64 ``step`` in ``[1, 2**30]``: the
-    temporal code's magnitude without an int64 division per element (a long software
-    routine on a GPU). The fp32 estimate ``f`` is within a relative ``6 * 2**-24`` of the
-    quotient ``m / step`` (six roundings), so ``rne(f - 1/2)`` is within 1 of its floor for
-    a quotient up to 200, and one exact correction in int64 gives the floor."""
+    """``(ad + step // 2) // step`` (int32) where it is at most 200, and a value above 127
+    elsewhere, for int32 ``ad`` in ``[0, 2**31)`` and int32 ``step`` in ``[1, 2**29]``: the
+    temporal code's magnitude without a division per element (a long software routine on a
+    GPU). The fp32 estimate ``f`` is within a relative ``6 * 2**-24`` of the quotient
+    ``m / step`` (six roundings), so ``q0 = rne(f - 1/2)`` is within 1 of its floor for a
+    quotient up to 200, and one exact correction gives the floor. The remainder
+    ``m - q0 * step`` then lies in ``[-step, 2 * step)``, inside int32, so it is computed
+    modulo ``2**32`` (uint32, no int64) and read back signed."""
     half = step // 2
-    m = ad.to(tl.int64) + half
     inv = tl.div_rn(tl.full(half.shape, 1.0, tl.float32), step.to(tl.float32))
     f = tl.minimum((ad.to(tl.float32) + half.to(tl.float32)) * inv, 200.0)
     q0 = rounded_int(f - 0.5, 0)  # f - 1/2 is exact
-    rem = m - q0.to(tl.int64) * step
-    return q0.to(tl.int64) + (rem >= step).to(tl.int64) - (rem < 0).to(tl.int64)
+    m = ad.to(tl.uint32, bitcast=True) + half.to(tl.uint32)
+    rem = (m - q0.to(tl.uint32, bitcast=True) * step.to(tl.uint32)).to(tl.int32, bitcast=True)
+    return q0 + (rem >= step).to(tl.int32) - (rem < 0).to(tl.int32)
 
 
 @triton.jit
@@ -72,21 +74,24 @@ def temporal_tile(x, r, min_step, BITS: tl.constexpr):
     t = x.to(tl.int32, bitcast=True)
     rb = r.to(tl.int32, bitcast=True)
 
-    pos = (t > 0) & (t < _F32_INF_BITS)
-    zero = (t == 0) | (t == _NEG_ZERO_BITS)
-    bad = uncodable_rows(t, tl.max(t, axis=1))
+    top = tl.max(t, axis=1)
+    bad = uncodable_rows(t, top)
+    # In a row that is not bad, an element that is not a zero is positive finite: the rows
+    # used below need no other per-element test of t (fewer masks to keep alive).
+    zero = (t & 0x7FFFFFFF) == 0
     rpos = (rb > 0) & (rb < _F32_INF_BITS)
 
-    # Temporal codes: the rounded change in steps of the reference block's log2 step.
-    step = temporal_step(rb, N_STEPS, min_step)[:, None]
+    # Temporal codes: the rounded change in steps of the reference block's log2 step (at
+    # most 2**30 from the span, 2**29 from the floor: an int32).
+    step = temporal_step(rb, N_STEPS, min_step).to(tl.int32)[:, None]
     # Where t and rb are both positive finite patterns (the only elements whose q is used),
     # d = t - rb fits an int32.
     d = t - rb
     qa = rounded_steps(tl.abs(d), step)
-    q = tl.where(d < 0, -qa, qa)
-    ok = zero | (pos & rpos & (qa <= _QMAX))
+    ok = zero | (rpos & (qa <= _QMAX))
     temporal = (tl.min(ok.to(tl.int32), axis=1) > 0) & ~bad
-    c_t = tl.where(zero, _ZERO_CODE, tl.where(ok, q, 0))
+    # Used only in temporal rows, where every element that is not a zero has its q.
+    c_t = tl.where(zero, _ZERO_CODE, tl.where(d < 0, -qa, qa))
 
     # Absolute log2 codes, for the rows that cannot be coded as a change: in a tile with
     # none (the common case once a chain runs), their arithmetic is skipped.
@@ -95,10 +100,11 @@ def temporal_tile(x, r, min_step, BITS: tl.constexpr):
     hi = lo
     u = tl.zeros_like(t)
     if tl.max(absolute.to(tl.int32)) > 0:
+        pos = ~zero  # in the absolute rows; the others' codes are dropped
         lo = tl.min(tl.where(pos, t, _INT32_MAX), axis=1)
-        hi = tl.max(tl.where(pos, t, 0), axis=1)
+        hi = tl.maximum(top, 0)  # -0.0 is int32's minimum, +0.0 is 0
         u = log2_codes(t, lo, hi, pos, N_STEPS)
-    code = tl.where(temporal[:, None], c_t.to(tl.int64), tl.where(absolute[:, None], u.to(tl.int64), 0))
+    code = tl.where(temporal[:, None], c_t, tl.where(absolute[:, None], u, 0))
     code = (code & 0xFF).to(tl.uint8)
     lo = tl.where(bad, -1, tl.where(temporal, 0, lo))
     hi = tl.where(bad, -1, tl.where(temporal, 0, hi))

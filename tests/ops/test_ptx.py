@@ -168,8 +168,8 @@ TEMPORAL_VARIANTS = _ptx.temporal_variants()
 @pytest.mark.parametrize("variant", TEMPORAL_VARIANTS, ids=lambda v: v.label)
 def test_temporal_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, variant: _ptx.Variant) -> None:
     """The temporal codec's kernels: the change's rounded quotient by an fp32 estimate and
-    one exact correction in 64-bit integers (no 64-bit division: a long software routine
-    per element), the log2 rules for the absolute fallback, vectorized main launches."""
+    one exact correction in 32-bit integers (no division: a long software routine per
+    element), the log2 rules for the absolute fallback, vectorized main launches."""
     facts = ptx_facts[variant.label]
     ops = facts["opcodes"]
     assert facts["cubin_bytes"] > 0
@@ -183,9 +183,11 @@ def test_temporal_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, vari
     assert ops.get("cvt.rn.f32.s32", 0) > 0, ops
     if variant.op == "temporal-encode":
         # The rounded change (|d| + S // 2) // S: estimated in fp32, corrected by m - q * S
-        # in 64 bits (it does not fit 32), never divided in integers.
+        # modulo 2**32 (its true value fits an int32), never divided in integers, and no
+        # 64-bit multiply left per element.
         assert not [op for op in ops if re.match(r"(div|rem)\.[su](32|64)", op)], ops
-        assert ops.get("mul.lo.s64", 0) > 0 and ops.get("mul.rn.f32", 0) > 0, ops
+        assert ops.get("mul.lo.s32", 0) + ops.get("mul.lo.u32", 0) > 0 and ops.get("mul.rn.f32", 0) > 0, ops
+        assert "mul.lo.s64" not in ops and "mad.lo.s64" not in ops, ops
     else:
         assert ops.get("cvt.rzi.s32.f32", 0) > 0, ops
         # r + q * S in 64 bits; the absolute level's multiply and add.
@@ -283,9 +285,10 @@ def test_grouped_variant_compiles_to_exact_vectorized_ptx(ptx_facts: dict, varia
         assert not [op for op in ops if op.startswith("sqrt.") and op != "sqrt.rn.f32"], ops
     if variant.op == "grouped-temporal-encode":
         # As the single temporal kernel: the rounded change estimated in fp32 and corrected
-        # in 64-bit integers, never divided in integers.
+        # in 32-bit integers, never divided in integers.
         assert not [op for op in ops if re.match(r"(div|rem)\.[su](32|64)", op)], ops
-        assert ops.get("mul.lo.s64", 0) > 0 and ops.get("mul.rn.f32", 0) > 0, ops
+        assert ops.get("mul.lo.s32", 0) + ops.get("mul.lo.u32", 0) > 0 and ops.get("mul.rn.f32", 0) > 0, ops
+        assert "mul.lo.s64" not in ops and "mad.lo.s64" not in ops, ops
     # The flag: one atomic max per program, on 64-bit integers.
     assert [op for op in ops if op.startswith("atom.") and op.endswith("max.s64")], ops
     if variant.masked:

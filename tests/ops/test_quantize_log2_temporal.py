@@ -199,3 +199,45 @@ def test_log2_temporal_kernels_clamp_like_torch() -> None:
     t = torch.tensor([5] * 32 + [top] * 32, dtype=torch.int32)
     r = torch.tensor([1000] * 32 + [top - 3600] * 32, dtype=torch.int32)
     assert_like_torch(t.view(torch.float32), r.view(torch.float32), 4, 32, 1000)
+
+
+@pytest.mark.parametrize("min_step", (1, 3, (1 << 29) - 1, 1 << 29))
+def test_log2_temporal_kernels_at_the_widest_changes(min_step: int) -> None:
+    """Blocks of one reference value each (so the step is the floor ``min_step``, from 1 to
+    its largest) and inputs across the whole positive range, smallest subnormal to largest
+    finite, on and beside multiples of the step: the 32-bit correction's remainder at its
+    extremes (``m`` up to ``2**31 + 2**28``, quotients from 0 to far past 200)."""
+    top, block = 0x7F7FFFFF, 32
+    refs = [1, 2, min_step, 1 << 23, 0x3F800000, top - min_step, top]
+    ts, rs = [], []
+    for r0 in refs:
+        picks = [1, top, r0, r0 + 1, r0 - 1]
+        for k in (1, 2, 3, 4, 127, 128, 200, 201):
+            for side in (-1, 1):
+                picks += [r0 + side * (k * min_step - min_step // 2 + e) for e in (-1, 0, 1)]
+        picks = [min(max(p, 1), top) for p in picks]
+        for start in range(0, len(picks), block):
+            row = (picks[start : start + block] * block)[:block]
+            ts += row
+            rs += [r0] * block
+    t = torch.tensor(ts, dtype=torch.int64).to(torch.int32)
+    r = torch.tensor(rs, dtype=torch.int64).to(torch.int32)
+    for bits in (8, 4, 2):
+        assert_like_torch(t.view(torch.float32), r.view(torch.float32), bits, block, min_step)
+
+
+@pytest.mark.parametrize("min_step", (0, -1, (1 << 29) + 1, 1 << 31, True, 2.0))
+def test_the_temporal_ops_refuse_a_step_floor_out_of_range(min_step) -> None:
+    """Every backend's rounding is exact for floors up to 2**29 (the kernels' in 32 bits):
+    the ops refuse any other floor before a backend runs."""
+    from tw_triton import ops
+
+    x = torch.ones(64)
+    with pytest.raises(QuantizationError, match="min_step must be an int from 1 to 536870912"):
+        ops.quantize_log2_temporal(x, x, 4, 32, min_step)
+    flags = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(QuantizationError, match="min_step"):
+        ops.quantize_log2_temporal_many([x], [x], 4, 32, min_step, flags=flags)
+    codes, lo, hi = ops.quantize_log2_temporal(x, x, 4, 32, 1 << 29)
+    with pytest.raises(QuantizationError, match="min_step"):
+        ops.dequantize_log2_temporal(codes, lo, hi, x, 64, 4, 32, min_step)

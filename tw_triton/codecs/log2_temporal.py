@@ -25,7 +25,7 @@ import torch
 from .. import ops
 from ..errors import CheckpointError, QuantizationError, ReferenceMismatchError
 from ..ops.layout import check_params, num_blocks
-from ..ops.reference.log2_temporal import MIN_STEP
+from ..ops.reference.log2_temporal import MAX_MIN_STEP, MIN_STEP
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
 from .base import (
@@ -81,12 +81,8 @@ def group_stored(numels: Sequence[int], block: int, device: torch.device) -> lis
     return [buf[o : o + stored_nbytes(n, block)] for o, n in zip(offsets, numels)]
 
 
-# The step floor is at most a quarter of the int32 range: q * S stays far inside int64.
-_MAX_MIN_STEP = 1 << 29
-
-
 def _check_min_step(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= _MAX_MIN_STEP
+    return not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= MAX_MIN_STEP
 
 
 def _check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
@@ -123,7 +119,7 @@ class Log2TemporalCodec(Codec):
         check_params(out["bits"], out["block"])
         if not _check_min_step(out["min_step"]):
             raise QuantizationError(
-                f"'min_step' must be an int from 1 to {_MAX_MIN_STEP}, got {out['min_step']!r}"
+                f"'min_step' must be an int from 1 to {MAX_MIN_STEP}, got {out['min_step']!r}"
             )
         if not isinstance(out["delta"], bool):
             raise QuantizationError(f"'delta' must be true or false, got {out['delta']!r}")
@@ -145,7 +141,7 @@ class Log2TemporalCodec(Codec):
         check_param_names(params, self.name, self._KEYS, frozenset({"ref_fp"}), context)
         check_bits_block(params, context)
         if not _check_min_step(params["min_step"]):
-            raise param_error(context, "min_step", params["min_step"], f"an int from 1 to {_MAX_MIN_STEP}")
+            raise param_error(context, "min_step", params["min_step"], f"an int from 1 to {MAX_MIN_STEP}")
         if not isinstance(params["delta"], bool):
             raise param_error(context, "delta", params["delta"], "true or false")
         check_ref_fp(params, context)

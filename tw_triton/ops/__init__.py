@@ -45,6 +45,7 @@ from .grouped_decodes import (
     dequantize_log2_temporal_many,
 )
 from .reference import REFERENCE
+from .reference.log2_temporal import check_min_step
 from .registry import OPS, backends, lookup, register, using
 from .statistics import delta_statistics, delta_statistics_many, sparsity_counts, sparsity_counts_many
 
@@ -294,6 +295,7 @@ def quantize_log2_temporal(
         ``(codes, lo, hi)``: ``uint8``, one per element, and int32 per block (``0, 0`` for a
         temporal block, ``-1, -1`` for one holding a negative, NaN or infinite element).
     """
+    check_min_step(min_step, "quantize_log2_temporal")
     return lookup("quantize_log2_temporal", x.device.type)(x, reference, bits, block, min_step, out=out)
 
 
@@ -322,6 +324,7 @@ def quantize_log2_temporal_many(
         ``(codes, lo, hi)`` per tensor (``out``'s when given), the bytes
         :func:`quantize_log2_temporal` gives it alone.
     """
+    check_min_step(min_step, "quantize_log2_temporal_many")
     if not xs:
         return []
     return lookup("quantize_log2_temporal_many", xs[0].device.type)(
@@ -343,6 +346,7 @@ def dequantize_log2_temporal(
 ) -> torch.Tensor:
     """Decode temporal codes against ``reference`` to a flat float32 tensor of ``numel``
     elements on ``codes``' device (``out`` when given; it may be ``reference`` itself)."""
+    check_min_step(min_step, "dequantize_log2_temporal")
     return lookup("dequantize_log2_temporal", codes.device.type)(
         codes, lo, hi, reference, numel, bits, block, min_step, out=out
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import QuantizationError
 from ..layout import num_blocks
 from .buffers import chunk_elements, decode_output, encode_outputs
 from .log2 import CHUNK_ELEMENTS, levels
@@ -40,6 +41,16 @@ QMAX = 127
 # The default floor of the temporal step, in bit-pattern units: 1/16 octave (2**23 units are
 # one octave). It only binds in blocks whose reference spans less than N/16 octaves.
 MIN_STEP = 1 << 19
+# The largest floor: a step of at most 2**30 keeps the kernels' rounding exact in 32-bit
+# integers (kernels/quantize_log2_temporal.py, ``rounded_steps``), and q * S far inside int64.
+MAX_MIN_STEP = 1 << 29
+
+
+def check_min_step(min_step: object, what: str) -> None:
+    """Raise :class:`~tw_triton.errors.QuantizationError` unless ``min_step`` is an int from
+    1 to :data:`MAX_MIN_STEP`."""
+    if isinstance(min_step, bool) or not isinstance(min_step, int) or not 1 <= min_step <= MAX_MIN_STEP:
+        raise QuantizationError(f"{what}: min_step must be an int from 1 to {MAX_MIN_STEP}, got {min_step!r}")
 
 
 def temporal_buffers(numel: int, block: int) -> list[tuple[str, int, torch.dtype]]:

@@ -48,20 +48,19 @@ def temporal_step(rb, N_STEPS: tl.constexpr, min_step):
 @triton.jit
 def rounded_steps(ad, step):
     """``(ad + step // 2) // step`` (int32) where it is at most 200, and a value above 127
-    elsewhere, for int32 ``ad`` in ``[0, 2**31)`` and int32 ``step`` in ``[1, 2**29]``: the
+    elsewhere, for int32 ``ad`` in ``[0, 2**31)`` and int32 ``step`` in ``[1, 2**30]``: the
     temporal code's magnitude without a division per element (a long software routine on a
-    GPU). The fp32 estimate ``f`` is within a relative ``6 * 2**-24`` of the quotient
-    ``m / step`` (six roundings), so ``q0 = rne(f - 1/2)`` is within 1 of its floor for a
-    quotient up to 200, and one exact correction gives the floor. The remainder
-    ``m - q0 * step`` then lies in ``[-step, 2 * step)``, inside int32, so it is computed
-    modulo ``2**32`` (uint32, no int64) and read back signed."""
-    half = step // 2
-    inv = tl.div_rn(tl.full(half.shape, 1.0, tl.float32), step.to(tl.float32))
-    f = tl.minimum((ad.to(tl.float32) + half.to(tl.float32)) * inv, 200.0)
-    q0 = rounded_int(f - 0.5, 0)  # f - 1/2 is exact
-    m = ad.to(tl.uint32, bitcast=True) + half.to(tl.uint32)
+    GPU). The quotient ``Q = m / step`` of ``m = ad + step // 2`` (below ``2**32``: a
+    uint32) is estimated as ``f = fl(fl(m) * fl(1 / step))``, within a relative
+    ``3 * 2**-24`` of it (three roundings), so for ``Q`` up to 200 ``rne(f)`` is the floor
+    of ``Q`` or one more, and one exact correction gives the floor: the remainder
+    ``m - rne(f) * step`` then lies in ``[-step, step)``, inside int32, so it is computed
+    modulo ``2**32`` and read back signed."""
+    inv = tl.div_rn(tl.full(step.shape, 1.0, tl.float32), step.to(tl.float32))
+    m = ad.to(tl.uint32, bitcast=True) + (step // 2).to(tl.uint32)
+    q0 = rounded_int(tl.minimum(m.to(tl.float32) * inv, 200.0), 0)
     rem = (m - q0.to(tl.uint32, bitcast=True) * step.to(tl.uint32)).to(tl.int32, bitcast=True)
-    return q0 + (rem >= step).to(tl.int32) - (rem < 0).to(tl.int32)
+    return q0 - (rem < 0).to(tl.int32)
 
 
 @triton.jit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import threading
 from collections import Counter, OrderedDict
 
 import numpy as np
@@ -330,13 +331,23 @@ def test_the_checkpoint_before_goes_only_once_the_next_one_is_on_disk(tmp_path, 
     from tw_triton import format as fmt
 
     real = fmt.write_file
+    real_remove = TwCheckpointIO.remove_checkpoint
+    removal_asked = threading.Event()
+
+    def remove_checkpoint(self, path):
+        real_remove(self, path)
+        removal_asked.set()
 
     def full_disk_at_step_4(qstate, path, **kw):
         if "step=4" in os.path.basename(path):
+            # The order under test: the older file's removal is asked for while this write
+            # is still going (the other order is the test above).
+            removal_asked.wait(30)
             raise OSError(28, "No space left on device")
         return real(qstate, path, **kw)
 
     monkeypatch.setattr(fmt, "write_file", full_disk_at_step_4)
+    monkeypatch.setattr(TwCheckpointIO, "remove_checkpoint", remove_checkpoint)
     trainer, _ = make_trainer(
         tmp_path, TwCheckpointIO(fsync=False), max_epochs=2, save_top_k=1, save_last=False
     )

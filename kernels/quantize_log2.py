@@ -48,15 +48,10 @@ def log2_tile(x, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     N_STEPS: tl.constexpr = (1 << BITS) - 2
     t = widen_to_f32(x).to(tl.int32, bitcast=True)
 
-    # The bounds come from plain reductions of the bit patterns, with no per-element
-    # select: as int32 the positive finite patterns are 1 .. 0x7F7FFFFF, below them the
-    # zeros and the negatives; ``t - 1`` as uint32 puts them below everything else.
+    # The bounds come from plain reductions of the bit patterns (positive_bounds).
     top = tl.max(t, axis=1)
     bad = uncodable_rows(t, top)
-    hi = tl.maximum(top, 0)
-    lo = tl.where(
-        hi > 0, (tl.min(t.to(tl.uint32, bitcast=True) - 1, axis=1) + 1).to(tl.int32, bitcast=True), 0
-    )
+    lo, hi = positive_bounds(t, top)
     pos = (t > 0) & ~bad[:, None]
     lo = tl.where(bad, -1, lo)
     hi = tl.where(bad, -1, hi)
@@ -64,6 +59,21 @@ def log2_tile(x, BITS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     u = log2_codes(t, lo, hi, pos, N_STEPS)
     packed = pack_lsb_first(u, ROWS, BLOCK, BITS)
     return packed, lo, hi
+
+
+@triton.jit
+def positive_bounds(t, top):
+    """``(lo, hi)``: the smallest and largest positive pattern of each row of bit patterns
+    ``t`` (``top``: their int32 maxima), ``0, 0`` for a row with none; meaningful for the
+    rows :func:`uncodable_rows` passes. Plain reductions, no per-element select: as int32
+    the positive finite patterns are 1 .. 0x7F7FFFFF, below them the zeros and the
+    negatives; ``t - 1`` as uint32 puts them below everything else. Shared with the
+    ``log2-temporal`` encode's absolute rows."""
+    hi = tl.maximum(top, 0)
+    lo = tl.where(
+        hi > 0, (tl.min(t.to(tl.uint32, bitcast=True) - 1, axis=1) + 1).to(tl.int32, bitcast=True), 0
+    )
+    return lo, hi
 
 
 @triton.jit

@@ -22,12 +22,10 @@ import triton.language as tl
 from tw_triton.errors import QuantizationError
 
 from .quantize_blockwise import rounded_int
-from .quantize_log2 import log2_codes, uncodable_rows
+from .quantize_log2 import log2_codes, positive_bounds, uncodable_rows
 from .tiles import launch_row_tiles
 
 _F32_INF_BITS = tl.constexpr(0x7F800000)
-_NEG_ZERO_BITS = tl.constexpr(-(1 << 31))
-_INT32_MAX = tl.constexpr((1 << 31) - 1)
 _ZERO_CODE = tl.constexpr(-128)
 _QMAX = tl.constexpr(127)
 
@@ -99,10 +97,9 @@ def temporal_tile(x, r, min_step, BITS: tl.constexpr):
     hi = lo
     u = tl.zeros_like(t)
     if tl.max(absolute.to(tl.int32)) > 0:
-        pos = ~zero  # in the absolute rows; the others' codes are dropped
-        lo = tl.min(tl.where(pos, t, _INT32_MAX), axis=1)
-        hi = tl.maximum(top, 0)  # -0.0 is int32's minimum, +0.0 is 0
-        u = log2_codes(t, lo, hi, pos, N_STEPS)
+        # An absolute row holds a positive element (one that is not ok).
+        lo, hi = positive_bounds(t, top)
+        u = log2_codes(t, lo, hi, ~zero, N_STEPS)  # ~zero: positive, in those rows
     code = tl.where(temporal[:, None], c_t, tl.where(absolute[:, None], u, 0))
     code = (code & 0xFF).to(tl.uint8)
     lo = tl.where(bad, -1, tl.where(temporal, 0, lo))

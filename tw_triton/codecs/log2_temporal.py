@@ -25,7 +25,7 @@ import torch
 from .. import ops
 from ..errors import CheckpointError, QuantizationError, ReferenceMismatchError
 from ..ops.layout import check_params, num_blocks
-from ..ops.reference.log2_temporal import MAX_MIN_STEP, MIN_STEP
+from ..ops.reference.log2_temporal import MAX_MIN_STEP, MIN_STEP, is_min_step
 from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
 from .base import (
@@ -81,10 +81,6 @@ def group_stored(numels: Sequence[int], block: int, device: torch.device) -> lis
     return [buf[o : o + stored_nbytes(n, block)] for o, n in zip(offsets, numels)]
 
 
-def _check_min_step(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= MAX_MIN_STEP
-
-
 def _check_input(x: torch.Tensor, reference: torch.Tensor | None) -> None:
     if x.dtype != torch.float32:
         raise QuantizationError(f"codec {NAME!r} codes float32 tensors, got {x.dtype}")
@@ -117,7 +113,7 @@ class Log2TemporalCodec(Codec):
             "delta": params.get("delta", True),
         }
         check_params(out["bits"], out["block"])
-        if not _check_min_step(out["min_step"]):
+        if not is_min_step(out["min_step"]):
             raise QuantizationError(
                 f"'min_step' must be an int from 1 to {MAX_MIN_STEP}, got {out['min_step']!r}"
             )
@@ -140,7 +136,7 @@ class Log2TemporalCodec(Codec):
     def check_stored_params(self, params: Mapping[str, Any], context: str) -> None:
         check_param_names(params, self.name, self._KEYS, frozenset({"ref_fp"}), context)
         check_bits_block(params, context)
-        if not _check_min_step(params["min_step"]):
+        if not is_min_step(params["min_step"]):
             raise param_error(context, "min_step", params["min_step"], f"an int from 1 to {MAX_MIN_STEP}")
         if not isinstance(params["delta"], bool):
             raise param_error(context, "delta", params["delta"], "true or false")

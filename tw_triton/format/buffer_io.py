@@ -95,6 +95,18 @@ def read_raw(
     return tensor
 
 
+def check_staged(stored: memoryview, spec: BufferSpec, path: str, *, verify: bool) -> str:
+    """What precedes a staged buffer's decode: its CRC-32 (with ``verify``), then the
+    stage's check of the stored bytes against the raw size. Returns the buffer's name for
+    errors."""
+    assert spec.stage is not None and spec.stage_params is not None
+    where = spec.where(path)
+    if verify:
+        check_crc(path, spec, zlib.crc32(stored))
+    spec.stage.check(stored, spec.stage_params, spec.raw_nbytes, where)
+    return where
+
+
 def decode_staged(
     stored: memoryview,
     spec: BufferSpec,
@@ -113,11 +125,7 @@ def decode_staged(
     :func:`~tw_triton.format.verify_file` accepts, and corruption stops before the decoder
     runs.
     """
-    assert spec.stage is not None and spec.stage_params is not None
-    where = spec.where(path)
-    if verify:
-        check_crc(path, spec, zlib.crc32(stored))
-    spec.stage.check(stored, spec.stage_params, spec.raw_nbytes, where)
+    where = check_staged(stored, spec, path, verify=verify)
     tensor = torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin) if out is None else out
     spec.stage.decode(stored, spec.stage_params, byte_view(tensor), where)
     return tensor
@@ -163,11 +171,7 @@ def upload_staged(
     """Check a staged buffer's stored bytes (as :func:`decode_staged` does) and decode them
     into a new tensor on ``device`` through ``ring``: each piece is decoded straight into a
     pinned slot and copied on from there, so the host never holds the decoded buffer."""
-    assert spec.stage is not None and spec.stage_params is not None
-    where = spec.where(path)
-    if verify:
-        check_crc(path, spec, zlib.crc32(stored))
-    spec.stage.check(stored, spec.stage_params, spec.raw_nbytes, where)
+    where = check_staged(stored, spec, path, verify=verify)
     stream = spec.stage.stream(stored, spec.stage_params, spec.raw_nbytes, where)
     tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
     ring.upload(tensor, lambda view, at: stream.fill(byte_view(view)))

@@ -46,10 +46,14 @@ MIN_STEP = 1 << 19
 MAX_MIN_STEP = 1 << 29
 
 
+def is_min_step(value: object) -> bool:
+    """Whether ``value`` is a step floor the codec takes: an int from 1 to :data:`MAX_MIN_STEP`."""
+    return not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= MAX_MIN_STEP
+
+
 def check_min_step(min_step: object, what: str) -> None:
-    """Raise :class:`~tw_triton.errors.QuantizationError` unless ``min_step`` is an int from
-    1 to :data:`MAX_MIN_STEP`."""
-    if isinstance(min_step, bool) or not isinstance(min_step, int) or not 1 <= min_step <= MAX_MIN_STEP:
+    """Raise :class:`~tw_triton.errors.QuantizationError` unless :func:`is_min_step`."""
+    if not is_min_step(min_step):
         raise QuantizationError(f"{what}: min_step must be an int from 1 to {MAX_MIN_STEP}, got {min_step!r}")
 
 

@@ -7,10 +7,11 @@ The state is a 12-layer MLP stack with a 32k-token embedding and its AdamW momen
 330 MiB, saved as a keyframe with the defaults: weights exact, moments coded, every large
 buffer compressed). A CPU destination stands in for the device, so each slot's copy is a
 synchronous host copy where a GPU would run a DMA; everything before it is the code a GPU
-load runs. Each load is timed in a fresh process after one untimed load there (so that its peak
-memory is its own, not a thread pool's or a library's first use), the two paths in turns, on the library's reading threads. Reported per path: median and best seconds
-over ``--repeats``, and the median peak resident memory above the level before the load
-minus the decoded state itself (what the load holds on the host beyond its result: slots,
+load runs. Each load is timed in a fresh process after one untimed load there (so that its
+peak memory is its own, not a thread pool's or a library's first use), the two paths in
+turns, on the library's reading threads. Reported per path: median and best seconds over
+``--repeats``, and the median peak resident memory above the level before the load minus
+the decoded state itself (what the load holds on the host beyond its result: slots,
 scratch, decoded copies, the mapped file's pages).
 
 Run: ``python benchmarks/ring_load.py`` (about a minute on 2 cores). Writes
@@ -43,11 +44,11 @@ from tw_triton.parallel import parallel_map
 def build_state(layers: int, width: int = 768, vocab: int = 32000) -> dict[str, Any]:
     """Weights and AdamW moments after three steps (the moments populated)."""
     torch.manual_seed(0)
-    d = width
     blocks = [
-        torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)) for _ in range(layers)
+        torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width))
+        for _ in range(layers)
     ]
-    model = torch.nn.Sequential(torch.nn.Embedding(vocab, d), *blocks)
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, width), *blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, vocab, (4, 64))
     for _ in range(3):

@@ -209,7 +209,7 @@ def test_a_compressed_buffer_goes_to_the_device_a_slot_at_a_time(tmp_path, monke
     want = fmt.read_file(path)
     monkeypatch.setattr(fmt.reader, "RING_SLOT_BYTES", 4096 + 3)  # pieces that split elements
     monkeypatch.setattr(tw_triton.codecs.entropy.zstd, "ONE_SHOT_MAX_BYTES", 0)
-    pieces = []
+    uploads = []  # bytes of each buffer sent through the ring
 
     def no_whole_decode(*args, **kwargs):
         raise AssertionError("a whole buffer decoded on the host")
@@ -217,18 +217,18 @@ def test_a_compressed_buffer_goes_to_the_device_a_slot_at_a_time(tmp_path, monke
     for stage in ("zstd", "zstd-planes"):
         monkeypatch.setattr(type(tw_triton.codecs.entropy.get_stage(stage)), "decode", no_whole_decode)
     monkeypatch.setattr(fmt.reader, "decode_staged", no_whole_decode)
-    fill = PinnedRing.upload
+    real_upload = PinnedRing.upload
 
     def upload(self, dest, fill_slot):
-        pieces.append(dest.nbytes)
-        return fill(self, dest, fill_slot)
+        uploads.append(dest.nbytes)
+        return real_upload(self, dest, fill_slot)
 
     monkeypatch.setattr(PinnedRing, "upload", upload)
     with MappedCheckpoint(path, verify=True, pin=False, entries=None, device=torch.device("cpu")) as ck:
         staged = [s for s in ck.layout.buffers if s.stage is not None]
         assert {s.stage.name for s in staged} == {"zstd", "zstd-planes"}
         got = {(s.entry, s.name): ck.read_buffer(s) for s in staged}
-    assert len(pieces) == len(staged) and min(pieces) > 4096 * 4
+    assert len(uploads) == len(staged) and min(uploads) > 4096 * 4  # several slots each
     for (entry, name), t in got.items():
         assert torch.equal(t, want.entries[entry].buffers[name]), (entry, name)
 

@@ -10,7 +10,7 @@ A GPU is not needed to count them. The state API encodes a device state in group
 * host syncs: every read of device values on the host, i.e. calls of
   ``fingerprints.to_host`` (the one copy + event) and any ``item``/``nonzero``-like op.
 
-What this proves: the orchestration issues the same operations for 10 and for 50 coded
+What this proves: the orchestration issues the same operations for ``FEW`` and for ``MANY`` coded
 tensors. What it does not: on CUDA the table copies are pinned-memory copies and the
 wait is a CUDA event (those lines run only on a GPU: benchmarks/gpu).
 """
@@ -40,6 +40,9 @@ from tw_triton.tree import flatten
 # Host reads of tensor values: any of these is a sync on a device.
 SYNC_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
 NOT_LAUNCHES = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.detach.default"}
+# The two numbers of tensors each count is compared at: what the grouped path launches
+# must not depend on it. Every kernel runs interpreted here, so they stay small.
+FEW, MANY = 10, 24
 
 BLOCKWISE = [("*", {"codec": "blockwise", "bits": 4, "block": 32})]
 # Weights as blockwise deltas, second moments by the log2 codec (no reference).
@@ -161,9 +164,20 @@ def spy(monkeypatch):
         yield spy
 
 
+@contextlib.contextmanager
+def per_tensor_path(monkeypatch):
+    """The per-tensor path, on the CPU's own codec, for the saves and loads a test needs but
+    does not count: their bytes are the grouped path's (the tests named ``..._gives_the_
+    bytes_of_the_per_tensor_path``), without the interpreted kernels' minutes."""
+    with monkeypatch.context() as m:
+        for module in (encode_module, deltas, decode_module):
+            m.setattr(module, "groups_launches", lambda device: False)
+        yield
+
+
 def make_state(n: int, seed: int) -> dict[str, torch.Tensor]:
     """``n`` small tensors of two dtypes and many sizes: weights and second moments, each
-    kind and dtype with whole tiles and a tail among the first eight (so that 10 and 50
+    kind and dtype with whole tiles and a tail among the first eight (so that ``FEW`` and ``MANY``
     tensors hold the same kinds, and differ in number only)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -189,10 +203,10 @@ def counted_save(spy: LaunchSpy, n: int):
     return q, (spy.launches(), spy.syncs(), dict(spy.kernels), dict(spy.ops))
 
 
-def test_a_delta_save_launches_and_syncs_the_same_for_10_and_50_tensors(spy) -> None:
-    _, small = counted_save(spy, 10)
-    _, large = counted_save(spy, 50)
-    assert small == large, f"10 tensors: {small}\n50 tensors: {large}"
+def test_a_delta_save_launches_and_syncs_the_same_for_few_and_many_tensors(spy) -> None:
+    _, small = counted_save(spy, FEW)
+    _, large = counted_save(spy, MANY)
+    assert small == large, f"{FEW} tensors: {small}\n{MANY} tensors: {large}"
     launches, syncs, kernels, torch_ops = large
     # Two dtype pairs (two dtypes for log2): at most two encode launches each; two
     # reference dtypes: one fingerprint launch each; one zero-fill of the flags and
@@ -226,10 +240,10 @@ def test_the_grouped_path_gives_the_bytes_of_the_per_tensor_path(spy, monkeypatc
     assert grouped.reference_id == alone.reference_id
 
 
-def test_an_open_loop_checkpointer_costs_the_same_for_10_and_50_tensors(spy, tmp_path) -> None:
+def test_an_open_loop_checkpointer_costs_the_same_for_few_and_many_tensors(spy, tmp_path) -> None:
     """Both kinds of save: the keyframe (every entry exact: grouped copies) and a delta."""
     counts = []
-    for n in (10, 50):
+    for n in (FEW, MANY):
         state = make_state(n, seed=n)
         per_save = []
         with Checkpointer(
@@ -287,8 +301,8 @@ def closed_loop_saves(root, n: int, spy: LaunchSpy | None) -> tuple[list, dict[s
 
 
 def test_a_closed_loop_delta_advances_its_reference_in_grouped_launches(spy, tmp_path, monkeypatch) -> None:
-    small, _ = closed_loop_saves(tmp_path / "10", 10, spy)
-    large, loaded = closed_loop_saves(tmp_path / "50", 50, spy)
+    small, _ = closed_loop_saves(tmp_path / "few", FEW, spy)
+    large, loaded = closed_loop_saves(tmp_path / "many", MANY, spy)
     assert small == large, (small, large)
     for _, syncs, kernels in large[1:]:
         assert syncs == 1
@@ -297,7 +311,7 @@ def test_a_closed_loop_delta_advances_its_reference_in_grouped_launches(spy, tmp
     # The same files and reconstructions as the per-tensor path.
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
     monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
-    _, alone = closed_loop_saves(tmp_path / "alone", 50, None)
+    _, alone = closed_loop_saves(tmp_path / "alone", MANY, None)
     assert loaded.keys() == alone.keys()
     for path, t in alone.items():
         assert torch.equal(loaded[path].view(torch.uint8), t.view(torch.uint8)), path
@@ -365,10 +379,10 @@ def test_a_delta_save_of_the_default_preset_codes_its_moments_in_launches_indepe
     spy, monkeypatch
 ) -> None:
     count_bits_choice(spy, monkeypatch)
-    q, small = counted_default_save(spy, 10)
-    assert sum(e.codec == "log2-temporal" for e in q.entries.values()) == 10
-    _, large = counted_default_save(spy, 50)
-    assert small == large, f"10 tensors: {small}\n50 tensors: {large}"
+    q, small = counted_default_save(spy, FEW)
+    assert sum(e.codec == "log2-temporal" for e in q.entries.values()) == FEW
+    _, large = counted_default_save(spy, MANY)
+    assert small == large, f"{FEW} tensors: {small}\n{MANY} tensors: {large}"
     _, syncs, kernels, torch_ops = large
     assert kernels["quantize_log2_temporal_grouped_kernel"] <= 2  # one dtype: whole tiles, tails
     assert kernels["quantize_blockwise_grouped_kernel"] <= 4  # the weights' deltas, 2 dtypes
@@ -422,7 +436,7 @@ def test_the_default_presets_grouped_path_gives_the_bytes_of_the_per_tensor_path
     assert grouped.reference_id == alone.reference_id
 
 
-def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_and_50_tensors(
+def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_few_and_many_tensors(
     spy, tmp_path, monkeypatch
 ) -> None:
     """Its keyframe (log2 moments, weights exact) and its first delta (log2-temporal
@@ -430,7 +444,7 @@ def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_a
     delta loads back to the per-tensor path's values."""
     count_bits_choice(spy, monkeypatch)
     counts = []
-    for n in (10, 50):
+    for n in (FEW, MANY):
         state = make_training_state(n, seed=n)
         per_save = []
         with Checkpointer(tmp_path / str(n), async_write=False, fsync=False, delta="open") as ckpt:
@@ -456,7 +470,7 @@ def test_an_open_loop_checkpointer_of_the_default_preset_costs_the_same_for_10_a
     assert "quantize_log2_temporal" not in delta[1]
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
     monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
-    state = make_training_state(50, seed=50)
+    state = make_training_state(MANY, seed=MANY)
     with Checkpointer(tmp_path / "alone", async_write=False, fsync=False, delta="open") as ckpt:
         ckpt.save(0, **state)
         ckpt.save(1, **moved(state))
@@ -482,11 +496,11 @@ def test_a_closed_loop_keyframe_of_the_default_preset_decodes_its_moments_in_gro
     spy, tmp_path, monkeypatch
 ) -> None:
     """The keyframe's log2 moments, decoded to the reference the next deltas are coded
-    against (deltas.keyframe_values): the same launches and syncs for 10 and 50 tensors,
+    against (deltas.keyframe_values): the same launches and syncs for ``FEW`` and ``MANY`` tensors,
     no moment decoded alone, and the reference bit for bit the per-tensor path's."""
     count_bits_choice(spy, monkeypatch)
     counts, references = [], []
-    for n in (10, 50):
+    for n in (FEW, MANY):
         spy.ops.clear()
         spy.kernels.clear()
         got, reference = closed_loop_keyframe(tmp_path / str(n), n, spy)
@@ -498,10 +512,10 @@ def test_a_closed_loop_keyframe_of_the_default_preset_decodes_its_moments_in_gro
     # float32 moments, whole tiles and tails: decoded as exp_avg's partners, then to the reference.
     assert 1 <= kernels["dequantize_log2_grouped_kernel"] <= 4
     moments = [p for p in references[1] if p.endswith("exp_avg_sq")]
-    assert len(moments) == 50
+    assert len(moments) == MANY
     monkeypatch.setattr(encode_module, "groups_launches", lambda device: False)
     monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
-    _, alone = closed_loop_keyframe(tmp_path / "alone", 50, None)
+    _, alone = closed_loop_keyframe(tmp_path / "alone", MANY, None)
     assert alone.keys() == references[1].keys()
     for path, t in alone.items():
         assert torch.equal(references[1][path].view(torch.uint8), t.view(torch.uint8)), path
@@ -509,7 +523,9 @@ def test_a_closed_loop_keyframe_of_the_default_preset_decodes_its_moments_in_gro
 
 def default_delta_reference(n: int) -> tuple:
     """A delta of the default preset and the closed-loop reference it was coded against (a
-    copy of the delta-coded tensors, owned by nothing else, as after the first advance)."""
+    copy of the delta-coded tensors, owned by nothing else, as after the first advance).
+    Encoded on the grouped path, as on a device: its temporal codes start on 16 bytes, which
+    the per-tensor path's need not (the advance would copy them)."""
     ref_state = make_training_state(n, seed=n)
     q = quantize_state_dict(moved(ref_state), reference=ref_state, rules=DEFAULT)
     flat, _ = flatten(ref_state)
@@ -523,14 +539,14 @@ def default_delta_reference(n: int) -> tuple:
 
 def test_a_closed_loop_advance_of_the_default_preset_is_grouped_and_in_place(spy, monkeypatch) -> None:
     """The advance after a default-preset delta (weights' blockwise deltas, second moments'
-    log2-temporal changes): the same grouped launches for 10 and 50 tensors, no host read
+    log2-temporal changes): the same grouped launches for ``FEW`` and ``MANY`` tensors, no host read
     at all (the temporal codes are the encoder's own: no per-tensor check), each reference
     tensor decoded over itself, to the bits of the per-tensor path."""
     # The corrupt-code check as CUDA runs it (the torch reference: its verdict is read back
     # to the host), not the CPU's compiled codec, which the spy does not see.
     counts, advanced = [], []
     with ops.using("log2_temporal_code_errors", "cpu", log2_temporal_code_errors_torch):
-        for n in (10, 50):
+        for n in (FEW, MANY):
             q, reference = default_delta_reference(n)
             before, _ = flatten(reference.tree)
             assert sum(q.entries[p].codec == "log2-temporal" for p in before) == n
@@ -550,7 +566,7 @@ def test_a_closed_loop_advance_of_the_default_preset_is_grouped_and_in_place(spy
     assert 1 <= kernels["dequantize_blockwise_grouped_kernel"]
     # The per-tensor path (host worker threads, the checked single decode) gives the same.
     monkeypatch.setattr(deltas, "groups_launches", lambda device: False)
-    q, reference = default_delta_reference(50)
+    q, reference = default_delta_reference(MANY)
     deltas.advance(reference, q)
     alone, _ = flatten(reference.tree)
     assert alone.keys() == advanced[1][1].keys()
@@ -569,12 +585,13 @@ def spread(state: dict, seed: int) -> dict:
     return later
 
 
-def counted_closed_loop_delta(root, n: int, spy: LaunchSpy) -> tuple:
+def counted_closed_loop_delta(root, n: int, spy: LaunchSpy, monkeypatch) -> tuple:
     """The counts of the first closed-loop delta of the default preset over
     ``make_training_state(n)`` (its bits choice counted launch by launch), and its entries."""
     state = make_training_state(n, seed=n)
     with Checkpointer(root, async_write=False, fsync=False, delta="closed") as ckpt:
-        ckpt.save(0, **state)
+        with per_tensor_path(monkeypatch):
+            ckpt.save(0, **state)
         later = spread(state, n)
         spy.ops.clear()
         spy.kernels.clear()
@@ -585,16 +602,16 @@ def counted_closed_loop_delta(root, n: int, spy: LaunchSpy) -> tuple:
 
 
 def test_a_closed_loop_delta_of_the_default_preset_chooses_its_bits_in_grouped_launches(
-    spy, tmp_path
+    spy, tmp_path, monkeypatch
 ) -> None:
     """The weights' ``max_error`` statistics (ops.delta_statistics_many) are counted here
-    launch by launch, not as one call: the same launches and syncs for 10 and 50 weights,
+    launch by launch, not as one call: the same launches and syncs for ``FEW`` and ``MANY`` weights,
     the weights' encode included (one group per container and dtype pair, whatever the
     ``qmax`` chosen in it: a column of the kernel's table), two syncs in all (the bits
     choice's read, then the save's), no weight's statistics computed alone."""
-    small = counted_closed_loop_delta(tmp_path / "10", 10, spy)
-    large = counted_closed_loop_delta(tmp_path / "50", 50, spy)
-    assert small == large, f"10 tensors: {small}\n50 tensors: {large}"
+    small = counted_closed_loop_delta(tmp_path / "few", FEW, spy, monkeypatch)
+    large = counted_closed_loop_delta(tmp_path / "many", MANY, spy, monkeypatch)
+    assert small == large, f"{FEW} tensors: {small}\n{MANY} tensors: {large}"
     _, syncs, kernels, torch_ops = large
     # Two dtype pairs (float32 and bfloat16 weights against references of their dtype):
     # the maxima, then the sums, each in whole tiles and tails.
@@ -656,7 +673,7 @@ def keyframe_state(n: int, seed: int) -> dict[str, torch.Tensor]:
     """``n`` exact float tensors of at least 4096 elements (sparse candidates): among the
     first eight, sparse ones (half zeros, stored by bitmask) and dense ones of both widths,
     with a tail and without, beside a small exact tensor and a second moment each; the
-    others dense and of whole tiles (so that 10 and 50 hold the same kinds and the same
+    others dense and of whole tiles (so that ``FEW`` and ``MANY`` hold the same kinds and the same
     sparse tensors)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -678,7 +695,7 @@ def test_a_keyframe_counts_its_sparse_candidates_in_grouped_launches(spy, monkey
     one host read through one grouped op, and the dense ones are copied (``copy``) in one
     grouped copy after it, whatever their number; the files are the per-tensor path's."""
     counts, saved = [], []
-    for n in (10, 50):
+    for n in (FEW, MANY):
         state = keyframe_state(n, seed=n)
         spy.ops.clear()
         spy.kernels.clear()
@@ -729,10 +746,10 @@ def sparse_keyframe_state(n: int, seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("copy", [True, False])
 def test_a_keyframe_encodes_its_sparse_tensors_in_grouped_launches(spy, monkeypatch, copy) -> None:
     """The candidates that pay are encoded together after the one host read (mask pass,
-    scan, scatter per element width): 10 and 50 sparse tensors cost the same launches and
+    scan, scatter per element width): ``FEW`` and ``MANY`` sparse tensors cost the same launches and
     syncs, none is encoded alone, and the entries are the per-tensor path's bytes."""
     counts, saved = [], []
-    for n in (10, 50):
+    for n in (FEW, MANY):
         state = sparse_keyframe_state(n, seed=n)
         spy.ops.clear()
         spy.kernels.clear()
@@ -783,10 +800,10 @@ def test_a_delta_save_with_blockwise_update_codes_its_first_moments_in_grouped_l
     spy, monkeypatch
 ) -> None:
     count_bits_choice(spy, monkeypatch)
-    q, small = counted_update_save(spy, 10)
-    assert sum(e.codec == "blockwise-update" for e in q.entries.values()) == 10
-    _, large = counted_update_save(spy, 50)
-    assert small == large, f"10 tensors: {small}\n50 tensors: {large}"
+    q, small = counted_update_save(spy, FEW)
+    assert sum(e.codec == "blockwise-update" for e in q.entries.values()) == FEW
+    _, large = counted_update_save(spy, MANY)
+    assert small == large, f"{FEW} tensors: {small}\n{MANY} tensors: {large}"
     _, syncs, kernels, torch_ops = large
     assert kernels["quantize_blockwise_update_grouped_kernel"] <= 2  # one dtype: whole tiles, tails
     assert kernels["dequantize_log2_temporal_grouped_kernel"] <= 2  # the partners' decode
@@ -825,11 +842,12 @@ def test_the_grouped_update_encode_gives_the_bytes_of_the_per_tensor_path(spy, m
             assert torch.equal(got, want), (path, name)
 
 
-def counted_update_load(n: int, path, phases: list) -> tuple:
+def counted_update_load(n: int, path, phases: list, monkeypatch) -> tuple:
     """A file of the update rules' keyframe of ``make_training_state(n)``, loaded with the
     device decode forced: the counts of the phase that decodes its ``blockwise-update``
     entries (after their partners; recorded into ``phases``), and the loaded state."""
-    q = quantize_state_dict(make_training_state(n, seed=n), rules=update_rules())
+    with per_tensor_path(monkeypatch):
+        q = quantize_state_dict(make_training_state(n, seed=n), rules=update_rules())
     assert sum(e.codec == "blockwise-update" for e in q.entries.values()) == n
     tw_triton.save(q, path, fsync=False)
     del phases[:]
@@ -840,7 +858,7 @@ def counted_update_load(n: int, path, phases: list) -> tuple:
 
 def test_a_load_decodes_its_blockwise_update_entries_in_grouped_launches(spy, monkeypatch, tmp_path) -> None:
     """Loading to a device a file with N ``blockwise-update`` entries: after their
-    partners, the same launches for 10 and 50 entries (one grouped decode, none alone),
+    partners, the same launches for ``FEW`` and ``MANY`` entries (one grouped decode, none alone),
     no host read, and the per-tensor path's values bit for bit."""
     real = decode_module.decode_grouped_with_partners
     phases: list = []
@@ -855,28 +873,29 @@ def test_a_load_decodes_its_blockwise_update_entries_in_grouped_launches(spy, mo
 
     monkeypatch.setattr(decode_module, "decode_grouped_with_partners", counted)
     monkeypatch.setattr(decode_module, "groups_launches", lambda device: True)
-    small, _ = counted_update_load(10, tmp_path / "10.tw", phases)
-    large, loaded = counted_update_load(50, tmp_path / "50.tw", phases)
-    assert small == large, f"10 entries: {small}\n50 entries: {large}"
+    small, _ = counted_update_load(FEW, tmp_path / "few.tw", phases, monkeypatch)
+    large, loaded = counted_update_load(MANY, tmp_path / "many.tw", phases, monkeypatch)
+    assert small == large, f"{FEW} entries: {small}\n{MANY} entries: {large}"
     launches, syncs, kernels, _ = large
     assert syncs == 0
     assert kernels == {"dequantize_blockwise_update_grouped_kernel": 2}  # float32: tiles, tails
     monkeypatch.setattr(decode_module, "groups_launches", lambda device: False)
-    alone = tw_triton.load(tmp_path / "50.tw")
+    alone = tw_triton.load(tmp_path / "many.tw")
     assert not phases[1:], "the per-tensor path decoded in groups"
     for i, moments in alone["optimizer"]["state"].items():
         got = loaded["optimizer"]["state"][i]["exp_avg"]
         assert torch.equal(got.view(torch.int32), moments["exp_avg"].view(torch.int32)), i
 
 
-def chain_load(spy: LaunchSpy, root, n: int, links: int) -> tuple:
+def chain_load(spy: LaunchSpy, monkeypatch, root, n: int, links: int) -> tuple:
     """Saves of the default preset's training state of ``n`` weights, a keyframe then
     ``links`` closed-loop deltas; the counts of loading the newest (the whole chain)."""
     state = make_training_state(n, seed=n)
     with Checkpointer(root, async_write=False, fsync=False) as ckpt:
-        for step in range(links + 1):
-            ckpt.save(step, model=state["model"], optimizer=state["optimizer"])
-            state = moved(state)
+        with per_tensor_path(monkeypatch):
+            for step in range(links + 1):
+                ckpt.save(step, model=state["model"], optimizer=state["optimizer"])
+                state = moved(state)
         spy.ops.clear()
         spy.kernels.clear()
         with spy:
@@ -889,13 +908,13 @@ def chain_load(spy: LaunchSpy, root, n: int, links: int) -> tuple:
 
 def test_a_chain_load_on_a_device_decodes_each_link_in_grouped_launches(spy, monkeypatch, tmp_path) -> None:
     """Loading a delta two links past its keyframe to a device: the same launches and host
-    reads for 10 and 30 weights (each link: one read of the references' fingerprints, one of
+    reads for ``FEW`` and ``MANY`` weights (each link: one read of the references' fingerprints, one of
     the flags of its second moments' code check), but for a copy of the temporal codes that
     do not start on 16 bytes, and the values of the per-tensor path bit for bit."""
     monkeypatch.setattr(decode_module, "groups_launches", lambda device: True)
-    small, _ = chain_load(spy, tmp_path / "10", 10, links=2)
-    large, loaded = chain_load(spy, tmp_path / "30", 30, links=2)
-    assert small == large, f"10 weights: {small}\n30 weights: {large}"
+    small, _ = chain_load(spy, monkeypatch, tmp_path / "few", FEW, links=2)
+    large, loaded = chain_load(spy, monkeypatch, tmp_path / "many", MANY, links=2)
+    assert small == large, f"{FEW} weights: {small}\n{MANY} weights: {large}"
     _, syncs, kernels = large
     assert syncs == 2 * 2
     assert kernels["log2_temporal_check_grouped_kernel"] == 2 * 2  # per link: tiles, tails
@@ -904,7 +923,7 @@ def test_a_chain_load_on_a_device_decodes_each_link_in_grouped_launches(spy, mon
     assert kernels["dequantize_blockwise_grouped_kernel"] <= 2 * 4  # per link: two dtypes
     assert kernels["fingerprint_kernel"] == 2 * 2  # per link: the weights' two dtypes
     monkeypatch.setattr(decode_module, "groups_launches", lambda device: False)
-    with Checkpointer(tmp_path / "30", async_write=False, fsync=False) as ckpt:
+    with Checkpointer(tmp_path / "many", async_write=False, fsync=False) as ckpt:
         alone = flatten(ckpt.load(2))[0]
     for path, t in flatten(loaded)[0].items():
         assert torch.equal(t.reshape(-1).view(torch.uint8), alone[path].reshape(-1).view(torch.uint8)), path

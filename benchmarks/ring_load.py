@@ -36,7 +36,7 @@ from harness.common import environment, fmt_table, log, median, mib, write_resul
 from harness.memory import peak_bytes, reset_peak, rss_bytes
 
 import tw_triton
-from tw_triton.format import reader
+from tw_triton.format import reader, upload_ring
 from tw_triton.format.buffer_io import decode_staged
 from tw_triton.parallel import parallel_map
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "environment": environment(),
         "file_mib": round(mib(file_bytes), 1),
         "threads": tw_triton.parallel.cpu_threads(),
-        "ring_slots": reader.ring_slots(),
+        "ring_slots": upload_ring.ring_slots(),
         "rows": rows,
     }
     table = fmt_table(

@@ -15,6 +15,7 @@ from .arguments import as_int
 from .checkpoint_dir import CheckpointDirectory, CheckpointInfo
 from .codecs.arguments import parse_device
 from .errors import CheckpointError, TwTritonError
+from .format import one_ring
 from .optimizer_classes import RESTORE_ADVICE, check_file
 from .rng import restore_rng_state
 from .state import state_of
@@ -25,6 +26,7 @@ from .wrapper_prefixes import rekeyed_for
 RESERVED_NAMES = ("step", "rng")
 
 
+@one_ring()  # the files of a chain, verified then decoded, share one ring of pinned slots
 def load_from(
     directory: CheckpointDirectory,
     step: int | None,

@@ -245,6 +245,29 @@ def test_a_delta_and_its_keyframe_regions_are_decoded_on_the_targets_device(tmp_
     assert {d.type for d, _ in calls} == {"meta", "cpu"}
 
 
+def test_a_delta_load_reads_its_rank_and_keyframe_files_through_one_ring(tmp_path, monkeypatch):
+    """The rank file and the keyframe's file of a delta load are read inside one
+    ``one_ring`` block: to a GPU, one ring of pinned slots for the whole ``read_data``."""
+    from tw_triton.format import upload_ring
+
+    key, delta = str(tmp_path / "key"), str(tmp_path / "delta")
+    dcp.save(_state(), storage_writer=StorageWriter(key, rules="small", as_keyframe=True), no_dist=True)
+    dcp.save(_state(0.01), storage_writer=StorageWriter(delta, rules="small", reference=key), no_dist=True)
+    scopes: list = []
+    for module in (dcp_reader, dcp_keyframe):
+        real = module.read_file
+
+        def read_file(*args, real=real, **kwargs):
+            scopes.append(upload_ring._SHARED.get())
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "read_file", read_file)
+    got = _zeros_like(_state())
+    dcp.load(got, storage_reader=StorageReader(delta), no_dist=True)
+    assert len(scopes) >= 2 and scopes[0] is not None and all(s is scopes[0] for s in scopes), scopes
+    assert torch.allclose(got["model"]["w"], _state(0.01)["model"]["w"], atol=0.05)
+
+
 def test_keyframe_regions_are_decoded_where_they_are_asked_for(tmp_path, monkeypatch):
     key = str(tmp_path / "key")
     dcp.save(_state(), storage_writer=StorageWriter(key, rules="small", as_keyframe=True), no_dist=True)

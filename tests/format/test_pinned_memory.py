@@ -176,13 +176,13 @@ def test_a_read_to_a_device_through_the_ring_gives_the_same_buffers(tmp_path, mo
     path = _file(tmp_path)
     if entropy == "none":
         fmt.write_file(fmt.read_file(path), path, fsync=False, entropy=None)
-    monkeypatch.setattr(fmt.reader, "RING_SLOT_BYTES", 4096)  # many pieces per buffer
+    monkeypatch.setattr(fmt.upload_ring, "RING_SLOT_BYTES", 4096)  # many pieces per buffer
     monkeypatch.setenv("TW_TRITON_THREADS", "3")
     want = fmt.read_file(path)
     with MappedCheckpoint(path, verify=True, pin=False, entries=None, device=torch.device("cpu")) as ck:
         # A slot for each of the 3 reading threads, and the spares.
-        assert fmt.reader.ring_slots() == 3 + fmt.reader.RING_SPARE_SLOTS
-        assert ck.ring is not None and ck.ring.slab.nbytes == fmt.reader.ring_slots() * 4096
+        assert fmt.upload_ring.ring_slots() == 3 + fmt.upload_ring.RING_SPARE_SLOTS
+        assert ck.ring is not None and ck.ring.slab.nbytes == fmt.upload_ring.ring_slots() * 4096
         got = dict(
             zip(
                 [(s.entry, s.name) for s in ck.layout.buffers],
@@ -207,7 +207,7 @@ def test_a_compressed_buffer_goes_to_the_device_a_slot_at_a_time(tmp_path, monke
     path = tmp_path / "s.tw.safetensors"
     fmt.write_file(tw_triton.quantize_state_dict(state, rules="exact"), path, fsync=False)
     want = fmt.read_file(path)
-    monkeypatch.setattr(fmt.reader, "RING_SLOT_BYTES", 4096 + 3)  # pieces that split elements
+    monkeypatch.setattr(fmt.upload_ring, "RING_SLOT_BYTES", 4096 + 3)  # pieces that split elements
     monkeypatch.setattr(tw_triton.codecs.entropy.zstd, "ONE_SHOT_MAX_BYTES", 0)
     uploads = []  # bytes of each buffer sent through the ring
 

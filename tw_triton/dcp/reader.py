@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CheckpointError, ReferenceMismatchError
-from ..format import MAX_EXPANSION, HeaderCache, read_file, read_manifest
+from ..format import MAX_EXPANSION, HeaderCache, one_ring, read_file, read_manifest
 from ..lowbit import outer_path
 from ..state import dequantize_entries, dequantize_state_dict
 from ..state.entries import wants_pinned
@@ -213,6 +213,7 @@ class StorageReader(FileSystemReader):
         )
         return {p: leaves[p].to(dev) for p, dev in wanted.items()}
 
+    @one_ring()  # the rank files and keyframe files read here share one ring of pinned slots
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         rec = self._record
         md = rec.metadata

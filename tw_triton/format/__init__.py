@@ -48,6 +48,7 @@ from .spec import (
     READABLE_VERSIONS,
     tensor_key,
 )
+from .upload_ring import one_ring
 from .writer import write_file
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "is_temp_file",
     "manifest_metadata",
     "manifest_text",
+    "one_ring",
     "read_file",
     "read_manifest",
     "remove_quietly",

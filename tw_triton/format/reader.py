@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..parallel import cpu_threads, parallel_map
+from ..parallel import parallel_map
 from ..pinned_memory import PinnedRing
 from ..qstate import QuantizedState
 from .buffer_io import (
@@ -40,6 +40,7 @@ from .buffer_io import (
 from .files import IO_CHUNK_BYTES, open_for_reading
 from .header import HeaderCache, Layout, layout_of
 from .manifest import BufferSpec, to_qstate
+from .upload_ring import ring_for_read
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +52,6 @@ logger = logging.getLogger(__name__)
 # zero-initialised adapter) in a small file.
 MAX_EXPANSION = 32.0
 EXPANSION_SLACK_BYTES = 64 << 20
-
-# A read to a device streams through a ring of pinned slots of RING_SLOT_BYTES: one per
-# reading thread, which holds its slot while it reads or decodes a piece into it, and
-# RING_SPARE_SLOTS more whose copies to the device may still be in flight.
-RING_SLOT_BYTES = 4 << 20
-RING_SPARE_SLOTS = 2
-
-
-def ring_slots() -> int:
-    """How many slots a read to a device pins: its reading threads plus the spares."""
-    return (cpu_threads() if POSITIONAL_READS else 1) + RING_SPARE_SLOTS
 
 
 def check_max_expansion(max_expansion: Any) -> None:
@@ -175,10 +165,12 @@ def read_file(
             stores large constant tensors on purpose.
         device: a device to read the buffers to (CUDA): each one goes there chunk by
             chunk through a bounded ring of pinned host memory
-            (:class:`~tw_triton.pinned_memory.PinnedRing`, :func:`ring_slots` slots of
-            :data:`RING_SLOT_BYTES`; a compressed buffer is decoded into the slots piece
-            by piece), instead of the whole file being pinned; ``pin_memory`` and
-            ``into`` are then ignored. ``None`` or the CPU: host memory.
+            (:class:`~tw_triton.pinned_memory.PinnedRing`, :func:`~tw_triton.format.
+            upload_ring.ring_slots` slots of 4 MiB; a compressed buffer is decoded into the
+            slots piece by piece), instead of the whole file being pinned: the ring of the
+            enclosing :func:`~tw_triton.format.upload_ring.one_ring` block, or one made for
+            this read. ``pin_memory`` and ``into`` are then ignored. ``None`` or the CPU:
+            host memory.
 
     Returns:
         The state as written: entries in their original order with codec, params, shape,
@@ -313,6 +305,7 @@ class MappedCheckpoint:
         self.device = device  # buffers go there through a ring of pinned slots
         self.stream = stream  # the CUDA stream the uploads are queued on (any thread's)
         self.ring: PinnedRing | None = None
+        self._owns_ring = False
         check_max_expansion(max_expansion)
         self._max_expansion = max_expansion
         self._headers = headers
@@ -343,7 +336,7 @@ class MappedCheckpoint:
                     # A file system that cannot map files: the same bytes, read instead.
                     logger.debug("checkpoint %s: cannot memory-map it (%s); reading it", self.path, exc)
             if self.device is not None:
-                self.ring = PinnedRing(ring_slots(), RING_SLOT_BYTES)
+                self.ring, self._owns_ring = ring_for_read()
         except BaseException as exc:
             self._opener.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -351,7 +344,7 @@ class MappedCheckpoint:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            if self.ring is not None:
+            if self.ring is not None and self._owns_ring:
                 self.ring.close()  # after the copies still reading its slots
             if self.file_map is not None:
                 try:

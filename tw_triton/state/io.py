@@ -16,7 +16,7 @@ import torch
 from ..arguments import as_path
 from ..codecs.entropy import EntropyPolicy
 from ..errors import QuantizationError, TwTritonError
-from ..format import MAX_EXPANSION
+from ..format import MAX_EXPANSION, one_ring
 from ..qstate import QuantizedState
 from ..tree import flatten
 from .decode import Progress, decode_device, decode_state
@@ -42,6 +42,7 @@ def save(
     return write_file(qstate, as_path(path, "path"), fsync=fsync, entropy=entropy)
 
 
+@one_ring()  # a reference chain's files share one ring of pinned slots
 def load(
     path: PathLike,
     *,

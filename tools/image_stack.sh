@@ -15,7 +15,7 @@ venv="${1:-${TMPDIR:-/tmp}/tw-image-stack}"
 
 [ -x "$venv/bin/python" ] || "${PY312:-python3.12}" -m venv "$venv"
 py="$venv/bin/python"
-"$py" -m pip install -qq "torch==2.11.0" "triton==3.6.0" numpy safetensors zstandard pytest hypothesis
+"$py" -m pip install -qq "torch==2.11.0" "triton==3.6.0" numpy safetensors zstandard isal pytest hypothesis
 "$py" -m pip install -qq --no-deps --no-build-isolation -e .
 "$py" - "$PWD" <<'PY'
 import pathlib

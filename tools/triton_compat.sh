@@ -18,7 +18,7 @@ torch_spec="${TORCH:-torch==2.13.0}"
 
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
-"$py" -m pip install -qq "$torch_spec" "triton==$version" numpy safetensors zstandard pytest hypothesis
+"$py" -m pip install -qq "$torch_spec" "triton==$version" numpy safetensors zstandard isal pytest hypothesis
 "$py" -m pip install -qq --no-deps -e .
 "$py" - "$version" "$PWD" <<'PY'
 import pathlib

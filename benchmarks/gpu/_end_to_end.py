@@ -328,7 +328,7 @@ LOAD_PHASES = (
     ("read: a raw buffer to the device", "tw_triton.format.reader", "upload_raw"),
     ("read: wait for a free pinned slot", "tw_triton.pinned_memory", "PinnedRing._acquire"),
     ("read: pin the ring's slab", "tw_triton.pinned_memory", "PinnedRing.__init__"),
-    ("read: CRC-32", "zlib", "crc32"),
+    ("read: CRC-32", "tw_triton.format.checksum", "crc32"),
     ("decode the entries", "tw_triton.state.decode", "decode_entries"),
     ("decode: grouped launches", "tw_triton.state.grouped", "decode_grouped"),
     ("rebuild the tree", "tw_triton.tree", "unflatten"),

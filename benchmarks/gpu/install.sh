@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 # Modules to check after the install (the import names of what tw_triton and its tests need).
-REQUIRED="${INSTALL_CHECK:-torch triton zstandard numpy safetensors pytest hypothesis}"
+REQUIRED="${INSTALL_CHECK:-torch triton zstandard isal numpy safetensors pytest hypothesis}"
 
 pip_offline() { "$PY" -m pip install --quiet --no-index --no-deps --disable-pip-version-check "$@"; }
 

@@ -45,6 +45,7 @@ def environment() -> dict[str, Any]:
     import safetensors
 
     import tw_triton
+    import tw_triton.format.checksum
 
     return {
         "machine": machine_description(),
@@ -53,6 +54,7 @@ def environment() -> dict[str, Any]:
         "safetensors": safetensors.__version__,
         "tw_triton": tw_triton.__version__,
         "torch_threads": torch.get_num_threads(),
+        "crc32": tw_triton.format.checksum.CRC32_LIBRARY,
     }
 
 

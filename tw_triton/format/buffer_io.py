@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import zlib
 from typing import Any, BinaryIO
 
 import torch
 
 from ..errors import CheckpointError
+from .checksum import crc32
 from .files import IO_CHUNK_BYTES, byte_view
 from .manifest import BufferSpec
 
@@ -89,7 +89,7 @@ def read_raw(
         chunk = view[start : start + IO_CHUNK_BYTES]
         read_exact_into(f, chunk, offset + start, path, spec)
         if verify:
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     if verify:
         check_crc(path, spec, crc)
     return tensor
@@ -102,7 +102,7 @@ def check_staged(stored: memoryview, spec: BufferSpec, path: str, *, verify: boo
     assert spec.stage is not None and spec.stage_params is not None
     where = spec.where(path)
     if verify:
-        check_crc(path, spec, zlib.crc32(stored))
+        check_crc(path, spec, crc32(stored))
     spec.stage.check(stored, spec.stage_params, spec.raw_nbytes, where)
     return where
 
@@ -151,7 +151,7 @@ def upload_raw(
         chunk = byte_view(view)
         read_exact_into(f, chunk, offset + at, path, spec)
         if verify:
-            crc[0] = zlib.crc32(chunk, crc[0])
+            crc[0] = crc32(chunk, crc[0])
 
     ring.upload(tensor, fill)
     if verify:

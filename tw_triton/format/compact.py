@@ -13,12 +13,12 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-import zlib
 
 import zstandard
 
 from ..codecs.entropy.zstd import check_zstd_frame, decode_error
 from ..errors import CheckpointError
+from .checksum import crc32
 from .spec import (
     COMPACT_VERSION,
     CRC_RE,
@@ -50,7 +50,7 @@ def manifest_metadata(text: str, version: int = FORMAT_VERSION) -> dict[str, str
         z = zstandard.ZstdCompressor(level=MANIFEST_ZSTD_LEVEL, write_content_size=True, write_checksum=False)
         stored = base64.b64encode(z.compress(text.encode("utf-8"))).decode("ascii")
         meta = {MANIFEST_VERSION_KEY: str(version), MANIFEST_ZSTD_KEY: stored}
-    meta[MANIFEST_CRC_KEY] = f"{zlib.crc32(stored.encode('utf-8', 'surrogatepass')):08x}"
+    meta[MANIFEST_CRC_KEY] = f"{crc32(stored.encode('utf-8', 'surrogatepass')):08x}"
     return meta
 
 
@@ -106,7 +106,7 @@ def manifest_text(meta: dict[str, str], path: str) -> tuple[str, int | None]:
         raise CheckpointError(
             f"checkpoint {path}: expected __metadata__[{MANIFEST_CRC_KEY!r}] to be 8 hex digits"
         )
-    actual_crc = zlib.crc32(stored.encode("utf-8", "surrogatepass"))
+    actual_crc = crc32(stored.encode("utf-8", "surrogatepass"))
     if actual_crc != int(stored_crc, 16):
         raise CheckpointError(
             f"checkpoint {path}: manifest checksum mismatch (expected crc32 {stored_crc}, "

@@ -6,7 +6,6 @@ so that every buffer is aligned to its element). The result, a :class:`Plan`, is
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ from ..codecs.entropy import EntropyPolicy, encode_buffer
 from ..errors import CheckpointError
 from ..parallel import parallel_map
 from ..qstate import EncodedEntry, QuantizedState
+from .checksum import crc32
 from .files import byte_view
 from .spec import BUFFER_DTYPE_NAMES, BUFFER_NAME_RE, ENTRY_DTYPE_NAMES, STAGED_DTYPE, check_shape, tensor_key
 
@@ -96,11 +96,11 @@ def plan_file(qstate: QuantizedState, path: str, policy: EntropyPolicy | None) -
                     f"failed: {type(exc).__name__}: {exc}"
                 ) from exc
         if staged is None:
-            return None, None, zlib.crc32(view), len(view)
-        return staged.data, staged.record, zlib.crc32(staged.data), len(staged.data)
+            return None, None, crc32(view), len(view)
+        return staged.data, staged.record, crc32(staged.data), len(staged.data)
 
     # Buffers are staged and checksummed independently, so on several threads (zstd and
-    # zlib.crc32 release the GIL).
+    # the CRC-32 release the GIL).
     stored = parallel_map(
         stage,
         pending,

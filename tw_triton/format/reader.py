@@ -16,7 +16,6 @@ import contextlib
 import logging
 import mmap
 import os
-import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -37,6 +36,7 @@ from .buffer_io import (
     upload_raw,
     upload_staged,
 )
+from .checksum import crc32
 from .files import IO_CHUNK_BYTES, open_for_reading
 from .header import HeaderCache, Layout, layout_of
 from .manifest import BufferSpec, to_qstate
@@ -259,7 +259,7 @@ def verify_file(
                 ck.check_crc(spec)
                 return
             stored = ck.stored(spec)
-            check_crc(path, spec, zlib.crc32(stored))
+            check_crc(path, spec, crc32(stored))
             spec.stage.verify(stored, spec.stage_params, spec.raw_nbytes, spec.where(path))
             ck.done_with(spec)
 
@@ -423,7 +423,7 @@ class MappedCheckpoint:
             CheckpointError: the checksum differs, or the file ends early.
         """
         if spec.stage is not None:
-            check_crc(self.path, spec, zlib.crc32(self.stored(spec)))
+            check_crc(self.path, spec, crc32(self.stored(spec)))
             self.done_with(spec)
             return
         offset = self.layout.data_start + spec.begin
@@ -433,7 +433,7 @@ class MappedCheckpoint:
         while done < spec.nbytes:
             n = min(spec.nbytes - done, len(scratch))
             read_exact_into(self.file, scratch[:n], offset + done, self.path, spec)
-            crc = zlib.crc32(scratch[:n], crc)
+            crc = crc32(scratch[:n], crc)
             done += n
         check_crc(self.path, spec, crc)
 

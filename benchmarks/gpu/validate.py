@@ -497,6 +497,12 @@ def device_info(device: torch.device) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
     }
     try:
+        from tw_triton.format.checksum import CRC32_LIBRARY
+
+        info["crc32"] = CRC32_LIBRARY  # zlib where isal did not travel: slower load timings
+    except ImportError:
+        info["crc32"] = None
+    try:
         import triton
 
         info["triton"] = triton.__version__
@@ -594,7 +600,7 @@ def write_report(
             "**Dry run on the CPU**: tiny sizes, the same code paths; no GPU number here."
             if dry
             else f"torch {info['torch']}, triton {info.get('triton')}, CUDA {info.get('cuda')}, "
-            f"compute capability {info.get('capability')}."
+            f"compute capability {info.get('capability')}, CRC-32 by {info.get('crc32')}."
         ),
         "",
         f"Overall: **{'PASS' if payload['passed'] else 'RUNNING' if pending else 'FAIL'}** in "

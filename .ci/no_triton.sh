@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # tw_triton without triton (macOS, Windows, CPU-only installs): in a fresh venv that has no
-# triton, `import tw_triton` works and a CPU save and load round-trip.
+# triton, `import tw_triton` works and a CPU save and load round-trip. The venv has no isal
+# either (a platform without its wheels): the checksums are zlib's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="$(mktemp -d)/venv"
@@ -16,7 +17,11 @@ import tempfile
 import torch
 
 assert importlib.util.find_spec("triton") is None, "this venv must not have triton"
+assert importlib.util.find_spec("isal") is None, "this venv must not have isal"
 import tw_triton
+from tw_triton.format.checksum import CRC32_LIBRARY
+
+assert CRC32_LIBRARY == "zlib", CRC32_LIBRARY
 
 assert "triton" not in sys.modules, "import tw_triton imported triton"
 state = {"w": torch.randn(256, 300), "step": 3}

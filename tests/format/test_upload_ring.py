@@ -127,3 +127,37 @@ def test_a_chain_load_reads_every_link_inside_one_block(tmp_path, monkeypatch) -
     )
     assert scopes and scopes[0] is not None, scopes  # the file's own read
     assert upload_ring._SHARED.get() is None  # the blocks have ended
+
+
+@pytest.mark.cuda
+def test_a_chain_load_to_a_gpu_pins_one_ring(tmp_path, monkeypatch) -> None:
+    """A keyframe and two closed-loop deltas loaded to the GPU: one slab registered for
+    the whole load (not one per file), unregistered by the end, and the values those of a
+    load to the CPU."""
+    from tw_triton import pinned_memory
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 256, generator=g)
+    with tw_triton.Checkpointer(tmp_path, keyframe_every=10, fsync=False) as ck:
+        for step in range(3):
+            ck.save(step, model={"w": w + step / 100})
+    registered: list = []
+    unregistered: list = []
+    real_register, real_unregister = pinned_memory.register_host, pinned_memory.unregister_host
+
+    def register(ptr, nbytes):
+        registered.append((ptr, nbytes))
+        real_register(ptr, nbytes)
+
+    def unregister(ptr):
+        unregistered.append(ptr)
+        real_unregister(ptr)
+
+    monkeypatch.setattr(pinned_memory, "register_host", register)
+    monkeypatch.setattr(pinned_memory, "unregister_host", unregister)
+    with tw_triton.Checkpointer(tmp_path, keyframe_every=10, fsync=False) as ck:
+        on_gpu = ck.load(2, device="cuda")["model"]["w"]
+        on_cpu = ck.load(2)["model"]["w"]
+    assert len(registered) == 1 and unregistered == [registered[0][0]], (registered, unregistered)
+    assert registered[0][1] == upload_ring.ring_slots() * upload_ring.RING_SLOT_BYTES
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), on_cpu)

@@ -165,12 +165,11 @@ def read_file(
             stores large constant tensors on purpose.
         device: a device to read the buffers to (CUDA): each one goes there chunk by
             chunk through a bounded ring of pinned host memory
-            (:class:`~tw_triton.pinned_memory.PinnedRing`, :func:`~tw_triton.format.
-            upload_ring.ring_slots` slots of 4 MiB; a compressed buffer is decoded into the
-            slots piece by piece), instead of the whole file being pinned: the ring of the
-            enclosing :func:`~tw_triton.format.upload_ring.one_ring` block, or one made for
-            this read. ``pin_memory`` and ``into`` are then ignored. ``None`` or the CPU:
-            host memory.
+            (:class:`~tw_triton.pinned_memory.PinnedRing`; a compressed buffer is decoded
+            into its slots piece by piece), instead of the whole file being pinned: the
+            ring of the enclosing :func:`~tw_triton.format.one_ring` block, or one made
+            for this read (sizes: :mod:`tw_triton.format.upload_ring`). ``pin_memory`` and
+            ``into`` are then ignored. ``None`` or the CPU: host memory.
 
     Returns:
         The state as written: entries in their original order with codec, params, shape,

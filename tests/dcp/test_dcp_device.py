@@ -266,6 +266,10 @@ def test_a_delta_load_reads_its_rank_and_keyframe_files_through_one_ring(tmp_pat
     dcp.load(got, storage_reader=StorageReader(delta), no_dist=True)
     assert len(scopes) >= 2 and scopes[0] is not None and all(s is scopes[0] for s in scopes), scopes
     assert torch.allclose(got["model"]["w"], _state(0.01)["model"]["w"], atol=0.05)
+    # A keyframe's regions asked for outside a load (a delta save's) share one too.
+    scopes.clear()
+    Keyframe(key).regions([("model.w", (0, 0), (96, 64)), ("optim.m", (0, 0), (80, 64))])
+    assert scopes and scopes[0] is not None and all(s is scopes[0] for s in scopes), scopes
 
 
 def test_keyframe_regions_are_decoded_where_they_are_asked_for(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import ReferenceMismatchError
-from ..format import MAX_EXPANSION, HeaderCache, read_file, read_manifest
+from ..format import MAX_EXPANSION, HeaderCache, one_ring, read_file, read_manifest
 from ..state import dequantize_entries, dequantize_state_dict
 from ..state.entries import wants_pinned
 from ..tree import flatten
@@ -70,6 +70,7 @@ class Keyframe:
         """The keyframe's checkpoint id (recorded by every delta against it)."""
         return self.record.checkpoint_id
 
+    @one_ring()  # the rank files read for one call share one ring of pinned slots
     def regions(self, wanted: list[RegionKey], device: torch.device | None = None) -> list[torch.Tensor]:
         """The keyframe's values over each ``(fqn, offsets, sizes)``, decoded, on ``device``.
 

@@ -261,6 +261,9 @@ def run_save_load(
             sync(device)
         profiles[method]["phases_wall_s"] = round(time.perf_counter() - t0, 4)
         profiles[method]["phases"] = phases
+    # Whether the host's half bounds a load: the keyframe again at other reading-thread
+    # counts (tw_triton.parallel caps the default at MAX_THREADS, below a GPU host's cores).
+    thread_sweep = sweep_threads(lambda: (ck_kf.load(last_step, device=device), sync(device)))
     sizes = {
         "torch.save": (workdir / "state.pt").stat().st_size,
         "safetensors": (workdir / "state.safetensors").stat().st_size,
@@ -313,7 +316,40 @@ def run_save_load(
         "load": load_rows,
         "goals": goals,
         "load_profile": profiles,
+        "keyframe_load_by_threads": thread_sweep,
     }
+
+
+def sweep_counts(cores: int | None = None) -> list[int]:
+    """The reading-thread counts :func:`sweep_threads` times: 4, 8, 16 and 32, each at most
+    the machine's cores."""
+    cores = cores or os.cpu_count() or 1
+    return sorted({min(c, cores) for c in (4, 8, 16, 32)})
+
+
+def sweep_threads(load: Callable[[], Any], counts: list[int] | None = None, repeats: int = 2) -> dict[str, Any]:
+    """``load()``'s best seconds of ``repeats`` with ``TW_TRITON_THREADS`` at each of
+    ``counts`` (default :func:`sweep_counts`), and the default count; the variable is put
+    back as it was."""
+    from tw_triton.parallel import ENV_THREADS, cpu_threads
+
+    saved = os.environ.get(ENV_THREADS)
+    seconds: dict[str, float] = {}
+    try:
+        for count in counts or sweep_counts():
+            os.environ[ENV_THREADS] = str(count)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                load()
+                best = min(best, time.perf_counter() - t0)
+            seconds[str(count)] = round(best, 4)
+    finally:
+        if saved is None:
+            os.environ.pop(ENV_THREADS, None)
+        else:
+            os.environ[ENV_THREADS] = saved
+    return {"default_threads": cpu_threads(), "seconds": seconds}
 
 
 # The phases of a load, timed in every thread that runs them (the cProfile table above sees

@@ -458,6 +458,17 @@ def end_to_end_table(data: dict[str, Any]) -> str:
             else ""
         )
         lines.append(f"| {m}{links} | {r['load_s']:.4f} |")
+    sweep = data.get("keyframe_load_by_threads")
+    if sweep and sweep.get("seconds"):
+        lines += [
+            "",
+            f"The keyframe loaded with TW_TRITON_THREADS at each count (best of two; "
+            f"the default here is {sweep['default_threads']}):",
+            "",
+            "| reading threads | load to the device (s) |",
+            "|---:|---:|",
+        ]
+        lines += [f"| {count} | {secs:.4f} |" for count, secs in sweep["seconds"].items()]
     for m, prof in (data.get("load_profile") or {}).items():
         lines += [
             "",

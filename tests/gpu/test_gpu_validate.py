@@ -683,6 +683,29 @@ def test_end_to_end_starts_no_round_past_its_budget(tmp_path):
     assert timed["decode the entries"]["calls"] == 2
     assert timed["read: CRC-32"]["calls"] >= timed["read: one buffer"]["calls"] > 0
     assert timed["read: a compressed buffer to the device"]["calls"] == 0  # the CPU: no upload
+    sweep = r["keyframe_load_by_threads"]
+    assert list(sweep["seconds"]) == [str(c) for c in _end_to_end.sweep_counts()]
+    assert all(secs > 0 for secs in sweep["seconds"].values())
+    assert "| reading threads | load to the device (s) |" in validate.end_to_end_table(r)
+
+
+def test_the_thread_sweep_runs_each_count_and_puts_the_variable_back(monkeypatch):
+    from tw_triton.parallel import ENV_THREADS, cpu_threads
+
+    assert _end_to_end.sweep_counts(16) == [4, 8, 16]
+    assert _end_to_end.sweep_counts(12) == [4, 8, 12]
+    assert _end_to_end.sweep_counts(64) == [4, 8, 16, 32]
+    assert _end_to_end.sweep_counts(2) == [2]
+    for before in (None, "3"):
+        if before is None:
+            monkeypatch.delenv(ENV_THREADS, raising=False)
+        else:
+            monkeypatch.setenv(ENV_THREADS, before)
+        seen: list[int] = []
+        sweep = _end_to_end.sweep_threads(lambda: seen.append(cpu_threads()), counts=[2, 5], repeats=2)
+        assert seen == [2, 2, 5, 5] and list(sweep["seconds"]) == ["2", "5"]
+        assert os.environ.get(ENV_THREADS) == before
+        assert sweep["default_threads"] == cpu_threads()
 
 
 def test_phase_timers_time_every_thread_and_put_the_functions_back():

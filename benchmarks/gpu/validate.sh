@@ -28,9 +28,18 @@ if [ "${1:-}" != "--dry-run" ]; then
         || { echo "validate.sh: Python.h not found: Triton cannot build its launcher" >&2; exit 2; }
 fi
 
-# The offline install (idempotent: a rerun finds everything and installs only .whl/ again).
+# The offline install (idempotent: a rerun finds everything and installs nothing). Where
+# the environment takes no install, install.sh puts the wheels in $site and uses this
+# checkout in place, and prints what goes on PYTHONPATH; a rerun finds $site from the first.
+site="${TW_GPU_SITE:-${TMPDIR:-/tmp}/tw-gpu-site}"
+if [ -d "$site" ]; then
+    export PYTHONPATH="$site:$(pwd -P)${PYTHONPATH:+:$PYTHONPATH}"
+fi
 if ! "$PYTHON" -c "import hypothesis, pytest, safetensors, triton, zstandard, tw_triton.kernels" 2>/dev/null; then
-    bash benchmarks/gpu/install.sh
+    paths="$(bash benchmarks/gpu/install.sh --fallback "$site")"
+    if [ -n "$paths" ]; then
+        export PYTHONPATH="$paths${PYTHONPATH:+:$PYTHONPATH}"
+    fi
 fi
 where="$("$PYTHON" -c "import pathlib, tw_triton.kernels as k; print(pathlib.Path(k.__file__).resolve().parent.parent)")"
 if [ "$where" != "$(pwd -P)" ]; then

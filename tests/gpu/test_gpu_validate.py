@@ -346,10 +346,8 @@ def test_cuda_marker_skips_without_a_gpu_and_fails_a_skip_with_one(tmp_path):
 # ------------------------------------------------------------------ issue 29: install, phases, grid
 
 
-def test_install_step_installs_a_wheel_folder_offline_into_a_target(tmp_path):
-    """install.sh's wheel step, as validate.sh runs it on the GPU machine, with pip
-    --no-index --no-deps: a wheel built here from a tiny local package lands in the target
-    and imports from there; a module nothing provides is named as missing."""
+def _tiny_wheel(tmp_path: Path) -> Path:
+    """A folder holding one wheel, built here from a tiny local package ``tw_tiny_wheel``."""
     src = tmp_path / "src"
     (src / "tw_tiny_wheel").mkdir(parents=True)
     (src / "tw_tiny_wheel" / "__init__.py").write_text("VALUE = 29\n")
@@ -365,6 +363,14 @@ def test_install_step_installs_a_wheel_folder_offline_into_a_target(tmp_path):
         timeout=120,
     )
     assert [p.suffix for p in wheels.iterdir()] == [".whl"]
+    return wheels
+
+
+def test_install_step_installs_a_wheel_folder_offline_into_a_target(tmp_path):
+    """install.sh's wheel step, as validate.sh runs it on the GPU machine, with pip
+    --no-index --no-deps: a wheel built here from a tiny local package lands in the target
+    and imports from there; a module nothing provides is named as missing."""
+    wheels = _tiny_wheel(tmp_path)
     env = dict(_env(), PYTHON=sys.executable, INSTALL_CHECK="tw_tiny_wheel", PIP_NO_INDEX="1")
     target = tmp_path / "site"
     cmd = [
@@ -379,6 +385,7 @@ def test_install_step_installs_a_wheel_folder_offline_into_a_target(tmp_path):
     ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "installing 1 wheel(s)" in ok.stderr and "ok (tw_tiny_wheel import)" in ok.stderr
+    assert ok.stdout == f"{target.resolve()}\n"  # what the caller puts on PYTHONPATH
     probe = "import tw_tiny_wheel as m; print(m.VALUE, m.__file__)"
     got = subprocess.run(
         [sys.executable, "-c", probe], env=dict(env, PYTHONPATH=str(target)), capture_output=True, text=True
@@ -389,6 +396,54 @@ def test_install_step_installs_a_wheel_folder_offline_into_a_target(tmp_path):
     assert bad.returncode == 4 and "MISSING after the offline install: tw_not_in_any_wheel" in bad.stderr
 
 
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
+def test_install_step_falls_back_to_a_folder_and_the_checkout_in_place(tmp_path):
+    """Where the environment's site-packages takes no install (forced here: as root it
+    cannot be made read-only), ``--fallback DIR`` puts the wheels in DIR, builds the
+    checkout's C library beside its sources instead of installing it, and prints the two
+    folders for PYTHONPATH; with them, both import. Run in a copy of the script inside a
+    tiny checkout of its own, so that nothing here is built or installed."""
+    wheels = _tiny_wheel(tmp_path)
+    repo = tmp_path / "repo"
+    (repo / "benchmarks" / "gpu").mkdir(parents=True)
+    shutil.copy(GPU_DIR / "install.sh", repo / "benchmarks" / "gpu" / "install.sh")
+    (repo / "tw_tiny_pkg").mkdir()
+    (repo / "tw_tiny_pkg" / "__init__.py").write_text("")
+    (repo / "tw_tiny_pkg" / "ext.c").write_text(
+        "#include <Python.h>\n"
+        "static struct PyModuleDef m = {PyModuleDef_HEAD_INIT, \"_ext\", NULL, -1, NULL};\n"
+        "PyMODINIT_FUNC PyInit__ext(void) { return PyModule_Create(&m); }\n"
+    )
+    (repo / "setup.py").write_text(
+        "from setuptools import Extension, setup\n"
+        "setup(name='tw-tiny-pkg', ext_modules=[Extension('tw_tiny_pkg._ext', ['tw_tiny_pkg/ext.c'], optional=True)])\n"
+    )
+    site = tmp_path / "site"
+    env = dict(
+        _env(),
+        PYTHON=sys.executable,
+        INSTALL_CHECK="tw_tiny_wheel tw_tiny_pkg._ext",
+        PIP_NO_INDEX="1",
+        TW_GPU_READONLY_SITE="1",
+    )
+    cmd = ["bash", str(repo / "benchmarks" / "gpu" / "install.sh"), "--wheels", str(wheels), "--fallback", str(site)]
+    ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "takes no install" in ok.stderr and "ok (tw_tiny_wheel tw_tiny_pkg._ext import)" in ok.stderr
+    assert ok.stdout == f"{site.resolve()}:{repo.resolve()}\n"
+    assert list((repo / "tw_tiny_pkg").glob("_ext*.so")), "the C library is not beside its sources"
+    probe = "import tw_tiny_pkg._ext as e, tw_tiny_wheel as w; print(e.__file__, w.__file__)"
+    got = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=dict(env, PYTHONPATH=ok.stdout.strip()),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    ext_file, wheel_file = got.stdout.split()
+    assert ext_file.startswith(str(repo.resolve())) and wheel_file.startswith(str(site.resolve())), got.stderr
+
+
 def test_wheel_script_and_validate_sh_never_reach_the_network():
     wheels = (REPO / "tools" / "gpu_wheels.sh").read_text()
     assert "--only-binary=:all:" in wheels and "--python-version 3.12" in wheels and "--no-deps" in wheels
@@ -397,6 +452,8 @@ def test_wheel_script_and_validate_sh_never_reach_the_network():
     assert "pip install --quiet --no-index --no-deps" in install and "--no-build-isolation -e ." in install
     sh = (GPU_DIR / "validate.sh").read_text()
     assert "pip install" not in sh and "install.sh" in sh
+    # validate.sh puts what install.sh prints on PYTHONPATH (its fallback folders).
+    assert '$(bash benchmarks/gpu/install.sh --fallback "$site")' in sh and 'PYTHONPATH="$paths' in sh
     assert ".whl/" in (REPO / ".gitignore").read_text()
 
 

@@ -24,7 +24,9 @@ if [ "${1:-}" != "--dry-run" ]; then
     if [ -z "${CC:-}" ] && ! command -v gcc >/dev/null && ! command -v clang >/dev/null; then
         export CC="$cc"
     fi
-    "$PYTHON" -c "import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))" \
+    # Where Triton's build looks (triton/runtime/build.py): the default scheme's include
+    # folder, Debian's posix_local read as posix_prefix.
+    "$PYTHON" -c "import os, sysconfig as c; s = c.get_default_scheme(); s = 'posix_prefix' if s == 'posix_local' else s; assert os.path.exists(os.path.join(c.get_paths(scheme=s)['include'], 'Python.h'))" \
         || { echo "validate.sh: Python.h not found: Triton cannot build its launcher" >&2; exit 2; }
 fi
 

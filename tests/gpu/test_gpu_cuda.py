@@ -1,11 +1,10 @@
-"""CUDA-only checks of the paths reviewed in benchmarks/gpu/REVIEW.md (marker ``cuda``).
+"""CUDA-only checks of the streams, events and buffers of a device save and load
+(docs/design.md, "Invariants"; marker ``cuda``).
 
 Skipped without a GPU; with one, ``pytest -m cuda`` (and benchmarks/gpu/validate.py) runs
 them and a skip fails. ``torch.cuda._sleep`` keeps a stream busy for a while, so that work
 queued behind it runs late: a missing stream dependency or a buffer released too early
 then shows as wrong bytes instead of passing by luck.
-
-Not run yet: no GPU was available when they were written.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rules of the CUDA paths that can be checked without a GPU (benchmarks/gpu/REVIEW.md).
+"""Rules of the CUDA paths that can be checked without a GPU (docs/design.md, "Invariants").
 
 * Kernel launches: no zero-size grid, the whole tiles unmasked plus at most one masked
   tail program, every row covered once, a 1-D grid far below CUDA's 2**31 - 1 limit even

@@ -19,8 +19,8 @@ start, this command and a rerun of what fails. With more time, three phases:
 Each step has a time budget (``--budget-scale`` stretches them) and the run one. A step that
 checks the clock itself (``SELF_STOPPING``) starts with what is left, if that is at least
 its minimum, and stops when it is spent; any other starts only when its whole budget fits.
-A step not started is ``SKIPPED`` in the table, with the seconds left. The budgets are by
-design, not by measurement (no GPU was available when this was written).
+A step not started is ``SKIPPED`` in the table, with the seconds left. The budgets were
+set by design and checked against the first H100 run (docs/gpu-validation.md).
 
 Results go to ``--out``, else ``$OUT`` when set, else ``benchmarks/results/gpu/<device>/``:
 ``summary-<phase>.md`` (the table), ``results-<phase>.json`` and ``steps-<phase>.jsonl``

@@ -5,8 +5,6 @@ entries, byte for byte, as the same state saved from the CPU; loaded onto CUDA t
 gives what a CPU load gives, deltas included. ``torch.cuda._sleep`` keeps the stream busy
 so that a copy not ordered after the encode, or a write before the copy is done, shows as
 wrong bytes. The checks without a GPU are in test_dcp_device.py.
-
-Not run yet: no GPU was available when they were written.
 """
 
 from __future__ import annotations

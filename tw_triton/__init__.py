@@ -15,7 +15,7 @@ from .snapshot_pool import SnapshotPool
 from .state import decode_targets, dequantize_state_dict, load, quantize_state_dict, save
 from .writer import AsyncWriter
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "QuantizedTensor",

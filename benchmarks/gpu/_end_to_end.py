@@ -263,7 +263,14 @@ def run_save_load(
         profiles[method]["phases"] = phases
     # Whether the host's half bounds a load: the keyframe again at other reading-thread
     # counts (tw_triton.parallel caps the default at MAX_THREADS, below a GPU host's cores).
-    thread_sweep = sweep_threads(lambda: (ck_kf.load(last_step, device=device), sync(device)))
+    # Two loads a count, each at most about twice the default's time (fewer threads).
+    kf_s = statistics.median(loads["tw keyframe"]) if loads["tw keyframe"] else 0.0
+    need_s = 2 * len(sweep_counts()) * 2 * kf_s
+    if budget_s is None or (time.perf_counter() - t_start) + need_s <= budget_s:
+        thread_sweep = sweep_threads(lambda: (ck_kf.load(last_step, device=device), sync(device)))
+    else:
+        thread_sweep = {"skipped": f"about {need_s:.0f} s needed, past the step's budget of {budget_s:.0f} s"}
+        log(f"end-to-end: thread sweep skipped ({thread_sweep['skipped']})")
     sizes = {
         "torch.save": (workdir / "state.pt").stat().st_size,
         "safetensors": (workdir / "state.safetensors").stat().st_size,

@@ -469,6 +469,8 @@ def end_to_end_table(data: dict[str, Any]) -> str:
             "|---:|---:|",
         ]
         lines += [f"| {count} | {secs:.4f} |" for count, secs in sweep["seconds"].items()]
+    elif sweep and sweep.get("skipped"):
+        lines += ["", f"The keyframe load by reading threads was skipped: {sweep['skipped']}."]
     for m, prof in (data.get("load_profile") or {}).items():
         lines += [
             "",

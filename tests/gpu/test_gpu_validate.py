@@ -711,6 +711,8 @@ def test_end_to_end_starts_no_round_past_its_budget(tmp_path):
     """The warm-up and one timed round always run; with no time left, no more."""
     r = _end_to_end.run_save_load(torch.device("cpu"), tmp_path / "a", size="tiny", rounds=3, budget_s=0.0)
     assert (r["rounds"], r["rounds_planned"]) == (1, 3)
+    assert "past the step's budget" in r["keyframe_load_by_threads"]["skipped"]  # no time left for it
+    assert "by reading threads was skipped" in validate.end_to_end_table(r)
     assert r["save"]["tw delta"]["file_bytes"] > 0 and r["save"]["dcp.async_save"]["file_bytes"] > 0
     lines: list[str] = []
     r = _end_to_end.run_save_load(

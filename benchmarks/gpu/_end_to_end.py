@@ -334,7 +334,9 @@ def sweep_counts(cores: int | None = None) -> list[int]:
     return sorted({min(c, cores) for c in (4, 8, 16, 32)})
 
 
-def sweep_threads(load: Callable[[], Any], counts: list[int] | None = None, repeats: int = 2) -> dict[str, Any]:
+def sweep_threads(
+    load: Callable[[], Any], counts: list[int] | None = None, repeats: int = 2
+) -> dict[str, Any]:
     """``load()``'s best seconds of ``repeats`` with ``TW_TRITON_THREADS`` at each of
     ``counts`` (default :func:`sweep_counts`), and the default count; the variable is put
     back as it was."""

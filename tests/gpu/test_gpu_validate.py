@@ -411,7 +411,7 @@ def test_install_step_falls_back_to_a_folder_and_the_checkout_in_place(tmp_path)
     (repo / "tw_tiny_pkg" / "__init__.py").write_text("")
     (repo / "tw_tiny_pkg" / "ext.c").write_text(
         "#include <Python.h>\n"
-        "static struct PyModuleDef m = {PyModuleDef_HEAD_INIT, \"_ext\", NULL, -1, NULL};\n"
+        'static struct PyModuleDef m = {PyModuleDef_HEAD_INIT, "_ext", NULL, -1, NULL};\n'
         "PyMODINIT_FUNC PyInit__ext(void) { return PyModule_Create(&m); }\n"
     )
     (repo / "setup.py").write_text(
@@ -426,7 +426,14 @@ def test_install_step_falls_back_to_a_folder_and_the_checkout_in_place(tmp_path)
         PIP_NO_INDEX="1",
         TW_GPU_READONLY_SITE="1",
     )
-    cmd = ["bash", str(repo / "benchmarks" / "gpu" / "install.sh"), "--wheels", str(wheels), "--fallback", str(site)]
+    cmd = [
+        "bash",
+        str(repo / "benchmarks" / "gpu" / "install.sh"),
+        "--wheels",
+        str(wheels),
+        "--fallback",
+        str(site),
+    ]
     ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert "takes no install" in ok.stderr and "ok (tw_tiny_wheel tw_tiny_pkg._ext import)" in ok.stderr

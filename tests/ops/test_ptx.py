@@ -406,7 +406,7 @@ def test_triton_guard_runs_before_the_kernels_are_returned(monkeypatch) -> None:
     import triton
 
     from tw_triton.errors import CheckpointError
-    from tw_triton.ops.backends import triton as backend
+    from tw_triton.ops.backends import triton_launch as backend
 
     monkeypatch.setattr(backend, "_version_checked", [])
     monkeypatch.setattr(triton, "__version__", "3.5.0")

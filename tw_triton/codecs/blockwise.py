@@ -60,6 +60,7 @@ from .base import (
     move_to,
     param_error,
 )
+from .grouped import decode_blockwise_group, encode_blockwise_group
 from .packed import PACKING, check_packed_params, per_block_buffer, stored_codes
 
 
@@ -360,8 +361,6 @@ class BlockwiseCodec(Codec):
     tensor_params = frozenset({"qmax"})
 
     def encode_group(self, xs, params, references, flags, each=None):  # type: ignore[no-untyped-def]
-        from .grouped import encode_blockwise_group
-
         return encode_blockwise_group(self, xs, params, references, flags, each)
 
     def decode_group_key(self, entry: EncodedEntry, reference: torch.Tensor | None) -> Hashable | None:
@@ -373,8 +372,6 @@ class BlockwiseCodec(Codec):
 
     def decode_group(self, entries, references, device, contexts, outs=None, *, check=False):  # type: ignore[no-untyped-def]
         # check: every code byte decodes, so a file's codes need no check beyond their sizes.
-        from .grouped import decode_blockwise_group
-
         return decode_blockwise_group(self, entries, references, device, contexts, outs)
 
     def entry_of(

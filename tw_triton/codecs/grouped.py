@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import ops
 from ..errors import QuantizationError
+from ..ops.layout import check_params, check_qmax
 from ..qstate import EncodedEntry
 from .arguments import check_input
 from .base import Encoded, move_to
-from .blockwise import BlockwiseCodec, check_params, check_qmax
+
+if TYPE_CHECKING:
+    from .blockwise import BlockwiseCodec
 
 
 def encode_blockwise_group(

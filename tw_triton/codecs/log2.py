@@ -57,6 +57,7 @@ from ..qstate import EncodedEntry
 from ..snapshot_pool import Allocator
 from .base import BatchLayout, Codec, Encoded, check_param_names, host_outputs, move_to
 from .blockwise import batchable
+from .grouped import fits, shaped
 from .packed import PACKING, check_packed_params, per_block_buffer, stored_codes
 
 
@@ -280,8 +281,6 @@ class Log2Codec(Codec):
         into ``outs[i]`` where it is a contiguous tensor of the entry's dtype and size on
         ``device``. ``check`` changes nothing: every code and bound decodes (as in
         :meth:`decode`), once their sizes are checked."""
-        from .grouped import fits, shaped
-
         codes, lo, hi = [], [], []
         for entry, context in zip(entries, contexts):
             self.check_stored_params(entry.params, context)

@@ -38,6 +38,7 @@ from .base import (
     move_to,
     param_error,
 )
+from .grouped import fits, shaped
 from .log2 import unusable_flag
 from .packed import PACKING, check_bits_block
 
@@ -250,8 +251,6 @@ class Log2TemporalCodec(Codec):
         ``device`` (the reference itself: no second copy of it). ``check``: the codes of
         every entry are checked first (:func:`~tw_triton.ops.log2_temporal_code_flags_many`),
         with one host read for the group."""
-        from .grouped import fits, shaped
-
         parts = [self._stored(e, c, copy_bounds=False) for e, c in zip(entries, contexts)]
         bits, block, min_step = parts[0][:3]
         codes = [move_to(p[3], device) for p in parts]

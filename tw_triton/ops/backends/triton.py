@@ -8,74 +8,37 @@ the reference's bytes and values (docs/codecs.md, "Bit-exact across devices").
 
 from __future__ import annotations
 
-import re
-import types
 from collections.abc import Sequence
 
 import torch
 
-from ...errors import CheckpointError
 from ..layout import check_qmax, check_qmaxes
 
+# The grouped counts and statistics a save reads before and after its encode, and the
+# log2-temporal launchers (modules of their own for their size).
+from .triton_counts import (
+    bitmask_encode_many_cuda,
+    delta_statistics_many_cuda,
+    sparsity_counts_many_cuda,
+)
+from .triton_launch import (  # noqa: F401 (check_triton_version, MIN_TRITON: this backend's API)
+    KERNEL_DTYPES,
+    MIN_TRITON,
+    check_triton_version,
+    kernels,
+    readable,
+    write_out,
+)
+from .triton_temporal import (
+    dequantize_log2_temporal_cuda,
+    dequantize_log2_temporal_many_cuda,
+    log2_temporal_code_errors_cuda,
+    log2_temporal_code_flags_many_cuda,
+    quantize_log2_temporal_cuda,
+    quantize_log2_temporal_many_cuda,
+)
+
 DEVICE_TYPE = "cuda"
-
-# The oldest triton whose kernels are proven bit-exact with the CPU path: before 3.6,
-# ``tl.div_rn`` lowered to a flush-to-zero division (``div.rn.ftz.f32``), so a block with
-# subnormal values would encode differently from the CPU (tests/ops/test_ptx.py checks the
-# installed triton's PTX for ``.ftz``).
-MIN_TRITON = (3, 6)
-
-
-def check_triton_version(version: str) -> None:
-    """Raise :class:`CheckpointError` unless ``version`` (``triton.__version__``) is at
-    least :data:`MIN_TRITON`.
-
-    Raises:
-        CheckpointError: an older or unparseable version; the message names both.
-    """
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if m is None or (int(m.group(1)), int(m.group(2))) < MIN_TRITON:
-        need = ".".join(map(str, MIN_TRITON))
-        raise CheckpointError(
-            f"coding a CUDA tensor needs triton>={need} (older versions flush subnormals to "
-            f"zero in the kernels' division, so the bytes would differ from the CPU path); "
-            f"triton {version} is installed: pip install 'triton>={need}'"
-        )
-
-
-_version_checked: list[bool] = []  # non-empty once the installed triton passed
-
-
-def kernels() -> types.ModuleType:
-    """The module :mod:`tw_triton.kernels`, imported on first use.
-
-    Raises:
-        CheckpointError: triton is not installed (a CUDA tensor cannot be coded without it),
-            or is older than :data:`MIN_TRITON`.
-    """
-    try:
-        from ... import kernels as module
-    except ImportError as exc:
-        if exc.name is None or not (exc.name == "triton" or exc.name.startswith("triton.")):
-            raise
-        raise CheckpointError(
-            "coding a CUDA tensor needs triton, which is not installed here "
-            "(pip install 'triton>=3.6'; CPU tensors need no triton)"
-        ) from exc
-    if not _version_checked:
-        import triton  # imported by the kernels already
-
-        check_triton_version(triton.__version__)
-        _version_checked.append(True)
-    return module
-
-
-def write_out(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    # The kernels allocate; a caller's buffer receives a copy (no caller passes one today).
-    if out is None:
-        return result
-    out.view(-1).copy_(result)
-    return out
 
 
 def quantize_blockwise_cuda(
@@ -131,23 +94,12 @@ def dequantize_log2_cuda(
     return write_out(kernels().dequantize_log2(codes, lo, hi, numel, bits, block, dtype), out)
 
 
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _by_dtypes(xs: list[torch.Tensor], refs: list[torch.Tensor] | None) -> dict[tuple, list[int]]:
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(xs):
         key = (x.dtype, None if refs is None else refs[i].dtype)
         groups.setdefault(key, []).append(i)
     return groups
-
-
-def readable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the grouped kernels read it: contiguous and 16-byte aligned (a copy of a
-    view that is not; fresh allocations always are)."""
-    if kernels().aligned(t):
-        return t
-    return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
 def quantize_blockwise_many_cuda(
@@ -361,23 +313,6 @@ def dequantize_log2_many_cuda(
     )
     return [t if out is None or out[i] is None else out[i] for i, t in enumerate(got)]  # type: ignore[misc]
 
-
-# The ops this backend serves on DEVICE_TYPE (registered by tw_triton.ops).
-# The grouped counts and statistics a save reads before and after its encode (a module of
-# their own for its size); they use the helpers above.
-from .triton_counts import (  # noqa: E402
-    bitmask_encode_many_cuda,
-    delta_statistics_many_cuda,
-    sparsity_counts_many_cuda,
-)
-from .triton_temporal import (  # noqa: E402
-    dequantize_log2_temporal_cuda,
-    dequantize_log2_temporal_many_cuda,
-    log2_temporal_code_errors_cuda,
-    log2_temporal_code_flags_many_cuda,
-    quantize_log2_temporal_cuda,
-    quantize_log2_temporal_many_cuda,
-)
 
 # Ops served by torch's own CUDA ops (each correctly rounded), with no Triton kernel.
 TORCH_OPS = frozenset({"update_root", "update_divide", "update_multiply"})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton import KERNEL_DTYPES, kernels, readable
+from .triton_launch import KERNEL_DTYPES, kernels, readable
 
 
 def bitmask_encode_many_cuda(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import log2_temporal_code_errors_torch
-from .triton import kernels, readable, write_out
+from .triton_launch import kernels, readable, write_out
 
 
 def quantize_log2_temporal_cuda(

@@ -507,6 +507,8 @@ def device_info(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "host": platform.machine(),
+        # The kernel names the sandbox (4.4.0: gVisor, whose GPU proxy behaves differently).
+        "kernel": platform.release(),
         "cpu_count": os.cpu_count(),
     }
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -64,6 +65,7 @@ def test_dry_run_passes_and_writes_its_report(dry_run):
     assert "VALIDATION PASSED" in proc.stdout
     result = json.loads((out / "results.json").read_text())
     assert result["dry_run"] is True and result["passed"] is True
+    assert result["device"]["kernel"] == platform.release() and result["device"]["crc32"] in ("isal", "zlib")
     steps = result["steps"]
     assert list(steps) == list(validate.ONE_CALL[0])
     assert all(s["status"] == "PASS" for s in steps.values())

@@ -416,8 +416,12 @@ def phase_timers(phases: tuple[tuple[str, str, str], ...] = LOAD_PHASES) -> Iter
             owner = getattr(owner, part)
         original = getattr(owner, name)
         wrapper = timed(label, original)
+        # A module's own namespace only: getattr would run a lazy module's __getattr__
+        # (transformers imports its submodules so, and some need packages not installed).
         holders = (
-            [owner] if path else [m for m in list(sys.modules.values()) if getattr(m, name, None) is original]
+            [owner]
+            if path
+            else [m for m in list(sys.modules.values()) if getattr(m, "__dict__", {}).get(name) is original]
         )
         for holder in holders:
             undo.append((holder, name, original))

@@ -4,8 +4,9 @@
   test ends: a pytest killed at its budget (its summary is printed only at the end) still
   brings back why the tests that ran failed.
 * The tests that allocate tens of GiB (the int64 offset windows) run last: on the first
-  H100 run the budget ran out inside one of them with 87 tests not yet started. Under
-  pytest-xdist they share one worker (``--dist loadgroup``), so never two at once.
+  H100 run the budget ran out inside one of them with 87 tests not yet started. With
+  pytest-xdist the step runs them in a process of their own after the workers' run, so
+  never two at once (``validate.pytest_runs``).
 * Each test's ``-v`` line carries its seconds (setup and call): ``... PASSED 2.4s [ 5%]``.
   The first H100 run's log could not say which of its 53 tests took the 150 s budget.
 
@@ -18,21 +19,16 @@ import os
 
 import pytest
 
-LAST = ("int64_offsets_past",)
+# In the names of the tests that allocate tens of GiB (validate.py selects them by it too).
+HUGE = "int64_offsets_past"
 
 
 def _huge(item) -> bool:
-    return any(name in item.name for name in LAST)
+    return HUGE in item.name
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups off the markers
 def pytest_collection_modifyitems(session, config, items) -> None:
     items.sort(key=_huge)  # stable: the rest keep their order
-    if config.pluginmanager.hasplugin("xdist"):
-        # Under xdist --dist loadgroup: one worker runs them all, one at a time (two at
-        # once would not fit in the device's memory), while the others run the rest.
-        for item in filter(_huge, items):
-            item.add_marker(pytest.mark.xdist_group("huge"))
 
 
 _setup_s: dict[str, float] = {}

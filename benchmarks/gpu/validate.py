@@ -65,6 +65,7 @@ import _precompile  # noqa: E402
 import _smoke  # noqa: E402
 import _throughput  # noqa: E402
 import torch  # noqa: E402
+from _gpu_pytest import HUGE  # noqa: E402
 from harness.common import device_slug as slug  # noqa: E402
 
 RESULTS_ROOT = REPO / "benchmarks" / "results" / "gpu"
@@ -276,28 +277,24 @@ def pytest_workers() -> int:
     return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
+def pytest_runs(workers: int, xml: Path, huge_xml: Path) -> list[tuple[list[str], Path]]:
+    """The pytest runs of the step, as (arguments after ``-m pytest``, junit XML): one
+    process without workers; with them, every test but the huge ones on the workers, then
+    the huge ones in one process, one after the other. (xdist's ``--dist loadgroup`` cannot
+    keep them on one worker under pytest 9.2, whose nodes no longer take the group suffix
+    xdist 3.8 writes into their ids.)"""
+    base = ["-v", "-m", "cuda", "tests", "-p", "no:cacheprovider", "-p", "_gpu_pytest"]
+    if not workers:
+        return [(base + [f"--junitxml={xml}"], xml)]
+    return [
+        (base + [f"--junitxml={xml}", "-k", f"not {HUGE}", "-n", str(workers)], xml),
+        (base + [f"--junitxml={huge_xml}", "-k", HUGE], huge_xml),
+    ]
+
+
 def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out: Path) -> Step:
     s = Step("pytest", "(a) pytest -m cuda (a skip with a GPU is a failure)")
-    xml = out / "pytest.xml"
-    # -v: one line per test as it ends, so a run killed at its budget still says which ran.
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-v",
-        "-m",
-        "cuda",
-        "tests",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "_gpu_pytest",
-        f"--junitxml={xml}",
-    ]
-    workers = 0 if dry else pytest_workers()
-    if workers:
-        # loadgroup: the tests of tens of GiB share one worker, one after another (_gpu_pytest).
-        cmd += ["-n", str(workers), "--dist", "loadgroup"]
+    log_path = out / "pytest.log"
     if dry:
         cmd = [
             sys.executable,
@@ -311,9 +308,22 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
             "no:cacheprovider",
             "--collect-only",
         ]
+        with open(log_path, "w", encoding="utf-8") as log_file:
+            rc = subprocess.run(
+                cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, timeout=budget
+            ).returncode
+        output = log_path.read_text(encoding="utf-8", errors="replace")
+        m = re.search(r"(\d+)/\d+ tests collected|(\d+) tests? collected", output)
+        n = int(next(g for g in m.groups() if g)) if m else 0
+        s.data = {"command": " ".join(cmd[1:]), "returncode": rc, "collected": n}
+        s.status = "PASS" if rc == 0 and n > 0 else "FAIL"
+        s.detail = f"collect only (no GPU): {n} tests under -m cuda"
+        return s
+    # -v: one line per test as it ends, so a run killed at its budget still says which ran.
+    # The huge tests' XML stays in the work folder: $OUT brings back few files.
+    runs = pytest_runs(pytest_workers(), out / "pytest.xml", work / "pytest-huge.xml")
     # Streamed to pytest.log as it runs (unbuffered): a whole command killed at its limit
     # mid-pytest still brings back the lines of the tests that ended.
-    log_path = out / "pytest.log"
     # Each failure's traceback as it happens (_gpu_pytest.py): the summary comes only at the end.
     here = str(Path(__file__).resolve().parent)
     env = {
@@ -322,18 +332,27 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
         "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
         "TW_PYTEST_FAILURES": str(out / "pytest_failures.log"),
     }
+    commands = [" ".join(["pytest", *args]) for args, _ in runs]
+    deadline = time.monotonic() + budget
+    returncodes: list[int] = []
     try:
-        with open(log_path, "w", encoding="utf-8") as log_file:
-            proc = subprocess.run(
-                cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, timeout=budget, env=env
-            )
-        rc = proc.returncode
+        for i, (args, _) in enumerate(runs):
+            with open(log_path, "w" if i == 0 else "a", encoding="utf-8") as log_file:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "pytest", *args],
+                    cwd=REPO,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    timeout=max(deadline - time.monotonic(), 1.0),
+                    env=env,
+                )
+            returncodes.append(proc.returncode)
     except subprocess.TimeoutExpired:
         output = log_path.read_text(encoding="utf-8", errors="replace")
         ended = {
             k: len(re.findall(_ENDED.format(k), output)) for k in ("PASSED", "FAILED", "ERROR", "SKIPPED")
         }
-        s.data = {"command": " ".join(cmd[1:]), "killed": True, **{k.lower(): n for k, n in ended.items()}}
+        s.data = {"commands": commands, "killed": True, **{k.lower(): n for k, n in ended.items()}}
         bad = ended["FAILED"] + ended["ERROR"] + ended["SKIPPED"]
         s.status = "FAIL" if bad else "INCOMPLETE"
         s.detail = (
@@ -341,38 +360,34 @@ def step_pytest(device: torch.device, dry: bool, budget: float, work: Path, out:
             f"{ended['FAILED']} failed, {ended['ERROR']} errors, {ended['SKIPPED']} skipped (see pytest.log)"
         )
         return s
-    output = log_path.read_text(encoding="utf-8", errors="replace")
-    s.data = {"command": " ".join(cmd[1:]), "returncode": rc}
-    if dry:
-        m = re.search(r"(\d+)/\d+ tests collected|(\d+) tests? collected", output)
-        n = int(next(g for g in m.groups() if g)) if m else 0
-        s.data["collected"] = n
-        s.status = "PASS" if rc == 0 and n > 0 else "FAIL"
-        s.detail = f"collect only (no GPU): {n} tests under -m cuda"
-        return s
+    s.data = {"commands": commands, "returncodes": returncodes}
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    not_collected: list[str] = []
-    if xml.exists():
+    not_collected: dict[str, str] = {}
+    for _, xml in runs:
+        if not xml.exists():
+            continue
         suite = ET.parse(xml).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         for k in counts:
-            counts[k] = int(suite.get(k, 0))
+            counts[k] += int(suite.get(k, 0))
         # A module that skips itself on import (pytest.importorskip of an optional extra the
-        # GPU image lacks: transformers, accelerate, lightning) is a "skipped" testcase of
-        # the XML even under -m cuda, though none of its tests was selected; no cuda test
-        # module skips so (a cuda test that skips is an ordinary skipped testcase).
+        # GPU image lacks) is a "skipped" testcase of the XML even under -m cuda, though
+        # none of its tests was selected; no cuda test module skips so (a cuda test that
+        # skips is an ordinary skipped testcase). Each run's XML lists it again.
         for case in suite.iter("testcase"):
             skipped = case.find("skipped")
             if skipped is not None and skipped.get("message") == "collection skipped":
-                not_collected.append(f"{case.get('name')}: {skipped.text or ''}".strip())
-    counts["tests"] -= len(not_collected)
-    counts["skipped"] -= len(not_collected)
-    s.data.update(counts, modules_skipped_on_import=not_collected)
+                counts["tests"] -= 1
+                counts["skipped"] -= 1
+                not_collected[case.get("name") or ""] = f"{case.get('name')}: {skipped.text or ''}".strip()
+    s.data.update(counts, modules_skipped_on_import=list(not_collected.values()))
     bad = counts["failures"] + counts["errors"] + counts["skipped"]
-    s.status = "PASS" if rc == 0 and counts["tests"] > 0 and bad == 0 else "FAIL"
+    # pytest exits 5 when a run selects no test (no huge test under -m cuda, say).
+    ok = all(rc in (0, 5) for rc in returncodes) and returncodes[0] == 0
+    s.status = "PASS" if ok and counts["tests"] > 0 and bad == 0 else "FAIL"
     s.detail = (
         f"{counts['tests']} tests: {counts['failures']} failed, {counts['errors']} errors, "
-        f"{counts['skipped']} skipped (rc {rc}; see pytest.log)"
+        f"{counts['skipped']} skipped (rc {', '.join(map(str, returncodes))}; see pytest.log)"
     )
     if not_collected:
         s.detail += f"; {len(not_collected)} module(s) of optional extras skipped on import"

@@ -19,8 +19,10 @@ import os
 
 import pytest
 
-# In the names of the tests that allocate tens of GiB (validate.py selects them by it too).
+# In the names of the tests that allocate tens of GiB (validate.py selects them by it too),
+# all in one folder (tests/gpu/test_gpu_validate.py checks it).
 HUGE = "int64_offsets_past"
+HUGE_HOME = "tests/ops"
 
 
 def _huge(item) -> bool:

@@ -36,7 +36,7 @@ import _identity  # noqa: E402
 import _precompile  # noqa: E402
 import _smoke  # noqa: E402
 import validate  # noqa: E402
-from _gpu_pytest import HUGE  # noqa: E402
+from _gpu_pytest import HUGE, HUGE_HOME  # noqa: E402
 
 
 def _env() -> dict[str, str]:
@@ -1001,12 +1001,32 @@ def test_a_command_killed_during_the_pytest_step_keeps_its_log(tmp_path, monkeyp
 
 
 def _pytest_on(tests: Path, real: Callable) -> Callable:
-    """``subprocess.run`` for the pytest step that runs the real pytest on ``tests``."""
+    """``subprocess.run`` for the pytest step that runs the real pytest on ``tests`` (for
+    the suite's folder and the huge tests' folder alike)."""
 
     def run(cmd, **kw):
-        return real([str(tests) if c == "tests" else c for c in cmd], **kw)
+        return real([str(tests) if c in ("tests", HUGE_HOME) else c for c in cmd], **kw)
 
     return run
+
+
+def test_the_huge_tests_are_all_in_the_folder_their_run_collects():
+    """With workers, the huge tests run apart, collected from HUGE_HOME alone; one elsewhere
+    would be left out of both runs."""
+    found = {
+        path.parent.relative_to(REPO).as_posix()
+        for path in (REPO / "tests").rglob("test_*.py")
+        if re.search(rf"def test_\w*{HUGE}", path.read_text()) and path.name != "test_gpu_validate.py"
+    }
+    assert found == {HUGE_HOME}
+    runs = validate.pytest_runs(4, Path("a.xml"), Path("b.xml"))
+    assert runs[0][0][runs[0][0].index("-k") + 1] == f"not {HUGE}" and "tests" in runs[0][0]
+    assert (
+        HUGE_HOME in runs[1][0] and runs[1][0][runs[1][0].index("-k") + 1] == HUGE and "-n" not in runs[1][0]
+    )
+    assert [args for args, _ in validate.pytest_runs(0, Path("a.xml"), Path("b.xml"))] == [
+        ["-v", "-m", "cuda", "-p", "no:cacheprovider", "-p", "_gpu_pytest", "tests", "--junitxml=a.xml"]
+    ]
 
 
 @pytest.mark.parametrize("cuda_test_skips", [False, True])

@@ -30,23 +30,25 @@ if [ "${1:-}" != "--dry-run" ]; then
         || { echo "validate.sh: Python.h not found: Triton cannot build its launcher" >&2; exit 2; }
 fi
 
-# The offline install (idempotent: a rerun finds everything and installs nothing). Where
-# the environment takes no install, install.sh puts the wheels in $site and uses this
-# checkout in place, and prints what goes on PYTHONPATH; a rerun finds $site from the first.
+# The offline install. Where the environment takes one (the H100 image), the wheels and an
+# editable install of this checkout go there, and a rerun finds everything and installs
+# nothing. Where it takes none, install.sh puts everything, this checkout built, in $site
+# and prints it for PYTHONPATH; a rerun (the tree is sent again, maybe changed) replaces it.
 site="${TW_GPU_SITE:-${TMPDIR:-/tmp}/tw-gpu-site}"
-if [ -d "$site" ]; then
-    export PYTHONPATH="$site:$(pwd -P)${PYTHONPATH:+:$PYTHONPATH}"
-fi
-if ! "$PYTHON" -c "import hypothesis, pytest, safetensors, triton, zstandard, tw_triton.kernels" 2>/dev/null; then
+kernels_home() {
+    "$PYTHON" -c "import pathlib, tw_triton.kernels as k; print(pathlib.Path(k.__file__).resolve().parent.parent)" 2>/dev/null || true
+}
+if [ -d "$site" ] || [ "$(kernels_home)" != "$(pwd -P)" ] ||
+    ! "$PYTHON" -c "import hypothesis, pytest, safetensors, triton, zstandard" 2>/dev/null; then
     paths="$(bash benchmarks/gpu/install.sh --fallback "$site")"
     if [ -n "$paths" ]; then
         export PYTHONPATH="$paths${PYTHONPATH:+:$PYTHONPATH}"
     fi
 fi
-where="$("$PYTHON" -c "import pathlib, tw_triton.kernels as k; print(pathlib.Path(k.__file__).resolve().parent.parent)")"
-if [ "$where" != "$(pwd -P)" ]; then
-    echo "validate.sh: warning: tw_triton.kernels comes from $where, not this checkout" >&2
-    export PYTHONPATH="$(pwd -P)${PYTHONPATH:+:$PYTHONPATH}"
+where="$(kernels_home)"
+if [ -z "$where" ] || { [ "$where" != "$(pwd -P)" ] && [ "$where" != "$(cd "$site" 2>/dev/null && pwd -P)" ]; }; then
+    echo "validate.sh: tw_triton.kernels comes from '${where}', neither this checkout nor $site" >&2
+    exit 3
 fi
 
 exec "$PYTHON" benchmarks/gpu/validate.py "$@"

@@ -403,30 +403,34 @@ def test_install_step_installs_a_wheel_folder_offline_into_a_target(tmp_path):
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
 def test_install_step_falls_back_to_a_folder_and_the_checkout_in_place(tmp_path):
     """Where the environment's site-packages takes no install (forced here: as root it
-    cannot be made read-only), ``--fallback DIR`` puts the wheels in DIR, builds the
-    checkout's C library beside its sources instead of installing it, and prints the two
-    folders for PYTHONPATH; with them, both import. Run in a copy of the script inside a
-    tiny checkout of its own, so that nothing here is built or installed."""
+    cannot be made read-only), ``--fallback DIR`` puts the wheels in DIR and uses the
+    checkout in place: its C extension built beside its sources, ``tw_triton/kernels`` a
+    link to ``kernels/`` (the install's package-dir mapping), and both folders printed for
+    PYTHONPATH. A second run finds DIR and does it again (on a warm GPU machine the tree is
+    sent again, maybe changed). Run on a copy of the script inside a tiny checkout of its
+    own (a stand-in ``tw_triton``), so that nothing here is built or installed."""
     wheels = _tiny_wheel(tmp_path)
     repo = tmp_path / "repo"
     (repo / "benchmarks" / "gpu").mkdir(parents=True)
     shutil.copy(GPU_DIR / "install.sh", repo / "benchmarks" / "gpu" / "install.sh")
-    (repo / "tw_tiny_pkg").mkdir()
-    (repo / "tw_tiny_pkg" / "__init__.py").write_text("")
-    (repo / "tw_tiny_pkg" / "ext.c").write_text(
+    (repo / "tw_triton").mkdir()
+    (repo / "tw_triton" / "__init__.py").write_text("TINY = True\n")
+    (repo / "tw_triton" / "ext.c").write_text(
         "#include <Python.h>\n"
         'static struct PyModuleDef m = {PyModuleDef_HEAD_INIT, "_ext", NULL, -1, NULL};\n'
         "PyMODINIT_FUNC PyInit__ext(void) { return PyModule_Create(&m); }\n"
     )
+    (repo / "kernels").mkdir()
+    (repo / "kernels" / "__init__.py").write_text("VALUE = 1\n")
     (repo / "setup.py").write_text(
         "from setuptools import Extension, setup\n"
-        "setup(name='tw-tiny-pkg', ext_modules=[Extension('tw_tiny_pkg._ext', ['tw_tiny_pkg/ext.c'], optional=True)])\n"
+        "setup(ext_modules=[Extension('tw_triton._ext', ['tw_triton/ext.c'], optional=True)])\n"
     )
     site = tmp_path / "site"
     env = dict(
         _env(),
         PYTHON=sys.executable,
-        INSTALL_CHECK="tw_tiny_wheel tw_tiny_pkg._ext",
+        INSTALL_CHECK="tw_tiny_wheel",
         PIP_NO_INDEX="1",
         TW_GPU_READONLY_SITE="1",
     )
@@ -438,21 +442,35 @@ def test_install_step_falls_back_to_a_folder_and_the_checkout_in_place(tmp_path)
         "--fallback",
         str(site),
     ]
+    probe = (
+        "import tw_triton, tw_triton.kernels as k, tw_triton._ext as e, tw_tiny_wheel as w; "
+        "print(tw_triton.TINY, k.VALUE, e.__file__, w.__file__)"
+    )
+
+    def imported(stdout: str) -> list[str]:
+        got = subprocess.run(
+            [sys.executable, "-c", probe],
+            env=dict(env, PYTHONPATH=stdout.strip()),
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+        return got.stdout.split() or [got.stderr]
+
     ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
-    assert "takes no install" in ok.stderr and "ok (tw_tiny_wheel tw_tiny_pkg._ext import)" in ok.stderr
+    assert "takes no install: wheels to" in ok.stderr and "ok (tw_tiny_wheel import)" in ok.stderr
     assert ok.stdout == f"{site.resolve()}:{repo.resolve()}\n"
-    assert list((repo / "tw_tiny_pkg").glob("_ext*.so")), "the C library is not beside its sources"
-    probe = "import tw_tiny_pkg._ext as e, tw_tiny_wheel as w; print(e.__file__, w.__file__)"
-    got = subprocess.run(
-        [sys.executable, "-c", probe],
-        env=dict(env, PYTHONPATH=ok.stdout.strip()),
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    ext_file, wheel_file = got.stdout.split()
-    assert ext_file.startswith(str(repo.resolve())) and wheel_file.startswith(str(site.resolve())), got.stderr
+    tiny, value, ext_file, wheel_file = imported(ok.stdout)
+    assert (tiny, value) == ("True", "1")
+    assert ext_file.startswith(str(repo / "tw_triton")) and wheel_file.startswith(str(site.resolve()))
+    assert (repo / "tw_triton" / "kernels").is_symlink()
+    (repo / "kernels" / "__init__.py").write_text("VALUE = 2\n")
+    del env["TW_GPU_READONLY_SITE"]  # the folder alone says the environment took none before
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "holds an earlier run's install: replacing it" in again.stderr and again.stdout == ok.stdout
+    assert imported(again.stdout)[1] == "2"
 
 
 def test_wheel_script_and_validate_sh_never_reach_the_network():
@@ -504,8 +522,10 @@ def test_validate_sh_hands_a_plain_cc_to_triton(tmp_path):
     never ``cc``: where ``cc`` is the only compiler, validate.sh exports it as $CC."""
     bindir = _bin_of(tmp_path, ("bash", "dirname"))
     seen = tmp_path / "seen"
-    for tool in ("cc", "python"):  # a python that records the CC it runs with, and passes
-        (bindir / tool).write_text(f'#!/bin/sh\necho "CC=${{CC:-}}" >> {seen}\nexit 0\n')
+    # A python that records the CC it runs with, and passes (saying tw_triton.kernels is
+    # this checkout's, when asked where it lives).
+    for tool, says in (("cc", ""), ("python", f"echo {REPO}\n")):
+        (bindir / tool).write_text(f'#!/bin/sh\necho "CC=${{CC:-}}" >> {seen}\n{says}exit 0\n')
         (bindir / tool).chmod(0o755)
     got = _smoke_in(bindir, str(bindir / "python"), tmp_path)
     assert got.returncode == 0, got.stderr

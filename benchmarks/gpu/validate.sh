@@ -32,8 +32,9 @@ fi
 
 # The offline install. Where the environment takes one (the H100 image), the wheels and an
 # editable install of this checkout go there, and a rerun finds everything and installs
-# nothing. Where it takes none, install.sh puts everything, this checkout built, in $site
-# and prints it for PYTHONPATH; a rerun (the tree is sent again, maybe changed) replaces it.
+# nothing. Where it takes none, install.sh puts the wheels in $site, uses this checkout in
+# place and prints both for PYTHONPATH; a rerun (the tree is sent again, maybe changed)
+# does that again.
 site="${TW_GPU_SITE:-${TMPDIR:-/tmp}/tw-gpu-site}"
 kernels_home() {
     "$PYTHON" -c "import pathlib, tw_triton.kernels as k; print(pathlib.Path(k.__file__).resolve().parent.parent)" 2>/dev/null || true

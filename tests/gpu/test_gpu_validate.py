@@ -986,6 +986,9 @@ def test_with_workers_the_huge_tests_run_after_them_in_one_process(tmp_path, mon
     )
     monkeypatch.setattr(validate.subprocess, "run", _pytest_on(suite, subprocess.run))
     monkeypatch.setattr(validate, "pytest_workers", lambda: 2)
+    # Run on an xdist worker itself, this test must not hand its own worker's name down.
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
     out = tmp_path / "out"
     out.mkdir()
     step = validate.step_pytest(torch.device("cpu"), False, 120.0, tmp_path, out)

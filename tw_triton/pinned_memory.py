@@ -13,6 +13,7 @@ on plain memory (the tests run it so). Why: docs/training-loop.md ("Memory").
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -22,24 +23,104 @@ import torch
 
 from .errors import CheckpointError
 
+logger = logging.getLogger(__name__)
+
 # cudaHostRegisterPortable: page-locked for every CUDA context, not only the current one.
 _REGISTER_PORTABLE = 1
 
+_fallback_logged = False
 
-def register_host(ptr: int, nbytes: int) -> None:
+
+def registering_device(device: torch.device | int | None = None) -> int:
+    """The CUDA device whose context (un)registers host memory.
+
+    The registration is portable, so any context will do; what matters is not to create one.
+    A thread that never chose a device has device 0 current, and the runtime would make a
+    context there (hundreds of MiB on a GPU this process may not use).
+
+    Args:
+        device: the device the memory is for (its index is taken when it has one).
+
+    Returns:
+        ``device``'s index; else the current device if it has a context, else the first
+        device with one, else the current device.
+    """
+    if isinstance(device, int):
+        return device
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return device.index
+    current = torch.cuda.current_device()
+    if _has_context(current):
+        return current
+    for index in range(torch.cuda.device_count()):
+        if _has_context(index):
+            return index
+    return current
+
+
+def _has_context(index: int) -> bool:
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    return bool(has(index)) if has is not None else False
+
+
+def _in_own_thread(fn: Callable[[], int]) -> int:
+    """Run one CUDA runtime call in a thread of its own and return its error code.
+
+    A failed runtime call stays recorded as its thread's last error, and torch's next kernel
+    launch on that thread would raise it as its own; in a thread that then ends, it goes
+    with the thread."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # handed to the caller
+            box.append(exc)
+
+    try:
+        thread = threading.Thread(target=run, name="tw-triton-host-register", daemon=True)
+        thread.start()
+    except RuntimeError:  # no new threads (the interpreter is shutting down): call here
+        run()
+    else:
+        thread.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def register_host(ptr: int, nbytes: int, device: torch.device | int | None = None) -> None:
     """Page-lock ``nbytes`` of host memory at ``ptr`` for CUDA.
+
+    Args:
+        ptr, nbytes: the memory.
+        device: the device it is for (see :func:`registering_device`).
 
     Raises:
         CheckpointError: CUDA refused (it says why, by its error code).
     """
-    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
+    index = registering_device(device)
+
+    def call() -> int:
+        torch.cuda.set_device(index)
+        return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
+
+    rc = _in_own_thread(call)
     if rc != 0:
-        raise CheckpointError(f"cannot page-lock {nbytes} bytes of host memory: cudaHostRegister error {rc}")
+        raise CheckpointError(
+            f"cannot page-lock {nbytes} bytes of host memory (device {index}): cudaHostRegister error {rc}"
+        )
 
 
-def unregister_host(ptr: int) -> None:
+def unregister_host(ptr: int, device: torch.device | int | None = None) -> None:
     """Undo :func:`register_host` (an error is ignored: the memory is freed right after)."""
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    index = registering_device(device)
+
+    def call() -> int:
+        torch.cuda.set_device(index)
+        return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+    _in_own_thread(call)
 
 
 def can_register() -> bool:
@@ -47,26 +128,58 @@ def can_register() -> bool:
     return torch.cuda.is_available()
 
 
+def _pinned_by_torch(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
 class HostSlab:
     """One host allocation of ``nbytes``, page-locked for CUDA when ``register``.
 
     ``tensor`` is the ``uint8`` view of it; :meth:`close` (or the slab's collection)
-    unregisters it, and the memory goes back to the system with the tensor.
+    unregisters it, and the memory goes back to the system with the tensor. Where CUDA
+    refuses the registration, the slab is logged and taken from torch's pinned allocator
+    instead, or, if that fails too, left pageable: device copies from and to it then block
+    the thread that queues them, and give the same bytes.
 
     Args:
         nbytes: the size, exactly (no rounding).
         register: page-lock it (``None``: where CUDA is available).
+        device: the device its copies go to or come from (the context that registers it).
+
+    Attributes:
+        registered: registered by this slab (unregistered by :meth:`close`).
+        pinned: page-locked, by this slab or torch's pinned allocator.
     """
 
-    def __init__(self, nbytes: int, *, register: bool | None = None) -> None:
+    def __init__(
+        self, nbytes: int, *, register: bool | None = None, device: torch.device | int | None = None
+    ) -> None:
         if nbytes < 0:
             raise CheckpointError(f"a host slab cannot have {nbytes} bytes")
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.registered = False
+        self.pinned = False
         if (can_register() if register is None else register) and nbytes:
-            register_host(self.tensor.data_ptr(), nbytes)
-            self.registered = True
-            self._finalizer = weakref.finalize(self, unregister_host, self.tensor.data_ptr())
+            try:
+                register_host(self.tensor.data_ptr(), nbytes, device)
+            except CheckpointError as exc:
+                self._fall_back(nbytes, exc)
+            else:
+                self.registered = self.pinned = True
+                self._finalizer = weakref.finalize(self, unregister_host, self.tensor.data_ptr(), device)
+
+    def _fall_back(self, nbytes: int, exc: CheckpointError) -> None:
+        global _fallback_logged
+        try:
+            self.tensor = _pinned_by_torch(nbytes)
+            self.pinned = True
+            how = "taken from torch's pinned allocator instead"
+        except RuntimeError as pin_exc:
+            how = f"left pageable (torch's pinned allocator failed too: {pin_exc}); copies will block"
+        # Once at WARNING (what a run needs to know), then at DEBUG: a ring is made per load.
+        level = logging.DEBUG if _fallback_logged else logging.WARNING
+        _fallback_logged = True
+        logger.log(level, "%s; %d bytes %s", exc, nbytes, how)
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +205,7 @@ class PinnedRing:
         slots: how many slots (2: one filled while the other is copied).
         slot_bytes: the size of each.
         register: page-lock the slab (``None``: where CUDA is available).
+        device: the device the slots are copied to (the context that registers the slab).
         event: makes the event recorded after a slot's copy (``None``: a CUDA event for a
             CUDA destination, none otherwise, where the copy is done when it returns).
     """
@@ -102,11 +216,12 @@ class PinnedRing:
         slot_bytes: int = 8 << 20,
         *,
         register: bool | None = None,
+        device: torch.device | int | None = None,
         event: Callable[[], Any] | None = None,
     ) -> None:
         if slots < 1 or slot_bytes < 1:
             raise CheckpointError(f"a ring needs at least one slot of one byte, got {slots} x {slot_bytes}")
-        self.slab = HostSlab(slots * slot_bytes, register=register)
+        self.slab = HostSlab(slots * slot_bytes, register=register, device=device)
         self.slot_bytes = slot_bytes
         self._views = [self.slab.tensor[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slots)]
         self._pending: list[Any] = [None] * slots  # the event behind each slot's last copy

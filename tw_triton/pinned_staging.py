@@ -95,8 +95,9 @@ class PinnedPool:
         with self._cond:
             return self._held_bytes
 
-    def acquire(self, nbytes: int) -> tuple[torch.Tensor, float]:
-        """Return a pinned ``uint8`` buffer of at least ``nbytes`` and the seconds waited.
+    def acquire(self, nbytes: int, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+        """Return a pinned ``uint8`` buffer of at least ``nbytes`` and the seconds waited
+        (``device``: the one its copies come from, whose context registers a new buffer).
 
         Raises:
             CheckpointError: ``nbytes`` is larger than the cap, so it could never fit.
@@ -125,7 +126,7 @@ class PinnedPool:
                     self._slabs.pop(b.data_ptr()).close()
                 self._free.clear()
                 if self.cap_bytes is None or self._held_bytes + want <= self.cap_bytes:
-                    slab = HostSlab(want, register=self.pin_memory)
+                    slab = HostSlab(want, register=self.pin_memory, device=device)
                     self._slabs[slab.tensor.data_ptr()] = slab
                     self._held_bytes += want
                     return slab.tensor, time.perf_counter() - start
@@ -192,7 +193,7 @@ class DeviceStaging:
                 f"the writer stages only CUDA and CPU tensors"
             )
         tensors = [t for _, _, t in device_bufs]
-        pinned, waited = self.pool.acquire(staging_nbytes(tensors))
+        pinned, waited = self.pool.acquire(staging_nbytes(tensors), tensors[0].device)
         if waited > self.wait_log_threshold_s:
             logger.info(
                 "backpressure: save of '%s' waited %.3f s for pinned host memory (cap %s bytes)",

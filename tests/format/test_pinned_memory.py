@@ -120,12 +120,12 @@ def registry(monkeypatch):
     live: dict[int, int] = {}
     calls: list = []
 
-    def register(ptr, nbytes):
-        calls.append(("register", ptr, nbytes))
+    def register(ptr, nbytes, device=None):
+        calls.append(("register", ptr, nbytes, device))
         live[ptr] = nbytes
 
-    def unregister(ptr):
-        calls.append(("unregister", ptr))
+    def unregister(ptr, device=None):
+        calls.append(("unregister", ptr, device))
         del live[ptr]
 
     monkeypatch.setattr(pinned_memory, "register_host", register)
@@ -157,6 +157,142 @@ def test_the_staging_pool_pins_registered_slabs_and_lets_dropped_ones_go(registr
     big, _ = pool.acquire(3 * PINNED_GRANULE + 1)
     # The too-small buffer is unregistered (and freed), not kept by an allocator.
     assert live == {big.data_ptr(): 4 * PINNED_GRANULE} and pool.held_bytes == 4 * PINNED_GRANULE
+
+
+def test_slabs_register_and_unregister_with_the_device_of_their_copies(registry):
+    _, calls = registry
+    slab = HostSlab(1000, device=torch.device("cuda", 1))
+    slab.close()
+    assert [(c[0], c[-1]) for c in calls] == [
+        ("register", torch.device("cuda", 1)),
+        ("unregister", torch.device("cuda", 1)),
+    ]
+    calls.clear()
+    pool = PinnedPool(None)
+    pool.acquire(10, torch.device("cuda", 2))
+    ring = PinnedRing(2, 8, device=torch.device("cuda", 3))
+    assert [c[-1] for c in calls] == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    ring.close()
+
+
+@pytest.fixture
+def devices(monkeypatch):
+    """Four CUDA devices, device 0 current, and a settable set of those with a context."""
+    with_context: set[int] = set()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(pinned_memory, "_has_context", lambda i: i in with_context)
+    return with_context
+
+
+def test_the_registering_device_is_never_one_without_a_context_when_another_has_one(devices):
+    # The device named wins, as a device or an index.
+    assert pinned_memory.registering_device(torch.device("cuda", 3)) == 3
+    assert pinned_memory.registering_device(1) == 1
+    # None named: device 0 is current, but only device 2 has a context (a rank on GPU 2 whose
+    # thread never chose a device): the runtime would make a context on GPU 0.
+    devices.add(2)
+    assert pinned_memory.registering_device(None) == 2
+    assert pinned_memory.registering_device(torch.device("cuda")) == 2
+    devices.add(0)
+    assert pinned_memory.registering_device(None) == 0  # the current one, when it has a context
+    devices.clear()
+    assert pinned_memory.registering_device(None) == 0  # none has one: a context must be made
+
+
+class _Runtime:
+    """A stand-in for torch's CUDA runtime binding: logs each call with its thread."""
+
+    def __init__(self, rc=0):
+        self.rc = rc
+        self.log: list = []
+
+    def set_device(self, index):
+        self.log.append(("set_device", threading.get_ident(), index))
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.log.append(("register", threading.get_ident(), ptr, nbytes, flags))
+        return self.rc
+
+    def cudaHostUnregister(self, ptr):
+        self.log.append(("unregister", threading.get_ident(), ptr))
+        return self.rc
+
+
+@pytest.mark.parametrize("rc", [0, 712])
+def test_registration_runs_on_its_device_in_a_thread_that_then_ends(monkeypatch, rc):
+    """A refused registration stays the thread's last CUDA error, which torch's next kernel
+    launch there would raise as its own: each call runs in a thread of its own, after making
+    its device current there."""
+    runtime = _Runtime(rc)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(torch.cuda, "set_device", runtime.set_device)
+    me = threading.get_ident()
+    if rc:
+        with pytest.raises(CheckpointError, match=r"100 bytes .*device 2.*cudaHostRegister error 712"):
+            pinned_memory.register_host(4096, 100, torch.device("cuda", 2))
+    else:
+        pinned_memory.register_host(4096, 100, torch.device("cuda", 2))
+    pinned_memory.unregister_host(4096, 2)  # an error here is ignored
+    (set1, t1, i1), reg, (set2, t2, i2), unreg = runtime.log
+    assert (set1, i1, reg[0], reg[2:]) == ("set_device", 2, "register", (4096, 100, 1))
+    assert (set2, i2, unreg[0], unreg[2]) == ("set_device", 2, "unregister", 4096)
+    assert t1 == reg[1] != me and t2 == unreg[1] != me
+
+
+def test_a_call_that_cannot_have_a_thread_runs_in_the_callers(monkeypatch):
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    assert pinned_memory._in_own_thread(threading.get_ident) == threading.get_ident()
+    with pytest.raises(KeyError):
+        pinned_memory._in_own_thread(lambda: {}["x"])
+
+
+@pytest.mark.parametrize("torch_pins", [True, False])
+def test_a_refused_registration_falls_back_logs_and_the_slab_still_works(monkeypatch, caplog, torch_pins):
+    """Where CUDA refuses to page-lock a slab, it comes from torch's pinned allocator, or
+    stays pageable when that fails too (copies then block, with the same bytes); the first
+    such slab is a warning, later ones are logged at DEBUG."""
+
+    def refuse(ptr, nbytes, device=None):
+        raise CheckpointError(
+            f"cannot page-lock {nbytes} bytes of host memory (device 0): cudaHostRegister error 801"
+        )
+
+    def unregister(ptr, device=None):
+        raise AssertionError("a slab that was not registered is unregistered")
+
+    pinned_by_torch: list = []
+
+    def by_torch(nbytes):
+        if not torch_pins:
+            raise RuntimeError("no pinned memory allocator")
+        pinned_by_torch.append(torch.empty(nbytes, dtype=torch.uint8))
+        return pinned_by_torch[-1]
+
+    monkeypatch.setattr(pinned_memory, "can_register", lambda: True)
+    monkeypatch.setattr(pinned_memory, "register_host", refuse)
+    monkeypatch.setattr(pinned_memory, "unregister_host", unregister)
+    monkeypatch.setattr(pinned_memory, "_pinned_by_torch", by_torch)
+    monkeypatch.setattr(pinned_memory, "_fallback_logged", False)
+    with caplog.at_level("DEBUG", logger="tw_triton.pinned_memory"):
+        ring = PinnedRing(2, 8)
+        second = HostSlab(64)
+    assert not ring.slab.registered and ring.slab.pinned == torch_pins
+    if torch_pins:
+        assert ring.slab.tensor is pinned_by_torch[0] and second.tensor is pinned_by_torch[1]
+    levels = [(r.levelname, "error 801" in r.getMessage()) for r in caplog.records]
+    assert levels == [("WARNING", True), ("DEBUG", True)]
+    assert ("torch's pinned allocator instead" if torch_pins else "left pageable") in caplog.records[
+        0
+    ].getMessage()
+    src = torch.arange(40, dtype=torch.uint8)
+    out = ring.upload(torch.empty(40, dtype=torch.uint8), lambda v, at: v.copy_(src[at : at + v.numel()]))
+    assert torch.equal(out, src)
+    ring.close()
+    second.close()
 
 
 def _file(tmp_path):
@@ -328,3 +464,19 @@ def test_on_a_gpu_slabs_are_pinned_and_a_read_to_the_device_is_the_same(tmp_path
         for b, t in entry.buffers.items():
             assert got.entries[name].buffers[b].is_cuda
             assert torch.equal(got.entries[name].buffers[b].cpu(), t), (name, b)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_refused_registration_leaves_no_error_for_the_next_launch():
+    """Registering memory twice is refused (cudaErrorHostMemoryAlreadyRegistered); the
+    error goes with the registering thread, so this thread's next kernel launch, which
+    checks the runtime's last error, runs."""
+    slab = HostSlab(1 << 20)
+    assert slab.registered and slab.tensor.is_pinned()
+    with pytest.raises(CheckpointError, match="cudaHostRegister error"):
+        pinned_memory.register_host(slab.tensor.data_ptr(), 1 << 20)
+    x = torch.ones(1 << 10, device="cuda")
+    x.add_(1)
+    torch.cuda.synchronize()
+    assert float(x.sum()) == 2 * (1 << 10)
+    slab.close()

@@ -145,13 +145,13 @@ def test_a_chain_load_to_a_gpu_pins_one_ring(tmp_path, monkeypatch) -> None:
     unregistered: list = []
     real_register, real_unregister = pinned_memory.register_host, pinned_memory.unregister_host
 
-    def register(ptr, nbytes):
-        registered.append((ptr, nbytes))
-        real_register(ptr, nbytes)
+    def register(ptr, nbytes, device=None):
+        registered.append((ptr, nbytes, device))
+        real_register(ptr, nbytes, device)
 
-    def unregister(ptr):
+    def unregister(ptr, device=None):
         unregistered.append(ptr)
-        real_unregister(ptr)
+        real_unregister(ptr, device)
 
     monkeypatch.setattr(pinned_memory, "register_host", register)
     monkeypatch.setattr(pinned_memory, "unregister_host", unregister)
@@ -160,4 +160,6 @@ def test_a_chain_load_to_a_gpu_pins_one_ring(tmp_path, monkeypatch) -> None:
         on_cpu = ck.load(2)["model"]["w"]
     assert len(registered) == 1 and unregistered == [registered[0][0]], (registered, unregistered)
     assert registered[0][1] == upload_ring.ring_slots() * upload_ring.RING_SLOT_BYTES
+    # Registered by the context of the device loaded to, not whichever device is current.
+    assert registered[0][2] == torch.device("cuda", torch.cuda.current_device())
     assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), on_cpu)

@@ -335,7 +335,7 @@ class MappedCheckpoint:
                     # A file system that cannot map files: the same bytes, read instead.
                     logger.debug("checkpoint %s: cannot memory-map it (%s); reading it", self.path, exc)
             if self.device is not None:
-                self.ring, self._owns_ring = ring_for_read()
+                self.ring, self._owns_ring = ring_for_read(self.device)
         except BaseException as exc:
             self._opener.__exit__(type(exc), exc, exc.__traceback__)
             raise

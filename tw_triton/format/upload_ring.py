@@ -14,6 +14,8 @@ import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
 
+import torch
+
 from ..parallel import cpu_threads
 from ..pinned_memory import PinnedRing
 from .buffer_io import POSITIONAL_READS
@@ -29,9 +31,9 @@ def ring_slots() -> int:
     return (cpu_threads() if POSITIONAL_READS else 1) + RING_SPARE_SLOTS
 
 
-def new_ring() -> PinnedRing:
-    """A ring of :func:`ring_slots` slots of :data:`RING_SLOT_BYTES`."""
-    return PinnedRing(ring_slots(), RING_SLOT_BYTES)
+def new_ring(device: torch.device | None = None) -> PinnedRing:
+    """A ring of :func:`ring_slots` slots of :data:`RING_SLOT_BYTES` for copies to ``device``."""
+    return PinnedRing(ring_slots(), RING_SLOT_BYTES, device=device)
 
 
 class _Shared:
@@ -41,10 +43,10 @@ class _Shared:
         self.ring: PinnedRing | None = None
         self._lock = threading.Lock()
 
-    def get(self) -> PinnedRing:
+    def get(self, device: torch.device | None) -> PinnedRing:
         with self._lock:
             if self.ring is None:
-                self.ring = new_ring()
+                self.ring = new_ring(device)
             return self.ring
 
 
@@ -70,13 +72,13 @@ def one_ring() -> Iterator[None]:
             shared.ring.close()
 
 
-def ring_for_read() -> tuple[PinnedRing, bool]:
-    """The ring for one file read to a device, and whether that read owns it (closes it when
-    it ends): the enclosing :func:`one_ring` block's, or a new one."""
+def ring_for_read(device: torch.device | None = None) -> tuple[PinnedRing, bool]:
+    """The ring for one file read to ``device``, and whether that read owns it (closes it
+    when it ends): the enclosing :func:`one_ring` block's, or a new one."""
     shared = _SHARED.get()
     if shared is None:
-        return new_ring(), True
-    return shared.get(), False
+        return new_ring(device), True
+    return shared.get(device), False
 
 
 __all__ = ["RING_SLOT_BYTES", "RING_SPARE_SLOTS", "new_ring", "one_ring", "ring_for_read", "ring_slots"]

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .cuda_threads import in_own_thread, registering_device, wait_event
 from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -29,64 +30,6 @@ logger = logging.getLogger(__name__)
 _REGISTER_PORTABLE = 1
 
 _fallback_logged = False
-
-
-def registering_device(device: torch.device | int | None = None) -> int:
-    """The CUDA device whose context (un)registers host memory.
-
-    The registration is portable, so any context will do; what matters is not to create one.
-    A thread that never chose a device has device 0 current, and the runtime would make a
-    context there (hundreds of MiB on a GPU this process may not use).
-
-    Args:
-        device: the device the memory is for (its index is taken when it has one).
-
-    Returns:
-        ``device``'s index; else the current device if it has a context, else the first
-        device with one, else the current device.
-    """
-    if isinstance(device, int):
-        return device
-    if device is not None and device.type == "cuda" and device.index is not None:
-        return device.index
-    current = torch.cuda.current_device()
-    if _has_context(current):
-        return current
-    for index in range(torch.cuda.device_count()):
-        if _has_context(index):
-            return index
-    return current
-
-
-def _has_context(index: int) -> bool:
-    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-    return bool(has(index)) if has is not None else False
-
-
-def _in_own_thread(fn: Callable[[], int]) -> int:
-    """Run one CUDA runtime call in a thread of its own and return its error code.
-
-    A failed runtime call stays recorded as its thread's last error, and torch's next kernel
-    launch on that thread would raise it as its own; in a thread that then ends, it goes
-    with the thread."""
-    box: list[Any] = []
-
-    def run() -> None:
-        try:
-            box.append(fn())
-        except BaseException as exc:  # handed to the caller
-            box.append(exc)
-
-    try:
-        thread = threading.Thread(target=run, name="tw-triton-host-register", daemon=True)
-        thread.start()
-    except RuntimeError:  # no new threads (the interpreter is shutting down): call here
-        run()
-    else:
-        thread.join()
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
 
 
 def register_host(ptr: int, nbytes: int, device: torch.device | int | None = None) -> None:
@@ -105,7 +48,7 @@ def register_host(ptr: int, nbytes: int, device: torch.device | int | None = Non
         torch.cuda.set_device(index)
         return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
 
-    rc = _in_own_thread(call)
+    rc = in_own_thread(call)
     if rc != 0:
         raise CheckpointError(
             f"cannot page-lock {nbytes} bytes of host memory (device {index}): cudaHostRegister error {rc}"
@@ -120,7 +63,7 @@ def unregister_host(ptr: int, device: torch.device | int | None = None) -> None:
         torch.cuda.set_device(index)
         return int(torch.cuda.cudart().cudaHostUnregister(ptr))
 
-    _in_own_thread(call)
+    in_own_thread(call)
 
 
 def can_register() -> bool:
@@ -262,7 +205,7 @@ class PinnedRing:
         """Wait for the copies still reading the slots, then unpin the slab."""
         for event in self._pending:
             if event is not None:
-                event.synchronize()
+                wait_event(event)
         self.slab.close()
 
     def _acquire(self) -> int:
@@ -273,7 +216,7 @@ class PinnedRing:
             self.in_use_peak = max(self.in_use_peak, self.slots - len(self._free))
             event, self._pending[slot] = self._pending[slot], None
         if event is not None:
-            event.synchronize()  # the device has read the slot's last bytes
+            wait_event(event)  # the device has read the slot's last bytes
         return slot
 
     def _release(self, slot: int, event: Any) -> None:

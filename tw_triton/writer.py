@@ -36,6 +36,7 @@ import torch
 from . import format as _format
 from .arguments import as_int
 from .codecs import entropy as _entropy
+from .cuda_threads import wait_event
 from .errors import CheckpointError, CheckpointIOError
 from .pinned_staging import (  # noqa: F401 - re-exported: their documented home was here
     PINNED_ALIGN,
@@ -391,7 +392,7 @@ class AsyncWriter:
             # which must not move past a link that is not on disk.
             _check_dependencies(job)
             for event in job.copy_done:
-                event.synchronize()
+                wait_event(event)
             job.device_state = None  # the copies are done; let the device memory go
             with self._lock:
                 self._device_held.pop(job.future, None)
@@ -405,7 +406,7 @@ class AsyncWriter:
         if dependent:
             # The copies into the pinned buffer may still run: it goes back only after them.
             for event in job.copy_done:
-                event.synchronize()
+                wait_event(event)
         # Free the slot and the pinned buffer before resolving the Future, so that a
         # caller who waits on it can submit again at once without blocking.
         job.qstate = None

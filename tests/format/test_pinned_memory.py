@@ -175,31 +175,6 @@ def test_slabs_register_and_unregister_with_the_device_of_their_copies(registry)
     ring.close()
 
 
-@pytest.fixture
-def devices(monkeypatch):
-    """Four CUDA devices, device 0 current, and a settable set of those with a context."""
-    with_context: set[int] = set()
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr(pinned_memory, "_has_context", lambda i: i in with_context)
-    return with_context
-
-
-def test_the_registering_device_is_never_one_without_a_context_when_another_has_one(devices):
-    # The device named wins, as a device or an index.
-    assert pinned_memory.registering_device(torch.device("cuda", 3)) == 3
-    assert pinned_memory.registering_device(1) == 1
-    # None named: device 0 is current, but only device 2 has a context (a rank on GPU 2 whose
-    # thread never chose a device): the runtime would make a context on GPU 0.
-    devices.add(2)
-    assert pinned_memory.registering_device(None) == 2
-    assert pinned_memory.registering_device(torch.device("cuda")) == 2
-    devices.add(0)
-    assert pinned_memory.registering_device(None) == 0  # the current one, when it has a context
-    devices.clear()
-    assert pinned_memory.registering_device(None) == 0  # none has one: a context must be made
-
-
 class _Runtime:
     """A stand-in for torch's CUDA runtime binding: logs each call with its thread."""
 
@@ -238,16 +213,6 @@ def test_registration_runs_on_its_device_in_a_thread_that_then_ends(monkeypatch,
     assert (set1, i1, reg[0], reg[2:]) == ("set_device", 2, "register", (4096, 100, 1))
     assert (set2, i2, unreg[0], unreg[2]) == ("set_device", 2, "unregister", 4096)
     assert t1 == reg[1] != me and t2 == unreg[1] != me
-
-
-def test_a_call_that_cannot_have_a_thread_runs_in_the_callers(monkeypatch):
-    def refuse(self):
-        raise RuntimeError("can't create new thread at interpreter shutdown")
-
-    monkeypatch.setattr(threading.Thread, "start", refuse)
-    assert pinned_memory._in_own_thread(threading.get_ident) == threading.get_ident()
-    with pytest.raises(KeyError):
-        pinned_memory._in_own_thread(lambda: {}["x"])
 
 
 @pytest.mark.parametrize("torch_pins", [True, False])

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cuda_threads import wait_event
 from ..pinned_staging import DeviceStaging
 from ..qstate import QuantizedState
 
@@ -48,7 +49,7 @@ class HostCopy:
     def wait(self) -> QuantizedState:
         """Block until the device-to-host copies are done; return the host state."""
         for event in self.copy_done:
-            event.synchronize()
+            wait_event(event)
         self.copy_done = []
         self.device_state = None
         return self.qstate

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..cuda_threads import wait_event
 from ..ops.reference import FINGERPRINT_SAMPLES, fingerprint_torch
 
 FINGERPRINT_PREFIX = "fp-"
@@ -46,7 +47,7 @@ def to_host(buf: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
 def read_host(host: torch.Tensor, done: torch.cuda.Event | None) -> list[int]:
     """The values :func:`to_host` copied, once its event has fired."""
     if done is not None:
-        done.synchronize()
+        wait_event(done)
     return [int(v) for v in host.tolist()]
 
 

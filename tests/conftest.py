@@ -13,6 +13,10 @@ that ``pytest -m cuda`` is the GPU half of the suite (``benchmarks/gpu/validate.
 * ``@pytest.mark.cuda``: the test needs a CUDA device. Without one it is skipped, with the
   reason shown; with one, a skip (from inside the test, or any other marker) is turned into
   a failure, so nothing of the GPU half can pass by being silently skipped.
+* ``@pytest.mark.cuda(devices=2)``: the test needs that many devices. On a machine with
+  fewer it is skipped, with a reason that starts ``needs 2 CUDA devices``, even with a GPU:
+  the no-skip rule holds only where the devices are there (the validation lists such tests
+  apart, as not run on that machine).
 * The kernel test modules in :data:`KERNEL_MODULES` compare the kernels with the torch path
   on ``KERNEL_DEVICE``: under the interpreter on the CPU, compiled on CUDA. They get the
   marker here, as ``cuda(interpreted=True)``: they run without a GPU too, and with one the
@@ -39,6 +43,13 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "determini
 
 # The override lets a test check the GPU-side rules of this file on a machine without one.
 HAS_CUDA = torch.cuda.is_available() or os.environ.get("TW_TRITON_TEST_ASSUME_CUDA") == "1"
+CUDA_DEVICES = (
+    torch.cuda.device_count()
+    if torch.cuda.is_available()
+    else int(os.environ.get("TW_TRITON_TEST_ASSUME_CUDA_DEVICES", "1"))
+    if HAS_CUDA
+    else 0
+)
 
 # Modules whose tests run the kernels on the GPU when there is one (and interpreted if not).
 KERNEL_MODULES = frozenset(
@@ -66,13 +77,17 @@ KERNEL_MODULES = frozenset(
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "cuda: runs a CUDA path on a GPU (skipped without one unless interpreted=True; "
-        "a skip while a GPU is present is a failure)",
+        "cuda: runs a CUDA path on a GPU (skipped without one unless interpreted=True, or "
+        "with fewer than devices=N; a skip while the devices are present is a failure)",
     )
 
 
 def _interpreted(marker: pytest.Mark) -> bool:
     return bool(marker.kwargs.get("interpreted", False))
+
+
+def _devices(marker: pytest.Mark | None) -> int:
+    return int(marker.kwargs.get("devices", 1)) if marker is not None else 1
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -82,13 +97,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = item.get_closest_marker("cuda")
         if marker is not None and not HAS_CUDA and not _interpreted(marker):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device (marker 'cuda')"))
+        elif marker is not None and HAS_CUDA and CUDA_DEVICES < _devices(marker):
+            n = _devices(marker)
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"needs {n} CUDA devices, this machine has {CUDA_DEVICES} (marker 'cuda')"
+                )
+            )
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[no-untyped-def]
     outcome = yield
     report = outcome.get_result()
-    if HAS_CUDA and report.skipped and item.get_closest_marker("cuda") is not None:
+    marker = item.get_closest_marker("cuda")
+    if HAS_CUDA and report.skipped and marker is not None and CUDA_DEVICES >= _devices(marker):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = (

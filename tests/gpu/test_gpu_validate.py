@@ -301,19 +301,23 @@ def test_concurrency_check_counts_a_file_that_does_not_load(tmp_path, monkeypatc
     assert "checksum mismatch (injected)" in out["problems"][0]
 
 
-def _run_marker_suite(tmp_path: Path, assume_cuda: bool) -> subprocess.CompletedProcess:
+def _run_marker_suite(tmp_path: Path, assume_cuda: bool, devices: int = 1) -> subprocess.CompletedProcess:
     shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_marked.py").write_text(
         "import pytest\n\n"
         "@pytest.mark.cuda\n"
         "def test_needs_gpu():\n"
         "    pytest.skip('pretend the device is missing')\n\n"
+        "@pytest.mark.cuda(devices=2)\n"
+        "def test_needs_two_gpus():\n"
+        "    assert True\n\n"
         "def test_plain():\n"
         "    assert True\n",
         encoding="utf-8",
     )
     env = _env()
     env.pop("TW_TRITON_TEST_ASSUME_CUDA", None)
+    env["TW_TRITON_TEST_ASSUME_CUDA_DEVICES"] = str(devices)
     if assume_cuda:
         env["TW_TRITON_TEST_ASSUME_CUDA"] = "1"
     return subprocess.run(
@@ -340,11 +344,24 @@ def _run_marker_suite(tmp_path: Path, assume_cuda: bool) -> subprocess.Completed
 def test_cuda_marker_skips_without_a_gpu_and_fails_a_skip_with_one(tmp_path):
     without = _run_marker_suite(tmp_path, assume_cuda=False)
     assert without.returncode == 0, without.stdout
-    assert "1 passed, 1 skipped" in without.stdout
+    assert "1 passed, 2 skipped" in without.stdout
+    # One GPU: the test of two is skipped, not failed, and says why.
     with_gpu = _run_marker_suite(tmp_path, assume_cuda=True)
     assert with_gpu.returncode == 1, with_gpu.stdout
-    assert "1 failed, 1 passed" in with_gpu.stdout
+    assert "1 failed, 1 passed, 1 skipped" in with_gpu.stdout
     assert "skipped although a CUDA device is present" in with_gpu.stdout
+    reasons = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env={**_env(), "TW_TRITON_TEST_ASSUME_CUDA": "1", "TW_TRITON_TEST_ASSUME_CUDA_DEVICES": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert validate.NEEDS_DEVICES.search(reasons), reasons
+    # Two GPUs: it runs.
+    with_two = _run_marker_suite(tmp_path, assume_cuda=True, devices=2)
+    assert "1 failed, 2 passed" in with_two.stdout, with_two.stdout
 
 
 # ------------------------------------------------------------------ issue 29: install, phases, grid
@@ -1086,6 +1103,30 @@ def test_a_module_that_skips_on_import_does_not_fail_the_pytest_step(tmp_path, m
     else:
         assert step.status == "PASS" and step.data["skipped"] == 0, step.detail
         assert step.detail.endswith("1 module(s) of optional extras skipped on import")
+
+
+def test_a_test_of_more_gpus_than_the_machine_has_is_listed_not_failed(tmp_path, monkeypatch):
+    """A ``cuda(devices=2)`` test on a one-GPU machine is skipped by the suite's conftest;
+    the step lists it apart and still passes. Any other skip of a cuda test fails it."""
+    tests = tmp_path / "suite"
+    tests.mkdir()
+    shutil.copy(REPO / "tests" / "conftest.py", tests / "conftest.py")
+    (tests / "test_gpus.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.cuda\ndef test_one():\n    pass\n"
+        "@pytest.mark.cuda(devices=2)\ndef test_two():\n    pass\n"
+    )
+    monkeypatch.setenv("TW_TRITON_TEST_ASSUME_CUDA", "1")
+    monkeypatch.setenv("TW_TRITON_TEST_ASSUME_CUDA_DEVICES", "1")
+    monkeypatch.setattr(validate.subprocess, "run", _pytest_on(tests, subprocess.run))
+    monkeypatch.setattr(validate, "pytest_workers", lambda: 0)
+    out = tmp_path / "out"
+    out.mkdir()
+    step = validate.step_pytest(torch.device("cpu"), False, 120.0, tmp_path, out)
+    assert step.status == "PASS" and step.data["skipped"] == 0, step.detail
+    (listed,) = step.data["needs_more_devices"]
+    assert "test_two" in listed and "needs 2 CUDA devices, this machine has 1" in listed
+    assert step.detail.endswith("1 test(s) of more GPUs than this machine has not run")
 
 
 def test_precompile_all_runs_every_entry_of_its_grid() -> None:

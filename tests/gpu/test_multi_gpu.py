@@ -51,4 +51,6 @@ def test_no_rank_gives_another_ranks_gpu_a_context(ranks):
     a device made current first would give rank 1 a context on GPU 0 (hundreds of MiB)."""
     for rank, r in enumerate(ranks):
         new = sorted(set(r["contexts_after"]) - set(r["contexts_before"]))
-        assert not new, f"rank {rank}: tw_triton made contexts on GPUs {new} (torch had {r['contexts_before']})"
+        assert not new, (
+            f"rank {rank}: tw_triton made contexts on GPUs {new} (torch had {r['contexts_before']})"
+        )

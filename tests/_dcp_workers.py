@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import socket
 import sys
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +54,37 @@ def full_tensors(state: dict) -> dict[str, torch.Tensor]:
     }
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_process(body: Callable[[int, int, int, str], None]) -> Callable[[int, int, int, str], None]:
+    """A spawned rank's ``body(rank, world, port, root)``, which writes its results under
+    ``root``: its traceback is printed before the process group is torn down (a teardown
+    under a failure can abort the process, gloo's threads, and then Python never prints
+    it), and after a success the interpreter's own teardown is skipped (a rare SIGABRT,
+    "terminate called without an active exception", was seen there; where is not known)."""
+
+    @functools.wraps(body)
+    def run(rank: int, world: int, port: int, root: str) -> None:
+        try:
+            body(rank, world, port, root)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            raise
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    return run
+
+
 def setup(rank: int, world: int, port: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -81,63 +115,48 @@ def load_into_fresh(path: str, **reader_kw) -> dict[str, torch.Tensor]:
     return full_tensors(app_state(model, opt))
 
 
+@rank_process
 def main_sharded(rank: int, world: int, port: int, root: str) -> None:
     """Save/load, async_save with a delta, 1 -> 2 resharding; results go to ``root``."""
     setup(rank, world, port)
-    try:
-        model, opt = fsdp_model_and_opt()
-        train_step(model, opt, 0)
-        state = app_state(model, opt)
-        full1 = full_tensors(state)
+    model, opt = fsdp_model_and_opt()
+    train_step(model, opt, 0)
+    state = app_state(model, opt)
+    full1 = full_tensors(state)
 
-        # 1. Exact save and load: bit for bit, in a fresh model and optimizer.
-        dcp.save(state, storage_writer=StorageWriter(f"{root}/key", rules="exact"))
-        loaded = load_into_fresh(f"{root}/key")
+    # 1. Exact save and load: bit for bit, in a fresh model and optimizer.
+    dcp.save(state, storage_writer=StorageWriter(f"{root}/key", rules="exact"))
+    loaded = load_into_fresh(f"{root}/key")
 
-        # 2. Train on; async_save a delta against the keyframe; change the parameters
-        # before the upload finishes: the checkpoint must hold the staged values.
-        train_step(model, opt, 1)
-        state = app_state(model, opt)
-        full2 = full_tensors(state)
-        fut = dcp.async_save(
-            state, storage_writer=StorageWriter(f"{root}/delta", rules="small", reference=f"{root}/key")
+    # 2. Train on; async_save a delta against the keyframe; change the parameters
+    # before the upload finishes: the checkpoint must hold the staged values.
+    train_step(model, opt, 1)
+    state = app_state(model, opt)
+    full2 = full_tensors(state)
+    fut = dcp.async_save(
+        state, storage_writer=StorageWriter(f"{root}/delta", rules="small", reference=f"{root}/key")
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    fut.result()
+    dist.barrier()
+    loaded_delta = load_into_fresh(f"{root}/delta")
+
+    # 3. 1 -> 2: the parent saved these with one process.
+    loaded_one = {name: load_into_fresh(f"{root}/one_{name}") for name in ("exact", "small")}
+    if rank == 0:
+        torch.save(
+            {
+                "full1": full1,
+                "loaded": loaded,
+                "full2": full2,
+                "loaded_delta": loaded_delta,
+                "loaded_one": loaded_one,
+            },
+            f"{root}/rank0.pt",
         )
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
-        fut.result()
-        dist.barrier()
-        loaded_delta = load_into_fresh(f"{root}/delta")
-
-        # 3. 1 -> 2: the parent saved these with one process.
-        loaded_one = {name: load_into_fresh(f"{root}/one_{name}") for name in ("exact", "small")}
-        if rank == 0:
-            torch.save(
-                {
-                    "full1": full1,
-                    "loaded": loaded,
-                    "full2": full2,
-                    "loaded_delta": loaded_delta,
-                    "loaded_one": loaded_one,
-                },
-                f"{root}/rank0.pt",
-            )
-        dist.barrier()
-    except BaseException:
-        # Printed here: tearing the process group down under a failure can abort the
-        # process (gloo's threads), and then Python never prints the traceback.
-        traceback.print_exc()
-        sys.stderr.flush()
-        raise
-    finally:
-        dist.destroy_process_group()
-    # Done, and the results are on disk: skip the interpreter's teardown. A rare SIGABRT
-    # ("terminate called without an active exception") was seen in this worker; where is
-    # not known, and torch's and gloo's threads are torn down there. A failure during the
-    # work above still raises, with its traceback.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    dist.barrier()
 
 
 def main_checkpointer(rank: int, world: int, port: int, root: str) -> None:

@@ -7,8 +7,6 @@ library's own threads (the writer, the readers) never choose a device themselves
 from __future__ import annotations
 
 import os
-import sys
-import traceback
 
 import _dcp_workers as W
 import torch
@@ -47,6 +45,7 @@ def cpu(full: dict) -> dict:
     return {k: v.cpu() for k, v in full.items()}
 
 
+@W.rank_process
 def main_gpus(rank: int, world: int, port: int, root: str) -> None:
     """FSDP2 over the GPUs: an exact DCP save and load, an async delta, and each rank's own
     Checkpointer on its GPU; which other GPUs got a context, before and after tw_triton."""
@@ -55,68 +54,58 @@ def main_gpus(rank: int, world: int, port: int, root: str) -> None:
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
-    try:
-        model, opt = fsdp_on_cuda(seed=0)
-        train_step(model, opt, 0)
-        state = W.app_state(model, opt)
-        full1 = cpu(W.full_tensors(state))
-        dist.barrier()
-        before = other_contexts(rank)
+    model, opt = fsdp_on_cuda(seed=0)
+    train_step(model, opt, 0)
+    state = W.app_state(model, opt)
+    full1 = cpu(W.full_tensors(state))
+    dist.barrier()
+    before = other_contexts(rank)
 
-        dcp.save(state, storage_writer=StorageWriter(f"{root}/key", rules="exact"))
-        fresh, fresh_opt = fsdp_on_cuda(seed=123)
-        fresh_state = W.app_state(fresh, fresh_opt)
-        dcp.load(fresh_state, storage_reader=StorageReader(f"{root}/key"))
-        loaded = cpu(W.full_tensors(fresh_state))
+    dcp.save(state, storage_writer=StorageWriter(f"{root}/key", rules="exact"))
+    fresh, fresh_opt = fsdp_on_cuda(seed=123)
+    fresh_state = W.app_state(fresh, fresh_opt)
+    dcp.load(fresh_state, storage_reader=StorageReader(f"{root}/key"))
+    loaded = cpu(W.full_tensors(fresh_state))
 
-        train_step(model, opt, 1)
-        state = W.app_state(model, opt)
-        full2 = cpu(W.full_tensors(state))
-        fut = dcp.async_save(
-            state, storage_writer=StorageWriter(f"{root}/delta", rules="small", reference=f"{root}/key")
-        )
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
-        fut.result()
-        dist.barrier()
-        fresh, fresh_opt = fsdp_on_cuda(seed=321)
-        fresh_state = W.app_state(fresh, fresh_opt)
-        dcp.load(fresh_state, storage_reader=StorageReader(f"{root}/delta"))
-        loaded_delta = cpu(W.full_tensors(fresh_state))
+    train_step(model, opt, 1)
+    state = W.app_state(model, opt)
+    full2 = cpu(W.full_tensors(state))
+    fut = dcp.async_save(
+        state, storage_writer=StorageWriter(f"{root}/delta", rules="small", reference=f"{root}/key")
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    fut.result()
+    dist.barrier()
+    fresh, fresh_opt = fsdp_on_cuda(seed=321)
+    fresh_state = W.app_state(fresh, fresh_opt)
+    dcp.load(fresh_state, storage_reader=StorageReader(f"{root}/delta"))
+    loaded_delta = cpu(W.full_tensors(fresh_state))
 
-        # A rank's own state on its GPU, through the Checkpointer's writer thread, its
-        # pinned staging and a load's ring of pinned slots.
-        g = torch.Generator().manual_seed(rank)
-        w = torch.randn(512, 256, generator=g).to(dev)
-        with tw_triton.Checkpointer(f"{root}/own{rank}", keyframe_every=2, fsync=False) as ck:
-            for step in range(3):
-                ck.save(step, model={"w": w + step / 100})
-            ck.flush()
-            own_gpu = ck.load(2, device=dev)["model"]["w"]
-            own_cpu = ck.load(2)["model"]["w"]
-        own_same = own_gpu.device == dev and torch.equal(own_gpu.cpu(), own_cpu)
-        torch.cuda.synchronize(dev)
-        after = other_contexts(rank)
-        torch.save(
-            {
-                "full1": full1,
-                "loaded": loaded,
-                "full2": full2,
-                "loaded_delta": loaded_delta,
-                "own_same": own_same,
-                "contexts_before": before,
-                "contexts_after": after,
-            },
-            f"{root}/rank{rank}.pt",
-        )
-        dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        raise
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # A rank's own state on its GPU, through the Checkpointer's writer thread, its
+    # pinned staging and a load's ring of pinned slots.
+    g = torch.Generator().manual_seed(rank)
+    w = torch.randn(512, 256, generator=g).to(dev)
+    with tw_triton.Checkpointer(f"{root}/own{rank}", keyframe_every=2, fsync=False) as ck:
+        for step in range(3):
+            ck.save(step, model={"w": w + step / 100})
+        ck.flush()
+        own_gpu = ck.load(2, device=dev)["model"]["w"]
+        own_cpu = ck.load(2)["model"]["w"]
+    own_same = own_gpu.device == dev and torch.equal(own_gpu.cpu(), own_cpu)
+    torch.cuda.synchronize(dev)
+    after = other_contexts(rank)
+    torch.save(
+        {
+            "full1": full1,
+            "loaded": loaded,
+            "full2": full2,
+            "loaded_delta": loaded_delta,
+            "own_same": own_same,
+            "contexts_before": before,
+            "contexts_after": after,
+        },
+        f"{root}/rank{rank}.pt",
+    )
+    dist.barrier()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 
 import _dcp_workers as W
 import pytest
@@ -23,12 +22,6 @@ from tw_triton.dcp import StorageReader, StorageWriter
 from tw_triton.errors import CheckpointError, ReferenceMismatchError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plain_state(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
@@ -54,7 +47,9 @@ def sharded(tmp_path_factory):
     for name in ("exact", "small"):
         dcp.save(state, storage_writer=StorageWriter(f"{root}/one_{name}", rules=name), no_dist=True)
         expected_one[name] = single_load(f"{root}/one_{name}")
-    mp.start_processes(W.main_sharded, args=(2, free_port(), root), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(
+        W.main_sharded, args=(2, W.free_port(), root), nprocs=2, start_method="spawn", join=True
+    )
     out = torch.load(f"{root}/rank0.pt")
     return root, out, W.full_tensors(state), expected_one
 
@@ -176,7 +171,7 @@ def test_plain_dcp_load_carries_the_tw_triton_error(sharded, tmp_path):
 def test_checkpointer_retention_and_killed_rank(tmp_path):
     root = str(tmp_path)
     ctx = mp.start_processes(
-        W.main_checkpointer, args=(2, free_port(), root), nprocs=2, start_method="spawn", join=False
+        W.main_checkpointer, args=(2, W.free_port(), root), nprocs=2, start_method="spawn", join=False
     )
     for p in ctx.processes:
         p.join(timeout=90)

@@ -11,9 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import sys
-import traceback
 
 import _dcp_workers as W
 import pytest
@@ -159,45 +156,29 @@ def test_keyframe_rank_file_of_another_checkpoint_is_refused(copied, tmp_path):
 # -- item 10: latest() checks the whole chain ----------------------------------------------
 
 
+@W.rank_process
 def main_chain(rank: int, world: int, port: int, root: str) -> None:
     """2 ranks: steps 0 (keyframe), 1 (delta of 0), 2 (keyframe), 3 (delta of 2)."""
     W.setup(rank, world, port)
     import torch.distributed as dist
 
-    try:
-        model, opt = W.fsdp_model_and_opt()
-        ckpt = DistributedCheckpointer(f"{root}/run", rules="small", keyframe_every=2, keep=10)
-        saved = {}
-        for step in range(4):
-            W.train_step(model, opt, step)
-            state = W.app_state(model, opt)
-            ckpt.save(state, step)
-            saved[step] = W.full_tensors(state)
-        if rank == 0:
-            torch.save(saved, f"{root}/saved.pt")
-        dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        raise
-    finally:
-        dist.destroy_process_group()
-    # As in _dcp_workers.main_sharded: the results are on disk; skip gloo's teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    model, opt = W.fsdp_model_and_opt()
+    ckpt = DistributedCheckpointer(f"{root}/run", rules="small", keyframe_every=2, keep=10)
+    saved = {}
+    for step in range(4):
+        W.train_step(model, opt, step)
+        state = W.app_state(model, opt)
+        ckpt.save(state, step)
+        saved[step] = W.full_tensors(state)
+    if rank == 0:
+        torch.save(saved, f"{root}/saved.pt")
+    dist.barrier()
 
 
 @pytest.fixture(scope="module")
 def chain_run(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("chain"))
-    mp.start_processes(main_chain, args=(2, free_port(), root), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(main_chain, args=(2, W.free_port(), root), nprocs=2, start_method="spawn", join=True)
     names = sorted(os.listdir(f"{root}/run"))
     assert names == [f"step_{i:08d}" for i in range(4)]
     for step in (0, 2):

@@ -7,8 +7,7 @@ The worker is ``tests/_gpu_workers.py``; the same checks on the CPU with gloo ar
 
 from __future__ import annotations
 
-import socket
-
+import _dcp_workers as W
 import _gpu_workers as G
 import pytest
 import torch
@@ -17,16 +16,10 @@ import torch.multiprocessing as mp
 pytestmark = [pytest.mark.cuda(devices=2), pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("gpus"))
-    mp.start_processes(G.main_gpus, args=(2, _free_port(), root), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(G.main_gpus, args=(2, W.free_port(), root), nprocs=2, start_method="spawn", join=True)
     return [torch.load(f"{root}/rank{r}.pt") for r in range(2)]
 
 

@@ -115,6 +115,20 @@ def load_into_fresh(path: str, **reader_kw) -> dict[str, torch.Tensor]:
     return full_tensors(app_state(model, opt))
 
 
+def async_delta_then_move(state: dict, model: torch.nn.Module, root: str) -> None:
+    """``async_save`` a delta of ``state`` against ``{root}/key`` to ``{root}/delta``, and move
+    every parameter by +1 before the upload finishes: the checkpoint must hold the staged
+    values."""
+    fut = dcp.async_save(
+        state, storage_writer=StorageWriter(f"{root}/delta", rules="small", reference=f"{root}/key")
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    fut.result()
+    dist.barrier()
+
+
 @rank_process
 def main_sharded(rank: int, world: int, port: int, root: str) -> None:
     """Save/load, async_save with a delta, 1 -> 2 resharding; results go to ``root``."""
@@ -133,14 +147,7 @@ def main_sharded(rank: int, world: int, port: int, root: str) -> None:
     train_step(model, opt, 1)
     state = app_state(model, opt)
     full2 = full_tensors(state)
-    fut = dcp.async_save(
-        state, storage_writer=StorageWriter(f"{root}/delta", rules="small", reference=f"{root}/key")
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    fut.result()
-    dist.barrier()
+    async_delta_then_move(state, model, root)
     loaded_delta = load_into_fresh(f"{root}/delta")
 
     # 3. 1 -> 2: the parent saved these with one process.

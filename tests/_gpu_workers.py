@@ -70,14 +70,7 @@ def main_gpus(rank: int, world: int, port: int, root: str) -> None:
     train_step(model, opt, 1)
     state = W.app_state(model, opt)
     full2 = cpu(W.full_tensors(state))
-    fut = dcp.async_save(
-        state, storage_writer=StorageWriter(f"{root}/delta", rules="small", reference=f"{root}/key")
-    )
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    fut.result()
-    dist.barrier()
+    W.async_delta_then_move(state, model, root)
     fresh, fresh_opt = fsdp_on_cuda(seed=321)
     fresh_state = W.app_state(fresh, fresh_opt)
     dcp.load(fresh_state, storage_reader=StorageReader(f"{root}/delta"))

@@ -56,14 +56,21 @@ def register_host(ptr: int, nbytes: int, device: torch.device | int | None = Non
 
 
 def unregister_host(ptr: int, device: torch.device | int | None = None) -> None:
-    """Undo :func:`register_host` (an error is ignored: the memory is freed right after)."""
-    index = registering_device(device)
+    """Undo :func:`register_host`. An error is logged and ignored: the memory is freed right
+    after, and a slab collected at the interpreter's exit may find CUDA already gone."""
 
     def call() -> int:
         torch.cuda.set_device(index)
         return int(torch.cuda.cudart().cudaHostUnregister(ptr))
 
-    in_own_thread(call)
+    try:
+        index = registering_device(device)
+        rc = in_own_thread(call)
+    except Exception as exc:  # noqa: BLE001 - nothing to undo; the memory goes anyway
+        logger.debug("cudaHostUnregister of %#x failed: %s", ptr, exc)
+        return
+    if rc != 0:
+        logger.debug("cudaHostUnregister of %#x: error %d", ptr, rc)
 
 
 def can_register() -> bool:

@@ -14,6 +14,7 @@ on plain memory (the tests run it so). Why: docs/training-loop.md ("Memory").
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -78,8 +79,44 @@ def can_register() -> bool:
     return torch.cuda.is_available()
 
 
-def _pinned_by_torch(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def _pinned_by_torch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def pinned_empty(
+    shape: int | tuple[int, ...], dtype: torch.dtype, *, refused: str | None = None
+) -> tuple[torch.Tensor, bool]:
+    """An uninitialized host tensor from torch's pinned allocator, or a pageable one where
+    that fails: copies to and from it then block the thread that queues them, with the same
+    bytes. The first fallback of a process is logged at WARNING, later ones at DEBUG.
+
+    Args:
+        shape, dtype: the tensor's.
+        refused: why a registration was refused, when this replaces a registered slab
+            (then a success is logged too).
+
+    Returns:
+        The tensor, and whether it is page-locked.
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    try:
+        tensor, pinned = _pinned_by_torch(shape, dtype), True
+        how = f"{nbytes} bytes taken from torch's pinned allocator instead"
+    except RuntimeError as exc:
+        tensor, pinned = torch.empty(shape, dtype=dtype), False
+        how = f"{nbytes} bytes left pageable (torch's pinned allocator failed: {exc}); copies will block"
+    if refused is not None or not pinned:
+        _log_fallback(f"{refused}; {how}" if refused is not None else how)
+    return tensor, pinned
+
+
+def _log_fallback(message: str) -> None:
+    global _fallback_logged
+    # Once at WARNING (what a run needs to know), then at DEBUG: a ring is made per load.
+    level = logging.DEBUG if _fallback_logged else logging.WARNING
+    _fallback_logged = True
+    logger.log(level, "%s", message)
 
 
 class HostSlab:
@@ -113,23 +150,10 @@ class HostSlab:
             try:
                 register_host(self.tensor.data_ptr(), nbytes, device)
             except CheckpointError as exc:
-                self._fall_back(nbytes, exc)
+                self.tensor, self.pinned = pinned_empty(nbytes, torch.uint8, refused=str(exc))
             else:
                 self.registered = self.pinned = True
                 self._finalizer = weakref.finalize(self, unregister_host, self.tensor.data_ptr(), device)
-
-    def _fall_back(self, nbytes: int, exc: CheckpointError) -> None:
-        global _fallback_logged
-        try:
-            self.tensor = _pinned_by_torch(nbytes)
-            self.pinned = True
-            how = "taken from torch's pinned allocator instead"
-        except RuntimeError as pin_exc:
-            how = f"left pageable (torch's pinned allocator failed too: {pin_exc}); copies will block"
-        # Once at WARNING (what a run needs to know), then at DEBUG: a ring is made per load.
-        level = logging.DEBUG if _fallback_logged else logging.WARNING
-        _fallback_logged = True
-        logger.log(level, "%s; %d bytes %s", exc, nbytes, how)
 
     @property
     def nbytes(self) -> int:
@@ -245,4 +269,4 @@ class PinnedRing:
         return event
 
 
-__all__ = ["HostSlab", "PinnedRing", "can_register", "register_host", "unregister_host"]
+__all__ = ["HostSlab", "PinnedRing", "can_register", "pinned_empty", "register_host", "unregister_host"]

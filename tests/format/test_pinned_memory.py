@@ -231,10 +231,10 @@ def test_a_refused_registration_falls_back_logs_and_the_slab_still_works(monkeyp
 
     pinned_by_torch: list = []
 
-    def by_torch(nbytes):
+    def by_torch(shape, dtype):
         if not torch_pins:
             raise RuntimeError("no pinned memory allocator")
-        pinned_by_torch.append(torch.empty(nbytes, dtype=torch.uint8))
+        pinned_by_torch.append(torch.empty(shape, dtype=dtype))
         return pinned_by_torch[-1]
 
     monkeypatch.setattr(pinned_memory, "can_register", lambda: True)
@@ -457,3 +457,26 @@ def test_an_unregistration_that_fails_is_logged_not_raised(monkeypatch, caplog):
     with caplog.at_level("DEBUG", logger="tw_triton.pinned_memory"):
         pinned_memory.unregister_host(4096, 0)
     assert "shutting down" in caplog.text
+
+
+def test_pinned_empty_falls_back_to_pageable_memory_and_says_so(monkeypatch, caplog):
+    """The small pinned buffers of a save's fingerprint reads come from torch's pinned
+    allocator; where it fails, the read still works, on pageable memory, logged once."""
+    monkeypatch.setattr(pinned_memory, "_fallback_logged", False)
+    monkeypatch.setattr(
+        pinned_memory, "_pinned_by_torch", lambda shape, dtype: torch.empty(shape, dtype=dtype)
+    )
+    with caplog.at_level("DEBUG", logger="tw_triton.pinned_memory"):
+        t, pinned = pinned_memory.pinned_empty((3, 2), torch.int64)
+    assert t.shape == (3, 2) and t.dtype == torch.int64 and pinned and not caplog.records  # nothing to say
+
+    def fails(shape, dtype):
+        raise RuntimeError("cudaHostAlloc: out of memory")
+
+    monkeypatch.setattr(pinned_memory, "_pinned_by_torch", fails)
+    with caplog.at_level("DEBUG", logger="tw_triton.pinned_memory"):
+        t, pinned = pinned_memory.pinned_empty(5, torch.float32)
+        pinned_memory.pinned_empty(5, torch.float32)
+    assert t.shape == (5,) and not pinned
+    assert [r.levelname for r in caplog.records] == ["WARNING", "DEBUG"]
+    assert "20 bytes left pageable" in caplog.records[0].getMessage() and "out of memory" in caplog.text

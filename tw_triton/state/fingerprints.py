@@ -15,6 +15,7 @@ import torch
 
 from ..cuda_threads import wait_event
 from ..ops.reference import FINGERPRINT_SAMPLES, fingerprint_torch
+from ..pinned_memory import pinned_empty
 
 FINGERPRINT_PREFIX = "fp-"
 
@@ -37,7 +38,7 @@ def to_host(buf: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         return buf, None
     if buf.device.type != "cuda":
         return buf.cpu(), None
-    host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+    host, _ = pinned_empty(tuple(buf.shape), buf.dtype)
     host.copy_(buf, non_blocking=True)
     done = torch.cuda.Event(blocking=True)
     done.record(torch.cuda.current_stream(buf.device))

@@ -7,8 +7,10 @@ through the caching host allocator instead, which rounds every size up to a powe
 and keeps whatever is freed for later reuse: pinned memory that no one asked for.
 :class:`PinnedRing` streams host bytes to a device through a fixed number of slots of one
 slab, each reused only once the device has copied out of it, so a load to a GPU pins a few
-chunks instead of the whole file. Without CUDA nothing is registered and the same code runs
-on plain memory (the tests run it so). Why: docs/training-loop.md ("Memory").
+chunks instead of the whole file. Where CUDA refuses to page-lock memory, a slab comes from
+torch's pinned allocator, or stays pageable (:func:`pinned_empty`): slower, never different
+bytes. Without CUDA nothing is registered and the same code runs on plain memory (the tests
+run it so). Why: docs/training-loop.md ("Memory").
 """
 
 from __future__ import annotations

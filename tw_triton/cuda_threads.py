@@ -45,8 +45,9 @@ def _has_context(index: int) -> bool:
     return bool(has(index)) if has is not None else False
 
 
-def in_own_thread(fn: Callable[[], int]) -> int:
-    """Run one CUDA runtime call in a thread of its own and return its error code.
+def in_own_thread(fn: Callable[[], int], device: int | None = None) -> int:
+    """Run one CUDA runtime call in a thread of its own, with ``device`` made current there
+    first (``None``: none), and return its error code.
 
     A failed runtime call stays recorded as its thread's last error, and torch's next kernel
     launch on that thread would raise it as its own; in a thread that then ends, it goes
@@ -55,6 +56,8 @@ def in_own_thread(fn: Callable[[], int]) -> int:
 
     def run() -> None:
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             box.append(fn())
         except BaseException as exc:  # handed to the caller
             box.append(exc)

@@ -46,12 +46,9 @@ def register_host(ptr: int, nbytes: int, device: torch.device | int | None = Non
         CheckpointError: CUDA refused (it says why, by its error code).
     """
     index = registering_device(device)
-
-    def call() -> int:
-        torch.cuda.set_device(index)
-        return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
-
-    rc = in_own_thread(call)
+    rc = in_own_thread(
+        lambda: int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE)), index
+    )
     if rc != 0:
         raise CheckpointError(
             f"cannot page-lock {nbytes} bytes of host memory (device {index}): cudaHostRegister error {rc}"
@@ -61,14 +58,10 @@ def register_host(ptr: int, nbytes: int, device: torch.device | int | None = Non
 def unregister_host(ptr: int, device: torch.device | int | None = None) -> None:
     """Undo :func:`register_host`. An error is logged and ignored: the memory is freed right
     after, and a slab collected at the interpreter's exit may find CUDA already gone."""
-
-    def call() -> int:
-        torch.cuda.set_device(index)
-        return int(torch.cuda.cudart().cudaHostUnregister(ptr))
-
     try:
-        index = registering_device(device)
-        rc = in_own_thread(call)
+        rc = in_own_thread(
+            lambda: int(torch.cuda.cudart().cudaHostUnregister(ptr)), registering_device(device)
+        )
     except Exception as exc:  # noqa: BLE001 - nothing to undo; the memory goes anyway
         logger.debug("cudaHostUnregister of %#x failed: %s", ptr, exc)
         return
